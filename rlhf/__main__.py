@@ -1,0 +1,62 @@
+"""Entry point: ``python -m rlhf stage=sft|reward|ppo [hydra overrides...]``.
+
+Composes the Hydra config with the compose API (no output directory, no chdir, no timestamped
+folders: every rank of a torchrun job computes the same config and only rank 0 writes to
+``run.dir``), validates it, then runs ``stages.<stage>.run(cfg)``. With ``launcher.nproc_per_node>0``
+and not already under a launcher, it starts torch.distributed.run itself (CONTRACT.md).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = """usage: python -m rlhf stage=sft|reward|ppo [key=value ...]
+
+Hydra overrides, e.g. run.dir=runs/x train.max_steps=100 engine.zero_stage=3 data.path=f.jsonl
+  --cfg       print the composed configuration and exit
+  --help      this text
+Config groups and keys: see README.md and rlhf/config.py."""
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    from rlhf.errors import one_line
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"rlhf: error: {one_line(msg)}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(USAGE)
+        return
+    show_cfg = "--cfg" in argv
+    argv = [a for a in argv if a != "--cfg"]
+
+    from rlhf.errors import UserError
+    from rlhf.settings import load_config
+
+    try:
+        cfg, yaml_text = load_config(argv)
+    except UserError as e:
+        _fail(str(e))
+    if show_cfg:
+        print(yaml_text)
+        return
+
+    if cfg.launcher.nproc_per_node > 0 and "LOCAL_RANK" not in os.environ:
+        from rlhf.launch import self_launch
+        sys.exit(self_launch(cfg, argv))
+
+    import importlib
+    stage = importlib.import_module(f"stages.{cfg.stage}")
+    try:
+        stage.run(cfg)
+    except UserError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted", code=130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Typed configuration of every group, registered in Hydra's ConfigStore.
+
+This file is the one home of every default. The YAML files under ``conf/`` only override them
+(``conf/stage/<stage>.yaml`` holds what differs per stage, e.g. the learning rate). Validation runs
+in ``__post_init__`` when ``OmegaConf.to_object`` builds these dataclasses, i.e. before any work
+starts; a bad value raises ``ConfigError`` (exit code 2) naming the key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from rlhf.errors import ConfigError
+
+STAGES = ("sft", "reward", "ppo")
+FORMATS = ("synthetic", "prompt_response", "prompt_chosen_rejected", "hh", "gsm8k")
+
+
+def _check(cond: bool, key: str, value, expected: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r} is invalid: expected {expected}")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    seed: int = 1234
+    resume: bool = True  # rerunning a stage continues from its newest checkpoint
+    cache_dir: Optional[str] = None  # tokenized-data cache; default <run.dir>/cache
+
+    def __post_init__(self):
+        _check(bool(self.dir), "run.dir", self.dir, "a directory path")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF id or directory; None = previous stage's output or embedded default
+    trust_remote_code: bool = False
+    # The embedded default: a tiny Llama built from this config, random init.
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 128
+    vocab_size: int = 512  # upper bound for the tokenizer trained on the task text
+
+    def __post_init__(self):
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                    "max_position_embeddings", "vocab_size"):
+            v = getattr(self, key)
+            _check(v > 0, f"model.{key}", v, "a positive integer")
+        _check(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
+               f"a divisor of model.hidden_size={self.hidden_size}")
+        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
+               f"a divisor of model.num_heads={self.num_heads}")
+
+
+@dataclass
+class SourceConfig:
+    """One dataset of a blend."""
+    path: Optional[str] = None
+    format: str = "synthetic"
+    weight: float = 1.0
+
+    def __post_init__(self):
+        _check(self.format in FORMATS, "data.format", self.format, "one of " + ", ".join(FORMATS))
+        _check(self.weight > 0, "data.sources[].weight", self.weight, "a positive number")
+        _check(self.format == "synthetic" or bool(self.path), "data.path", self.path,
+               f"a file, directory or hub id for data.format={self.format}")
+
+
+@dataclass
+class SyntheticConfig:
+    """The embedded default task: 'What is 03 + 45?' -> ' The answer is 48.' (gold = exact sum)."""
+    num_records: int = 20000
+    max_operand: int = 49
+    p_correct: float = 0.5  # share of SFT responses that are right; the rest are off by 1..3
+
+    def __post_init__(self):
+        _check(self.num_records > 0, "data.synthetic.num_records", self.num_records, "a positive integer")
+        _check(0 < self.max_operand < 1000, "data.synthetic.max_operand", self.max_operand, "1..999")
+        _check(0.0 <= self.p_correct <= 1.0, "data.synthetic.p_correct", self.p_correct, "a probability")
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None
+    format: str = "synthetic"
+    # Blend several datasets: a list of {path, format, weight}; empty = the single (path, format) above.
+    sources: List[SourceConfig] = field(default_factory=list)
+    # DeepSpeed-Chat's data_split, e.g. "2,4,4": disjoint seeded shares for sft/reward/ppo. None = all.
+    split: Optional[str] = None
+    eval_size: int = 256  # held-out records (synthetic: held-out operand pairs) for eval and gold score
+    max_prompt_len: int = 64
+    max_response_len: int = 64
+    mask_prompt: bool = True  # SFT loss only on response tokens
+    on_bad_record: str = "error"  # or "skip" (count reported)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def __post_init__(self):
+        _check(self.format in FORMATS, "data.format", self.format, "one of " + ", ".join(FORMATS))
+        _check(self.on_bad_record in ("error", "skip"), "data.on_bad_record", self.on_bad_record,
+               "error or skip")
+        _check(self.eval_size > 0, "data.eval_size", self.eval_size, "a positive integer")
+        _check(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "a positive integer")
+        _check(self.max_response_len > 0, "data.max_response_len", self.max_response_len,
+               "a positive integer")
+        if self.format != "synthetic" and not self.path and not self.sources:
+            raise ConfigError(f"data.path is required for data.format={self.format}")
+        if self.split is not None:
+            parse_split(str(self.split))
+
+    def source_list(self) -> List[SourceConfig]:
+        if self.sources:
+            return list(self.sources)
+        return [SourceConfig(path=self.path, format=self.format, weight=1.0)]
+
+
+def parse_split(spec: str) -> List[float]:
+    try:
+        parts = [float(p) for p in spec.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) != len(STAGES) or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ConfigError(f"data.split={spec!r} is invalid: expected three non-negative weights for "
+                          f"sft,reward,ppo such as \"2,4,4\"")
+    return parts
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 500  # optimizer steps
+    global_batch: int = 64  # samples per optimizer step, summed over ranks and accumulation
+    micro_batch_per_rank: int = 0  # 0 = global_batch / world_size (no accumulation)
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0  # never applied to norms and biases
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    # DeepSpeed's schedulers: warmup (WarmupLR), warmup_decay (WarmupDecayLR), cosine; or constant
+    scheduler: str = "cosine"
+    warmup_steps: int = 50
+    grad_clip: float = 1.0  # 0 = off
+    log_every: int = 10
+    eval_every: int = 0  # 0 = only at the end
+    save_every: int = 200  # checkpoint every N steps (0 = off)
+    keep_checkpoints: int = 2
+
+    def __post_init__(self):
+        _check(self.max_steps > 0, "train.max_steps", self.max_steps, "a positive integer")
+        _check(self.global_batch > 0, "train.global_batch", self.global_batch, "a positive integer")
+        _check(self.micro_batch_per_rank >= 0, "train.micro_batch_per_rank", self.micro_batch_per_rank,
+               "a non-negative integer")
+        _check(self.lr > 0, "train.lr", self.lr, "a positive number")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
+        _check(self.scheduler in ("warmup", "warmup_decay", "cosine", "constant"), "train.scheduler",
+               self.scheduler, "warmup, warmup_decay, cosine or constant")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "a non-negative integer")
+        _check(len(self.betas) == 2, "train.betas", self.betas, "two numbers")
+        _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a non-negative number")
+        _check(self.log_every > 0, "train.log_every", self.log_every, "a positive integer")
+        _check(self.save_every >= 0, "train.save_every", self.save_every, "a non-negative integer")
+        _check(self.keep_checkpoints > 0, "train.keep_checkpoints", self.keep_checkpoints,
+               "a positive integer")
+
+
+@dataclass
+class EngineConfig:
+    zero_stage: int = 3
+    offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reductions)
+    activation_checkpointing: bool = False
+    backend: Optional[str] = None  # None = nccl with CUDA, else gloo
+    timeout_s: int = 600  # collective timeout: a dead peer ends the job instead of hanging it
+    threads_per_rank: int = 0  # torch intra-op threads; 0 = cores / local ranks
+    inference_tp_size: int = 1
+    hybrid: bool = True
+    release_inference_cache: bool = True
+
+    def __post_init__(self):
+        _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        _check(self.offload in ("none", "cpu"), "engine.offload", self.offload, "none or cpu")
+        _check(self.precision in ("fp32", "bf16"), "engine.precision", self.precision, "fp32 or bf16")
+        _check(self.backend in (None, "gloo", "nccl"), "engine.backend", self.backend, "gloo or nccl")
+        _check(self.timeout_s > 0, "engine.timeout_s", self.timeout_s, "a positive number of seconds")
+        _check(self.threads_per_rank >= 0, "engine.threads_per_rank", self.threads_per_rank,
+               "a non-negative integer")
+        _check(self.inference_tp_size > 0, "engine.inference_tp_size", self.inference_tp_size,
+               "a positive integer")
+
+
+@dataclass
+class EvalConfig:
+    """Gold score: the same seeded held-out prompts and decoding in every stage (CONTRACT.md)."""
+    gold_prompts: int = 256
+    gold_samples: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+    seed: int = 4321
+    batch_size: int = 256
+    greedy_too: bool = True  # also report gold/score_greedy
+
+    def __post_init__(self):
+        _check(self.gold_prompts > 0, "eval.gold_prompts", self.gold_prompts, "a positive integer")
+        _check(self.gold_samples > 0, "eval.gold_samples", self.gold_samples, "a positive integer")
+        _check(self.temperature >= 0, "eval.temperature", self.temperature, "a non-negative number")
+        _check(self.max_new_tokens > 0, "eval.max_new_tokens", self.max_new_tokens, "a positive integer")
+
+
+@dataclass
+class LoggerConfig:
+    wandb: str = "disabled"  # disabled | offline | online
+    project: str = "rlhf"
+    progress: bool = True  # tqdm on rank 0
+
+    def __post_init__(self):
+        _check(self.wandb in ("disabled", "offline", "online"), "logger.wandb", self.wandb,
+               "disabled, offline or online")
+
+
+@dataclass
+class LauncherConfig:
+    """Self-launch through torch.distributed.run (CONTRACT.md); nproc_per_node=0 = no self-launch."""
+    nnodes: int = 1
+    nproc_per_node: int = 0
+    node_rank: int = 0
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    rdzv_id: str = "rlhf"
+    max_restarts: int = 0
+
+
+@dataclass
+class Config:
+    stage: str = "sft"
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    def __post_init__(self):
+        _check(self.stage in STAGES, "stage", self.stage, "one of " + ", ".join(STAGES))
+
+    def validate_world(self, world_size: int) -> None:
+        """Checks that need the world size (sizes that must divide)."""
+        t, e = self.train, self.engine
+        micro = t.micro_batch_per_rank or max(t.global_batch // world_size, 1)
+        if t.global_batch % (micro * world_size) != 0:
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} is not divisible by train.micro_batch_per_rank={micro}"
+                f" x world size {world_size}")
+        if world_size % e.inference_tp_size != 0:
+            raise ConfigError(f"engine.inference_tp_size={e.inference_tp_size} does not divide the world "
+                              f"size {world_size}")
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+    ConfigStore.instance().store(name="base_config", node=Config)

@@ -1,0 +1,25 @@
+"""User-facing errors: bad configuration or bad input.
+
+Anything raised as ``UserError`` ends the program with exit code 2 and one line on stderr
+(CONTRACT.md, "Exit codes"). Every other exception is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad configuration or bad input; the message says what and where, in one line."""
+
+
+class ConfigError(UserError):
+    """An invalid configuration value."""
+
+
+class DataError(UserError):
+    """A malformed data file or record."""
+
+
+def one_line(msg: str) -> str:
+    """Collapse a message to its first non-empty line (Hydra/OmegaConf errors are multi-line)."""
+    for line in str(msg).splitlines():
+        if line.strip():
+            return line.strip()
+    return str(msg).strip() or "unknown error"
