@@ -1,2 +1,166 @@
-def run(cfg):
-    print(cfg.stage, cfg.train.lr)
+"""Step 1: supervised fine-tuning of the actor.
+
+    python -m rlhf stage=sft [run.dir=D] [data.path=... data.format=...] [model.path=...]
+
+Setup (data, tokenizer, model, engine, resume) → loop (global batches, token-weighted NLL,
+accumulation, clipping, logging, eval, checkpoints) → save (eval loss, gold score, HF export).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from rlhf.config import Config
+from rlhf.data import synthetic
+from rlhf.data.pipeline import load_stage_data
+from rlhf.data.sampler import GlobalBatches
+from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
+from rlhf.engine.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf.engine.mesh import shutdown
+from rlhf.engine.train import TrainEngine
+from rlhf.evaluation import gold_score
+from rlhf.logging import MetricsWriter, progress
+from rlhf.models import loading
+from rlhf.runtime import check_writable, require_batches, start_stage, text_corpus
+
+log = logging.getLogger("rlhf")
+
+
+def run(cfg: Config) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.algorithms.logprobs import shifted_nll_sum
+
+    ctx = start_stage(cfg, "sft")
+    mesh, t, d = ctx.mesh, cfg.train, cfg.data
+    check_writable(cfg.run.dir)
+
+    # ---- setup: everything is validated before anything is written ----
+    if cfg.model.path:
+        loading.check_model_path(cfg.model.path)
+    data = load_stage_data(d, "sft", cfg.run.seed)
+    require_batches(len(data.train), t.global_batch, f"data ({data.description})")
+    ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
+    if cfg.model.path:
+        tokenizer = loading.load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        model_cfg = loading.load_config(cfg.model.path, cfg.model.trust_remote_code)
+    elif ckpt is not None and (ckpt / "tokenizer").is_dir():
+        tokenizer = loading.load_tokenizer(str(ckpt / "tokenizer"))
+        model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
+    else:  # the embedded default: a tokenizer trained on the task's text and a tiny Llama
+        corpus = (synthetic.tokenizer_corpus(d.synthetic) if d.format == "synthetic" and not d.sources
+                  else text_corpus(data.train))
+        tokenizer = loading.train_embedded_tokenizer(corpus, cfg.model, mesh)
+        model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
+    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len)
+    train_cols = cached("sft", data.train, tokenizer, lens, ctx.cache_dir, mesh,
+                        lambda: tokenize_sft(data.train, tokenizer, **lens))
+    eval_cols = cached("sft-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
+                       lambda: tokenize_sft(data.eval, tokenizer, **lens)) if data.eval else None
+
+    model = loading.build_model(AutoModelForCausalLM, config=model_cfg, path=cfg.model.path,
+                                on_meta=not mesh.is_main, seed=cfg.run.seed,
+                                trust_remote_code=cfg.model.trust_remote_code)
+    if mesh.is_main:
+        loading.resize_for_tokenizer(model, tokenizer)
+    engine = TrainEngine(model, mesh, cfg.engine, t)
+    start = 0
+    if ckpt is not None:
+        start = load_checkpoint(ckpt, {"actor": engine}, mesh)["step"]
+        log.info("resumed from %s (step %d)", ckpt, start)
+    metrics = MetricsWriter(ctx.out / "metrics.jsonl", is_main=mesh.is_main,
+                            resume_step=start if ckpt is not None else None, cfg=cfg, stage="sft")
+
+    micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
+    batches = GlobalBatches(len(train_cols["ids"]), t.global_batch, cfg.run.seed)
+    pad = tokenizer.pad_token_id
+
+    def collate(indices):
+        return collate_sft([train_cols["ids"][i] for i in indices],
+                           [train_cols["prompt_len"][i] for i in indices], pad, d.mask_prompt)
+
+    def evaluate(step):
+        results = {}
+        if eval_cols is not None:
+            results["eval/loss"] = eval_loss(engine, eval_cols, pad, d.mask_prompt, micro, mesh)
+        if data.gold is not None:
+            with engine.gathered() as policy:
+                results.update(gold_score(policy, tokenizer, data.eval, data.gold, cfg.eval, mesh))
+        metrics.log(step, **results)
+        log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
+        return results
+
+    # ---- loop ----
+    log.info("sft: %d records (%s), %d steps of %d samples, %d per micro-batch, %d accumulation",
+             len(train_cols["ids"]), data.description, t.max_steps, t.global_batch, micro,
+             t.global_batch // (micro * mesh.world_size))
+    engine.train()
+    bar = progress(t.max_steps, start, cfg.logger.progress and mesh.is_main, "sft")
+    t0, seen = time.perf_counter(), 0
+    for step in range(start, t.max_steps):
+        mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
+        n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in mbs))
+        loss_sum = 0.0
+        for i, b in enumerate(mbs):
+            logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
+                                    attention_mask=b["attention_mask"].to(mesh.device)).logits
+            nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+            # Divide by the global batch's token count; FSDP/DDP average over ranks, so scale back.
+            engine.backward(nll / n_tokens * mesh.world_size, sync=i == len(mbs) - 1)
+            loss_sum += float(nll.detach())
+        lr = engine.lr
+        grad_norm = engine.step()
+        seen += t.global_batch
+        done = step + 1
+        loss = mesh.sum(loss_sum) / max(n_tokens, 1)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if done % t.log_every == 0 or step == start or done == t.max_steps:
+            metrics.log(done, loss=loss, lr=lr, grad_norm=grad_norm,
+                        samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
+                        epoch=batches.epoch_of(done))
+        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+            evaluate(done)
+            engine.train()
+        if t.save_every and done % t.save_every == 0:
+            save(ctx, engine, tokenizer, done, mesh, t.keep_checkpoints)
+    bar.close()
+
+    # ---- save ----
+    results = evaluate(t.max_steps)
+    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
+              extra_files={"rlhf_eval.json": {"step": t.max_steps, **results}})
+    metrics.close()
+    log.info("sft done: %s", ctx.out / "model")
+    shutdown(mesh)
+
+
+def save(ctx, engine, tokenizer, step, mesh, keep):
+    path = save_checkpoint(ctx.ckpt_dir, step, {"actor": engine}, {"stage": "sft"}, mesh, keep=keep)
+    if mesh.is_main and not (path / "tokenizer").exists():
+        tokenizer.save_pretrained(path / "tokenizer")
+
+
+def eval_loss(engine, cols, pad, mask_prompt, micro, mesh) -> float:
+    """Token-weighted NLL over the held-out records (split over ranks)."""
+    import torch
+
+    from rlhf.algorithms.logprobs import shifted_nll_sum
+    idx = list(range(len(cols["ids"])))[mesh.rank::mesh.world_size]
+    # Every rank runs the same number of forwards (FSDP collectives); a rank out of records runs
+    # one on record 0 and ignores it.
+    n_batches = -(-(-(-len(cols["ids"]) // mesh.world_size)) // micro)
+    total, count = 0.0, 0
+    engine.eval()
+    with torch.no_grad():
+        for s in range(n_batches):
+            ix = idx[s * micro:(s + 1) * micro]
+            b = collate_sft([cols["ids"][i] for i in ix or [0]], [cols["prompt_len"][i] for i in ix or [0]],
+                            pad, mask_prompt)
+            logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
+                                    attention_mask=b["attention_mask"].to(mesh.device)).logits
+            nll, n = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+            if ix:
+                total, count = total + float(nll), count + n
+    return mesh.sum(total) / max(mesh.sum(count), 1)

@@ -1,0 +1,93 @@
+"""From ``cfg.data`` to the records a stage trains and evaluates on.
+
+Order of operations, per source: read (or generate) → seeded shuffle → held-out records
+(the same for every stage, so gold scores compare across stages) → the stage's ``data.split``
+share of the rest. Sources are then blended by weight.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from rlhf.config import STAGES, DataConfig, parse_split
+from rlhf.data import synthetic
+from rlhf.data.gold import scorer_for
+from rlhf.data.records import Example, read_examples
+from rlhf.errors import DataError
+
+log = logging.getLogger("rlhf")
+
+
+@dataclass
+class StageData:
+    train: List[Example]
+    eval: List[Example]
+    gold: Optional[Callable[[str, str], float]]  # gold scorer when every source has one
+    skipped: int = 0
+    description: str = ""
+
+
+def split_share(n: int, weights: List[float], index: int) -> slice:
+    """DeepSpeed-Chat's data_split: contiguous shares of ``n`` proportional to ``weights``."""
+    total = sum(weights)
+    bounds = [0]
+    acc = 0.0
+    for w in weights:
+        acc += w
+        bounds.append(int(round(n * acc / total)))
+    return slice(bounds[index], bounds[index + 1])
+
+
+def _load_source(path, fmt, dcfg: DataConfig, seed: int, stage: str):
+    if fmt == "synthetic":
+        train, held_out = synthetic.generate(dcfg.synthetic, dcfg.eval_size, seed)
+        skipped = 0
+    else:
+        records, skipped = read_examples(path, fmt, dcfg.on_bad_record)
+        random.Random(seed).shuffle(records)
+        n_eval = min(dcfg.eval_size, len(records) // 10)
+        held_out, train = records[:n_eval], records[n_eval:]
+    if dcfg.split is not None:
+        train = train[split_share(len(train), parse_split(str(dcfg.split)), STAGES.index(stage))]
+    if not train:
+        raise DataError(f"data.path={path}: no training records left for stage {stage} "
+                        f"(data.split={dcfg.split})")
+    return train, held_out, skipped
+
+
+def blend(parts: List[List[Example]], weights: List[float], seed: int) -> List[Example]:
+    """Mixes sources so that each makes up a share ∝ its weight of a set as large as all of them
+    together; a source smaller than its share repeats (each pass a fresh seeded order)."""
+    if len(parts) == 1:
+        return list(parts[0])
+    rng = random.Random(seed)
+    total = sum(len(p) for p in parts)
+    out: List[Example] = []
+    for part, w in zip(parts, weights):
+        want = int(round(total * w / sum(weights)))
+        while want > 0:
+            order = list(part)
+            rng.shuffle(order)
+            out.extend(order[:want])
+            want -= len(order)
+    rng.shuffle(out)
+    return out
+
+
+def load_stage_data(dcfg: DataConfig, stage: str, seed: int) -> StageData:
+    sources = dcfg.source_list()
+    trains, evals, skipped = [], [], 0
+    for i, src in enumerate(sources):
+        tr, ev, sk = _load_source(src.path, src.format, dcfg, seed + 7919 * i, stage)
+        trains.append(tr)
+        evals.extend(ev)
+        skipped += sk
+    if skipped:
+        log.warning("skipped %d malformed records (data.on_bad_record=skip)", skipped)
+    scorers = {src.format for src in sources}
+    gold = scorer_for(sources[0].format) if len(scorers) == 1 else None
+    train = blend(trains, [s.weight for s in sources], seed)
+    desc = ", ".join(f"{s.format}:{s.path or 'generated'}" for s in sources)
+    return StageData(train=train, eval=evals, gold=gold, skipped=skipped, description=desc)

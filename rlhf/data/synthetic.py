@@ -1,0 +1,75 @@
+"""The embedded default task: two-operand addition with a gold scorer.
+
+Prompt ``"Q: What is 03 + 45?\\nA:"``, response ``" The answer is 48."``. Operands are zero-padded so
+every prompt has the same length. The SFT data is right with probability ``p_correct`` and off by
+1..3 otherwise, so a policy that imitates it is right only part of the time (room for the reward
+model and PPO). Preference pairs put the right answer against a wrong one. Gold = exact match of
+the whole response, a rule the reward model never sees. Held-out prompts use operand pairs that
+no training record contains. Deterministic per seed.
+"""
+from __future__ import annotations
+
+import random
+import re
+from typing import List, Tuple
+
+from rlhf.config import SyntheticConfig
+from rlhf.data.records import Example
+
+ANSWER = re.compile(r"^ ?The answer is (-?\d+)\.$")
+
+
+def prompt_text(a: int, b: int, width: int) -> str:
+    return f"Q: What is {a:0{width}d} + {b:0{width}d}?\nA:"
+
+
+def answer_text(n: int) -> str:
+    return f" The answer is {n}."
+
+
+def gold_score(response: str, reference: str) -> float:
+    """1.0 when the response (up to EOS) is exactly ' The answer is <a+b>.', else 0.0."""
+    m = ANSWER.match(response.rstrip())
+    return 1.0 if m is not None and m.group(1) == reference else 0.0
+
+
+def _wrong(n: int, rng: random.Random) -> int:
+    while True:
+        w = n + rng.choice((-3, -2, -1, 1, 2, 3))
+        if w >= 0:
+            return w
+
+
+def operand_pairs(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List[tuple], List[tuple]]:
+    """(training pairs, held-out pairs): a seeded partition of all operand pairs."""
+    pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
+    random.Random(seed).shuffle(pairs)
+    n_eval = min(eval_size, len(pairs) // 4)
+    return pairs[n_eval:], pairs[:n_eval]
+
+
+def _example(a: int, b: int, width: int, cfg: SyntheticConfig, rng: random.Random, where: str) -> Example:
+    n = a + b
+    wrong = _wrong(n, rng)
+    response = answer_text(n) if rng.random() < cfg.p_correct else answer_text(wrong)
+    return Example(prompt=prompt_text(a, b, width), response=response, chosen=answer_text(n),
+                   rejected=answer_text(wrong), reference=str(n), where=where)
+
+
+def generate(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:
+    """(training records, held-out records). Each held-out operand pair appears once."""
+    width = len(str(cfg.max_operand))
+    train_pairs, eval_pairs = operand_pairs(cfg, eval_size, seed)
+    rng = random.Random(seed + 1)
+    train = [_example(*train_pairs[rng.randrange(len(train_pairs))], width, cfg, rng, f"synthetic[{i}]")
+             for i in range(cfg.num_records)]
+    held_out = [_example(a, b, width, cfg, rng, f"synthetic-eval[{i}]") for i, (a, b) in enumerate(eval_pairs)]
+    return train, held_out
+
+
+def tokenizer_corpus(cfg: SyntheticConfig) -> List[str]:
+    """Every string the task can produce, for training the embedded tokenizer."""
+    width = len(str(cfg.max_operand))
+    texts = [prompt_text(a, a, width) for a in range(cfg.max_operand + 1)]
+    texts += [answer_text(n) for n in range(2 * cfg.max_operand + 4)]
+    return texts

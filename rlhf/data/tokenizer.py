@@ -1,0 +1,45 @@
+"""The embedded tokenizer: byte-level BPE trained with `tokenizers` on the task's own text.
+
+Byte-level, so any UTF-8 text encodes (no unknown tokens on real data); digits split one per
+token, so arithmetic stays learnable. Saved in Hugging Face format with pad distinct from EOS and
+a chat template that renders a user turn exactly as the synthetic task's prompt.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+
+# A user turn renders as the synthetic prompt ("Q: ...\nA:"); an assistant turn as " <text></s>".
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int):
+    """Returns a ``PreTrainedTokenizerFast`` trained on ``texts`` (deterministic for the same input)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    specials = [PAD, BOS, EOS, UNK]
+    trainer = trainers.BpeTrainer(
+        vocab_size=max(vocab_size, 256 + len(specials)), special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        model_max_length=model_max_length, padding_side="right", clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast

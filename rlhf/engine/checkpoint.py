@@ -1,0 +1,109 @@
+"""Checkpoints with torch.distributed.checkpoint (resumable, resharding-capable) and HF export.
+
+A checkpoint is ``<stage>/checkpoints/step_<N>/``: the DCP shards of every trained model and
+optimizer, one ``rng_rank<r>.pt`` per rank (tensors only, loaded with ``weights_only=True``) and
+``trainer_state.json`` (step, schedulers, data position, anything else the stage keeps). It is
+written under a temporary name and renamed when complete, so the newest complete one always wins.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from rlhf.engine.mesh import Mesh
+from rlhf.fileio import atomic_write_json, replace_dir, temp_dir_for
+
+log = logging.getLogger("rlhf")
+STEP_DIR = re.compile(r"^step_(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return None
+    done = [(int(m.group(1)), p) for p in ckpt_dir.iterdir()
+            if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return max(done)[1] if done else None
+
+
+def _rng_state() -> Dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], state: dict, mesh: Mesh,
+                    keep: int = 2) -> Path:
+    """``engines``: name → TrainEngine. ``state``: JSON-able trainer state (data position, ...)."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / f"step_{step:08d}"
+    tmp = temp_dir_for(final) if mesh.is_main else None
+    tmp = Path(mesh.broadcast_object(str(tmp)))
+    sd = {}
+    for name, eng in engines.items():
+        for part, value in eng.state_dicts().items():
+            sd[f"{name}.{part}"] = value
+    dcp.save(sd, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
+    full_state = dict(state, step=step,
+                      schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
+                      world_size=mesh.world_size)
+    mesh.barrier()
+    if mesh.is_main:
+        atomic_write_json(tmp / STATE_FILE, full_state)
+        replace_dir(tmp, final)
+        olds = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)))
+        for _, p in olds[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+    mesh.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dict:
+    """Restores every engine's model/optimizer/scheduler and this rank's RNG; returns trainer state."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    state = json.loads((path / STATE_FILE).read_text())
+    sd = {}
+    for name, eng in engines.items():
+        for part, value in eng.state_dicts().items():
+            sd[f"{name}.{part}"] = value
+    dcp.load(sd, checkpoint_id=str(path))
+    for name, eng in engines.items():
+        eng.load_state_dicts({part: sd[f"{name}.{part}"] for part in ("model", "optim")})
+        eng.scheduler.load_state_dict(state["schedulers"][name])
+        eng.step_count = state["step"]
+    rng_file = path / f"rng_rank{mesh.rank}.pt"
+    if rng_file.is_file() and state.get("world_size") == mesh.world_size:
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return state
+
+
+def export_hf(engine, out_dir: Path, mesh: Mesh, tokenizer=None, extra_files: Optional[dict] = None) -> None:
+    """Writes the unsharded model in Hugging Face format (safetensors) to ``out_dir``, atomically."""
+    sd = engine.full_state_dict()  # collective; full tensors on rank 0
+    if mesh.is_main:
+        out_dir = Path(out_dir)
+        tmp = temp_dir_for(out_dir)
+        module = engine.module
+        module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, obj in (extra_files or {}).items():
+            atomic_write_json(tmp / name, obj)
+        replace_dir(tmp, out_dir)
+    mesh.barrier()

@@ -1,0 +1,108 @@
+"""Ranks, device, process groups and device meshes: one validated object.
+
+cuda + nccl when CUDA is available, else cpu + gloo. A single process (no torchrun) runs without
+a process group at all; every collective helper here is then the identity.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf.config import EngineConfig
+from rlhf.errors import ConfigError
+
+
+@dataclass
+class Mesh:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: Optional[str] = None
+    inference_tp_size: int = 1
+    _dp_mesh: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_mesh(self):
+        """The 1-D DeviceMesh ("dp") FSDP2 shards over."""
+        if self._dp_mesh is None and self.distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+            self._dp_mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        return self._dp_mesh
+
+    # ---- collectives (identity in a single process) ----
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def sum(self, x: float) -> float:
+        """Sum of a Python number over ranks (float64)."""
+        if not self.distributed:
+            return float(x)
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        return float(self.all_reduce(t).item())
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def init_mesh(engine: EngineConfig) -> Mesh:
+    """Reads torchrun's environment, initialises the process group and validates degrees."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1)) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    backend = engine.backend or ("nccl" if use_cuda else "gloo")
+    if backend == "nccl" and not use_cuda:
+        raise ConfigError("engine.backend=nccl needs CUDA, and this machine has none (use gloo)")
+    if world_size % engine.inference_tp_size != 0:
+        raise ConfigError(f"engine.inference_tp_size={engine.inference_tp_size} does not divide the "
+                          f"world size {world_size}")
+    threads = engine.threads_per_rank or max(1, (os.cpu_count() or 1) // max(local_world, 1))
+    if not use_cuda:
+        torch.set_num_threads(threads)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=engine.timeout_s),
+                                device_id=device if use_cuda else None)
+    return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
+                device=device, backend=backend if world_size > 1 else None,
+                inference_tp_size=engine.inference_tp_size)
+
+
+def shutdown(mesh: Mesh) -> None:
+    if mesh.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,201 @@
+"""Training mode: the model wrapped for ``engine.zero_stage``, its optimizer, schedule and step.
+
+ZeRO on FSDP2 (DESIGN.md): ``fully_shard`` per decoder block and at the root.
+  3: parameters, gradients, optimizer state sharded; parameters resharded after forward.
+  2: as 3 but parameters stay gathered from forward to backward (``reshard_after_forward=False``).
+  1: treated as 2 (said in the log). 0: DDP.
+``engine.offload=cpu``: FSDP2's CPUOffloadPolicy. ``engine.precision=bf16``: bf16 compute with fp32
+master weights and fp32 gradient reduction. A single process runs the bare model (bf16 via autocast).
+
+The stages never branch on any of this: they call ``forward``, ``backward``, ``step``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlhf.config import EngineConfig, TrainConfig
+from rlhf.engine.mesh import Mesh
+from rlhf.engine.schedule import make_scheduler
+
+log = logging.getLogger("rlhf")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of an HF model (``model.layers`` in Llama/Qwen2/Mistral, ``h`` in GPT-2)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks") and len(mod):
+            return mod
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def _broadcast_buffers(model: nn.Module) -> None:
+    # Non-persistent buffers (rotary inv_freq) are in no state dict; after meta init they are garbage.
+    for buf in model.buffers():
+        dist.broadcast(buf.data, src=0)
+
+
+def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
+    """Applies the ZeRO stage; on ranks > 0 ``model`` may be on the meta device (weights come from rank 0)."""
+    if ecfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not mesh.distributed:
+        return model.to(mesh.device)
+    if ecfg.zero_stage == 0:
+        if not mesh.is_main:
+            model = model.to_empty(device=mesh.device)
+        model = model.to(mesh.device)
+        # DDP broadcasts rank 0's parameters and buffers at construction.
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if ecfg.zero_stage == 1:
+        log.info("engine.zero_stage=1 runs as ZeRO-2 (FSDP2 shards gradients with the optimizer state)")
+    full_sd = {k: v.detach().clone() for k, v in model.state_dict().items()} if mesh.is_main else {}
+    kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3)
+    if ecfg.precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if ecfg.offload == "cpu":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if not mesh.is_main:
+        model.to_empty(device="cpu" if ecfg.offload == "cpu" else mesh.device)
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True,
+                                                                  broadcast_from_rank0=True))
+    _broadcast_buffers(model)
+    return model
+
+
+def param_groups(model: nn.Module, weight_decay: float):
+    """AdamW groups: no decay on norms and biases (every parameter with fewer than 2 dims)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class TrainEngine:
+    """A trainable model in training mode: forward/backward/step, state for checkpoints, full weights."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, ecfg: EngineConfig, tcfg: TrainConfig,
+                 total_steps: Optional[int] = None, lr: Optional[float] = None):
+        self.mesh, self.ecfg, self.tcfg = mesh, ecfg, tcfg
+        self.model = wrap_model(model, mesh, ecfg)
+        self.is_fsdp = mesh.distributed and ecfg.zero_stage > 0
+        self.is_ddp = mesh.distributed and ecfg.zero_stage == 0
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, tcfg.weight_decay), lr=lr or tcfg.lr, betas=tuple(tcfg.betas),
+            eps=tcfg.eps, foreach=True)
+        self.scheduler = make_scheduler(self.optimizer, tcfg, total_steps or tcfg.max_steps)
+        self.step_count = 0
+
+    # ---- the model as HF code knows it ----
+    @property
+    def module(self) -> nn.Module:
+        return self.model.module if self.is_ddp else self.model
+
+    def autocast(self):
+        if self.ecfg.precision == "bf16" and not self.is_fsdp:
+            return torch.autocast(self.mesh.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward(self, **batch):
+        with self.autocast():
+            return self.model(**batch)
+
+    def train(self):
+        self.model.train()
+        return self
+
+    def eval(self):
+        self.model.eval()
+        return self
+
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
+        """``sync=False`` on all but the last micro-batch of an accumulation window."""
+        if self.is_fsdp:
+            self.model.set_requires_gradient_sync(sync)
+            loss.backward()
+        elif self.is_ddp and not sync:
+            with self.model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+
+    def step(self) -> float:
+        """Clips, steps optimizer and schedule; returns the gradient norm before clipping."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step_count += 1
+        return float(norm)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ---- state ----
+    def state_dicts(self):
+        """Sharded model and optimizer state (DTensors under FSDP2) for torch.distributed.checkpoint."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        return {"model": get_model_state_dict(self.model),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def load_state_dicts(self, sd) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        set_model_state_dict(self.model, sd["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
+
+    def full_state_dict(self, all_ranks: bool = False) -> dict:
+        """Unsharded weights: on rank 0 only, on CPU (default), or on every rank (``all_ranks``)."""
+        if not self.is_fsdp:
+            sd = self.module.state_dict()
+            return {k: v.detach().cpu() for k, v in sd.items()} if (all_ranks or self.mesh.is_main) else {}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+        return get_model_state_dict(self.model, options=opts)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """A plain (unwrapped) module holding every weight on every rank, for generation outside
+        training mode. Single process / DDP: the module itself. FSDP2: a temporary unsharded copy."""
+        if not self.is_fsdp:
+            yield self.module
+            return
+        from torch.distributed.fsdp import FSDPModule
+        sd = self.full_state_dict(all_ranks=True)
+        orig_cls = next(c for c in type(self.module).__mro__ if not issubclass(c, FSDPModule))
+        with torch.device("meta"):
+            copy = orig_cls(self.module.config)
+        copy.load_state_dict(sd, assign=True, strict=False)
+        if hasattr(copy, "tie_weights"):
+            copy.tie_weights()
+        for (name, buf), (_, src) in zip(copy.named_buffers(), self.module.named_buffers()):
+            mod_name, _, attr = name.rpartition(".")
+            setattr(copy.get_submodule(mod_name) if mod_name else copy, attr, src.detach().clone())
+        still_meta = [n for n, p in copy.named_parameters() if p.is_meta]
+        if still_meta:
+            raise RuntimeError(f"gathered copy is missing weights: {still_meta[:3]}")
+        try:
+            yield copy.eval()
+        finally:
+            del copy, sd
+
+    def trainable_parameters(self) -> Iterable[nn.Parameter]:
+        return (p for p in self.model.parameters() if p.requires_grad)

@@ -1,0 +1,105 @@
+"""Building and loading models: the embedded tiny Llama, or a Hugging Face directory / hub id.
+
+Rank 0 materialises the weights (from disk, or a seeded random init); every other rank builds the
+same architecture on the meta device and receives the weights by broadcast when the engine wraps
+the model (``rlhf.engine.train``), so a large checkpoint is read once per job, not once per rank.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rlhf.config import ModelConfig
+from rlhf.errors import ConfigError
+
+
+def embedded_llama_config(m: ModelConfig, tokenizer):
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, attention_dropout=0.0, rms_norm_eps=1e-5,
+        initializer_range=0.02)
+
+
+def check_model_path(path: str) -> None:
+    """A local path that does not exist is an error; a bare ``name`` or ``org/name`` may be a hub id."""
+    p = Path(os.path.expanduser(path))
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.path={path}: directory has no config.json (not a Hugging Face model)")
+        return
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) or path.startswith("."):
+        raise ConfigError(f"model.path={path}: no such directory")
+
+
+def train_embedded_tokenizer(corpus, m: ModelConfig, mesh, cache_dir: Optional[Path] = None):
+    """Rank 0 trains the embedded tokenizer; the other ranks load what it saved."""
+    import tempfile
+
+    from rlhf.data.tokenizer import train_tokenizer
+    if not mesh.distributed:
+        return train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings)
+    tmp = None
+    if mesh.is_main:
+        tok = train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings)
+        tmp = tempfile.mkdtemp(prefix="rlhf-tok-", dir=cache_dir)
+        tok.save_pretrained(tmp)
+    tmp = mesh.broadcast_object(tmp)
+    if not mesh.is_main:
+        tok = load_tokenizer(tmp)
+    mesh.barrier()
+    if mesh.is_main:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def load_config(path: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path={path}: cannot load a model config: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path={path}: cannot load a tokenizer: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if tok.pad_token is None:  # pad must differ from EOS, so that EOS is learnt and never masked
+        tok.add_special_tokens({"pad_token": "<pad>"})
+    return tok
+
+
+def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: bool = False,
+                seed: int = 0, trust_remote_code: bool = False, **kwargs) -> torch.nn.Module:
+    """``model_cls`` (an HF Auto class or model class) from ``path`` or from ``config`` (seeded init).
+
+    ``on_meta``: build the architecture only (weights arrive later by broadcast)."""
+    if on_meta:
+        cfg = config if config is not None else load_config(path, trust_remote_code)
+        with torch.device("meta"):
+            return model_cls.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs) \
+                if hasattr(model_cls, "from_config") else model_cls(cfg)
+    if path is not None:
+        return model_cls.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32,
+                                         **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_cls.from_config(config, **kwargs)
+
+
+def resize_for_tokenizer(model, tokenizer) -> None:
+    if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer))

@@ -1,0 +1,74 @@
+"""What every stage does first: process group, console, seeds, and finding its inputs."""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from rlhf.config import Config
+from rlhf.data.records import Example
+from rlhf.engine.mesh import Mesh, init_mesh
+from rlhf.errors import DataError
+from rlhf.logging import setup_console
+
+log = logging.getLogger("rlhf")
+
+
+@dataclass
+class StageContext:
+    cfg: Config
+    mesh: Mesh
+    out: Path  # <run.dir>/<stage>
+    cache_dir: Path
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+
+def start_stage(cfg: Config, stage: str) -> StageContext:
+    mesh = init_mesh(cfg.engine)
+    setup_console(mesh.rank)
+    cfg.validate_world(mesh.world_size)
+    # Model init is seeded by run.seed alone (rank 0 materialises it); per-rank streams differ.
+    random.seed(cfg.run.seed + mesh.rank)
+    torch.manual_seed(cfg.run.seed + mesh.rank)
+    run_dir = Path(cfg.run.dir)
+    cache = Path(cfg.run.cache_dir) if cfg.run.cache_dir else run_dir / "cache"
+    log.info("stage=%s run.dir=%s world_size=%d device=%s zero_stage=%d precision=%s", stage, run_dir,
+             mesh.world_size, mesh.device, cfg.engine.zero_stage, cfg.engine.precision)
+    return StageContext(cfg=cfg, mesh=mesh, out=run_dir / stage, cache_dir=cache)
+
+
+def check_writable(path: Path) -> None:
+    """Fails early (exit 2) when the run directory cannot be created or written."""
+    from rlhf.errors import ConfigError
+    p = Path(path)
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    import os
+    if not os.access(probe, os.W_OK) or (p.exists() and not p.is_dir()):
+        raise ConfigError(f"run.dir={path}: not a writable directory")
+
+
+def require_batches(n_records: int, global_batch: int, what: str) -> None:
+    if n_records < global_batch:
+        raise DataError(f"{what}: {n_records} training records, fewer than one batch "
+                        f"(train.global_batch={global_batch})")
+
+
+def text_corpus(examples: List[Example], limit: int = 20000) -> List[str]:
+    texts: List[str] = []
+    for e in examples[:limit]:
+        texts += [t for t in (e.prompt, e.response, e.chosen, e.rejected) if t]
+    return texts
+
+
+def previous_output(run_dir: str, stage: str, what: str) -> Optional[Path]:
+    p = Path(run_dir) / stage / what
+    return p if (p / "config.json").is_file() else None
