@@ -75,7 +75,7 @@ class SyntheticConfig:
     """The embedded default task: 'What is 03 + 45?' -> ' The answer is 48.' (gold = exact sum)."""
     num_records: int = 20000
     max_operand: int = 49
-    p_correct: float = 0.5  # share of SFT responses that are right; the rest are off by 1..3
+    p_correct: float = 0.65  # share of SFT responses that are right; the rest are off by 1..3
 
     def __post_init__(self):
         _check(self.num_records > 0, "data.synthetic.num_records", self.num_records, "a positive integer")
@@ -130,10 +130,10 @@ def parse_split(spec: str) -> List[float]:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 500  # optimizer steps
+    max_steps: int = 1000  # optimizer steps
     global_batch: int = 64  # samples per optimizer step, summed over ranks and accumulation
     micro_batch_per_rank: int = 0  # 0 = global_batch / world_size (no accumulation)
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0  # never applied to norms and biases
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])

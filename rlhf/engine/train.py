@@ -49,6 +49,8 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
     if ecfg.zero_stage == 0:
         if not mesh.is_main:
             model = model.to_empty(device=mesh.device)
+            if hasattr(model, "tie_weights"):  # to_empty unties shared parameters
+                model.tie_weights()
         model = model.to(mesh.device)
         # DDP broadcasts rank 0's parameters and buffers at construction.
         return nn.parallel.DistributedDataParallel(
@@ -63,8 +65,10 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
     kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3)
     if ecfg.precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if ecfg.offload == "cpu":
+    if ecfg.offload == "cpu" and mesh.device.type != "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    elif ecfg.offload == "cpu":
+        log.info("engine.offload=cpu: the device is the CPU already; nothing to offload")
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
