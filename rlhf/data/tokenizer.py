@@ -22,7 +22,6 @@ CHAT_TEMPLATE = (
 def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int):
     """Returns a ``PreTrainedTokenizerFast`` trained on ``texts`` (deterministic for the same input)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -38,8 +37,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)])
+    return wrap_tokenizer(tok.to_str(), model_max_length)
+
+
+def wrap_tokenizer(tokenizer_json: str, model_max_length: int):
+    """The Hugging Face tokenizer around a trained `tokenizers` model (given as its JSON)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-        model_max_length=model_max_length, padding_side="right", clean_up_tokenization_spaces=False)
+        tokenizer_object=Tokenizer.from_str(tokenizer_json), bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        unk_token=UNK,        model_max_length=model_max_length, padding_side="right", clean_up_tokenization_spaces=False)
     fast.chat_template = CHAT_TEMPLATE
     return fast

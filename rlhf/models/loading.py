@@ -39,26 +39,14 @@ def check_model_path(path: str) -> None:
         raise ConfigError(f"model.path={path}: no such directory")
 
 
-def train_embedded_tokenizer(corpus, m: ModelConfig, mesh, cache_dir: Optional[Path] = None):
-    """Rank 0 trains the embedded tokenizer; the other ranks load what it saved."""
-    import tempfile
-
-    from rlhf.data.tokenizer import train_tokenizer
+def train_embedded_tokenizer(corpus, m: ModelConfig, mesh):
+    """Rank 0 trains the embedded tokenizer and broadcasts it (as JSON) to the other ranks."""
+    from rlhf.data.tokenizer import train_tokenizer, wrap_tokenizer
+    tok = train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings) if mesh.is_main else None
     if not mesh.distributed:
-        return train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings)
-    tmp = None
-    if mesh.is_main:
-        tok = train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings)
-        tmp = tempfile.mkdtemp(prefix="rlhf-tok-", dir=cache_dir)
-        tok.save_pretrained(tmp)
-    tmp = mesh.broadcast_object(tmp)
-    if not mesh.is_main:
-        tok = load_tokenizer(tmp)
-    mesh.barrier()
-    if mesh.is_main:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tok
+        return tok
+    text = mesh.broadcast_object(tok.backend_tokenizer.to_str() if mesh.is_main else None)
+    return tok if mesh.is_main else wrap_tokenizer(text, m.max_position_embeddings)
 
 
 def load_config(path: str, trust_remote_code: bool):

@@ -1,0 +1,63 @@
+"""summary.json of a run (CONTRACT.md) from the stages' metrics, and a short table.
+
+    python -m rlhf.summary RUN_DIR [--seconds stage=S ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rlhf.fileio import atomic_write_json
+
+KEYS = {"sft": ("eval/loss", "gold/score", "gold/score_greedy"),
+        "reward": ("eval/accuracy",),
+        "ppo": ("gold/score", "gold/score_greedy", "kl/mean", "reward/mean")}
+
+
+def last_values(metrics_file: Path, keys) -> dict:
+    """The last logged value of each key in a metrics.jsonl."""
+    out = {}
+    if not metrics_file.is_file():
+        return out
+    for line in metrics_file.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out.update({k: rec[k] for k in keys if k in rec})
+    return out
+
+
+def build_summary(run_dir: Path, seconds: dict) -> dict:
+    summary = {}
+    for stage, keys in KEYS.items():
+        vals = last_values(run_dir / stage / "metrics.jsonl", keys)
+        if vals:
+            summary[stage] = vals
+    summary["seconds"] = seconds
+    return summary
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m rlhf.summary")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--seconds", action="append", default=[], help="stage=seconds")
+    args = ap.parse_args(argv)
+    seconds = {k: float(v) for k, v in (s.split("=", 1) for s in args.seconds)}
+    summary = build_summary(args.run_dir, seconds)
+    atomic_write_json(args.run_dir / "summary.json", summary)
+    print(f"\nrun: {args.run_dir}")
+    print(f"{'stage':<8} {'metric':<20} {'value':>10}")
+    for stage, vals in summary.items():
+        if stage == "seconds":
+            continue
+        for k, v in vals.items():
+            print(f"{stage:<8} {k:<20} {v:>10.4f}")
+    for k, v in seconds.items():
+        print(f"{'time':<8} {k + ' (s)':<20} {v:>10.1f}")
+    print(f"summary: {args.run_dir / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole pipeline in one command, on the embedded default when given no overrides:
+#   scripts/run_all.sh [hydra overrides...]        e.g. run.dir=runs/x train.max_steps=200
+#   NPROC=2 scripts/run_all.sh                     every stage on 2 processes (torchrun)
+# Stages run in order (SFT → reward → PPO, those this version has); overrides pass to every stage.
+# Writes <run.dir>/summary.json and prints a short table. A failing stage stops the script.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+cd "$ROOT"
+NPROC="${NPROC:-1}"
+if [ "$NPROC" -gt 1 ]; then
+  LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" -m rlhf)
+else
+  LAUNCH=("$PY" -m rlhf)
+fi
+RUN_DIR="$("$PY" -m rlhf --cfg "$@" | "$PY" -c 'import sys,yaml; print(yaml.safe_load(sys.stdin)["run"]["dir"])')"
+STAGES=()
+for s in sft reward ppo; do [ -f "$ROOT/stages/$s.py" ] && STAGES+=("$s"); done
+declare -A SECONDS_OF
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+secs() { printf '%d.%03d' $(( $1 / 1000 )) $(( $1 % 1000 )); }
+T0=$(now_ms)
+for s in "${STAGES[@]}"; do
+  echo "[run_all] stage $s (run.dir=$RUN_DIR, nproc=$NPROC)" >&2
+  t=$(now_ms)
+  "${LAUNCH[@]}" "stage=$s" "$@" || { code=$?; echo "[run_all] stage $s failed (exit $code)" >&2; exit "$code"; }
+  SECONDS_OF[$s]=$(secs $(( $(now_ms) - t )))
+done
+TOTAL=$(secs $(( $(now_ms) - T0 )))
+ARGS=()
+for s in "${STAGES[@]}"; do ARGS+=("--seconds" "$s=${SECONDS_OF[$s]}"); done
+"$PY" -m rlhf.summary "$RUN_DIR" "${ARGS[@]}" --seconds "total=$TOTAL"
