@@ -27,10 +27,7 @@ log = logging.getLogger("rlhf")
 
 
 def run(cfg: Config) -> None:
-    import torch
     from transformers import AutoModelForCausalLM
-
-    from rlhf.algorithms.logprobs import shifted_nll_sum
 
     ctx = start_stage(cfg, "sft")
     mesh, t, d = ctx.mesh, cfg.train, cfg.data
@@ -100,20 +97,10 @@ def run(cfg: Config) -> None:
     t0, seen = time.perf_counter(), 0
     for step in range(start, t.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
-        n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in mbs))
-        loss_sum = 0.0
-        for i, b in enumerate(mbs):
-            logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
-                                    attention_mask=b["attention_mask"].to(mesh.device)).logits
-            nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
-            # Divide by the global batch's token count; FSDP/DDP average over ranks, so scale back.
-            engine.backward(nll / n_tokens * mesh.world_size, sync=i == len(mbs) - 1)
-            loss_sum += float(nll.detach())
         lr = engine.lr
-        grad_norm = engine.step()
+        loss, grad_norm = train_step(engine, mbs)
         seen += t.global_batch
         done = step + 1
-        loss = mesh.sum(loss_sum) / max(n_tokens, 1)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
         if done % t.log_every == 0 or step == start or done == t.max_steps:
@@ -134,6 +121,26 @@ def run(cfg: Config) -> None:
     metrics.close()
     log.info("sft done: %s", ctx.out / "model")
     shutdown(mesh)
+
+
+def train_step(engine, micro_batches) -> tuple[float, float]:
+    """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global batch.
+
+    Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
+    gradient does not depend on how the batch is split over ranks and accumulation steps."""
+    from rlhf.algorithms.logprobs import shifted_nll_sum
+    mesh = engine.mesh
+    n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
+    loss_sum = 0.0
+    for i, b in enumerate(micro_batches):
+        logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
+                                attention_mask=b["attention_mask"].to(mesh.device)).logits
+        nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+        # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean.
+        engine.backward(nll / max(n_tokens, 1) * mesh.world_size, sync=i == len(micro_batches) - 1)
+        loss_sum += float(nll.detach())
+    grad_norm = engine.step()
+    return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm
 
 
 def save(ctx, engine, tokenizer, step, mesh, keep):

@@ -1,0 +1,63 @@
+"""Shared helpers: the CLI as a subprocess, the shared real data, a tiny-model factory."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+           WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+for k, v in ENV.items():
+    if k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "WANDB_MODE"):
+        os.environ.setdefault(k, v)
+
+
+def run_cli(*overrides: str, timeout: float = 600, nproc: int = 1, env: dict | None = None,
+            **popen) -> subprocess.CompletedProcess:
+    """``python -m rlhf <overrides>`` (or torchrun with ``nproc`` ranks) with the test environment."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "rlhf", *overrides]
+    else:
+        cmd = [sys.executable, "-m", "rlhf", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout, **popen)
+
+
+def tree_digest(path: Path) -> dict:
+    """{relative path: sha256} of every file under ``path``."""
+    out = {}
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(path))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def quick_sft_args(run_dir: Path, steps: int = 20) -> list[str]:
+    """A bounded SFT run on the embedded task (seconds, not minutes)."""
+    return ["stage=sft", f"run.dir={run_dir}", f"train.max_steps={steps}", "logger.progress=false",
+            "eval.gold_prompts=16", "eval.gold_samples=1", "data.synthetic.num_records=2000",
+            "train.warmup_steps=5"]
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is absent on this machine")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def default_sft_run(tmp_path_factory):
+    """`python -m rlhf stage=sft run.dir=D` with no other overrides (the embedded default)."""
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    proc = run_cli("stage=sft", f"run.dir={run_dir}", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir

@@ -1,0 +1,78 @@
+"""Trains a tiny Llama for a few steps with the real SFT step and prints/writes its loss curve.
+
+Run under torchrun (the distributed side) or imported (the single-process reference):
+    torchrun --nproc-per-node=2 tests/distributed/parity_worker.py OUT.json
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rlhf.config import EngineConfig, TrainConfig  # noqa: E402
+from rlhf.data.sampler import GlobalBatches  # noqa: E402
+from rlhf.data.tokenize import collate_sft  # noqa: E402
+from rlhf.engine.mesh import init_mesh  # noqa: E402
+from rlhf.engine.train import TrainEngine  # noqa: E402
+from stages.sft import train_step  # noqa: E402
+
+GLOBAL_BATCH, STEPS, PAD = 8, 5, 0
+# (name, zero_stage, micro_batch_per_rank at world size 2 — 0 means no accumulation)
+CASES = [("zero0", 0, 0), ("zero2", 2, 0), ("zero3", 3, 0), ("zero3_accum", 3, 2)]
+
+
+def tiny_model(seed: int = 0, on_meta: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+    if on_meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(cfg)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def records(n: int = 64, seed: int = 0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length, plen = rng.randint(6, 20), rng.randint(1, 5)
+        start = rng.randint(3, 60)  # counting sequences: learnable in a few steps
+        out.append(([3 + (start + k) % 58 for k in range(length)], plen))
+    return out
+
+
+def loss_curve(mesh, zero_stage: int, micro: int, precision: str = "fp32") -> list[float]:
+    recs = records()
+    model = tiny_model(on_meta=not mesh.is_main)
+    tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2,
+                       warmup_steps=1)
+    engine = TrainEngine(model, mesh, EngineConfig(zero_stage=zero_stage, precision=precision), tcfg)
+    micro = micro or GLOBAL_BATCH // mesh.world_size
+    batches = GlobalBatches(len(recs), GLOBAL_BATCH, seed=1)
+    losses = []
+    for step in range(STEPS):
+        mbs = [collate_sft([recs[i][0] for i in ix], [recs[i][1] for i in ix], PAD, True)
+               for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
+        losses.append(train_step(engine, mbs)[0])
+    return losses
+
+
+def main(out: str) -> None:
+    mesh = init_mesh(EngineConfig(timeout_s=120))
+    results = {name: loss_curve(mesh, z, m) for name, z, m in CASES}
+    results["world_size"] = mesh.world_size
+    if mesh.is_main:
+        Path(out).write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
