@@ -1,0 +1,82 @@
+"""SFT through the CLI: the embedded default, resume after SIGKILL, real data."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import ENV, ROOT, quick_sft_args, run_cli
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_default_sft_run(default_sft_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = default_sft_run / "sft"
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert tok.pad_token_id != tok.eos_token_id and tok.chat_template
+    assert (out / "model" / "model.safetensors").is_file()
+    assert (out / "model" / "generation_config.json").is_file()
+    ids = tok("Q: What is 03 + 45?\nA:", return_tensors="pt")
+    assert model(**ids).logits.shape[-1] == model.config.vocab_size
+    rows = read_metrics(out / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] <= 0.5 * losses[0], losses
+    assert all(k in rows[0] for k in ("loss", "lr", "samples_per_s"))
+    final = [r for r in rows if "gold/score" in r][-1]
+    assert 0.2 <= final["gold/score"] <= 0.7, final
+    assert "eval/loss" in final and "gold/score_greedy" in final
+    assert list((out / "checkpoints").iterdir()), "checkpoints are written by default"
+
+
+def _weights(model_dir):
+    from safetensors.torch import load_file
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
+    args = ["train.save_every=15", "train.log_every=5"]
+    ref = tmp_path / "ref"
+    proc = run_cli(*quick_sft_args(ref, steps=45), *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "rlhf", *quick_sft_args(run, steps=45), *args]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "sft" / "checkpoints" / "step_00000015" / "trainer_state.json").exists():
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (run / "sft" / "model").exists(), "killed before the end"
+    proc = run_cli(*quick_sft_args(run, steps=45), *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in proc.stderr
+    a, b = _weights(ref / "sft" / "model"), _weights(run / "sft" / "model")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    steps = [r["step"] for r in read_metrics(run / "sft" / "metrics.jsonl") if "loss" in r]
+    assert steps == sorted(set(steps)), "metrics.jsonl holds each step once after resume"
+
+
+@pytest.mark.parametrize("fmt, rel", [("gsm8k", "gsm8k/train.jsonl"),
+                                      ("hh", "hh-rlhf/harmless-base-test.jsonl.gz")])
+def test_real_data_sft(shared_data, tmp_path, fmt, rel):
+    proc = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={shared_data / rel}", f"data.format={fmt}",
+                   "train.max_steps=4", "train.global_batch=8", "train.save_every=0", "logger.progress=false",
+                   "data.max_prompt_len=96", "data.max_response_len=64", "eval.gold_prompts=8",
+                   "eval.max_new_tokens=8", "data.eval_size=16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "sft" / "metrics.jsonl")
+    assert all(r["loss"] > 0 for r in rows if "loss" in r)
+    final = rows[-1]
+    assert "eval/loss" in final
+    assert ("gold/score" in final) == (fmt == "gsm8k")
