@@ -220,6 +220,11 @@ class LoggerConfig:
 
 
 @dataclass
+class RewardConfig:
+    margin: float = 0.0  # pairwise loss -log σ(r_chosen - r_rejected - margin)
+
+
+@dataclass
 class LauncherConfig:
     """Self-launch through torch.distributed.run (CONTRACT.md); nproc_per_node=0 = no self-launch."""
     nnodes: int = 1
@@ -240,6 +245,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self):

@@ -114,3 +114,38 @@ def collate_sft(ids: List[List[int]], prompt_lens: List[int], pad_id: int, mask_
     if mask_prompt:
         labels = labels.masked_fill(pos < torch.tensor(prompt_lens)[:, None], -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def tokenize_pairs(examples: List[Example], tok, max_prompt: int, max_response: int) -> Columns:
+    """Preference pairs: (prompt + chosen + EOS, prompt + rejected + EOS). The prompt is cut from
+    the left so that the responses' ends survive; a pair whose response alone is longer than
+    ``max_response`` is dropped (counted in ``dropped``)."""
+    prompts = _encode(tok, [e.prompt for e in examples], True)
+    chosen = _encode(tok, [e.chosen for e in examples], False)
+    rejected = _encode(tok, [e.rejected for e in examples], False)
+    out: Columns = {"chosen": [], "rejected": [], "prompt_len": [], "dropped": []}
+    dropped = 0
+    for p, c, r in zip(prompts, chosen, rejected):
+        c, r = c + [tok.eos_token_id], r + [tok.eos_token_id]
+        if max(len(c), len(r)) > max_response:
+            dropped += 1
+            continue
+        p = p[-max_prompt:]
+        out["chosen"].append(p + c)
+        out["rejected"].append(p + r)
+        out["prompt_len"].append(len(p))
+    out["dropped"] = [dropped]
+    return out
+
+
+def tokenize_prompts(examples: List[Example], tok, max_prompt: int) -> Columns:
+    return {"prompt": [p[-max_prompt:] for p in _encode(tok, [e.prompt for e in examples], True)]}
+
+
+def collate_pairs(chosen: List[List[int]], rejected: List[List[int]], pad_id: int) -> dict:
+    """One right-padded batch: the chosen sequences first, then the rejected ones."""
+    seqs = list(chosen) + list(rejected)
+    input_ids = pad_right(seqs, pad_id)
+    lengths = torch.tensor([len(s) for s in seqs])
+    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+    return {"input_ids": input_ids, "attention_mask": attention_mask}

@@ -81,6 +81,8 @@ def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: 
             return model_cls.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs) \
                 if hasattr(model_cls, "from_config") else model_cls(cfg)
     if path is not None:
+        if config is not None:
+            kwargs["config"] = config
         return model_cls.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32,
                                          **kwargs)
     with torch.random.fork_rng(devices=[]):

@@ -1,0 +1,163 @@
+"""Per-rank bytes of parameters + gradients + optimizer state for ZeRO 0/2/3 (JSON lines, CONTRACT.md).
+
+    python bench/memory.py [--workload small] [--world-sizes 2 4] [--precision fp32 bf16]
+
+Launches itself under torch.distributed.run for each world size. On every rank it trains two
+steps of the workload's Llama and takes, at three points of the second step (after forward,
+after backward, after the optimizer step), the bytes of the tensors this rank holds: parameters
+(the local shard, or the gathered copy while one exists, plus its shard), gradients and AdamW
+state. The figure is the peak of their sum. Next to it, the seed's formulas for the same Ψ and N:
+
+  mixed precision (bf16/fp16 params and grads, fp32 master + Adam, K=12):
+    ZeRO-0 16Ψ    ZeRO-2 2Ψ + 14Ψ/N    ZeRO-3 16Ψ/N
+  fp32 equivalent (fp32 params, grads and Adam m, v: 4 + 4 + 8 bytes):
+    ZeRO-0 16Ψ    ZeRO-2 4Ψ + 12Ψ/N    ZeRO-3 16Ψ/N
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS = {  # CONTRACT.md
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=2000),
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=8000),
+}
+
+
+def formula(zero: int, psi: int, n: int, precision: str) -> float:
+    if zero == 0:
+        return 16 * psi
+    if zero in (1, 2):
+        return 2 * psi + 14 * psi / n if precision == "bf16" else 4 * psi + 12 * psi / n
+    return 16 * psi / n
+
+
+def _local_bytes(t) -> int:
+    if t is None:
+        return 0
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return local.numel() * local.element_size()
+
+
+def _held_bytes(engine) -> dict:
+    import torch
+    model = engine.model
+    params = 0
+    seen = set()
+    for p in model.parameters():  # the tensors the modules hold now (gathered while unsharded)
+        if id(p) not in seen:
+            seen.add(id(p))
+            params += _local_bytes(p)
+    # FSDP2 keeps the sharded parameter alongside a gathered copy
+    for mod in model.modules():
+        state = getattr(mod, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        if group is None:
+            continue
+        for fp in group.fsdp_params:
+            if fp.sharded_param is not None and fp.sharded_param is not getattr(mod, "_dummy", None):
+                held = any(q is fp.sharded_param for q in model.parameters())
+                if not held:
+                    params += _local_bytes(fp.sharded_param)
+    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None and id(p) in seen)
+    optim = 0
+    for st in engine.optimizer.state.values():
+        for k, v in st.items():
+            if k != "step" and isinstance(v, torch.Tensor):
+                optim += _local_bytes(v)
+    return {"params": params, "grads": grads, "optim": optim}
+
+
+def worker(workload: str, precision: str, out: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf.config import EngineConfig, TrainConfig
+    from rlhf.engine.mesh import init_mesh
+    from rlhf.engine.train import TrainEngine
+
+    mesh = init_mesh(EngineConfig(timeout_s=300))
+    w = WORKLOADS[workload]
+    cfg = LlamaConfig(intermediate_size=int(w["hidden_size"] * 8 / 3 // 64 * 64), max_position_embeddings=256,
+                      tie_word_embeddings=False, **w)
+    rows = []
+    for zero in (0, 2, 3):
+        torch.manual_seed(0)
+        if mesh.is_main:
+            model = LlamaForCausalLM(cfg)
+        else:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(cfg)
+        psi = sum(p.numel() for p in (model.parameters()))
+        eng = TrainEngine(model, mesh, EngineConfig(zero_stage=zero, precision=precision), TrainConfig(lr=1e-4))
+        peak = {"total": 0}
+        snap = {}
+
+        def record(tag):
+            b = _held_bytes(eng)
+            snap[tag] = b
+            tot = sum(b.values())
+            if tot > peak["total"]:
+                peak.update(total=tot, at=tag, **b)
+
+        ids = torch.randint(0, w["vocab_size"], (2, 64))
+        for step in range(2):
+            out_ = eng.forward(input_ids=ids)
+            if step == 1:
+                record("after_forward")
+            loss = out_.logits.float().logsumexp(-1).mean()
+            eng.backward(loss)
+            if step == 1:
+                record("after_backward")
+            # step without clearing grads first so that they count in the snapshot
+            eng.optimizer.step()
+            if step == 1:
+                record("after_step")
+            eng.optimizer.zero_grad(set_to_none=True)
+        rows.append({"zero": zero, "psi": psi, **peak, "formula": formula(zero, psi, mesh.world_size, precision)})
+        del eng, model
+    if mesh.is_main:
+        Path(out).write_text(json.dumps(rows))
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="small", choices=sorted(WORKLOADS))
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--worker", nargs=3, metavar=("WORKLOAD", "PRECISION", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    import tempfile
+
+    import torch
+    for n in args.world_sizes:
+        for prec in args.precision:
+            out = tempfile.mktemp(suffix=".json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                   __file__, "--worker", args.workload, prec, out]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)
+            for r in json.loads(Path(out).read_text()):
+                base = {"bench": "memory", "workload": args.workload, "variant": f"zero{r['zero']}",
+                        "world_size": n, "precision": prec, "torch": torch.__version__}
+                print(json.dumps({**base, "metric": "bytes_per_rank", "value": r["total"], "unit": "bytes",
+                                  "params": r["params"], "grads": r["grads"], "optim": r["optim"],
+                                  "peak_at": r["at"], "psi": r["psi"]}))
+                print(json.dumps({**base, "metric": "formula_bytes", "value": r["formula"], "unit": "bytes",
+                                  "ratio_measured_to_formula": r["total"] / r["formula"]}))
+            os.unlink(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Step 2: the reward model — a scalar head on the SFT model, trained on preference pairs.
+
+    python -m rlhf stage=reward [run.dir=D] [model.path=...] [data.path=... data.format=hh|prompt_chosen_rejected]
+
+Setup (pairs, SFT model + head, engine, resume) → loop (pairwise loss, chosen and rejected in one
+batch) → save (held-out accuracy and scores, score statistics for PPO, HF export as
+AutoModelForSequenceClassification with num_labels=1, which also initialises PPO's critic).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from rlhf.config import Config
+from rlhf.data.pipeline import load_stage_data
+from rlhf.data.sampler import GlobalBatches
+from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
+from rlhf.engine.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf.engine.mesh import shutdown
+from rlhf.engine.train import TrainEngine
+from rlhf.errors import ConfigError, DataError
+from rlhf.logging import MetricsWriter, progress
+from rlhf.models import loading
+from rlhf.models.value import TokenValues, init_head, sequence_scores, token_values
+from rlhf.runtime import check_writable, previous_output, require_batches, start_stage
+
+log = logging.getLogger("rlhf")
+STATS_FILE = "reward_stats.json"
+
+
+def run(cfg: Config) -> None:
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    ctx = start_stage(cfg, "reward")
+    mesh, t, d = ctx.mesh, cfg.train, cfg.data
+    check_writable(cfg.run.dir)
+
+    # ---- setup: everything is validated before anything is written ----
+    source = cfg.model.path or previous_output(cfg.run.dir, "sft", "model")
+    if source is None:
+        raise ConfigError(f"no SFT model in {cfg.run.dir}/sft/model: run stage=sft first or set model.path")
+    source = str(source)
+    loading.check_model_path(source)
+    data = load_stage_data(d, "reward", cfg.run.seed)
+    for e in data.train[:1] + data.eval[:1]:
+        if e.chosen is None or e.rejected is None:
+            raise ConfigError(f"data.format={d.format} has no preference pairs (use prompt_chosen_rejected, "
+                              f"hh or synthetic)")
+    tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
+    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len)
+    train_cols = cached("pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh,
+                        lambda: tokenize_pairs(data.train, tokenizer, **lens))
+    eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
+                       lambda: tokenize_pairs(data.eval, tokenizer, **lens))
+    if train_cols["dropped"][0]:
+        log.warning("dropped %d training pairs whose response is longer than data.max_response_len=%d",
+                    train_cols["dropped"][0], d.max_response_len)
+    require_batches(len(train_cols["chosen"]), t.global_batch, f"data ({data.description})")
+    if not eval_cols["chosen"]:
+        raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
+
+    model_cfg = loading.load_config(source, cfg.model.trust_remote_code)
+    model_cfg.num_labels, model_cfg.pad_token_id = 1, tokenizer.pad_token_id
+    if mesh.is_main:
+        model = loading.build_model(AutoModelForSequenceClassification, path=source, config=model_cfg,
+                                    trust_remote_code=cfg.model.trust_remote_code)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.run.seed)
+            init_head(model)
+    else:
+        model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True)
+    engine = TrainEngine(model, mesh, cfg.engine, t)
+    capture = TokenValues(engine.module)
+    ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
+    start = load_checkpoint(ckpt, {"reward": engine}, mesh)["step"] if ckpt is not None else 0
+    if ckpt is not None:
+        log.info("resumed from %s (step %d)", ckpt, start)
+    metrics = MetricsWriter(ctx.out / "metrics.jsonl", is_main=mesh.is_main,
+                            resume_step=start if ckpt is not None else None, cfg=cfg, stage="reward")
+
+    micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
+    batches = GlobalBatches(len(train_cols["chosen"]), t.global_batch, cfg.run.seed)
+    pad = tokenizer.pad_token_id
+
+    def collate(indices):
+        return collate_pairs([train_cols["chosen"][i] for i in indices],
+                             [train_cols["rejected"][i] for i in indices], pad)
+
+    def evaluate(step):
+        res = evaluate_pairs(engine, capture, eval_cols, pad, micro, mesh, cfg.reward.margin)
+        metrics.log(step, **{k: v for k, v in res.items() if k.startswith("eval/")})
+        log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items() if k.startswith("eval/")))
+        return res
+
+    # ---- loop ----
+    log.info("reward: %d pairs (%s) from %s, %d steps of %d pairs", len(train_cols["chosen"]),
+             data.description, source, t.max_steps, t.global_batch)
+    engine.train()
+    bar = progress(t.max_steps, start, cfg.logger.progress and mesh.is_main, "reward")
+    t0, seen = time.perf_counter(), 0
+    for step in range(start, t.max_steps):
+        mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
+        lr = engine.lr
+        loss, acc, grad_norm = train_step(engine, capture, mbs, cfg.reward.margin)
+        seen += t.global_batch
+        done = step + 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}")
+        if done % t.log_every == 0 or step == start or done == t.max_steps:
+            metrics.log(done, loss=loss, accuracy=acc, lr=lr, grad_norm=grad_norm,
+                        samples_per_s=seen / max(time.perf_counter() - t0, 1e-9))
+        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+            evaluate(done)
+            engine.train()
+        if t.save_every and done % t.save_every == 0:
+            save_checkpoint(ctx.ckpt_dir, done, {"reward": engine}, {"stage": "reward"}, mesh,
+                            keep=t.keep_checkpoints)
+    bar.close()
+
+    # ---- save ----
+    res = evaluate(t.max_steps)
+    stats = {"mean": res["scores/mean"], "std": res["scores/std"], "step": t.max_steps,
+             **{k: v for k, v in res.items() if k.startswith("eval/")}}
+    capture.remove()
+    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={STATS_FILE: stats})
+    metrics.close()
+    log.info("reward done: %s (eval/accuracy=%.4f)", ctx.out / "model", res["eval/accuracy"])
+    shutdown(mesh)
+
+
+def _pair_scores(engine, capture, batch, device):
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    scores = sequence_scores(token_values(engine.forward, capture, ids, mask), mask)
+    n = ids.shape[0] // 2
+    return scores[:n], scores[n:]
+
+
+def train_step(engine, capture, micro_batches, margin: float = 0.0) -> tuple[float, float, float]:
+    """One optimizer step of the pairwise loss, averaged over the global batch's pairs."""
+    from rlhf.algorithms.losses import pairwise_loss
+    mesh = engine.mesh
+    n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
+    loss_sum, correct = 0.0, 0.0
+    for i, b in enumerate(micro_batches):
+        chosen, rejected = _pair_scores(engine, capture, b, mesh.device)
+        loss = pairwise_loss(chosen, rejected, margin).sum()
+        engine.backward(loss / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
+        loss_sum += float(loss.detach())
+        correct += float((chosen > rejected).sum())
+    grad_norm = engine.step()
+    return mesh.sum(loss_sum) / n_pairs, mesh.sum(correct) / n_pairs, grad_norm
+
+
+def evaluate_pairs(engine, capture, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
+    """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std of all scores."""
+    import torch
+
+    from rlhf.algorithms.losses import pairwise_loss
+    n = len(cols["chosen"])
+    idx = list(range(n))[mesh.rank::mesh.world_size]
+    n_batches = -(-(-(-n // mesh.world_size)) // micro)  # same count on every rank (FSDP collectives)
+    sums = torch.zeros(6, dtype=torch.float64)  # pairs, correct, loss, chosen, rejected, sq
+    engine.eval()
+    with torch.no_grad():
+        for s in range(n_batches):
+            ix = idx[s * micro:(s + 1) * micro]
+            b = collate_pairs([cols["chosen"][i] for i in ix or [0]], [cols["rejected"][i] for i in ix or [0]], pad)
+            c, r = _pair_scores(engine, capture, b, mesh.device)
+            if not ix:
+                continue
+            c, r = c.double().cpu(), r.double().cpu()
+            sums += torch.stack([torch.tensor(float(len(ix)), dtype=torch.float64), (c > r).sum().double(),
+                                 pairwise_loss(c, r, margin).sum().double(), c.sum(), r.sum(),
+                                 (c * c).sum() + (r * r).sum()])
+    sums = mesh.all_reduce(sums.to(mesh.device)).cpu()
+    pairs, correct, loss, cs, rs, sq = sums.tolist()
+    mean = (cs + rs) / (2 * pairs)
+    return {"eval/accuracy": correct / pairs, "eval/loss": loss / pairs, "eval/chosen_score": cs / pairs,
+            "eval/rejected_score": rs / pairs, "scores/mean": mean,
+            "scores/std": max(sq / (2 * pairs) - mean * mean, 0.0) ** 0.5}
