@@ -65,9 +65,42 @@ def loss_curve(mesh, zero_stage: int, micro: int, precision: str = "fp32") -> li
     return losses
 
 
+def reward_curve(mesh, zero_stage: int = 3) -> list[float]:
+    """The reward stage's real step on a tiny sequence-classification Llama (pairs: a counting
+    sequence is chosen over a shuffled one)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rlhf.data.tokenize import collate_pairs
+    from rlhf.models.value import TokenValues, init_head
+    from stages.reward import train_step as reward_step
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=PAD)
+    if mesh.is_main:
+        torch.manual_seed(0)
+        model = LlamaForSequenceClassification(cfg)
+        init_head(model)
+    else:
+        with torch.device("meta"):
+            model = LlamaForSequenceClassification(cfg)
+    tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
+    engine = TrainEngine(model, mesh, EngineConfig(zero_stage=zero_stage), tcfg)
+    capture = TokenValues(engine.module)
+    recs = records()
+    rng = random.Random(5)
+    rejected = [rng.sample(seq, len(seq)) for seq, _ in recs]
+    batches = GlobalBatches(len(recs), GLOBAL_BATCH, seed=1)
+    losses = []
+    for step in range(STEPS):
+        mbs = [collate_pairs([recs[i][0] for i in ix], [rejected[i] for i in ix], PAD)
+               for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size)]
+        losses.append(reward_step(engine, capture, mbs)[0])
+    return losses
+
+
 def main(out: str) -> None:
     mesh = init_mesh(EngineConfig(timeout_s=120))
     results = {name: loss_curve(mesh, z, m) for name, z, m in CASES}
+    results["reward_zero3"] = reward_curve(mesh)
     results["world_size"] = mesh.world_size
     if mesh.is_main:
         Path(out).write_text(json.dumps(results))

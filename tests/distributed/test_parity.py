@@ -45,3 +45,10 @@ def test_accumulation_matches_full_batch_single_process(reference):
         got = w.loss_curve(Mesh(), zero_stage=3, micro=micro)
         for a, b in zip(got, reference):
             assert abs(a - b) <= 1e-4 * abs(b), (micro, got, reference)
+
+
+def test_reward_two_ranks_match_one_process(two_rank_curves):
+    ref = w.reward_curve(Mesh())
+    assert ref[-1] < ref[0]
+    for a, b in zip(two_rank_curves["reward_zero3"], ref):
+        assert abs(a - b) <= 1e-4 * abs(b), (two_rank_curves["reward_zero3"], ref)

@@ -1,0 +1,93 @@
+"""Reward stage through the CLI, on top of the default SFT run."""
+import json
+
+import pytest
+import torch
+
+from tests.conftest import quick_sft_args, run_cli
+
+
+@pytest.fixture(scope="session")
+def default_reward_run(default_sft_run):
+    proc = run_cli("stage=reward", f"run.dir={default_sft_run}", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return default_sft_run
+
+
+def test_default_reward_run(default_reward_run):
+    out = default_reward_run / "reward"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in rows if "eval/accuracy" in r][-1]
+    assert final["eval/accuracy"] >= 0.9, final
+    assert final["eval/chosen_score"] > final["eval/rejected_score"]
+    assert all(k in rows[0] for k in ("loss", "accuracy"))
+    stats = json.loads((out / "model" / "reward_stats.json").read_text())
+    assert stats["std"] > 0 and stats["eval/accuracy"] == final["eval/accuracy"]
+
+
+def test_hf_model_reproduces_stage_scores(default_reward_run):
+    """AutoModelForSequenceClassification.from_pretrained scores like the stage's own scorer."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf.config import SyntheticConfig
+    from rlhf.data import synthetic
+    from rlhf.score import RewardScorer
+    model_dir = default_reward_run / "reward" / "model"
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    assert hf.config.num_labels == 1
+    scorer = RewardScorer(str(model_dir))
+    _, held_out = synthetic.generate(SyntheticConfig(), 256, seed=1234)
+    exs = held_out[:32]
+    ours = scorer.score([e.prompt for e in exs], [e.chosen for e in exs])
+    seqs = scorer.encode([e.prompt for e in exs], [e.chosen for e in exs])
+    with torch.no_grad():  # plain HF: one sequence at a time, no padding, HF's own pooling
+        theirs = torch.stack([hf(input_ids=torch.tensor([s])).logits[0, 0] for s in seqs])
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    right = scorer.score([e.prompt for e in exs], [e.chosen for e in exs])
+    wrong = scorer.score([e.prompt for e in exs], [e.rejected for e in exs])
+    assert (right > wrong).float().mean() >= 0.8
+    stats = json.loads((model_dir / "reward_stats.json").read_text())
+    # the stage's held-out mean score is reproduced by the saved model
+    all_right = scorer.score([e.prompt for e in held_out], [e.chosen for e in held_out])
+    all_wrong = scorer.score([e.prompt for e in held_out], [e.rejected for e in held_out])
+    assert abs(torch.cat([all_right, all_wrong]).mean().item() - stats["mean"]) <= 1e-4
+
+
+def test_score_cli(default_reward_run, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ENV, ROOT
+    model_dir = default_reward_run / "reward" / "model"
+    proc = subprocess.run([sys.executable, "-m", "rlhf.score", str(model_dir), "--prompt",
+                           "Q: What is 03 + 45?\nA:", "--response", " The answer is 48."],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert set(json.loads(proc.stdout.splitlines()[0])) == {"score", "normalized"}
+
+
+def test_reward_on_hh(default_sft_run, shared_data, tmp_path):
+    proc = run_cli("stage=reward", f"run.dir={tmp_path}", f"model.path={default_sft_run / 'sft' / 'model'}",
+                   f"data.path={shared_data / 'hh-rlhf/harmless-base-test.jsonl.gz'}", "data.format=hh",
+                   "train.max_steps=4", "train.global_batch=8", "train.save_every=0", "logger.progress=false",
+                   "data.max_prompt_len=96", "data.max_response_len=96", "data.eval_size=32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "reward" / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+
+
+def test_reward_without_sft_exits_2(tmp_path):
+    proc = run_cli("stage=reward", f"run.dir={tmp_path}", timeout=120)
+    assert proc.returncode == 2
+    assert "run stage=sft first or set model.path" in proc.stderr
+
+
+def test_reward_resume_after_checkpoint(tmp_path):
+    """A rerun after the last checkpoint resumes instead of starting over."""
+    assert run_cli(*quick_sft_args(tmp_path, steps=10)).returncode == 0
+    args = ["stage=reward", f"run.dir={tmp_path}", "train.max_steps=6", "train.save_every=3",
+            "logger.progress=false", "train.global_batch=16", "data.synthetic.num_records=500"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli(*args)
+    assert again.returncode == 0 and "resumed from" in again.stderr

@@ -1,0 +1,59 @@
+"""Reward/critic head: padding invariance, head init, pairwise loss."""
+import math
+
+import torch
+
+from rlhf.algorithms.losses import pairwise_loss
+from rlhf.models.value import TokenValues, init_head, last_index, sequence_scores, token_values
+
+
+def tiny_rm():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    m = LlamaForSequenceClassification(cfg).eval()
+    init_head(m)
+    return m
+
+
+def score(model, rows, left: bool):
+    n = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(n - len(r), n) if left else slice(0, len(r))
+        ids[i, sl], mask[i, sl] = torch.tensor(r), 1
+    cap = TokenValues(model)
+    with torch.no_grad():
+        out = sequence_scores(token_values(model, cap, ids, mask), mask)
+    cap.remove()
+    return out
+
+
+def test_scores_do_not_depend_on_padding():
+    m = tiny_rm()
+    chosen, rejected = [5, 6, 7, 8, 9, 2], [5, 6, 7, 11, 2]
+    alone = torch.stack([score(m, [chosen], False)[0], score(m, [rejected], False)[0]])
+    others = [[3] * 12, [4, 4, 4]]
+    for left in (False, True):
+        batch = score(m, [chosen, *others, rejected], left)
+        assert torch.allclose(batch[[0, 3]], alone, atol=1e-5), (left, batch, alone)
+
+
+def test_last_index_left_and_right():
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1]])
+    assert last_index(mask).tolist() == [1, 3, 3]
+
+
+def test_head_init_statistics():
+    m = tiny_rm()
+    w = m.score.weight
+    assert abs(w.std().item() - 1 / math.sqrt(33)) < 0.08
+    assert getattr(m.score, "bias", None) is None or (m.score.bias == 0).all()
+
+
+def test_pairwise_loss_values():
+    c, r = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    assert torch.allclose(pairwise_loss(c, r), torch.tensor([math.log1p(math.exp(-2.0)), math.log(2.0)]))
+    assert torch.allclose(pairwise_loss(c, r, margin=2.0)[0], torch.tensor(math.log(2.0)))
