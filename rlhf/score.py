@@ -27,10 +27,12 @@ class RewardScorer:
         from transformers import AutoModelForSequenceClassification
 
         from rlhf.models.loading import load_tokenizer
+        from rlhf.models.value import ScalarHeadModel
         self.dir = Path(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir))
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).to(device)
         self.model.eval()
+        self.values = ScalarHeadModel(self.model)
         self.device = device
         stats_file = self.dir / "reward_stats.json"
         self.stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {"mean": 0.0, "std": 1.0}
@@ -44,18 +46,14 @@ class RewardScorer:
     @torch.no_grad()
     def score_ids(self, seqs: List[List[int]], batch_size: int = 64) -> torch.Tensor:
         from rlhf.data.tokenize import pad_right
-        from rlhf.models.value import TokenValues, sequence_scores, token_values
-        capture = TokenValues(self.model)
+        from rlhf.models.value import sequence_scores
         out = []
-        try:
-            for s in range(0, len(seqs), batch_size):
-                chunk = seqs[s:s + batch_size]
-                ids = pad_right(chunk, self.tokenizer.pad_token_id).to(self.device)
-                lengths = torch.tensor([len(x) for x in chunk], device=self.device)
-                mask = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
-                out.append(sequence_scores(token_values(self.model, capture, ids, mask), mask).cpu())
-        finally:
-            capture.remove()
+        for s in range(0, len(seqs), batch_size):
+            chunk = seqs[s:s + batch_size]
+            ids = pad_right(chunk, self.tokenizer.pad_token_id).to(self.device)
+            lengths = torch.tensor([len(x) for x in chunk], device=self.device)
+            mask = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
+            out.append(sequence_scores(self.values(input_ids=ids, attention_mask=mask), mask).cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64) -> torch.Tensor:

@@ -21,7 +21,7 @@ from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError, DataError
 from rlhf.logging import MetricsWriter, progress
 from rlhf.models import loading
-from rlhf.models.value import TokenValues, init_head, sequence_scores, token_values
+from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
 from rlhf.runtime import check_writable, previous_output, require_batches, start_stage
 
 log = logging.getLogger("rlhf")
@@ -70,8 +70,7 @@ def run(cfg: Config) -> None:
             init_head(model)
     else:
         model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True)
-    engine = TrainEngine(model, mesh, cfg.engine, t)
-    capture = TokenValues(engine.module)
+    engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, t)
     ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
     start = load_checkpoint(ckpt, {"reward": engine}, mesh)["step"] if ckpt is not None else 0
     if ckpt is not None:
@@ -88,7 +87,7 @@ def run(cfg: Config) -> None:
                              [train_cols["rejected"][i] for i in indices], pad)
 
     def evaluate(step):
-        res = evaluate_pairs(engine, capture, eval_cols, pad, micro, mesh, cfg.reward.margin)
+        res = evaluate_pairs(engine, eval_cols, pad, micro, mesh, cfg.reward.margin)
         metrics.log(step, **{k: v for k, v in res.items() if k.startswith("eval/")})
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items() if k.startswith("eval/")))
         return res
@@ -102,7 +101,7 @@ def run(cfg: Config) -> None:
     for step in range(start, t.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
         lr = engine.lr
-        loss, acc, grad_norm = train_step(engine, capture, mbs, cfg.reward.margin)
+        loss, acc, grad_norm = train_step(engine, mbs, cfg.reward.margin)
         seen += t.global_batch
         done = step + 1
         bar.update(1)
@@ -122,28 +121,27 @@ def run(cfg: Config) -> None:
     res = evaluate(t.max_steps)
     stats = {"mean": res["scores/mean"], "std": res["scores/std"], "step": t.max_steps,
              **{k: v for k, v in res.items() if k.startswith("eval/")}}
-    capture.remove()
     export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={STATS_FILE: stats})
     metrics.close()
     log.info("reward done: %s (eval/accuracy=%.4f)", ctx.out / "model", res["eval/accuracy"])
     shutdown(mesh)
 
 
-def _pair_scores(engine, capture, batch, device):
+def _pair_scores(engine, batch, device):
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    scores = sequence_scores(token_values(engine.forward, capture, ids, mask), mask)
+    scores = sequence_scores(engine.forward(input_ids=ids, attention_mask=mask), mask)
     n = ids.shape[0] // 2
     return scores[:n], scores[n:]
 
 
-def train_step(engine, capture, micro_batches, margin: float = 0.0) -> tuple[float, float, float]:
+def train_step(engine, micro_batches, margin: float = 0.0) -> tuple[float, float, float]:
     """One optimizer step of the pairwise loss, averaged over the global batch's pairs."""
     from rlhf.algorithms.losses import pairwise_loss
     mesh = engine.mesh
     n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
     loss_sum, correct = 0.0, 0.0
     for i, b in enumerate(micro_batches):
-        chosen, rejected = _pair_scores(engine, capture, b, mesh.device)
+        chosen, rejected = _pair_scores(engine, b, mesh.device)
         loss = pairwise_loss(chosen, rejected, margin).sum()
         engine.backward(loss / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
         loss_sum += float(loss.detach())
@@ -152,7 +150,7 @@ def train_step(engine, capture, micro_batches, margin: float = 0.0) -> tuple[flo
     return mesh.sum(loss_sum) / n_pairs, mesh.sum(correct) / n_pairs, grad_norm
 
 
-def evaluate_pairs(engine, capture, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
+def evaluate_pairs(engine, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
     """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std of all scores."""
     import torch
 
@@ -166,7 +164,7 @@ def evaluate_pairs(engine, capture, cols, pad, micro, mesh, margin: float = 0.0)
         for s in range(n_batches):
             ix = idx[s * micro:(s + 1) * micro]
             b = collate_pairs([cols["chosen"][i] for i in ix or [0]], [cols["rejected"][i] for i in ix or [0]], pad)
-            c, r = _pair_scores(engine, capture, b, mesh.device)
+            c, r = _pair_scores(engine, b, mesh.device)
             if not ix:
                 continue
             c, r = c.double().cpu(), r.double().cpu()

@@ -100,6 +100,9 @@ def export_hf(engine, out_dir: Path, mesh: Mesh, tokenizer=None, extra_files: Op
         out_dir = Path(out_dir)
         tmp = temp_dir_for(out_dir)
         module = engine.module
+        inner = getattr(module, "hf", None)  # ScalarHeadModel wraps the HF model it saves
+        if inner is not None:
+            module, sd = inner, {k.removeprefix("hf."): v for k, v in sd.items()}
         module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

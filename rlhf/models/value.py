@@ -1,9 +1,9 @@
 """Scalar heads on a causal LM backbone: reward model and critic.
 
 The model is a standard ``AutoModelForSequenceClassification`` (num_labels=1), so the reward model
-is a plain Hugging Face artifact. Its head (``score``) runs on every position; a forward hook keeps
-those per-token values (the critic's values), and the score of a sequence is the value at its last
-non-pad token. Position ids come from the attention mask, so left and right padding score alike.
+is a plain Hugging Face artifact. Its head (``score``) runs on every position (the critic's values);
+the score of a sequence is the value at its last non-pad token. Position ids come from the attention
+mask, so left and right padding score alike.
 """
 from __future__ import annotations
 
@@ -30,18 +30,22 @@ def init_head(model: nn.Module) -> None:
             head.bias.zero_()
 
 
-class TokenValues:
-    """Captures the head's per-token output during the model's own forward (FSDP-safe)."""
+class ScalarHeadModel(nn.Module):
+    """Per-token values [B, T] of a Hugging Face sequence-classification model: backbone, then head.
 
-    def __init__(self, model: nn.Module):
-        self.values = None
-        self._handle = head_module(model).register_forward_hook(self._hook)
+    The values are this module's own output, so FSDP (which hooks module outputs to re-gather
+    weights for backward) and DDP see them; the HF model inside is saved unchanged."""
 
-    def _hook(self, module, inputs, output):
-        self.values = output.squeeze(-1).float()
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
 
-    def remove(self) -> None:
-        self._handle.remove()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        backbone = getattr(self.hf, self.hf.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids(attention_mask)).last_hidden_state
+        return head_module(self.hf)(hidden).squeeze(-1).float()
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -52,12 +56,6 @@ def last_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of the last non-pad token of each row (works for left and right padding)."""
     t = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (t[None, :] * attention_mask.long()).argmax(-1)
-
-
-def token_values(forward, capture: TokenValues, input_ids, attention_mask) -> torch.Tensor:
-    """[B, T] values from ``forward`` (an engine's or a model's) with mask-derived positions."""
-    forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    return capture.values
 
 
 def sequence_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

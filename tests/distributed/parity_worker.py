@@ -71,7 +71,7 @@ def reward_curve(mesh, zero_stage: int = 3) -> list[float]:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from rlhf.data.tokenize import collate_pairs
-    from rlhf.models.value import TokenValues, init_head
+    from rlhf.models.value import ScalarHeadModel, init_head
     from stages.reward import train_step as reward_step
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=PAD)
@@ -83,8 +83,7 @@ def reward_curve(mesh, zero_stage: int = 3) -> list[float]:
         with torch.device("meta"):
             model = LlamaForSequenceClassification(cfg)
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
-    engine = TrainEngine(model, mesh, EngineConfig(zero_stage=zero_stage), tcfg)
-    capture = TokenValues(engine.module)
+    engine = TrainEngine(ScalarHeadModel(model), mesh, EngineConfig(zero_stage=zero_stage), tcfg)
     recs = records()
     rng = random.Random(5)
     rejected = [rng.sample(seq, len(seq)) for seq, _ in recs]
@@ -93,7 +92,7 @@ def reward_curve(mesh, zero_stage: int = 3) -> list[float]:
     for step in range(STEPS):
         mbs = [collate_pairs([recs[i][0] for i in ix], [rejected[i] for i in ix], PAD)
                for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size)]
-        losses.append(reward_step(engine, capture, mbs)[0])
+        losses.append(reward_step(engine, mbs)[0])
     return losses
 
 

@@ -4,7 +4,7 @@ import math
 import torch
 
 from rlhf.algorithms.losses import pairwise_loss
-from rlhf.models.value import TokenValues, init_head, last_index, sequence_scores, token_values
+from rlhf.models.value import ScalarHeadModel, init_head, last_index, sequence_scores
 
 
 def tiny_rm():
@@ -24,11 +24,8 @@ def score(model, rows, left: bool):
     for i, r in enumerate(rows):
         sl = slice(n - len(r), n) if left else slice(0, len(r))
         ids[i, sl], mask[i, sl] = torch.tensor(r), 1
-    cap = TokenValues(model)
     with torch.no_grad():
-        out = sequence_scores(token_values(model, cap, ids, mask), mask)
-    cap.remove()
-    return out
+        return sequence_scores(ScalarHeadModel(model)(ids, mask), mask)
 
 
 def test_scores_do_not_depend_on_padding():
