@@ -27,6 +27,7 @@ class Mesh:
     backend: Optional[str] = None
     inference_tp_size: int = 1
     _dp_mesh: Any = None
+    _tp_group: Any = None
 
     @property
     def distributed(self) -> bool:
@@ -43,6 +44,35 @@ class Mesh:
             from torch.distributed.device_mesh import init_device_mesh
             self._dp_mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         return self._dp_mesh
+
+    # ---- tensor-parallel groups of the inference mode: ranks [g·tp, (g+1)·tp) ----
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.inference_tp_size
+
+    @property
+    def tp_index(self) -> int:
+        """Which TP group this rank belongs to (the groups generate different prompts)."""
+        return self.rank // self.inference_tp_size
+
+    @property
+    def tp_group(self):
+        if self.inference_tp_size == 1:
+            return None
+        if self._tp_group is None:
+            tp = self.inference_tp_size
+            for g in range(self.world_size // tp):  # every rank creates every group, in order
+                group = dist.new_group(list(range(g * tp, (g + 1) * tp)))
+                if g == self.tp_index:
+                    self._tp_group = group
+        return self._tp_group
+
+    def tp_all_gather_object(self, obj: Any) -> list:
+        if self.inference_tp_size == 1:
+            return [obj]
+        out = [None] * self.inference_tp_size
+        dist.all_gather_object(out, obj, group=self.tp_group)
+        return out
 
     # ---- collectives (identity in a single process) ----
     def barrier(self) -> None:

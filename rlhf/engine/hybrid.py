@@ -1,0 +1,139 @@
+"""The hybrid engine: one ``generate`` call for the trainer, whichever mode makes the tokens.
+
+``engine.hybrid=true``: switch the actor from ZeRO-3 training mode to the injected inference mode —
+gather the FSDP2 shards one decoder layer at a time (bounded extra memory: one gathered layer plus
+the inference copy), lay the weights out for ``engine.inference_tp_size``, allocate the KV cache,
+generate, release cache and weights, return to training mode. Each phase is timed.
+``engine.hybrid=false``: HF ``generate`` on the training-mode model (the baseline). A model family
+without an injection policy also takes that path, with a one-line warning.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import List, Optional
+
+import torch
+
+from rlhf.config import EngineConfig
+from rlhf.engine.infer import Generation, InferenceModel, finish, left_pad
+from rlhf.engine.train import TrainEngine, decoder_layers
+from rlhf.errors import ConfigError
+from rlhf.models.policies import policy_for
+from rlhf.ops import SamplingParams
+
+log = logging.getLogger("rlhf")
+
+
+class HybridEngine:
+    def __init__(self, engine: TrainEngine, tokenizer, ecfg: EngineConfig):
+        self.engine, self.mesh, self.ecfg = engine, engine.mesh, ecfg
+        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.policy, reason = policy_for(engine.module.config)
+        self.tp = ecfg.inference_tp_size
+        self.inject = ecfg.hybrid and self.policy is not None
+        if ecfg.hybrid and self.policy is None:
+            log.warning("hybrid engine: %s; generating with HF generate instead", reason)
+        if self.inject and self.tp > 1:
+            why = self.policy.check_tp(self.tp)
+            if why:
+                raise ConfigError(why)
+        self.dtype = torch.bfloat16 if ecfg.precision == "bf16" else torch.float32
+        self.timings: dict = {}
+        self._model: Optional[InferenceModel] = None
+
+    # ---- the one call the trainer makes ----
+    def generate(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
+        was_training = self.engine.model.training
+        self.engine.model.eval()
+        try:
+            if self.inject:
+                return self._generate_injected(prompts, sp)
+            return self._generate_hf(prompts, sp)
+        finally:
+            self.engine.model.train(was_training)
+
+    # ---- inference mode ----
+    @torch.no_grad()
+    def build_inference_model(self) -> InferenceModel:
+        """Gathers the training weights layer by layer into the inference layout (this TP rank's slices)."""
+        module, fsdp, pol = self.engine.module, self.engine.is_fsdp, self.policy
+        rank = self.mesh.tp_rank
+        layers = []
+        for layer in decoder_layers(module):
+            if fsdp:
+                layer.unshard()
+            layers.append({k: v.to(self.dtype) for k, v in pol.layer_weights(layer, rank, self.tp).items()})
+            if fsdp:
+                layer.reshard()
+        if fsdp:
+            module.unshard()
+        root = pol.root_weights(module)
+        if fsdp:
+            module.reshard()
+        root = {k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()}
+        return InferenceModel(root, layers, pol, tp=self.tp, tp_group=self.mesh.tp_group, dtype=self.dtype)
+
+    def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
+        t0 = time.perf_counter()
+        # A TP group generates the prompts of all its ranks together, then each keeps its own.
+        per_rank = self.mesh.tp_all_gather_object(prompts)
+        model = self.build_inference_model()
+        t1 = time.perf_counter()
+        gen = torch.Generator(device="cpu").manual_seed(sp.seed + 1_000_003 * self.mesh.tp_index)
+        out = model.generate([p for ps in per_rank for p in ps], sp, eos_id=self.eos_id, pad_id=self.pad_id,
+                             generator=gen, device=self.mesh.device)
+        t2 = time.perf_counter()
+        if self.ecfg.release_inference_cache:
+            model.release()
+            del model
+        else:
+            self._model = model
+        t3 = time.perf_counter()
+        if self.tp > 1:
+            out = _rows(out, per_rank, self.mesh.tp_rank, sp.n)
+        self.timings = {"switch_s": (t1 - t0) + (t3 - t2), "gather_s": t1 - t0, "generate_s": t2 - t1,
+                        "release_s": t3 - t2}
+        return out
+
+    # ---- baseline: HF generate on the training-mode model ----
+    @torch.no_grad()
+    def _generate_hf(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
+        t0 = time.perf_counter()
+        rows = [p for p in prompts for _ in range(sp.n)]
+        ids, mask = left_pad(rows, self.pad_id, self.mesh.device)
+        kwargs = dict(do_sample=sp.temperature > 0, max_new_tokens=sp.max_new_tokens,
+                      min_new_tokens=sp.min_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+                      top_k=sp.top_k, top_p=sp.top_p, output_logits=True, return_dict_in_generate=True,
+                      synced_gpus=self.engine.is_fsdp)
+        if sp.temperature > 0:
+            kwargs["temperature"] = sp.temperature
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sp.seed + 1_000_003 * self.mesh.rank)
+            out = self.engine.module.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        tokens = out.sequences[:, ids.shape[1]:]
+        logits = torch.stack(out.logits, 1).float()
+        temp = sp.temperature if sp.temperature > 0 else 1.0
+        logp = torch.log_softmax(logits / temp, -1).gather(-1, tokens[..., None]).squeeze(-1)
+        n = sp.max_new_tokens
+        if tokens.shape[1] < n:  # HF stops when every row has ended
+            fill = n - tokens.shape[1]
+            tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], fill), self.pad_id)], 1)
+            logp = torch.cat([logp, logp.new_zeros((logp.shape[0], fill))], 1)
+        # HF pads after EOS itself; make sure the first EOS closes the response
+        res = finish(ids, mask, tokens, logp, self.eos_id, self.pad_id)
+        self.timings = {"switch_s": 0.0, "gather_s": 0.0, "generate_s": time.perf_counter() - t0, "release_s": 0.0}
+        return res
+
+
+def _rows(out: Generation, per_rank: List[List[List[int]]], tp_rank: int, n: int) -> Generation:
+    """This rank's rows of a TP group's generation (prompt-major, ``n`` samples each)."""
+    start = sum(len(p) for p in per_rank[:tp_rank]) * n
+    stop = start + len(per_rank[tp_rank]) * n
+    # re-trim the common left padding so that this rank's prompt length is its own
+    seq, att = out.sequences[start:stop], out.attention_mask[start:stop]
+    p = out.prompt_len
+    drop = int((att[:, :p].sum(0) == 0).long().cumprod(0).sum()) if stop > start else 0
+    return Generation(sequences=seq[:, drop:], attention_mask=att[:, drop:],
+                      response_mask=out.response_mask[start:stop], logprobs=out.logprobs[start:stop],
+                      prompt_len=p - drop)

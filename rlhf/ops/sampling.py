@@ -1,0 +1,55 @@
+"""Fused sampling: temperature, top-k, top-p (nucleus), greedy; log-probs at the temperature."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    n: int = 1  # samples per prompt
+    seed: int = 0
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Masks (to -inf) what top-k and then top-p exclude; keeps at least one token per row."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator] = None,
+           ban: Optional[int] = None):
+    """Next tokens [B] and their log-probs [B] under softmax(logits / temperature) (the distribution
+    PPO optimises; greedy reports the temperature-1 log-prob). ``ban``: a token that may not be
+    drawn now (EOS before min_new_tokens); the log-probs stay those of the unmodified policy."""
+    logits = logits.float()
+    allowed = logits
+    if ban is not None:
+        allowed = logits.clone()
+        allowed[:, ban] = float("-inf")
+    if p.temperature <= 0:
+        tokens = allowed.argmax(-1)
+        logp = torch.log_softmax(logits, -1)
+    else:
+        scaled = logits / p.temperature
+        logp = torch.log_softmax(scaled, -1)
+        probs = filter_logits(allowed / p.temperature, p.top_k, p.top_p).softmax(-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,133 @@
+"""The injected inference mode in one process: exactness against HF, log-probs, no weight
+corruption, memory release, sampling."""
+import weakref
+
+import pytest
+import torch
+
+from rlhf.config import EngineConfig, TrainConfig
+from rlhf.engine.hybrid import HybridEngine
+from rlhf.engine.logprobs import response_logprobs
+from rlhf.engine.mesh import Mesh
+from rlhf.engine.train import TrainEngine
+from rlhf.ops import SamplingParams
+from rlhf.ops.sampling import filter_logits, sample
+from tests.infer_helpers import Tok, hf_greedy, mixed_prompts, tiny_model
+
+
+def hybrid(model, **ecfg):
+    eng = TrainEngine(model, Mesh(), EngineConfig(**ecfg), TrainConfig(lr=1e-2, warmup_steps=0))
+    return eng, HybridEngine(eng, Tok, EngineConfig(**ecfg))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_greedy_equals_hf_generate(family):
+    model = tiny_model(family)
+    prompts = mixed_prompts()
+    ref = hf_greedy(model, prompts, 12)
+    _, hy = hybrid(model)
+    assert hy.inject
+    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
+    assert torch.equal(gen.responses, ref)
+    assert gen.prompt_len == max(len(p) for p in prompts)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_logprobs_match_training_mode(family):
+    model = tiny_model(family)
+    eng, hy = hybrid(model)
+    sp = SamplingParams(temperature=0.7, max_new_tokens=10, n=2, seed=3)
+    gen = hy.generate(mixed_prompts(), sp)
+    with torch.no_grad():
+        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+    diff = ((lp - gen.logprobs) * gen.response_mask).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_bf16_logprob_gap_is_small():
+    model = tiny_model("llama")
+    eng, hy = hybrid(model, precision="bf16")
+    gen = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+    with torch.no_grad():
+        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, 1.0)
+    assert ((lp - gen.logprobs) * gen.response_mask).abs().max().item() < 0.1
+
+
+def _train_loss(eng, batch):
+    out = eng.forward(**batch).logits
+    loss = torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), batch["input_ids"][:, 1:].reshape(-1))
+    eng.backward(loss)
+    eng.step()
+    return loss.item()
+
+
+def test_generate_leaves_training_exactly_as_it_was():
+    batch = {"input_ids": torch.randint(3, 97, (4, 12))}
+    losses = []
+    for do_generate in (False, True):
+        eng, hy = hybrid(tiny_model("llama"))
+        _train_loss(eng, batch)
+        if do_generate:
+            hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=8))
+        losses.append(_train_loss(eng, batch))
+    assert losses[0] == losses[1]
+
+
+def test_inference_weights_and_cache_are_released():
+    eng, hy = hybrid(tiny_model("llama"))
+    model = hy.build_inference_model()
+    refs = [weakref.ref(t) for w in model.layers for t in w.values()]
+    model.allocate(4, 16, "cpu")
+    refs += [weakref.ref(model.cache_k), weakref.ref(model.cache_v)]
+    model.release()
+    del model
+    assert all(r() is None for r in refs)
+    before = sum(p.numel() for p in eng.model.parameters())
+    hy.generate(mixed_prompts(), SamplingParams(max_new_tokens=4))
+    assert hy._model is None and sum(p.numel() for p in eng.model.parameters()) == before
+
+
+def test_fixed_seed_gives_identical_samples():
+    _, hy = hybrid(tiny_model("llama"))
+    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, n=3, seed=11)
+    a, b = hy.generate(mixed_prompts(), sp), hy.generate(mixed_prompts(), sp)
+    assert torch.equal(a.sequences, b.sequences)
+    c = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=12))
+    assert not torch.equal(a.sequences, c.sequences)
+
+
+def test_min_new_tokens_and_eos_handling():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight[2] += 5.0 * model.lm_head.weight.abs().max()  # make EOS (id 2) likely
+    _, hy = hybrid(model)
+    gen = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=8, min_new_tokens=3, seed=0))
+    lengths = gen.response_mask.sum(1)
+    assert (lengths >= 4).all()  # ≥ 3 tokens, then EOS (counted)
+    for row, n in zip(gen.responses, lengths):
+        assert (row[n:] == Tok.pad_token_id).all()
+
+
+def test_sampling_distributions_match_reference():
+    """Empirical frequencies of temperature / top-k / top-p sampling on a fixed logit vector."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 40000
+    g = torch.Generator().manual_seed(0)
+    for temp, k, p in [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8), (2.0, 4, 0.9)]:
+        sp = SamplingParams(temperature=temp, top_k=k, top_p=p)
+        toks, _ = sample(logits.expand(n, -1), sp, g)
+        freq = torch.bincount(toks, minlength=6).float() / n
+        # reference: sort, keep top-k, keep the smallest prefix with mass >= p, renormalise
+        probs = (logits[0] / temp).softmax(-1)
+        order = probs.argsort(descending=True)
+        keep = torch.zeros(6, dtype=torch.bool)
+        mass = 0.0
+        for rank, i in enumerate(order.tolist()):
+            if (k and rank >= k) or mass >= p:
+                break
+            keep[i] = True
+            mass += probs[i].item()
+        ref = torch.where(keep, probs, torch.zeros_like(probs))
+        ref = ref / ref.sum()
+        assert (freq - ref).abs().max().item() < 0.01, (temp, k, p, freq, ref)
+    assert torch.isinf(filter_logits(logits, 2, 1.0)[0, 2:]).all()
