@@ -49,9 +49,9 @@ class Policy:
         ms = slice(tp_rank * i, (tp_rank + 1) * i)
         w = {
             "wqkv": torch.cat([a.q_proj.weight[qs], a.k_proj.weight[ks], a.v_proj.weight[ks]]),
-            "wo": a.o_proj.weight[:, qs].contiguous(),
+            "wo": a.o_proj.weight[:, qs].clone(memory_format=torch.contiguous_format),
             "w_gate_up": torch.cat([m.gate_proj.weight[ms], m.up_proj.weight[ms]]),
-            "w_down": m.down_proj.weight[:, ms].contiguous(),
+            "w_down": m.down_proj.weight[:, ms].clone(memory_format=torch.contiguous_format),
             "ln1": layer.input_layernorm.weight.detach().clone(),
             "ln2": layer.post_attention_layernorm.weight.detach().clone(),
         }

@@ -1,0 +1,85 @@
+"""Hybrid engine on 2 ranks (ZeRO-3 actor): greedy tokens vs HF generate, log-probs vs the FSDP2
+training-mode recompute, and training after generate, for inference_tp_size 1 and 2.
+
+    torchrun --nproc-per-node=2 tests/distributed/hybrid_worker.py OUT.json
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rlhf.config import EngineConfig, TrainConfig  # noqa: E402
+from rlhf.engine.hybrid import HybridEngine  # noqa: E402
+from rlhf.engine.logprobs import response_logprobs  # noqa: E402
+from rlhf.engine.mesh import init_mesh  # noqa: E402
+from rlhf.engine.train import TrainEngine  # noqa: E402
+from rlhf.ops import SamplingParams  # noqa: E402
+from tests.infer_helpers import Tok, hf_greedy, mixed_prompts, tiny_model  # noqa: E402
+
+
+def step_loss(eng, batch):
+    logits = eng.forward(**batch).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             batch["input_ids"][:, 1:].reshape(-1))
+    eng.backward(loss)
+    eng.step()
+    return loss.item()
+
+
+def check(mesh, family: str, tp: int, hybrid: bool = True) -> dict:
+    mesh.inference_tp_size, mesh._tp_group = tp, None
+    ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=hybrid)
+    model = tiny_model(family)
+    ref = copy.deepcopy(model)
+    prompts = mixed_prompts(n=4 + mesh.rank, seed=mesh.rank)  # ranks hold different prompts
+    eng = TrainEngine(model, mesh, ecfg, TrainConfig(lr=1e-2, warmup_steps=0))
+    hy = HybridEngine(eng, Tok, ecfg)
+    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=10))
+    greedy_equal = torch.equal(gen.responses, hf_greedy(ref, prompts, 10))
+    sp = SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=5)
+    gen = hy.generate(prompts, sp)
+    with torch.no_grad():
+        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+    lp_diff = ((lp - gen.logprobs) * gen.response_mask).abs().max().item()
+    return {"greedy_equal": greedy_equal, "logprob_diff": lp_diff, "inject": hy.inject,
+            "rows": gen.sequences.shape[0], "switch_s": hy.timings.get("switch_s")}
+
+
+def no_corruption(mesh) -> list:
+    batch = {"input_ids": torch.randint(3, 97, (4, 12), generator=torch.Generator().manual_seed(mesh.rank))}
+    out = []
+    for do_generate in (False, True):
+        ecfg = EngineConfig(zero_stage=3, inference_tp_size=2)
+        mesh.inference_tp_size, mesh._tp_group = 2, None
+        eng = TrainEngine(tiny_model("llama"), mesh, ecfg, TrainConfig(lr=1e-2, warmup_steps=0))
+        hy = HybridEngine(eng, Tok, ecfg)
+        step_loss(eng, batch)
+        if do_generate:
+            hy.generate(mixed_prompts(seed=mesh.rank), SamplingParams(temperature=1.0, max_new_tokens=6))
+        out.append(step_loss(eng, batch))
+    return out
+
+
+def main(out: str) -> None:
+    mesh = init_mesh(EngineConfig(timeout_s=120))
+    res = {}
+    for family in ("llama", "qwen2", "mistral"):
+        for tp in (1, 2):
+            res[f"{family}_tp{tp}"] = check(mesh, family, tp)
+    res["llama_hf_fsdp"] = check(mesh, "llama", 1, hybrid=False)
+    res["no_corruption"] = no_corruption(mesh)
+    gathered = mesh.all_gather_object(res)
+    if mesh.is_main:
+        Path(out).write_text(json.dumps(gathered))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
