@@ -43,10 +43,22 @@ def left_pad(prompts: List[List[int]], pad_id: int, device=None):
     return ids.to(device), mask.to(device)
 
 
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., in] @ w_t [in, out] (+ bias) as one 2-D GEMM (pre-transposed weights: no packing
+    of a transposed operand on every call, about 2x faster than F.linear at decode sizes on CPU)."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(bias, flat, w_t) if bias is not None else flat @ w_t
+    return y.view(*x.shape[:-1], w_t.shape[1])
+
+
 class InferenceModel:
     def __init__(self, root: Dict[str, torch.Tensor], layers: List[Dict[str, torch.Tensor]], policy: Policy,
                  tp: int = 1, tp_group=None, dtype: torch.dtype = torch.float32):
-        self.root, self.layers, self.p = root, layers, policy
+        t = lambda d: {k: (v.t().contiguous() if k in MATRICES else v) for k, v in d.items()}  # noqa: E731
+        self.root, self.layers, self.p = t(root), [t(w) for w in layers], policy
         self.tp, self.tp_group, self.dtype = tp, tp_group, dtype
         self.hq, self.hk = policy.num_heads // tp, policy.num_kv_heads // tp
         self.d = policy.head_dim
@@ -77,31 +89,33 @@ class InferenceModel:
         B, T = ids.shape
         end = start + T
         x = F.embedding(ids, self.root["embed"]).to(self.dtype)
-        cos, sin = rotary_cos_sin(self.root["inv_freq"], positions, float(self.root["rope_scaling"]), self.dtype)
-        q_idx = torch.arange(start, end, device=ids.device)[:, None]
-        k_idx = torch.arange(end, device=ids.device)[None, :]
-        allowed = k_idx <= q_idx
-        if self.p.sliding_window:
-            allowed = allowed & (q_idx - k_idx < self.p.sliding_window)
-        mask = allowed[None, None] & key_valid[:, None, None, :end].bool()
+        rot = rotary_cos_sin(self.root["inv_freq"], positions, float(self.root["rope_scaling"]), self.dtype)
+        mask = key_valid[:, None, None, :end]
+        if T > 1 or (self.p.sliding_window and end > self.p.sliding_window):
+            q_idx = torch.arange(start, end, device=ids.device)[:, None]
+            k_idx = torch.arange(end, device=ids.device)[None, :]
+            allowed = k_idx <= q_idx
+            if self.p.sliding_window:
+                allowed = allowed & (q_idx - k_idx < self.p.sliding_window)
+            mask = allowed[None, None] & mask
         hq, hk, d = self.hq, self.hk, self.d
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["ln1"], self.p.eps)
-            qkv = F.linear(h, w["wqkv"], w.get("bqkv"))
+            qkv = _mm(h, w["wqkv"], w.get("bqkv"))
             q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
             q = q.view(B, T, hq, d).transpose(1, 2)
             k = k.view(B, T, hk, d).transpose(1, 2)
             v = v.view(B, T, hk, d).transpose(1, 2)
-            q, k = apply_rotary(q, k, cos, sin)
+            q, k = apply_rotary(q, rot), apply_rotary(k, rot)
             self.cache_k[li, :, :, start:end] = k
             self.cache_v[li, :, :, start:end] = v
             a = attend(q, self.cache_k[li, :, :, :end], self.cache_v[li, :, :, :end], mask)
-            x = x + self._all_reduce(F.linear(a.transpose(1, 2).reshape(B, T, hq * d), w["wo"]))
+            x = x + self._all_reduce(_mm(a.transpose(1, 2).reshape(B, T, hq * d), w["wo"]))
             h = rms_norm(x, w["ln2"], self.p.eps)
-            gate, up = F.linear(h, w["w_gate_up"]).chunk(2, dim=-1)
-            x = x + self._all_reduce(F.linear(F.silu(gate) * up, w["w_down"]))
+            gate, up = _mm(h, w["w_gate_up"]).chunk(2, dim=-1)
+            x = x + self._all_reduce(_mm(F.silu(gate) * up, w["w_down"]))
         x = rms_norm(x, self.root["norm"], self.p.eps)
-        return F.linear(x, self.root["lm_head"].to(self.dtype))
+        return _mm(x, self.root["lm_head"])
 
     # ---- decode loop ----
     @torch.no_grad()

@@ -14,6 +14,8 @@ from typing import Dict, Optional
 
 import torch
 
+from rlhf.ops.rotary import interleave_permutation
+
 FAMILIES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at init
 
@@ -48,7 +50,8 @@ class Policy:
         i = self.intermediate_size // tp
         ms = slice(tp_rank * i, (tp_rank + 1) * i)
         w = {
-            "wqkv": torch.cat([a.q_proj.weight[qs], a.k_proj.weight[ks], a.v_proj.weight[ks]]),
+            "wqkv": torch.cat([self._interleave(a.q_proj.weight[qs]), self._interleave(a.k_proj.weight[ks]),
+                               a.v_proj.weight[ks]]),
             "wo": a.o_proj.weight[:, qs].clone(memory_format=torch.contiguous_format),
             "w_gate_up": torch.cat([m.gate_proj.weight[ms], m.up_proj.weight[ms]]),
             "w_down": m.down_proj.weight[:, ms].clone(memory_format=torch.contiguous_format),
@@ -56,8 +59,15 @@ class Policy:
             "ln2": layer.post_attention_layernorm.weight.detach().clone(),
         }
         if self.qkv_bias:
-            w["bqkv"] = torch.cat([a.q_proj.bias[qs], a.k_proj.bias[ks], a.v_proj.bias[ks]])
+            w["bqkv"] = torch.cat([self._interleave(a.q_proj.bias[qs]), self._interleave(a.k_proj.bias[ks]),
+                                   a.v_proj.bias[ks]])
         return {k: v.detach() for k, v in w.items()}
+
+    def _interleave(self, w: torch.Tensor) -> torch.Tensor:
+        """Rows of a q/k projection (per head) into the rotary-interleaved layout (rlhf.ops.rotary)."""
+        d = self.head_dim
+        perm = interleave_permutation(d).to(w.device)
+        return w.reshape(-1, d, *w.shape[1:])[:, perm].reshape(w.shape)
 
     def root_weights(self, model) -> Dict[str, torch.Tensor]:
         base = model.model

@@ -1,19 +1,26 @@
+"""Rotary embedding in the interleaved layout, as one complex multiplication.
+
+HF rotates dimension j of a head with dimension j + d/2 ("rotate_half"). The injection policy
+permutes the rows of the q and k projections so that those pairs sit next to each other
+(2j, 2j+1): attention only uses q·k, which the same permutation of both leaves unchanged, and the
+rotation becomes q ⊙ e^{iθ} on complex pairs — one op instead of seven.
+"""
 import torch
 
 
+def interleave_permutation(head_dim: int) -> torch.Tensor:
+    """New dimension 2j ← old j, 2j+1 ← old j + d/2."""
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+
+
 def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float, dtype: torch.dtype):
-    """cos/sin tables [B, T, head_dim] for integer ``positions`` [B, T] (fp32 math, as HF)."""
-    freqs = positions.float()[..., None] * inv_freq.float()[None, None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    """Complex rotations [B, T, d/2] (scaling · e^{i·pos·inv_freq}) for integer ``positions`` [B, T]."""
+    angles = positions.float()[..., None] * inv_freq.float()[None, None, :]
+    return torch.polar(torch.full_like(angles, scaling), angles)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [B, H, T, d], k [B, KV, T, d]; cos/sin [B, T, d]."""
-    cos, sin = cos[:, None], sin[:, None]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, d] in the interleaved layout; rot [B, T, d/2] complex."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * rot[:, None]).flatten(-2).to(x.dtype)

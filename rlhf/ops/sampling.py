@@ -51,5 +51,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
         scaled = logits / p.temperature
         logp = torch.log_softmax(scaled, -1)
         probs = filter_logits(allowed / p.temperature, p.top_k, p.top_p).softmax(-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        # Inverse CDF: one uniform draw per row (torch.multinomial draws far more on CPU).
+        cdf = probs.cumsum(-1)
+        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
