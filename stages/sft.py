@@ -16,6 +16,7 @@ from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.engine.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.evaluation import gold_score
@@ -62,6 +63,7 @@ def run(cfg: Config) -> None:
     if mesh.is_main:
         loading.resize_for_tokenizer(model, tokenizer)
     engine = TrainEngine(model, mesh, cfg.engine, t)
+    actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
     start = 0
     if ckpt is not None:
         start = load_checkpoint(ckpt, {"actor": engine}, mesh)["step"]
@@ -82,8 +84,7 @@ def run(cfg: Config) -> None:
         if eval_cols is not None:
             results["eval/loss"] = eval_loss(engine, eval_cols, pad, d.mask_prompt, micro, mesh)
         if data.gold is not None:
-            with engine.gathered() as policy:
-                results.update(gold_score(policy, tokenizer, data.eval, data.gold, cfg.eval, mesh))
+            results.update(gold_score(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh))
         metrics.log(step, **results)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
         return results

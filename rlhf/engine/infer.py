@@ -31,6 +31,10 @@ class Generation:
     def responses(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_len:]
 
+    def rows(self, start: int, stop: int) -> "Generation":
+        return Generation(self.sequences[start:stop], self.attention_mask[start:stop],
+                          self.response_mask[start:stop], self.logprobs[start:stop], self.prompt_len)
+
 
 def left_pad(prompts: List[List[int]], pad_id: int, device=None):
     n = max(len(p) for p in prompts)
@@ -97,7 +101,7 @@ class InferenceModel:
             allowed = k_idx <= q_idx
             if self.p.sliding_window:
                 allowed = allowed & (q_idx - k_idx < self.p.sliding_window)
-            mask = allowed[None, None] & mask
+            mask = (allowed[None, None] & mask) | (q_idx == k_idx)[None, None]  # pads see themselves
         hq, hk, d = self.hq, self.hk, self.d
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["ln1"], self.p.eps)

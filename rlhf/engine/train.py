@@ -175,31 +175,5 @@ class TrainEngine:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         return get_model_state_dict(self.model, options=opts)
 
-    @contextlib.contextmanager
-    def gathered(self):
-        """A plain (unwrapped) module holding every weight on every rank, for generation outside
-        training mode. Single process / DDP: the module itself. FSDP2: a temporary unsharded copy."""
-        if not self.is_fsdp:
-            yield self.module
-            return
-        from torch.distributed.fsdp import FSDPModule
-        sd = self.full_state_dict(all_ranks=True)
-        orig_cls = next(c for c in type(self.module).__mro__ if not issubclass(c, FSDPModule))
-        with torch.device("meta"):
-            copy = orig_cls(self.module.config)
-        copy.load_state_dict(sd, assign=True, strict=False)
-        if hasattr(copy, "tie_weights"):
-            copy.tie_weights()
-        for (name, buf), (_, src) in zip(copy.named_buffers(), self.module.named_buffers()):
-            mod_name, _, attr = name.rpartition(".")
-            setattr(copy.get_submodule(mod_name) if mod_name else copy, attr, src.detach().clone())
-        still_meta = [n for n, p in copy.named_parameters() if p.is_meta]
-        if still_meta:
-            raise RuntimeError(f"gathered copy is missing weights: {still_meta[:3]}")
-        try:
-            yield copy.eval()
-        finally:
-            del copy, sd
-
     def trainable_parameters(self) -> Iterable[nn.Parameter]:
         return (p for p in self.model.parameters() if p.requires_grad)

@@ -22,5 +22,6 @@ def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: flo
 
 def apply_rotary(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, d] in the interleaved layout; rot [B, T, d/2] complex."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * rot[:, None]).flatten(-2).to(x.dtype)
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = torch.view_as_real(torch.view_as_complex(xf.reshape(*x.shape[:-1], -1, 2)) * rot[:, None]).flatten(-2)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
