@@ -225,6 +225,62 @@ class RewardConfig:
 
 
 @dataclass
+class AlgorithmConfig:
+    """RL estimator and its coefficients (rlhf/algorithms/ppo.py)."""
+    estimator: str = "gae"  # gae (PPO with critic) | grpo | rloo | reinforce_pp (critic-free)
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05  # β of the per-token KL penalty (GRPO: of the KL loss term)
+    kl_estimator: str = "k1"  # k1 | k2 | k3
+    kl_target: Optional[float] = None  # adaptive β (Ziegler et al.) when set
+    kl_horizon: int = 10000
+    clip_ratio: float = 0.2
+    dual_clip: Optional[float] = None  # e.g. 3.0
+    value_clip: Optional[float] = 0.2
+    whiten_advantages: bool = True
+    entropy_coef: float = 0.0
+    ptx_coef: float = 0.0  # PPO-ptx: language-model loss on SFT data
+    reward_clip: Optional[float] = 5.0
+    reward_norm: str = "stats"  # stats (reward stage's mean/std) | running | none
+    no_eos_penalty: float = -1.0  # added to the score of a response that never ends (0 = off)
+
+    def __post_init__(self):
+        _check(self.estimator in ("gae", "grpo", "rloo", "reinforce_pp"), "algorithm.estimator", self.estimator,
+               "gae, grpo, rloo or reinforce_pp")
+        _check(self.kl_estimator in ("k1", "k2", "k3"), "algorithm.kl_estimator", self.kl_estimator, "k1, k2 or k3")
+        _check(self.reward_norm in ("stats", "running", "none"), "algorithm.reward_norm", self.reward_norm,
+               "stats, running or none")
+        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", (self.gamma, self.lam), "0..1")
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "a non-negative number")
+
+
+@dataclass
+class PPOConfig:
+    """Experience and update sizes (units in the names: DESIGN.md habit 6)."""
+    prompts_per_step: int = 32  # over all ranks
+    samples_per_prompt: int = 4
+    ppo_epochs: int = 4
+    minibatches_per_epoch: int = 2
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    critic_lr: float = 1e-4
+    use_reward_model: bool = True
+    reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
+    reward_fn_weight: float = 1.0
+    ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
+    max_nonfinite_in_a_row: int = 3
+
+    def __post_init__(self):
+        for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch",
+                    "max_new_tokens"):
+            _check(getattr(self, key) > 0, f"ppo.{key}", getattr(self, key), "a positive integer")
+        _check(self.temperature > 0, "ppo.temperature", self.temperature, "a positive number (sampling)")
+
+
+@dataclass
 class LauncherConfig:
     """Self-launch through torch.distributed.run (CONTRACT.md); nproc_per_node=0 = no self-launch."""
     nnodes: int = 1
@@ -246,6 +302,8 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self):

@@ -40,7 +40,7 @@ def _broadcast_buffers(model: nn.Module) -> None:
         dist.broadcast(buf.data, src=0)
 
 
-def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
+def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool = True) -> nn.Module:
     """Applies the ZeRO stage; on ranks > 0 ``model`` may be on the meta device (weights come from rank 0)."""
     if ecfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -52,6 +52,10 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
             if hasattr(model, "tie_weights"):  # to_empty unties shared parameters
                 model.tie_weights()
         model = model.to(mesh.device)
+        if not trainable:  # nothing to reduce: replicate rank 0's weights and stop there
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+            return model
         # DDP broadcasts rank 0's parameters and buffers at construction.
         return nn.parallel.DistributedDataParallel(
             model, device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
@@ -87,6 +91,28 @@ def param_groups(model: nn.Module, weight_decay: float):
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class FrozenModel:
+    """A model that only runs forward (reference policy, reward model), sharded like the trainee."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, ecfg: EngineConfig):
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.mesh, self.ecfg = mesh, ecfg
+        self.model = wrap_model(model, mesh, ecfg, trainable=False).eval()
+        self.is_fsdp = mesh.distributed and ecfg.zero_stage > 0
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
+
+    @torch.no_grad()
+    def forward(self, **batch):
+        ctx = (torch.autocast(self.mesh.device.type, dtype=torch.bfloat16)
+               if self.ecfg.precision == "bf16" and not self.is_fsdp else contextlib.nullcontext())
+        with ctx:
+            return self.model(**batch)
 
 
 class TrainEngine:
@@ -138,12 +164,16 @@ class TrainEngine:
             loss.backward()
 
     def step(self) -> float:
-        """Clips, steps optimizer and schedule; returns the gradient norm before clipping."""
+        """Clips, steps optimizer and schedule; returns the gradient norm before clipping. A
+        non-finite norm skips the update (gradients dropped, weights and schedule unchanged)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float(norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

@@ -1,0 +1,195 @@
+"""PPO and critic-free estimators as pure tensor functions (no model, no distributed code).
+
+Shapes: [B, N] over response tokens, ``mask`` 1 on real response tokens (EOS included).
+References: Schulman et al. 2017 (PPO), 2016 (GAE); Ziegler et al. 2019 (per-token KL penalty,
+adaptive β); DeepSpeed-Chat step 3 (reward at the last token, clipped value loss); Huang et al.
+2024 "The N implementation details of RLHF with PPO"; Shao et al. 2024 (GRPO); Ahmadian et al. 2024
+(RLOO); Hu 2025 (REINFORCE++).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over masked entries (mean kept when ``shift_mean`` is False)."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+# ---- KL estimators of KL(π || π_ref) per token, from log π and log π_ref of the sampled tokens ----
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
+    """k1 = log π − log π_ref (unbiased, can be negative); k2 = ½(log ratio)²;
+    k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 (unbiased, ≥ 0; Schulman's approximation)."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio ** 2
+    if kind == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {kind}")
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """Index of the last response token of each row (0 for an empty row)."""
+    t = torch.arange(mask.shape[1], device=mask.device)
+    return (t[None, :] * mask.long()).argmax(-1)
+
+
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float, clip: Optional[float] = None) -> Tensor:
+    """Per-token reward −β·KL_t, plus the (clipped) sequence score at the last response token
+    (DeepSpeed-Chat's compute_rewards)."""
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    rewards = -beta * kl * mask
+    idx = last_token_index(mask)
+    return rewards.scatter_add(1, idx[:, None], scores[:, None].to(rewards.dtype))
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> Tuple[Tensor, Tensor]:
+    """Generalised advantage estimation. δ_t = r_t + γ V_{t+1} − V_t (V = 0 after the last token);
+    A_t = δ_t + γλ A_{t+1}. Returns (advantages, returns = A + V), zero outside ``mask``."""
+    values = values * mask
+    rewards = rewards * mask
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[:, 0])
+    n = rewards.shape[1]
+    for t in reversed(range(n)):
+        next_v = values[:, t + 1] if t + 1 < n else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        last = (delta + gamma * lam * last) * mask[:, t]
+        adv[:, t] = last
+    return adv, (adv + values) * mask
+
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """G_t = Σ_{k≥t} γ^{k−t} r_k over the response (REINFORCE++'s token-level return)."""
+    out = torch.zeros_like(rewards)
+    run = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        run = (rewards[:, t] + gamma * run) * mask[:, t]
+        out[:, t] = run
+    return out
+
+
+def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO outcome advantages: (r − mean_group) / (std_group + eps), the same on every token."""
+    g = scores.view(-1, group_size)
+    adv = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True, unbiased=True) + eps)
+    return adv.reshape(-1, 1) * mask
+
+
+def rloo_advantages(scores: Tensor, group_size: int, mask: Tensor) -> Tensor:
+    """RLOO: r_i − mean of the other k−1 samples of the same prompt, on every token."""
+    g = scores.view(-1, group_size)
+    baseline = (g.sum(1, keepdim=True) - g) / max(group_size - 1, 1)
+    return (g - baseline).reshape(-1, 1) * mask
+
+
+def _reduce(loss: Tensor, mask: Tensor, normalizer: Optional[float]) -> Tensor:
+    """Masked mean, or the masked sum over ``normalizer`` (e.g. the global token count / world size,
+    so that data-parallel ranks reproduce one process)."""
+    return masked_mean(loss, mask) if normalizer is None else (loss * mask).sum() / normalizer
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: float = 0.2,
+                dual_clip: Optional[float] = None, normalizer: Optional[float] = None) -> Tuple[Tensor, dict]:
+    """Clipped surrogate −min(ρA, clip(ρ, 1±ε)A); with dual-clip (Ye et al. 2020) the loss of a
+    negative advantage is capped at −c·A. Returns (loss, stats)."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip, 1.0 + clip)
+    loss = torch.max(loss1, loss2)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.min(loss, -adv * dual_clip), loss)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((loss2 > loss1).float(), mask),
+                 "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask)}
+    return _reduce(loss, mask, normalizer), stats
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: Optional[float] = 0.2, normalizer: Optional[float] = None) -> Tensor:
+    """½·max((V − R)², (clip(V, V_old ± ε) − R)²) (DeepSpeed-Chat's critic_loss_fn)."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.max(loss, (clipped - returns) ** 2)
+    return 0.5 * _reduce(loss, mask, normalizer)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    var_r = masked_var(returns, mask)
+    return 1.0 - masked_var(returns - values, mask) / var_r.clamp(min=1e-8)
+
+
+class AdaptiveKL:
+    """Ziegler et al. 2019: β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon). Fixed when target is None."""
+
+    def __init__(self, beta: float, target: Optional[float] = None, horizon: int = 10000):
+        self.beta, self.target, self.horizon = beta, target, horizon
+
+    def update(self, kl: float, n_steps: int) -> None:
+        if self.target is None:
+            return
+        err = max(min(kl / self.target - 1.0, 0.2), -0.2)
+        self.beta *= 1.0 + err * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.beta, self.target, self.horizon = s["beta"], s["target"], s["horizon"]
+
+
+class RunningMoments:
+    """Running mean/std (Chan et al. parallel update) for reward normalisation."""
+
+    def __init__(self):
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+
+    def update(self, x: Tensor) -> None:
+        n = x.numel()
+        if n == 0:
+            return
+        m, v = float(x.mean()), float(x.var(unbiased=False))
+        delta, total = m - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var = (self.var * self.count + v * n + delta ** 2 * self.count * n / total) / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return max(self.var, 1e-12) ** 0.5
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.mean, self.var, self.count = s["mean"], s["var"], s["count"]
