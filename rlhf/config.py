@@ -263,7 +263,7 @@ class PPOConfig:
     minibatches_per_epoch: int = 2
     max_new_tokens: int = 16
     min_new_tokens: int = 0
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy (log-probs then at temperature 1)
     top_k: int = 0
     top_p: float = 1.0
     critic_lr: float = 1e-4
@@ -277,7 +277,7 @@ class PPOConfig:
         for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch",
                     "max_new_tokens"):
             _check(getattr(self, key) > 0, f"ppo.{key}", getattr(self, key), "a positive integer")
-        _check(self.temperature > 0, "ppo.temperature", self.temperature, "a positive number (sampling)")
+        _check(self.temperature >= 0, "ppo.temperature", self.temperature, "a non-negative number (0 = greedy)")
 
 
 @dataclass

@@ -37,7 +37,7 @@ def run(cfg: Config) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rlhf.algorithms import ppo as A
-    from rlhf.models.value import ScalarHeadModel
+    from rlhf.models.value import ScalarHeadModel, head_module
     from rlhf.ops import SamplingParams
     from rlhf.rewards import resolve
 
@@ -79,16 +79,22 @@ def run(cfg: Config) -> None:
         return loading.build_model(AutoModelForCausalLM, config=cfg_, path=actor_src, on_meta=not mesh.is_main,
                                    trust_remote_code=cfg.model.trust_remote_code)
 
-    def scalar_model():
+    def scalar_model(scale: float = 1.0):
         cfg_ = loading.load_config(str(rm_src), False)
-        return ScalarHeadModel(loading.build_model(AutoModelForSequenceClassification, config=cfg_, path=str(rm_src),
-                                                   on_meta=not mesh.is_main))
+        model = loading.build_model(AutoModelForSequenceClassification, config=cfg_, path=str(rm_src),
+                                    on_meta=not mesh.is_main)
+        if scale != 1.0 and mesh.is_main:
+            with torch.no_grad():
+                head_module(model).weight.mul_(scale)
+        return ScalarHeadModel(model)
 
     updates_per_step = p.ppo_epochs * p.minibatches_per_epoch
     actor = TrainEngine(causal_lm(), mesh, cfg.engine, t, total_steps=t.max_steps * updates_per_step)
     hybrid = HybridEngine(actor, tokenizer, cfg.engine)
     ref = FrozenModel(causal_lm(), mesh, cfg.engine)
-    critic = (TrainEngine(scalar_model(), mesh, cfg.engine, t, total_steps=t.max_steps * updates_per_step,
+    # The critic starts as the reward model, rescaled to the normalised rewards it will predict.
+    critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" else 1.0
+    critic = (TrainEngine(scalar_model(critic_scale), mesh, cfg.engine, t, total_steps=t.max_steps * updates_per_step,
                           lr=p.critic_lr) if needs_critic else None)
     reward_model = FrozenModel(scalar_model(), mesh, cfg.engine) if use_rm else None
     ema = EMA(actor, p.ema_decay) if p.ema_decay else None
@@ -111,6 +117,7 @@ def run(cfg: Config) -> None:
     batches = GlobalBatches(len(prompt_ids), p.prompts_per_step, cfg.run.seed)
     n = p.samples_per_prompt
     fmt = cfg.data.source_list()[0].format
+    temp = p.temperature if p.temperature > 0 else 1.0  # log-probs of greedy rollouts: temperature 1
 
     def evaluate(step):
         if data.gold is None:
@@ -139,8 +146,8 @@ def run(cfg: Config) -> None:
         seq, att, mask, P = gen.sequences, gen.attention_mask, gen.response_mask.float(), gen.prompt_len
         examples = [data.train[i] for i in idx for _ in range(n)]
         with torch.no_grad():
-            old_logp = logprobs_of(actor, seq, att, P, p.temperature)
-            ref_logp = logprobs_of(ref, seq, att, P, p.temperature)
+            old_logp = logprobs_of(actor, seq, att, P, temp)
+            ref_logp = logprobs_of(ref, seq, att, P, temp)
             values = critic_values(critic, seq, att, P) * mask if critic is not None else None
             score = torch.zeros(seq.shape[0])
             if reward_model is not None:
@@ -169,40 +176,41 @@ def run(cfg: Config) -> None:
         stats_acc = {}
         g = torch.Generator().manual_seed(cfg.run.seed + 31 * step)
         rows = seq.shape[0]
+        global_ids = global_rows(rows, n, mesh)
         for _ in range(p.ppo_epochs):
-            order = torch.randperm(rows, generator=g)
-            for mb in order.chunk(p.minibatches_per_epoch):
-                tokens = mesh.sum(float(mask[mb].sum()))
+            for mb, weight in minibatches(global_ids, p.prompts_per_step * n, p.minibatches_per_epoch, g):
+                mask_mb = mask[mb] * weight  # a rank with no row here runs one zero-weight row (collectives)
+                tokens = mesh.sum(float(mask_mb.sum()))
                 logits = actor.forward(input_ids=seq[mb], attention_mask=att[mb],
                                        position_ids=_positions(att[mb])).logits[:, P - 1:-1].float()
-                logp = torch.log_softmax(logits / p.temperature, -1).gather(-1, seq[mb, P:, None]).squeeze(-1)
-                pl, st = A.policy_loss(logp, old_logp[mb], adv[mb], mask[mb], alg.clip_ratio, alg.dual_clip,
+                logp = torch.log_softmax(logits / temp, -1).gather(-1, seq[mb, P:, None]).squeeze(-1)
+                pl, st = A.policy_loss(logp, old_logp[mb], adv[mb], mask_mb, alg.clip_ratio, alg.dual_clip,
                                        normalizer=tokens / mesh.world_size)
                 loss = pl
                 if alg.estimator == "grpo":  # GRPO keeps the KL out of the reward, as a loss term
                     kl_term = A.kl_penalty(logp, ref_logp[mb], "k3")
-                    loss = loss + kl_ctl.beta * (kl_term * mask[mb]).sum() / (tokens / mesh.world_size)
-                ent = (A.entropy_from_logits(logits.detach()) * mask[mb]).sum() / max(float(mask[mb].sum()), 1)
+                    loss = loss + kl_ctl.beta * (kl_term * mask_mb).sum() / (tokens / mesh.world_size)
+                ent = (A.entropy_from_logits(logits.detach()) * mask_mb).sum() / max(float(mask_mb.sum()), 1)
                 if alg.entropy_coef:
-                    loss = loss - alg.entropy_coef * (A.entropy_from_logits(logits) * mask[mb]).sum() / (
+                    loss = loss - alg.entropy_coef * (A.entropy_from_logits(logits) * mask_mb).sum() / (
                         tokens / mesh.world_size)
                 ok = mesh.sum(float(torch.isfinite(loss))) == mesh.world_size
                 if ok:
                     actor.backward(loss)
                     ok = _finite(actor.step())
-                _acc(stats_acc, {"actor/loss": float(pl), "clipfrac": float(st["clipfrac"]),
+                _acc(stats_acc, {"actor/loss": float(pl.detach()), "clipfrac": float(st["clipfrac"]),
                                  "approx_kl": float(st["approx_kl"]), "entropy": float(ent)})
                 skipped_in_a_row = 0 if ok else skipped_in_a_row + 1
                 if not ok:
                     stats_acc["nonfinite_skipped"] = stats_acc.get("nonfinite_skipped", 0) + 1
                 if critic is not None:
                     v = critic_values(critic, seq[mb], att[mb], P, grad=True)
-                    vl = A.value_loss(v, values[mb], returns[mb], mask[mb], alg.value_clip,
+                    vl = A.value_loss(v, values[mb], returns[mb], mask_mb, alg.value_clip,
                                       normalizer=tokens / mesh.world_size)
                     if mesh.sum(float(torch.isfinite(vl))) == mesh.world_size:
                         critic.backward(vl)
                         critic.step()
-                    _acc(stats_acc, {"critic/loss": float(vl)})
+                    _acc(stats_acc, {"critic/loss": float(vl.detach())})
                 if skipped_in_a_row >= p.max_nonfinite_in_a_row:
                     raise Diverged(f"ppo: {skipped_in_a_row} updates in a row had a non-finite loss or gradient "
                                    f"at step {step + 1}; stopping (the last good checkpoint is kept)")
@@ -248,6 +256,27 @@ def run(cfg: Config) -> None:
     metrics.close()
     log.info("ppo done: %s", ctx.out / "actor")
     shutdown(mesh)
+
+
+def global_rows(rows: int, n: int, mesh):
+    """Global index of each local experience row: rank r holds prompts r, r+W, r+2W, ... (n rows each)."""
+    import torch
+    j = torch.arange(rows)
+    return ((j // n) * mesh.world_size + mesh.rank) * n + j % n
+
+
+def minibatches(global_ids, total_rows: int, count: int, generator):
+    """This rank's rows of each global minibatch of a seeded shuffle of all rows, so that N ranks
+    update on exactly the minibatches one process would. Yields (local row indices, weight)."""
+    import torch
+    perm = torch.randperm(total_rows, generator=generator)
+    where = {int(gid): i for i, gid in enumerate(global_ids)}
+    for chunk in perm.chunk(count):
+        local = [where[int(x)] for x in chunk if int(x) in where]
+        if local:
+            yield torch.tensor(local), 1.0
+        else:
+            yield torch.tensor([0]), 0.0
 
 
 def _positions(att):

@@ -61,3 +61,11 @@ def default_sft_run(tmp_path_factory):
     proc = run_cli("stage=sft", f"run.dir={run_dir}", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def default_reward_run(default_sft_run):
+    """`python -m rlhf stage=reward run.dir=D` with no other overrides, after the default SFT run."""
+    proc = run_cli("stage=reward", f"run.dir={default_sft_run}", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return default_sft_run

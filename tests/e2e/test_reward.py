@@ -4,14 +4,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import quick_sft_args, run_cli
-
-
-@pytest.fixture(scope="session")
-def default_reward_run(default_sft_run):
-    proc = run_cli("stage=reward", f"run.dir={default_sft_run}", timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return default_sft_run
+from tests.conftest import quick_sft_args, run_cli  # noqa: F401
 
 
 def test_default_reward_run(default_reward_run):

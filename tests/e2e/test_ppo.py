@@ -1,0 +1,148 @@
+"""PPO through the CLI: the embedded default (after SFT and reward), critic-free GRPO with the rule
+reward, hybrid vs HF experience, resume after SIGKILL, non-finite updates, real data."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import ENV, ROOT, quick_sft_args, run_cli
+
+
+def rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def gold_of(path):
+    return [r["gold/score"] for r in rows(path) if "gold/score" in r]
+
+
+@pytest.fixture(scope="session")
+def small_pipeline(tmp_path_factory):
+    """A quick SFT + reward run (seconds) for the PPO mechanics tests."""
+    run_dir = tmp_path_factory.mktemp("ppo") / "run"
+    assert run_cli(*quick_sft_args(run_dir, steps=60), "train.save_every=0").returncode == 0
+    proc = run_cli("stage=reward", f"run.dir={run_dir}", "train.max_steps=30", "train.save_every=0",
+                   "logger.progress=false", "data.synthetic.num_records=2000")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir
+
+
+def quick_ppo(run_dir, *extra):
+    return ["stage=ppo", f"run.dir={run_dir}", "train.max_steps=4", "ppo.prompts_per_step=8",
+            "ppo.samples_per_prompt=2", "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=2", "logger.progress=false",
+            "eval.gold_prompts=8", "eval.gold_samples=1", "train.eval_every=0", "train.save_every=0",
+            "data.synthetic.num_records=2000", *extra]
+
+
+@pytest.mark.slow  # about 4.5 minutes; issue 5's acceptance bar (+0.3 gold), not yet reached by GAE
+def test_default_ppo_beats_sft(default_reward_run):
+    proc = run_cli("stage=ppo", f"run.dir={default_reward_run}", timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = default_reward_run / "ppo"
+    gold = gold_of(out / "metrics.jsonl")
+    sft_gold = gold_of(default_reward_run / "sft" / "metrics.jsonl")[-1]
+    assert gold[0] == pytest.approx(sft_gold)  # the same prompts and decoding as the SFT stage's
+    assert gold[-1] >= sft_gold + 0.3, (sft_gold, gold)
+    steps = [r for r in rows(out / "metrics.jsonl") if "reward/mean" in r]
+    assert max(r["kl/mean"] for r in steps) < 3.0
+    first = sum(r["reward/mean"] for r in steps[:10]) / 10
+    last = sum(r["reward/mean"] for r in steps[-10:]) / 10
+    assert last > first
+    for name in ("actor", "critic"):
+        assert (out / name / "model.safetensors").is_file()
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    AutoModelForCausalLM.from_pretrained(out / "actor")
+    AutoModelForSequenceClassification.from_pretrained(out / "critic")
+
+
+def test_grpo_with_rule_reward_beats_sft(default_sft_run, tmp_path):
+    import shutil
+    shutil.copytree(default_sft_run / "sft", tmp_path / "sft")
+    proc = run_cli("stage=ppo", f"run.dir={tmp_path}", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
+                   "ppo.reward_fn=rlhf.rewards.gold", timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gold = gold_of(tmp_path / "ppo" / "metrics.jsonl")
+    assert gold[-1] >= gold[0] + 0.3, gold
+    assert not (tmp_path / "ppo" / "critic").exists()  # critic-free: no critic loaded or saved
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+def test_other_estimators_run(small_pipeline, tmp_path, estimator):
+    import shutil
+    shutil.copytree(small_pipeline, tmp_path / "run")
+    proc = run_cli(*quick_ppo(tmp_path / "run", f"algorithm.estimator={estimator}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = [x for x in rows(tmp_path / "run" / "ppo" / "metrics.jsonl") if "reward/mean" in x]
+    assert len(r) == 4 and all("critic/loss" not in x for x in r)
+
+
+def test_hybrid_and_hf_give_identical_greedy_experience(small_pipeline, tmp_path):
+    import shutil
+    firsts = []
+    for hybrid in ("true", "false"):
+        d = tmp_path / hybrid
+        shutil.copytree(small_pipeline, d)
+        proc = run_cli(*quick_ppo(d, "ppo.temperature=0", f"engine.hybrid={hybrid}", "train.max_steps=1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        firsts.append([x for x in rows(d / "ppo" / "metrics.jsonl") if "reward/mean" in x][0])
+    a, b = firsts
+    for k in ("reward/mean", "kl/mean", "response/length", "actor/loss", "critic/loss"):
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+
+
+def test_ppo_resume_after_sigkill(small_pipeline, tmp_path):
+    import shutil
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    shutil.copytree(small_pipeline, ref)
+    shutil.copytree(small_pipeline, run)
+    args = ["train.max_steps=6", "train.save_every=2"]
+    assert run_cli(*quick_ppo(ref, *args)).returncode == 0
+    p = subprocess.Popen([sys.executable, "-m", "rlhf", *quick_ppo(run, *args)], cwd=ROOT, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "ppo/checkpoints/step_00000002/trainer_state.json").exists():
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    proc = run_cli(*quick_ppo(run, *args))
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
+    from safetensors.torch import load_file
+    for name in ("actor", "critic"):
+        a = load_file(str(ref / "ppo" / name / "model.safetensors"))
+        b = load_file(str(run / "ppo" / name / "model.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_nonfinite_rewards_skip_then_stop(small_pipeline, tmp_path):
+    import shutil
+    shutil.copytree(small_pipeline, tmp_path / "run")
+    proc = run_cli(*quick_ppo(tmp_path / "run", "ppo.reward_fn=tests.e2e.nan_reward.nan_reward",
+                              "ppo.max_nonfinite_in_a_row=2"))
+    assert proc.returncode == 2
+    assert "non-finite" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ppo_gsm8k_smoke(shared_data, tmp_path):
+    sft = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={shared_data / 'gsm8k/train.jsonl'}",
+                  "data.format=gsm8k", "train.max_steps=3", "train.global_batch=8", "train.save_every=0",
+                  "logger.progress=false", "data.max_prompt_len=96", "data.max_response_len=64",
+                  "eval.gold_prompts=4", "eval.max_new_tokens=8", "data.eval_size=16")
+    assert sft.returncode == 0, sft.stderr[-2000:]
+    proc = run_cli("stage=ppo", f"run.dir={tmp_path}", f"data.path={shared_data / 'gsm8k/train.jsonl'}",
+                   "data.format=gsm8k", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
+                   "ppo.reward_fn=rlhf.rewards.gold", "train.max_steps=2", "ppo.prompts_per_step=4",
+                   "ppo.samples_per_prompt=2", "ppo.max_new_tokens=16", "ppo.ppo_epochs=1",
+                   "ppo.minibatches_per_epoch=1", "data.max_prompt_len=96", "eval.gold_prompts=4",
+                   "eval.max_new_tokens=8", "data.eval_size=16", "logger.progress=false", "train.save_every=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gold/score" in rows(tmp_path / "ppo" / "metrics.jsonl")[-1]
+
+
+def test_ppo_without_reward_model_exits_2(tmp_path):
+    assert run_cli(*quick_sft_args(tmp_path, steps=2), "train.save_every=0").returncode == 0
+    proc = run_cli("stage=ppo", f"run.dir={tmp_path}", timeout=120)
+    assert proc.returncode == 2 and "run stage=reward first" in proc.stderr
