@@ -12,6 +12,7 @@ from rlhf.config import EvalConfig
 from rlhf.data.records import Example
 from rlhf.engine.mesh import Mesh
 from rlhf.ops import SamplingParams
+from rlhf.runtime import rank_batches
 
 
 def gold_prompts(held_out: List[Example], ecfg: EvalConfig) -> List[Example]:
@@ -25,23 +26,20 @@ def gold_score(generate, tokenizer, held_out: List[Example], scorer: Callable[[s
     examples = gold_prompts(held_out, ecfg)
     if not examples:
         return {}
-    mine = examples[mesh.rank::mesh.world_size]
-    encoded = tokenizer([e.prompt for e in mine], add_special_tokens=True)["input_ids"] if mine else []
+    encoded = tokenizer([e.prompt for e in examples], add_special_tokens=True)["input_ids"]
     results = {}
     modes = [("gold/score", ecfg.temperature, ecfg.gold_samples)]
     if ecfg.greedy_too and ecfg.temperature > 0:
         modes.append(("gold/score_greedy", 0.0, 1))
     for key, temperature, samples in modes:
         total, count = 0.0, 0
-        per_rank = -(-len(examples) // mesh.world_size)
-        for s in range(0, per_rank, ecfg.batch_size):  # the same number of calls on every rank
-            chunk = encoded[s:s + ecfg.batch_size]
+        for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):  # collective calls
             sp = SamplingParams(temperature=temperature, max_new_tokens=ecfg.max_new_tokens, n=samples,
-                                seed=ecfg.seed + s)
-            gen = generate(chunk, sp)
+                                seed=ecfg.seed + b * ecfg.batch_size)
+            gen = generate([encoded[i] for i in ix], sp)
             texts = tokenizer.batch_decode(
                 [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)], skip_special_tokens=True)
-            refs = [e.reference for e in mine[s:s + ecfg.batch_size] for _ in range(samples)]
+            refs = [examples[i].reference for i in ix for _ in range(samples)]
             total += sum(scorer(t, r) for t, r in zip(texts, refs))
             count += len(texts)
         results[key] = mesh.sum(total) / max(mesh.sum(count), 1)

@@ -44,6 +44,28 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
     return StageContext(cfg=cfg, mesh=mesh, out=run_dir / stage, cache_dir=cache)
 
 
+def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
+    """Restores ``engines`` from ``ckpt`` (if any) and opens the stage's metrics.jsonl, keeping only
+    the lines up to the checkpoint. Returns (start step, trainer state, metrics writer)."""
+    from rlhf.engine.checkpoint import load_checkpoint
+    from rlhf.logging import MetricsWriter
+    state = load_checkpoint(ckpt, engines, ctx.mesh) if ckpt is not None else {}
+    start = state.get("step", 0)
+    if ckpt is not None:
+        log.info("resumed from %s (step %d)", ckpt, start)
+    metrics = MetricsWriter(ctx.out / "metrics.jsonl", is_main=ctx.mesh.is_main,
+                            resume_step=start if ckpt is not None else None, cfg=ctx.cfg, stage=ctx.out.name)
+    return start, state, metrics
+
+
+def rank_batches(n: int, micro: int, mesh: Mesh):
+    """This rank's share of range(n) in micro-batches, the same number of batches on every rank
+    (FSDP forwards are collective); an empty list is a turn with nothing of its own to do."""
+    idx = list(range(n))[mesh.rank::mesh.world_size]
+    for s in range(0, -(-n // mesh.world_size), micro):
+        yield idx[s:s + micro]
+
+
 def check_writable(path: Path) -> None:
     """Fails early (exit 2) when the run directory cannot be created or written."""
     from rlhf.errors import ConfigError

@@ -15,15 +15,15 @@ import time
 from rlhf.config import Config
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
-from rlhf.engine.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf.engine.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import FrozenModel, TrainEngine
 from rlhf.errors import ConfigError, UserError
 from rlhf.evaluation import gold_score
-from rlhf.logging import MetricsWriter, progress
+from rlhf.logging import progress
 from rlhf.models import loading
-from rlhf.runtime import check_writable, previous_output, start_stage
+from rlhf.runtime import check_writable, previous_output, resume, start_stage
 
 log = logging.getLogger("rlhf")
 
@@ -103,17 +103,13 @@ def run(cfg: Config) -> None:
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
 
     ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
-    start, skipped_in_a_row = 0, 0
+    start, state, metrics = resume(ctx, engines, ckpt)
+    skipped_in_a_row = 0
     if ckpt is not None:
-        state = load_checkpoint(ckpt, engines, mesh)
-        start = state["step"]
         kl_ctl.load_state_dict(state["kl"])
         running.load_state_dict(state["running"])
         if ema is not None:
             ema.load(ckpt)
-        log.info("resumed from %s (step %d)", ckpt, start)
-    metrics = MetricsWriter(ctx.out / "metrics.jsonl", is_main=mesh.is_main,
-                            resume_step=start if ckpt is not None else None, cfg=cfg, stage="ppo")
     batches = GlobalBatches(len(prompt_ids), p.prompts_per_step, cfg.run.seed)
     n = p.samples_per_prompt
     fmt = cfg.data.source_list()[0].format

@@ -15,14 +15,14 @@ from rlhf.config import Config
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
-from rlhf.engine.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf.engine.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError, DataError
-from rlhf.logging import MetricsWriter, progress
+from rlhf.logging import progress
 from rlhf.models import loading
 from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
-from rlhf.runtime import check_writable, previous_output, require_batches, start_stage
+from rlhf.runtime import check_writable, previous_output, rank_batches, require_batches, resume, start_stage
 
 log = logging.getLogger("rlhf")
 STATS_FILE = "reward_stats.json"
@@ -72,11 +72,7 @@ def run(cfg: Config) -> None:
         model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True)
     engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, t)
     ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
-    start = load_checkpoint(ckpt, {"reward": engine}, mesh)["step"] if ckpt is not None else 0
-    if ckpt is not None:
-        log.info("resumed from %s (step %d)", ckpt, start)
-    metrics = MetricsWriter(ctx.out / "metrics.jsonl", is_main=mesh.is_main,
-                            resume_step=start if ckpt is not None else None, cfg=cfg, stage="reward")
+    start, _, metrics = resume(ctx, {"reward": engine}, ckpt)
 
     micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["chosen"]), t.global_batch, cfg.run.seed)
@@ -155,14 +151,10 @@ def evaluate_pairs(engine, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
     import torch
 
     from rlhf.algorithms.losses import pairwise_loss
-    n = len(cols["chosen"])
-    idx = list(range(n))[mesh.rank::mesh.world_size]
-    n_batches = -(-(-(-n // mesh.world_size)) // micro)  # same count on every rank (FSDP collectives)
     sums = torch.zeros(6, dtype=torch.float64)  # pairs, correct, loss, chosen, rejected, sq
     engine.eval()
     with torch.no_grad():
-        for s in range(n_batches):
-            ix = idx[s * micro:(s + 1) * micro]
+        for ix in rank_batches(len(cols["chosen"]), micro, mesh):
             b = collate_pairs([cols["chosen"][i] for i in ix or [0]], [cols["rejected"][i] for i in ix or [0]], pad)
             c, r = _pair_scores(engine, b, mesh.device)
             if not ix:

@@ -15,14 +15,14 @@ from rlhf.data import synthetic
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
-from rlhf.engine.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf.engine.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.evaluation import gold_score
-from rlhf.logging import MetricsWriter, progress
+from rlhf.logging import progress
 from rlhf.models import loading
-from rlhf.runtime import check_writable, require_batches, start_stage, text_corpus
+from rlhf.runtime import check_writable, rank_batches, require_batches, resume, start_stage, text_corpus
 
 log = logging.getLogger("rlhf")
 
@@ -64,12 +64,7 @@ def run(cfg: Config) -> None:
         loading.resize_for_tokenizer(model, tokenizer)
     engine = TrainEngine(model, mesh, cfg.engine, t)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
-    start = 0
-    if ckpt is not None:
-        start = load_checkpoint(ckpt, {"actor": engine}, mesh)["step"]
-        log.info("resumed from %s (step %d)", ckpt, start)
-    metrics = MetricsWriter(ctx.out / "metrics.jsonl", is_main=mesh.is_main,
-                            resume_step=start if ckpt is not None else None, cfg=cfg, stage="sft")
+    start, _, metrics = resume(ctx, {"actor": engine}, ckpt)
 
     micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["ids"]), t.global_batch, cfg.run.seed)
@@ -155,20 +150,15 @@ def eval_loss(engine, cols, pad, mask_prompt, micro, mesh) -> float:
     import torch
 
     from rlhf.algorithms.logprobs import shifted_nll_sum
-    idx = list(range(len(cols["ids"])))[mesh.rank::mesh.world_size]
-    # Every rank runs the same number of forwards (FSDP collectives); a rank out of records runs
-    # one on record 0 and ignores it.
-    n_batches = -(-(-(-len(cols["ids"]) // mesh.world_size)) // micro)
     total, count = 0.0, 0
     engine.eval()
     with torch.no_grad():
-        for s in range(n_batches):
-            ix = idx[s * micro:(s + 1) * micro]
+        for ix in rank_batches(len(cols["ids"]), micro, mesh):
             b = collate_sft([cols["ids"][i] for i in ix or [0]], [cols["prompt_len"][i] for i in ix or [0]],
                             pad, mask_prompt)
             logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
                                     attention_mask=b["attention_mask"].to(mesh.device)).logits
             nll, n = shifted_nll_sum(logits, b["labels"].to(mesh.device))
-            if ix:
+            if ix:  # a turn with no records of its own ran record 0 and ignores it
                 total, count = total + float(nll), count + n
     return mesh.sum(total) / max(mesh.sum(count), 1)
