@@ -69,3 +69,14 @@ def default_reward_run(default_sft_run):
     proc = run_cli("stage=reward", f"run.dir={default_sft_run}", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return default_sft_run
+
+
+@pytest.fixture(scope="session")
+def small_pipeline(tmp_path_factory):
+    """A quick SFT + reward run (seconds) for the PPO mechanics tests."""
+    run_dir = tmp_path_factory.mktemp("ppo") / "run"
+    assert run_cli(*quick_sft_args(run_dir, steps=60), "train.save_every=0").returncode == 0
+    proc = run_cli("stage=reward", f"run.dir={run_dir}", "train.max_steps=30", "train.save_every=0",
+                   "logger.progress=false", "data.synthetic.num_records=2000")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir

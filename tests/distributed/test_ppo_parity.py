@@ -4,20 +4,10 @@ import shutil
 
 import pytest
 
-from tests.conftest import quick_sft_args, run_cli
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.distributed
 KEYS = ("actor/loss", "critic/loss", "reward/mean", "kl/mean", "response/length")
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ppo_parity") / "run"
-    assert run_cli(*quick_sft_args(d, steps=40), "train.save_every=0").returncode == 0
-    proc = run_cli("stage=reward", f"run.dir={d}", "train.max_steps=20", "train.save_every=0",
-                   "logger.progress=false", "data.synthetic.num_records=2000")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return d
 
 
 def first_step(src, dst, nproc, tp):
@@ -31,9 +21,9 @@ def first_step(src, dst, nproc, tp):
     return [json.loads(x) for x in (dst / "ppo" / "metrics.jsonl").read_text().splitlines() if "actor/loss" in x][0]
 
 
-def test_two_ranks_match_one_process(pipeline, tmp_path):
-    ref = first_step(pipeline, tmp_path / "one", 1, 1)
+def test_two_ranks_match_one_process(small_pipeline, tmp_path):
+    ref = first_step(small_pipeline, tmp_path / "one", 1, 1)
     for tp in (1, 2):
-        got = first_step(pipeline, tmp_path / f"two_tp{tp}", 2, tp)
+        got = first_step(small_pipeline, tmp_path / f"two_tp{tp}", 2, tp)
         for k in KEYS:
             assert abs(got[k] - ref[k]) <= 1e-4 * max(abs(ref[k]), 1e-3), (tp, k, got[k], ref[k])

@@ -20,17 +20,6 @@ def gold_of(path):
     return [r["gold/score"] for r in rows(path) if "gold/score" in r]
 
 
-@pytest.fixture(scope="session")
-def small_pipeline(tmp_path_factory):
-    """A quick SFT + reward run (seconds) for the PPO mechanics tests."""
-    run_dir = tmp_path_factory.mktemp("ppo") / "run"
-    assert run_cli(*quick_sft_args(run_dir, steps=60), "train.save_every=0").returncode == 0
-    proc = run_cli("stage=reward", f"run.dir={run_dir}", "train.max_steps=30", "train.save_every=0",
-                   "logger.progress=false", "data.synthetic.num_records=2000")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return run_dir
-
-
 def quick_ppo(run_dir, *extra):
     return ["stage=ppo", f"run.dir={run_dir}", "train.max_steps=4", "ppo.prompts_per_step=8",
             "ppo.samples_per_prompt=2", "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=2", "logger.progress=false",

@@ -80,3 +80,11 @@ def test_real_data_sft(shared_data, tmp_path, fmt, rel):
     final = rows[-1]
     assert "eval/loss" in final
     assert ("gold/score" in final) == (fmt == "gsm8k")
+
+
+def test_wandb_offline_logging(tmp_path):
+    proc = run_cli(*quick_sft_args(tmp_path, steps=3), "train.save_every=0", "logger.wandb=offline",
+                   env={"WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, "wandb wrote no offline run folder"

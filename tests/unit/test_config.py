@@ -40,3 +40,13 @@ def test_world_size_checks():
     with pytest.raises(ConfigError, match="does not divide"):
         cfg.validate_world(3)
     cfg.validate_world(4)
+
+
+def test_self_launch_arguments():
+    from rlhf.launch import launcher_args
+    cfg, _ = load_config(["launcher.nproc_per_node=2", "launcher.nnodes=2", "launcher.node_rank=1",
+                          "launcher.rdzv_endpoint=127.0.0.1:29511", "launcher.max_restarts=1"])
+    args = launcher_args(cfg, ["stage=sft", "run.dir=x"])
+    assert args[:7] == ["--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--rdzv-backend=c10d",
+                        "--rdzv-endpoint=127.0.0.1:29511", "--rdzv-id=rlhf", "--max-restarts=1"]
+    assert args[7:] == ["-m", "rlhf", "stage=sft", "run.dir=x"]
