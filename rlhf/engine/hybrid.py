@@ -45,7 +45,7 @@ class HybridEngine:
     # ---- the one call the trainer makes ----
     def generate(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
         """``sp.n`` samples of each prompt. Collective: every rank calls it, the same number of
-        times; a rank with no prompts takes part with one placeholder row and gets none back."""
+        times; a rank with no prompts takes part with one stand-in row and gets none back."""
         if not prompts:
             return self.generate([[self.eos_id]], sp).rows(0, 0)
         was_training = self.engine.model.training
@@ -81,7 +81,7 @@ class HybridEngine:
     def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
         t0 = time.perf_counter()
         # A TP group generates the prompts of all its ranks together, then each keeps its own.
-        per_rank = self.mesh.tp_all_gather_object(prompts)  # (a placeholder row stays in its group)
+        per_rank = self.mesh.tp_all_gather_object(prompts)  # (a stand-in row stays in its group)
         model = self.build_inference_model()
         t1 = time.perf_counter()
         gen = torch.Generator(device="cpu").manual_seed(sp.seed + 1_000_003 * self.mesh.tp_index)
