@@ -91,5 +91,7 @@ def _as_dict(cfg) -> dict:
 def progress(total: int, initial: int, enabled: bool, desc: str):
     """A tqdm bar on rank 0 (stderr); a no-op object elsewhere."""
     from tqdm.auto import tqdm
+    # In a log file (not a terminal) a bar line every 30 s, not a stream of carriage returns.
+    interval = 1.0 if sys.stderr.isatty() else 30.0
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True,
-                file=sys.stderr, mininterval=1.0)
+                file=sys.stderr, mininterval=interval, maxinterval=max(interval, 10.0))
