@@ -70,6 +70,15 @@ def run(cfg: Config) -> None:
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
     prompt_ids = [x[-cfg.data.max_prompt_len:] for x in
                   tokenizer([e.prompt for e in data.train], add_special_tokens=True)["input_ids"]]
+    ptx = None
+    if alg.ptx_coef > 0:  # PPO-ptx: keep a language-model loss on the SFT share of the data
+        from rlhf.data.tokenize import cached, tokenize_sft
+        sft_data = load_stage_data(cfg.data, "sft", cfg.run.seed)
+        if sft_data.train[0].response is None:
+            raise ConfigError(f"algorithm.ptx_coef needs SFT responses, and data.format={fmt_name(cfg)} has none")
+        lens = dict(max_prompt=cfg.data.max_prompt_len, max_response=cfg.data.max_response_len)
+        ptx = cached("sft", sft_data.train, tokenizer, lens, ctx.cache_dir, mesh,
+                     lambda: tokenize_sft(sft_data.train, tokenizer, **lens))
     stats = {"mean": 0.0, "std": 1.0}
     if rm_src is not None and (rm_src / "reward_stats.json").is_file():
         stats = json.loads((rm_src / "reward_stats.json").read_text())
@@ -171,6 +180,7 @@ def run(cfg: Config) -> None:
             critic.train()
         stats_acc = {}
         g = torch.Generator().manual_seed(cfg.run.seed + 31 * step)
+        update = step * updates_per_step
         rows = seq.shape[0]
         global_ids = global_rows(rows, n, mesh)
         for _ in range(p.ppo_epochs):
@@ -190,6 +200,11 @@ def run(cfg: Config) -> None:
                 if alg.entropy_coef:
                     loss = loss - alg.entropy_coef * (A.entropy_from_logits(logits) * mask_mb).sum() / (
                         tokens / mesh.world_size)
+                if ptx is not None:
+                    ptx_loss = ptx_term(actor, ptx, update, len(mb) * mesh.world_size, cfg.run.seed, tokenizer, mesh)
+                    loss = loss + alg.ptx_coef * ptx_loss
+                    _acc(stats_acc, {"ptx/loss": float(ptx_loss.detach()) / mesh.world_size})
+                update += 1
                 ok = mesh.sum(float(torch.isfinite(loss))) == mesh.world_size
                 if ok:
                     actor.backward(loss)
@@ -252,6 +267,25 @@ def run(cfg: Config) -> None:
     metrics.close()
     log.info("ppo done: %s", ctx.out / "actor")
     shutdown(mesh)
+
+
+def fmt_name(cfg) -> str:
+    return cfg.data.source_list()[0].format
+
+
+def ptx_term(actor, cols, update: int, batch: int, seed: int, tokenizer, mesh):
+    """The SFT loss on this update's global batch of SFT records (token-weighted over all ranks,
+    scaled for the data-parallel average)."""
+    from rlhf.algorithms.logprobs import shifted_nll_sum
+    from rlhf.data.sampler import GlobalBatches
+    from rlhf.data.tokenize import collate_sft
+    ix = GlobalBatches(len(cols["ids"]), batch, seed + 17).global_indices(update)[mesh.rank::mesh.world_size]
+    b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], tokenizer.pad_token_id, True)
+    n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))
+    logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
+                           attention_mask=b["attention_mask"].to(mesh.device)).logits
+    nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+    return nll / max(n_tokens, 1) * mesh.world_size
 
 
 def global_rows(rows: int, n: int, mesh):

@@ -69,6 +69,21 @@ def test_other_estimators_run(small_pipeline, tmp_path, estimator):
     assert len(r) == 4 and all("critic/loss" not in x for x in r)
 
 
+def test_ptx_and_ema_actor(small_pipeline, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+    shutil.copytree(small_pipeline, tmp_path / "run")
+    proc = run_cli(*quick_ppo(tmp_path / "run", "algorithm.ptx_coef=0.5", "ppo.ema_decay=0.5"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = [x for x in rows(tmp_path / "run" / "ppo" / "metrics.jsonl") if "reward/mean" in x]
+    assert all(x["ptx/loss"] > 0 for x in r)
+    actor = load_file(str(tmp_path / "run" / "ppo" / "actor" / "model.safetensors"))
+    ema = load_file(str(tmp_path / "run" / "ppo" / "actor_ema" / "model.safetensors"))
+    assert actor.keys() == ema.keys()
+    assert any(not torch.equal(actor[k], ema[k]) for k in actor)  # an average, not a copy
+
+
 def test_hybrid_and_hf_give_identical_greedy_experience(small_pipeline, tmp_path):
     import shutil
     firsts = []
