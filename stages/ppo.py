@@ -83,7 +83,7 @@ def run(cfg: Config) -> None:
     if rm_src is not None and (rm_src / "reward_stats.json").is_file():
         stats = json.loads((rm_src / "reward_stats.json").read_text())
 
-    def causal_lm(trainable_on_all: bool = False):
+    def causal_lm():
         cfg_ = loading.load_config(actor_src, cfg.model.trust_remote_code)
         return loading.build_model(AutoModelForCausalLM, config=cfg_, path=actor_src, on_meta=not mesh.is_main,
                                    trust_remote_code=cfg.model.trust_remote_code)
@@ -215,7 +215,7 @@ def run(cfg: Config) -> None:
                 if not ok:
                     stats_acc["nonfinite_skipped"] = stats_acc.get("nonfinite_skipped", 0) + 1
                 if critic is not None:
-                    v = critic_values(critic, seq[mb], att[mb], P, grad=True)
+                    v = critic_values(critic, seq[mb], att[mb], P)
                     vl = A.value_loss(v, values[mb], returns[mb], mask_mb, alg.value_clip,
                                       normalizer=tokens / mesh.world_size)
                     if mesh.sum(float(torch.isfinite(vl))) == mesh.world_size:
@@ -331,7 +331,7 @@ def logprobs_of(model, seq, att, P, temperature):
     return response_logprobs(model.forward, seq, att, P, temperature)
 
 
-def critic_values(critic, seq, att, P, grad: bool = False):
+def critic_values(critic, seq, att, P):
     """V(s_t) for each response token t: the value at the position just before it."""
     return critic.forward(input_ids=seq, attention_mask=att)[:, P - 1:-1]
 
@@ -347,9 +347,8 @@ def advantages(A, alg, score, kl, values, mask, n, beta, mesh):
         adv = A.grpo_advantages(score.clamp(-clip, clip) if clip else score, n, mask)
         return adv, None
     elif alg.estimator == "rloo":
-        seq_reward = score - beta * kl.sum(1)
-        return A.rloo_advantages(seq_reward, n, mask) if not alg.whiten_advantages else \
-            global_whiten(A.rloo_advantages(seq_reward, n, mask), mask, mesh), None
+        adv = A.rloo_advantages(score - beta * kl.sum(1), n, mask)
+        return (global_whiten(adv, mask, mesh) if alg.whiten_advantages else adv), None
     else:  # reinforce_pp: token-level KL-shaped returns, whitened over the global batch
         rewards = A.token_rewards(score, kl, mask, beta, alg.reward_clip)
         return global_whiten(A.discounted_returns(rewards, mask, alg.gamma), mask, mesh), None
