@@ -108,6 +108,11 @@ class DataConfig:
                "a positive integer")
         if self.format != "synthetic" and not self.path and not self.sources:
             raise ConfigError(f"data.path is required for data.format={self.format}")
+        if self.path and self.sources:
+            raise ConfigError(f"data.path={self.path} and data.sources are both set: use one of them")
+        if self.path and self.format == "synthetic":  # would silently train on the generated task
+            raise ConfigError(f"data.path={self.path} is set but data.format=synthetic generates its data: "
+                              f"set data.format ({', '.join(FORMATS[1:])})")
         if self.split is not None:
             parse_split(str(self.split))
 
@@ -278,6 +283,10 @@ class PPOConfig:
                     "max_new_tokens"):
             _check(getattr(self, key) > 0, f"ppo.{key}", getattr(self, key), "a positive integer")
         _check(self.temperature >= 0, "ppo.temperature", self.temperature, "a non-negative number (0 = greedy)")
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "ppo.min_new_tokens", self.min_new_tokens,
+               f"0..ppo.max_new_tokens={self.max_new_tokens}")
+        _check(self.top_k >= 0, "ppo.top_k", self.top_k, "a non-negative integer (0 = off)")
+        _check(0 < self.top_p <= 1, "ppo.top_p", self.top_p, "a number in (0, 1]")
 
 
 @dataclass
@@ -308,6 +317,12 @@ class Config:
 
     def __post_init__(self):
         _check(self.stage in STAGES, "stage", self.stage, "one of " + ", ".join(STAGES))
+        tp, m = self.engine.inference_tp_size, self.model
+        if self.stage == "sft" and m.path is None and self.engine.hybrid and tp > 1:
+            # The embedded model is built from model.*: its inference TP split is known already.
+            for key in ("num_heads", "num_kv_heads", "intermediate_size"):
+                _check(getattr(m, key) % tp == 0, f"model.{key}", getattr(m, key),
+                       f"a multiple of engine.inference_tp_size={tp}")
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the world size (sizes that must divide)."""

@@ -67,15 +67,23 @@ def rank_batches(n: int, micro: int, mesh: Mesh):
 
 
 def check_writable(path: Path) -> None:
-    """Fails early (exit 2) when the run directory cannot be created or written."""
+    """Fails early (exit 2) when the run directory cannot be created or written. A real probe (a
+    temporary directory made and removed in the nearest existing ancestor): permission bits do not
+    stop root, while a regular file in the way or a read-only file system does."""
+    import tempfile
+
     from rlhf.errors import ConfigError
     p = Path(path)
     probe = p
-    while not probe.exists():
+    while not (probe.exists() or probe.is_symlink()) and probe != probe.parent:
         probe = probe.parent
-    import os
-    if not os.access(probe, os.W_OK) or (p.exists() and not p.is_dir()):
-        raise ConfigError(f"run.dir={path}: not a writable directory")
+    if not probe.is_dir():
+        why = "it exists and is not a directory" if probe == p else f"{probe} is not a directory"
+        raise ConfigError(f"run.dir={path}: not a writable directory ({why})")
+    try:
+        tempfile.TemporaryDirectory(dir=probe, prefix=".rlhf-write-probe-").cleanup()
+    except OSError as e:
+        raise ConfigError(f"run.dir={path}: not a writable directory ({e.strerror or e})") from None
 
 
 def require_batches(n_records: int, global_batch: int, what: str) -> None:

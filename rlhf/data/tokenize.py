@@ -18,6 +18,7 @@ import torch
 
 from rlhf.data.records import Example
 from rlhf.engine.mesh import Mesh
+from rlhf.errors import DataError
 from rlhf.fileio import atomic_write_text
 
 Columns = Dict[str, list]  # name -> list of ints, or list of lists of ints (ragged)
@@ -119,21 +120,26 @@ def collate_sft(ids: List[List[int]], prompt_lens: List[int], pad_id: int, mask_
 def tokenize_pairs(examples: List[Example], tok, max_prompt: int, max_response: int) -> Columns:
     """Preference pairs: (prompt + chosen + EOS, prompt + rejected + EOS). The prompt is cut from
     the left so that the responses' ends survive; a pair whose response alone is longer than
-    ``max_response`` is dropped (counted in ``dropped``)."""
+    ``max_response`` is dropped (counted in ``dropped``); when every pair is, a ``DataError``."""
     prompts = _encode(tok, [e.prompt for e in examples], True)
     chosen = _encode(tok, [e.chosen for e in examples], False)
     rejected = _encode(tok, [e.rejected for e in examples], False)
     out: Columns = {"chosen": [], "rejected": [], "prompt_len": [], "dropped": []}
-    dropped = 0
-    for p, c, r in zip(prompts, chosen, rejected):
+    dropped, first = 0, None
+    for e, p, c, r in zip(examples, prompts, chosen, rejected):
         c, r = c + [tok.eos_token_id], r + [tok.eos_token_id]
         if max(len(c), len(r)) > max_response:
             dropped += 1
+            first = first or (e.where or "a generated record", max(len(c), len(r)))
             continue
         p = p[-max_prompt:]
         out["chosen"].append(p + c)
         out["rejected"].append(p + r)
         out["prompt_len"].append(len(p))
+    if examples and dropped == len(examples):  # nothing left to train or evaluate on: say why
+        raise DataError(f"{first[0]}: response of {first[1]} tokens (with EOS) is longer than "
+                        f"data.max_response_len={max_response}, and so is every other pair's "
+                        f"({dropped} of {dropped} dropped)")
     out["dropped"] = [dropped]
     return out
 

@@ -34,9 +34,28 @@ def check_model_path(path: str) -> None:
     if p.exists():
         if not (p / "config.json").is_file():
             raise ConfigError(f"model.path={path}: directory has no config.json (not a Hugging Face model)")
+        check_model_family(p / "config.json", path)
         return
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) or path.startswith("."):
         raise ConfigError(f"model.path={path}: no such directory")
+
+
+def check_model_family(config_file: Path, path: str) -> None:
+    """config.json must parse, and name a model family Transformers knows (or bring its own code
+    through ``auto_map``, which loads only with model.trust_remote_code=true)."""
+    import json
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    try:
+        spec = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model.path={path}: {config_file.name} is not valid JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"model.path={path}: {config_file.name} does not hold a JSON object")
+    family = spec.get("model_type")
+    if family is not None and family not in CONFIG_MAPPING and "auto_map" not in spec:
+        raise ConfigError(f"model.path={path}: unknown model family model_type={family!r} in "
+                          f"{config_file.name} (not an architecture of this Transformers version)")
 
 
 def train_embedded_tokenizer(corpus, m: ModelConfig, mesh):
@@ -87,7 +106,7 @@ def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: 
                                          **kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return model_cls.from_config(config, **kwargs)
+        return model_cls.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
