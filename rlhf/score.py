@@ -23,14 +23,15 @@ class RewardScorer:
     The score of (prompt, response) is the head's value at the last token of
     prompt + response + EOS, exactly as the reward stage trains and evaluates it."""
 
-    def __init__(self, model_dir: str, device: str = "cpu"):
+    def __init__(self, model_dir: str, device: str = "cpu", trust_remote_code: bool = False):
         from transformers import AutoModelForSequenceClassification
 
         from rlhf.models.loading import load_tokenizer
         from rlhf.models.value import ScalarHeadModel
         self.dir = Path(model_dir)
-        self.tokenizer = load_tokenizer(str(model_dir))
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        self.tokenizer = load_tokenizer(str(model_dir), trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code).to(device)
         self.model.eval()
         self.values = ScalarHeadModel(self.model)
         self.device = device
@@ -69,6 +70,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt")
     ap.add_argument("--response")
     ap.add_argument("--jsonl", help="a file of {prompt, response} records")
+    ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
     args = ap.parse_args(argv)
     from rlhf.errors import DataError, one_line
     try:
@@ -80,7 +82,7 @@ def main(argv=None) -> None:
             prompts, responses = [args.prompt], [args.response]
         else:
             ap.error("give --prompt and --response, or --jsonl")
-        scorer = RewardScorer(args.model_dir)
+        scorer = RewardScorer(args.model_dir, trust_remote_code=args.trust_remote_code)
     except (DataError, OSError, ValueError) as e:
         print(f"rlhf.score: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)

@@ -89,9 +89,9 @@ def run(cfg: Config) -> None:
                                    trust_remote_code=cfg.model.trust_remote_code)
 
     def scalar_model(scale: float = 1.0):
-        cfg_ = loading.load_config(str(rm_src), False)
+        cfg_ = loading.load_config(str(rm_src), cfg.model.trust_remote_code)
         model = loading.build_model(AutoModelForSequenceClassification, config=cfg_, path=str(rm_src),
-                                    on_meta=not mesh.is_main)
+                                    on_meta=not mesh.is_main, trust_remote_code=cfg.model.trust_remote_code)
         if scale != 1.0 and mesh.is_main:
             with torch.no_grad():
                 head_module(model).weight.mul_(scale)

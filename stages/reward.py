@@ -69,7 +69,8 @@ def run(cfg: Config) -> None:
             torch.manual_seed(cfg.run.seed)
             init_head(model)
     else:
-        model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True)
+        model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True,
+                                    trust_remote_code=cfg.model.trust_remote_code)
     engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, t)
     ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
     start, _, metrics = resume(ctx, {"reward": engine}, ckpt)

@@ -25,10 +25,6 @@ HELPERS = {"load_config": 1, "load_tokenizer": 1, "build_model": None}
 # for their owners; (file, enclosing function, callee). Keep this list shrinking.
 KNOWN_UNTHREADED = {
     ("stages/sft.py", "run", "load_tokenizer"): "the embedded tokenizer re-read from our own checkpoint",
-    ("stages/reward.py", "run", "build_model"): "non-main ranks build the meta model without the flag",
-    ("stages/ppo.py", "scalar_model", "build_model"): "reward model / critic: flag not passed",
-    ("rlhf/score.py", "__init__", "load_tokenizer"): "CLI scorer has no config; remote code stays off",
-    ("rlhf/score.py", "__init__", "from_pretrained"): "CLI scorer has no config; remote code stays off",
 }
 
 
@@ -121,8 +117,8 @@ def _trust_ok(value: ast.AST) -> bool:
     """A trust_remote_code value that cannot turn remote code on by itself."""
     if isinstance(value, ast.Constant):
         return value.value is False
-    text = _dotted(value)
-    return text == "trust_remote_code" or text.endswith("model.trust_remote_code")
+    text = _dotted(value)  # the config key, a parameter passing it on, or the scorer's opt-in CLI flag
+    return text in ("trust_remote_code", "args.trust_remote_code") or text.endswith("model.trust_remote_code")
 
 
 def test_trust_remote_code_only_from_the_config_key():
