@@ -1,4 +1,4 @@
-"""summary.json of a run (CONTRACT.md) from the stages' metrics, and a short table.
+"""summary.json of a run (CONTRACT.md) from the stages' metrics, a short table, and report.png.
 
     python -m rlhf.summary RUN_DIR [--seconds stage=S ...]
 """
@@ -57,6 +57,8 @@ def main(argv=None) -> None:
     for k, v in seconds.items():
         print(f"{'time':<8} {k + ' (s)':<20} {v:>10.1f}")
     print(f"summary: {args.run_dir / 'summary.json'}")
+    from rlhf.report import write_report
+    print(f"report:  {write_report(args.run_dir)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""report.png of a run: the curves of every stage that has metrics (CONTRACT.md run-directory layout).
+
+    python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png
+
+Panels: SFT loss (train and eval); reward-model loss and held-out accuracy; PPO reward/mean and
+kl/mean per PPO step; gold score (sampled, and greedy dashed) per PPO step with the SFT policy's
+gold score as the baseline. scripts/run_all.sh writes it after summary.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from rlhf.fileio import atomic_write_bytes
+
+Series = Dict[str, Tuple[List[int], List[float]]]
+
+
+def read_series(metrics_file: Path) -> Series:
+    """key → (steps, values) from a metrics.jsonl; unreadable lines (a crash mid-write) are skipped."""
+    out: Series = {}
+    if not metrics_file.is_file():
+        return out
+    for line in metrics_file.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step = rec.get("step")
+        for k, v in rec.items():
+            if k != "step" and isinstance(v, (int, float)):
+                steps, vals = out.setdefault(k, ([], []))
+                steps.append(step)
+                vals.append(float(v))
+    return out
+
+
+def _plot(ax, series: Series, key: str, label: str, **kw) -> bool:
+    if key not in series:
+        return False
+    steps, vals = series[key]
+    ax.plot(steps, vals, label=label, **kw)
+    return True
+
+
+def render(run_dir: Path) -> bytes:
+    """The PNG bytes of the report (matplotlib, headless)."""
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sft, rm, ppo = (read_series(run_dir / s / "metrics.jsonl") for s in ("sft", "reward", "ppo"))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    (a_sft, a_rm, a_gold), (a_rew, a_kl, a_time) = axes
+
+    a_sft.set_title("SFT loss")
+    _plot(a_sft, sft, "loss", "train")
+    _plot(a_sft, sft, "eval/loss", "held-out", marker="o")
+    a_sft.set_yscale("log")
+
+    a_rm.set_title("Reward model")
+    _plot(a_rm, rm, "loss", "train loss", alpha=0.6)
+    if "eval/accuracy" in rm:
+        acc = a_rm.twinx()
+        _plot(acc, rm, "eval/accuracy", "held-out accuracy", color="tab:red", marker="o")
+        acc.set_ylim(0, 1)
+        acc.set_ylabel("held-out accuracy", color="tab:red")
+        acc.legend(fontsize=8, loc="center right")
+
+    a_gold.set_title("Gold score on held-out prompts (PPO step)")
+    _plot(a_gold, ppo, "gold/score", "PPO, sampled", marker="o")
+    _plot(a_gold, ppo, "gold/score_greedy", "PPO, greedy", linestyle="--", marker=".")
+    if "gold/score" in sft:
+        base = sft["gold/score"][1][-1]
+        a_gold.axhline(base, color="gray", linestyle=":", label=f"SFT, sampled ({base:.3f})")
+        a_gold.axhline(base + 0.3, color="green", linestyle=":", label="SFT + 0.3")
+    a_gold.set_ylim(0, 1)
+
+    a_rew.set_title("PPO reward/mean")
+    _plot(a_rew, ppo, "reward/mean", "reward/mean")
+    a_kl.set_title("PPO kl/mean (nats per response)")
+    _plot(a_kl, ppo, "kl/mean", "kl/mean", color="tab:purple")
+    a_time.set_title("PPO seconds per step")
+    for key, label in (("time/generate_s", "generate"), ("time/score_s", "score"),
+                       ("time/train_s", "train"), ("time/switch_s", "switch")):
+        _plot(a_time, ppo, key, label)
+
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=8, loc="best")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"rlhf run: {run_dir}")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_report(run_dir: Path) -> Path:
+    out = run_dir / "report.png"
+    atomic_write_bytes(out, render(run_dir))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m rlhf.report")
+    ap.add_argument("run_dir", type=Path)
+    args = ap.parse_args(argv)
+    print(f"report: {write_report(args.run_dir)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""summary.json (CONTRACT.md keys) and report.png from a run directory's metrics."""
+import json
+import struct
+
+from rlhf import report, summary
+
+
+def _write(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "loss": 1.0', encoding="utf-8")
+
+
+def _png_size(data: bytes):
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def _run(tmp_path):
+    _write(tmp_path / "sft/metrics.jsonl", [{"step": s, "loss": 5.0 / (s + 1)} for s in range(1, 50)]
+           + [{"step": 50, "eval/loss": 0.3, "gold/score": 0.4, "gold/score_greedy": 0.8}])
+    _write(tmp_path / "reward/metrics.jsonl", [{"step": s, "loss": 0.7 - s / 100, "accuracy": 0.5} for s in range(1, 30)]
+           + [{"step": 30, "eval/accuracy": 0.95, "eval/loss": 0.2}])
+    _write(tmp_path / "ppo/metrics.jsonl",
+           [{"step": 0, "gold/score": 0.4}]
+           + [{"step": s, "reward/mean": s / 20, "kl/mean": s / 40, "time/train_s": 1.0, "time/generate_s": 0.1}
+              for s in range(1, 21)]
+           + [{"step": 20, "gold/score": 0.75, "gold/score_greedy": 0.9}])
+    return tmp_path
+
+
+def test_summary_has_the_contract_keys_and_last_values(tmp_path, capsys):
+    run = _run(tmp_path)
+    summary.main([str(run), "--seconds", "sft=1.5", "--seconds", "reward=2", "--seconds", "ppo=3", "--seconds", "total=6.5"])
+    s = json.loads((run / "summary.json").read_text())
+    assert s["sft"]["gold/score"] == 0.4 and s["sft"]["eval/loss"] == 0.3
+    assert s["reward"]["eval/accuracy"] == 0.95
+    assert s["ppo"]["gold/score"] == 0.75 and s["ppo"]["kl/mean"] == 0.5 and s["ppo"]["reward/mean"] == 1.0
+    assert s["seconds"] == {"sft": 1.5, "reward": 2.0, "ppo": 3.0, "total": 6.5}
+    out = capsys.readouterr().out
+    assert "gold/score" in out and "report.png" in out
+    assert _png_size((run / "report.png").read_bytes()) == (1200, 640)
+
+
+def test_report_draws_the_curves(tmp_path):
+    full = report.render(_run(tmp_path / "full"))
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    empty = report.render(empty_dir)  # no stage ran yet: every panel says "no data", nothing crashes
+    assert _png_size(full) == _png_size(empty)
+    assert len(full) > len(empty) + 10_000  # curves, legends and ticks add real content
+    series = report.read_series(tmp_path / "full/ppo/metrics.jsonl")
+    assert series["gold/score"] == ([0, 20], [0.4, 0.75])  # the torn last line is skipped
