@@ -1,12 +1,18 @@
 """Generation throughput: HF generate on the ZeRO-3 actor vs the hybrid engine (TP 1 and 2) vs HF
 generate on a plain model (JSON lines, CONTRACT.md).
 
-    python bench/generation.py [--workload tiny small] [--repeats 3]
+    python bench/generation.py [--workload tiny small] [--repeats 3] [--dtypes fp32 bf16]
 
 Each rank generates its own prompts (8 × prompt_len, sampling, temperature 1, min = max new tokens
 so every variant does the same work). tokens_per_s is summed over ranks. The bandwidth bound of a
 hybrid variant is batch × bandwidth / (weight bytes read per decode step), the bandwidth measured
 by a large copy on each rank at the same time.
+
+``--dtypes``: fp32 runs every variant; bf16 runs the hybrid variants with engine.inference_dtype=bf16
+(fp32 training weights, bf16 inference copy) and hf_plain on the model cast to bf16, reported as
+``<variant>_bf16`` (the fair comparison is equal precision: hybrid_tp1_bf16 vs hf_plain_bf16).
+Every line carries ``dtype`` and the 1-minute load average when its variant started (``load_1m``):
+on a shared machine, numbers taken under load are not comparable.
 """
 from __future__ import annotations
 
@@ -69,7 +75,7 @@ class Tok:
     pad_token_id, eos_token_id = 0, 2
 
 
-def worker(workload: str, variant: str, repeats: int, out: str) -> None:
+def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp32") -> None:
     import torch
 
     from rlhf.config import EngineConfig, TrainConfig
@@ -80,7 +86,8 @@ def worker(workload: str, variant: str, repeats: int, out: str) -> None:
 
     w = WORKLOADS[workload]
     tp = 2 if variant == "hybrid_tp2" else 1
-    ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=variant != "hf_fsdp", timeout_s=600)
+    ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=variant != "hf_fsdp", timeout_s=600,
+                        inference_dtype=dtype)
     mesh = init_mesh(ecfg)
     model = make_model(w, on_meta=not mesh.is_main)
     eng = TrainEngine(model, mesh, ecfg, TrainConfig())
@@ -101,20 +108,21 @@ def worker(workload: str, variant: str, repeats: int, out: str) -> None:
     bw = bandwidth_bytes_per_s()
     mesh.barrier()
     res = {"seconds": best, "switch_s": switch, "tokens": w["prompts"] * w["new"] * mesh.world_size,
-           "bandwidth": mesh.sum(bw) / mesh.world_size, "weight_bytes": weight_bytes(make_model(w, on_meta=True)),
+           "bandwidth": mesh.sum(bw) / mesh.world_size,
+           "weight_bytes": weight_bytes(make_model(w, on_meta=True)) * (2 if dtype == "bf16" else 4) // 4,
            "world_size": mesh.world_size, "threads": torch.get_num_threads()}
     if mesh.is_main:
         Path(out).write_text(json.dumps(res))
     torch.distributed.destroy_process_group()
 
 
-def plain(workload: str, repeats: int, threads: int) -> dict:
+def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32") -> dict:
     import torch
 
     from rlhf.engine.infer import left_pad
     torch.set_num_threads(threads)
     w = WORKLOADS[workload]
-    model = make_model(w)
+    model = make_model(w).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     ids, mask = left_pad(prompts_for(w, 0), 0)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=w["new"],
               min_new_tokens=w["new"], pad_token_id=0, eos_token_id=2)
@@ -128,58 +136,76 @@ def plain(workload: str, repeats: int, threads: int) -> dict:
     return {"seconds": best, "tokens": w["prompts"] * w["new"], "threads": threads}
 
 
+DTYPE_VARIANTS = {"fp32": ("hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain"),
+                  "bf16": ("hybrid_tp1", "hybrid_tp2", "hf_plain")}  # hf_fsdp generates in the training dtype
+
+
 def main() -> None:
     import torch
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", nargs="+", default=["tiny", "small"], choices=sorted(WORKLOADS))
     ap.add_argument("--variants", nargs="+", default=["hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPE_VARIANTS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--worker", nargs=4, metavar=("WORKLOAD", "VARIANT", "REPEATS", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=5, metavar=("WORKLOAD", "VARIANT", "REPEATS", "OUT", "DTYPE"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3])
+        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3], args.worker[4])
         return
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
     for workload in args.workload:
         results = {}
-        for variant in args.variants:
-            if variant == "hf_plain":
-                r = plain(workload, args.repeats, threads)
-                ws = 1
-            else:
-                out = tempfile.mktemp(suffix=".json")
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-                       __file__, "--worker", workload, variant, str(args.repeats), out]
-                subprocess.run(cmd, check=True, stdout=sys.stderr, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-                r = json.loads(Path(out).read_text())
-                os.unlink(out)
-                ws = r["world_size"]
-            results[variant] = r
-            base = {"bench": "generation", "workload": workload, "variant": variant, "world_size": ws,
-                    "threads_per_rank": r["threads"], "torch": torch.__version__}
-            tps = r["tokens"] / r["seconds"]
-            print(json.dumps({**base, "metric": "tokens_per_s", "value": round(tps, 1), "unit": "tokens/s"}), flush=True)
-            if variant != "hf_plain":
-                print(json.dumps({**base, "metric": "switch_s", "value": round(r["switch_s"], 5), "unit": "s"}), flush=True)
-            if variant.startswith("hybrid"):
-                tp = 2 if variant == "hybrid_tp2" else 1
-                per_step_bytes = r["weight_bytes"] / tp  # each rank reads its slice per decode step
-                rows_per_group = WORKLOADS[workload]["prompts"] * tp
-                bound = (ws // tp) * rows_per_group * r["bandwidth"] / per_step_bytes
-                print(json.dumps({**base, "metric": "bandwidth_bound_tokens_per_s", "value": round(bound, 1),
-                                  "unit": "tokens/s", "fraction_reached": round(tps / bound, 4),
-                                  "bandwidth_gb_s": round(r["bandwidth"] / 1e9, 2)}), flush=True)
+        for dtype in args.dtypes:
+            for variant in (v for v in args.variants if v in DTYPE_VARIANTS[dtype]):
+                name = variant if dtype == "fp32" else f"{variant}_{dtype}"
+                load = os.getloadavg()[0]
+                if variant == "hf_plain":
+                    r = plain(workload, args.repeats, threads, dtype)
+                    ws = 1
+                else:
+                    out = tempfile.mktemp(suffix=".json")
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={args.nproc}", __file__, "--worker", workload, variant,
+                           str(args.repeats), out, dtype]
+                    subprocess.run(cmd, check=True, stdout=sys.stderr, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+                    r = json.loads(Path(out).read_text())
+                    os.unlink(out)
+                    ws = r["world_size"]
+                results[name] = r
+                base = {"bench": "generation", "workload": workload, "variant": name, "world_size": ws,
+                        "threads_per_rank": r["threads"], "torch": torch.__version__, "dtype": dtype,
+                        "load_1m": round(load, 2)}
+                tps = r["tokens"] / r["seconds"]
+                print(json.dumps({**base, "metric": "tokens_per_s", "value": round(tps, 1), "unit": "tokens/s"}), flush=True)
+                if variant != "hf_plain":
+                    print(json.dumps({**base, "metric": "switch_s", "value": round(r["switch_s"], 5), "unit": "s"}), flush=True)
+                if variant.startswith("hybrid"):
+                    tp = 2 if variant == "hybrid_tp2" else 1
+                    per_step_bytes = r["weight_bytes"] / tp  # each rank reads its slice per decode step
+                    rows_per_group = WORKLOADS[workload]["prompts"] * tp
+                    bound = (ws // tp) * rows_per_group * r["bandwidth"] / per_step_bytes
+                    print(json.dumps({**base, "metric": "bandwidth_bound_tokens_per_s", "value": round(bound, 1),
+                                      "unit": "tokens/s", "fraction_reached": round(tps / bound, 4),
+                                      "bandwidth_gb_s": round(r["bandwidth"] / 1e9, 2)}), flush=True)
+
+        def tps(name, per_process=False):
+            r = results[name]
+            return r["tokens"] / r["seconds"] / (r["world_size"] if per_process else 1)
+
         if "hybrid_tp1" in results and "hf_fsdp" in results:
-            a = results["hf_fsdp"]["tokens"] / results["hf_fsdp"]["seconds"]
-            b = results["hybrid_tp1"]["tokens"] / results["hybrid_tp1"]["seconds"]
             print(json.dumps({"bench": "generation", "workload": workload, "variant": "hybrid_tp1_vs_hf_fsdp",
-                              "metric": "speedup", "value": round(b / a, 2), "unit": "x", "target": 5.0}), flush=True)
-        if "hybrid_tp1" in results and "hf_plain" in results:
-            per_proc = results["hybrid_tp1"]["tokens"] / results["hybrid_tp1"]["world_size"] / results["hybrid_tp1"]["seconds"]
-            d = results["hf_plain"]["tokens"] / results["hf_plain"]["seconds"]
-            print(json.dumps({"bench": "generation", "workload": workload, "variant": "hybrid_tp1_per_process_vs_hf_plain",
-                              "metric": "speedup", "value": round(per_proc / d, 2), "unit": "x", "target": 1.5}), flush=True)
+                              "metric": "speedup", "value": round(tps("hybrid_tp1") / tps("hf_fsdp"), 2), "unit": "x",
+                              "target": 5.0}), flush=True)
+        # (b) per process / (d): fp32 vs fp32, bf16 vs bf16 (equal precision), bf16 vs fp32 (for reference)
+        for b, d in (("hybrid_tp1", "hf_plain"), ("hybrid_tp1_bf16", "hf_plain_bf16"), ("hybrid_tp1_bf16", "hf_plain")):
+            if b in results and d in results:
+                variant = ("hybrid_tp1_per_process_vs_hf_plain" if b == "hybrid_tp1"
+                           else f"{b}_per_process_vs_{d}")
+                print(json.dumps({"bench": "generation", "workload": workload, "variant": variant, "metric": "speedup",
+                                  "value": round(tps(b, per_process=True) / tps(d), 2), "unit": "x", "target": 1.5}),
+                      flush=True)
 
 
 if __name__ == "__main__":

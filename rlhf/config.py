@@ -182,6 +182,11 @@ class EngineConfig:
     inference_tp_size: int = 1
     hybrid: bool = True
     release_inference_cache: bool = True
+    # weights and activations of the hybrid engine's inference mode (log-softmax and sampling stay
+    # fp32); auto = engine.precision. bf16 with fp32 training: faster rollouts (oneDNN AMX / AVX-512
+    # BF16 GEMMs on CPU); rollout log-probs within ~2e-2 of the fp32 recompute (as HF's own bf16
+    # model) instead of ~1e-6; PPO recomputes its old log-probs in training mode either way.
+    inference_dtype: str = "auto"  # auto | fp32 | bf16
 
     def __post_init__(self):
         _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
@@ -193,6 +198,8 @@ class EngineConfig:
                "a non-negative integer")
         _check(self.inference_tp_size > 0, "engine.inference_tp_size", self.inference_tp_size,
                "a positive integer")
+        _check(self.inference_dtype in ("auto", "fp32", "bf16"), "engine.inference_dtype", self.inference_dtype,
+               "auto, fp32 or bf16")
 
 
 @dataclass

@@ -38,7 +38,8 @@ class HybridEngine:
             why = self.policy.check_tp(self.tp)
             if why:
                 raise ConfigError(why)
-        self.dtype = torch.bfloat16 if ecfg.precision == "bf16" else torch.float32
+        dtype = ecfg.precision if ecfg.inference_dtype == "auto" else ecfg.inference_dtype
+        self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # of the inference mode
         self.timings: dict = {}
         self._model: Optional[InferenceModel] = None
 

@@ -2,11 +2,16 @@
 
 The weights arrive as plain tensors laid out by an injection policy (``rlhf.models.policies``):
 fused QKV and gate/up projections, this TP rank's slices when ``tp > 1`` (one all-reduce after the
-attention output and one after the MLP). The cache [layers, batch, kv_heads, max_len, head_dim] is
-allocated once and written in place; rows whose sequence has ended leave the batch.
+attention output and one after the MLP), in the inference dtype (``engine.inference_dtype``); the
+GEMM operands are laid out once here (``rlhf.ops.linear``: pre-transposed, or oneDNN-packed bf16).
+The cache [layers, batch, max_len, 2 · kv_heads · head_dim] is allocated once and written in place;
+rows whose sequence has ended leave the batch. Per decode step the loop only looks things up and
+writes in place (rotations from a per-call table, an additive key mask updated one slot a step);
+logits are cast to fp32 before log-softmax and sampling whatever the dtype.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -15,7 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf.models.policies import Policy
-from rlhf.ops import SamplingParams, apply_rotary, attend, rms_norm, rotary_cos_sin, sample
+from rlhf.ops import SamplingParams, attend, rms_norm, rotary_cos_sin, sample
+from rlhf.ops.linear import can_pack, linear, prepare_weight
+from rlhf.ops.rotary import apply_rotary_
+
+log = logging.getLogger("rlhf")
 
 
 @dataclass
@@ -50,37 +59,39 @@ def left_pad(prompts: List[List[int]], pad_id: int, device=None):
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
-def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., in] @ w_t [in, out] (+ bias) as one 2-D GEMM (pre-transposed weights: no packing
-    of a transposed operand on every call, about 2x faster than F.linear at decode sizes on CPU)."""
-    flat = x.reshape(-1, x.shape[-1])
-    y = torch.addmm(bias, flat, w_t) if bias is not None else flat @ w_t
-    return y.view(*x.shape[:-1], w_t.shape[1])
-
-
 class InferenceModel:
     def __init__(self, root: Dict[str, torch.Tensor], layers: List[Dict[str, torch.Tensor]], policy: Policy,
                  tp: int = 1, tp_group=None, dtype: torch.dtype = torch.float32):
-        t = lambda d: {k: (v.t().contiguous() if k in MATRICES else v) for k, v in d.items()}  # noqa: E731
-        self.root, self.layers, self.p = t(root), [t(w) for w in layers], policy
-        self.tp, self.tp_group, self.dtype = tp, tp_group, dtype
+        self.packed = can_pack(dtype, root["embed"].device)
+        try:
+            self.root, self.layers = self._prepare(root), [self._prepare(w) for w in layers]
+        except RuntimeError as e:  # a oneDNN that cannot reorder: the plain layout gives the same numbers
+            log.warning("inference mode: packed %s weights unavailable (%s); using plain GEMMs", dtype, e)
+            self.packed = False
+            self.root, self.layers = self._prepare(root), [self._prepare(w) for w in layers]
+        self.p, self.tp, self.tp_group, self.dtype = policy, tp, tp_group, dtype
         self.hq, self.hk = policy.num_heads // tp, policy.num_kv_heads // tp
         self.d = policy.head_dim
-        self.cache_k: Optional[torch.Tensor] = None
-        self.cache_v: Optional[torch.Tensor] = None
+        self.cache: Optional[torch.Tensor] = None
+        self._kv: List[torch.Tensor] = []  # per-layer views of the cache
 
-    # ---- cache ----
+    def _prepare(self, d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return {k: (prepare_weight(v, self.packed) if k in MATRICES else v) for k, v in d.items()}
+
+    # ---- cache: [layers, batch, max_len, 2 · kv_heads · head_dim], a slot's k and v side by side
+    # (as the fused QKV output holds them: one write per layer and step) ----
     def allocate(self, batch: int, max_len: int, device) -> None:
-        shape = (len(self.layers), batch, self.hk, max_len, self.d)
-        self.cache_k = torch.zeros(shape, dtype=self.dtype, device=device)
-        self.cache_v = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.cache = torch.zeros((len(self.layers), batch, max_len, 2 * self.hk * self.d), dtype=self.dtype,
+                                 device=device)
+        self._kv = list(self.cache.unbind(0))
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        self.cache_k = self.cache_k[:, keep]
-        self.cache_v = self.cache_v[:, keep]
+        self.cache = self.cache[:, keep]
+        self._kv = list(self.cache.unbind(0))
 
     def release(self) -> None:
-        self.cache_k = self.cache_v = None
+        self.cache = None
+        self._kv = []
 
     # ---- forward ----
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,38 +99,49 @@ class InferenceModel:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def attention_bias(self, key_valid: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Additive mask [B, 1, T, end] (0 = attend, -inf = not) for queries at cache slots [start, end):
+        causal, the sliding window if any, keys where ``key_valid`` [B, >=end] (bool); a query on
+        left padding attends to itself (so that no NaN can reach a value vector)."""
+        q_idx = torch.arange(start, end, device=key_valid.device)[:, None]
+        k_idx = torch.arange(end, device=key_valid.device)[None, :]
+        allowed = k_idx <= q_idx
+        if self.p.sliding_window:
+            allowed = allowed & (q_idx - k_idx < self.p.sliding_window)
+        mask = (allowed[None, None] & key_valid[:, None, None, :end]) | (q_idx == k_idx)[None, None]
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [B, T, V] of ``ids`` [B, T] at cache slots [start, start+T); ``key_valid`` [B, >=start+T]."""
+        rot = rotary_cos_sin(self.root["inv_freq"], positions, float(self.root["rope_scaling"]), self.dtype)
+        return self._forward(ids, rot, self.attention_bias(key_valid, start, start + ids.shape[1]), start)
+
+    def _forward(self, ids: torch.Tensor, rot: torch.Tensor, mask: torch.Tensor, start: int,
+                 last_only: bool = False) -> torch.Tensor:
+        """``rot`` [B, T, d/2] complex rotations; ``mask`` additive [B, 1, T, start+T]; ``last_only``:
+        logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden] between GEMMs."""
         B, T = ids.shape
         end = start + T
-        x = F.embedding(ids, self.root["embed"]).to(self.dtype)
-        rot = rotary_cos_sin(self.root["inv_freq"], positions, float(self.root["rope_scaling"]), self.dtype)
-        mask = key_valid[:, None, None, :end]
-        if T > 1 or (self.p.sliding_window and end > self.p.sliding_window):
-            q_idx = torch.arange(start, end, device=ids.device)[:, None]
-            k_idx = torch.arange(end, device=ids.device)[None, :]
-            allowed = k_idx <= q_idx
-            if self.p.sliding_window:
-                allowed = allowed & (q_idx - k_idx < self.p.sliding_window)
-            mask = (allowed[None, None] & mask) | (q_idx == k_idx)[None, None]  # pads see themselves
-        hq, hk, d = self.hq, self.hk, self.d
+        hq, hk, d, eps, packed = self.hq, self.hk, self.d, self.p.eps, self.packed
+        rot = rot.reshape(B * T, 1, -1)
+        x = F.embedding(ids.reshape(-1), self.root["embed"]).to(self.dtype)
         for li, w in enumerate(self.layers):
-            h = rms_norm(x, w["ln1"], self.p.eps)
-            qkv = _mm(h, w["wqkv"], w.get("bqkv"))
-            q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-            q = q.view(B, T, hq, d).transpose(1, 2)
-            k = k.view(B, T, hk, d).transpose(1, 2)
-            v = v.view(B, T, hk, d).transpose(1, 2)
-            q, k = apply_rotary(q, rot), apply_rotary(k, rot)
-            self.cache_k[li, :, :, start:end] = k
-            self.cache_v[li, :, :, start:end] = v
-            a = attend(q, self.cache_k[li, :, :, :end], self.cache_v[li, :, :, :end], mask)
-            x = x + self._all_reduce(_mm(a.transpose(1, 2).reshape(B, T, hq * d), w["wo"]))
-            h = rms_norm(x, w["ln2"], self.p.eps)
-            gate, up = _mm(h, w["w_gate_up"]).chunk(2, dim=-1)
-            x = x + self._all_reduce(_mm(F.silu(gate) * up, w["w_down"]))
-        x = rms_norm(x, self.root["norm"], self.p.eps)
-        return _mm(x, self.root["lm_head"])
+            h = rms_norm(x, w["ln1"], eps)
+            qkv = linear(h, w["wqkv"], w.get("bqkv"), packed)
+            apply_rotary_(qkv[:, :(hq + hk) * d], rot)  # q and k heads in one op, in place
+            kv = self._kv[li]
+            kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
+            k = kv[:, :end, :hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
+            v = kv[:, :end, hk * d:].unflatten(-1, (hk, d)).transpose(1, 2)
+            a = attend(qkv[:, :hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
+            x.add_(self._all_reduce(linear(a.transpose(1, 2).reshape(B * T, hq * d), w["wo"], None, packed)))
+            h = rms_norm(x, w["ln2"], eps)
+            gate, up = linear(h, w["w_gate_up"], None, packed).chunk(2, dim=-1)
+            x.add_(self._all_reduce(linear(F.silu(gate, inplace=True).mul_(up), w["w_down"], None, packed)))
+        if last_only:
+            x, T = x.view(B, T, -1)[:, -1], 1
+        x = rms_norm(x, self.root["norm"], eps)
+        return linear(x, self.root["lm_head"], None, packed).view(B, T, -1)
 
     # ---- decode loop ----
     @torch.no_grad()
@@ -129,34 +151,59 @@ class InferenceModel:
         device = device or self.root["embed"].device
         rows = [p for p in prompts for _ in range(sp.n)]
         ids, pmask = left_pad(rows, pad_id, device)
+        try:
+            with torch.inference_mode():  # the loop's tensors never meet autograd; finish() copies out
+                tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, generator)
+        finally:
+            self.release()
+        return finish(ids, pmask, tokens, logprobs, eos_id, pad_id)
+
+    def _decode(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, generator):
+        device = ids.device
         B, P = ids.shape
         N = sp.max_new_tokens
         self.allocate(B, P + N, device)
-        valid = torch.zeros((B, P + N), dtype=torch.bool, device=device)
-        valid[:, :P] = pmask.bool()
+        # rotations of every position this call can reach, looked up per step
+        rot_table = rotary_cos_sin(self.root["inv_freq"], torch.arange(P + N, device=device)[None],
+                                   float(self.root["rope_scaling"]), self.dtype)[0]
+        # additive key mask over the cache slots, kept up to date in place: 0 = a token, -inf = padding / empty
+        bias = torch.full((B, P + N), float("-inf"), dtype=self.dtype, device=device)
+        bias[:, :P].masked_fill_(pmask.bool(), 0.0)
+        window = self.p.sliding_window
         positions = (pmask.cumsum(-1) - 1).clamp(min=0)
         out_tokens = torch.full((B, N), pad_id, dtype=torch.long, device=device)
         out_logp = torch.zeros((B, N), dtype=torch.float32, device=device)
-        active = torch.arange(B, device=device)
+        active: Optional[torch.Tensor] = None  # None = every row
         next_pos = positions[:, -1] + 1
-        logits = self.forward(ids, positions, valid, start=0)[:, -1]
+        logits = self._forward(ids, rot_table[positions], self.attention_bias(pmask.bool(), 0, P), 0,
+                               last_only=True)[:, -1]
         for t in range(N):
-            tok, logp = sample(logits, sp, generator, ban=eos_id if t < sp.min_new_tokens else None)
-            out_tokens[active, t] = tok
-            out_logp[active, t] = logp
+            ban = eos_id if t < sp.min_new_tokens else None
+            tok, logp = sample(logits, sp, generator, ban=ban)
+            if active is None:
+                out_tokens[:, t] = tok
+                out_logp[:, t] = logp
+            else:
+                out_tokens[active, t] = tok
+                out_logp[active, t] = logp
             if t == N - 1:
                 break
             keep = tok != eos_id
             if not bool(keep.all()):  # finished sequences leave the batch
-                active, tok, next_pos, valid = active[keep], tok[keep], next_pos[keep], valid[keep]
+                active = torch.arange(B, device=device) if active is None else active
+                active, tok, next_pos, bias = active[keep], tok[keep], next_pos[keep], bias[keep]
                 self.keep_rows(keep)
                 if active.numel() == 0:
                     break
-            valid[:, P + t] = True
-            logits = self.forward(tok[:, None], next_pos[:, None], valid, start=P + t)[:, -1]
-            next_pos = next_pos + 1
-        self.release()
-        return finish(ids, pmask, out_tokens, out_logp, eos_id, pad_id)
+            end = P + t + 1
+            bias[:, end - 1] = 0.0
+            mask = bias[:, None, None, :end]
+            if window and end > window:  # keys at or before slot end-1-window are out of the window
+                mask = mask.clone()
+                mask[..., :end - window] = float("-inf")
+            logits = self._forward(tok[:, None], rot_table[next_pos][:, None], mask, end - 1)[:, -1]
+            next_pos += 1
+        return out_tokens, out_logp
 
 
 def finish(prompt_ids, prompt_mask, tokens, logprobs, eos_id: int, pad_id: int) -> Generation:

@@ -25,3 +25,16 @@ def apply_rotary(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     xf = x if x.dtype == torch.float32 else x.float()
     out = torch.view_as_real(torch.view_as_complex(xf.reshape(*x.shape[:-1], -1, 2)) * rot[:, None]).flatten(-2)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def apply_rotary_(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """In place, all heads at once: x [..., H·d] (interleaved layout, last dimension contiguous,
+    e.g. the q and k columns of a fused QKV output); rot [..., 1, d/2] complex. The same arithmetic
+    as ``apply_rotary`` (computed in fp32 for lower precisions)."""
+    half = rot.shape[-1]
+    if x.dtype == torch.float32:
+        torch.view_as_complex(x.unflatten(-1, (-1, half, 2))).mul_(rot)
+        return x
+    xf = x.float()
+    torch.view_as_complex(xf.unflatten(-1, (-1, half, 2))).mul_(rot)
+    return x.copy_(xf)

@@ -39,18 +39,23 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
     """Next tokens [B] and their log-probs [B] under softmax(logits / temperature) (the distribution
     PPO optimises; greedy reports the temperature-1 log-prob). ``ban``: a token that may not be
     drawn now (EOS before min_new_tokens); the log-probs stay those of the unmodified policy."""
+    fresh = logits.dtype != torch.float32  # .float() below copies: ours to write into
     logits = logits.float()
-    allowed = logits
-    if ban is not None:
-        allowed = logits.clone()
-        allowed[:, ban] = float("-inf")
     if p.temperature <= 0:
-        tokens = allowed.argmax(-1)
         logp = torch.log_softmax(logits, -1)
+        allowed = logits
+        if ban is not None:
+            allowed = logits.clone()
+            allowed[:, ban] = float("-inf")
+        tokens = allowed.argmax(-1)
     else:
-        scaled = logits / p.temperature
+        # x / 1 == x exactly: skip the division (and copy only when the ban must write)
+        scaled = logits / p.temperature if p.temperature != 1.0 else (
+            logits.clone() if ban is not None and not fresh else logits)
         logp = torch.log_softmax(scaled, -1)
-        probs = filter_logits(allowed / p.temperature, p.top_k, p.top_p).softmax(-1)
+        if ban is not None:  # after the log-probs; -inf / T = -inf: the same as banning before scaling
+            scaled[:, ban] = float("-inf")
+        probs = filter_logits(scaled, p.top_k, p.top_p).softmax(-1)
         # Inverse CDF: one uniform draw per row (torch.multinomial draws far more on CPU).
         cdf = probs.cumsum(-1)
         u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]

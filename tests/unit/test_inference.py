@@ -32,6 +32,17 @@ def test_greedy_equals_hf_generate(family):
     assert gen.prompt_len == max(len(p) for p in prompts)
 
 
+def test_greedy_equals_hf_generate_with_sliding_window():
+    model = tiny_model("mistral")
+    model.config.sliding_window = 5  # shorter than most prompts: prefill and decode both cut keys
+    prompts = mixed_prompts()
+    ref = hf_greedy(model, prompts, 12)
+    _, hy = hybrid(model)
+    assert hy.policy.sliding_window == 5
+    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
+    assert torch.equal(gen.responses, ref)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_logprobs_match_training_mode(family):
     model = tiny_model(family)
@@ -78,7 +89,7 @@ def test_inference_weights_and_cache_are_released():
     model = hy.build_inference_model()
     refs = [weakref.ref(t) for w in model.layers for t in w.values()]
     model.allocate(4, 16, "cpu")
-    refs += [weakref.ref(model.cache_k), weakref.ref(model.cache_v)]
+    refs.append(weakref.ref(model.cache))
     model.release()
     del model
     assert all(r() is None for r in refs)
