@@ -4,6 +4,9 @@ Composes the Hydra config with the compose API (no output directory, no chdir, n
 folders: every rank of a torchrun job computes the same config and only rank 0 writes to
 ``run.dir``), validates it, then runs ``stages.<stage>.run(cfg)``. With ``launcher.nproc_per_node>0``
 and not already under a launcher, it starts torch.distributed.run itself (CONTRACT.md).
+
+Exit codes: 0 success, 2 bad configuration or input, 3 a peer rank died or stopped answering
+(rlhf/watchdog.py; the job can be rerun and resumes from its last checkpoint), anything else a bug.
 """
 from __future__ import annotations
 
@@ -20,8 +23,12 @@ Config groups and keys: see README.md and rlhf/config.py."""
 
 def _fail(msg: str, code: int = 2) -> None:
     from rlhf.errors import one_line
-    if int(os.environ.get("RANK", "0")) == 0:
+    from rlhf.watchdog import hold_termination, write_error_file
+    printed = int(os.environ.get("RANK", "0")) == 0  # every rank sees the same error: print it once
+    hold_termination()
+    if printed:
         print(f"rlhf: error: {one_line(msg)}", file=sys.stderr, flush=True)
+    write_error_file(one_line(msg), printed)  # under a launcher: the root cause it reports
     sys.exit(code)
 
 
@@ -56,6 +63,14 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(e))
     except KeyboardInterrupt:
         _fail("interrupted", code=130)
+    except Exception as e:
+        # A peer that died or stopped answering: one clear line and exit code 3, not a traceback
+        # from deep inside FSDP (rlhf/watchdog.py). Anything else is a bug and keeps its traceback.
+        from rlhf import watchdog
+        failure = watchdog.collective_failure(e, cfg.engine.timeout_s)
+        if failure is None:
+            raise
+        watchdog.exit_with(failure)
 
 
 if __name__ == "__main__":
