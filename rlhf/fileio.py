@@ -28,6 +28,32 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(directory: Path) -> None:
+    """Deletes ``.<name>.tmp-<pid>`` / ``.<name>.old-<pid>`` leftovers of writers that died (a kill
+    in the middle of a save), so restarted runs do not pile them up. Live writers' files stay."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        name = p.name
+        if not name.startswith("."):
+            continue
+        for marker in (".tmp-", ".old-"):
+            pid = name.rpartition(marker)[2] if marker in name else ""
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
 def temp_dir_for(final: Path) -> Path:
     """A fresh sibling directory to fill before ``replace_dir``."""
     final = Path(final)

@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import torch
 
 from rlhf.engine.mesh import Mesh
-from rlhf.fileio import atomic_write_json, replace_dir, temp_dir_for
+from rlhf.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
 
 log = logging.getLogger("rlhf")
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -47,6 +47,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], sta
 
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / f"step_{step:08d}"
+    if mesh.is_main:
+        remove_stale_temps(ckpt_dir)
     tmp = temp_dir_for(final) if mesh.is_main else None
     tmp = Path(mesh.broadcast_object(str(tmp)))
     sd = {}
