@@ -3,8 +3,11 @@
 Prompt ``"Q: What is 03 + 45?\\nA:"``, response ``" The answer is 48."``. Operands are zero-padded so
 every prompt has the same length. The SFT data is right with probability ``p_correct`` and off by
 1..3 otherwise, so a policy that imitates it is right only part of the time (room for the reward
-model and PPO). Preference pairs put the right answer against a wrong one. Gold = exact match of
-the whole response, a rule the reward model never sees. Held-out prompts use operand pairs that
+model and PPO). Preference pairs put the right answer against a wrong one: half the time off by
+1..3 (the SFT data's own errors), else off by 4..15. A reward model that only ever saw near misses
+prefers far-off answers it never saw over the right one (measured: its argmax over n±12 was right on
+19% of held-out prompts), and PPO walks straight into them. Gold = exact match of the whole
+response, a rule the reward model never sees. Held-out prompts use operand pairs that
 no training record contains. Deterministic per seed.
 """
 from __future__ import annotations
@@ -40,6 +43,16 @@ def _wrong(n: int, rng: random.Random) -> int:
             return w
 
 
+def _rejected(n: int, rng: random.Random) -> int:
+    """Half the time off by 1..3 (the SFT data's own errors), else off by 4..15."""
+    if rng.random() < 0.5:
+        return _wrong(n, rng)
+    while True:
+        w = n + rng.choice((-1, 1)) * rng.randint(4, 15)
+        if w >= 0:
+            return w
+
+
 def operand_pairs(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List[tuple], List[tuple]]:
     """(training pairs, held-out pairs): a seeded partition of all operand pairs."""
     pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
@@ -48,22 +61,24 @@ def operand_pairs(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List
     return pairs[n_eval:], pairs[:n_eval]
 
 
-def _example(a: int, b: int, width: int, cfg: SyntheticConfig, rng: random.Random, where: str) -> Example:
+def _example(a: int, b: int, width: int, cfg: SyntheticConfig, rng: random.Random, rej_rng: random.Random,
+             where: str) -> Example:
     n = a + b
     wrong = _wrong(n, rng)
     response = answer_text(n) if rng.random() < cfg.p_correct else answer_text(wrong)
     return Example(prompt=prompt_text(a, b, width), response=response, chosen=answer_text(n),
-                   rejected=answer_text(wrong), reference=str(n), where=where)
+                   rejected=answer_text(_rejected(n, rej_rng)), reference=str(n), where=where)
 
 
 def generate(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:
     """(training records, held-out records). Each held-out operand pair appears once."""
     width = len(str(cfg.max_operand))
     train_pairs, eval_pairs = operand_pairs(cfg, eval_size, seed)
-    rng = random.Random(seed + 1)
-    train = [_example(*train_pairs[rng.randrange(len(train_pairs))], width, cfg, rng, f"synthetic[{i}]")
+    rng, rej_rng = random.Random(seed + 1), random.Random(seed + 2)  # rejected answers: own stream
+    train = [_example(*train_pairs[rng.randrange(len(train_pairs))], width, cfg, rng, rej_rng, f"synthetic[{i}]")
              for i in range(cfg.num_records)]
-    held_out = [_example(a, b, width, cfg, rng, f"synthetic-eval[{i}]") for i, (a, b) in enumerate(eval_pairs)]
+    held_out = [_example(a, b, width, cfg, rng, rej_rng, f"synthetic-eval[{i}]")
+                for i, (a, b) in enumerate(eval_pairs)]
     return train, held_out
 
 
