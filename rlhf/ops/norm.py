@@ -6,4 +6,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, cast back, then scaled (the order HF Llama/Qwen2/Mistral use)."""
     if x.dtype == torch.float32:  # the weight inside: the same product (n·w = w·n), one op fewer
         return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)  # (computes in fp32 inside, rounds once)
