@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rlhf.fileio import atomic_write_json
+from rlhf.report import read_series, write_report
 
 KEYS = {"sft": ("eval/loss", "gold/score", "gold/score_greedy"),
         "reward": ("eval/accuracy",),
@@ -17,16 +17,8 @@ KEYS = {"sft": ("eval/loss", "gold/score", "gold/score_greedy"),
 
 def last_values(metrics_file: Path, keys) -> dict:
     """The last logged value of each key in a metrics.jsonl."""
-    out = {}
-    if not metrics_file.is_file():
-        return out
-    for line in metrics_file.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        out.update({k: rec[k] for k in keys if k in rec})
-    return out
+    series = read_series(metrics_file)
+    return {k: series[k][1][-1] for k in keys if k in series}
 
 
 def build_summary(run_dir: Path, seconds: dict) -> dict:
@@ -57,7 +49,6 @@ def main(argv=None) -> None:
     for k, v in seconds.items():
         print(f"{'time':<8} {k + ' (s)':<20} {v:>10.1f}")
     print(f"summary: {args.run_dir / 'summary.json'}")
-    from rlhf.report import write_report
     print(f"report:  {write_report(args.run_dir)}")
 
 
