@@ -11,8 +11,9 @@ by a large copy on each rank at the same time.
 ``--dtypes``: fp32 runs every variant; bf16 runs the hybrid variants with engine.inference_dtype=bf16
 (fp32 training weights, bf16 inference copy) and hf_plain on the model cast to bf16, reported as
 ``<variant>_bf16`` (the fair comparison is equal precision: hybrid_tp1_bf16 vs hf_plain_bf16).
-Every line carries ``dtype`` and the 1-minute load average when its variant started (``load_1m``):
-on a shared machine, numbers taken under load are not comparable.
+Every line carries ``dtype`` and the 1-minute load average when its variant started (``load_1m``;
+it still counts the previous variant's own ranks for a while): on a shared machine, numbers taken
+while other jobs run are not comparable.
 """
 from __future__ import annotations
 
@@ -190,13 +191,13 @@ def main() -> None:
                                       "unit": "tokens/s", "fraction_reached": round(tps / bound, 4),
                                       "bandwidth_gb_s": round(r["bandwidth"] / 1e9, 2)}), flush=True)
 
-        def tps(name, per_process=False):
+        def rate(name, per_process=False):
             r = results[name]
             return r["tokens"] / r["seconds"] / (r["world_size"] if per_process else 1)
 
         if "hybrid_tp1" in results and "hf_fsdp" in results:
             print(json.dumps({"bench": "generation", "workload": workload, "variant": "hybrid_tp1_vs_hf_fsdp",
-                              "metric": "speedup", "value": round(tps("hybrid_tp1") / tps("hf_fsdp"), 2), "unit": "x",
+                              "metric": "speedup", "value": round(rate("hybrid_tp1") / rate("hf_fsdp"), 2), "unit": "x",
                               "target": 5.0}), flush=True)
         # (b) per process / (d): fp32 vs fp32, bf16 vs bf16 (equal precision), bf16 vs fp32 (for reference)
         for b, d in (("hybrid_tp1", "hf_plain"), ("hybrid_tp1_bf16", "hf_plain_bf16"), ("hybrid_tp1_bf16", "hf_plain")):
@@ -204,7 +205,7 @@ def main() -> None:
                 variant = ("hybrid_tp1_per_process_vs_hf_plain" if b == "hybrid_tp1"
                            else f"{b}_per_process_vs_{d}")
                 print(json.dumps({"bench": "generation", "workload": workload, "variant": variant, "metric": "speedup",
-                                  "value": round(tps(b, per_process=True) / tps(d), 2), "unit": "x", "target": 1.5}),
+                                  "value": round(rate(b, per_process=True) / rate(d), 2), "unit": "x", "target": 1.5}),
                       flush=True)
 
 
