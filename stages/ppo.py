@@ -338,7 +338,6 @@ def critic_values(critic, seq, att, P):
 
 def advantages(A, alg, score, kl, values, mask, n, beta, mesh):
     """(advantages, returns) for the configured estimator; whitening uses global statistics."""
-    import torch
     if alg.estimator == "gae":
         rewards = A.token_rewards(score, kl, mask, beta, alg.reward_clip)
         adv, returns = A.gae(rewards, values, mask, alg.gamma, alg.lam)

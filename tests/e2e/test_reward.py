@@ -1,7 +1,6 @@
 """Reward stage through the CLI, on top of the default SFT run."""
 import json
 
-import pytest
 import torch
 
 from tests.conftest import quick_sft_args, run_cli  # noqa: F401

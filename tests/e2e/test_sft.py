@@ -1,6 +1,5 @@
 """SFT through the CLI: the embedded default, resume after SIGKILL, real data."""
 import json
-import os
 import signal
 import subprocess
 import sys
