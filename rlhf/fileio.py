@@ -28,14 +28,21 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _alive(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine and is not a zombie (dead, not yet reaped)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except (OSError, IndexError):  # no /proc (macOS): existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
 
 
 def remove_stale_temps(directory: Path) -> None:
@@ -50,7 +57,7 @@ def remove_stale_temps(directory: Path) -> None:
             continue
         for marker in (".tmp-", ".old-"):
             pid = name.rpartition(marker)[2] if marker in name else ""
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_running(int(pid)):
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 

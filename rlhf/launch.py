@@ -15,6 +15,8 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
+from rlhf.fileio import pid_running
+
 # Seconds the agent waits after SIGTERM before it SIGKILLs a worker. Our workers do not handle
 # SIGTERM (they die at once); only a stopped or wedged one needs the SIGKILL, and torch's 30 s
 # default would add half a minute to every failure with such a peer.
@@ -32,14 +34,6 @@ def shutdown_timeout(lc) -> int:
 _terminated_by_agent: set = set()
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _patch_worker_close(seconds: int) -> None:
     """torch's agent closes its workers with a hard-coded 30 s grace in two places (the process
     context's own ``close()`` when a worker fails, and ``_stop_workers`` → ``_shutdown()``); its
@@ -51,7 +45,7 @@ def _patch_worker_close(seconds: int) -> None:
 
     def close(self, death_sig=None, timeout: int = 30) -> None:
         try:
-            _terminated_by_agent.update(p for p in self.pids().values() if _running(p))
+            _terminated_by_agent.update(p for p in self.pids().values() if pid_running(p))
         except Exception:  # bookkeeping only
             pass
         return original(self, death_sig, min(timeout, seconds))
