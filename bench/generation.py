@@ -114,7 +114,8 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
            "world_size": mesh.world_size, "threads": torch.get_num_threads()}
     if mesh.is_main:
         Path(out).write_text(json.dumps(res))
-    torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():  # a one-process mesh has no process group
+        torch.distributed.destroy_process_group()
 
 
 def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32") -> dict:

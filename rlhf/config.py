@@ -187,6 +187,10 @@ class EngineConfig:
     # BF16 GEMMs on CPU); rollout log-probs within ~2e-2 of the fp32 recompute (as HF's own bf16
     # model) instead of ~1e-6; PPO recomputes its old log-probs in training mode either way.
     inference_dtype: str = "auto"  # auto | fp32 | bf16
+    # GEMM kernels of the inference mode: auto = the fast paths where they apply (CPU: MKL-packed fp32
+    # decode GEMMs, oneDNN-packed bf16), reference = plain GEMMs everywhere (fp32 results differ from
+    # auto's at rounding level only)
+    inference_kernels: str = "auto"  # auto | reference
 
     def __post_init__(self):
         _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
@@ -200,6 +204,8 @@ class EngineConfig:
                "a positive integer")
         _check(self.inference_dtype in ("auto", "fp32", "bf16"), "engine.inference_dtype", self.inference_dtype,
                "auto, fp32 or bf16")
+        _check(self.inference_kernels in ("auto", "reference"), "engine.inference_kernels",
+               self.inference_kernels, "auto or reference")
 
 
 @dataclass

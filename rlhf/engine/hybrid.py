@@ -77,7 +77,8 @@ class HybridEngine:
         if fsdp:
             module.reshard()
         root = {k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()}
-        return InferenceModel(root, layers, pol, tp=self.tp, tp_group=self.mesh.tp_group, dtype=self.dtype)
+        return InferenceModel(root, layers, pol, tp=self.tp, tp_group=self.mesh.tp_group, dtype=self.dtype,
+                              kernels=self.ecfg.inference_kernels)
 
     def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
         t0 = time.perf_counter()

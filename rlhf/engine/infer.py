@@ -3,7 +3,9 @@
 The weights arrive as plain tensors laid out by an injection policy (``rlhf.models.policies``):
 fused QKV and gate/up projections, this TP rank's slices when ``tp > 1`` (one all-reduce after the
 attention output and one after the MLP), in the inference dtype (``engine.inference_dtype``); the
-GEMM operands are laid out once here (``rlhf.ops.linear``: pre-transposed, or oneDNN-packed bf16).
+GEMM operands are laid out once here (``rlhf.ops.linear``: pre-transposed, or oneDNN-packed bf16) and,
+for fp32 on an MKL CPU, packed again for the decode batch when a generation starts
+(``engine.inference_kernels``: auto = those fast paths where they apply, reference = plain GEMMs).
 The cache [layers, batch, max_len, 2 · kv_heads · head_dim] is allocated once and written in place;
 rows whose sequence has ended leave the batch. Per decode step the loop only looks things up and
 writes in place (rotations from a per-call table, an additive key mask updated one slot a step);
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from rlhf.models.policies import Policy
 from rlhf.ops import SamplingParams, attend, rms_norm, rotary_cos_sin, sample
-from rlhf.ops.linear import can_pack, linear, prepare_weight
+from rlhf.ops.linear import can_pack, can_pack_rows, linear, linear_rows, pack_rows, prepare_weight
 from rlhf.ops.rotary import apply_rotary_
 
 log = logging.getLogger("rlhf")
@@ -61,8 +63,10 @@ MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 class InferenceModel:
     def __init__(self, root: Dict[str, torch.Tensor], layers: List[Dict[str, torch.Tensor]], policy: Policy,
-                 tp: int = 1, tp_group=None, dtype: torch.dtype = torch.float32):
-        self.packed = can_pack(dtype, root["embed"].device)
+                 tp: int = 1, tp_group=None, dtype: torch.dtype = torch.float32, kernels: str = "auto"):
+        fast = kernels == "auto"
+        self.packed = fast and can_pack(dtype, root["embed"].device)
+        self.pack_rows = fast and can_pack_rows(dtype, root["embed"].device)
         try:
             self.root, self.layers = self._prepare(root), [self._prepare(w) for w in layers]
         except RuntimeError as e:  # a oneDNN that cannot reorder: the plain layout gives the same numbers
@@ -74,9 +78,13 @@ class InferenceModel:
         self.d = policy.head_dim
         self.cache: Optional[torch.Tensor] = None
         self._kv: List[torch.Tensor] = []  # per-layer views of the cache
+        # while decoding (pack_rows): the matrices packed for ``_rows`` rows, per layer and the root's
+        self._rows = 0
+        self._rw: List[Optional[Dict[str, torch.Tensor]]] = [None] * (len(layers) + 1)
 
     def _prepare(self, d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        return {k: (prepare_weight(v, self.packed) if k in MATRICES else v) for k, v in d.items()}
+        return {k: (prepare_weight(v, self.packed, for_rows=self.pack_rows) if k in MATRICES else v)
+                for k, v in d.items()}
 
     # ---- cache: [layers, batch, max_len, 2 · kv_heads · head_dim], a slot's k and v side by side
     # (as the fused QKV output holds them: one write per layer and step) ----
@@ -92,6 +100,26 @@ class InferenceModel:
     def release(self) -> None:
         self.cache = None
         self._kv = []
+        self._rows, self._rw = 0, [None] * (len(self.layers) + 1)
+
+    def pack_for_rows(self, rows: int) -> None:
+        """Packs the GEMM operands for decode steps of at most ``rows`` rows (no-op unless pack_rows)."""
+        if not self.pack_rows:
+            return
+        try:
+            self._rw = [{k: pack_rows(v, rows) for k, v in d.items() if k in MATRICES}
+                        for d in self.layers + [self.root]]
+            self._rows = rows
+        except RuntimeError as e:  # an MKL that cannot pack: the plain layout computes the same thing
+            log.warning("inference mode: packed fp32 weights unavailable (%s); using plain GEMMs", e)
+            self.pack_rows = False
+            self._rows, self._rw = 0, [None] * (len(self.layers) + 1)
+
+    def _linear(self, x: torch.Tensor, w: Dict[str, torch.Tensor], rw: Optional[Dict[str, torch.Tensor]],
+                name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if rw is not None and x.shape[0] <= self._rows:
+            return linear_rows(x, rw[name], w[name], self._rows, bias)
+        return linear(x, w[name], bias, self.packed)
 
     # ---- forward ----
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,26 +150,27 @@ class InferenceModel:
         logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden] between GEMMs."""
         B, T = ids.shape
         end = start + T
-        hq, hk, d, eps, packed = self.hq, self.hk, self.d, self.p.eps, self.packed
+        hq, hk, d, eps, lin = self.hq, self.hk, self.d, self.p.eps, self._linear
         rot = rot.reshape(B * T, 1, -1)
         x = F.embedding(ids.reshape(-1), self.root["embed"]).to(self.dtype)
         for li, w in enumerate(self.layers):
+            rw = self._rw[li]
             h = rms_norm(x, w["ln1"], eps)
-            qkv = linear(h, w["wqkv"], w.get("bqkv"), packed)
+            qkv = lin(h, w, rw, "wqkv", w.get("bqkv"))
             apply_rotary_(qkv[:, :(hq + hk) * d], rot)  # q and k heads in one op, in place
             kv = self._kv[li]
             kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
             k = kv[:, :end, :hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
             v = kv[:, :end, hk * d:].unflatten(-1, (hk, d)).transpose(1, 2)
             a = attend(qkv[:, :hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
-            x.add_(self._all_reduce(linear(a.transpose(1, 2).reshape(B * T, hq * d), w["wo"], None, packed)))
+            x.add_(self._all_reduce(lin(a.transpose(1, 2).reshape(B * T, hq * d), w, rw, "wo")))
             h = rms_norm(x, w["ln2"], eps)
-            gate, up = linear(h, w["w_gate_up"], None, packed).chunk(2, dim=-1)
-            x.add_(self._all_reduce(linear(F.silu(gate, inplace=True).mul_(up), w["w_down"], None, packed)))
+            gate, up = lin(h, w, rw, "w_gate_up").chunk(2, dim=-1)
+            x.add_(self._all_reduce(lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down")))
         if last_only:
             x, T = x.view(B, T, -1)[:, -1], 1
         x = rms_norm(x, self.root["norm"], eps)
-        return linear(x, self.root["lm_head"], None, packed).view(B, T, -1)
+        return lin(x, self.root, self._rw[-1], "lm_head").view(B, T, -1)
 
     # ---- decode loop ----
     @torch.no_grad()
@@ -163,6 +192,7 @@ class InferenceModel:
         B, P = ids.shape
         N = sp.max_new_tokens
         self.allocate(B, P + N, device)
+        self.pack_for_rows(B)
         # rotations of every position this call can reach, looked up per step
         rot_table = rotary_cos_sin(self.root["inv_freq"], torch.arange(P + N, device=device)[None],
                                    float(self.root["rope_scaling"]), self.dtype)[0]
