@@ -81,7 +81,7 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
 
     from rlhf.config import EngineConfig, TrainConfig
     from rlhf.engine.hybrid import HybridEngine
-    from rlhf.engine.mesh import init_mesh
+    from rlhf.engine.mesh import init_mesh, shutdown
     from rlhf.engine.train import TrainEngine
     from rlhf.ops import SamplingParams
 
@@ -114,8 +114,7 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
            "world_size": mesh.world_size, "threads": torch.get_num_threads()}
     if mesh.is_main:
         Path(out).write_text(json.dumps(res))
-    if torch.distributed.is_initialized():  # a one-process mesh has no process group
-        torch.distributed.destroy_process_group()
+    shutdown(mesh)
 
 
 def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32") -> dict:

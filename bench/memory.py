@@ -80,7 +80,7 @@ def worker(workload: str, precision: str, out: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf.config import EngineConfig, TrainConfig
-    from rlhf.engine.mesh import init_mesh
+    from rlhf.engine.mesh import init_mesh, shutdown
     from rlhf.engine.train import TrainEngine
 
     mesh = init_mesh(EngineConfig(timeout_s=300))
@@ -125,7 +125,7 @@ def worker(workload: str, precision: str, out: str) -> None:
         del eng, model
     if mesh.is_main:
         Path(out).write_text(json.dumps(rows))
-    torch.distributed.destroy_process_group()
+    shutdown(mesh)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ stopped answering or lost its connection (retryable: rerun to resume from the la
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -110,7 +111,11 @@ class Heartbeat:
                     return
 
     def stop(self) -> None:
+        """Ends the thread and waits for it (bounded): a daemon thread still inside a store call when
+        the interpreter finalizes is unwound through C++ frames, and the process aborts ("terminate
+        called without an active exception", exit 134) after its work is done."""
         self._stop.set()
+        _join(self._thread)
 
     def silent_peers(self) -> Optional[List[int]]:
         """Ranks whose counter did not move for 2.5 beats and that are not exiting; None when the
@@ -151,10 +156,16 @@ class Heartbeat:
 _heartbeat: Optional[Heartbeat] = None
 
 
+def _join(thread: Optional[threading.Thread]) -> None:
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=_STORE_TIMEOUT.total_seconds() + 2 * BEAT_S)
+
+
 def start_heartbeat(rank: int, world_size: int) -> Optional[Heartbeat]:
     global _heartbeat
     if world_size > 1 and _heartbeat is None:
         _heartbeat = Heartbeat(rank, world_size).start()
+        atexit.register(stop_heartbeat)  # every way out (errors included) stops it before finalization
     return _heartbeat
 
 
@@ -308,3 +319,4 @@ class JobWatch:
     def stop(self) -> None:
         with self._lock:
             self._stop.set()
+        _join(self._thread)  # (see Heartbeat.stop)

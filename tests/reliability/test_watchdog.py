@@ -102,3 +102,32 @@ def test_launcher_reports_the_root_cause(tmp_path, monkeypatch):
     # a bug: its own exit code, its traceback is above
     code, line, _ = _child_failure({0: _failure(0, 105, 1, tmp_path)})
     assert (code, line) == (1, "worker rank 0 (pid 105) exited with code 1 (its traceback is above)")
+
+
+EXIT_WITH_A_BUSY_HEARTBEAT = r"""
+import datetime, os, sys, time
+import torch.distributed as dist
+import rlhf.watchdog as W
+W.BEAT_S = 0.0005  # the heartbeat thread is almost always inside a store call
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=5))
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(store.port)
+hb = W.start_heartbeat(0, 2)
+assert hb._thread is not None and hb._thread.is_alive()
+time.sleep(0.05)
+sys.exit(2)  # an error's way out, without shutdown()
+"""
+
+
+def test_exit_code_survives_a_heartbeat_inside_a_store_call():
+    """A daemon thread still inside a C++ store call when the interpreter finalizes aborts the
+    process (exit 134, "terminate called without an active exception") after its work is done.
+    Before the heartbeat was stopped and joined at exit, 8 of 12 such exits aborted."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ENV, ROOT
+    procs = [subprocess.Popen([sys.executable, "-c", EXIT_WITH_A_BUSY_HEARTBEAT], cwd=ROOT, env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    assert [code for code, _ in results] == [2] * 6, [err[-300:] for _, err in results]
