@@ -8,6 +8,8 @@ so every variant does the same work). tokens_per_s is summed over ranks. The ban
 hybrid variant is batch × bandwidth / (weight bytes read per decode step), the bandwidth measured
 by a large copy on each rank at the same time.
 
+``--variants ... hybrid_tp1_ref hybrid_tp2_ref``: the hybrid variants with
+engine.inference_kernels=reference (plain GEMMs instead of the packed ones), side by side.
 ``--dtypes``: fp32 runs every variant; bf16 runs the hybrid variants with engine.inference_dtype=bf16
 (fp32 training weights, bf16 inference copy) and hf_plain on the model cast to bf16, reported as
 ``<variant>_bf16`` (the fair comparison is equal precision: hybrid_tp1_bf16 vs hf_plain_bf16).
@@ -86,9 +88,9 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
     from rlhf.ops import SamplingParams
 
     w = WORKLOADS[workload]
-    tp = 2 if variant == "hybrid_tp2" else 1
+    tp = 2 if variant.startswith("hybrid_tp2") else 1
     ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=variant != "hf_fsdp", timeout_s=600,
-                        inference_dtype=dtype)
+                        inference_dtype=dtype, inference_kernels="reference" if variant.endswith("_ref") else "auto")
     mesh = init_mesh(ecfg)
     model = make_model(w, on_meta=not mesh.is_main)
     eng = TrainEngine(model, mesh, ecfg, TrainConfig())
@@ -137,15 +139,18 @@ def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32") -> dic
     return {"seconds": best, "tokens": w["prompts"] * w["new"], "threads": threads}
 
 
-DTYPE_VARIANTS = {"fp32": ("hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain"),
-                  "bf16": ("hybrid_tp1", "hybrid_tp2", "hf_plain")}  # hf_fsdp generates in the training dtype
+# *_ref: the hybrid variant with engine.inference_kernels=reference (plain GEMMs), for a side-by-side
+DTYPE_VARIANTS = {"fp32": ("hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref"),
+                  "bf16": ("hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref")}
+# (hf_fsdp generates in the training dtype)
 
 
 def main() -> None:
     import torch
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", nargs="+", default=["tiny", "small"], choices=sorted(WORKLOADS))
-    ap.add_argument("--variants", nargs="+", default=["hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain"])
+    ap.add_argument("--variants", nargs="+", default=["hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain"],
+                    choices=DTYPE_VARIANTS["fp32"])
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPE_VARIANTS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
@@ -183,7 +188,7 @@ def main() -> None:
                 if variant != "hf_plain":
                     print(json.dumps({**base, "metric": "switch_s", "value": round(r["switch_s"], 5), "unit": "s"}), flush=True)
                 if variant.startswith("hybrid"):
-                    tp = 2 if variant == "hybrid_tp2" else 1
+                    tp = 2 if variant.startswith("hybrid_tp2") else 1
                     per_step_bytes = r["weight_bytes"] / tp  # each rank reads its slice per decode step
                     rows_per_group = WORKLOADS[workload]["prompts"] * tp
                     bound = (ws // tp) * rows_per_group * r["bandwidth"] / per_step_bytes
@@ -206,6 +211,12 @@ def main() -> None:
                            else f"{b}_per_process_vs_{d}")
                 print(json.dumps({"bench": "generation", "workload": workload, "variant": variant, "metric": "speedup",
                                   "value": round(rate(b, per_process=True) / rate(d), 2), "unit": "x", "target": 1.5}),
+                      flush=True)
+        for name in [n for n in results if n.endswith("_ref")]:  # packed vs plain GEMMs, same run
+            fast = name[:-len("_ref")]
+            if fast in results:
+                print(json.dumps({"bench": "generation", "workload": workload, "variant": f"{fast}_vs_{name}",
+                                  "metric": "speedup", "value": round(rate(fast) / rate(name), 2), "unit": "x"}),
                       flush=True)
 
 
