@@ -52,8 +52,9 @@ def prepare_weight(w: torch.Tensor, packed: bool, batch_hint: Optional[int] = No
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, packed: bool = False) -> torch.Tensor:
-    """x [..., in] → [..., out]. Unpacked: w is Wᵀ [in, out], one 2-D GEMM (pre-transposed: no packing
-    of a transposed operand on every call, about 2x faster than F.linear at decode sizes on CPU)."""
+    """x [..., in] → [..., out]. Unpacked: w is Wᵀ [in, out], one 2-D GEMM — a contiguous copy (no
+    packing of a transposed operand on every call: about 2x faster than F.linear at decode sizes on
+    CPU), or with ``for_rows`` a view of W (used for prefills only, where the GEMM is large)."""
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if x.dim() == 2:
