@@ -88,7 +88,7 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
     from rlhf.ops import SamplingParams
 
     w = WORKLOADS[workload]
-    tp = 2 if variant.startswith("hybrid_tp2") else 1
+    tp = tp_of(variant)
     ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=variant != "hf_fsdp", timeout_s=600,
                         inference_dtype=dtype, inference_kernels="reference" if variant.endswith("_ref") else "auto")
     mesh = init_mesh(ecfg)
@@ -117,6 +117,10 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
     if mesh.is_main:
         Path(out).write_text(json.dumps(res))
     shutdown(mesh)
+
+
+def tp_of(variant: str) -> int:
+    return 2 if variant.startswith("hybrid_tp2") else 1
 
 
 def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32") -> dict:
@@ -188,7 +192,7 @@ def main() -> None:
                 if variant != "hf_plain":
                     print(json.dumps({**base, "metric": "switch_s", "value": round(r["switch_s"], 5), "unit": "s"}), flush=True)
                 if variant.startswith("hybrid"):
-                    tp = 2 if variant.startswith("hybrid_tp2") else 1
+                    tp = tp_of(variant)
                     per_step_bytes = r["weight_bytes"] / tp  # each rank reads its slice per decode step
                     rows_per_group = WORKLOADS[workload]["prompts"] * tp
                     bound = (ws // tp) * rows_per_group * r["bandwidth"] / per_step_bytes
@@ -212,8 +216,8 @@ def main() -> None:
                 print(json.dumps({"bench": "generation", "workload": workload, "variant": variant, "metric": "speedup",
                                   "value": round(rate(b, per_process=True) / rate(d), 2), "unit": "x", "target": 1.5}),
                       flush=True)
-        for name in [n for n in results if n.endswith("_ref")]:  # packed vs plain GEMMs, same run
-            fast = name[:-len("_ref")]
+        for name in [n for n in results if "_ref" in n]:  # packed vs plain GEMMs, same run and dtype
+            fast = name.replace("_ref", "")
             if fast in results:
                 print(json.dumps({"bench": "generation", "workload": workload, "variant": f"{fast}_vs_{name}",
                                   "metric": "speedup", "value": round(rate(fast) / rate(name), 2), "unit": "x"}),

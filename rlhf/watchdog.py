@@ -124,9 +124,7 @@ class Heartbeat:
             return None
         # This rank is leaving: it stops beating and marks its final count as "exiting", so a
         # peer diagnosing at the same time (or later) does not take it for a silent one.
-        self.stop()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * BEAT_S)
+        self.stop()  # (and waits for the thread)
         try:
             store = _store(*self.addr)
 

@@ -78,9 +78,7 @@ class InferenceModel:
         self.d = policy.head_dim
         self.cache: Optional[torch.Tensor] = None
         self._kv: List[torch.Tensor] = []  # per-layer views of the cache
-        # while decoding (pack_rows): the matrices packed for ``_rows`` rows, per layer and the root's
-        self._rows = 0
-        self._rw: List[Optional[Dict[str, torch.Tensor]]] = [None] * (len(layers) + 1)
+        self._drop_packs()
 
     def _prepare(self, d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return {k: (prepare_weight(v, self.packed, for_rows=self.pack_rows) if k in MATRICES else v)
@@ -100,7 +98,12 @@ class InferenceModel:
     def release(self) -> None:
         self.cache = None
         self._kv = []
-        self._rows, self._rw = 0, [None] * (len(self.layers) + 1)
+        self._drop_packs()
+
+    def _drop_packs(self) -> None:
+        # while decoding (pack_rows): the matrices packed for ``_rows`` rows, per layer and the root's
+        self._rows = 0
+        self._rw: List[Optional[Dict[str, torch.Tensor]]] = [None] * (len(self.layers) + 1)
 
     def pack_for_rows(self, rows: int) -> None:
         """Packs the GEMM operands for decode steps of at most ``rows`` rows (no-op unless pack_rows)."""
@@ -113,7 +116,7 @@ class InferenceModel:
         except RuntimeError as e:  # an MKL that cannot pack: the plain layout computes the same thing
             log.warning("inference mode: packed fp32 weights unavailable (%s); using plain GEMMs", e)
             self.pack_rows = False
-            self._rows, self._rw = 0, [None] * (len(self.layers) + 1)
+            self._drop_packs()
 
     def _linear(self, x: torch.Tensor, w: Dict[str, torch.Tensor], rw: Optional[Dict[str, torch.Tensor]],
                 name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

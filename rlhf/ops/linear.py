@@ -19,24 +19,25 @@ from typing import Optional
 import torch
 
 
-def can_pack(dtype: torch.dtype, device) -> bool:
-    """Whether ``prepare_weight(..., packed=True)`` applies: bf16 weights on a CPU oneDNN supports."""
-    if dtype != torch.bfloat16 or torch.device(device or "cpu").type != "cpu":
+def _cpu_supports(dtype: torch.dtype, wanted: torch.dtype, device, probe) -> bool:
+    if dtype != wanted or torch.device(device or "cpu").type != "cpu":
         return False
     try:
-        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
+        return bool(probe())
+    except (AttributeError, RuntimeError):  # a build without the backend or the op
         return False
+
+
+def can_pack(dtype: torch.dtype, device) -> bool:
+    """Whether ``prepare_weight(..., packed=True)`` applies: bf16 weights on a CPU oneDNN supports."""
+    return _cpu_supports(dtype, torch.bfloat16, device, lambda: torch.backends.mkldnn.is_available()
+                         and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def can_pack_rows(dtype: torch.dtype, device) -> bool:
     """Whether ``pack_rows`` applies: fp32 weights on a CPU, torch built with MKL (x86 builds)."""
-    if dtype != torch.float32 or torch.device(device or "cpu").type != "cpu":
-        return False
-    try:
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-    except (AttributeError, RuntimeError):
-        return False
+    return _cpu_supports(dtype, torch.float32, device, lambda: torch.backends.mkl.is_available()
+                         and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
 
 
 def prepare_weight(w: torch.Tensor, packed: bool, batch_hint: Optional[int] = None,
