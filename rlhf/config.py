@@ -172,11 +172,16 @@ class TrainConfig:
 
 @dataclass
 class EngineConfig:
+    # auto = $RLHF_DEVICE if set, else cuda when there is a GPU for every process of this node, else
+    # cpu (said in the log); cuda = CUDA or a clear error (exit 2)
+    device: str = "auto"  # auto | cpu | cuda
     zero_stage: int = 3
     offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy)
-    precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reductions)
+    # fp32 | bf16 (bf16 compute, fp32 master weights and reductions) | auto = bf16 on a CUDA device
+    # that supports it, fp32 elsewhere (resolved when the device is known; the log states it)
+    precision: str = "auto"
     activation_checkpointing: bool = False
-    backend: Optional[str] = None  # None = nccl with CUDA, else gloo
+    backend: Optional[str] = None  # None = nccl on CUDA, else gloo
     timeout_s: int = 600  # collective timeout: a dead peer ends the job instead of hanging it
     threads_per_rank: int = 0  # torch intra-op threads; 0 = cores / local ranks
     inference_tp_size: int = 1
@@ -195,7 +200,8 @@ class EngineConfig:
     def __post_init__(self):
         _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
         _check(self.offload in ("none", "cpu"), "engine.offload", self.offload, "none or cpu")
-        _check(self.precision in ("fp32", "bf16"), "engine.precision", self.precision, "fp32 or bf16")
+        _check(self.device in ("auto", "cpu", "cuda"), "engine.device", self.device, "auto, cpu or cuda")
+        _check(self.precision in ("auto", "fp32", "bf16"), "engine.precision", self.precision, "auto, fp32 or bf16")
         _check(self.backend in (None, "gloo", "nccl"), "engine.backend", self.backend, "gloo or nccl")
         _check(self.timeout_s > 0, "engine.timeout_s", self.timeout_s, "a positive number of seconds")
         _check(self.threads_per_rank >= 0, "engine.threads_per_rank", self.threads_per_rank,
@@ -279,6 +285,10 @@ class PPOConfig:
     samples_per_prompt: int = 4
     ppo_epochs: int = 4
     minibatches_per_epoch: int = 2
+    # rows per forward/backward in experience scoring and updates (gradients accumulate within a
+    # minibatch; results do not depend on it); 0 = auto: as many rows as keep one micro-batch's fp32
+    # logits within 256 MiB (all rows for a small vocabulary, a few for a 152k one)
+    micro_batch_per_rank: int = 0
     max_new_tokens: int = 16
     min_new_tokens: int = 0
     temperature: float = 1.0  # 0 = greedy (log-probs then at temperature 1)
@@ -295,6 +305,8 @@ class PPOConfig:
         for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch",
                     "max_new_tokens"):
             _check(getattr(self, key) > 0, f"ppo.{key}", getattr(self, key), "a positive integer")
+        _check(self.micro_batch_per_rank >= 0, "ppo.micro_batch_per_rank", self.micro_batch_per_rank,
+               "a non-negative integer (0 = auto)")
         _check(self.temperature >= 0, "ppo.temperature", self.temperature, "a non-negative number (0 = greedy)")
         _check(0 <= self.min_new_tokens <= self.max_new_tokens, "ppo.min_new_tokens", self.min_new_tokens,
                f"0..ppo.max_new_tokens={self.max_new_tokens}")

@@ -12,10 +12,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
+# Where the suite runs its stages and ranks: RLHF_TEST_DEVICE=cpu (default: every rank on CPU/gloo,
+# also on a GPU machine) or cuda (engine.device=auto: a GPU per rank where there are enough, else the
+# CPU — never two ranks on one GPU). Tests that compare numbers pin fp32 themselves.
+TEST_DEVICE = os.environ.get("RLHF_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"RLHF_TEST_DEVICE={TEST_DEVICE!r}: expected cpu or cuda")
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
            WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+if TEST_DEVICE == "cpu":
+    ENV["RLHF_DEVICE"] = "cpu"
+else:
+    ENV.pop("RLHF_DEVICE", None)
 for k, v in ENV.items():
-    if k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "WANDB_MODE"):
+    if k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "WANDB_MODE", "RLHF_DEVICE"):
         os.environ.setdefault(k, v)
 
 

@@ -1,8 +1,16 @@
 """Per-token log-probabilities and the masked token NLL (pure tensor functions)."""
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# fp32 working set of one chunk of the log-softmax in ``response_logprobs`` (bytes): big enough that a
+# small vocabulary takes the whole response in one chunk, small enough that a 152k vocabulary never
+# holds [rows, tokens, vocab] in fp32 at once
+LOGSOFTMAX_CHUNK_BYTES = 256 * 2**20
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -11,6 +19,46 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     if temperature != 1.0:
         logits = logits / temperature
     return torch.gather(F.log_softmax(logits, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          entropy: Optional[str]):
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return logp, None
+    if entropy == "loss":  # a loss term: its own log-softmax node, as the plain formula has it
+        logp_all = F.log_softmax(logits, dim=-1)
+    else:  # "metric": the log-softmax computed above, detached, at no extra pass
+        logp_all = logp_all.detach()
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                     entropy: Optional[str] = None, chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[B, N] log-probs of ``targets`` and, with ``entropy`` ("loss": differentiable; "metric":
+    detached, from the same log-softmax), the entropy of softmax(logits / T), from aligned
+    ``logits`` [B, N, V], computed over a few positions at a time so that the fp32 log-softmax
+    never exists for all of [B, N, V] at once. Under autograd each chunk is
+    recomputed in backward (activation checkpointing), so backward holds one chunk too. Each
+    position's numbers are those of ``token_logprobs`` on the whole tensor (the same ops per row)."""
+    B, N, V = logits.shape
+    step = max(1, min(N, chunk_bytes // max(B * V * 4, 1)))
+    if step >= N:
+        return _logprobs_and_entropy(logits, targets, temperature, entropy)
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    lps, ents = [], []
+    for s in range(0, N, step):
+        args = (logits[:, s:s + step], targets[:, s:s + step], temperature, entropy)
+        lp, ent = (checkpoint(_logprobs_and_entropy, *args, use_reentrant=False) if grad
+                   else _logprobs_and_entropy(*args))
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps, 1), (torch.cat(ents, 1) if entropy else None)
 
 
 def shifted_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -8,7 +8,7 @@ adaptive β); DeepSpeed-Chat step 3 (reward at the last token, clipped value los
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -27,13 +27,16 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((x - mean) ** 2, mask)
 
 
-def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over masked entries (mean kept when ``shift_mean`` is False)."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return out * mask
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
+           ) -> Tensor:
+    """(x − mean) / std over the masked entries of the whole global batch: ``all_reduce`` sums a
+    float64 tensor over data-parallel ranks (None = this batch alone), so N ranks ≡ 1 process."""
+    reduce = all_reduce or (lambda t: t)
+    s = reduce(torch.tensor([float((x * mask).sum()), float(mask.sum())], dtype=torch.float64, device=x.device))
+    mean = s[0] / s[1].clamp(min=1)
+    v = reduce(torch.tensor([float((((x - mean) ** 2) * mask).sum())], dtype=torch.float64, device=x.device))
+    var = v[0] / s[1].clamp(min=1)
+    return ((x - mean.float()) * torch.rsqrt(var.float() + eps)) * mask
 
 
 # ---- KL estimators of KL(π || π_ref) per token, from log π and log π_ref of the sampled tokens ----
@@ -106,6 +109,29 @@ def rloo_advantages(scores: Tensor, group_size: int, mask: Tensor) -> Tensor:
     return (g - baseline).reshape(-1, 1) * mask
 
 
+def advantages(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int,
+               beta: float, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
+               ) -> Tuple[Tensor, Optional[Tensor]]:
+    """(advantages, returns or None) of ``alg.estimator`` (an AlgorithmConfig): ``scores`` [B] per
+    sequence, ``kl`` [B, N] per token (masked), ``values`` [B, N] for GAE. A prompt's
+    ``group_size`` samples are consecutive rows. Whitening uses global statistics (``whiten``)."""
+    if alg.estimator == "gae":
+        rewards = token_rewards(scores, kl, mask, beta, alg.reward_clip)
+        adv, returns = gae(rewards, values, mask, alg.gamma, alg.lam)
+        return (whiten(adv, mask, all_reduce=all_reduce) if alg.whiten_advantages else adv), returns
+    if alg.estimator == "grpo":
+        clip = alg.reward_clip
+        # already normalised within each group: no batch whitening
+        return grpo_advantages(scores.clamp(-clip, clip) if clip else scores, group_size, mask), None
+    if alg.estimator == "rloo":
+        adv = rloo_advantages(scores - beta * kl.sum(1), group_size, mask)
+        return (whiten(adv, mask, all_reduce=all_reduce) if alg.whiten_advantages else adv), None
+    if alg.estimator == "reinforce_pp":  # token-level KL-shaped returns, whitened over the global batch
+        rewards = token_rewards(scores, kl, mask, beta, alg.reward_clip)
+        return whiten(discounted_returns(rewards, mask, alg.gamma), mask, all_reduce=all_reduce), None
+    raise ValueError(f"unknown estimator {alg.estimator}")
+
+
 def _reduce(loss: Tensor, mask: Tensor, normalizer: Optional[float]) -> Tensor:
     """Masked mean, or the masked sum over ``normalizer`` (e.g. the global token count / world size,
     so that data-parallel ranks reproduce one process)."""
@@ -124,8 +150,11 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip:
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.min(loss, -adv * dual_clip), loss)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((loss2 > loss1).float(), mask),
-                 "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask)}
+        m = mask.to(loss.dtype)
+        clipped, akl, count = ((loss2 > loss1).float() * m).sum(), (0.5 * log_ratio ** 2 * m).sum(), m.sum()
+        # means over this call's tokens, and the sums behind them (to average over micro-batches)
+        stats = {"clipfrac": clipped / count.clamp(min=1), "approx_kl": akl / count.clamp(min=1),
+                 "sums": torch.stack([clipped, akl, count])}
     return _reduce(loss, mask, normalizer), stats
 
 

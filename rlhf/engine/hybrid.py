@@ -17,6 +17,7 @@ import torch
 
 from rlhf.config import EngineConfig
 from rlhf.engine.infer import Generation, InferenceModel, finish, left_pad
+from rlhf.engine.mesh import precision_of
 from rlhf.engine.train import TrainEngine, decoder_layers
 from rlhf.errors import ConfigError
 from rlhf.models.policies import policy_for
@@ -38,7 +39,7 @@ class HybridEngine:
             why = self.policy.check_tp(self.tp)
             if why:
                 raise ConfigError(why)
-        dtype = ecfg.precision if ecfg.inference_dtype == "auto" else ecfg.inference_dtype
+        dtype = precision_of(ecfg, self.mesh.device) if ecfg.inference_dtype == "auto" else ecfg.inference_dtype
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # of the inference mode
         self.timings: dict = {}
         self._model: Optional[InferenceModel] = None
@@ -86,6 +87,7 @@ class HybridEngine:
         per_rank = self.mesh.tp_all_gather_object(prompts)  # (a stand-in row stays in its group)
         model = self.build_inference_model()
         t1 = time.perf_counter()
+        # a CPU generator whatever the device: the same draws on every device (sampling moves them)
         gen = torch.Generator(device="cpu").manual_seed(sp.seed + 1_000_003 * self.mesh.tp_index)
         out = model.generate([p for ps in per_rank for p in ps], sp, eos_id=self.eos_id, pad_id=self.pad_id,
                              generator=gen, device=self.mesh.device)
@@ -110,24 +112,20 @@ class HybridEngine:
         ids, mask = left_pad(rows, self.pad_id, self.mesh.device)
         kwargs = dict(do_sample=sp.temperature > 0, max_new_tokens=sp.max_new_tokens,
                       min_new_tokens=sp.min_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
-                      top_k=sp.top_k, top_p=sp.top_p, output_logits=True, return_dict_in_generate=True,
+                      top_k=sp.top_k, top_p=sp.top_p, return_dict_in_generate=True,
                       synced_gpus=self.engine.is_fsdp)
         if sp.temperature > 0:
             kwargs["temperature"] = sp.temperature
-        with torch.random.fork_rng(devices=[]):
+        device = self.mesh.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(sp.seed + 1_000_003 * self.mesh.rank)
             out = self.engine.module.generate(input_ids=ids, attention_mask=mask, **kwargs)
         tokens = out.sequences[:, ids.shape[1]:]
-        logits = torch.stack(out.logits, 1).float()
-        temp = sp.temperature if sp.temperature > 0 else 1.0
-        logp = torch.log_softmax(logits / temp, -1).gather(-1, tokens[..., None]).squeeze(-1)
         n = sp.max_new_tokens
         if tokens.shape[1] < n:  # HF stops when every row has ended
-            fill = n - tokens.shape[1]
-            tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], fill), self.pad_id)], 1)
-            logp = torch.cat([logp, logp.new_zeros((logp.shape[0], fill))], 1)
+            tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], n - tokens.shape[1]), self.pad_id)], 1)
         # HF pads after EOS itself; make sure the first EOS closes the response
-        res = finish(ids, mask, tokens, logp, self.eos_id, self.pad_id)
+        res = finish(ids, mask, tokens, None, self.eos_id, self.pad_id)
         self.timings = {"switch_s": 0.0, "gather_s": 0.0, "generate_s": time.perf_counter() - t0, "release_s": 0.0}
         return res
 
@@ -141,5 +139,6 @@ def _rows(out: Generation, per_rank: List[List[List[int]]], tp_rank: int, n: int
     p = out.prompt_len
     drop = int((att[:, :p].sum(0) == 0).long().cumprod(0).sum()) if stop > start else 0
     return Generation(sequences=seq[:, drop:], attention_mask=att[:, drop:],
-                      response_mask=out.response_mask[start:stop], logprobs=out.logprobs[start:stop],
+                      response_mask=out.response_mask[start:stop],
+                      logprobs=None if out.logprobs is None else out.logprobs[start:stop],
                       prompt_len=p - drop)

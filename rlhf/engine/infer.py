@@ -35,7 +35,9 @@ class Generation:
     sequences: torch.Tensor  # [B, P + N]
     attention_mask: torch.Tensor  # [B, P + N] 1 on prompt and response tokens (EOS included)
     response_mask: torch.Tensor  # [B, N] 1 on response tokens (EOS included)
-    logprobs: torch.Tensor  # [B, N] log π(token) at the sampling temperature, 0 on padding
+    # [B, N] log π(token) at the sampling temperature, 0 on padding; None from HF generate (which
+    # would have to keep every step's full-vocabulary logits for them)
+    logprobs: Optional[torch.Tensor]
     prompt_len: int
 
     @property
@@ -44,16 +46,17 @@ class Generation:
 
     def rows(self, start: int, stop: int) -> "Generation":
         return Generation(self.sequences[start:stop], self.attention_mask[start:stop],
-                          self.response_mask[start:stop], self.logprobs[start:stop], self.prompt_len)
+                          self.response_mask[start:stop],
+                          None if self.logprobs is None else self.logprobs[start:stop], self.prompt_len)
 
 
 def left_pad(prompts: List[List[int]], pad_id: int, device=None):
     n = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), n), dtype=torch.long)
+    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(prompts), n), dtype=torch.long, device="cpu")
     for i, p in enumerate(prompts):
         if p:
-            ids[i, n - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids[i, n - len(p):] = torch.tensor(p, dtype=torch.long, device="cpu")
             mask[i, n - len(p):] = 1
     return ids.to(device), mask.to(device)
 
@@ -92,7 +95,13 @@ class InferenceModel:
         self._kv = list(self.cache.unbind(0))
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        self.cache = self.cache[:, keep]
+        """Compacts the rows still decoding to the front of the cache, in place, one layer at a time
+        (the transient copy is one layer's kept rows, never a second cache)."""
+        idx = keep.nonzero().squeeze(1)
+        k = idx.numel()
+        for layer in self.cache.unbind(0):
+            layer[:k] = layer[idx]
+        self.cache = self.cache[:, :k]
         self._kv = list(self.cache.unbind(0))
 
     def release(self) -> None:
@@ -147,9 +156,10 @@ class InferenceModel:
         rot = rotary_cos_sin(self.root["inv_freq"], positions, float(self.root["rope_scaling"]), self.dtype)
         return self._forward(ids, rot, self.attention_bias(key_valid, start, start + ids.shape[1]), start)
 
-    def _forward(self, ids: torch.Tensor, rot: torch.Tensor, mask: torch.Tensor, start: int,
+    def _forward(self, ids: torch.Tensor, rot: torch.Tensor, mask: Optional[torch.Tensor], start: int,
                  last_only: bool = False) -> torch.Tensor:
-        """``rot`` [B, T, d/2] complex rotations; ``mask`` additive [B, 1, T, start+T]; ``last_only``:
+        """``rot`` [B, T, d/2] complex rotations; ``mask`` additive [B, 1, T, start+T] (None: causal, from
+        slot 0, no padding); ``last_only``:
         logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden] between GEMMs."""
         B, T = ids.shape
         end = start + T
@@ -208,8 +218,11 @@ class InferenceModel:
         out_logp = torch.zeros((B, N), dtype=torch.float32, device=device)
         active: Optional[torch.Tensor] = None  # None = every row
         next_pos = positions[:, -1] + 1
-        logits = self._forward(ids, rot_table[positions], self.attention_bias(pmask.bool(), 0, P), 0,
-                               last_only=True)[:, -1]
+        # On CUDA, unpadded prompts need no mask (causal SDPA, the flash kernel); the CPU keeps the
+        # reference path
+        plain = device.type == "cuda" and not window and bool(pmask.all())
+        logits = self._forward(ids, rot_table[positions], None if plain else self.attention_bias(pmask.bool(), 0, P),
+                               0, last_only=True)[:, -1]
         for t in range(N):
             ban = eos_id if t < sp.min_new_tokens else None
             tok, logp = sample(logits, sp, generator, ban=ban)
@@ -245,7 +258,7 @@ def finish(prompt_ids, prompt_mask, tokens, logprobs, eos_id: int, pad_id: int) 
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     response_mask = (~after_eos).long()
     tokens = tokens.masked_fill(after_eos, pad_id)
-    logprobs = logprobs.masked_fill(after_eos, 0.0)
+    logprobs = None if logprobs is None else logprobs.masked_fill(after_eos, 0.0)
     return Generation(sequences=torch.cat([prompt_ids, tokens], 1),
                       attention_mask=torch.cat([prompt_mask, response_mask], 1),
                       response_mask=response_mask, logprobs=logprobs, prompt_len=prompt_ids.shape[1])

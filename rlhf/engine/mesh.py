@@ -1,11 +1,12 @@
 """Ranks, device, process groups and device meshes: one validated object.
 
-cuda + nccl when CUDA is available, else cpu + gloo. A single process (no torchrun) runs without
+cuda + nccl when there is a GPU for every process of the node (``engine.device``), else cpu + gloo. A single process (no torchrun) runs without
 a process group at all; every collective helper here is then the identity.
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from rlhf.config import EngineConfig
 from rlhf.errors import ConfigError
+
+log = logging.getLogger("rlhf")
 
 
 @dataclass
@@ -80,6 +83,8 @@ class Mesh:
             dist.barrier()
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if t.device.type != self.device.type:  # NCCL takes CUDA tensors only: say where, not deep in c10d
+            raise RuntimeError(f"all_reduce of a {t.device} tensor in a job on {self.device}")
         if self.distributed:
             dist.all_reduce(t, op=op)
         return t
@@ -106,19 +111,60 @@ class Mesh:
         return out
 
 
+def choose_device(requested: str, local_rank: int, local_world: int) -> torch.device:
+    """The device of this process for ``engine.device`` (auto | cpu | cuda).
+
+    auto: ``$RLHF_DEVICE`` when set (the test suite pins cpu this way), else CUDA when this node has
+    a GPU for each of its processes, else the CPU — two ranks on one GPU is what NCCL refuses, so
+    auto never does it and says why in the log; cuda: CUDA, or exit 2 saying what is missing."""
+    if requested == "auto":
+        requested = os.environ.get("RLHF_DEVICE", "auto") or "auto"
+        if requested not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"RLHF_DEVICE={requested!r} is invalid: expected cpu or cuda")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda":
+        if gpus == 0:
+            raise ConfigError("engine.device=cuda: this machine has no CUDA device (torch sees none)")
+        if local_world > gpus:
+            raise ConfigError(f"engine.device=cuda: {local_world} processes on this node but {gpus} GPU(s); "
+                              f"NCCL cannot put two ranks on one GPU (use at most {gpus} processes per node, "
+                              f"or engine.device=cpu)")
+        return torch.device("cuda", local_rank)
+    if gpus and local_world > gpus:
+        log.warning("engine.device=auto: %d processes on this node but %d GPU(s), and two ranks cannot share "
+                    "a GPU under NCCL; running on the CPU (set engine.device=cuda to make this an error)",
+                    local_world, gpus)
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank) if gpus else torch.device("cpu")
+
+
+def precision_of(ecfg: EngineConfig, device: torch.device) -> str:
+    """``engine.precision`` with auto resolved: bf16 on a CUDA device that supports it, else fp32."""
+    if ecfg.precision != "auto":
+        return ecfg.precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
 def init_mesh(engine: EngineConfig) -> Mesh:
-    """Reads torchrun's environment, initialises the process group and validates degrees."""
+    """Reads torchrun's environment, picks the device, initialises the process group and validates
+    degrees. Resolves ``engine.precision=auto`` in place once the device is known."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1)) if use_cuda else torch.device("cpu")
+    device = choose_device(engine.device, local_rank, local_world)
+    use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
+    engine.precision = precision_of(engine, device)
     backend = engine.backend or ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not use_cuda:
-        raise ConfigError("engine.backend=nccl needs CUDA, and this machine has none (use gloo)")
+        raise ConfigError(f"engine.backend=nccl needs CUDA tensors, and this run is on the {device.type} "
+                          f"(use gloo, or engine.device=cuda on a machine with GPUs)")
     if world_size % engine.inference_tp_size != 0:
         raise ConfigError(f"engine.inference_tp_size={engine.inference_tp_size} does not divide the "
                           f"world size {world_size}")

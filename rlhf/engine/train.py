@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlhf.config import EngineConfig, TrainConfig
-from rlhf.engine.mesh import Mesh
+from rlhf.engine.mesh import Mesh, precision_of
 from rlhf.engine.schedule import make_scheduler
 
 log = logging.getLogger("rlhf")
@@ -67,7 +67,7 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
         log.info("engine.zero_stage=1 runs as ZeRO-2 (FSDP2 shards gradients with the optimizer state)")
     full_sd = {k: v.detach().clone() for k, v in model.state_dict().items()} if mesh.is_main else {}
     kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3)
-    if ecfg.precision == "bf16":
+    if precision_of(ecfg, mesh.device) == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if ecfg.offload == "cpu" and mesh.device.type != "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -82,6 +82,13 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
                                                                   broadcast_from_rank0=True))
     _broadcast_buffers(model)
     return model
+
+
+def autocast(mesh: Mesh, ecfg: EngineConfig, is_fsdp: bool):
+    """bf16 compute for a bare or DDP model (FSDP2 casts through its MixedPrecisionPolicy instead)."""
+    if precision_of(ecfg, mesh.device) == "bf16" and not is_fsdp:
+        return torch.autocast(mesh.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def param_groups(model: nn.Module, weight_decay: float):
@@ -109,9 +116,7 @@ class FrozenModel:
 
     @torch.no_grad()
     def forward(self, **batch):
-        ctx = (torch.autocast(self.mesh.device.type, dtype=torch.bfloat16)
-               if self.ecfg.precision == "bf16" and not self.is_fsdp else contextlib.nullcontext())
-        with ctx:
+        with autocast(self.mesh, self.ecfg, self.is_fsdp):
             return self.model(**batch)
 
 
@@ -135,13 +140,8 @@ class TrainEngine:
     def module(self) -> nn.Module:
         return self.model.module if self.is_ddp else self.model
 
-    def autocast(self):
-        if self.ecfg.precision == "bf16" and not self.is_fsdp:
-            return torch.autocast(self.mesh.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def forward(self, **batch):
-        with self.autocast():
+        with autocast(self.mesh, self.ecfg, self.is_fsdp):
             return self.model(**batch)
 
     def train(self):

@@ -58,6 +58,10 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
         probs = filter_logits(scaled, p.top_k, p.top_p).softmax(-1)
         # Inverse CDF: one uniform draw per row (torch.multinomial draws far more on CPU).
         cdf = probs.cumsum(-1)
-        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
+        # drawn on the generator's device (a CPU generator gives the same draws whatever the device
+        # of the logits), then moved to the logits
+        u = torch.rand((probs.shape[0], 1), generator=generator,
+                       device=generator.device if generator is not None else probs.device)
+        u = u.to(probs.device) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

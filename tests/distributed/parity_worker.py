@@ -83,7 +83,7 @@ def reward_curve(mesh, zero_stage: int = 3) -> list[float]:
         with torch.device("meta"):
             model = LlamaForSequenceClassification(cfg)
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
-    engine = TrainEngine(ScalarHeadModel(model), mesh, EngineConfig(zero_stage=zero_stage), tcfg)
+    engine = TrainEngine(ScalarHeadModel(model), mesh, EngineConfig(zero_stage=zero_stage, precision="fp32"), tcfg)
     recs = records()
     rng = random.Random(5)
     rejected = [rng.sample(seq, len(seq)) for seq, _ in recs]
@@ -97,7 +97,7 @@ def reward_curve(mesh, zero_stage: int = 3) -> list[float]:
 
 
 def main(out: str) -> None:
-    mesh = init_mesh(EngineConfig(timeout_s=120))
+    mesh = init_mesh(EngineConfig(timeout_s=120, precision="fp32"))
     results = {name: loss_curve(mesh, z, m) for name, z, m in CASES}
     results["reward_zero3"] = reward_curve(mesh)
     results["world_size"] = mesh.world_size

@@ -28,7 +28,10 @@ def test_greedy_tokens_and_logprobs(results, case):
         r = res[case]
         assert r["inject"] == (case != "llama_hf_fsdp")
         assert r["greedy_equal"], (rank, case)
-        assert r["logprob_diff"] <= 1e-4, (rank, case, r["logprob_diff"])
+        if case == "llama_hf_fsdp":
+            assert r["logprob_diff"] is None  # HF generate returns no rollout log-probs
+        else:
+            assert r["logprob_diff"] <= 1e-4, (rank, case, r["logprob_diff"])
         assert r["rows"] == 2 * (4 + rank)  # each rank gets back its own prompts × n
 
 

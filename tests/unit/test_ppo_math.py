@@ -122,6 +122,19 @@ def test_whiten_and_adaptive_kl_and_running_moments():
     m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     w = A.whiten(x, m)
     assert abs(A.masked_mean(w, m).item()) < 1e-6 and w[0, 3] == 0
+    assert A.masked_mean(w * w, m).item() == pytest.approx(1.0, rel=1e-5)
+    # with an all_reduce, the statistics are those of every rank's rows together
+    halves = [(x[:, :2], m[:, :2]), (x[:, 2:], m[:, 2:])]
+    sums = [torch.tensor([float((a * b).sum()), float(b.sum())], dtype=torch.float64) for a, b in halves]
+    calls = []
+
+    def fake_all_reduce(t):  # the other "rank" contributes its part of the same statistic
+        calls.append(t.clone())
+        other = sums[1] if len(calls) == 1 else torch.tensor(
+            [float((((halves[1][0] - 2.0) ** 2) * halves[1][1]).sum())], dtype=torch.float64)
+        return t + other
+    part = A.whiten(halves[0][0], halves[0][1], all_reduce=fake_all_reduce)
+    assert torch.allclose(part, w[:, :2], atol=1e-6)
     kl = A.AdaptiveKL(0.1, target=6.0, horizon=100)
     kl.update(12.0, 10)
     assert kl.beta == pytest.approx(0.1 * 1.02)

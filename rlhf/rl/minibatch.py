@@ -1,0 +1,60 @@
+"""Which experience rows each rank updates on, so that N ranks update on exactly the minibatches
+one process would, and each rank's share runs in micro-batches of a bounded number of rows.
+
+Row layout (one helper, ``global_rows``): rank r holds prompts r, r+W, r+2W, … of the step's
+global prompt list, each prompt's ``group_size`` samples in consecutive rows.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, NamedTuple
+
+import torch
+
+
+def global_rows(rows: int, group_size: int, rank: int, world: int) -> torch.Tensor:
+    """Global index of each of this rank's ``rows`` experience rows."""
+    j = torch.arange(rows, device="cpu")
+    return ((j // group_size) * world + rank) * group_size + j % group_size
+
+
+def rank_of_row(global_ids: torch.Tensor, group_size: int, world: int) -> torch.Tensor:
+    """The rank that holds each global row (the inverse of ``global_rows``)."""
+    return (global_ids // group_size) % world
+
+
+class Minibatch(NamedTuple):
+    rows: torch.Tensor  # this rank's local row indices
+    weight: float  # 0.0: this rank holds no row of it and runs one stand-in row
+    most: int  # the most rows any rank holds in it
+    global_size: int  # rows over all ranks
+
+
+def minibatches(global_ids: torch.Tensor, total_rows: int, count: int, group_size: int, world: int,
+                generator: torch.Generator) -> Iterator[Minibatch]:
+    """This rank's share of each of ``count`` global minibatches of a seeded shuffle of all rows. A
+    rank with no row in a minibatch gets one zero-weight row (the forwards are collective)."""
+    perm = torch.randperm(total_rows, generator=generator, device="cpu")
+    where = {int(gid): i for i, gid in enumerate(global_ids)}
+    for chunk in perm.chunk(count):
+        most = int(torch.bincount(rank_of_row(chunk, group_size, world), minlength=world).max())
+        local = [where[int(x)] for x in chunk if int(x) in where]
+        if local:
+            yield Minibatch(torch.tensor(local, device="cpu"), 1.0, most, len(chunk))
+        else:
+            yield Minibatch(torch.tensor([0], device="cpu"), 0.0, most, len(chunk))
+
+
+def micro_batches(rows: torch.Tensor, micro: int, most: int) -> List[torch.Tensor]:
+    """``rows`` split into micro-batches of at most ``micro`` rows, as many on every rank (``most``:
+    the largest share any rank holds, so the count is ceil(most / micro)); a rank that runs out
+    repeats an empty selection, which the caller runs as a zero-weight row."""
+    count = max(1, -(-most // micro))
+    parts = list(rows.split(micro))
+    return parts + [rows[:0]] * (count - len(parts))
+
+
+def auto_micro_batch(tokens: int, vocab: int, budget_bytes: int = 256 * 2**20) -> int:
+    """Rows per micro-batch when ``ppo.micro_batch_per_rank=0``: as many as keep one micro-batch's
+    fp32 logits (rows × tokens × vocab × 4 bytes) within ``budget_bytes`` — every row at once for a
+    small vocabulary, a few rows for a 152k one."""
+    return max(1, budget_bytes // max(tokens * vocab * 4, 1))
