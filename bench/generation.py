@@ -1,7 +1,8 @@
 """Generation throughput: HF generate on the ZeRO-3 actor vs the hybrid engine (TP 1 and 2) vs HF
 generate on a plain model (JSON lines, CONTRACT.md).
 
-    python bench/generation.py [--workload tiny small] [--repeats 3] [--dtypes fp32 bf16]
+    python bench/generation.py [--workload tiny small] [--repeats 3] [--dtypes fp32 bf16] [--nproc 2]
+                               [--device auto|cpu|cuda]
 
 Each rank generates its own prompts (8 × prompt_len, sampling, temperature 1, min = max new tokens
 so every variant does the same work). tokens_per_s is summed over ranks. The bandwidth bound of a
@@ -16,6 +17,14 @@ engine.inference_kernels=reference (plain GEMMs instead of the packed ones), sid
 Every line carries ``dtype`` and the 1-minute load average when its variant started (``load_1m``;
 it still counts the previous variant's own ranks for a while): on a shared machine, numbers taken
 while other jobs run are not comparable.
+
+Device (``--device``, as ``engine.device``; every line carries ``device``): auto = CUDA when this node
+has a GPU for each of the ``--nproc`` processes, else the CPU. On CUDA the defaults are
+``--variants hybrid_tp1 hybrid_tp2 hf_plain --dtypes bf16`` (hybrid: engine.inference_dtype=bf16 with
+engine.precision=auto; hf_plain: the model cast to bf16 and moved to the GPU), timed regions are
+bracketed by torch.cuda.synchronize(), and the bandwidth of the bound is that of a large
+device-to-device copy. Variants whose TP degree does not divide ``--nproc`` are skipped (stderr says
+so). hf_plain also gets a bandwidth bound (its weight bytes, the bandwidth measured in its process).
 """
 from __future__ import annotations
 
@@ -30,20 +39,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-WORKLOADS = {  # CONTRACT.md
-    "tiny": dict(hidden=128, layers=4, heads=4, kv=2, vocab=2000, prompts=8, prompt_len=32, new=64),
-    "small": dict(hidden=512, layers=8, heads=8, kv=4, vocab=8000, prompts=8, prompt_len=64, new=128),
-}
+from common import WORKLOADS, device_label, llama_config, resolve_device  # noqa: E402,F401 (WORKLOADS re-exported)
 
 
 def make_model(w: dict, on_meta: bool = False):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=w["vocab"], hidden_size=w["hidden"], intermediate_size=w["hidden"] * 8 // 3 // 64 * 64,
-                      num_hidden_layers=w["layers"], num_attention_heads=w["heads"], num_key_value_heads=w["kv"],
-                      max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                      tie_word_embeddings=False)
+    from transformers import LlamaForCausalLM
+    cfg = llama_config(w)
     if on_meta:
         with torch.device("meta"):
             return LlamaForCausalLM(cfg)
@@ -57,8 +61,10 @@ def prompts_for(w: dict, rank: int):
     return [torch.randint(3, w["vocab"], (w["prompt_len"],), generator=g).tolist() for _ in range(w["prompts"])]
 
 
-def bandwidth_bytes_per_s() -> float:
+def bandwidth_bytes_per_s(device=None) -> float:
     import torch
+    if device is not None and torch.device(device).type == "cuda":
+        return cuda_bandwidth_bytes_per_s(torch.device(device))
     a = torch.empty(64 * 2**20 // 4, dtype=torch.float32).fill_(1.0)
     b = torch.empty_like(a)
     best = float("inf")
@@ -67,6 +73,32 @@ def bandwidth_bytes_per_s() -> float:
         b.copy_(a)
         best = min(best, time.perf_counter() - t)
     return 2 * a.numel() * 4 / best  # read + write
+
+
+def cuda_bandwidth_bytes_per_s(device, mib: int = 512, copies: int = 10) -> float:
+    """Device-to-device copy of ``mib`` MiB (far beyond L2), ``copies`` back to back between two
+    synchronizations, best of 5: bytes read + written / time."""
+    import torch
+    a = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)  # warm-up
+    torch.cuda.synchronize(device)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(copies):
+            b.copy_(a)
+        torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - t) / copies)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * mib * 2**20 / best  # read + write
+
+
+def sync(device) -> None:
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def weight_bytes(model) -> int:
@@ -78,7 +110,8 @@ class Tok:
     pad_token_id, eos_token_id = 0, 2
 
 
-def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp32") -> None:
+def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp32",
+           device: str = "auto") -> None:
     import torch
 
     from rlhf.config import EngineConfig, TrainConfig
@@ -89,7 +122,10 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
 
     w = WORKLOADS[workload]
     tp = tp_of(variant)
+    # fp32: fp32 everywhere (also on CUDA, where precision=auto would be bf16); bf16: a bf16 inference
+    # copy, training precision auto (fp32 on the CPU, bf16 with fp32 master weights on CUDA)
     ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=variant != "hf_fsdp", timeout_s=600,
+                        device=device, precision="fp32" if dtype == "fp32" else "auto",
                         inference_dtype=dtype, inference_kernels="reference" if variant.endswith("_ref") else "auto")
     mesh = init_mesh(ecfg)
     model = make_model(w, on_meta=not mesh.is_main)
@@ -100,20 +136,23 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
     hy.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4, min_new_tokens=4))  # warm-up
     best, switch = float("inf"), float("inf")
     for _ in range(repeats):
+        sync(mesh.device)
         mesh.barrier()
         t = time.perf_counter()
         gen = hy.generate(prompts, sp)
+        sync(mesh.device)
         mesh.barrier()
         dt = time.perf_counter() - t
         if dt < best:
             best, switch = dt, hy.timings.get("switch_s", 0.0)
     assert int(gen.response_mask.sum()) == w["prompts"] * w["new"]
-    bw = bandwidth_bytes_per_s()
+    bw = bandwidth_bytes_per_s(mesh.device)
     mesh.barrier()
     res = {"seconds": best, "switch_s": switch, "tokens": w["prompts"] * w["new"] * mesh.world_size,
            "bandwidth": mesh.sum(bw) / mesh.world_size,
            "weight_bytes": weight_bytes(make_model(w, on_meta=True)) * (2 if dtype == "bf16" else 4) // 4,
-           "world_size": mesh.world_size, "threads": torch.get_num_threads()}
+           "world_size": mesh.world_size, "threads": torch.get_num_threads(),
+           "device": device_label(mesh.device)}
     if mesh.is_main:
         Path(out).write_text(json.dumps(res))
     shutdown(mesh)
@@ -123,24 +162,33 @@ def tp_of(variant: str) -> int:
     return 2 if variant.startswith("hybrid_tp2") else 1
 
 
-def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32") -> dict:
+def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32", device=None) -> dict:
     import torch
 
     from rlhf.engine.infer import left_pad
     torch.set_num_threads(threads)
     w = WORKLOADS[workload]
-    model = make_model(w).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    ids, mask = left_pad(prompts_for(w, 0), 0)
+    device = torch.device(device or "cpu")
+    model = make_model(w).to(device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    ids, mask = left_pad(prompts_for(w, 0), 0, device)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=w["new"],
               min_new_tokens=w["new"], pad_token_id=0, eos_token_id=2)
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
         best = float("inf")
         for _ in range(repeats):
+            sync(device)
             t = time.perf_counter()
             model.generate(input_ids=ids, attention_mask=mask, **kw)
+            sync(device)
             best = min(best, time.perf_counter() - t)
-    return {"seconds": best, "tokens": w["prompts"] * w["new"], "threads": threads}
+    res = {"seconds": best, "tokens": w["prompts"] * w["new"], "threads": threads,
+           "weight_bytes": weight_bytes(model), "device": device_label(device)}
+    del model, ids, mask
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next variant's processes get the memory
+    res["bandwidth"] = bandwidth_bytes_per_s(device)
+    return res
 
 
 # *_ref: the hybrid variant with engine.inference_kernels=reference (plain GEMMs), for a side-by-side
@@ -153,18 +201,32 @@ def main() -> None:
     import torch
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", nargs="+", default=["tiny", "small"], choices=sorted(WORKLOADS))
-    ap.add_argument("--variants", nargs="+", default=["hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain"],
-                    choices=DTYPE_VARIANTS["fp32"])
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPE_VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=None, choices=DTYPE_VARIANTS["fp32"],
+                    help="default: hf_fsdp hybrid_tp1 hybrid_tp2 hf_plain (CUDA: hybrid_tp1 hybrid_tp2 hf_plain)")
+    ap.add_argument("--dtypes", nargs="+", default=None, choices=sorted(DTYPE_VARIANTS),
+                    help="default: fp32 bf16 (CUDA: bf16)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--worker", nargs=5, metavar=("WORKLOAD", "VARIANT", "REPEATS", "OUT", "DTYPE"),
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="as engine.device")
+    ap.add_argument("--worker", nargs=6, metavar=("WORKLOAD", "VARIANT", "REPEATS", "OUT", "DTYPE", "DEVICE"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3], args.worker[4])
+        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3], args.worker[4], args.worker[5])
         return
+    dev = resolve_device(args.device, args.nproc)
+    on_cuda = dev.type == "cuda"
+    if args.variants is None:
+        args.variants = ["hybrid_tp1", "hybrid_tp2", "hf_plain"] if on_cuda else ["hf_fsdp", "hybrid_tp1", "hybrid_tp2",
+                                                                                   "hf_plain"]
+    if args.dtypes is None:
+        args.dtypes = ["bf16"] if on_cuda else ["fp32", "bf16"]
+    for v in [v for v in args.variants if args.nproc % tp_of(v)]:
+        print(f"bench/generation.py: skipping {v}: its TP degree {tp_of(v)} does not divide --nproc {args.nproc}",
+              file=sys.stderr)
+    args.variants = [v for v in args.variants if args.nproc % tp_of(v) == 0]
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
+    label = device_label(dev)
     for workload in args.workload:
         results = {}
         for dtype in args.dtypes:
@@ -172,13 +234,13 @@ def main() -> None:
                 name = variant if dtype == "fp32" else f"{variant}_{dtype}"
                 load = os.getloadavg()[0]
                 if variant == "hf_plain":
-                    r = plain(workload, args.repeats, threads, dtype)
+                    r = plain(workload, args.repeats, threads, dtype, dev)
                     ws = 1
                 else:
                     out = tempfile.mktemp(suffix=".json")
                     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={args.nproc}", __file__, "--worker", workload, variant,
-                           str(args.repeats), out, dtype]
+                           str(args.repeats), out, dtype, dev.type]
                     subprocess.run(cmd, check=True, stdout=sys.stderr, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
                     r = json.loads(Path(out).read_text())
                     os.unlink(out)
@@ -186,12 +248,12 @@ def main() -> None:
                 results[name] = r
                 base = {"bench": "generation", "workload": workload, "variant": name, "world_size": ws,
                         "threads_per_rank": r["threads"], "torch": torch.__version__, "dtype": dtype,
-                        "load_1m": round(load, 2)}
+                        "load_1m": round(load, 2), "device": r["device"]}
                 tps = r["tokens"] / r["seconds"]
                 print(json.dumps({**base, "metric": "tokens_per_s", "value": round(tps, 1), "unit": "tokens/s"}), flush=True)
                 if variant != "hf_plain":
                     print(json.dumps({**base, "metric": "switch_s", "value": round(r["switch_s"], 5), "unit": "s"}), flush=True)
-                if variant.startswith("hybrid"):
+                if variant.startswith("hybrid") or variant == "hf_plain":
                     tp = tp_of(variant)
                     per_step_bytes = r["weight_bytes"] / tp  # each rank reads its slice per decode step
                     rows_per_group = WORKLOADS[workload]["prompts"] * tp
@@ -205,23 +267,24 @@ def main() -> None:
             return r["tokens"] / r["seconds"] / (r["world_size"] if per_process else 1)
 
         if "hybrid_tp1" in results and "hf_fsdp" in results:
-            print(json.dumps({"bench": "generation", "workload": workload, "variant": "hybrid_tp1_vs_hf_fsdp",
-                              "metric": "speedup", "value": round(rate("hybrid_tp1") / rate("hf_fsdp"), 2), "unit": "x",
-                              "target": 5.0}), flush=True)
+            print(json.dumps({"bench": "generation", "workload": workload, "device": label,
+                              "variant": "hybrid_tp1_vs_hf_fsdp", "metric": "speedup",
+                              "value": round(rate("hybrid_tp1") / rate("hf_fsdp"), 2), "unit": "x", "target": 5.0}),
+                  flush=True)
         # (b) per process / (d): fp32 vs fp32, bf16 vs bf16 (equal precision), bf16 vs fp32 (for reference)
         for b, d in (("hybrid_tp1", "hf_plain"), ("hybrid_tp1_bf16", "hf_plain_bf16"), ("hybrid_tp1_bf16", "hf_plain")):
             if b in results and d in results:
                 variant = ("hybrid_tp1_per_process_vs_hf_plain" if b == "hybrid_tp1"
                            else f"{b}_per_process_vs_{d}")
-                print(json.dumps({"bench": "generation", "workload": workload, "variant": variant, "metric": "speedup",
-                                  "value": round(rate(b, per_process=True) / rate(d), 2), "unit": "x", "target": 1.5}),
-                      flush=True)
+                print(json.dumps({"bench": "generation", "workload": workload, "device": label, "variant": variant,
+                                  "metric": "speedup", "value": round(rate(b, per_process=True) / rate(d), 2),
+                                  "unit": "x", "target": 1.5}), flush=True)
         for name in [n for n in results if "_ref" in n]:  # packed vs plain GEMMs, same run and dtype
             fast = name.replace("_ref", "")
             if fast in results:
-                print(json.dumps({"bench": "generation", "workload": workload, "variant": f"{fast}_vs_{name}",
-                                  "metric": "speedup", "value": round(rate(fast) / rate(name), 2), "unit": "x"}),
-                      flush=True)
+                print(json.dumps({"bench": "generation", "workload": workload, "device": label,
+                                  "variant": f"{fast}_vs_{name}", "metric": "speedup",
+                                  "value": round(rate(fast) / rate(name), 2), "unit": "x"}), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-WORKLOADS = {  # CONTRACT.md
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=2000),
-    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=8000),
-}
+from common import WORKLOADS, device_label, llama_config  # noqa: E402  (CONTRACT.md)
 
 
 def formula(zero: int, psi: int, n: int, precision: str) -> float:
@@ -77,7 +75,7 @@ def _held_bytes(engine) -> dict:
 
 def worker(workload: str, precision: str, out: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from rlhf.config import EngineConfig, TrainConfig
     from rlhf.engine.mesh import init_mesh, shutdown
@@ -85,8 +83,7 @@ def worker(workload: str, precision: str, out: str) -> None:
 
     mesh = init_mesh(EngineConfig(timeout_s=300))
     w = WORKLOADS[workload]
-    cfg = LlamaConfig(intermediate_size=int(w["hidden_size"] * 8 / 3 // 64 * 64), max_position_embeddings=256,
-                      tie_word_embeddings=False, **w)
+    cfg = llama_config(w, max_position_embeddings=256)
     rows = []
     for zero in (0, 2, 3):
         torch.manual_seed(0)
@@ -107,7 +104,7 @@ def worker(workload: str, precision: str, out: str) -> None:
             if tot > peak["total"]:
                 peak.update(total=tot, at=tag, **b)
 
-        ids = torch.randint(0, w["vocab_size"], (2, 64))
+        ids = torch.randint(0, w["vocab"], (2, 64)).to(mesh.device)
         for step in range(2):
             out_ = eng.forward(input_ids=ids)
             if step == 1:
@@ -121,7 +118,8 @@ def worker(workload: str, precision: str, out: str) -> None:
             if step == 1:
                 record("after_step")
             eng.optimizer.zero_grad(set_to_none=True)
-        rows.append({"zero": zero, "psi": psi, **peak, "formula": formula(zero, psi, mesh.world_size, precision)})
+        rows.append({"zero": zero, "psi": psi, **peak, "formula": formula(zero, psi, mesh.world_size, precision),
+                     "device": device_label(mesh.device)})
         del eng, model
     if mesh.is_main:
         Path(out).write_text(json.dumps(rows))
@@ -150,7 +148,7 @@ def main() -> None:
             subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)
             for r in json.loads(Path(out).read_text()):
                 base = {"bench": "memory", "workload": args.workload, "variant": f"zero{r['zero']}",
-                        "world_size": n, "precision": prec, "torch": torch.__version__}
+                        "world_size": n, "precision": prec, "torch": torch.__version__, "device": r["device"]}
                 print(json.dumps({**base, "metric": "bytes_per_rank", "value": r["total"], "unit": "bytes",
                                   "params": r["params"], "grads": r["grads"], "optim": r["optim"],
                                   "peak_at": r["at"], "psi": r["psi"]}))

@@ -55,7 +55,7 @@ class RewardScorer:
             lengths = torch.tensor([len(x) for x in chunk], device=self.device)
             mask = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
             out.append(sequence_scores(self.values(input_ids=ids, attention_mask=mask), mask).cpu())
-        return torch.cat(out) if out else torch.zeros(0)
+        return torch.cat(out) if out else torch.zeros(0, device="cpu")
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64) -> torch.Tensor:
         return self.score_ids(self.encode(prompts, responses), batch_size)

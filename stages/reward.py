@@ -152,7 +152,7 @@ def evaluate_pairs(engine, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
     import torch
 
     from rlhf.algorithms.losses import pairwise_loss
-    sums = torch.zeros(6, dtype=torch.float64)  # pairs, correct, loss, chosen, rejected, sq
+    sums = torch.zeros(6, dtype=torch.float64, device="cpu")  # pairs, correct, loss, chosen, rejected, sq
     engine.eval()
     with torch.no_grad():
         for ix in rank_batches(len(cols["chosen"]), micro, mesh):
@@ -161,7 +161,7 @@ def evaluate_pairs(engine, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
             if not ix:
                 continue
             c, r = c.double().cpu(), r.double().cpu()
-            sums += torch.stack([torch.tensor(float(len(ix)), dtype=torch.float64), (c > r).sum().double(),
+            sums += torch.stack([torch.tensor(float(len(ix)), dtype=torch.float64, device="cpu"), (c > r).sum().double(),
                                  pairwise_loss(c, r, margin).sum().double(), c.sum(), r.sum(),
                                  (c * c).sum() + (r * r).sum()])
     sums = mesh.all_reduce(sums.to(mesh.device)).cpu()

@@ -52,12 +52,12 @@ def _save(path: Path, cols: Columns) -> None:
     tensors, meta = {}, {}
     for name, col in cols.items():
         if col and isinstance(col[0], list):
-            lens = torch.tensor([len(x) for x in col], dtype=torch.int64)
-            tensors[f"{name}.flat"] = torch.tensor([t for x in col for t in x], dtype=torch.int32)
-            tensors[f"{name}.offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+            lens = torch.tensor([len(x) for x in col], dtype=torch.int64, device="cpu")
+            tensors[f"{name}.flat"] = torch.tensor([t for x in col for t in x], dtype=torch.int32, device="cpu")
+            tensors[f"{name}.offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), lens.cumsum(0)])
             meta[name] = "ragged"
         else:
-            tensors[name] = torch.tensor(col, dtype=torch.int64)
+            tensors[name] = torch.tensor(col, dtype=torch.int64, device="cpu")
             meta[name] = "flat"
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata={"columns": json.dumps(meta)})
@@ -99,21 +99,21 @@ def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Pat
 
 def pad_right(seqs: List[List[int]], pad: int) -> torch.Tensor:
     n = max(len(s) for s in seqs)
-    out = torch.full((len(seqs), n), pad, dtype=torch.long)
+    out = torch.full((len(seqs), n), pad, dtype=torch.long, device="cpu")
     for i, s in enumerate(seqs):
-        out[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        out[i, :len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
     return out
 
 
 def collate_sft(ids: List[List[int]], prompt_lens: List[int], pad_id: int, mask_prompt: bool) -> dict:
     """input_ids/attention_mask right-padded; labels = -100 on padding (and on the prompt)."""
     input_ids = pad_right(ids, pad_id)
-    lengths = torch.tensor([len(s) for s in ids])
-    pos = torch.arange(input_ids.shape[1])[None, :]
+    lengths = torch.tensor([len(s) for s in ids], device="cpu")
+    pos = torch.arange(input_ids.shape[1], device="cpu")[None, :]
     attention_mask = (pos < lengths[:, None]).long()
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     if mask_prompt:
-        labels = labels.masked_fill(pos < torch.tensor(prompt_lens)[:, None], -100)
+        labels = labels.masked_fill(pos < torch.tensor(prompt_lens, device="cpu")[:, None], -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
@@ -152,6 +152,6 @@ def collate_pairs(chosen: List[List[int]], rejected: List[List[int]], pad_id: in
     """One right-padded batch: the chosen sequences first, then the rejected ones."""
     seqs = list(chosen) + list(rejected)
     input_ids = pad_right(seqs, pad_id)
-    lengths = torch.tensor([len(s) for s in seqs])
-    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+    lengths = torch.tensor([len(s) for s in seqs], device="cpu")
+    attention_mask = (torch.arange(input_ids.shape[1], device="cpu")[None, :] < lengths[:, None]).long()
     return {"input_ids": input_ids, "attention_mask": attention_mask}

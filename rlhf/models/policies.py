@@ -66,7 +66,7 @@ class Policy:
     def _interleave(self, w: torch.Tensor) -> torch.Tensor:
         """Rows of a q/k projection (per head) into the rotary-interleaved layout (rlhf.ops.rotary)."""
         d = self.head_dim
-        perm = interleave_permutation(d).to(w.device)
+        perm = interleave_permutation(d, w.device)
         return w.reshape(-1, d, *w.shape[1:])[:, perm].reshape(w.shape)
 
     def root_weights(self, model) -> Dict[str, torch.Tensor]:
@@ -76,7 +76,7 @@ class Policy:
         rot = base.rotary_emb
         return {"embed": embed, "norm": base.norm.weight.detach().clone(), "lm_head": head,
                 "inv_freq": rot.inv_freq.detach().clone().float(),
-                "rope_scaling": torch.tensor(float(getattr(rot, "attention_scaling", 1.0)))}
+                "rope_scaling": torch.tensor(float(getattr(rot, "attention_scaling", 1.0)), device="cpu")}
 
 
 def policy_for(config) -> tuple[Optional[Policy], str]:

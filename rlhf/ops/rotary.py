@@ -8,10 +8,10 @@ rotation becomes q ⊙ e^{iθ} on complex pairs — one op instead of seven.
 import torch
 
 
-def interleave_permutation(head_dim: int) -> torch.Tensor:
+def interleave_permutation(head_dim: int, device=None) -> torch.Tensor:
     """New dimension 2j ← old j, 2j+1 ← old j + d/2."""
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    half = torch.arange(head_dim // 2, device=device)
+    return torch.stack([half, half + head_dim // 2], dim=1).reshape(-1)
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float, dtype: torch.dtype):

@@ -46,7 +46,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
         allowed = logits
         if ban is not None:
             allowed = logits.clone()
-            allowed[:, ban] = float("-inf")
+            allowed[:, ban].fill_(float("-inf"))
         tokens = allowed.argmax(-1)
     else:
         # x / 1 == x exactly: skip the division (and copy only when the ban must write)
@@ -54,7 +54,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
             logits.clone() if ban is not None and not fresh else logits)
         logp = torch.log_softmax(scaled, -1)
         if ban is not None:  # after the log-probs; -inf / T = -inf: the same as banning before scaling
-            scaled[:, ban] = float("-inf")
+            scaled[:, ban].fill_(float("-inf"))
         probs = filter_logits(scaled, p.top_k, p.top_p).softmax(-1)
         # Inverse CDF: one uniform draw per row (torch.multinomial draws far more on CPU).
         cdf = probs.cumsum(-1)

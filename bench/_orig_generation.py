@@ -1,0 +1,228 @@
+"""Generation throughput: HF generate on the ZeRO-3 actor vs the hybrid engine (TP 1 and 2) vs HF
+generate on a plain model (JSON lines, CONTRACT.md).
+
+    python bench/generation.py [--workload tiny small] [--repeats 3] [--dtypes fp32 bf16]
+
+Each rank generates its own prompts (8 × prompt_len, sampling, temperature 1, min = max new tokens
+so every variant does the same work). tokens_per_s is summed over ranks. The bandwidth bound of a
+hybrid variant is batch × bandwidth / (weight bytes read per decode step), the bandwidth measured
+by a large copy on each rank at the same time.
+
+``--variants ... hybrid_tp1_ref hybrid_tp2_ref``: the hybrid variants with
+engine.inference_kernels=reference (plain GEMMs instead of the packed ones), side by side.
+``--dtypes``: fp32 runs every variant; bf16 runs the hybrid variants with engine.inference_dtype=bf16
+(fp32 training weights, bf16 inference copy) and hf_plain on the model cast to bf16, reported as
+``<variant>_bf16`` (the fair comparison is equal precision: hybrid_tp1_bf16 vs hf_plain_bf16).
+Every line carries ``dtype`` and the 1-minute load average when its variant started (``load_1m``;
+it still counts the previous variant's own ranks for a while): on a shared machine, numbers taken
+while other jobs run are not comparable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS = {  # CONTRACT.md
+    "tiny": dict(hidden=128, layers=4, heads=4, kv=2, vocab=2000, prompts=8, prompt_len=32, new=64),
+    "small": dict(hidden=512, layers=8, heads=8, kv=4, vocab=8000, prompts=8, prompt_len=64, new=128),
+}
+
+
+def make_model(w: dict, on_meta: bool = False):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=w["vocab"], hidden_size=w["hidden"], intermediate_size=w["hidden"] * 8 // 3 // 64 * 64,
+                      num_hidden_layers=w["layers"], num_attention_heads=w["heads"], num_key_value_heads=w["kv"],
+                      max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False)
+    if on_meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(cfg)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def prompts_for(w: dict, rank: int):
+    import torch
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(3, w["vocab"], (w["prompt_len"],), generator=g).tolist() for _ in range(w["prompts"])]
+
+
+def bandwidth_bytes_per_s() -> float:
+    import torch
+    a = torch.empty(64 * 2**20 // 4, dtype=torch.float32).fill_(1.0)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * 4 / best  # read + write
+
+
+def weight_bytes(model) -> int:
+    # per decode step every layer weight and the LM head are read once (embedding: one row per token)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+class Tok:
+    pad_token_id, eos_token_id = 0, 2
+
+
+def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp32") -> None:
+    import torch
+
+    from rlhf.config import EngineConfig, TrainConfig
+    from rlhf.engine.hybrid import HybridEngine
+    from rlhf.engine.mesh import init_mesh, shutdown
+    from rlhf.engine.train import TrainEngine
+    from rlhf.ops import SamplingParams
+
+    w = WORKLOADS[workload]
+    tp = tp_of(variant)
+    ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=variant != "hf_fsdp", timeout_s=600,
+                        inference_dtype=dtype, inference_kernels="reference" if variant.endswith("_ref") else "auto")
+    mesh = init_mesh(ecfg)
+    model = make_model(w, on_meta=not mesh.is_main)
+    eng = TrainEngine(model, mesh, ecfg, TrainConfig())
+    hy = HybridEngine(eng, Tok, ecfg)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=w["new"], min_new_tokens=w["new"], seed=1)
+    prompts = prompts_for(w, mesh.rank)
+    hy.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4, min_new_tokens=4))  # warm-up
+    best, switch = float("inf"), float("inf")
+    for _ in range(repeats):
+        mesh.barrier()
+        t = time.perf_counter()
+        gen = hy.generate(prompts, sp)
+        mesh.barrier()
+        dt = time.perf_counter() - t
+        if dt < best:
+            best, switch = dt, hy.timings.get("switch_s", 0.0)
+    assert int(gen.response_mask.sum()) == w["prompts"] * w["new"]
+    bw = bandwidth_bytes_per_s()
+    mesh.barrier()
+    res = {"seconds": best, "switch_s": switch, "tokens": w["prompts"] * w["new"] * mesh.world_size,
+           "bandwidth": mesh.sum(bw) / mesh.world_size,
+           "weight_bytes": weight_bytes(make_model(w, on_meta=True)) * (2 if dtype == "bf16" else 4) // 4,
+           "world_size": mesh.world_size, "threads": torch.get_num_threads()}
+    if mesh.is_main:
+        Path(out).write_text(json.dumps(res))
+    shutdown(mesh)
+
+
+def tp_of(variant: str) -> int:
+    return 2 if variant.startswith("hybrid_tp2") else 1
+
+
+def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32") -> dict:
+    import torch
+
+    from rlhf.engine.infer import left_pad
+    torch.set_num_threads(threads)
+    w = WORKLOADS[workload]
+    model = make_model(w).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    ids, mask = left_pad(prompts_for(w, 0), 0)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=w["new"],
+              min_new_tokens=w["new"], pad_token_id=0, eos_token_id=2)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, **kw)
+            best = min(best, time.perf_counter() - t)
+    return {"seconds": best, "tokens": w["prompts"] * w["new"], "threads": threads}
+
+
+# *_ref: the hybrid variant with engine.inference_kernels=reference (plain GEMMs), for a side-by-side
+DTYPE_VARIANTS = {"fp32": ("hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref"),
+                  "bf16": ("hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref")}
+# (hf_fsdp generates in the training dtype)
+
+
+def main() -> None:
+    import torch
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", nargs="+", default=["tiny", "small"], choices=sorted(WORKLOADS))
+    ap.add_argument("--variants", nargs="+", default=["hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain"],
+                    choices=DTYPE_VARIANTS["fp32"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPE_VARIANTS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--worker", nargs=5, metavar=("WORKLOAD", "VARIANT", "REPEATS", "OUT", "DTYPE"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3], args.worker[4])
+        return
+    threads = max(1, (os.cpu_count() or 1) // args.nproc)
+    for workload in args.workload:
+        results = {}
+        for dtype in args.dtypes:
+            for variant in (v for v in args.variants if v in DTYPE_VARIANTS[dtype]):
+                name = variant if dtype == "fp32" else f"{variant}_{dtype}"
+                load = os.getloadavg()[0]
+                if variant == "hf_plain":
+                    r = plain(workload, args.repeats, threads, dtype)
+                    ws = 1
+                else:
+                    out = tempfile.mktemp(suffix=".json")
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={args.nproc}", __file__, "--worker", workload, variant,
+                           str(args.repeats), out, dtype]
+                    subprocess.run(cmd, check=True, stdout=sys.stderr, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+                    r = json.loads(Path(out).read_text())
+                    os.unlink(out)
+                    ws = r["world_size"]
+                results[name] = r
+                base = {"bench": "generation", "workload": workload, "variant": name, "world_size": ws,
+                        "threads_per_rank": r["threads"], "torch": torch.__version__, "dtype": dtype,
+                        "load_1m": round(load, 2)}
+                tps = r["tokens"] / r["seconds"]
+                print(json.dumps({**base, "metric": "tokens_per_s", "value": round(tps, 1), "unit": "tokens/s"}), flush=True)
+                if variant != "hf_plain":
+                    print(json.dumps({**base, "metric": "switch_s", "value": round(r["switch_s"], 5), "unit": "s"}), flush=True)
+                if variant.startswith("hybrid"):
+                    tp = tp_of(variant)
+                    per_step_bytes = r["weight_bytes"] / tp  # each rank reads its slice per decode step
+                    rows_per_group = WORKLOADS[workload]["prompts"] * tp
+                    bound = (ws // tp) * rows_per_group * r["bandwidth"] / per_step_bytes
+                    print(json.dumps({**base, "metric": "bandwidth_bound_tokens_per_s", "value": round(bound, 1),
+                                      "unit": "tokens/s", "fraction_reached": round(tps / bound, 4),
+                                      "bandwidth_gb_s": round(r["bandwidth"] / 1e9, 2)}), flush=True)
+
+        def rate(name, per_process=False):
+            r = results[name]
+            return r["tokens"] / r["seconds"] / (r["world_size"] if per_process else 1)
+
+        if "hybrid_tp1" in results and "hf_fsdp" in results:
+            print(json.dumps({"bench": "generation", "workload": workload, "variant": "hybrid_tp1_vs_hf_fsdp",
+                              "metric": "speedup", "value": round(rate("hybrid_tp1") / rate("hf_fsdp"), 2), "unit": "x",
+                              "target": 5.0}), flush=True)
+        # (b) per process / (d): fp32 vs fp32, bf16 vs bf16 (equal precision), bf16 vs fp32 (for reference)
+        for b, d in (("hybrid_tp1", "hf_plain"), ("hybrid_tp1_bf16", "hf_plain_bf16"), ("hybrid_tp1_bf16", "hf_plain")):
+            if b in results and d in results:
+                variant = ("hybrid_tp1_per_process_vs_hf_plain" if b == "hybrid_tp1"
+                           else f"{b}_per_process_vs_{d}")
+                print(json.dumps({"bench": "generation", "workload": workload, "variant": variant, "metric": "speedup",
+                                  "value": round(rate(b, per_process=True) / rate(d), 2), "unit": "x", "target": 1.5}),
+                      flush=True)
+        for name in [n for n in results if "_ref" in n]:  # packed vs plain GEMMs, same run and dtype
+            fast = name.replace("_ref", "")
+            if fast in results:
+                print(json.dumps({"bench": "generation", "workload": workload, "variant": f"{fast}_vs_{name}",
+                                  "metric": "speedup", "value": round(rate(fast) / rate(name), 2), "unit": "x"}),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
