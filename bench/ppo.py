@@ -147,7 +147,7 @@ def main() -> None:
                         print(json.dumps({**base, "metric": metric, "value": round(sum(per_rank), 4), "unit": "GiB",
                                           "per_rank": per_rank}), flush=True)
                     print(json.dumps({**base, "metric": "static_gb", "value": round(static / GiB, 4), "unit": "GiB",
-                                      "actor_params": actor_params, "reward_params": rm_params,
+                                      "bytes": static, "actor_params": actor_params, "reward_params": rm_params,
                                       "per_rank_zero3": round(static / GiB / ws, 4)}), flush=True)
 
 

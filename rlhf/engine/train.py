@@ -65,7 +65,10 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
 
     if ecfg.zero_stage == 1:
         log.info("engine.zero_stage=1 runs as ZeRO-2 (FSDP2 shards gradients with the optimizer state)")
-    full_sd = {k: v.detach().clone() for k, v in model.state_dict().items()} if mesh.is_main else {}
+    # Rank 0's full weights, by reference: fully_shard copies its shard out of each parameter and
+    # leaves the original tensor alone, so no second full copy is needed (the originals are freed
+    # once they are broadcast below). A new dict: set_model_state_dict replaces its entries.
+    full_sd = {k: v.detach() for k, v in model.state_dict().items()} if mesh.is_main else {}
     kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3)
     if precision_of(ecfg, mesh.device) == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

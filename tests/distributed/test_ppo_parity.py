@@ -1,8 +1,10 @@
-"""First PPO step on 2 ranks (ZeRO-3, inference TP 1 and 2) ≡ 1 process (fp32, greedy, same seeds)."""
+"""First PPO step: 2 ranks (ZeRO-3, inference TP 1 and 2, micro-batched with uneven rows per rank)
+≡ 1 process, and any micro-batch size ≡ all rows at once (fp32, greedy, same seeds)."""
 import json
 import shutil
 
 import pytest
+from safetensors.torch import load_file
 
 from tests.conftest import run_cli
 
@@ -10,20 +12,37 @@ pytestmark = pytest.mark.distributed
 KEYS = ("actor/loss", "critic/loss", "reward/mean", "kl/mean", "response/length")
 
 
-def first_step(src, dst, nproc, tp):
+def first_step(src, dst, nproc, tp, *extra):
     shutil.copytree(src, dst)
     proc = run_cli("stage=ppo", f"run.dir={dst}", "train.max_steps=1", "ppo.prompts_per_step=8",
                    "ppo.samples_per_prompt=2", "ppo.ppo_epochs=2", "ppo.minibatches_per_epoch=2",
                    "ppo.temperature=0", "logger.progress=false", "eval.gold_prompts=8", "eval.gold_samples=1",
                    "train.eval_every=0", "train.save_every=0", "data.synthetic.num_records=2000",
-                   "engine.zero_stage=3", f"engine.inference_tp_size={tp}", nproc=nproc)
+                   "engine.zero_stage=3", "engine.precision=fp32", f"engine.inference_tp_size={tp}", *extra,
+                   nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(x) for x in (dst / "ppo" / "metrics.jsonl").read_text().splitlines() if "actor/loss" in x][0]
+    metrics = [json.loads(x) for x in (dst / "ppo" / "metrics.jsonl").read_text().splitlines() if "actor/loss" in x][0]
+    weights = {name: load_file(str(dst / "ppo" / name / "model.safetensors")) for name in ("actor", "critic")}
+    return metrics, weights
 
 
-def test_two_ranks_match_one_process(small_pipeline, tmp_path):
-    ref = first_step(small_pipeline, tmp_path / "one", 1, 1)
-    for tp in (1, 2):
-        got = first_step(small_pipeline, tmp_path / f"two_tp{tp}", 2, tp)
-        for k in KEYS:
-            assert abs(got[k] - ref[k]) <= 1e-4 * max(abs(ref[k]), 1e-3), (tp, k, got[k], ref[k])
+def assert_same_update(got, ref, what):
+    (m, w), (m_ref, w_ref) = got, ref
+    for k in KEYS:
+        assert abs(m[k] - m_ref[k]) <= 1e-4 * max(abs(m_ref[k]), 1e-3), (what, k, m[k], m_ref[k])
+    for name in w_ref:
+        diff = max(float((w[name][k] - w_ref[name][k]).abs().max()) for k in w_ref[name])
+        assert diff <= 1e-5, (what, name, diff)
+
+
+def test_micro_batches_and_two_ranks_match_one_process(small_pipeline, tmp_path):
+    ref = first_step(small_pipeline, tmp_path / "one", 1, 1)  # micro-batch: all rows (auto)
+    assert_same_update(first_step(small_pipeline, tmp_path / "one_micro1", 1, 1, "ppo.micro_batch_per_rank=1"),
+                       ref, "micro-batch 1")
+    for tp in (1, 2):  # ranks hold 3..5 rows of a minibatch: micro-batch 2 pads the shorter share
+        assert_same_update(first_step(small_pipeline, tmp_path / f"two_tp{tp}", 2, tp, "ppo.micro_batch_per_rank=2"),
+                           ref, f"2 ranks, tp {tp}")
+    # the update did something: the weights moved
+    before = load_file(str(small_pipeline / "sft" / "model" / "model.safetensors"))
+    after = ref[1]["actor"]
+    assert max(float((after[k] - before[k]).abs().max()) for k in before if k in after) > 1e-4
