@@ -71,8 +71,10 @@ def main(argv=None) -> None:
     ap.add_argument("--response")
     ap.add_argument("--jsonl", help="a file of {prompt, response} records")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="where the model runs (auto: the GPU when there is one, as engine.device)")
     args = ap.parse_args(argv)
-    from rlhf.errors import DataError, one_line
+    from rlhf.errors import UserError, one_line
     try:
         if args.jsonl:
             from rlhf.data.records import read_examples
@@ -82,8 +84,10 @@ def main(argv=None) -> None:
             prompts, responses = [args.prompt], [args.response]
         else:
             ap.error("give --prompt and --response, or --jsonl")
-        scorer = RewardScorer(args.model_dir, trust_remote_code=args.trust_remote_code)
-    except (DataError, OSError, ValueError) as e:
+        from rlhf.engine.mesh import choose_device
+        scorer = RewardScorer(args.model_dir, device=str(choose_device(args.device, 0, 1)),
+                              trust_remote_code=args.trust_remote_code)
+    except (UserError, OSError, ValueError) as e:
         print(f"rlhf.score: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
     scores = scorer.score(prompts, responses)

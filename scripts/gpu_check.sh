@@ -4,7 +4,7 @@
 # scripts/_env.sh): it runs ${PY:-python3} with the project prepended to PYTHONPATH, so the
 # dependencies must already be importable (GPU-NOTES.md: wheels unpacked to /tmp/site, on PYTHONPATH).
 #
-#   [PY=python3] [OUT=/tmp] scripts/gpu_check.sh
+#   [PY=python3] [OUT=/tmp] [GEN_REPEATS=3] scripts/gpu_check.sh
 #
 # Writes under ${OUT:-/tmp}/gpu_check: run/ (run.dir of the stages), <step>.log (stderr/stdout of
 # each step), generation.jsonl and ppo_bench.jsonl (bench JSON lines), seconds.txt, table.md.
@@ -50,7 +50,7 @@ for s in sft reward ppo; do
   step "stage_$s" "$DIR/stage_$s.out" "$PY" bench/stage_peak.py "$DIR/peak_$s" "stage=$s" "${STAGE_ARGS[@]}"
 done
 step generation_bench "$DIR/generation.jsonl" \
-  "$PY" bench/generation.py --device cuda --nproc 1 --workload small gpu05b gpu1b
+  "$PY" bench/generation.py --device cuda --nproc 1 --workload small gpu05b gpu1b --repeats "${GEN_REPEATS:-3}"
 step ppo_bench "$DIR/ppo_bench.jsonl" \
   "$PY" bench/ppo.py --device cuda --world-sizes 1 --workload gpu05b --steps 3 --variants hybrid
 

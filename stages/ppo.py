@@ -17,11 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.algorithms import ppo as A
-from rlhf.algorithms.logprobs import shifted_nll_sum
 from rlhf.config import Config
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
-from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.engine.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
@@ -33,7 +31,7 @@ from rlhf.models import loading
 from rlhf.models.value import ScalarHeadModel, head_module
 from rlhf.ops import SamplingParams
 from rlhf.rewards import resolve
-from rlhf.rl import experience
+from rlhf.rl import experience, ptx
 from rlhf.rl.ema import EMA
 from rlhf.rl.update import Diverged, ppo_update
 from rlhf.runtime import check_writable, previous_output, resume, start_stage
@@ -59,7 +57,7 @@ def run(cfg: Config) -> None:
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
     prompt_ids = [x[-cfg.data.max_prompt_len:] for x in
                   tokenizer([e.prompt for e in data.train], add_special_tokens=True)["input_ids"]]
-    ptx_data = load_ptx_data(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None
+    ptx_data = ptx.load_data(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None
     stats = {"mean": 0.0, "std": 1.0}
     if rm_src is not None and (rm_src / "reward_stats.json").is_file():
         stats = json.loads((rm_src / "reward_stats.json").read_text())
@@ -117,12 +115,12 @@ def run(cfg: Config) -> None:
         t1 = time.perf_counter()
 
         # ---- updates: PPO epochs over minibatches in training mode ----
-        ptx = (lambda update, rows: ptx_loss(actor, ptx_data, update, rows, cfg.run.seed, tokenizer, mesh)
-               ) if ptx_data is not None else None
+        ptx_term = (lambda update, rows: ptx.loss(actor, ptx_data, update, rows, cfg.run.seed, tokenizer, mesh)
+                    ) if ptx_data is not None else None
         try:
             train_stats, skipped = ppo_update(
                 exp, actor, critic, alg, p, kl_ctl.beta, torch.Generator(device="cpu").manual_seed(cfg.run.seed + 31 * step),
-                mesh, ptx_loss=ptx, first_update=step * updates_per_step, skipped_in_a_row=skipped,
+                mesh, ptx_loss=ptx_term, first_update=step * updates_per_step, skipped_in_a_row=skipped,
                 on_epoch_end=ema.update if ema is not None else None)
         except Diverged as e:
             raise UserError(f"ppo: {e} at step {step + 1}; stopping (the last good checkpoint is kept)") from None
@@ -209,29 +207,13 @@ def step_metrics(exp, alg, timings: dict, collect_s: float, train_s: float, mesh
            "time/train_s": train_s, "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9)}
     for name, part in exp.score_parts.items():
         row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
+    if exp.rollout_logprobs is not None:  # what the inference mode sampled with vs the training recompute
+        tokens = max(gen_tokens, 1.0)
+        diff = (exp.old_logprobs - exp.rollout_logprobs).abs() * exp.mask
+        row["rollout/logprob_abs_diff_mean"] = mesh.sum(float(diff.sum())) / tokens
+        row["rollout/logprob_abs_diff_max"] = max(mesh.all_gather_object(float(diff.max())))
+        k3 = A.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * exp.mask  # KL(rollout ‖ train)
+        row["rollout/kl"] = mesh.sum(float(k3.sum())) / tokens
     if exp.values is not None:
         row["values/explained_var"] = float(A.explained_variance(exp.values, exp.returns, exp.mask))
     return row
-
-
-def load_ptx_data(cfg: Config, tokenizer, ctx):
-    """PPO-ptx: the SFT share of the data, tokenized (a language-model loss keeps the SFT skills)."""
-    sft_data = load_stage_data(cfg.data, "sft", cfg.run.seed)
-    if sft_data.train[0].response is None:
-        raise ConfigError(f"algorithm.ptx_coef needs SFT responses, and data.format="
-                          f"{cfg.data.source_list()[0].format} has none")
-    lens = dict(max_prompt=cfg.data.max_prompt_len, max_response=cfg.data.max_response_len)
-    return cached("sft", sft_data.train, tokenizer, lens, ctx.cache_dir, ctx.mesh,
-                  lambda: tokenize_sft(sft_data.train, tokenizer, **lens))
-
-
-def ptx_loss(actor, cols, update: int, batch: int, seed: int, tokenizer, mesh) -> torch.Tensor:
-    """The SFT loss on this update's global batch of SFT records (token-weighted over all ranks,
-    scaled for the data-parallel average)."""
-    ix = GlobalBatches(len(cols["ids"]), batch, seed + 17).global_indices(update)[mesh.rank::mesh.world_size]
-    b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], tokenizer.pad_token_id, True)
-    n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))
-    logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
-                           attention_mask=b["attention_mask"].to(mesh.device)).logits
-    nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
-    return nll / max(n_tokens, 1) * mesh.world_size

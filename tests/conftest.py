@@ -53,6 +53,7 @@ def tree_digest(path: Path) -> dict:
 def quick_sft_args(run_dir: Path, steps: int = 20) -> list[str]:
     """A bounded SFT run on the embedded task (seconds, not minutes)."""
     return ["stage=sft", f"run.dir={run_dir}", f"train.max_steps={steps}", "logger.progress=false",
+            "engine.precision=fp32",  # numbers compared across runs: exact on every device
             "eval.gold_prompts=16", "eval.gold_samples=1", "data.synthetic.num_records=2000",
             "train.warmup_steps=5"]
 

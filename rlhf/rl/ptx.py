@@ -1,0 +1,34 @@
+"""PPO-ptx (Ouyang et al. 2022): a language-model loss on the SFT share of the data, added to the
+policy loss (``algorithm.ptx_coef``) so that RL does not erase what SFT taught."""
+from __future__ import annotations
+
+import torch
+
+from rlhf.algorithms.logprobs import shifted_nll_sum
+from rlhf.data.pipeline import load_stage_data
+from rlhf.data.sampler import GlobalBatches
+from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
+from rlhf.errors import ConfigError
+
+
+def load_data(cfg, tokenizer, ctx):
+    """PPO-ptx: the SFT share of the data, tokenized (a language-model loss keeps the SFT skills)."""
+    sft_data = load_stage_data(cfg.data, "sft", cfg.run.seed)
+    if sft_data.train[0].response is None:
+        raise ConfigError(f"algorithm.ptx_coef needs SFT responses, and data.format="
+                          f"{cfg.data.source_list()[0].format} has none")
+    lens = dict(max_prompt=cfg.data.max_prompt_len, max_response=cfg.data.max_response_len)
+    return cached("sft", sft_data.train, tokenizer, lens, ctx.cache_dir, ctx.mesh,
+                  lambda: tokenize_sft(sft_data.train, tokenizer, **lens))
+
+
+def loss(actor, cols, update: int, batch: int, seed: int, tokenizer, mesh) -> torch.Tensor:
+    """The SFT loss on this update's global batch of SFT records (token-weighted over all ranks,
+    scaled for the data-parallel average)."""
+    ix = GlobalBatches(len(cols["ids"]), batch, seed + 17).global_indices(update)[mesh.rank::mesh.world_size]
+    b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], tokenizer.pad_token_id, True)
+    n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))
+    logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
+                           attention_mask=b["attention_mask"].to(mesh.device)).logits
+    nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+    return nll / max(n_tokens, 1) * mesh.world_size
