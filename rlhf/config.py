@@ -255,11 +255,24 @@ class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.05  # β of the per-token KL penalty (GRPO: of the KL loss term)
-    kl_estimator: str = "k1"  # k1 | k2 | k3
+    kl_estimator: Optional[str] = None  # k1 | k2 | k3; None = k3 for GRPO's KL loss term, else k1
     kl_target: Optional[float] = None  # adaptive β (Ziegler et al.) when set
     kl_horizon: int = 10000
     clip_ratio: float = 0.2
+    # asymmetric clipping: ratio clipped to [1 − low, 1 + high]; None = clip_ratio (DAPO's clip-higher: high 0.28)
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
     dual_clip: Optional[float] = None  # e.g. 3.0
+    # how per-token policy losses become one number (every mode independent of micro-batch size and
+    # world size): token_mean (over the global minibatch's tokens), seq_mean_token_mean,
+    # seq_mean_token_sum, token_sum_norm (Dr.GRPO: token sum / (sequences × loss_norm_tokens))
+    loss_agg: str = "token_mean"
+    loss_norm_tokens: int = 0  # token_sum_norm's constant; 0 = ppo.max_new_tokens
+    std_normalize: bool = True  # GRPO: divide by the group's std; false = Dr.GRPO
+    # rollout/training log-prob mismatch: none | tis (truncated importance weight min(π_train/π_rollout,
+    # tis_cap) per token) | mis (mask tokens whose ratio is outside [1/tis_cap, tis_cap])
+    mismatch_correction: str = "none"
+    tis_cap: float = 2.0
     value_clip: Optional[float] = 0.2
     whiten_advantages: bool = True
     entropy_coef: float = 0.0
@@ -271,11 +284,23 @@ class AlgorithmConfig:
     def __post_init__(self):
         _check(self.estimator in ("gae", "grpo", "rloo", "reinforce_pp"), "algorithm.estimator", self.estimator,
                "gae, grpo, rloo or reinforce_pp")
-        _check(self.kl_estimator in ("k1", "k2", "k3"), "algorithm.kl_estimator", self.kl_estimator, "k1, k2 or k3")
+        _check(self.kl_estimator in (None, "k1", "k2", "k3"), "algorithm.kl_estimator", self.kl_estimator,
+               "k1, k2 or k3")
         _check(self.reward_norm in ("stats", "running", "none"), "algorithm.reward_norm", self.reward_norm,
                "stats, running or none")
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", (self.gamma, self.lam), "0..1")
         _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "a non-negative number")
+        for key in ("clip_ratio_low", "clip_ratio_high"):
+            v = getattr(self, key)
+            _check(v is None or v >= 0, f"algorithm.{key}", v, "a non-negative number")
+        _check(self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"),
+               "algorithm.loss_agg", self.loss_agg,
+               "token_mean, seq_mean_token_mean, seq_mean_token_sum or token_sum_norm")
+        _check(self.loss_norm_tokens >= 0, "algorithm.loss_norm_tokens", self.loss_norm_tokens,
+               "a non-negative integer (0 = ppo.max_new_tokens)")
+        _check(self.mismatch_correction in ("none", "tis", "mis"), "algorithm.mismatch_correction",
+               self.mismatch_correction, "none, tis or mis")
+        _check(self.tis_cap >= 1.0, "algorithm.tis_cap", self.tis_cap, "a number >= 1")
 
 
 @dataclass
@@ -300,6 +325,17 @@ class PPOConfig:
     reward_fn_weight: float = 1.0
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
     max_nonfinite_in_a_row: int = 3
+    # DAPO's dynamic sampling (group estimators): drop prompts whose samples all scored alike and
+    # generate for further prompts until the step has prompts_per_step with a signal, at most
+    # dynamic_sampling_max_rounds extra rounds (then the step keeps what it has, topped up with
+    # dropped groups)
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 3
+    overlong_filter: bool = False  # no loss on responses cut at max_new_tokens (no EOS)
+    # DAPO's soft overlong penalty: 0 up to max_new_tokens − overlong_buffer tokens, then linearly to
+    # −overlong_penalty at max_new_tokens (0 = off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self):
         for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch",
@@ -312,6 +348,11 @@ class PPOConfig:
                f"0..ppo.max_new_tokens={self.max_new_tokens}")
         _check(self.top_k >= 0, "ppo.top_k", self.top_k, "a non-negative integer (0 = off)")
         _check(0 < self.top_p <= 1, "ppo.top_p", self.top_p, "a number in (0, 1]")
+        _check(self.dynamic_sampling_max_rounds >= 0, "ppo.dynamic_sampling_max_rounds",
+               self.dynamic_sampling_max_rounds, "a non-negative integer")
+        _check(0 <= self.overlong_buffer < self.max_new_tokens, "ppo.overlong_buffer", self.overlong_buffer,
+               f"0..ppo.max_new_tokens-1={self.max_new_tokens - 1}")
+        _check(self.overlong_penalty >= 0, "ppo.overlong_penalty", self.overlong_penalty, "a non-negative number")
 
 
 @dataclass
@@ -342,12 +383,25 @@ class Config:
 
     def __post_init__(self):
         _check(self.stage in STAGES, "stage", self.stage, "one of " + ", ".join(STAGES))
+        if self.stage == "ppo":
+            self.check_ppo()
         tp, m = self.engine.inference_tp_size, self.model
         if self.stage == "sft" and m.path is None and self.engine.hybrid and tp > 1:
             # The embedded model is built from model.*: its inference TP split is known already.
             for key in ("num_heads", "num_kv_heads", "intermediate_size"):
                 _check(getattr(m, key) % tp == 0, f"model.{key}", getattr(m, key),
                        f"a multiple of engine.inference_tp_size={tp}")
+
+    def check_ppo(self) -> None:
+        """PPO settings that only make sense together (exit 2 naming the key)."""
+        a, p = self.algorithm, self.ppo
+        if a.estimator in ("grpo", "rloo") and p.samples_per_prompt < 2:
+            raise ConfigError(f"ppo.samples_per_prompt={p.samples_per_prompt} is invalid for "
+                              f"algorithm.estimator={a.estimator}: its baseline compares a prompt's samples, "
+                              f"so it needs at least 2")
+        if p.dynamic_sampling and a.estimator not in ("grpo", "rloo"):
+            raise ConfigError(f"ppo.dynamic_sampling=true needs a group estimator (algorithm.estimator=grpo or "
+                              f"rloo), not {a.estimator}")
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the world size (sizes that must divide)."""

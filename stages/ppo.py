@@ -70,8 +70,9 @@ def run(cfg: Config) -> None:
     critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" else 1.0
     critic = (TrainEngine(scalar_model(cfg, rm_src, mesh, critic_scale), mesh, cfg.engine, t,
                           total_steps=total_updates, lr=p.critic_lr) if alg.estimator == "gae" else None)
-    scorers = experience.Scorers(
-        ref=FrozenModel(causal_lm(cfg, actor_src, mesh), mesh, cfg.engine), critic=critic,
+    scorers = experience.Scorers(  # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
+        ref=FrozenModel(causal_lm(cfg, actor_src, mesh), mesh, cfg.engine) if alg.kl_coef > 0 else None,
+        critic=critic,
         reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh), mesh, cfg.engine) if p.use_reward_model else None,
         reward_stats=stats, running=A.RunningMoments(), rule=rule, rule_weight=p.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format)
@@ -88,6 +89,11 @@ def run(cfg: Config) -> None:
             ema.load(ckpt)
     batches = GlobalBatches(len(prompt_ids), p.prompts_per_step, cfg.run.seed)
     group = p.samples_per_prompt
+    extra = GlobalBatches(len(prompt_ids), p.prompts_per_step, cfg.run.seed + 1)  # dynamic sampling's refills
+
+    def extra_prompts(step, round_):
+        ix = extra.global_indices(step * p.dynamic_sampling_max_rounds + round_ - 1)[mesh.rank::mesh.world_size]
+        return [prompt_ids[i] for i in ix], [data.train[i] for i in ix]
 
     def evaluate(step):
         if data.gold is None:
@@ -110,8 +116,7 @@ def run(cfg: Config) -> None:
         sp = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, max_new_tokens=p.max_new_tokens,
                             min_new_tokens=p.min_new_tokens, n=group, seed=cfg.run.seed * 7919 + step)
         exp = experience.collect(hybrid, actor, scorers, [prompt_ids[i] for i in idx], [data.train[i] for i in idx],
-                                 sp, alg, p.micro_batch_per_rank, kl_ctl.beta, tokenizer, mesh)
-        timings = dict(hybrid.timings)
+                                 sp, alg, p, kl_ctl.beta, tokenizer, mesh, more=lambda r: extra_prompts(step, r))
         t1 = time.perf_counter()
 
         # ---- updates: PPO epochs over minibatches in training mode ----
@@ -128,7 +133,7 @@ def run(cfg: Config) -> None:
 
         # ---- log, evaluate, checkpoint ----
         done = step + 1
-        row = step_metrics(exp, alg, timings, t1 - t0, t2 - t1, mesh)
+        row = step_metrics(exp, alg, exp.timings, t1 - t0, t2 - t1, mesh)
         kl_ctl.update(row["kl/mean"], p.prompts_per_step * group)
         row.update({"kl/beta": kl_ctl.beta, **train_stats})
         if done % t.log_every == 0 or step == start or done == t.max_steps:
@@ -195,10 +200,9 @@ def step_metrics(exp, alg, timings: dict, collect_s: float, train_s: float, mesh
     """The step's metrics.jsonl line (global means over ranks), before the KL controller's β and
     the update statistics."""
     rows = mesh.sum(exp.rows)
-    if alg.kl_estimator == "k1":
-        kl_seq = mesh.sum(float(exp.kl.sum(1).sum())) / rows
-    else:  # report the k1 estimate whatever the penalty uses
-        kl_seq = mesh.sum(float((A.kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") * exp.mask).sum())) / rows
+    # the k1 estimate whatever the penalty uses
+    kl = exp.kl if A.kl_kind(alg) == "k1" else A.kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") * exp.mask
+    kl_seq = mesh.sum(float(kl.sum(1).sum())) / rows
     gen_s = timings.get("generate_s", collect_s)
     gen_tokens = mesh.sum(float(exp.mask.sum()))
     row = {"reward/mean": mesh.sum(float(exp.scores.sum())) / rows, "kl/mean": kl_seq,
@@ -207,6 +211,7 @@ def step_metrics(exp, alg, timings: dict, collect_s: float, train_s: float, mesh
            "time/train_s": train_s, "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9)}
     for name, part in exp.score_parts.items():
         row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
+    row.update(exp.extra_metrics or {})
     if exp.rollout_logprobs is not None:  # what the inference mode sampled with vs the training recompute
         tokens = max(gen_tokens, 1.0)
         diff = (exp.old_logprobs - exp.rollout_logprobs).abs() * exp.mask

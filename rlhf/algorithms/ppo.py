@@ -53,6 +53,12 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
     raise ValueError(f"unknown KL estimator {kind}")
 
 
+def kl_kind(alg) -> str:
+    """``algorithm.kl_estimator``, or its default for the estimator: k3 for GRPO's KL loss term
+    (unbiased and ≥ 0, as the GRPO paper), k1 for the per-token KL penalty in the reward."""
+    return alg.kl_estimator or ("k3" if alg.estimator == "grpo" else "k1")
+
+
 def last_token_index(mask: Tensor) -> Tensor:
     """Index of the last response token of each row (0 for an empty row)."""
     t = torch.arange(mask.shape[1], device=mask.device)
@@ -95,11 +101,71 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Ten
     return out
 
 
-def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6) -> Tensor:
-    """GRPO outcome advantages: (r − mean_group) / (std_group + eps), the same on every token."""
+def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6,
+                    std_normalize: bool = True) -> Tensor:
+    """GRPO outcome advantages: (r − mean_group) / (std_group + eps), the same on every token;
+    ``std_normalize=False`` is Dr.GRPO's r − mean_group (Liu et al. 2025: the std division weights
+    easy and hard prompts unequally)."""
     g = scores.view(-1, group_size)
-    adv = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True, unbiased=True) + eps)
+    adv = g - g.mean(1, keepdim=True)
+    if std_normalize:
+        adv = adv / (g.std(1, keepdim=True, unbiased=True) + eps)
     return adv.reshape(-1, 1) * mask
+
+
+def zero_variance_groups(scores: Tensor, group_size: int) -> Tensor:
+    """[prompts] True where every sample of a prompt scored alike (no signal for a group estimator:
+    DAPO's dynamic sampling drops them)."""
+    g = scores.view(-1, group_size)
+    return (g == g[:, :1]).all(1)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_len − buffer tokens, then falling linearly to
+    −penalty at max_len (Yu et al. 2025, eq. 13)."""
+    start = max_len - buffer
+    return -penalty * ((lengths.float() - start) / max(buffer, 1)).clamp(min=0.0, max=1.0)
+
+
+# ---- loss aggregation (algorithm.loss_agg): how per-token losses become one number ----
+LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+
+
+def loss_weights(mask: Tensor, mode: str) -> Tensor:
+    """Per-token weights w such that the loss is Σ w·ℓ over the global minibatch / ``loss_denominator``:
+    token_mean and the sum modes weight every token 1; seq_mean_token_mean weights a token
+    1/|its response| (each sequence's mean, then the mean over sequences). A row's weights depend on
+    that row only, so any split of the rows over micro-batches and ranks sums to the same loss."""
+    if mode == "seq_mean_token_mean":
+        return mask / mask.sum(1, keepdim=True).clamp(min=1)
+    return mask
+
+
+def loss_denominator(mode: str, tokens: float, rows: float, norm_tokens: int) -> float:
+    """The global constant the weighted sum is divided by: the minibatch's tokens (token_mean), its
+    sequences (seq_mean_*), or sequences × a fixed token count (Dr.GRPO's token_sum_norm)."""
+    if mode == "token_mean":
+        return tokens
+    if mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        return rows
+    if mode == "token_sum_norm":
+        return rows * norm_tokens
+    raise ValueError(f"unknown loss aggregation {mode}")
+
+
+def mismatch_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str, cap: float
+                     ) -> Tensor:
+    """Per-token correction for rollouts sampled by an inference engine whose log-probs differ from
+    the training recompute (π_train / π_rollout = ρ): ``tis`` truncated importance weight min(ρ, C)
+    (Yao et al. 2025); ``mis`` masks tokens with ρ outside [1/C, C]; ``none`` ones. Detached."""
+    if mode == "none":
+        return torch.ones_like(mask)
+    ratio = torch.exp((old_logp - rollout_logp).detach())
+    if mode == "tis":
+        return ratio.clamp(max=cap) * mask
+    if mode == "mis":
+        return ((ratio >= 1.0 / cap) & (ratio <= cap)).to(mask.dtype) * mask
+    raise ValueError(f"unknown mismatch correction {mode}")
 
 
 def rloo_advantages(scores: Tensor, group_size: int, mask: Tensor) -> Tensor:
@@ -122,7 +188,8 @@ def advantages(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: 
     if alg.estimator == "grpo":
         clip = alg.reward_clip
         # already normalised within each group: no batch whitening
-        return grpo_advantages(scores.clamp(-clip, clip) if clip else scores, group_size, mask), None
+        return grpo_advantages(scores.clamp(-clip, clip) if clip else scores, group_size, mask,
+                               std_normalize=alg.std_normalize), None
     if alg.estimator == "rloo":
         adv = rloo_advantages(scores - beta * kl.sum(1), group_size, mask)
         return (whiten(adv, mask, all_reduce=all_reduce) if alg.whiten_advantages else adv), None
@@ -139,13 +206,16 @@ def _reduce(loss: Tensor, mask: Tensor, normalizer: Optional[float]) -> Tensor:
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: float = 0.2,
-                dual_clip: Optional[float] = None, normalizer: Optional[float] = None) -> Tuple[Tensor, dict]:
-    """Clipped surrogate −min(ρA, clip(ρ, 1±ε)A); with dual-clip (Ye et al. 2020) the loss of a
-    negative advantage is capped at −c·A. Returns (loss, stats)."""
+                dual_clip: Optional[float] = None, normalizer: Optional[float] = None,
+                clip_high: Optional[float] = None, weights: Optional[Tensor] = None) -> Tuple[Tensor, dict]:
+    """Clipped surrogate −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) (ε_high = ``clip_high``, default ε:
+    DAPO's clip-higher when larger); with dual-clip (Ye et al. 2020) the loss of a negative
+    advantage is capped at −c·A. ``weights`` [B, N]: per-token weights of the reduction (loss
+    aggregation, mismatch correction; default ``mask``). Returns (loss, stats over ``mask``)."""
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - clip, 1.0 + clip)
+    loss2 = -adv * ratio.clamp(1.0 - clip, 1.0 + (clip if clip_high is None else clip_high))
     loss = torch.max(loss1, loss2)
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.min(loss, -adv * dual_clip), loss)
@@ -155,7 +225,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip:
         # means over this call's tokens, and the sums behind them (to average over micro-batches)
         stats = {"clipfrac": clipped / count.clamp(min=1), "approx_kl": akl / count.clamp(min=1),
                  "sums": torch.stack([clipped, akl, count])}
-    return _reduce(loss, mask, normalizer), stats
+    return _reduce(loss, mask if weights is None else weights, normalizer), stats
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,

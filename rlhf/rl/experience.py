@@ -5,13 +5,14 @@ advantages), every forward in micro-batches of a bounded number of rows.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional
 
 import torch
 
 from rlhf.algorithms import ppo as A
 from rlhf.engine.logprobs import keeps_logits, response_logprobs
+from rlhf.engine.infer import Generation
 from rlhf.models.value import sequence_scores
 from rlhf.ops import SamplingParams
 from rlhf.rl.minibatch import auto_micro_batch
@@ -35,6 +36,9 @@ class Experience:
     kl: torch.Tensor  # [B, N] per-token KL estimate (algorithm.kl_estimator), masked
     advantages: torch.Tensor  # [B, N]
     returns: Optional[torch.Tensor]  # [B, N] value targets (GAE only)
+    loss_mask: Optional[torch.Tensor] = None  # [B, N] tokens that carry loss (mask less overlong-filtered rows)
+    timings: Optional[dict] = None  # generate_s, switch_s, ... of the step's generations
+    extra_metrics: Optional[dict] = None  # e.g. dynamic sampling's counts
     score_s: float = 0.0  # seconds spent scoring (after generation)
 
     @property
@@ -75,31 +79,30 @@ def in_micro_batches(fn, rows: int, micro: int) -> torch.Tensor:
     return torch.cat([fn(slice(s, s + micro)) for s in range(0, rows, micro)])
 
 
-@torch.no_grad()
-def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples: list, sp: SamplingParams,
-            alg, micro_batch: int, kl_beta: float, tokenizer, mesh) -> Experience:
-    """Generate ``sp.n`` samples of each prompt (inference mode), then score them (training mode)."""
+@dataclass
+class Rollouts:
+    """Generated rows and their sequence rewards, before the model scoring."""
+    gen: Generation
+    examples: list  # one per row
+    scores: torch.Tensor  # [B]
+    parts: dict  # name -> [B]
+
+
+def rollout(hybrid, scorers: Scorers, prompts: List[List[int]], examples: list, sp: SamplingParams, alg, ppo,
+            micro_batch: int, tokenizer, mesh, timings: dict) -> Rollouts:
+    """Generate ``sp.n`` samples of each prompt (inference mode) and reward them: reward model (normalised),
+    rule reward, no-EOS penalty, soft overlong penalty. Adds the generation's timings to ``timings``."""
     gen = hybrid.generate(prompts, sp)
-    t0 = time.perf_counter()
-    seq, att, P = gen.sequences, gen.attention_mask, gen.prompt_len
+    for k, v in hybrid.timings.items():
+        timings[k] = timings.get(k, 0.0) + v
+    seq, att = gen.sequences, gen.attention_mask
     mask = gen.response_mask.float()
     examples = [e for e in examples for _ in range(sp.n)]
-    temp = sp.temperature if sp.temperature > 0 else 1.0  # log-probs of greedy rollouts: temperature 1
-    rows, n_resp = seq.shape[0], seq.shape[1] - P
-    keep = keeps_logits(actor.module)
-    micro = micro_rows(actor, rows, (n_resp + 1) if keep else seq.shape[1], micro_batch)
-
-    def logprobs(model):
-        return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], P, temp, keep_logits=keep),
-                                rows, micro)
-
-    old_logp = logprobs(actor)
-    ref_logp = logprobs(scorers.ref)
-    values = (in_micro_batches(lambda r: critic_values(scorers.critic, seq[r], att[r], P), rows, micro) * mask
-              if scorers.critic is not None else None)
+    rows = seq.shape[0]
     score = torch.zeros(rows, device=seq.device)
     parts = {}
     if scorers.reward_model is not None:
+        micro = micro_batch or rows  # a scalar head: no vocabulary-sized logits
         raw = in_micro_batches(lambda r: sequence_scores(scorers.reward_model.forward(
             input_ids=seq[r], attention_mask=att[r]), att[r]), rows, micro)
         raw = normalise_rewards(raw, alg.reward_norm, scorers, mesh)
@@ -116,13 +119,114 @@ def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples:
         ended = (gen.responses == tokenizer.eos_token_id).any(1)
         parts["penalty"] = alg.no_eos_penalty * (~ended).float()
         score = score + parts["penalty"]
-    kl = A.kl_penalty(old_logp, ref_logp, alg.kl_estimator) * mask
+    if ppo.overlong_buffer:
+        parts["overlong"] = A.overlong_penalty(mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer,
+                                               ppo.overlong_penalty)
+        score = score + parts["overlong"]
+    return Rollouts(gen, examples, score, parts)
+
+
+def dynamic_sampling(first: Rollouts, more, sp: SamplingParams, max_rounds: int, make_rollouts, pad_id: int,
+                     mesh) -> tuple[Rollouts, dict]:
+    """DAPO's dynamic sampling: keep the prompt groups whose rewards differ; while a rank has fewer
+    than its share of prompts with a signal, generate for further prompts (``more(round)``: this
+    rank's (prompts, examples) of extra round ``round``), at most ``max_rounds`` times. Every rank
+    takes part in every round (generation is collective). A rank still short at the end tops up with
+    groups it dropped, so every rank keeps as many rows as it started with."""
+    group, quota = sp.n, first.scores.numel() // sp.n
+    kept, dropped, rounds, n_dropped = [], [], 0, 0
+    batch = first
+    while True:
+        zero = A.zero_variance_groups(batch.scores, group).tolist()
+        n_dropped += sum(zero)
+        kept += [(batch, g) for g, z in enumerate(zero) if not z]
+        dropped += [(batch, g) for g, z in enumerate(zero) if z]
+        short = mesh.sum(float(len(kept) < quota))
+        if not short or rounds == max_rounds:
+            break
+        rounds += 1
+        batch = make_rollouts(*more(rounds), rounds)
+    topped = max(quota - len(kept), 0)
+    chosen = (kept + dropped)[:quota]
+    stats = {"dynamic/dropped_groups": mesh.sum(n_dropped), "dynamic/rounds": float(rounds),
+             "dynamic/topped_up_groups": mesh.sum(topped)}
+    return concat_groups(chosen, group, pad_id), stats
+
+
+def concat_groups(chosen: list, group: int, pad_id: int) -> Rollouts:
+    """One ``Rollouts`` of the (rollouts, group index) pairs in ``chosen``, prompts re-padded on the left
+    to the longest prompt length among them."""
+    P = max(b.gen.prompt_len for b, _ in chosen)
+    parts_keys = chosen[0][0].parts.keys()
+    seqs, atts, masks, logps, examples, scores = [], [], [], [], [], []
+    parts = {k: [] for k in parts_keys}
+    for b, g in chosen:
+        rows = slice(g * group, (g + 1) * group)
+        pad = P - b.gen.prompt_len
+        seq, att = b.gen.sequences[rows], b.gen.attention_mask[rows]
+        if pad:
+            seq = torch.cat([seq.new_full((group, pad), pad_id), seq], 1)
+            att = torch.cat([att.new_zeros((group, pad)), att], 1)
+        seqs.append(seq)
+        atts.append(att)
+        masks.append(b.gen.response_mask[rows])
+        logps.append(None if b.gen.logprobs is None else b.gen.logprobs[rows])
+        examples += b.examples[rows]
+        scores.append(b.scores[rows])
+        for k in parts_keys:
+            parts[k].append(b.parts[k][rows])
+    gen = Generation(sequences=torch.cat(seqs), attention_mask=torch.cat(atts), response_mask=torch.cat(masks),
+                     logprobs=None if any(x is None for x in logps) else torch.cat(logps), prompt_len=P)
+    return Rollouts(gen, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()})
+
+
+@torch.no_grad()
+def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples: list, sp: SamplingParams,
+            alg, ppo, kl_beta: float, tokenizer, mesh, more=None) -> Experience:
+    """Generate ``sp.n`` samples of each prompt (inference mode), reward them, then score them
+    (training mode): log-probs of the actor and the reference, critic values, KL, advantages.
+    ``more(round)``: further (prompts, examples) of this rank for dynamic sampling."""
+    timings: dict = {}
+    micro_batch = ppo.micro_batch_per_rank
+
+    def make_rollouts(p, e, round_=0):  # each extra round samples with a seed of its own
+        sp_r = replace(sp, seed=sp.seed + 104_729 * round_) if round_ else sp
+        return rollout(hybrid, scorers, p, e, sp_r, alg, ppo, micro_batch, tokenizer, mesh, timings)
+
+    t0 = time.perf_counter()
+    ro = make_rollouts(prompts, examples)
+    dyn = {}
+    if ppo.dynamic_sampling:
+        ro, dyn = dynamic_sampling(ro, more, sp, ppo.dynamic_sampling_max_rounds, make_rollouts,
+                                   tokenizer.pad_token_id, mesh)
+    gen = ro.gen
+    seq, att, P = gen.sequences, gen.attention_mask, gen.prompt_len
+    mask = gen.response_mask.float()
+    temp = sp.temperature if sp.temperature > 0 else 1.0  # log-probs of greedy rollouts: temperature 1
+    rows, n_resp = seq.shape[0], seq.shape[1] - P
+    keep = keeps_logits(actor.module)
+    micro = micro_rows(actor, rows, (n_resp + 1) if keep else seq.shape[1], micro_batch)
+
+    def logprobs(model):
+        return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], P, temp, keep_logits=keep),
+                                rows, micro)
+
+    old_logp = logprobs(actor)
+    # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
+    ref_logp = logprobs(scorers.ref) if scorers.ref is not None else old_logp
+    values = (in_micro_batches(lambda r: critic_values(scorers.critic, seq[r], att[r], P), rows, micro) * mask
+              if scorers.critic is not None else None)
+    kl = A.kl_penalty(old_logp, ref_logp, A.kl_kind(alg)) * mask
     all_reduce = mesh.all_reduce if mesh.distributed else None
-    adv, returns = A.advantages(alg, score, kl, values, mask, sp.n, kl_beta, all_reduce)
+    adv, returns = A.advantages(alg, ro.scores, kl, values, mask, sp.n, kl_beta, all_reduce)
+    loss_mask = mask
+    if ppo.overlong_filter:  # truncated responses (no EOS) carry no loss
+        loss_mask = mask * (gen.responses == tokenizer.eos_token_id).any(1, keepdim=True).float()
     return Experience(sequences=seq, attention_mask=att, mask=mask, prompt_len=P, group_size=sp.n,
                       rollout_logprobs=gen.logprobs, old_logprobs=old_logp, ref_logprobs=ref_logp, values=values,
-                      scores=score, score_parts=parts, kl=kl, advantages=adv, returns=returns,
-                      score_s=time.perf_counter() - t0)
+                      scores=ro.scores, score_parts=ro.parts, kl=kl, advantages=adv, returns=returns,
+                      loss_mask=loss_mask, timings=timings, extra_metrics=dyn,
+                      score_s=time.perf_counter() - t0 - timings.get("generate_s", 0.0) - timings.get("switch_s", 0.0))
 
 
 def critic_values(critic, seq: torch.Tensor, att: torch.Tensor, prompt_len: int) -> torch.Tensor:

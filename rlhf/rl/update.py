@@ -61,7 +61,7 @@ def ppo_update(exp: Experience, actor, critic, alg, ppo, kl_beta: float, generat
         for mb in minibatches(ids, total_rows, ppo.minibatches_per_epoch, exp.group_size, mesh.world_size,
                               generator):
             parts = [(r, mb.weight) if len(r) else (mb.rows[:1], 0.0) for r in micro_batches(mb.rows, micro, mb.most)]
-            normalizer = mesh.sum(float((exp.mask[mb.rows] * mb.weight).sum())) / mesh.world_size
+            normalizer, token_normalizer = _normalizer(exp, mb, alg, ppo, mesh)
             ptx = (lambda u=update, n=mb.global_size: ptx_loss(u, n)) if ptx_loss else None
             ok = _actor_step(exp, actor, parts, normalizer, alg, kl_beta, temp, keep, stats, mesh, ptx)
             update += 1
@@ -69,7 +69,7 @@ def ppo_update(exp: Experience, actor, critic, alg, ppo, kl_beta: float, generat
             if not ok:
                 stats.acc["nonfinite_skipped"] = stats.acc.get("nonfinite_skipped", 0) + 1
             if critic is not None:
-                _critic_step(exp, critic, parts, normalizer, alg, stats, mesh)
+                _critic_step(exp, critic, parts, token_normalizer, alg, stats, mesh)
             if skipped_in_a_row >= ppo.max_nonfinite_in_a_row:
                 raise Diverged(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient")
         if on_epoch_end is not None:
@@ -78,6 +78,22 @@ def ppo_update(exp: Experience, actor, critic, alg, ppo, kl_beta: float, generat
     if "nonfinite_skipped" in stats.acc:  # a count, not a mean (the same on every rank)
         means["nonfinite_skipped"] = stats.acc["nonfinite_skipped"]
     return means, skipped_in_a_row
+
+
+def _normalizer(exp, mb, alg, ppo, mesh) -> float:
+    """The global minibatch's loss denominators over the world size (data-parallel ranks average their
+    gradients), computed before the minibatch is split into micro-batches: the actor's
+    (algorithm.loss_agg) and the critic's (a token mean)."""
+    lm = exp.loss_mask[mb.rows] * mb.weight
+    tokens = mesh.sum(float(lm.sum()))
+    seqs = mesh.sum(float((lm.sum(1) > 0).sum())) if alg.loss_agg != "token_mean" else 0.0
+    norm_tokens = alg.loss_norm_tokens or ppo.max_new_tokens
+    return (A.loss_denominator(alg.loss_agg, tokens, seqs, norm_tokens) / mesh.world_size,
+            tokens / mesh.world_size)
+
+
+def clip_low(alg) -> float:
+    return alg.clip_ratio if alg.clip_ratio_low is None else alg.clip_ratio_low
 
 
 def _all_finite(x: torch.Tensor, mesh) -> bool:
@@ -89,17 +105,24 @@ def _actor_step(exp, actor, parts, normalizer, alg, kl_beta, temp, keep, stats, 
     seq, att, P = exp.sequences, exp.attention_mask, exp.prompt_len
     loss_sum, sums, ok = 0.0, None, True  # sums: clipped tokens, Σ approx-KL, tokens, Σ entropy
     for i, (r, w) in enumerate(parts):
-        mask = exp.mask[r] * w
+        mask = exp.loss_mask[r] * w
+        weights = A.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
+        pg_weights = weights
+        if alg.mismatch_correction != "none" and exp.rollout_logprobs is not None:
+            correction = A.mismatch_weights(exp.old_logprobs[r], exp.rollout_logprobs[r], mask,
+                                            alg.mismatch_correction, alg.tis_cap)
+            pg_weights = weights * correction
+            stats.add("rollout/correction_mean", float((correction * mask).sum()), float(mask.sum()))
         logp, ent = response_stats(actor.forward, seq[r], att[r], P, temp, keep_logits=keep,
                                    entropy="loss" if alg.entropy_coef else "metric")
-        pl, st = A.policy_loss(logp, exp.old_logprobs[r], exp.advantages[r], mask, alg.clip_ratio, alg.dual_clip,
-                               normalizer=normalizer)
+        pl, st = A.policy_loss(logp, exp.old_logprobs[r], exp.advantages[r], mask, clip_low(alg), alg.dual_clip,
+                               normalizer=normalizer, clip_high=alg.clip_ratio_high, weights=pg_weights)
         loss = pl
-        if alg.estimator == "grpo":  # GRPO keeps the KL out of the reward, as a loss term
-            kl_term = A.kl_penalty(logp, exp.ref_logprobs[r], "k3")
-            loss = loss + kl_beta * (kl_term * mask).sum() / normalizer
+        if alg.estimator == "grpo" and kl_beta:  # GRPO keeps the KL out of the reward, as a loss term
+            kl_term = A.kl_penalty(logp, exp.ref_logprobs[r], A.kl_kind(alg))
+            loss = loss + kl_beta * (kl_term * weights).sum() / normalizer
         if alg.entropy_coef:
-            loss = loss - alg.entropy_coef * (ent * mask).sum() / normalizer
+            loss = loss - alg.entropy_coef * (ent * weights).sum() / normalizer
         last = i == len(parts) - 1
         if last and ptx is not None:
             ptx_l = ptx()
@@ -127,9 +150,9 @@ def _actor_step(exp, actor, parts, normalizer, alg, kl_beta, temp, keep, stats, 
 def _critic_step(exp, critic, parts, normalizer, alg, stats, mesh) -> None:
     seq, att, P = exp.sequences, exp.attention_mask, exp.prompt_len
     total, ok = 0.0, True
-    for i, (r, w) in enumerate(parts):
+    for i, (r, w) in enumerate(parts):  # the value loss is a token mean (algorithm.loss_agg is the actor's)
         v = critic_values(critic, seq[r], att[r], P)
-        vl = A.value_loss(v, exp.values[r], exp.returns[r], exp.mask[r] * w, alg.value_clip, normalizer=normalizer)
+        vl = A.value_loss(v, exp.values[r], exp.returns[r], exp.loss_mask[r] * w, alg.value_clip, normalizer=normalizer)
         total += float(vl.detach())
         if ok:
             ok = _all_finite(vl, mesh)

@@ -150,3 +150,24 @@ def test_ppo_without_reward_model_exits_2(tmp_path):
     assert run_cli(*quick_sft_args(tmp_path, steps=2), "train.save_every=0").returncode == 0
     proc = run_cli("stage=ppo", f"run.dir={tmp_path}", timeout=120)
     assert proc.returncode == 2 and "run stage=reward first" in proc.stderr
+
+
+def test_grpo_with_current_practice(small_pipeline, tmp_path):
+    """Clip-higher, dynamic sampling, Dr.GRPO's token_sum_norm without std, the soft overlong penalty
+    and filter, MIS correction, and kl_coef=0 (no reference model at all) together."""
+    import shutil
+    shutil.copytree(small_pipeline, tmp_path / "run")
+    proc = run_cli(*quick_ppo(tmp_path / "run", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
+                              "ppo.reward_fn=rlhf.rewards.gold", "ppo.samples_per_prompt=4",
+                              "algorithm.clip_ratio_high=0.28", "ppo.dynamic_sampling=true",
+                              "algorithm.loss_agg=token_sum_norm", "algorithm.std_normalize=false",
+                              "ppo.overlong_buffer=4", "ppo.overlong_filter=true",
+                              "algorithm.mismatch_correction=mis", "algorithm.kl_coef=0", "train.max_steps=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = [x for x in rows(tmp_path / "run" / "ppo" / "metrics.jsonl") if "reward/mean" in x]
+    assert len(r) == 2
+    for x in r:
+        assert x["kl/mean"] == 0.0  # no reference: the actor is its own reference
+        assert x["dynamic/dropped_groups"] >= 0 and "dynamic/rounds" in x and "reward/overlong" in x
+        assert x["rollout/logprob_abs_diff_max"] < 1e-4  # fp32: the inference mode matches training
+        assert x["rollout/correction_mean"] == 1.0  # nothing to correct: MIS masks no token
