@@ -78,10 +78,20 @@ def render(run_dir: Path) -> bytes:
         base = sft["gold/score"][1][-1]
         a_gold.axhline(base, color="gray", linestyle=":", label=f"SFT, sampled ({base:.3f})")
         a_gold.axhline(base + 0.3, color="green", linestyle=":", label="SFT + 0.3")
+    if "gold/score_greedy" in sft:
+        greedy = sft["gold/score_greedy"][1][-1]
+        a_gold.axhline(greedy, color="gray", linestyle="-.", label=f"SFT, greedy ({greedy:.3f})")
     a_gold.set_ylim(0, 1)
 
-    a_rew.set_title("PPO reward/mean")
+    a_rew.set_title("PPO reward/mean, and how it tracks the gold rule")
     _plot(a_rew, ppo, "reward/mean", "reward/mean")
+    _plot(a_rew, ppo, "reward/gold", "gold of the rollouts", color="tab:green")
+    if "reward/gold_corr" in ppo:  # falling correlation = the policy exploits the reward model's errors
+        corr = a_rew.twinx()
+        _plot(corr, ppo, "reward/gold_corr", "corr(reward model, gold)", color="tab:red", alpha=0.7)
+        corr.set_ylim(-1, 1)
+        corr.set_ylabel("correlation", color="tab:red")
+        corr.legend(fontsize=8, loc="lower right")
     a_kl.set_title("PPO kl/mean (nats per response)")
     _plot(a_kl, ppo, "kl/mean", "kl/mean", color="tab:purple")
     a_time.set_title("PPO seconds per step")

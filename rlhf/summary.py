@@ -21,13 +21,15 @@ def last_values(metrics_file: Path, keys) -> dict:
     return {k: series[k][1][-1] for k in keys if k in series}
 
 
-def build_summary(run_dir: Path, seconds: dict) -> dict:
+def build_summary(run_dir: Path, seconds: dict, seed=None) -> dict:
     summary = {}
     for stage, keys in KEYS.items():
         vals = last_values(run_dir / stage / "metrics.jsonl", keys)
         if vals:
             summary[stage] = vals
     summary["seconds"] = seconds
+    if seed is not None:
+        summary["run"] = {"seed": seed}
     return summary
 
 
@@ -35,9 +37,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlhf.summary")
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--seconds", action="append", default=[], help="stage=seconds")
+    ap.add_argument("--seed", type=int, default=None, help="run.seed of the run (recorded in summary.json)")
     args = ap.parse_args(argv)
     seconds = {k: float(v) for k, v in (s.split("=", 1) for s in args.seconds)}
-    summary = build_summary(args.run_dir, seconds)
+    summary = build_summary(args.run_dir, seconds, args.seed)
     atomic_write_json(args.run_dir / "summary.json", summary)
     print(f"\nrun: {args.run_dir}")
     print(f"{'stage':<8} {'metric':<20} {'value':>10}")

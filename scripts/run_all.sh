@@ -12,7 +12,7 @@ if [ "$NPROC" -gt 1 ]; then
 else
   LAUNCH=("$PY" -m rlhf)
 fi
-RUN_DIR="$("$PY" -m rlhf --cfg "$@" | "$PY" -c 'import sys,yaml; print(yaml.safe_load(sys.stdin)["run"]["dir"])')"
+read -r SEED RUN_DIR < <("$PY" -m rlhf --cfg "$@" | "$PY" -c 'import sys,yaml; r = yaml.safe_load(sys.stdin)["run"]; print(r["seed"], r["dir"])')
 STAGES=()
 for s in sft reward ppo; do [ -f "$ROOT/stages/$s.py" ] && STAGES+=("$s"); done
 declare -A SECONDS_OF
@@ -28,4 +28,4 @@ done
 TOTAL=$(secs $(( $(now_ms) - T0 )))
 ARGS=()
 for s in "${STAGES[@]}"; do ARGS+=("--seconds" "$s=${SECONDS_OF[$s]}"); done
-"$PY" -m rlhf.summary "$RUN_DIR" "${ARGS[@]}" --seconds "total=$TOTAL"
+"$PY" -m rlhf.summary "$RUN_DIR" "${ARGS[@]}" --seconds "total=$TOTAL" --seed "$SEED"

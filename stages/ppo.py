@@ -75,7 +75,7 @@ def run(cfg: Config) -> None:
         critic=critic,
         reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh), mesh, cfg.engine) if p.use_reward_model else None,
         reward_stats=stats, running=A.RunningMoments(), rule=rule, rule_weight=p.reward_fn_weight,
-        data_format=cfg.data.source_list()[0].format)
+        data_format=cfg.data.source_list()[0].format, gold=data.gold)
     ema = EMA(actor, p.ema_decay) if p.ema_decay else None
     kl_ctl = A.AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
@@ -212,6 +212,10 @@ def step_metrics(exp, alg, timings: dict, collect_s: float, train_s: float, mesh
     for name, part in exp.score_parts.items():
         row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
     row.update(exp.extra_metrics or {})
+    if exp.gold is not None:  # how the reward the policy optimises tracks the truth (reward hacking shows here)
+        row["reward/gold"] = mesh.sum(float(exp.gold.sum())) / rows
+        if "model" in exp.score_parts:
+            row["reward/gold_corr"] = global_corr(exp.score_parts["model"], exp.gold, mesh)
     if exp.rollout_logprobs is not None:  # what the inference mode sampled with vs the training recompute
         tokens = max(gen_tokens, 1.0)
         diff = (exp.old_logprobs - exp.rollout_logprobs).abs() * exp.mask
@@ -222,3 +226,11 @@ def step_metrics(exp, alg, timings: dict, collect_s: float, train_s: float, mesh
     if exp.values is not None:
         row["values/explained_var"] = float(A.explained_variance(exp.values, exp.returns, exp.mask))
     return row
+
+
+def global_corr(x, y, mesh) -> float:
+    """Pearson correlation of x and y over every rank's rows (0 when either is constant)."""
+    sums = [mesh.sum(float(v)) for v in (x.numel(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum())]
+    n, sx, sy, sxx, syy, sxy = sums
+    cov, vx, vy = sxy - sx * sy / n, sxx - sx * sx / n, syy - sy * sy / n
+    return cov / (vx * vy) ** 0.5 if vx > 1e-12 and vy > 1e-12 else 0.0

@@ -32,11 +32,12 @@ class Experience:
     ref_logprobs: torch.Tensor  # [B, N] the reference policy
     values: Optional[torch.Tensor]  # [B, N] the critic's V(s_t) (GAE only), masked
     scores: torch.Tensor  # [B] total sequence reward: reward model + rule + no-EOS penalty
-    score_parts: dict  # name -> [B]: "model", "rule", "penalty" (those in use)
+    score_parts: dict  # name -> [B]: "model", "rule", "penalty", "overlong" (those in use)
     kl: torch.Tensor  # [B, N] per-token KL estimate (algorithm.kl_estimator), masked
     advantages: torch.Tensor  # [B, N]
     returns: Optional[torch.Tensor]  # [B, N] value targets (GAE only)
     loss_mask: Optional[torch.Tensor] = None  # [B, N] tokens that carry loss (mask less overlong-filtered rows)
+    gold: Optional[torch.Tensor] = None  # [B] gold score of each rollout (a metric, never a reward)
     timings: Optional[dict] = None  # generate_s, switch_s, ... of the step's generations
     extra_metrics: Optional[dict] = None  # e.g. dynamic sampling's counts
     score_s: float = 0.0  # seconds spent scoring (after generation)
@@ -62,6 +63,7 @@ class Scorers:
     rule: Optional[Callable]  # rule(responses, examples, fmt) -> [float]
     rule_weight: float
     data_format: str
+    gold: Optional[Callable] = None  # gold(response, reference) -> float: watches the reward (not a reward)
 
 
 def micro_rows(engine, rows: int, tokens: int, micro: int) -> int:
@@ -86,6 +88,7 @@ class Rollouts:
     examples: list  # one per row
     scores: torch.Tensor  # [B]
     parts: dict  # name -> [B]
+    gold: Optional[torch.Tensor] = None  # [B] the gold rule's score of each row, when the data has one
 
 
 def rollout(hybrid, scorers: Scorers, prompts: List[List[int]], examples: list, sp: SamplingParams, alg, ppo,
@@ -108,9 +111,11 @@ def rollout(hybrid, scorers: Scorers, prompts: List[List[int]], examples: list, 
         raw = normalise_rewards(raw, alg.reward_norm, scorers, mesh)
         parts["model"] = raw
         score = score + raw
-    if scorers.rule is not None:
+    texts = None
+    if scorers.rule is not None or scorers.gold is not None:
         texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(gen.responses, mask)],
                                        skip_special_tokens=True)
+    if scorers.rule is not None:
         rule = torch.tensor(scorers.rule(texts, examples, scorers.data_format), dtype=torch.float32,
                             device=seq.device)
         parts["rule"] = scorers.rule_weight * rule
@@ -123,7 +128,11 @@ def rollout(hybrid, scorers: Scorers, prompts: List[List[int]], examples: list, 
         parts["overlong"] = A.overlong_penalty(mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer,
                                                ppo.overlong_penalty)
         score = score + parts["overlong"]
-    return Rollouts(gen, examples, score, parts)
+    gold = None
+    if scorers.gold is not None and all(e.reference is not None for e in examples):
+        gold = torch.tensor([scorers.gold(t, e.reference) for t, e in zip(texts, examples)], dtype=torch.float32,
+                            device=seq.device)
+    return Rollouts(gen, examples, score, parts, gold)
 
 
 def dynamic_sampling(first: Rollouts, more, sp: SamplingParams, max_rounds: int, make_rollouts, pad_id: int,
@@ -158,7 +167,7 @@ def concat_groups(chosen: list, group: int, pad_id: int) -> Rollouts:
     to the longest prompt length among them."""
     P = max(b.gen.prompt_len for b, _ in chosen)
     parts_keys = chosen[0][0].parts.keys()
-    seqs, atts, masks, logps, examples, scores = [], [], [], [], [], []
+    seqs, atts, masks, logps, examples, scores, golds = [], [], [], [], [], [], []
     parts = {k: [] for k in parts_keys}
     for b, g in chosen:
         rows = slice(g * group, (g + 1) * group)
@@ -173,11 +182,13 @@ def concat_groups(chosen: list, group: int, pad_id: int) -> Rollouts:
         logps.append(None if b.gen.logprobs is None else b.gen.logprobs[rows])
         examples += b.examples[rows]
         scores.append(b.scores[rows])
+        golds.append(None if b.gold is None else b.gold[rows])
         for k in parts_keys:
             parts[k].append(b.parts[k][rows])
     gen = Generation(sequences=torch.cat(seqs), attention_mask=torch.cat(atts), response_mask=torch.cat(masks),
                      logprobs=None if any(x is None for x in logps) else torch.cat(logps), prompt_len=P)
-    return Rollouts(gen, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()})
+    gold = None if any(g is None for g in golds) else torch.cat(golds)
+    return Rollouts(gen, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()}, gold)
 
 
 @torch.no_grad()
@@ -225,7 +236,7 @@ def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples:
     return Experience(sequences=seq, attention_mask=att, mask=mask, prompt_len=P, group_size=sp.n,
                       rollout_logprobs=gen.logprobs, old_logprobs=old_logp, ref_logprobs=ref_logp, values=values,
                       scores=ro.scores, score_parts=ro.parts, kl=kl, advantages=adv, returns=returns,
-                      loss_mask=loss_mask, timings=timings, extra_metrics=dyn,
+                      loss_mask=loss_mask, gold=ro.gold, timings=timings, extra_metrics=dyn,
                       score_s=time.perf_counter() - t0 - timings.get("generate_s", 0.0) - timings.get("switch_s", 0.0))
 
 

@@ -1,0 +1,138 @@
+"""Learning over seeds: the embedded pipeline per seed, JSON lines per seed and figure, then min /
+median / max (CONTRACT.md, `bench: "seeds"`).
+
+    python bench/seeds.py [--seeds 0 1 2 3 4] [--parallel K] [--stages sft,reward,ppo,grpo]
+                          [--out DIR] [--set KEY=VAL ...] [--grpo-set KEY=VAL ...] [--label NAME]
+
+Per seed (run.seed=N, run.dir=<out>/seed<N>): SFT → reward → PPO (GAE with the reward model), and
+GRPO with the rule reward from the same SFT model (<out>/seed<N>/grpo/ppo). Figures: sft_gold,
+sft_gold_greedy (held-out gold of the SFT policy, sampled and greedy), rm_accuracy, ppo_gold,
+ppo_gold_greedy, ppo_gain (ppo_gold − sft_gold), grpo_gold, grpo_gain, seconds (wall time of the
+seed's stages) and the seconds of each stage. A stage whose output already exists in --out is not
+run again (point --out at an earlier run to add stages or GRPO variants to it). ``--set`` passes
+overrides to every stage, ``--grpo-set`` to the GRPO run only (e.g. clip-higher, dynamic sampling);
+``--label`` names the variant in every line (default: the seed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import device_label  # noqa: E402
+
+GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
+OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}
+
+
+def last(metrics: Path, key: str):
+    vals = [json.loads(x)[key] for x in metrics.read_text().splitlines() if key in json.loads(x)]
+    return vals[-1] if vals else None
+
+
+def run_stage(stage: str, seed_dir: Path, seed: int, threads: int, overrides: list, grpo_overrides: list,
+              log) -> float:
+    """Runs one stage of one seed (unless its output exists); returns its seconds (0 when skipped)."""
+    if (seed_dir / OUTPUT[stage] / "config.json").is_file():
+        return 0.0
+    run_dir = seed_dir
+    extra = list(overrides)
+    if stage == "grpo":  # its own run dir holding a copy of the SFT output
+        run_dir = seed_dir / "grpo"
+        if not (run_dir / "sft").exists():
+            shutil.copytree(seed_dir / "sft", run_dir / "sft", ignore=shutil.ignore_patterns("checkpoints"))
+        extra += GRPO + list(grpo_overrides)
+    cmd = [sys.executable, "-m", "rlhf", f"stage={'ppo' if stage == 'grpo' else stage}", f"run.dir={run_dir}",
+           f"run.seed={seed}", "logger.progress=false", f"engine.threads_per_rank={threads}", *extra]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
+    t0 = time.perf_counter()
+    with open(seed_dir / f"{stage}.log", "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"seeds: seed {seed} stage {stage} failed (exit {proc.returncode}); see {seed_dir / stage}.log")
+    seconds = time.perf_counter() - t0
+    log(f"seed {seed}: {stage} {seconds:.0f} s")
+    return seconds
+
+
+def figures(seed_dir: Path, stages: list, seconds: dict) -> dict:
+    out = {}
+    if (seed_dir / "sft/metrics.jsonl").is_file():
+        out["sft_gold"] = last(seed_dir / "sft/metrics.jsonl", "gold/score")
+        out["sft_gold_greedy"] = last(seed_dir / "sft/metrics.jsonl", "gold/score_greedy")
+    if (seed_dir / "reward/metrics.jsonl").is_file():
+        out["rm_accuracy"] = last(seed_dir / "reward/metrics.jsonl", "eval/accuracy")
+    if (seed_dir / "ppo/metrics.jsonl").is_file():
+        out["ppo_gold"] = last(seed_dir / "ppo/metrics.jsonl", "gold/score")
+        out["ppo_gold_greedy"] = last(seed_dir / "ppo/metrics.jsonl", "gold/score_greedy")
+        out["ppo_gain"] = out["ppo_gold"] - out["sft_gold"]
+    if (seed_dir / "grpo/ppo/metrics.jsonl").is_file():
+        out["grpo_gold"] = last(seed_dir / "grpo/ppo/metrics.jsonl", "gold/score")
+        out["grpo_gold_greedy"] = last(seed_dir / "grpo/ppo/metrics.jsonl", "gold/score_greedy")
+        out["grpo_gain"] = out["grpo_gold"] - out["sft_gold"]
+    for s in stages:
+        if seconds.get(s):
+            out[f"{s}_seconds"] = seconds[s]
+    out["seconds"] = sum(seconds.values())
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def main() -> None:
+    import torch
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--parallel", type=int, default=1, help="seeds run at once (threads split between them)")
+    ap.add_argument("--stages", default="sft,reward,ppo,grpo")
+    ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
+    ap.add_argument("--set", nargs="*", default=[], help="overrides for every stage")
+    ap.add_argument("--grpo-set", nargs="*", default=[], help="overrides for the GRPO run only")
+    ap.add_argument("--label", default=None)
+    args = ap.parse_args()
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = set(stages) - set(OUTPUT)
+    if unknown:
+        ap.error(f"unknown stages {sorted(unknown)}: choose from {', '.join(OUTPUT)}")
+    out = args.out or Path(tempfile.mkdtemp(prefix="rlhf-seeds-"))
+    threads = max(1, (os.cpu_count() or 1) // args.parallel)
+
+    def log(msg):
+        print(f"[seeds] {msg}", file=sys.stderr, flush=True)
+
+    def one(seed: int) -> dict:
+        seed_dir = out / f"seed{seed}"
+        seed_dir.mkdir(parents=True, exist_ok=True)
+        seconds = {s: run_stage(s, seed_dir, seed, threads, args.set, args.grpo_set, log) for s in stages}
+        return figures(seed_dir, stages, seconds)
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        results = dict(zip(args.seeds, pool.map(one, args.seeds)))
+    base = {"bench": "seeds", "workload": "embedded", "world_size": 1, "threads_per_rank": threads,
+            "torch": torch.__version__, "device": device_label(torch.device("cpu")), "out": str(out)}
+    if args.label:
+        base["label"] = args.label
+    for seed, figs in results.items():
+        for metric, value in figs.items():
+            print(json.dumps({**base, "variant": f"seed{seed}", "metric": metric, "value": round(value, 4)}))
+    metrics = sorted({m for figs in results.values() for m in figs})
+    for metric in metrics:
+        vals = [figs[metric] for figs in results.values() if metric in figs]
+        for name, fn in (("min", min), ("median", statistics.median), ("max", max)):
+            print(json.dumps({**base, "variant": name, "metric": metric, "value": round(fn(vals), 4),
+                              "seeds": len(vals)}))
+
+
+if __name__ == "__main__":
+    main()
