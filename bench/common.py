@@ -57,3 +57,9 @@ def device_label(device=None) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device.index or 0)}"
     return device.type
+
+
+def digit_share(responses, examples, fmt):
+    """A rule reward for the GRPO bench (``ppo.reward_fn=bench.common.digit_share``): the share of
+    digits in each response, so rewards vary within a prompt's group."""
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]

@@ -1,13 +1,17 @@
 """Seconds per PPO step, split into generate / score / train / switch (JSON lines, CONTRACT.md).
 
     python bench/ppo.py [--workload tiny small] [--world-sizes 1 2] [--steps 3] [--variants hybrid hf]
-                        [--micro-batch N] [--device auto|cpu|cuda]
+                        [--micro-batch N] [--device auto|cpu|cuda] [--estimator gae|grpo]
 
 Runs the real stage (`python -m rlhf stage=ppo`) on a run directory it prepares: a random-init
 Llama of the workload as the SFT model, a random-init scalar-head model as the reward model, and
 prompts of exactly the workload's length (digits, one token each). One step = prompts per rank ×
 1 sample (GAE) → score → 1 PPO epoch of 1 minibatch, at fixed response lengths. The figures are
 the medians of the steps after the first (warm-up) one.
+
+``--estimator grpo``: prompts per rank × 4 samples, a rule reward (``bench.common.digit_share``, no
+reward model, no critic), 1 epoch of 1 minibatch; variants reported as ``grpo_hybrid`` / ``grpo_hf``
+(the workload of TRL's GRPOTrainer, so the two compare step for step).
 
 Memory, per variant and world size: ``peak_rss_gb`` (the peak resident set of the stage process,
 summed over its ranks; each rank runs under bench/stage_peak.py, which records its own
@@ -73,14 +77,22 @@ def prepare(run_dir: Path, w: dict) -> tuple:
     return data, actor_params, rm_params
 
 
-def static_bytes(actor_params: int, rm_params: int) -> int:
+def static_bytes(actor_params: int, rm_params: int, estimator: str = "gae") -> int:
     """Parameters + gradients + AdamW state of actor and critic (fp32: 4 + 4 + 8 bytes/param), parameters
-    of the reference (the actor's architecture) and the reward model (the critic's) (4 bytes/param)."""
+    of the reference (the actor's architecture) and the reward model (the critic's) (4 bytes/param);
+    GRPO with a rule reward: actor and reference only."""
+    if estimator == "grpo":
+        return 16 * actor_params + 4 * actor_params
     return 16 * actor_params + 16 * rm_params + 4 * actor_params + 4 * rm_params
 
 
+GRPO_SAMPLES = 4
+GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=bench.common.digit_share",
+        f"ppo.samples_per_prompt={GRPO_SAMPLES}"]
+
+
 def run_stage(run_dir: Path, data: Path, w: dict, nproc: int, hybrid: bool, steps: int, device: str = "auto",
-              micro_batch: int | None = None) -> tuple:
+              micro_batch: int | None = None, estimator: str = "gae") -> tuple:
     """The stage's per-step metrics rows and the per-rank peak memory records (bench/stage_peak.py)."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
     wrapper = str(ROOT / "bench" / "stage_peak.py")
@@ -89,9 +101,10 @@ def run_stage(run_dir: Path, data: Path, w: dict, nproc: int, hybrid: bool, step
               if nproc > 1 else [sys.executable, wrapper])
     out = run_dir / f"ppo_{nproc}_{hybrid}"
     extra = [f"engine.device={device}"] + ([f"ppo.micro_batch_per_rank={micro_batch}"] if micro_batch else [])
+    extra += GRPO if estimator == "grpo" else ["ppo.samples_per_prompt=1"]
     cmd = launch + [str(peak_dir), "stage=ppo", f"run.dir={run_dir}", f"data.path={data}", "data.format=prompt_response",
                     f"train.max_steps={steps}", f"ppo.prompts_per_step={w['prompts'] * nproc}",
-                    "ppo.samples_per_prompt=1", "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=1",
+                    "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=1",
                     f"ppo.max_new_tokens={w['new']}", f"ppo.min_new_tokens={w['new']}", f"engine.hybrid={hybrid}",
                     "train.save_every=0", "train.eval_every=0", "logger.progress=false", "run.resume=false",
                     f"data.max_prompt_len={w['prompt_len']}", "algorithm.no_eos_penalty=0"] + extra
@@ -115,24 +128,27 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["hybrid", "hf"], choices=("hybrid", "hf"))
     ap.add_argument("--micro-batch", type=int, default=None, help="ppo.micro_batch_per_rank (default: auto)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="as engine.device")
+    ap.add_argument("--estimator", default="gae", choices=("gae", "grpo"))
     args = ap.parse_args()
     for workload in args.workload:
         w = WORKLOADS[workload]
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp)
             data, actor_params, rm_params = prepare(run_dir, w)
-            static = static_bytes(actor_params, rm_params)
+            static = static_bytes(actor_params, rm_params, args.estimator)
             for ws in args.world_sizes:
                 dev = resolve_device(args.device, ws)
                 for hybrid in (v == "hybrid" for v in args.variants):
-                    rows, peaks = run_stage(run_dir, data, w, ws, hybrid, args.steps, dev.type, args.micro_batch)
+                    rows, peaks = run_stage(run_dir, data, w, ws, hybrid, args.steps, dev.type, args.micro_batch,
+                                            args.estimator)
                     rows = rows[1:]
                     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
                     gen, score, train, switch = (med("time/generate_s"), med("time/score_s"), med("time/train_s"),
                                                  med("time/switch_s"))
                     step = gen + score + train + switch
-                    samples = w["prompts"] * ws
-                    base = {"bench": "ppo", "workload": workload, "variant": "hybrid" if hybrid else "hf",
+                    samples = w["prompts"] * ws * (GRPO_SAMPLES if args.estimator == "grpo" else 1)
+                    variant = ("grpo_" if args.estimator == "grpo" else "") + ("hybrid" if hybrid else "hf")
+                    base = {"bench": "ppo", "workload": workload, "variant": variant,
                             "world_size": ws, "threads_per_rank": max(1, (os.cpu_count() or 1) // ws),
                             "torch": torch.__version__, "device": device_label(dev)}
                     if args.micro_batch:

@@ -5,13 +5,13 @@ median / max (CONTRACT.md, `bench: "seeds"`).
                           [--out DIR] [--set KEY=VAL ...] [--grpo-set KEY=VAL ...] [--label NAME]
 
 Per seed (run.seed=N, run.dir=<out>/seed<N>): SFT → reward → PPO (GAE with the reward model), and
-GRPO with the rule reward from the same SFT model (<out>/seed<N>/grpo/ppo). Figures: sft_gold,
+GRPO with the rule reward from the same SFT model (<out>/seed<N>/grpo[_<label>]/ppo). Figures: sft_gold,
 sft_gold_greedy (held-out gold of the SFT policy, sampled and greedy), rm_accuracy, ppo_gold,
 ppo_gold_greedy, ppo_gain (ppo_gold − sft_gold), grpo_gold, grpo_gain, seconds (wall time of the
 seed's stages) and the seconds of each stage. A stage whose output already exists in --out is not
 run again (point --out at an earlier run to add stages or GRPO variants to it). ``--set`` passes
 overrides to every stage, ``--grpo-set`` to the GRPO run only (e.g. clip-higher, dynamic sampling);
-``--label`` names the variant in every line (default: the seed).
+``--label`` names the GRPO variant (its own run directory) and is carried by every line.
 """
 from __future__ import annotations
 
@@ -42,15 +42,20 @@ def last(metrics: Path, key: str):
     return vals[-1] if vals else None
 
 
+def grpo_dir(label) -> str:
+    return f"grpo_{label}" if label else "grpo"
+
+
 def run_stage(stage: str, seed_dir: Path, seed: int, threads: int, overrides: list, grpo_overrides: list,
-              log) -> float:
+              label, log) -> float:
     """Runs one stage of one seed (unless its output exists); returns its seconds (0 when skipped)."""
-    if (seed_dir / OUTPUT[stage] / "config.json").is_file():
+    output = f"{grpo_dir(label)}/ppo/actor" if stage == "grpo" else OUTPUT[stage]
+    if (seed_dir / output / "config.json").is_file():
         return 0.0
     run_dir = seed_dir
     extra = list(overrides)
-    if stage == "grpo":  # its own run dir holding a copy of the SFT output
-        run_dir = seed_dir / "grpo"
+    if stage == "grpo":  # its own run dir (one per --label) holding a copy of the SFT output
+        run_dir = seed_dir / grpo_dir(label)
         if not (run_dir / "sft").exists():
             shutil.copytree(seed_dir / "sft", run_dir / "sft", ignore=shutil.ignore_patterns("checkpoints"))
         extra += GRPO + list(grpo_overrides)
@@ -68,7 +73,7 @@ def run_stage(stage: str, seed_dir: Path, seed: int, threads: int, overrides: li
     return seconds
 
 
-def figures(seed_dir: Path, stages: list, seconds: dict) -> dict:
+def figures(seed_dir: Path, stages: list, seconds: dict, label=None) -> dict:
     out = {}
     if (seed_dir / "sft/metrics.jsonl").is_file():
         out["sft_gold"] = last(seed_dir / "sft/metrics.jsonl", "gold/score")
@@ -79,9 +84,10 @@ def figures(seed_dir: Path, stages: list, seconds: dict) -> dict:
         out["ppo_gold"] = last(seed_dir / "ppo/metrics.jsonl", "gold/score")
         out["ppo_gold_greedy"] = last(seed_dir / "ppo/metrics.jsonl", "gold/score_greedy")
         out["ppo_gain"] = out["ppo_gold"] - out["sft_gold"]
-    if (seed_dir / "grpo/ppo/metrics.jsonl").is_file():
-        out["grpo_gold"] = last(seed_dir / "grpo/ppo/metrics.jsonl", "gold/score")
-        out["grpo_gold_greedy"] = last(seed_dir / "grpo/ppo/metrics.jsonl", "gold/score_greedy")
+    grpo_metrics = seed_dir / grpo_dir(label) / "ppo/metrics.jsonl"
+    if grpo_metrics.is_file():
+        out["grpo_gold"] = last(grpo_metrics, "gold/score")
+        out["grpo_gold_greedy"] = last(grpo_metrics, "gold/score_greedy")
         out["grpo_gain"] = out["grpo_gold"] - out["sft_gold"]
     for s in stages:
         if seconds.get(s):
@@ -114,8 +120,9 @@ def main() -> None:
     def one(seed: int) -> dict:
         seed_dir = out / f"seed{seed}"
         seed_dir.mkdir(parents=True, exist_ok=True)
-        seconds = {s: run_stage(s, seed_dir, seed, threads, args.set, args.grpo_set, log) for s in stages}
-        return figures(seed_dir, stages, seconds)
+        seconds = {s: run_stage(s, seed_dir, seed, threads, args.set, args.grpo_set, args.label, log)
+                   for s in stages}
+        return figures(seed_dir, stages, seconds, args.label)
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         results = dict(zip(args.seeds, pool.map(one, args.seeds)))

@@ -41,23 +41,31 @@ class MetricsWriter:
         self._wandb = None
         if not is_main:
             return
+        self._resume_step = resume_step
+        self._file = None  # opened (and the old file cut back) at the first line of this run
+        if cfg is not None and cfg.logger.wandb != "disabled":
+            self._wandb = _init_wandb(cfg, stage)
+
+    def _open(self) -> None:
+        """Keeps the lines up to the resume step (none on a fresh run) and opens for appending. Done at
+        the first line this run writes, so a rerun that fails before it leaves the old file whole."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if resume_step is not None and self.path.is_file():
+        if self._resume_step is not None and self.path.is_file():
             for line in self.path.read_text(encoding="utf-8").splitlines():
                 try:
-                    if json.loads(line).get("step", 0) <= resume_step:
+                    if json.loads(line).get("step", 0) <= self._resume_step:
                         kept.append(line)
                 except json.JSONDecodeError:
                     continue
         atomic_write_text(self.path, "".join(x + "\n" for x in kept))
         self._file = open(self.path, "a", encoding="utf-8")
-        if cfg is not None and cfg.logger.wandb != "disabled":
-            self._wandb = _init_wandb(cfg, stage)
 
     def log(self, step: int, **metrics) -> None:
         if not self.is_main:
             return
+        if self._file is None:
+            self._open()
         rec = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
@@ -67,6 +75,8 @@ class MetricsWriter:
     def close(self) -> None:
         if not self.is_main:
             return
+        if self._file is None:  # a run that logged nothing still leaves its (empty) file
+            self._open()
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()

@@ -30,6 +30,7 @@ from rlhf.logging import progress
 from rlhf.models import loading
 from rlhf.models.value import ScalarHeadModel, head_module
 from rlhf.ops import SamplingParams
+from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
 from rlhf.rl import experience, ptx
 from rlhf.rl.ema import EMA
@@ -48,6 +49,8 @@ def run(cfg: Config) -> None:
     actor_src, rm_src = inputs(cfg)
     rule = resolve(p.reward_fn) if p.reward_fn else None
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
+    if rule is not None:
+        check_reward_fn(rule, p.reward_fn, data.train[0], cfg.data.source_list()[0].format)
     if len(data.train) < p.prompts_per_step:
         raise UserError(f"data ({data.description}): {len(data.train)} prompts, fewer than one step "
                         f"(ppo.prompts_per_step={p.prompts_per_step})")

@@ -85,7 +85,7 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
     for name, eng in engines.items():
         eng.load_state_dicts({part: sd[f"{name}.{part}"] for part in ("model", "optim")})
         eng.scheduler.load_state_dict(state["schedulers"][name])
-        eng.step_count = state["step"]
+        eng.weights_version += 1  # the weights changed: cached inference weights are stale
     rng_file = path / f"rng_rank{mesh.rank}.pt"
     if rng_file.is_file() and state.get("world_size") == mesh.world_size:
         rng = torch.load(rng_file, weights_only=True)

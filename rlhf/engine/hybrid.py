@@ -42,7 +42,8 @@ class HybridEngine:
         dtype = precision_of(ecfg, self.mesh.device) if ecfg.inference_dtype == "auto" else ecfg.inference_dtype
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # of the inference mode
         self.timings: dict = {}
-        self._model: Optional[InferenceModel] = None
+        self._model: Optional[InferenceModel] = None  # kept when engine.release_inference_cache=false
+        self._model_version = -1  # the engine's weights_version when _model was built
 
     # ---- the one call the trainer makes ----
     def generate(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
@@ -85,7 +86,11 @@ class HybridEngine:
         t0 = time.perf_counter()
         # A TP group generates the prompts of all its ranks together, then each keeps its own.
         per_rank = self.mesh.tp_all_gather_object(prompts)  # (a stand-in row stays in its group)
-        model = self.build_inference_model()
+        # engine.release_inference_cache=false keeps the inference weights between calls and reuses
+        # them while the training weights have not changed (no optimizer step since they were built:
+        # e.g. the gold evaluation right after a rollout, or its sampled and greedy passes)
+        reuse = self._model is not None and self._model_version == self.engine.weights_version
+        model = self._model if reuse else self.build_inference_model()
         t1 = time.perf_counter()
         # a CPU generator whatever the device: the same draws on every device (sampling moves them)
         gen = torch.Generator(device="cpu").manual_seed(sp.seed + 1_000_003 * self.mesh.tp_index)
@@ -96,7 +101,7 @@ class HybridEngine:
             model.release()
             del model
         else:
-            self._model = model
+            self._model, self._model_version = model, self.engine.weights_version
         t3 = time.perf_counter()
         if self.tp > 1:
             out = _rows(out, per_rank, self.mesh.tp_rank, sp.n)

@@ -136,7 +136,7 @@ class TrainEngine:
             param_groups(self.model, tcfg.weight_decay), lr=lr or tcfg.lr, betas=tuple(tcfg.betas),
             eps=tcfg.eps, foreach=True)
         self.scheduler = make_scheduler(self.optimizer, tcfg, total_steps or tcfg.max_steps)
-        self.step_count = 0
+        self.weights_version = 0  # bumped whenever the weights change (step, checkpoint load)
 
     # ---- the model as HF code knows it ----
     @property
@@ -180,7 +180,7 @@ class TrainEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.step_count += 1
+        self.weights_version += 1
         return float(norm)
 
     @property

@@ -45,7 +45,9 @@ class ScalarHeadModel(nn.Module):
         backbone = getattr(self.hf, self.hf.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids(attention_mask)).last_hidden_state
-        return head_module(self.hf)(hidden).squeeze(-1).float()
+        # sum over the size-1 head dimension: the same numbers as squeeze(-1), but a new tensor, not a
+        # view (FSDP2 warns that a module returning a view can break backward)
+        return head_module(self.hf)(hidden).sum(-1).float()
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -161,6 +161,15 @@ CASES = [
     ("unknown_reward_fn", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
                                             "ppo.reward_fn=rlhf.rewards.nope"),
      "ppo.reward_fn=rlhf.rewards.nope: cannot import"),
+    # a reward function with the wrong signature or return: refused before any model is loaded
+    ("reward_fn_signature", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
+                                              "ppo.reward_fn=rlhf.rewards.resolve"),
+     "ppo.reward_fn=rlhf.rewards.resolve: it must take (responses, examples, fmt)"),
+    ("reward_fn_raises", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
+                                           "ppo.reward_fn=tests.e2e.nan_reward.raises"),
+     "ppo.reward_fn=tests.e2e.nan_reward.raises: calling it on one record failed: KeyError"),
+    ("grpo_one_sample", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.samples_per_prompt=1"),
+     "ppo.samples_per_prompt=1 is invalid for algorithm.estimator=grpo"),
 ]
 
 

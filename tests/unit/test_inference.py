@@ -173,3 +173,24 @@ def test_sampling_distributions_match_reference():
         ref = ref / ref.sum()
         assert (freq - ref).abs().max().item() < 0.01, (temp, k, p, freq, ref)
     assert torch.isinf(filter_logits(logits, 2, 1.0)[0, 2:]).all()
+
+
+def test_kept_inference_weights_are_reused_until_the_weights_change():
+    """engine.release_inference_cache=false: the gathered inference weights serve the next generation
+    while no optimizer step (or checkpoint load) has changed the training weights, and are rebuilt after."""
+    model = tiny_model("llama")
+    prompts = mixed_prompts()
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, min_new_tokens=8)
+    eng, hy = hybrid(model, release_inference_cache=False)
+    first = hy.generate(prompts, greedy)
+    kept = hy._model
+    again = hy.generate(prompts, greedy)
+    assert hy._model is kept and torch.equal(first.sequences, again.sequences)
+    ids = first.sequences
+    loss = eng.forward(input_ids=ids).logits.float().logsumexp(-1).mean()  # any loss: a real step
+    eng.backward(loss)
+    eng.step()
+    after = hy.generate(prompts, greedy)
+    assert hy._model is not kept  # rebuilt from the new weights
+    fresh_eng, fresh = hybrid(eng.model)  # a fresh engine on the updated weights generates the same
+    assert torch.equal(after.sequences, fresh.generate(prompts, greedy).sequences)
