@@ -41,6 +41,9 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
     cache = Path(cfg.run.cache_dir) if cfg.run.cache_dir else run_dir / "cache"
     log.info("stage=%s run.dir=%s world_size=%d device=%s zero_stage=%d precision=%s", stage, run_dir,
              mesh.world_size, mesh.device, cfg.engine.zero_stage, cfg.engine.precision)
+    if cfg.train.warmup_steps > cfg.train.max_steps:
+        log.warning("train.warmup_steps=%d is more than train.max_steps=%d: the learning rate never reaches "
+                    "train.lr", cfg.train.warmup_steps, cfg.train.max_steps)
     return StageContext(cfg=cfg, mesh=mesh, out=run_dir / stage, cache_dir=cache)
 
 

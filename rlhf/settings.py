@@ -43,6 +43,24 @@ def _describe(e: Exception) -> str:
     text = " ".join(str(e).split("\n")[0].split())
     if cause is not e and str(cause).strip():
         text += ": " + " ".join(str(cause).split("\n")[0].split())
+    hint = _did_you_mean(text)
+    if hint:
+        text += hint
     if "Could not find 'stage/" in text:
         return text.replace("Could not find 'stage/", "unknown stage '") + " (expected sft, reward or ppo)"
     return text or type(e).__name__
+
+
+def _did_you_mean(text: str) -> str:
+    """", did you mean 'max_steps'?" for an unknown key close to a real one of its group."""
+    import dataclasses
+    import difflib
+    import re
+
+    from rlhf import config as C
+    m = re.search(r"Key '([^']+)' not in '(\w+)'", text)
+    cls = getattr(C, m.group(2), None) if m else None
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return ""
+    close = difflib.get_close_matches(m.group(1), [f.name for f in dataclasses.fields(cls)], n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""

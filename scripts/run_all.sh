@@ -12,7 +12,8 @@ if [ "$NPROC" -gt 1 ]; then
 else
   LAUNCH=("$PY" -m rlhf)
 fi
-read -r SEED RUN_DIR < <("$PY" -m rlhf --cfg "$@" | "$PY" -c 'import sys,yaml; r = yaml.safe_load(sys.stdin)["run"]; print(r["seed"], r["dir"])')
+RUN="$("$PY" -m rlhf --cfg "$@" | "$PY" -c 'import sys,yaml; r = yaml.safe_load(sys.stdin)["run"]; print(r["seed"], r["dir"])')"
+read -r SEED RUN_DIR <<< "$RUN"
 STAGES=()
 for s in sft reward ppo; do [ -f "$ROOT/stages/$s.py" ] && STAGES+=("$s"); done
 declare -A SECONDS_OF

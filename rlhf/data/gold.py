@@ -7,7 +7,6 @@ from typing import Callable, Optional
 from rlhf.data import synthetic
 from rlhf.data.records import GSM8K_ANSWER
 
-_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
 
 def _number(text: str) -> Optional[float]:
@@ -18,11 +17,12 @@ def _number(text: str) -> Optional[float]:
 
 
 def gsm8k_score(response: str, reference: str) -> float:
-    """Exact match of the final answer: the number after '####', else the last number given."""
+    """Exact match of the final answer: the number after '####' equals the reference's (GSM8K's own
+    answer format; a response that never writes '####' scores 0, as it gives no final answer)."""
     m = GSM8K_ANSWER.search(response)
-    found = m.group(1) if m else (_NUMBER.findall(response) or [None])[-1]
-    if found is None:
+    if m is None:
         return 0.0
+    found = m.group(1)
     a, b = _number(found), _number(reference)
     return 1.0 if a is not None and b is not None and abs(a - b) < 1e-6 else 0.0
 

@@ -116,6 +116,8 @@ def iter_raw_records(path: Path) -> Iterator[Tuple[Union[dict, DataError], str]]
             data = f.read()
         except (OSError, EOFError) as e:
             raise DataError(f"{path}: cannot read: {e}") from None
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Windows editors): not data
+        data = data[3:]
     if name.endswith((".json", ".json.gz")) and data.lstrip()[:1] == b"[":
         try:
             items = json.loads(data.decode("utf-8"))

@@ -151,7 +151,8 @@ def test_gold_scorers():
     assert synthetic.gold_score(" The answer is 48. extra", "48") == 0.0
     assert synthetic.gold_score(" The answer is 47.", "48") == 0.0
     assert gsm8k_score("so 3 + 4 = 7\n#### 7", "7") == 1.0
-    assert gsm8k_score("the result is 1,234", "1234") == 1.0
+    assert gsm8k_score("the result is\n#### 1,234", "1234") == 1.0
+    assert gsm8k_score("the result is 1,234", "1234") == 0.0  # no '####': no final answer given
     assert gsm8k_score("#### 8", "7") == 0.0 and gsm8k_score("no number", "7") == 0.0
 
 
@@ -194,3 +195,18 @@ def test_cache_round_trip_and_key(tok, tmp_path):
     cached("sft", exs[:-1], tok, {"n": 1}, tmp_path, Mesh(), build)  # content changed: rebuilt
     cached("sft", exs, tok, {"n": 2}, tmp_path, Mesh(), build)  # parameters changed: rebuilt
     assert len(calls) == 3
+
+
+def test_a_byte_order_mark_is_not_data(tmp_path):
+    """Files saved by Windows editors start with a UTF-8 BOM: the first record must still parse (and,
+    with data.on_bad_record=skip, must not be silently lost)."""
+    import json as _json
+    recs = [{"prompt": "p1", "response": "r1"}, {"prompt": "p2", "response": "r2"}]
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "\n".join(_json.dumps(r) for r in recs).encode())
+    exs, skipped = read_examples(str(jsonl), "prompt_response")
+    assert [e.prompt for e in exs] == ["p1", "p2"] and skipped == 0
+    arr = tmp_path / "bom.json"
+    arr.write_bytes(b"\xef\xbb\xbf" + _json.dumps(recs).encode())
+    exs, _ = read_examples(str(arr), "prompt_response")
+    assert [e.prompt for e in exs] == ["p1", "p2"]
