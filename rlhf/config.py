@@ -246,6 +246,8 @@ class LoggerConfig:
 @dataclass
 class RewardConfig:
     margin: float = 0.0  # pairwise loss -log σ(r_chosen - r_rejected - margin)
+    # the model the reward model starts from: None = the SFT output in run.dir, else model.path
+    model_path: Optional[str] = None
 
 
 @dataclass
@@ -320,6 +322,8 @@ class PPOConfig:
     top_k: int = 0
     top_p: float = 1.0
     critic_lr: float = 1e-4
+    # the actor (and reference) to start from: None = the SFT output in run.dir, else model.path
+    actor_path: Optional[str] = None
     use_reward_model: bool = True
     reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
     reward_fn_weight: float = 1.0

@@ -105,3 +105,22 @@ def text_corpus(examples: List[Example], limit: int = 20000) -> List[str]:
 def previous_output(run_dir: str, stage: str, what: str) -> Optional[Path]:
     p = Path(run_dir) / stage / what
     return p if (p / "config.json").is_file() else None
+
+
+def stage_input(cfg: Config, explicit: Optional[str], key: str, stage: str) -> str:
+    """The model a later stage starts from: ``key`` (e.g. ppo.actor_path) when set, else the SFT
+    output in run.dir, else model.path (a stage run on its own). model.path is the SFT stage's input,
+    so a whole-pipeline run given model.path still hands each stage the previous one's output."""
+    from rlhf.errors import ConfigError
+    sft = previous_output(cfg.run.dir, "sft", "model")
+    if explicit:
+        source, why = explicit, key
+    elif sft is not None:
+        source, why = str(sft), f"the SFT output (set {key} to start elsewhere)"
+    elif cfg.model.path:
+        source, why = cfg.model.path, "model.path (no SFT output in run.dir)"
+    else:
+        raise ConfigError(f"no SFT model in {cfg.run.dir}/sft/model: run stage=sft first or set model.path "
+                          f"(or {key})")
+    log.info("%s: starting from %s (%s)", stage, source, why)
+    return source

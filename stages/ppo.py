@@ -35,7 +35,7 @@ from rlhf.rewards import resolve
 from rlhf.rl import experience, ptx
 from rlhf.rl.ema import EMA
 from rlhf.rl.update import Diverged, ppo_update
-from rlhf.runtime import check_writable, previous_output, resume, start_stage
+from rlhf.runtime import check_writable, previous_output, resume, stage_input, start_stage
 
 log = logging.getLogger("rlhf")
 
@@ -111,7 +111,7 @@ def run(cfg: Config) -> None:
     if start == 0:
         evaluate(0)
     skipped = 0
-    bar = progress(t.max_steps, start, cfg.logger.progress and mesh.is_main, "ppo")
+    bar = progress(t.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
     for step in range(start, t.max_steps):
         # ---- experience: generate in inference mode, then score in training mode ----
         t0 = time.perf_counter()
@@ -141,8 +141,7 @@ def run(cfg: Config) -> None:
         row.update({"kl/beta": kl_ctl.beta, **train_stats})
         if done % t.log_every == 0 or step == start or done == t.max_steps:
             metrics.log(done, **row)
-        bar.update(1)
-        bar.set_postfix(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
+        bar.step(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             evaluate(done)
         if t.save_every and done % t.save_every == 0:
@@ -168,9 +167,7 @@ def run(cfg: Config) -> None:
 def inputs(cfg: Config):
     """(actor source, reward-model dir or None): the SFT output (or model.path) and the reward stage's output."""
     p, alg = cfg.ppo, cfg.algorithm
-    actor_src = cfg.model.path or previous_output(cfg.run.dir, "sft", "model")
-    if actor_src is None:
-        raise ConfigError(f"no SFT model in {cfg.run.dir}/sft/model: run stage=sft first or set model.path")
+    actor_src = stage_input(cfg, p.actor_path, "ppo.actor_path", "ppo")
     needs_rm = p.use_reward_model or alg.estimator == "gae"  # GAE's critic starts as the reward model
     rm_src = previous_output(cfg.run.dir, "reward", "model") if needs_rm else None
     if needs_rm and rm_src is None:

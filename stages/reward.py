@@ -22,7 +22,7 @@ from rlhf.errors import ConfigError, DataError
 from rlhf.logging import progress
 from rlhf.models import loading
 from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
-from rlhf.runtime import check_writable, previous_output, rank_batches, require_batches, resume, start_stage
+from rlhf.runtime import check_writable, rank_batches, require_batches, resume, stage_input, start_stage
 
 log = logging.getLogger("rlhf")
 STATS_FILE = "reward_stats.json"
@@ -37,10 +37,7 @@ def run(cfg: Config) -> None:
     check_writable(cfg.run.dir)
 
     # ---- setup: everything is validated before anything is written ----
-    source = cfg.model.path or previous_output(cfg.run.dir, "sft", "model")
-    if source is None:
-        raise ConfigError(f"no SFT model in {cfg.run.dir}/sft/model: run stage=sft first or set model.path")
-    source = str(source)
+    source = stage_input(cfg, cfg.reward.model_path, "reward.model_path", "reward")
     loading.check_model_path(source)
     data = load_stage_data(d, "reward", cfg.run.seed)
     for e in data.train[:1] + data.eval[:1]:
@@ -93,7 +90,7 @@ def run(cfg: Config) -> None:
     log.info("reward: %d pairs (%s) from %s, %d steps of %d pairs", len(train_cols["chosen"]),
              data.description, source, t.max_steps, t.global_batch)
     engine.train()
-    bar = progress(t.max_steps, start, cfg.logger.progress and mesh.is_main, "reward")
+    bar = progress(t.max_steps, start, cfg.logger.progress, "reward", mesh.is_main)
     t0, seen = time.perf_counter(), 0
     for step in range(start, t.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
@@ -101,8 +98,7 @@ def run(cfg: Config) -> None:
         loss, acc, grad_norm = train_step(engine, mbs, cfg.reward.margin)
         seen += t.global_batch
         done = step + 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}")
+        bar.step(loss=f"{loss:.3f}", acc=f"{acc:.2f}")
         if done % t.log_every == 0 or step == start or done == t.max_steps:
             metrics.log(done, loss=loss, accuracy=acc, lr=lr, grad_norm=grad_norm,
                         samples_per_s=seen / max(time.perf_counter() - t0, 1e-9))

@@ -89,7 +89,7 @@ def run(cfg: Config) -> None:
              len(train_cols["ids"]), data.description, t.max_steps, t.global_batch, micro,
              t.global_batch // (micro * mesh.world_size))
     engine.train()
-    bar = progress(t.max_steps, start, cfg.logger.progress and mesh.is_main, "sft")
+    bar = progress(t.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     t0, seen = time.perf_counter(), 0
     for step in range(start, t.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
@@ -97,8 +97,7 @@ def run(cfg: Config) -> None:
         loss, grad_norm = train_step(engine, mbs)
         seen += t.global_batch
         done = step + 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.step(loss=f"{loss:.3f}")
         if done % t.log_every == 0 or step == start or done == t.max_steps:
             metrics.log(done, loss=loss, lr=lr, grad_norm=grad_norm,
                         samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),

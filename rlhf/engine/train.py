@@ -45,6 +45,7 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
     if ecfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not mesh.distributed:
+        _say_once_single_process(ecfg, mesh)
         return model.to(mesh.device)
     if ecfg.zero_stage == 0:
         if not mesh.is_main:
@@ -92,6 +93,21 @@ def autocast(mesh: Mesh, ecfg: EngineConfig, is_fsdp: bool):
     if precision_of(ecfg, mesh.device) == "bf16" and not is_fsdp:
         return torch.autocast(mesh.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+_SAID: set = set()
+
+
+def _say_once_single_process(ecfg: EngineConfig, mesh: Mesh) -> None:
+    """In one process there is nothing to shard: ZeRO stages and offload do not apply. Said once."""
+    if "single" in _SAID:
+        return
+    _SAID.add("single")
+    log.info("one process: the model trains unwrapped on %s (engine.zero_stage=%d applies from 2 processes on)",
+             mesh.device, ecfg.zero_stage)
+    if ecfg.offload != "none":
+        log.warning("engine.offload=%s is not applied in one process: it offloads the shards of a sharded "
+                    "model (run 2 or more processes to use it)", ecfg.offload)
 
 
 def param_groups(model: nn.Module, weight_decay: float):

@@ -83,3 +83,21 @@ def test_reward_resume_after_checkpoint(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     again = run_cli(*args)
     assert again.returncode == 0 and "resumed from" in again.stderr
+
+
+def test_later_stages_start_from_the_previous_output(tmp_path):
+    """model.path is the SFT stage's input: run_all.sh passes it to every stage, and the reward stage
+    must still start from the SFT output (reward.model_path chooses another start explicitly)."""
+    base, run = tmp_path / "base", tmp_path / "run"
+    assert run_cli(*quick_sft_args(base, steps=2), "train.save_every=0").returncode == 0
+    user_model = base / "sft" / "model"
+    proc = run_cli(*quick_sft_args(run, steps=2), f"model.path={user_model}", "train.save_every=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = ["stage=reward", f"run.dir={run}", f"model.path={user_model}", "train.max_steps=1", "train.save_every=0",
+            "logger.progress=false", "train.global_batch=16", "data.synthetic.num_records=500"]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"reward: starting from {run / 'sft' / 'model'} (the SFT output" in proc.stderr
+    proc = run_cli(*args, f"reward.model_path={user_model}", "run.resume=false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"reward: starting from {user_model} (reward.model_path)" in proc.stderr
