@@ -8,7 +8,7 @@ starts; a bad value raises ``ConfigError`` (exit code 2) naming the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from rlhf.errors import ConfigError
 
@@ -25,11 +25,15 @@ def _check(cond: bool, key: str, value, expected: str) -> None:
 class RunConfig:
     dir: str = "runs/default"
     seed: int = 1234
-    resume: bool = True  # rerunning a stage continues from its newest checkpoint
+    # true: a rerun continues from the stage's newest checkpoint (if its model, tokenizer, data and
+    # lengths match; else exit 2); false: start over; a path: resume from that step_<N> checkpoint
+    resume: Any = True
     cache_dir: Optional[str] = None  # tokenized-data cache; default <run.dir>/cache
 
     def __post_init__(self):
         _check(bool(self.dir), "run.dir", self.dir, "a directory path")
+        _check(isinstance(self.resume, bool) or (isinstance(self.resume, str) and bool(self.resume)), "run.resume",
+               self.resume, "true, false or a checkpoint directory")
 
 
 @dataclass

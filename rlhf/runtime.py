@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -24,6 +24,8 @@ class StageContext:
     mesh: Mesh
     out: Path  # <run.dir>/<stage>
     cache_dir: Path
+    # what a checkpoint must have been written with to be resumed (run_fingerprint); saved with each
+    fingerprint: dict = field(default_factory=dict)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -47,11 +49,65 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
     return StageContext(cfg=cfg, mesh=mesh, out=run_dir / stage, cache_dir=cache)
 
 
+def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
+    """``run.resume``: true = the newest complete checkpoint of the stage (if any), false = none, or a
+    path: that checkpoint (a ``step_<N>`` directory, absolute or inside <stage>/checkpoints/)."""
+    from rlhf.engine.checkpoint import STATE_FILE, latest_checkpoint
+    from rlhf.errors import ConfigError
+    choice = ctx.cfg.run.resume
+    if choice is True or choice is None:
+        return latest_checkpoint(ctx.ckpt_dir)
+    if choice is False:
+        return None
+    path = Path(str(choice))
+    if not path.is_absolute() and not path.exists():
+        path = ctx.ckpt_dir / path
+    if not (path / STATE_FILE).is_file():
+        raise ConfigError(f"run.resume={choice}: not a complete checkpoint (no {STATE_FILE} in {path}); "
+                          f"the stage's checkpoints are in {ctx.ckpt_dir}")
+    return path
+
+
+def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config) -> dict:
+    """What a run's checkpoints depend on: the model's architecture, the tokenizer, the data and the
+    lengths (a short digest of each, and the data's description, for the message on a mismatch)."""
+    import hashlib
+    import json
+
+    def digest(obj) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+    arch = {k: v for k, v in model_config.to_dict().items()
+            if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")}
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return {"model": digest(arch), "tokenizer": digest(sorted(vocab.items())), "data": data_description,
+            "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}"}
+
+
+def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
+    """Exit 2 with one line when ``ckpt`` was written by another setup, or is past train.max_steps."""
+    from rlhf.errors import ConfigError
+    how = "rerun with run.resume=false to start over (or use another run.dir)"
+    saved = state.get("fingerprint") or {}
+    for key, now in ctx.fingerprint.items():
+        before = saved.get(key)
+        if before is not None and before != now:
+            raise ConfigError(f"{ckpt} was written with another {key} ({before} → now {now}): {how}")
+    if state.get("step", 0) > ctx.cfg.train.max_steps:
+        raise ConfigError(f"{ckpt} is at step {state['step']}, past train.max_steps={ctx.cfg.train.max_steps}: "
+                          f"raise train.max_steps to continue it, or {how}")
+
+
 def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
-    """Restores ``engines`` from ``ckpt`` (if any) and opens the stage's metrics.jsonl, keeping only
-    the lines up to the checkpoint. Returns (start step, trainer state, metrics writer)."""
-    from rlhf.engine.checkpoint import load_checkpoint
+    """Restores ``engines`` from ``ckpt`` (if any, after ``check_resumable``) and opens the stage's
+    metrics.jsonl, keeping only the lines up to the checkpoint. Returns (start step, trainer state,
+    metrics writer)."""
+    import json
+
+    from rlhf.engine.checkpoint import STATE_FILE, load_checkpoint
     from rlhf.logging import MetricsWriter
+    if ckpt is not None:
+        check_resumable(ctx, ckpt, json.loads((ckpt / STATE_FILE).read_text()))
     state = load_checkpoint(ckpt, engines, ctx.mesh) if ckpt is not None else {}
     start = state.get("step", 0)
     if ckpt is not None:

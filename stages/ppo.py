@@ -20,7 +20,7 @@ from rlhf.algorithms import ppo as A
 from rlhf.config import Config
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
-from rlhf.engine.checkpoint import export_hf, latest_checkpoint, save_checkpoint
+from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import FrozenModel, TrainEngine
@@ -35,7 +35,8 @@ from rlhf.rewards import resolve
 from rlhf.rl import experience, ptx
 from rlhf.rl.ema import EMA
 from rlhf.rl.update import Diverged, ppo_update
-from rlhf.runtime import check_writable, previous_output, resume, stage_input, start_stage
+from rlhf.runtime import (
+    check_writable, checkpoint_to_resume, previous_output, resume, run_fingerprint, stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -83,7 +84,9 @@ def run(cfg: Config) -> None:
     kl_ctl = A.AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
 
-    ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
+    ckpt = checkpoint_to_resume(ctx)
+    # what a checkpoint must have been written with to be resumed (rank 0's view of it)
+    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(actor.module.config, tokenizer, data.description, cfg))
     start, state, metrics = resume(ctx, engines, ckpt)
     if ckpt is not None:
         kl_ctl.load_state_dict(state["kl"])
@@ -125,10 +128,11 @@ def run(cfg: Config) -> None:
         # ---- updates: PPO epochs over minibatches in training mode ----
         ptx_term = (lambda update, rows: ptx.loss(actor, ptx_data, update, rows, cfg.run.seed, tokenizer, mesh)
                     ) if ptx_data is not None else None
+        shuffle = torch.Generator(device="cpu").manual_seed(cfg.run.seed + 31 * step)  # minibatch order
         try:
             train_stats, skipped = ppo_update(
-                exp, actor, critic, alg, p, kl_ctl.beta, torch.Generator(device="cpu").manual_seed(cfg.run.seed + 31 * step),
-                mesh, ptx_loss=ptx_term, first_update=step * updates_per_step, skipped_in_a_row=skipped,
+                exp, actor, critic, alg, p, kl_ctl.beta, shuffle, mesh, ptx_loss=ptx_term,
+                first_update=step * updates_per_step, skipped_in_a_row=skipped,
                 on_epoch_end=ema.update if ema is not None else None)
         except Diverged as e:
             raise UserError(f"ppo: {e} at step {step + 1}; stopping (the last good checkpoint is kept)") from None
@@ -145,7 +149,8 @@ def run(cfg: Config) -> None:
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             evaluate(done)
         if t.save_every and done % t.save_every == 0:
-            path = save_checkpoint(ctx.ckpt_dir, done, engines, {"stage": "ppo", "kl": kl_ctl.state_dict(),
+            path = save_checkpoint(ctx.ckpt_dir, done, engines, {"stage": "ppo", "fingerprint": ctx.fingerprint,
+                                                                 "kl": kl_ctl.state_dict(),
                                                                  "running": scorers.running.state_dict()},
                                    mesh, keep=t.keep_checkpoints)
             if ema is not None:

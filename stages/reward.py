@@ -15,14 +15,16 @@ from rlhf.config import Config
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
-from rlhf.engine.checkpoint import export_hf, latest_checkpoint, save_checkpoint
+from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError, DataError
 from rlhf.logging import progress
 from rlhf.models import loading
 from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
-from rlhf.runtime import check_writable, rank_batches, require_batches, resume, stage_input, start_stage
+from rlhf.runtime import (
+    check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
+    stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
 STATS_FILE = "reward_stats.json"
@@ -69,7 +71,9 @@ def run(cfg: Config) -> None:
         model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True,
                                     trust_remote_code=cfg.model.trust_remote_code)
     engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, t)
-    ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
+    ckpt = checkpoint_to_resume(ctx)
+    # what a checkpoint must have been written with to be resumed (rank 0's view of it)
+    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model_cfg, tokenizer, data.description, cfg))
     start, _, metrics = resume(ctx, {"reward": engine}, ckpt)
 
     micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
@@ -106,7 +110,8 @@ def run(cfg: Config) -> None:
             evaluate(done)
             engine.train()
         if t.save_every and done % t.save_every == 0:
-            save_checkpoint(ctx.ckpt_dir, done, {"reward": engine}, {"stage": "reward"}, mesh,
+            save_checkpoint(ctx.ckpt_dir, done, {"reward": engine},
+                            {"stage": "reward", "fingerprint": ctx.fingerprint}, mesh,
                             keep=t.keep_checkpoints)
     bar.close()
 
@@ -157,7 +162,8 @@ def evaluate_pairs(engine, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
             if not ix:
                 continue
             c, r = c.double().cpu(), r.double().cpu()
-            sums += torch.stack([torch.tensor(float(len(ix)), dtype=torch.float64, device="cpu"), (c > r).sum().double(),
+            n = torch.tensor(float(len(ix)), dtype=torch.float64, device="cpu")
+            sums += torch.stack([n, (c > r).sum().double(),
                                  pairwise_loss(c, r, margin).sum().double(), c.sum(), r.sum(),
                                  (c * c).sum() + (r * r).sum()])
     sums = mesh.all_reduce(sums.to(mesh.device)).cpu()

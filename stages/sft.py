@@ -15,14 +15,16 @@ from rlhf.data import synthetic
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
-from rlhf.engine.checkpoint import export_hf, latest_checkpoint, save_checkpoint
+from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.evaluation import gold_score
 from rlhf.logging import progress
 from rlhf.models import loading
-from rlhf.runtime import check_writable, rank_batches, require_batches, resume, start_stage, text_corpus
+from rlhf.runtime import (
+    check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
+    start_stage, text_corpus)
 
 log = logging.getLogger("rlhf")
 
@@ -39,7 +41,7 @@ def run(cfg: Config) -> None:
         loading.check_model_path(cfg.model.path)
     data = load_stage_data(d, "sft", cfg.run.seed)
     require_batches(len(data.train), t.global_batch, f"data ({data.description})")
-    ckpt = latest_checkpoint(ctx.ckpt_dir) if cfg.run.resume else None
+    ckpt = checkpoint_to_resume(ctx)
     if cfg.model.path:
         tokenizer = loading.load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         model_cfg = loading.load_config(cfg.model.path, cfg.model.trust_remote_code)
@@ -64,6 +66,8 @@ def run(cfg: Config) -> None:
         loading.resize_for_tokenizer(model, tokenizer)
     engine = TrainEngine(model, mesh, cfg.engine, t)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
+    # what a checkpoint must have been written with to be resumed (rank 0's view of it)
+    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model.config, tokenizer, data.description, cfg))
     start, _, metrics = resume(ctx, {"actor": engine}, ckpt)
 
     micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
@@ -139,7 +143,8 @@ def train_step(engine, micro_batches) -> tuple[float, float]:
 
 
 def save(ctx, engine, tokenizer, step, mesh, keep):
-    path = save_checkpoint(ctx.ckpt_dir, step, {"actor": engine}, {"stage": "sft"}, mesh, keep=keep)
+    path = save_checkpoint(ctx.ckpt_dir, step, {"actor": engine}, {"stage": "sft", "fingerprint": ctx.fingerprint},
+                           mesh, keep=keep)
     if mesh.is_main and not (path / "tokenizer").exists():
         tokenizer.save_pretrained(path / "tokenizer")
 

@@ -7,16 +7,21 @@ PAD, BOS, EOS = 0, 1, 2
 
 
 def tiny_config(family: str, vocab: int = 97, hidden: int = 64, layers: int = 2, heads: int = 4, kv: int = 2,
-                intermediate: int = 128):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+                intermediate: int = 128, **kw):
+    """``kw``: further config fields (biases, windows, RoPE scaling...)."""
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+           "phi3": Phi3Config}[family]
+    extra = {"head_dim": hidden // heads} if family == "qwen3" else {}  # Qwen3Config's default is 128
     return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
                pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=family == "llama",
-               rms_norm_eps=1e-5)
+               rms_norm_eps=1e-5, **extra, **kw)
 
 
-def tiny_model(family: str, seed: int = 0, **kw):
+def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
+    """``perturb``: random biases and q/k norm weights (HF initialises them to 0 and 1, where a dropped
+    bias or a misplaced norm weight would change nothing)."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(tiny_config(family, **kw))
@@ -24,6 +29,12 @@ def tiny_model(family: str, seed: int = 0, **kw):
         for p in m.parameters():
             if p.ndim == 2:
                 p.mul_(3.0)
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in m.named_parameters() if perturb else ():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.3)
     return m.eval()
 
 

@@ -79,6 +79,7 @@ class InferenceModel:
         self.p, self.tp, self.tp_group, self.dtype = policy, tp, tp_group, dtype
         self.hq, self.hk = policy.num_heads // tp, policy.num_kv_heads // tp
         self.d = policy.head_dim
+        self.windows = tuple(policy.window(i) for i in range(len(self.layers)))  # per layer, None = full
         self.cache: Optional[torch.Tensor] = None
         self._kv: List[torch.Tensor] = []  # per-layer views of the cache
         self._drop_packs()
@@ -139,28 +140,34 @@ class InferenceModel:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
-    def attention_bias(self, key_valid: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def attention_bias(self, key_valid: torch.Tensor, start: int, end: int,
+                       window: Optional[int] = None) -> torch.Tensor:
         """Additive mask [B, 1, T, end] (0 = attend, -inf = not) for queries at cache slots [start, end):
-        causal, the sliding window if any, keys where ``key_valid`` [B, >=end] (bool); a query on
+        causal, the sliding ``window`` if any, keys where ``key_valid`` [B, >=end] (bool); a query on
         left padding attends to itself (so that no NaN can reach a value vector)."""
         q_idx = torch.arange(start, end, device=key_valid.device)[:, None]
         k_idx = torch.arange(end, device=key_valid.device)[None, :]
         allowed = k_idx <= q_idx
-        if self.p.sliding_window:
-            allowed = allowed & (q_idx - k_idx < self.p.sliding_window)
+        if window:
+            allowed = allowed & (q_idx - k_idx < window)
         mask = (allowed[None, None] & key_valid[:, None, None, :end]) | (q_idx == k_idx)[None, None]
         return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [B, T, V] of ``ids`` [B, T] at cache slots [start, start+T); ``key_valid`` [B, >=start+T]."""
         rot = rotary_cos_sin(self.root["inv_freq"], positions, float(self.root["rope_scaling"]), self.dtype)
-        return self._forward(ids, rot, self.attention_bias(key_valid, start, start + ids.shape[1]), start)
+        return self._forward(ids, rot, self._masks(key_valid, start, start + ids.shape[1]), start)
 
-    def _forward(self, ids: torch.Tensor, rot: torch.Tensor, mask: Optional[torch.Tensor], start: int,
-                 last_only: bool = False) -> torch.Tensor:
-        """``rot`` [B, T, d/2] complex rotations; ``mask`` additive [B, 1, T, start+T] (None: causal, from
-        slot 0, no padding); ``last_only``:
-        logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden] between GEMMs."""
+    def _masks(self, key_valid: torch.Tensor, start: int, end: int) -> Dict[Optional[int], torch.Tensor]:
+        """``attention_bias`` for each window the layers use (None: full attention)."""
+        return {w: self.attention_bias(key_valid, start, end, w) for w in set(self.windows)}
+
+    def _forward(self, ids: torch.Tensor, rot: torch.Tensor, masks: Optional[Dict[Optional[int], torch.Tensor]],
+                 start: int, last_only: bool = False) -> torch.Tensor:
+        """``rot`` [B, T, r/2] complex rotations (r = the rotated dimensions of a head); ``masks`` additive
+        [B, 1, T, start+T] per layer window (None: causal, from slot 0, no padding, no window);
+        ``last_only``: logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden]
+        between GEMMs. A row-parallel output's bias (``bo``, ``b_down``) is on TP rank 0 only."""
         B, T = ids.shape
         end = start + T
         hq, hk, d, eps, lin = self.hq, self.hk, self.d, self.p.eps, self._linear
@@ -170,16 +177,20 @@ class InferenceModel:
             rw = self._rw[li]
             h = rms_norm(x, w["ln1"], eps)
             qkv = lin(h, w, rw, "wqkv", w.get("bqkv"))
-            apply_rotary_(qkv[:, :(hq + hk) * d], rot)  # q and k heads in one op, in place
+            if "qk_norm" in w:  # RMSNorm of each q and k head (Qwen3), in place, before the rotation
+                qk = qkv[:, :(hq + hk) * d].unflatten(-1, (hq + hk, d))
+                qk.copy_(F.rms_norm(qk, (d,), eps=eps).mul_(w["qk_norm"]))  # HF: weight · norm(x)
+            apply_rotary_(qkv[:, :(hq + hk) * d], rot, d)  # q and k heads in one op, in place
             kv = self._kv[li]
             kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
             k = kv[:, :end, :hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
             v = kv[:, :end, hk * d:].unflatten(-1, (hk, d)).transpose(1, 2)
+            mask = None if masks is None else masks[self.windows[li]]
             a = attend(qkv[:, :hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
-            x.add_(self._all_reduce(lin(a.transpose(1, 2).reshape(B * T, hq * d), w, rw, "wo")))
+            x.add_(self._all_reduce(lin(a.transpose(1, 2).reshape(B * T, hq * d), w, rw, "wo", w.get("bo"))))
             h = rms_norm(x, w["ln2"], eps)
-            gate, up = lin(h, w, rw, "w_gate_up").chunk(2, dim=-1)
-            x.add_(self._all_reduce(lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down")))
+            gate, up = lin(h, w, rw, "w_gate_up", w.get("b_gate_up")).chunk(2, dim=-1)
+            x.add_(self._all_reduce(lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down", w.get("b_down"))))
         if last_only:
             x, T = x.view(B, T, -1)[:, -1], 1
         x = rms_norm(x, self.root["norm"], eps)
@@ -212,7 +223,7 @@ class InferenceModel:
         # additive key mask over the cache slots, kept up to date in place: 0 = a token, -inf = padding / empty
         bias = torch.full((B, P + N), float("-inf"), dtype=self.dtype, device=device)
         bias[:, :P].masked_fill_(pmask.bool(), 0.0)
-        window = self.p.sliding_window
+        windows = set(self.windows)
         positions = (pmask.cumsum(-1) - 1).clamp(min=0)
         out_tokens = torch.full((B, N), pad_id, dtype=torch.long, device=device)
         out_logp = torch.zeros((B, N), dtype=torch.float32, device=device)
@@ -220,8 +231,8 @@ class InferenceModel:
         next_pos = positions[:, -1] + 1
         # On CUDA, unpadded prompts need no mask (causal SDPA, the flash kernel); the CPU keeps the
         # reference path
-        plain = device.type == "cuda" and not window and bool(pmask.all())
-        logits = self._forward(ids, rot_table[positions], None if plain else self.attention_bias(pmask.bool(), 0, P),
+        plain = device.type == "cuda" and not any(windows) and bool(pmask.all())
+        logits = self._forward(ids, rot_table[positions], None if plain else self._masks(pmask.bool(), 0, P),
                                0, last_only=True)[:, -1]
         for t in range(N):
             ban = eos_id if t < sp.min_new_tokens else None
@@ -243,11 +254,14 @@ class InferenceModel:
                     break
             end = P + t + 1
             bias[:, end - 1] = 0.0
-            mask = bias[:, None, None, :end]
-            if window and end > window:  # keys at or before slot end-1-window are out of the window
-                mask = mask.clone()
-                mask[..., :end - window] = float("-inf")
-            logits = self._forward(tok[:, None], rot_table[next_pos][:, None], mask, end - 1)[:, -1]
+            full = bias[:, None, None, :end]
+            masks = {}
+            for window in windows:
+                masks[window] = full
+                if window and end > window:  # keys at or before slot end-1-window are out of the window
+                    masks[window] = full.clone()
+                    masks[window][..., :end - window] = float("-inf")
+            logits = self._forward(tok[:, None], rot_table[next_pos][:, None], masks, end - 1)[:, -1]
             next_pos += 1
         return out_tokens, out_logp
 

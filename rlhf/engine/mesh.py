@@ -1,7 +1,8 @@
 """Ranks, device, process groups and device meshes: one validated object.
 
-cuda + nccl when there is a GPU for every process of the node (``engine.device``), else cpu + gloo. A single process (no torchrun) runs without
-a process group at all; every collective helper here is then the identity.
+cuda + nccl when there is a GPU for every process of the node (``engine.device``), else cpu + gloo.
+A single process (no torchrun) runs without a process group at all; every collective helper here is
+then the identity.
 """
 from __future__ import annotations
 

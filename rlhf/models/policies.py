@@ -2,21 +2,25 @@
 tensor-parallel plan that slices them (Megatron-style: attention heads and MLP columns split over
 the TP ranks; the output projections split by rows, followed by one all-reduce each).
 
-Llama, Qwen2 and Mistral share module names (q/k/v/o_proj, gate/up/down_proj, two RMSNorms); they
-differ in QKV biases (Qwen2) and sliding windows (Mistral). Anything the inference modules do not
-reproduce exactly (other activations, dynamic RoPE, MLP biases) has no policy: the caller falls
-back to HF generate with a warning, never to wrong output.
+Llama, Qwen2, Qwen3 and Mistral share module names (q/k/v/o_proj, gate/up/down_proj, two RMSNorms);
+Phi-3 fuses them in its HF layout (qkv_proj rows = [q; k; v], gate_up_proj rows = [gate; up]). They
+differ in biases (Qwen2: q/k/v; Qwen3 and Llama: q/k/v/o with ``attention_bias``; Llama: MLP with
+``mlp_bias``), q/k RMSNorm per head before the rotation (Qwen3), partial rotary (Phi-3), and sliding
+windows (Mistral and Phi-3: every layer; Qwen2/Qwen3: the layers ``layer_types`` names). Each rule
+below is the HF modeling code's. Anything the inference modules do not reproduce exactly (other
+activations, dynamic or LongRoPE frequencies, other layer types, MoE) has no policy: the caller
+falls back to HF generate with the one-line reason, never to wrong output.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from rlhf.ops.rotary import interleave_permutation
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at init
 
 
@@ -30,8 +34,19 @@ class Policy:
     intermediate_size: int
     eps: float
     qkv_bias: bool
-    sliding_window: Optional[int]
+    sliding_window: Optional[int]  # the window of the layers that slide (None: no layer does)
     tie_word_embeddings: bool
+    layer_windows: Tuple[Optional[int], ...] = ()  # per layer: its window, or None (full attention)
+    rotary_dim: int = 0  # dimensions of a head that rotate (the first ones); 0 = head_dim
+    qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
+    o_bias: bool = False  # bias of the attention output projection
+    mlp_bias: bool = False  # biases of gate/up/down
+
+    def __post_init__(self):
+        self.rotary_dim = self.rotary_dim or self.head_dim
+
+    def window(self, layer: int) -> Optional[int]:
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     def check_tp(self, tp: int) -> Optional[str]:
         """Why ``tp`` cannot slice this model, or None."""
@@ -49,34 +64,102 @@ class Policy:
         qs, ks = slice(tp_rank * hq * d, (tp_rank + 1) * hq * d), slice(tp_rank * hk * d, (tp_rank + 1) * hk * d)
         i = self.intermediate_size // tp
         ms = slice(tp_rank * i, (tp_rank + 1) * i)
+        (q, k, v), (gate, up) = self._qkv(a, "weight"), self._gate_up(m, "weight")
         w = {
-            "wqkv": torch.cat([self._interleave(a.q_proj.weight[qs]), self._interleave(a.k_proj.weight[ks]),
-                               a.v_proj.weight[ks]]),
+            "wqkv": torch.cat([self._interleave(q[qs]), self._interleave(k[ks]), v[ks]]),
             "wo": a.o_proj.weight[:, qs].clone(memory_format=torch.contiguous_format),
-            "w_gate_up": torch.cat([m.gate_proj.weight[ms], m.up_proj.weight[ms]]),
+            "w_gate_up": torch.cat([gate[ms], up[ms]]),
             "w_down": m.down_proj.weight[:, ms].clone(memory_format=torch.contiguous_format),
             "ln1": layer.input_layernorm.weight.detach().clone(),
             "ln2": layer.post_attention_layernorm.weight.detach().clone(),
         }
         if self.qkv_bias:
-            w["bqkv"] = torch.cat([self._interleave(a.q_proj.bias[qs]), self._interleave(a.k_proj.bias[ks]),
-                                   a.v_proj.bias[ks]])
+            q, k, v = self._qkv(a, "bias")
+            w["bqkv"] = torch.cat([self._interleave(q[qs]), self._interleave(k[ks]), v[ks]])
+        # a row-parallel output's bias is added once: by TP rank 0, before the all-reduce
+        if self.o_bias and tp_rank == 0:
+            w["bo"] = a.o_proj.bias.detach().clone()
+        if self.mlp_bias:
+            gate, up = self._gate_up(m, "bias")
+            w["b_gate_up"] = torch.cat([gate[ms], up[ms]])
+            if tp_rank == 0:
+                w["b_down"] = m.down_proj.bias.detach().clone()
+        if self.qk_norm:  # one weight row per q and k head of this rank, in the interleaved layout
+            perm = self._perm(a.q_norm.weight.device)
+            w["qk_norm"] = torch.cat([a.q_norm.weight[perm].expand(hq, d), a.k_norm.weight[perm].expand(hk, d)])
         return {k: v.detach() for k, v in w.items()}
+
+    def _qkv(self, attn, what: str):
+        """(q, k, v) rows of the attention input projections' ``weight`` or ``bias`` (full tensors)."""
+        if self.family == "phi3":  # one fused projection, rows [q; k; v]
+            t = getattr(attn.qkv_proj, what)
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return t[:nq], t[nq:nq + nk], t[nq + nk:]
+        return getattr(attn.q_proj, what), getattr(attn.k_proj, what), getattr(attn.v_proj, what)
+
+    def _gate_up(self, mlp, what: str):
+        if self.family == "phi3":  # rows [gate; up] (HF: gate, up = gate_up_proj(x).chunk(2))
+            t = getattr(mlp.gate_up_proj, what)
+            return t[:self.intermediate_size], t[self.intermediate_size:]
+        return getattr(mlp.gate_proj, what), getattr(mlp.up_proj, what)
+
+    def _perm(self, device) -> torch.Tensor:
+        """Per head: the rotated dimensions interleaved (rlhf.ops.rotary), the rest where they were."""
+        r = self.rotary_dim
+        return torch.cat([interleave_permutation(r, device), torch.arange(r, self.head_dim, device=device)])
 
     def _interleave(self, w: torch.Tensor) -> torch.Tensor:
         """Rows of a q/k projection (per head) into the rotary-interleaved layout (rlhf.ops.rotary)."""
         d = self.head_dim
-        perm = interleave_permutation(d, w.device)
-        return w.reshape(-1, d, *w.shape[1:])[:, perm].reshape(w.shape)
+        return w.reshape(-1, d, *w.shape[1:])[:, self._perm(w.device)].reshape(w.shape)
 
     def root_weights(self, model) -> Dict[str, torch.Tensor]:
         base = model.model
         embed = base.embed_tokens.weight.detach().clone()
         head = embed if self.tie_word_embeddings else model.lm_head.weight.detach().clone()
         rot = base.rotary_emb
+        if 2 * rot.inv_freq.numel() != self.rotary_dim:
+            raise ValueError(f"{self.family}: the rotary embedding has {2 * rot.inv_freq.numel()} dimensions, "
+                             f"the policy expects {self.rotary_dim}")
         return {"embed": embed, "norm": base.norm.weight.detach().clone(), "lm_head": head,
                 "inv_freq": rot.inv_freq.detach().clone().float(),
                 "rope_scaling": torch.tensor(float(getattr(rot, "attention_scaling", 1.0)), device="cpu")}
+
+
+def _rope(config) -> Tuple[str, float]:
+    """(RoPE type, partial rotary factor) as the HF rotary embedding reads them."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return "default", 1.0
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return rope_type, 1.0 if factor is None else float(factor)
+
+
+def _layer_windows(config, family: str) -> Tuple[Optional[Tuple[Optional[int], ...]], str]:
+    """Each layer's sliding window (None: full attention), as the family's HF model masks it."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if family in ("mistral", "phi3"):  # HF: one mask for every layer, windowed when sliding_window is set
+        return (window,) * n, ""
+    if family in ("qwen2", "qwen3"):  # HF: layer i's mask is config.layer_types[i]'s
+        # (sliding_window is None unless use_sliding_window; the rule below is the config's own
+        # default for layer_types)
+        types = getattr(config, "layer_types", None) or [
+            "sliding_attention" if window is not None and i >= config.max_window_layers else "full_attention"
+            for i in range(n)]
+        out = []
+        for t in types:
+            if t == "full_attention":
+                out.append(None)
+            elif t == "sliding_attention" and window:
+                out.append(window)
+            elif t == "sliding_attention":
+                return None, "layer_types names sliding layers but sliding_window is not set (use_sliding_window)"
+            else:
+                return None, f"layer type '{t}' is not supported by the inference modules"
+        return tuple(out), ""
+    return (None,) * n, ""  # Llama: no sliding window
 
 
 def policy_for(config) -> tuple[Optional[Policy], str]:
@@ -86,18 +169,22 @@ def policy_for(config) -> tuple[Optional[Policy], str]:
         return None, f"model family '{family}' has no injection policy (supported: {', '.join(FAMILIES)})"
     if getattr(config, "hidden_act", "silu") != "silu":
         return None, f"activation {config.hidden_act} is not supported by the inference modules"
-    if getattr(config, "mlp_bias", False):
-        return None, "MLP biases are not supported by the inference modules"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    rope_type, partial = _rope(config)
     if rope_type not in STATIC_ROPE:
         return None, f"RoPE type '{rope_type}' is not supported by the inference modules"
     heads = config.num_attention_heads
-    qkv_bias = family == "qwen2" or bool(getattr(config, "attention_bias", False))
-    window = getattr(config, "sliding_window", None) if family == "mistral" or getattr(
-        config, "use_sliding_window", False) else None
-    return Policy(family=family, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", heads),
-                  head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                  hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                  eps=config.rms_norm_eps, qkv_bias=qkv_bias, sliding_window=window,
-                  tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False))), ""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if partial != 1.0 and family != "phi3":  # HF's other families rotate whole heads
+        return None, f"partial rotary (partial_rotary_factor={partial}) is not supported for {family}"
+    windows, why = _layer_windows(config, family)
+    if windows is None:
+        return None, why
+    attention_bias = bool(getattr(config, "attention_bias", False)) and family in ("llama", "qwen3")
+    slides = [w for w in windows if w]
+    return Policy(family=family, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                  head_dim=head_dim, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                  eps=config.rms_norm_eps, qkv_bias=family == "qwen2" or attention_bias,
+                  sliding_window=slides[0] if slides else None,
+                  tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                  layer_windows=windows, rotary_dim=int(head_dim * partial), qk_norm=family == "qwen3",
+                  o_bias=attention_bias, mlp_bias=family == "llama" and bool(getattr(config, "mlp_bias", False))), ""

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ENV, ROOT, quick_sft_args, run_cli
+from tests.conftest import ENV, ROOT, quick_sft_args, run_cli, tree_digest
 
 
 def read_metrics(path):
@@ -87,3 +87,25 @@ def test_wandb_offline_logging(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs, "wandb wrote no offline run folder"
+
+
+def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):
+    """A rerun with other lengths, another model or fewer steps than the checkpoint's stops with one
+    line saying what differs and how to start over; run.resume=<step dir> resumes from that step."""
+    args = [*quick_sft_args(tmp_path, steps=4), "train.save_every=2", "train.keep_checkpoints=3"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = tree_digest(tmp_path / "sft")
+    for extra, fragment in ((["data.max_response_len=32"], "another lengths"),
+                            (["model.hidden_size=64"], "another model"),
+                            (["train.max_steps=3"], "past train.max_steps=3")):
+        proc = run_cli(*args, *extra)
+        assert proc.returncode == 2, (extra, proc.stderr[-2000:])
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
+        assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert tree_digest(tmp_path / "sft") == before  # nothing of the earlier run was touched
+    chosen = tmp_path / "sft" / "checkpoints" / "step_00000002"
+    proc = run_cli(*args, "run.resume=step_00000002")
+    assert proc.returncode == 0 and f"resumed from {chosen} (step 2)" in proc.stderr, proc.stderr[-2000:]
+    proc = run_cli(*args, "run.resume=step_00000099")
+    assert proc.returncode == 2 and "run.resume=step_00000099: not a complete checkpoint" in proc.stderr
