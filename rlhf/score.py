@@ -1,10 +1,14 @@
 """Score (prompt, response) pairs with a saved reward model.
 
-    python -m rlhf.score RUN_DIR/reward/model --prompt "Q: What is 03 + 45?\\nA:" --response " The answer is 48."
-    python -m rlhf.score RUN_DIR/reward/model --jsonl pairs.jsonl      # fields prompt, response
+    python -m rlhf.score RUN_DIR/reward/model --prompt $'Q: What is 03 + 45?\\nA:' --response " The answer is 48."
+    python -m rlhf.score RUN_DIR/reward/model --jsonl responses.jsonl   # fields prompt, response
+    python -m rlhf.score RUN_DIR/reward/model --jsonl pairs.jsonl       # prompt/chosen/rejected, or hh pairs
 
-Prints one JSON object per pair: {"score": float, "normalized": float}. ``normalized`` uses the
-mean/std of held-out scores saved by the reward stage (reward_stats.json).
+Prints one JSON object per response: {"score": float, "normalized": float}; for preference pairs one
+per pair ({"chosen": float, "rejected": float, "correct": bool}) and then {"pairs": n, "accuracy": a}.
+``normalized`` uses the mean/std of held-out scores saved by the reward stage (reward_stats.json).
+A prompt needs its real newlines: in bash write $'...\\n...' (in plain double quotes \\n stays a
+backslash and an n, which the model never saw). Runs on the GPU when there is one (--device).
 """
 from __future__ import annotations
 
@@ -64,32 +68,76 @@ class RewardScorer:
         return (scores - self.stats["mean"]) / max(self.stats["std"], 1e-8)
 
 
+def check_reward_model(model_dir: str) -> None:
+    """Exit 2 (ConfigError) unless ``model_dir`` is a saved reward model: a directory with config.json
+    whose architecture is a sequence classifier with one label."""
+    from rlhf.errors import ConfigError
+    p = Path(model_dir)
+    if not p.is_dir():
+        raise ConfigError(f"{model_dir}: no such directory (pass RUN_DIR/reward/model)")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (not a saved model; pass RUN_DIR/reward/model)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{cfg_file}: not JSON ({e})") from None
+    archs = cfg.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs) or cfg.get("num_labels", 1) != 1:
+        raise ConfigError(f"{model_dir}: not a reward model ({', '.join(archs) or 'no architecture'}, not a "
+                          f"one-label sequence classifier); pass RUN_DIR/reward/model")
+
+
+def read_records(path: str):
+    """(kind, examples): 'pairs' when the records hold chosen/rejected (prompt_chosen_rejected, or hh
+    dialogues), else 'responses' (prompt, response)."""
+    from rlhf.data.records import data_files, iter_raw_records, read_examples
+    files = data_files(path)
+    first = next(iter(iter_raw_records(files[0])), None) if files else None
+    fields = set(first[0]) if first is not None and isinstance(first[0], dict) else set()
+    if {"chosen", "rejected"} <= fields:
+        fmt = "prompt_chosen_rejected" if "prompt" in fields else "hh"
+        return "pairs", read_examples(path, fmt)[0]
+    return "responses", read_examples(path, "prompt_response")[0]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlhf.score", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir")
     ap.add_argument("--prompt")
     ap.add_argument("--response")
-    ap.add_argument("--jsonl", help="a file of {prompt, response} records")
+    ap.add_argument("--jsonl", help="a file of {prompt, response} records, or of preference pairs")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="where the model runs (auto: the GPU when there is one, as engine.device)")
     args = ap.parse_args(argv)
     from rlhf.errors import UserError, one_line
     try:
+        kind = "responses"
         if args.jsonl:
-            from rlhf.data.records import read_examples
-            exs, _ = read_examples(args.jsonl, "prompt_response")
-            prompts, responses = [e.prompt for e in exs], [e.response for e in exs]
+            kind, exs = read_records(args.jsonl)
         elif args.prompt is not None and args.response is not None:
-            prompts, responses = [args.prompt], [args.response]
+            exs = None
         else:
             ap.error("give --prompt and --response, or --jsonl")
+        check_reward_model(args.model_dir)
         from rlhf.engine.mesh import choose_device
         scorer = RewardScorer(args.model_dir, device=str(choose_device(args.device, 0, 1)),
                               trust_remote_code=args.trust_remote_code)
     except (UserError, OSError, ValueError) as e:
         print(f"rlhf.score: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
+    if kind == "pairs":
+        prompts = [e.prompt for e in exs]
+        chosen = scorer.score(prompts, [e.chosen for e in exs]).tolist()
+        rejected = scorer.score(prompts, [e.rejected for e in exs]).tolist()
+        for c, r in zip(chosen, rejected):
+            print(json.dumps({"chosen": c, "rejected": r, "correct": c > r}))
+        correct = sum(c > r for c, r in zip(chosen, rejected))
+        print(json.dumps({"pairs": len(chosen), "accuracy": correct / max(len(chosen), 1)}))
+        return
+    prompts, responses = ([e.prompt for e in exs], [e.response for e in exs]) if exs is not None else (
+        [args.prompt], [args.response])
     scores = scorer.score(prompts, responses)
     for s, n in zip(scores.tolist(), scorer.normalize(scores).tolist()):
         print(json.dumps({"score": s, "normalized": n}))

@@ -12,11 +12,13 @@ def tiny_config(family: str, vocab: int = 97, hidden: int = 64, layers: int = 2,
     from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
            "phi3": Phi3Config}[family]
-    extra = {"head_dim": hidden // heads} if family == "qwen3" else {}  # Qwen3Config's default is 128
-    return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-               num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
-               pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=family == "llama",
-               rms_norm_eps=1e-5, **extra, **kw)
+    fields = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
+                  pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=family == "llama",
+                  rms_norm_eps=1e-5)
+    if family == "qwen3":
+        fields["head_dim"] = hidden // heads  # Qwen3Config's default is 128
+    return cls(**{**fields, **kw})
 
 
 def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):

@@ -57,6 +57,28 @@ def test_score_cli(default_reward_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout.splitlines()[0])) == {"score", "normalized"}
 
+    def score_cli(*args):
+        return subprocess.run([sys.executable, "-m", "rlhf.score", *map(str, args)], cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=120)
+
+    # preference pairs: one line per pair, then the accuracy (the default RM ranks them well)
+    from rlhf.config import SyntheticConfig
+    from rlhf.data import synthetic
+    _, held_out = synthetic.generate(SyntheticConfig(), 256, seed=1234)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": e.prompt, "chosen": e.chosen, "rejected": e.rejected}) + "\n"
+                             for e in held_out[:64]))
+    proc = score_cli(model_dir, "--jsonl", pairs)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert len(lines) == 65 and set(lines[0]) == {"chosen", "rejected", "correct"}
+    assert lines[-1]["pairs"] == 64 and lines[-1]["accuracy"] >= 0.8
+    # not a reward model / no such directory: exit 2, one line
+    for bad, fragment in ((default_reward_run / "sft" / "model", "not a reward model"),
+                          (tmp_path / "nope", "no such directory")):
+        proc = score_cli(bad, "--prompt", "x", "--response", "y")
+        assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
 
 def test_reward_on_hh(default_sft_run, shared_data, tmp_path):
     proc = run_cli("stage=reward", f"run.dir={tmp_path}", f"model.path={default_sft_run / 'sft' / 'model'}",
