@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         stage.run(cfg)
     except UserError as e:
-        _fail(str(e))
+        _fail(str(e), code=getattr(e, "exit_code", 2))  # rlhf.interrupt.Interrupted: 130 / 143
     except KeyboardInterrupt:
         _fail("interrupted", code=130)
     except Exception as e:

@@ -8,12 +8,35 @@ starts; a bad value raises ``ConfigError`` (exit code 2) naming the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from rlhf.errors import ConfigError
 
 STAGES = ("sft", "reward", "ppo")
-FORMATS = ("synthetic", "prompt_response", "prompt_chosen_rejected", "hh", "gsm8k")
+FORMATS = ("synthetic", "prompt_response", "prompt_chosen_rejected", "hh", "gsm8k", "messages")
+# The fields each format reads (what data.columns may map a dataset's own names onto). messages also
+# reads the keys of each turn: role and content.
+FORMAT_FIELDS = {
+    "synthetic": (),
+    "prompt_response": ("prompt", "response"),
+    "prompt_chosen_rejected": ("prompt", "chosen", "rejected"),
+    "hh": ("chosen", "rejected"),
+    "gsm8k": ("question", "answer"),
+    "messages": ("messages", "prompt", "chosen", "rejected", "role", "content"),
+}
+# (max_prompt_len, max_response_len) when data.max_prompt_len / data.max_response_len are unset: the
+# 95th percentile of the shared samples (HH-RLHF harmless-base, GSM8K train) in tokens of a 32k
+# byte-level BPE, rounded up to a multiple of 64 (hh: prompt p95 337, longer response of a pair p95
+# 159; gsm8k: question p95 97, answer p95 169). Formats without a sample of their own take the chat
+# numbers (hh's); messages adds room for the chat template's markup. The synthetic task: 64/64.
+DEFAULT_LENGTHS = {
+    "synthetic": (64, 64),
+    "prompt_response": (384, 192),
+    "prompt_chosen_rejected": (384, 192),
+    "hh": (384, 192),
+    "gsm8k": (128, 192),
+    "messages": (448, 192),
+}
 
 
 def _check(cond: bool, key: str, value, expected: str) -> None:
@@ -66,12 +89,29 @@ class SourceConfig:
     path: Optional[str] = None
     format: str = "synthetic"
     weight: float = 1.0
+    # the format's field names -> this dataset's, e.g. {prompt: instruction, response: output}
+    columns: Dict[str, str] = field(default_factory=dict)
+    hf_split: Optional[str] = None  # split of a DatasetDict folder or hub dataset; None = data.hf_split
+    hf_config: Optional[str] = None  # hub dataset config (subset); None = data.hf_config
 
     def __post_init__(self):
         _check(self.format in FORMATS, "data.format", self.format, "one of " + ", ".join(FORMATS))
         _check(self.weight > 0, "data.sources[].weight", self.weight, "a positive number")
         _check(self.format == "synthetic" or bool(self.path), "data.path", self.path,
                f"a file, directory or hub id for data.format={self.format}")
+        check_columns(self.columns, self.format, "data.sources[].columns" if self.path else "data.columns")
+
+
+def check_columns(columns, fmt: str, key: str) -> None:
+    """data.columns maps the format's own field names (keys) to the dataset's (values)."""
+    fields = FORMAT_FIELDS[fmt]
+    for name, column in (columns or {}).items():
+        if name not in fields:
+            expected = ("none: data.format=synthetic is generated" if not fields
+                        else "one of " + ", ".join(fields))
+            raise ConfigError(f"{key}.{name}={column!r} is invalid: '{name}' is not a field of "
+                              f"data.format={fmt} (keys of {key} are the format's fields: {expected})")
+        _check(isinstance(column, str) and bool(column), f"{key}.{name}", column, "a column name")
 
 
 @dataclass
@@ -89,16 +129,30 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = None
+    path: Optional[str] = None  # a file, a directory of files, a datasets.save_to_disk folder, or a hub id
     format: str = "synthetic"
-    # Blend several datasets: a list of {path, format, weight}; empty = the single (path, format) above.
+    # Blend several datasets: a list of {path, format, weight, columns, hf_split, hf_config}; empty =
+    # the single (path, format, columns, hf_split, hf_config) of this group.
     sources: List[SourceConfig] = field(default_factory=list)
+    # the format's field names -> the dataset's, e.g. {prompt: instruction, response: output} (Alpaca)
+    columns: Dict[str, str] = field(default_factory=dict)
+    hf_split: str = "train"  # the split of a DatasetDict folder (save_to_disk) or of a hub dataset
+    hf_config: Optional[str] = None  # a hub dataset's config (subset), e.g. main for openai/gsm8k
+    # auto: the tokenizer's chat template where it has one (messages data and the embedded task);
+    # none: no template (messages then render as plain "\n\nHuman: ...\n\nAssistant: ..." text);
+    # or the path of a Jinja file (it is also saved with the exported tokenizer)
+    chat_template: str = "auto"
     # DeepSpeed-Chat's data_split, e.g. "2,4,4": disjoint seeded shares for sft/reward/ppo. None = all.
     split: Optional[str] = None
+    # held-out records (eval loss, gold prompts) from this file instead of carved out of data.path
+    eval_path: Optional[str] = None
+    eval_format: Optional[str] = None  # None = data.format
+    eval_hf_split: Optional[str] = None  # None = data.hf_split
     eval_size: int = 256  # held-out records (synthetic: held-out operand pairs) for eval and gold score
-    max_prompt_len: int = 64
-    max_response_len: int = 64
-    mask_prompt: bool = True  # SFT loss only on response tokens
+    # None = per format (DEFAULT_LENGTHS: the synthetic task 64/64, hh 384/192, gsm8k 128/192, ...)
+    max_prompt_len: Optional[int] = None
+    max_response_len: Optional[int] = None
+    mask_prompt: bool = True  # SFT loss only on response (assistant) tokens
     on_bad_record: str = "error"  # or "skip" (count reported)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
@@ -107,9 +161,6 @@ class DataConfig:
         _check(self.on_bad_record in ("error", "skip"), "data.on_bad_record", self.on_bad_record,
                "error or skip")
         _check(self.eval_size > 0, "data.eval_size", self.eval_size, "a positive integer")
-        _check(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "a positive integer")
-        _check(self.max_response_len > 0, "data.max_response_len", self.max_response_len,
-               "a positive integer")
         if self.format != "synthetic" and not self.path and not self.sources:
             raise ConfigError(f"data.path is required for data.format={self.format}")
         if self.path and self.sources:
@@ -117,13 +168,59 @@ class DataConfig:
         if self.path and self.format == "synthetic":  # would silently train on the generated task
             raise ConfigError(f"data.path={self.path} is set but data.format=synthetic generates its data: "
                               f"set data.format ({', '.join(FORMATS[1:])})")
+        if not self.sources:
+            check_columns(self.columns, self.format, "data.columns")
+        _check(bool(self.hf_split), "data.hf_split", self.hf_split, "a split name such as train")
         if self.split is not None:
             parse_split(str(self.split))
+        self._check_eval_and_template()
+        formats = [s.format for s in self.source_list()]
+        for i, key in enumerate(("max_prompt_len", "max_response_len")):
+            if getattr(self, key) is None:  # the format's default (the longest of a blend's)
+                setattr(self, key, max(DEFAULT_LENGTHS[f][i] for f in formats))
+            _check(getattr(self, key) > 0, f"data.{key}", getattr(self, key), "a positive integer")
+
+    def _check_eval_and_template(self) -> None:
+        if self.eval_format is not None:
+            _check(self.eval_format in FORMATS, "data.eval_format", self.eval_format, "one of " + ", ".join(FORMATS))
+            if not self.eval_path:
+                raise ConfigError(f"data.eval_format={self.eval_format} is set but data.eval_path is not")
+        if self.eval_path:
+            fmt = self.eval_format or self.format
+            if fmt == "synthetic":
+                raise ConfigError(f"data.eval_path={self.eval_path} needs data.eval_format (the file's format; "
+                                  f"data.format=synthetic generates its data)")
+        if self.eval_hf_split is not None and not self.eval_path:
+            raise ConfigError(f"data.eval_hf_split={self.eval_hf_split} is set but data.eval_path is not")
+        if self.chat_template not in ("auto", "none"):
+            import os
+            path = os.path.expanduser(str(self.chat_template))
+            if not os.path.isfile(path):
+                raise ConfigError(f"data.chat_template={self.chat_template}: no such file (expected auto, none "
+                                  f"or the path of a Jinja chat template)")
 
     def source_list(self) -> List[SourceConfig]:
         if self.sources:
             return list(self.sources)
-        return [SourceConfig(path=self.path, format=self.format, weight=1.0)]
+        return [SourceConfig(path=self.path, format=self.format, weight=1.0, columns=dict(self.columns or {}),
+                             hf_split=self.hf_split, hf_config=self.hf_config)]
+
+    def eval_source(self) -> Optional[SourceConfig]:
+        """data.eval_path as a source (its format defaults to data.format; data.columns applies when
+        the formats agree)."""
+        if not self.eval_path:
+            return None
+        fmt = self.eval_format or self.format
+        columns = dict(self.columns or {}) if fmt == self.format else {}
+        return SourceConfig(path=self.eval_path, format=fmt, weight=1.0, columns=columns,
+                            hf_split=self.eval_hf_split or self.hf_split, hf_config=self.hf_config)
+
+    def default_new_tokens(self) -> int:
+        """What eval.max_new_tokens=None resolves to: 16 for the synthetic task (its answers are
+        short), else data.max_response_len (a GSM8K answer needs room to reach its '####')."""
+        if all(s.format == "synthetic" for s in self.source_list()):
+            return 16
+        return int(self.max_response_len)
 
 
 def parse_split(spec: str) -> List[float]:
@@ -224,16 +321,24 @@ class EvalConfig:
     gold_prompts: int = 256
     gold_samples: int = 4
     temperature: float = 1.0
-    max_new_tokens: int = 16
+    # None = per data format (DataConfig.default_new_tokens): 16 for the synthetic task, else
+    # data.max_response_len; resolved when the whole config is built
+    max_new_tokens: Optional[int] = None
     seed: int = 4321
-    batch_size: int = 256
+    batch_size: int = 256  # held-out prompts per generate call
     greedy_too: bool = True  # also report gold/score_greedy
 
     def __post_init__(self):
         _check(self.gold_prompts > 0, "eval.gold_prompts", self.gold_prompts, "a positive integer")
         _check(self.gold_samples > 0, "eval.gold_samples", self.gold_samples, "a positive integer")
         _check(self.temperature >= 0, "eval.temperature", self.temperature, "a non-negative number")
-        _check(self.max_new_tokens > 0, "eval.max_new_tokens", self.max_new_tokens, "a positive integer")
+        _check(self.max_new_tokens is None or self.max_new_tokens > 0, "eval.max_new_tokens",
+               self.max_new_tokens, "a positive integer")
+        _check(self.batch_size > 0, "eval.batch_size", self.batch_size, "a positive integer")
+
+    def resolve(self, data: "DataConfig") -> None:
+        if self.max_new_tokens is None:
+            self.max_new_tokens = data.default_new_tokens()
 
 
 @dataclass
@@ -391,6 +496,7 @@ class Config:
 
     def __post_init__(self):
         _check(self.stage in STAGES, "stage", self.stage, "one of " + ", ".join(STAGES))
+        self.eval.resolve(self.data)  # eval.max_new_tokens=None: per data format
         if self.stage == "ppo":
             self.check_ppo()
         tp, m = self.engine.inference_tp_size, self.model

@@ -16,6 +16,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from rlhf import interrupt
 from rlhf.algorithms import ppo as A
 from rlhf.config import Config
 from rlhf.data.pipeline import load_stage_data
@@ -113,8 +114,18 @@ def run(cfg: Config) -> None:
              p.ppo_epochs, p.minibatches_per_epoch)
     if start == 0:
         evaluate(0)
+    def checkpoint(step):
+        path = save_checkpoint(ctx.ckpt_dir, step, engines, {"stage": "ppo", "fingerprint": ctx.fingerprint,
+                                                             "kl": kl_ctl.state_dict(),
+                                                             "running": scorers.running.state_dict()},
+                               mesh, keep=t.keep_checkpoints)
+        if ema is not None:
+            ema.save(path)
+        return path
+
     skipped = 0
     bar = progress(t.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
+    stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     for step in range(start, t.max_steps):
         # ---- experience: generate in inference mode, then score in training mode ----
         t0 = time.perf_counter()
@@ -148,14 +159,12 @@ def run(cfg: Config) -> None:
         bar.step(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             evaluate(done)
-        if t.save_every and done % t.save_every == 0:
-            path = save_checkpoint(ctx.ckpt_dir, done, engines, {"stage": "ppo", "fingerprint": ctx.fingerprint,
-                                                                 "kl": kl_ctl.state_dict(),
-                                                                 "running": scorers.running.state_dict()},
-                                   mesh, keep=t.keep_checkpoints)
-            if ema is not None:
-                ema.save(path)
+        saved = t.save_every and done % t.save_every == 0
+        if saved:
+            checkpoint(done)
+        interrupt.stop_here(stop, mesh, done, lambda s: None if saved else checkpoint(s))
     bar.close()
+    stop.close()
 
     # ---- export ----
     evaluate(t.max_steps)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from rlhf import interrupt
 from rlhf.config import Config
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
@@ -94,7 +95,12 @@ def run(cfg: Config) -> None:
     log.info("reward: %d pairs (%s) from %s, %d steps of %d pairs", len(train_cols["chosen"]),
              data.description, source, t.max_steps, t.global_batch)
     engine.train()
+    def checkpoint(step):
+        return save_checkpoint(ctx.ckpt_dir, step, {"reward": engine},
+                               {"stage": "reward", "fingerprint": ctx.fingerprint}, mesh, keep=t.keep_checkpoints)
+
     bar = progress(t.max_steps, start, cfg.logger.progress, "reward", mesh.is_main)
+    stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
     for step in range(start, t.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
@@ -109,11 +115,12 @@ def run(cfg: Config) -> None:
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             evaluate(done)
             engine.train()
-        if t.save_every and done % t.save_every == 0:
-            save_checkpoint(ctx.ckpt_dir, done, {"reward": engine},
-                            {"stage": "reward", "fingerprint": ctx.fingerprint}, mesh,
-                            keep=t.keep_checkpoints)
+        saved = t.save_every and done % t.save_every == 0
+        if saved:
+            checkpoint(done)
+        interrupt.stop_here(stop, mesh, done, lambda s: None if saved else checkpoint(s))
     bar.close()
+    stop.close()
 
     # ---- save ----
     res = evaluate(t.max_steps)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from rlhf import interrupt
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.pipeline import load_stage_data
@@ -94,6 +95,7 @@ def run(cfg: Config) -> None:
              t.global_batch // (micro * mesh.world_size))
     engine.train()
     bar = progress(t.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
+    stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
     for step in range(start, t.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
@@ -109,9 +111,13 @@ def run(cfg: Config) -> None:
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             evaluate(done)
             engine.train()
-        if t.save_every and done % t.save_every == 0:
+        saved = t.save_every and done % t.save_every == 0
+        if saved:
             save(ctx, engine, tokenizer, done, mesh, t.keep_checkpoints)
+        interrupt.stop_here(stop, mesh, done,
+                            lambda s: None if saved else save(ctx, engine, tokenizer, s, mesh, t.keep_checkpoints))
     bar.close()
+    stop.close()
 
     # ---- save ----
     results = evaluate(t.max_steps)
@@ -147,6 +153,7 @@ def save(ctx, engine, tokenizer, step, mesh, keep):
                            mesh, keep=keep)
     if mesh.is_main and not (path / "tokenizer").exists():
         tokenizer.save_pretrained(path / "tokenizer")
+    return path
 
 
 def eval_loss(engine, cols, pad, mask_prompt, micro, mesh) -> float:

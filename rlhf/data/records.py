@@ -2,7 +2,14 @@
 
 One ``Example`` type serves all stages: SFT reads (prompt, response), the reward stage
 (prompt, chosen, rejected), PPO (prompt, reference). A format provides what it can; asking a
-format for a view it lacks is a configuration error.
+format for a view it lacks is a configuration error. ``messages`` records also keep their turns
+(``Example.chat``) for the chat-template path (rlhf/data/chat.py); their text fields hold the same
+turns as plain "\\n\\nHuman: …\\n\\nAssistant: …" text.
+
+Sources: JSON/JSONL/Parquet files (``.gz`` too), directories of them, ``datasets.save_to_disk``
+folders (``load_from_disk``; a DatasetDict's split by ``data.hf_split``) and hub ids
+(``data.hf_config``, ``data.hf_split``). ``data.columns`` renames a dataset's columns to the
+format's fields before parsing.
 """
 from __future__ import annotations
 
@@ -16,6 +23,24 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from rlhf.errors import DataError
 
+Turn = Dict[str, str]  # {"role": system|user|assistant, "content": text}
+
+
+@dataclass
+class Chat:
+    """A record as conversation turns, for the chat-template path (rlhf/data/chat.py).
+
+    ``prompt``: the turns before the final assistant turn (earlier assistant turns included; SFT
+    trains on those too); ``response``/``chosen``/``rejected``: the final assistant turn's content.
+    ``needs_template``: true for data that only exists as turns (``messages``): without a chat
+    template it renders with the plain fallback; false where the text fields are the same record
+    already (the synthetic task: its template-free text is the prompt as it always was)."""
+    prompt: List[Turn]
+    response: Optional[str] = None
+    chosen: Optional[str] = None
+    rejected: Optional[str] = None
+    needs_template: bool = True
+
 
 @dataclass
 class Example:
@@ -25,20 +50,51 @@ class Example:
     rejected: Optional[str] = None
     reference: Optional[str] = None  # what the gold scorer compares against
     where: str = ""  # file:line of the record, for messages
+    chat: Optional[Chat] = None  # the record as turns (messages format, the synthetic task)
+    answer: Optional[str] = None  # the text the response must keep to be scored (GSM8K: '#### 72')
 
 
 HH_ASSISTANT = "\n\nAssistant:"
 
 
+class Record(dict):
+    """A raw record with data.columns applied: ``aliases`` maps a format field to the dataset
+    column it came from, so that errors name the column the user has."""
+    aliases: Dict[str, str] = {}
+
+
+def _q(rec: dict, name: str) -> str:
+    """A field's name for a message, quoted: the dataset's own column when data.columns renamed it."""
+    alias = rec.aliases.get(name) if isinstance(rec, Record) else None
+    return f"'{alias}' (data.columns.{name})" if alias else f"'{name}'"
+
+
 def _field(rec: dict, name: str, where: str, allow_empty: bool = False) -> str:
     if name not in rec:
-        raise DataError(f"{where}: record has no field '{name}'")
+        raise DataError(f"{where}: record has no field {_q(rec, name)}")
     v = rec[name]
     if not isinstance(v, str):
-        raise DataError(f"{where}: field '{name}' must be a string, got {type(v).__name__}")
+        raise DataError(f"{where}: field {_q(rec, name)} must be a string, got {type(v).__name__}")
     if not allow_empty and not v.strip():
-        raise DataError(f"{where}: field '{name}' is empty")
+        raise DataError(f"{where}: field {_q(rec, name)} is empty")
     return v
+
+
+def apply_columns(rec: dict, columns: Dict[str, str]) -> dict:
+    """The record under the format's field names: each ``columns`` entry (format field -> dataset
+    column) renames a column; a column the record lacks leaves the field absent (the parser then
+    names the missing column)."""
+    if not columns:
+        return rec
+    out = Record((k, v) for k, v in rec.items() if k not in columns)
+    out.aliases = {}
+    for name, column in columns.items():
+        if name in ("role", "content"):  # keys inside each turn of a messages record
+            continue
+        out.aliases[name] = column
+        if column in rec:
+            out[name] = rec[column]
+    return out
 
 
 def _prompt_response(rec: dict, where: str) -> Example:
@@ -84,9 +140,117 @@ def _gsm8k(rec: dict, where: str) -> Example:
     answer = _field(rec, "answer", where)
     m = GSM8K_ANSWER.search(answer)
     if m is None:
-        raise DataError(f"{where}: field 'answer' does not end in '#### <number>'")
-    return Example(prompt=gsm8k_prompt(question), response=" " + answer.strip(),
-                   reference=m.group(1).replace(",", ""), where=where)
+        raise DataError(f"{where}: field {_q(rec, 'answer')} does not end in '#### <number>'")
+    response = " " + answer.strip()
+    return Example(prompt=gsm8k_prompt(question), response=response,
+                   reference=m.group(1).replace(",", ""), where=where,
+                   answer=GSM8K_ANSWER.search(response).group(0))
+
+
+# ---- messages: a list of {role, content} turns ----
+ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant",
+                "chatgpt": "assistant"}  # ShareGPT-style names
+
+
+def turns_of(value, where: str, name: str, role_key: str = "role", content_key: str = "content") -> List[Turn]:
+    """A validated list of turns (roles normalised: ShareGPT's human/gpt become user/assistant)."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field '{name}' must be a non-empty list of {{{role_key}, {content_key}}} "
+                        f"turns, got {type(value).__name__ if not isinstance(value, list) else 'an empty list'}")
+    out: List[Turn] = []
+    for i, turn in enumerate(value):
+        at = f"{where}: field '{name}'[{i}]"
+        if not isinstance(turn, dict):
+            raise DataError(f"{at} must be an object with '{role_key}' and '{content_key}', "
+                            f"got {type(turn).__name__}")
+        role, content = turn.get(role_key), turn.get(content_key)
+        if not isinstance(role, str):
+            raise DataError(f"{at} has no '{role_key}'" + (" (set data.columns.role to the turns' role key)"
+                                                            if role_key == "role" else ""))
+        role = ROLE_ALIASES.get(role.strip().lower(), role.strip().lower())
+        if role not in ROLES:
+            raise DataError(f"{at} has {role_key}={turn.get(role_key)!r}: expected system, user or assistant")
+        if not isinstance(content, str):
+            raise DataError(f"{at} has no string '{content_key}'" + (
+                " (set data.columns.content to the turns' text key)" if content_key == "content" and
+                content_key not in turn else ""))
+        out.append({"role": role, "content": content})
+    return out
+
+
+def plain_text(turns: List[Turn], generation_prompt: bool = True) -> str:
+    """Turns as plain text in HH-RLHF's form (the same as chat.FALLBACK_TEMPLATE renders them)."""
+    head = {"user": "\n\nHuman: ", "assistant": "\n\nAssistant: ", "system": ""}
+    text = "".join(head[t["role"]] + t["content"] for t in turns)
+    return text + (HH_ASSISTANT if generation_prompt else "")
+
+
+def _common_prefix(a: List[Turn], b: List[Turn]) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def _prompt_turns(rec: dict, where: str, keys) -> List[Turn]:
+    value = rec["prompt"]
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: field {_q(rec, 'prompt')} is empty")
+        return [{"role": "user", "content": value}]
+    return turns_of(value, where, "prompt", *keys)
+
+
+def messages_parser(role_key: str = "role", content_key: str = "content") -> Callable[[dict, str], Example]:
+    keys = (role_key, content_key)
+
+    def parse(rec: dict, where: str) -> Example:
+        if "chosen" in rec or "rejected" in rec:
+            return _message_pair(rec, where, keys)
+        if "messages" not in rec:
+            raise DataError(f"{where}: record has no field {_q(rec, 'messages')} (nor 'chosen' and 'rejected')")
+        turns = turns_of(rec["messages"], where, "messages", *keys)
+        if turns[-1]["role"] != "assistant":  # a prompt only (PPO prompts); SFT says it has no target
+            prompt, response = turns, None
+        else:
+            prompt, response = turns[:-1], turns[-1]["content"]
+            if not response.strip():
+                raise DataError(f"{where}: field 'messages'[{len(turns) - 1}] (the last assistant turn) is empty")
+        if not any(t["role"] == "user" for t in prompt):
+            raise DataError(f"{where}: field 'messages' has no user turn before the last assistant turn")
+        return Example(prompt=plain_text(prompt), response=None if response is None else " " + response,
+                       where=where, chat=Chat(prompt=prompt, response=response))
+
+    return parse
+
+
+def _message_pair(rec: dict, where: str, keys) -> Example:
+    for name in ("chosen", "rejected"):
+        if name not in rec:
+            other = "rejected" if name == "chosen" else "chosen"
+            raise DataError(f"{where}: record has {_q(rec, other)} but no field {_q(rec, name)}")
+    chosen = turns_of(rec["chosen"], where, "chosen", *keys)
+    rejected = turns_of(rec["rejected"], where, "rejected", *keys)
+    k = _common_prefix(chosen, rejected)
+    tails = chosen[k:], rejected[k:]
+    if any(len(t) != 1 or t[0]["role"] != "assistant" for t in tails):
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' must differ only in their last turn, an "
+                        f"assistant turn (they share {k} turns, then have {len(tails[0])} and {len(tails[1])})")
+    prompt = chosen[:k]
+    if not prompt:  # TRL's form: the prompt apart, chosen/rejected the assistant turn only
+        if "prompt" not in rec:
+            raise DataError(f"{where}: 'chosen' and 'rejected' share no turns and the record has no field "
+                            f"{_q(rec, 'prompt')}")
+        prompt = _prompt_turns(rec, where, keys)
+    if prompt[-1]["role"] == "assistant" or not any(t["role"] == "user" for t in prompt):
+        raise DataError(f"{where}: the prompt of 'chosen'/'rejected' must end with a user turn")
+    c, r = tails[0][0]["content"], tails[1][0]["content"]
+    for name, text in (("chosen", c), ("rejected", r)):
+        if not text.strip():
+            raise DataError(f"{where}: field '{name}' has an empty last assistant turn")
+    return Example(prompt=plain_text(prompt), response=" " + c, chosen=" " + c, rejected=" " + r, where=where,
+                   chat=Chat(prompt=prompt, response=c, chosen=c, rejected=r))
 
 
 PARSERS: Dict[str, Callable[[dict, str], Example]] = {
@@ -94,6 +258,7 @@ PARSERS: Dict[str, Callable[[dict, str], Example]] = {
     "prompt_chosen_rejected": _prompt_chosen_rejected,
     "hh": _hh,
     "gsm8k": _gsm8k,
+    "messages": messages_parser(),
 }
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
@@ -156,24 +321,53 @@ def _iter_parquet(path: Path) -> Iterator[Tuple[dict, str]]:
         yield rec, f"{path}[row {i}]"
 
 
-def _iter_hub(name: str) -> Iterator[Tuple[dict, str]]:
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _iter_hub(name: str, split: str, config: Optional[str], key: str) -> Iterator[Tuple[dict, str]]:
     import datasets
     try:
-        ds = datasets.load_dataset(name, split="train")
+        ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:
-        raise DataError(f"data.path={name}: not a local file or directory, and loading it as a hub "
-                        f"dataset failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        what = f"{key}={name}" + (f" (data.hf_config={config})" if config else "")
+        raise DataError(f"{what}: not a local file or directory, and loading it as a hub dataset "
+                        f"(split {split!r}) failed: {_first_line(e)}") from None
     for i, rec in enumerate(ds):
-        yield dict(rec), f"{name}[row {i}]"
+        yield dict(rec), f"{name}[{split}][row {i}]"
 
 
-def data_files(path: str) -> List[Path]:
+def is_saved_dataset(p: Path) -> bool:
+    """A folder written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return p.is_dir() and ((p / "dataset_dict.json").is_file() or
+                           ((p / "state.json").is_file() and (p / "dataset_info.json").is_file()))
+
+
+def _iter_saved(p: Path, split: str, key: str, split_key: str) -> Iterator[Tuple[dict, str]]:
+    """Rows of a save_to_disk folder; a DatasetDict gives the split ``split``."""
+    import datasets
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:
+        raise DataError(f"{key}={p}: cannot load this datasets.save_to_disk folder: {_first_line(e)}") from None
+    where = f"{p}"
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{key}={p}: the DatasetDict has no split {split!r} (it has "
+                            f"{', '.join(sorted(ds))}): set {split_key}")
+        ds, where = ds[split], f"{p}[{split}]"
+    for i, rec in enumerate(ds):
+        yield dict(rec), f"{where}[row {i}]"
+
+
+def data_files(path: str, key: str = "data.path") -> List[Path]:
     """The files behind data.path (a file, or every data file in a directory, sorted)."""
     p = Path(os.path.expanduser(path))
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(DATA_SUFFIXES))
         if not files:
-            raise DataError(f"data.path={path}: directory holds no {', '.join(DATA_SUFFIXES)} files")
+            raise DataError(f"{key}={path}: directory holds no {', '.join(DATA_SUFFIXES)} files "
+                            f"(nor a datasets.save_to_disk folder)")
         return files
     if p.is_file():
         return [p]
@@ -184,27 +378,44 @@ def looks_like_hub_id(path: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path)) and not path.endswith(DATA_SUFFIXES)
 
 
-def read_examples(path: str, fmt: str, on_bad_record: str = "error") -> Tuple[List[Example], int]:
-    """Parses every record of ``path`` in format ``fmt``. Returns (examples, number skipped)."""
-    parse = PARSERS[fmt]
-    files = data_files(path)
+def raw_records(path: str, split: str = "train", config: Optional[str] = None, key: str = "data.path",
+                split_key: str = "data.hf_split") -> Iterator[Tuple[Union[dict, DataError], str]]:
+    """(record or DataError, where) of every record behind ``path``: a file, a directory of files,
+    a save_to_disk folder (``split`` of a DatasetDict), or a hub id (``config``, ``split``)."""
+    p = Path(os.path.expanduser(path))
+    if is_saved_dataset(p):
+        return _iter_saved(p, split, key, split_key)
+    files = data_files(path, key)
     if files:
-        raw = (item for f in files for item in iter_raw_records(f))
-    elif looks_like_hub_id(path):
-        raw = _iter_hub(path)
-    else:
-        raise DataError(f"data.path={path}: no such file or directory")
+        return (item for f in files for item in iter_raw_records(f))
+    if looks_like_hub_id(path) and not path.startswith("."):
+        return _iter_hub(path, split, config, key)
+    raise DataError(f"{key}={path}: no such file or directory")
+
+
+def read_examples(path: str, fmt: str, on_bad_record: str = "error", columns: Optional[Dict[str, str]] = None,
+                  split: str = "train", config: Optional[str] = None, key: str = "data.path",
+                  split_key: str = "data.hf_split") -> Tuple[List[Example], int]:
+    """Parses every record of ``path`` in format ``fmt``, renaming ``columns`` (format field ->
+    dataset column) first. Returns (examples, number skipped)."""
+    columns = dict(columns or {})
+    parse = PARSERS[fmt]
+    if fmt == "messages" and ("role" in columns or "content" in columns):
+        parse = messages_parser(columns.get("role", "role"), columns.get("content", "content"))
+    raw = raw_records(path, split, config, key, split_key)
     out: List[Example] = []
-    skipped = 0
+    skipped, first = 0, None
     for rec, where in raw:
         try:
             if isinstance(rec, DataError):
                 raise rec
-            out.append(parse(rec, where))
-        except DataError:
+            out.append(parse(apply_columns(rec, columns), where))
+        except DataError as e:
             if on_bad_record != "skip":
                 raise
             skipped += 1
+            first = first or str(e)
     if not out:
-        raise DataError(f"data.path={path}: no records" + (f" ({skipped} malformed, skipped)" if skipped else ""))
+        raise DataError(f"{key}={path}: no records" + (f" ({skipped} malformed, skipped; the first: {first})"
+                                                       if skipped else ""))
     return out, skipped

@@ -17,13 +17,18 @@ import re
 from typing import List, Tuple
 
 from rlhf.config import SyntheticConfig
-from rlhf.data.records import Example
+from rlhf.data.records import Chat, Example
 
 ANSWER = re.compile(r"^ ?The answer is (-?\d+)\.$")
 
 
+def question_text(a: int, b: int, width: int) -> str:
+    """The user turn: the embedded tokenizer's chat template renders it as ``prompt_text``."""
+    return f"What is {a:0{width}d} + {b:0{width}d}?"
+
+
 def prompt_text(a: int, b: int, width: int) -> str:
-    return f"Q: What is {a:0{width}d} + {b:0{width}d}?\nA:"
+    return f"Q: {question_text(a, b, width)}\nA:"
 
 
 def answer_text(n: int) -> str:
@@ -66,8 +71,12 @@ def _example(a: int, b: int, width: int, cfg: SyntheticConfig, rng: random.Rando
     n = a + b
     wrong = _wrong(n, rng)
     response = answer_text(n) if rng.random() < cfg.p_correct else answer_text(wrong)
-    return Example(prompt=prompt_text(a, b, width), response=response, chosen=answer_text(n),
-                   rejected=answer_text(_rejected(n, rej_rng)), reference=str(n), where=where)
+    chosen, rejected = answer_text(n), answer_text(_rejected(n, rej_rng))
+    # the same record as turns (assistant contents without the leading space the template writes)
+    chat = Chat(prompt=[{"role": "user", "content": question_text(a, b, width)}], response=response[1:],
+                chosen=chosen[1:], rejected=rejected[1:], needs_template=False)
+    return Example(prompt=prompt_text(a, b, width), response=response, chosen=chosen, rejected=rejected,
+                   reference=str(n), where=where, chat=chat)
 
 
 def generate(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:

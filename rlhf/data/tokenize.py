@@ -2,26 +2,39 @@
 
 SFT sequence: prompt tokens (left-truncated to max_prompt_len: the end of the prompt, next to the
 response, survives) + response tokens + EOS (right-truncated to max_response_len). The loss mask
-covers the response (and the prompt too when ``data.mask_prompt=false``).
+(``mask``: 1 on the tokens SFT learns) covers the response, and for conversations every assistant
+turn of the prompt too (rlhf/data/chat.py); everything when ``data.mask_prompt=false``.
+
+``chat``: the chat template text (``chat.resolve_template``) or None. Records with turns
+(``messages``, and the synthetic task when there is a template) go through it; the others are
+their plain text.
+
+Each tokenized set carries ``stats`` (records cut or dropped by the lengths, the 95th percentile
+lengths): the stage warns once with the share and the key to change, and stops (exit 2) when
+nothing would learn (every GSM8K response cut before its '####' answer).
 
 The cache holds token ids only (safetensors; no pickles), keyed by a hash of the texts, the
-tokenizer and the lengths; rank 0 builds it while the other ranks wait.
+tokenizer, the template and the lengths; rank 0 builds it while the other ranks wait.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rlhf.data.chat import Renderer, template_key, uses_chat
 from rlhf.data.records import Example
 from rlhf.engine.mesh import Mesh
-from rlhf.errors import DataError
+from rlhf.errors import ConfigError, DataError
 from rlhf.fileio import atomic_write_text
 
+log = logging.getLogger("rlhf")
 Columns = Dict[str, list]  # name -> list of ints, or list of lists of ints (ragged)
+SCHEMA = 2  # of the cached columns (2: mask and stats)
 
 
 def tokenizer_fingerprint(tok) -> str:
@@ -35,16 +48,69 @@ def _encode(tok, texts: Sequence[str], special: bool) -> List[List[int]]:
     return tok(list(texts), add_special_tokens=special)["input_ids"] if texts else []
 
 
-def tokenize_sft(examples: List[Example], tok, max_prompt: int, max_response: int) -> Columns:
-    prompts = _encode(tok, [e.prompt for e in examples], True)
-    responses = _encode(tok, [e.response for e in examples], False)
-    ids, plen = [], []
-    for p, r in zip(prompts, responses):
-        p = p[-max_prompt:]
-        r = (r + [tok.eos_token_id])[:max_response]
-        ids.append(p + r)
+def p95(lengths: Sequence[int]) -> int:
+    """The 95th percentile (nearest rank) of ``lengths``; 0 for none."""
+    if not lengths:
+        return 0
+    s = sorted(lengths)
+    return s[max(0, -(-95 * len(s) // 100) - 1)]
+
+
+def _split_by_path(examples: List[Example], chat: Optional[str]) -> Tuple[List[int], List[int]]:
+    chat_ix = [i for i, e in enumerate(examples) if uses_chat(e, chat)]
+    chosen = set(chat_ix)
+    return chat_ix, [i for i in range(len(examples)) if i not in chosen]
+
+
+def _conversation(e: Example, content: str):
+    return list(e.chat.prompt) + [{"role": "assistant", "content": content}]
+
+
+def _full_sft_rows(examples: List[Example], tok, chat: Optional[str]):
+    """Untruncated (prompt ids, prompt mask, response ids) per record."""
+    for e in examples:
+        if e.response is None:
+            raise DataError(f"{e.where or 'a record'}: no response to train on (SFT needs one: for messages "
+                            f"data a last assistant turn)")
+    rows: List[Tuple[List[int], List[int], List[int]]] = [None] * len(examples)  # type: ignore[list-item]
+    chat_ix, text_ix = _split_by_path(examples, chat)
+    if text_ix:
+        prompts = _encode(tok, [examples[i].prompt for i in text_ix], True)
+        responses = _encode(tok, [examples[i].response for i in text_ix], False)
+        for i, p, r in zip(text_ix, prompts, responses):
+            rows[i] = (p, [0] * len(p), r + [tok.eos_token_id])
+    if chat_ix:
+        enc = Renderer(tok, chat).encode([_conversation(examples[i], examples[i].chat.response) for i in chat_ix],
+                                         [examples[i].where for i in chat_ix])
+        for i, (ids, mask, last) in zip(chat_ix, enc):
+            rows[i] = (ids[:last], mask[:last], ids[last:])
+    return rows
+
+
+def _answer_kept(tok, e: Example, kept: List[int]) -> bool:
+    return e.answer is None or e.answer in tok.decode(kept, skip_special_tokens=True)
+
+
+def tokenize_sft(examples: List[Example], tok, max_prompt: int, max_response: int,
+                 chat: Optional[str] = None) -> Columns:
+    ids, plen, masks = [], [], []
+    prompt_cut = response_cut = answers = answers_lost = 0
+    p_lens, r_lens = [], []
+    for e, (p, pm, r) in zip(examples, _full_sft_rows(examples, tok, chat)):
+        p_lens.append(len(p))
+        r_lens.append(len(r))
+        prompt_cut += len(p) > max_prompt
+        p, pm = p[-max_prompt:], pm[-max_prompt:]
+        kept = r[:max_response]
+        if len(r) > max_response:
+            response_cut += 1
+            answers_lost += not _answer_kept(tok, e, kept)
+        answers += e.answer is not None
+        ids.append(p + kept)
         plen.append(len(p))
-    return {"ids": ids, "prompt_len": plen}
+        masks.append(pm + [1] * len(kept))
+    stats = [len(examples), prompt_cut, response_cut, answers, answers_lost, p95(p_lens), p95(r_lens)]
+    return {"ids": ids, "prompt_len": plen, "mask": masks, "stats": stats}
 
 
 def _save(path: Path, cols: Columns) -> None:
@@ -82,11 +148,15 @@ def _load(path: Path) -> Columns:
 
 def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Path, mesh: Mesh,
            build: Callable[[], Columns]) -> Columns:
-    """``build()`` once per content: rank 0 computes and stores, the others wait and read."""
-    h = hashlib.sha256(json.dumps({"kind": kind, "tok": tokenizer_fingerprint(tok), **params},
+    """``build()`` once per content: rank 0 computes and stores, the others wait and read. Then
+    (every rank, cached or not) ``report_lengths``: the warning once, the stop when nothing learns."""
+    params = {k: (template_key(v) if k == "chat" else v) for k, v in params.items()}
+    h = hashlib.sha256(json.dumps({"kind": kind, "tok": tokenizer_fingerprint(tok), "schema": SCHEMA, **params},
                                   sort_keys=True).encode())
     for e in examples:
         h.update(json.dumps([e.prompt, e.response, e.chosen, e.rejected]).encode())
+        if e.chat is not None:
+            h.update(json.dumps([e.chat.prompt, e.chat.response, e.chat.chosen, e.chat.rejected]).encode())
     path = Path(cache_dir) / f"{kind}-{h.hexdigest()[:24]}.safetensors"
     if mesh.is_main and not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +164,54 @@ def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Pat
         atomic_write_text(path.with_suffix(".json"), json.dumps({"kind": kind, "records": len(examples),
                                                                   **params}) + "\n")
     mesh.barrier()
-    return _load(path)
+    cols = _load(path)
+    report_lengths(kind, cols, params, warn=mesh.is_main)
+    return cols
+
+
+_warned: set = set()
+
+
+def _pct(k: int, n: int) -> str:
+    share = 100.0 * k / max(n, 1)
+    return f"{share:.0f}%" if share >= 1 or k == 0 else f"{share:.1f}%"
+
+
+def report_lengths(kind: str, cols: Columns, params: dict, warn: bool = True) -> None:
+    """The share of records the lengths cut or drop, as one warning per kind (training sets; the
+    held-out ones only stop the run), and a DataError when no response keeps its answer."""
+    stats = cols.get("stats")
+    if not stats:
+        return
+    mp, mr = params.get("max_prompt"), params.get("max_response")
+    parts = []
+    if kind.startswith("sft"):
+        n, prompt_cut, response_cut, answers, lost, p_p95, r_p95 = stats
+        if answers and lost == answers:
+            raise DataError(f"data.max_response_len={mr} cuts the answer ('#### <number>') off every one of the "
+                            f"{answers} responses that have one ({kind} data; 95% of its responses fit in "
+                            f"{r_p95} tokens): nothing would learn to answer, raise data.max_response_len")
+        if prompt_cut:
+            parts.append(f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} (95% fit in {p_p95})")
+        if response_cut:
+            parts.append(f"{_pct(response_cut, n)} their response cut to data.max_response_len={mr} "
+                         f"(95% fit in {r_p95})" + (f", {_pct(lost, answers)} of the answers ('####') with it"
+                                                   if lost else ""))
+    elif kind.startswith("pairs"):
+        n, prompt_cut, dropped, p_p95, r_p95 = stats
+        if dropped:
+            parts.append(f"{_pct(dropped, n)} are dropped, their response longer than data.max_response_len={mr} "
+                         f"(95% fit in {r_p95})")
+        if prompt_cut:
+            parts.append(f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} (95% fit in {p_p95})")
+    else:
+        return
+    if parts and warn and not kind.endswith("-eval"):
+        msg = (f"{kind} data: of {n} records, " + "; ".join(parts) +
+               ": raise the key named to keep more (95% of the records fit in the lengths given)")
+        if msg not in _warned:
+            _warned.add(msg)
+            log.warning(msg)
 
 
 def pad_right(seqs: List[List[int]], pad: int) -> torch.Tensor:
@@ -105,33 +222,62 @@ def pad_right(seqs: List[List[int]], pad: int) -> torch.Tensor:
     return out
 
 
-def collate_sft(ids: List[List[int]], prompt_lens: List[int], pad_id: int, mask_prompt: bool) -> dict:
-    """input_ids/attention_mask right-padded; labels = -100 on padding (and on the prompt)."""
+def collate_sft(ids: List[List[int]], prompt_lens: List[int], pad_id: int, mask_prompt: bool,
+                masks: Optional[List[List[int]]] = None) -> dict:
+    """input_ids/attention_mask right-padded; labels = -100 on padding (and, with ``mask_prompt``,
+    where ``masks`` is 0 — the tokens SFT does not learn —, or before ``prompt_lens`` without masks)."""
     input_ids = pad_right(ids, pad_id)
     lengths = torch.tensor([len(s) for s in ids], device="cpu")
     pos = torch.arange(input_ids.shape[1], device="cpu")[None, :]
     attention_mask = (pos < lengths[:, None]).long()
     labels = input_ids.masked_fill(attention_mask == 0, -100)
-    if mask_prompt:
+    if mask_prompt and masks is not None:
+        learn = pad_right(masks, 0).bool()
+        labels = labels.masked_fill(~learn, -100)
+    elif mask_prompt:
         labels = labels.masked_fill(pos < torch.tensor(prompt_lens, device="cpu")[:, None], -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def tokenize_pairs(examples: List[Example], tok, max_prompt: int, max_response: int) -> Columns:
+def _full_pair_rows(examples: List[Example], tok, chat: Optional[str]):
+    """Untruncated (prompt ids, chosen ids, rejected ids) per pair, each response with its EOS."""
+    rows: list = [None] * len(examples)
+    chat_ix, text_ix = _split_by_path(examples, chat)
+    if text_ix:
+        prompts = _encode(tok, [examples[i].prompt for i in text_ix], True)
+        chosen = _encode(tok, [examples[i].chosen for i in text_ix], False)
+        rejected = _encode(tok, [examples[i].rejected for i in text_ix], False)
+        for i, p, c, r in zip(text_ix, prompts, chosen, rejected):
+            rows[i] = (p, c + [tok.eos_token_id], r + [tok.eos_token_id])
+    if chat_ix:
+        render = Renderer(tok, chat)
+        wheres = [examples[i].where for i in chat_ix]
+        c_enc = render.encode([_conversation(examples[i], examples[i].chat.chosen) for i in chat_ix], wheres)
+        r_enc = render.encode([_conversation(examples[i], examples[i].chat.rejected) for i in chat_ix], wheres)
+        for i, (c_ids, _, c_last), (r_ids, _, r_last) in zip(chat_ix, c_enc, r_enc):
+            rows[i] = (c_ids[:c_last], c_ids[c_last:], r_ids[r_last:])
+    return rows
+
+
+def tokenize_pairs(examples: List[Example], tok, max_prompt: int, max_response: int,
+                   chat: Optional[str] = None) -> Columns:
     """Preference pairs: (prompt + chosen + EOS, prompt + rejected + EOS). The prompt is cut from
     the left so that the responses' ends survive; a pair whose response alone is longer than
     ``max_response`` is dropped (counted in ``dropped``); when every pair is, a ``DataError``."""
-    prompts = _encode(tok, [e.prompt for e in examples], True)
-    chosen = _encode(tok, [e.chosen for e in examples], False)
-    rejected = _encode(tok, [e.rejected for e in examples], False)
+    for e in examples:
+        if e.chosen is None or e.rejected is None:
+            raise DataError(f"{e.where or 'a record'}: no preference pair (chosen and rejected)")
     out: Columns = {"chosen": [], "rejected": [], "prompt_len": [], "dropped": []}
-    dropped, first = 0, None
-    for e, p, c, r in zip(examples, prompts, chosen, rejected):
-        c, r = c + [tok.eos_token_id], r + [tok.eos_token_id]
+    dropped, prompt_cut, first = 0, 0, None
+    p_lens, r_lens = [], []
+    for e, (p, c, r) in zip(examples, _full_pair_rows(examples, tok, chat)):
+        p_lens.append(len(p))
+        r_lens.append(max(len(c), len(r)))
         if max(len(c), len(r)) > max_response:
             dropped += 1
             first = first or (e.where or "a generated record", max(len(c), len(r)))
             continue
+        prompt_cut += len(p) > max_prompt
         p = p[-max_prompt:]
         out["chosen"].append(p + c)
         out["rejected"].append(p + r)
@@ -139,13 +285,65 @@ def tokenize_pairs(examples: List[Example], tok, max_prompt: int, max_response: 
     if examples and dropped == len(examples):  # nothing left to train or evaluate on: say why
         raise DataError(f"{first[0]}: response of {first[1]} tokens (with EOS) is longer than "
                         f"data.max_response_len={max_response}, and so is every other pair's "
-                        f"({dropped} of {dropped} dropped)")
+                        f"({dropped} of {dropped} dropped; 95% fit in {p95(r_lens)})")
     out["dropped"] = [dropped]
+    out["stats"] = [len(examples), prompt_cut, dropped, p95(p_lens), p95(r_lens)]
     return out
 
 
-def tokenize_prompts(examples: List[Example], tok, max_prompt: int) -> Columns:
-    return {"prompt": [p[-max_prompt:] for p in _encode(tok, [e.prompt for e in examples], True)]}
+def encode_prompts(examples: List[Example], tok, chat: Optional[str] = None) -> List[List[int]]:
+    """Prompt ids, untruncated: plain text with the tokenizer's special prefix, or turns rendered
+    with the generation prompt (exactly the prompt part of the SFT and pair sequences)."""
+    out: List[List[int]] = [None] * len(examples)  # type: ignore[list-item]
+    chat_ix, text_ix = _split_by_path(examples, chat)
+    for i, ids in zip(text_ix, _encode(tok, [examples[i].prompt for i in text_ix], True)):
+        out[i] = ids
+    if chat_ix:
+        enc = Renderer(tok, chat).encode([examples[i].chat.prompt for i in chat_ix],
+                                         [examples[i].where for i in chat_ix])
+        for i, (ids, _, _) in zip(chat_ix, enc):
+            out[i] = ids
+    return out
+
+
+def tokenize_prompts(examples: List[Example], tok, max_prompt: int, chat: Optional[str] = None,
+                     max_new_tokens: Optional[int] = None, new_tokens_key: str = "ppo.max_new_tokens") -> Columns:
+    """PPO prompts, left-truncated to ``max_prompt`` (a warning says how many). With
+    ``max_new_tokens``: a ConfigError when no reference response reaches its answer ('####')
+    within that many tokens (the policy imitates them: it would never be scored right), a warning
+    when fewer than half do."""
+    full = encode_prompts(examples, tok, chat)
+    cut = sum(len(p) > max_prompt for p in full)
+    if cut:
+        log.warning("ppo prompts: %s of %d are cut to data.max_prompt_len=%d (95%% fit in %d): raise "
+                    "data.max_prompt_len to keep more", _pct(cut, len(full)), len(full), max_prompt, p95([len(p) for p in full]))
+    if max_new_tokens is not None:
+        check_answer_budget(examples, tok, max_new_tokens, new_tokens_key)
+    return {"prompt": [p[-max_prompt:] for p in full]}
+
+
+def answer_lengths(examples: List[Example], tok) -> List[int]:
+    """Tokens each reference response needs to write its answer (GSM8K: up to the end of '#### n')."""
+    heads = []
+    for e in examples:
+        if e.answer is not None and e.response is not None and e.answer in e.response:
+            heads.append(e.response[:e.response.index(e.answer) + len(e.answer)])
+    return [len(x) for x in _encode(tok, heads, False)]
+
+
+def check_answer_budget(examples: List[Example], tok, max_new_tokens: int, key: str) -> None:
+    need = answer_lengths(examples, tok)
+    if not need:
+        return
+    reach = sum(n <= max_new_tokens for n in need)
+    if reach == 0:
+        raise ConfigError(f"{key}={max_new_tokens} is too short to reach an answer: the shortest of the "
+                          f"{len(need)} reference responses needs {min(need)} tokens to write its '#### <number>' "
+                          f"(95% need at most {p95(need)}), so no response would ever be scored right: "
+                          f"raise {key}")
+    if reach < len(need) / 2:
+        log.warning("%s=%d: only %s of the reference responses reach their answer ('####') within it (95%% "
+                    "need at most %d tokens): raise %s", key, max_new_tokens, _pct(reach, len(need)), p95(need), key)
 
 
 def collate_pairs(chosen: List[List[int]], rejected: List[List[int]], pad_id: int) -> dict:

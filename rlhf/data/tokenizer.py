@@ -10,10 +10,14 @@ from typing import Iterable
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 
-# A user turn renders as the synthetic prompt ("Q: ...\nA:"); an assistant turn as " <text></s>".
+# A user turn renders as the synthetic prompt ("Q: ...\nA:"), so that the embedded default task
+# goes through the chat-template path with the very same tokens; an assistant turn as " <text></s>";
+# a system turn as its text and a newline. The user turn ends with the generation prompt ("A:")
+# already, so add_generation_prompt adds nothing.
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
     "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
     "{% endif %}{% endfor %}"
 )

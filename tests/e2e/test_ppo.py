@@ -171,3 +171,18 @@ def test_grpo_with_current_practice(small_pipeline, tmp_path):
         assert x["dynamic/dropped_groups"] >= 0 and "dynamic/rounds" in x and "reward/overlong" in x
         assert x["rollout/logprob_abs_diff_max"] < 1e-4  # fp32: the inference mode matches training
         assert x["rollout/correction_mean"] == 1.0  # nothing to correct: MIS masks no token
+
+
+def test_sigterm_saves_a_ppo_checkpoint(small_pipeline, tmp_path):
+    """Slurm's SIGTERM before the kill: PPO saves where it is (actor, critic, trainer state) and exits 143."""
+    import shutil
+
+    from tests.e2e.test_sft import _stop_when_logging
+    run = tmp_path / "run"
+    shutil.copytree(small_pipeline, run)
+    cmd = [sys.executable, "-m", "rlhf", *quick_ppo(run, "train.max_steps=500", "train.log_every=1")]
+    code, err = _stop_when_logging(cmd, run / "ppo" / "metrics.jsonl", signal.SIGTERM, lines=3)
+    assert code == 143, err[-2000:]
+    assert "stopped by SIGTERM after step" in err
+    ckpts = list((run / "ppo" / "checkpoints").glob("step_*/trainer_state.json"))
+    assert len(ckpts) == 1

@@ -109,3 +109,30 @@ def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):
     assert proc.returncode == 0 and f"resumed from {chosen} (step 2)" in proc.stderr, proc.stderr[-2000:]
     proc = run_cli(*args, "run.resume=step_00000099")
     assert proc.returncode == 2 and "run.resume=step_00000099: not a complete checkpoint" in proc.stderr
+
+
+def _stop_when_logging(cmd, metrics, sig, lines=3, timeout=300):
+    """Starts ``cmd``, sends ``sig`` once ``metrics`` has ``lines`` lines, returns (exit code, stderr)."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and p.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= lines:
+            break
+        time.sleep(0.05)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=timeout)
+    return p.returncode, err
+
+
+def test_sigint_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path):
+    args = [*quick_sft_args(tmp_path, steps=5000), "train.save_every=0", "train.log_every=1"]
+    code, err = _stop_when_logging([sys.executable, "-m", "rlhf", *args], tmp_path / "sft" / "metrics.jsonl",
+                                   signal.SIGINT)
+    assert code == 130, err[-2000:]
+    line = [x for x in err.splitlines() if x.startswith("rlhf: error:")][-1]
+    assert "stopped by SIGINT after step" in line and "rerun the same command to resume" in line
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert (tmp_path / "sft" / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").is_file()
+    proc = run_cli(*quick_sft_args(tmp_path, steps=step + 2), "train.save_every=0")
+    assert proc.returncode == 0 and f"(step {step})" in proc.stderr and "resumed from" in proc.stderr, \
+        proc.stderr[-2000:]

@@ -20,9 +20,12 @@ def hybrid(model, **ecfg):
     return eng, HybridEngine(eng, Tok, EngineConfig(**ecfg))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_hf_generate(family):
-    model = tiny_model(family)
+    model = tiny_model(family, perturb=True)
     prompts = mixed_prompts()
     ref = hf_greedy(model, prompts, 12)
     _, hy = hybrid(model)
@@ -43,16 +46,57 @@ def test_greedy_equals_hf_generate_with_sliding_window():
     assert torch.equal(gen.responses, ref)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+# configs whose every part changes the numbers (random biases and q/k norm weights, windows shorter
+# than the prompts, half-rotary heads): each served exactly, or a test fails
+CONFIGS = {
+    "llama_attention_bias": ("llama", dict(attention_bias=True)),  # q/k/v and o_proj biases
+    "llama_mlp_bias": ("llama", dict(mlp_bias=True)),
+    "qwen3_attention_bias": ("qwen3", dict(attention_bias=True)),
+    # a window on the layers from max_window_layers on only (HF's rule), and from layer_types
+    "qwen2_window_upper_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen2_window_layer_types": ("qwen2", dict(use_sliding_window=True, sliding_window=4, num_hidden_layers=3,
+                                               layer_types=["sliding_attention", "full_attention",
+                                                            "sliding_attention"])),
+    "qwen3_window_upper_layers": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5)),
+    "phi3_window": ("phi3", dict(sliding_window=5)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_greedy_equals_hf_generate_with_config(case):
+    family, kw = CONFIGS[case]
+    model = tiny_model(family, perturb=True, **{k: v for k, v in kw.items() if k != "num_hidden_layers"},
+                       layers=kw.get("num_hidden_layers", 2))
+    prompts = mixed_prompts()
+    ref = hf_greedy(model, prompts, 12)
+    _, hy = hybrid(model)
+    assert hy.inject
+    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
+    assert torch.equal(gen.responses, ref)
+
+
+def test_per_layer_windows_follow_hf():
+    """Qwen2/Qwen3: the window is on the layers ``layer_types`` names (from max_window_layers by default)."""
+    for family in ("qwen2", "qwen3"):
+        _, hy = hybrid(tiny_model(family, layers=4, use_sliding_window=True, sliding_window=5, max_window_layers=3))
+        assert hy.policy.layer_windows == (None, None, None, 5)
+        _, hy = hybrid(tiny_model(family, layers=4, sliding_window=5, max_window_layers=0))  # use_sliding_window=False
+        assert hy.policy.layer_windows == (None,) * 4 and hy.policy.sliding_window is None
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["qwen2_window_upper_layers", "phi3_partial_rotary"])
 def test_logprobs_match_training_mode(family):
-    model = tiny_model(family)
+    family, kw = CONFIGS.get(family, (family, {}))
+    model = tiny_model(family, perturb=True, **kw)
     eng, hy = hybrid(model)
+    assert hy.inject
     sp = SamplingParams(temperature=0.7, max_new_tokens=10, n=2, seed=3)
     gen = hy.generate(mixed_prompts(), sp)
     with torch.no_grad():
         lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
     diff = ((lp - gen.logprobs) * gen.response_mask).abs().max().item()
-    assert diff <= 1e-4, diff
+    assert diff <= 1e-5, diff
 
 
 def test_bf16_logprob_gap_is_small():

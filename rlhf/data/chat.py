@@ -1,0 +1,175 @@
+"""Chat templates: conversations to token ids, with the assistant tokens marked.
+
+``data.chat_template``: ``auto`` renders turns with the tokenizer's own template (the embedded
+tokenizer has a small one: a user turn renders exactly as the synthetic task's prompt), ``none``
+with none, or a Jinja file (also set on the tokenizer, so that it is exported with the model).
+Without a template, ``messages`` data renders with ``FALLBACK_TEMPLATE`` (HH-RLHF's plain
+"\\n\\nHuman: …\\n\\nAssistant: …" text) and the synthetic task keeps its plain text prompts.
+
+A conversation is rendered turn by turn: for each assistant turn ``i`` the text up to it with the
+generation prompt, ``render(turns[:i], add_generation_prompt=True)``, and the text with it,
+``render(turns[:i + 1])``; the difference is that turn's assistant span (its content and the
+template's end-of-turn markup). Each piece is tokenized on its own, the first with the tokenizer's
+special prefix (BOS) unless the template writes it, so that training sequences, PPO prompts and
+gold prompts split into tokens exactly as generation sees them. A final assistant span without EOS
+gets one (the policy must learn to stop).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from rlhf.data.records import Turn
+from rlhf.errors import ConfigError, DataError
+
+# HH-RLHF's plain form (records.plain_text writes the same text). No whitespace control: the
+# newlines are part of the text.
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}\n\nHuman: {{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}\n\nAssistant: {{ m['content'] }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}\n\nAssistant:{% endif %}"
+)
+
+_PROBE = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."},
+          {"role": "user", "content": "And then?"}]
+
+
+def _template_text(tokenizer) -> Optional[str]:
+    t = getattr(tokenizer, "chat_template", None)
+    if isinstance(t, dict):  # named templates: the default one
+        t = t.get("default")
+    return t or None
+
+
+def resolve_template(tokenizer, setting: str, key: str = "data.chat_template") -> Optional[str]:
+    """The template text ``setting`` (auto | none | a file) stands for with this tokenizer, or None
+    (no template). A file's template is set on the tokenizer (it is saved with the exported model);
+    a template that does not render a conversation is a ConfigError."""
+    setting = str(setting)
+    if setting == "none":
+        return None
+    if setting == "auto":
+        return _template_text(tokenizer)
+    path = Path(setting).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{key}={setting}: no such file (expected auto, none or the path of a Jinja chat template)")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}={setting}: cannot read the template: {e}") from None
+    try:
+        render(tokenizer, text, _PROBE, True)
+    except Exception as e:  # jinja2's TemplateSyntaxError, UndefinedError, raise_exception(...)
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key}={setting}: not a usable chat template{line}: {msg}") from None
+    tokenizer.chat_template = text
+    return text
+
+
+def render(tokenizer, template: str, turns: Sequence[Turn], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(turns), chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def special_prefix(tokenizer) -> List[int]:
+    """The ids the tokenizer puts before a text with ``add_special_tokens=True`` (BOS, or none)."""
+    with_, without = (tokenizer("a", add_special_tokens=flag)["input_ids"] for flag in (True, False))
+    for i in range(len(with_) - len(without) + 1):
+        if with_[i:i + len(without)] == without:
+            return with_[:i]
+    return []
+
+
+class Renderer:
+    """Renders and tokenizes conversations with one template (memoised: prompts repeat)."""
+
+    def __init__(self, tokenizer, template: Optional[str]):
+        self.tok = tokenizer
+        self.template = template or FALLBACK_TEMPLATE
+        self.prefix = special_prefix(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        self._texts: Dict[Tuple[str, bool], str] = {}
+
+    def _render(self, turns: Sequence[Turn], gen: bool, where: str) -> str:
+        key = (json.dumps(list(turns), ensure_ascii=False), gen)
+        text = self._texts.get(key)
+        if text is None:
+            try:
+                text = render(self.tok, self.template, turns, gen)
+            except Exception as e:  # the template refuses this conversation (roles, order)
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise DataError(f"{where}: the chat template cannot render this conversation: {msg}") from None
+            self._texts[key] = text
+        return text
+
+    def pieces(self, turns: Sequence[Turn], where: str) -> List[Tuple[str, bool]]:
+        """The conversation as (text, is_assistant) pieces; when the last turn is not the
+        assistant's, it ends with the generation prompt."""
+        out: List[Tuple[str, bool]] = []
+        done = ""
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            before = self._render(turns[:i], True, where) if i else ""
+            after = self._render(turns[:i + 1], False, where)
+            if not before.startswith(done) or not after.startswith(before):
+                raise DataError(f"{where}: the chat template does not render this conversation turn by turn "
+                                f"(turn {i} rewrites the text before it), so its assistant tokens cannot be "
+                                f"marked; use another data.chat_template")
+            out += [(before[len(done):], False), (after[len(before):], True)]
+            done = after
+        if turns and turns[-1]["role"] != "assistant":
+            before = self._render(turns, True, where)
+            if not before.startswith(done):
+                raise DataError(f"{where}: the chat template does not render this conversation turn by turn; "
+                                f"use another data.chat_template")
+            out.append((before[len(done):], False))
+        return out
+
+    def encode(self, conversations: Sequence[Sequence[Turn]], wheres: Sequence[str],
+               final_eos: bool = True) -> List[Tuple[List[int], List[int], int]]:
+        """(ids, assistant mask, start of the last piece) of each conversation. ``final_eos``: a
+        conversation that ends with an assistant turn gets EOS after it when its span has none."""
+        all_pieces = [self.pieces(c, w) for c, w in zip(conversations, wheres)]
+        flat = [text for ps in all_pieces for text, _ in ps]
+        ids_flat = self.tok(flat, add_special_tokens=False)["input_ids"] if flat else []
+        out, k = [], 0
+        for conv, ps in zip(conversations, all_pieces):
+            ids: List[int] = []
+            mask: List[int] = []
+            last = 0
+            for j, (text, is_assistant) in enumerate(ps):
+                piece = list(ids_flat[k])
+                k += 1
+                if j == len(ps) - 1:
+                    last = len(ids) + (len(self.prefix) if j == 0 and self.prefix and
+                                       piece[:len(self.prefix)] != self.prefix else 0)
+                if j == 0 and self.prefix and piece[:len(self.prefix)] != self.prefix:
+                    ids += self.prefix
+                    mask += [0] * len(self.prefix)
+                if (is_assistant and final_eos and j == len(ps) - 1 and self.eos is not None
+                        and self.eos not in piece):
+                    piece.append(self.eos)
+                ids += piece
+                mask += [1 if is_assistant else 0] * len(piece)
+            out.append((ids, mask, last))
+        return out
+
+
+def uses_chat(example, template: Optional[str]) -> bool:
+    """Whether ``example`` goes through a Renderer: turns data always, the synthetic task when
+    there is a template (its plain text is the same record without one)."""
+    return example.chat is not None and (template is not None or example.chat.needs_template)
+
+
+def template_key(template: Optional[str]) -> Optional[str]:
+    """A short digest of a template (for cache keys)."""
+    if template is None:
+        return None
+    import hashlib
+    return hashlib.sha256(template.encode()).hexdigest()[:16]
