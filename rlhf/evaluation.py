@@ -6,10 +6,11 @@ Greedy gold is reported beside as ``gold/score_greedy``, never as the headline.
 """
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from rlhf.config import EvalConfig
 from rlhf.data.records import Example
+from rlhf.data.tokenize import encode_prompts
 from rlhf.engine.mesh import Mesh
 from rlhf.ops import SamplingParams
 from rlhf.runtime import rank_batches
@@ -20,13 +21,15 @@ def gold_prompts(held_out: List[Example], ecfg: EvalConfig) -> List[Example]:
 
 
 def gold_score(generate, tokenizer, held_out: List[Example], scorer: Callable[[str, str], float],
-               ecfg: EvalConfig, mesh: Mesh) -> dict:
+               ecfg: EvalConfig, mesh: Mesh, chat: Optional[str] = None) -> dict:
     """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params)``
-    is a hybrid engine's (every rank calls it with its share of the prompts); means are global."""
+    is a hybrid engine's (every rank calls it with its share of the prompts); means are global.
+    ``chat``: the chat template the prompts go through (``chat.resolve_template``), as in training."""
     examples = gold_prompts(held_out, ecfg)
     if not examples:
         return {}
-    encoded = tokenizer([e.prompt for e in examples], add_special_tokens=True)["input_ids"]
+    encoded = encode_prompts(examples, tokenizer, chat)
+    max_new = ecfg.max_new_tokens or 16
     results = {}
     modes = [("gold/score", ecfg.temperature, ecfg.gold_samples)]
     if ecfg.greedy_too and ecfg.temperature > 0:
@@ -34,7 +37,7 @@ def gold_score(generate, tokenizer, held_out: List[Example], scorer: Callable[[s
     for key, temperature, samples in modes:
         total, count = 0.0, 0
         for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):  # collective calls
-            sp = SamplingParams(temperature=temperature, max_new_tokens=ecfg.max_new_tokens, n=samples,
+            sp = SamplingParams(temperature=temperature, max_new_tokens=max_new, n=samples,
                                 seed=ecfg.seed + b * ecfg.batch_size)
             gen = generate([encoded[i] for i in ix], sp)
             texts = tokenizer.batch_decode(

@@ -19,8 +19,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf import interrupt
 from rlhf.algorithms import ppo as A
 from rlhf.config import Config
+from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
+from rlhf.data.tokenize import tokenize_prompts
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
@@ -60,8 +62,9 @@ def run(cfg: Config) -> None:
         raise ConfigError(f"ppo.prompts_per_step={p.prompts_per_step} is not divisible by the world size "
                           f"{mesh.world_size}")
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
-    prompt_ids = [x[-cfg.data.max_prompt_len:] for x in
-                  tokenizer([e.prompt for e in data.train], add_special_tokens=True)["input_ids"]]
+    chat = resolve_template(tokenizer, cfg.data.chat_template)  # as in SFT: prompts through the chat template
+    prompt_ids = tokenize_prompts(data.train, tokenizer, cfg.data.max_prompt_len, chat,
+                                  max_new_tokens=p.max_new_tokens)["prompt"]
     ptx_data = ptx.load_data(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None
     stats = {"mean": 0.0, "std": 1.0}
     if rm_src is not None and (rm_src / "reward_stats.json").is_file():
@@ -105,7 +108,7 @@ def run(cfg: Config) -> None:
     def evaluate(step):
         if data.gold is None:
             return
-        res = gold_score(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh)
+        res = gold_score(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat)
         metrics.log(step, **res)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items()))
 

@@ -13,6 +13,7 @@ import time
 
 from rlhf import interrupt
 from rlhf.config import Config
+from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
@@ -48,14 +49,12 @@ def run(cfg: Config) -> None:
             raise ConfigError(f"data.format={d.format} has no preference pairs (use prompt_chosen_rejected, "
                               f"hh or synthetic)")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
-    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len)
+    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len,
+                chat=resolve_template(tokenizer, d.chat_template))
     train_cols = cached("pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh,
                         lambda: tokenize_pairs(data.train, tokenizer, **lens))
     eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
                        lambda: tokenize_pairs(data.eval, tokenizer, **lens))
-    if train_cols["dropped"][0]:
-        log.warning("dropped %d training pairs whose response is longer than data.max_response_len=%d",
-                    train_cols["dropped"][0], d.max_response_len)
     require_batches(len(train_cols["chosen"]), t.global_batch, f"data ({data.description})")
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")

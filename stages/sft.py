@@ -13,6 +13,7 @@ import time
 from rlhf import interrupt
 from rlhf.config import Config
 from rlhf.data import synthetic
+from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
@@ -54,7 +55,8 @@ def run(cfg: Config) -> None:
                   else text_corpus(data.train))
         tokenizer = loading.train_embedded_tokenizer(corpus, cfg.model, mesh)
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
-    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len)
+    chat = resolve_template(tokenizer, d.chat_template)  # data.chat_template (a file's is exported too)
+    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len, chat=chat)
     train_cols = cached("sft", data.train, tokenizer, lens, ctx.cache_dir, mesh,
                         lambda: tokenize_sft(data.train, tokenizer, **lens))
     eval_cols = cached("sft-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
@@ -77,14 +79,15 @@ def run(cfg: Config) -> None:
 
     def collate(indices):
         return collate_sft([train_cols["ids"][i] for i in indices],
-                           [train_cols["prompt_len"][i] for i in indices], pad, d.mask_prompt)
+                           [train_cols["prompt_len"][i] for i in indices], pad, d.mask_prompt,
+                           [train_cols["mask"][i] for i in indices])
 
     def evaluate(step):
         results = {}
         if eval_cols is not None:
             results["eval/loss"] = eval_loss(engine, eval_cols, pad, d.mask_prompt, micro, mesh)
         if data.gold is not None:
-            results.update(gold_score(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh))
+            results.update(gold_score(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
         metrics.log(step, **results)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
         return results
@@ -166,7 +169,7 @@ def eval_loss(engine, cols, pad, mask_prompt, micro, mesh) -> float:
     with torch.no_grad():
         for ix in rank_batches(len(cols["ids"]), micro, mesh):
             b = collate_sft([cols["ids"][i] for i in ix or [0]], [cols["prompt_len"][i] for i in ix or [0]],
-                            pad, mask_prompt)
+                            pad, mask_prompt, [cols["mask"][i] for i in ix or [0]])
             logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
                                     attention_mask=b["attention_mask"].to(mesh.device)).logits
             nll, n = shifted_nll_sum(logits, b["labels"].to(mesh.device))

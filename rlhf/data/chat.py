@@ -136,8 +136,7 @@ class Renderer:
         """(ids, assistant mask, start of the last piece) of each conversation. ``final_eos``: a
         conversation that ends with an assistant turn gets EOS after it when its span has none."""
         all_pieces = [self.pieces(c, w) for c, w in zip(conversations, wheres)]
-        flat = [text for ps in all_pieces for text, _ in ps]
-        ids_flat = self.tok(flat, add_special_tokens=False)["input_ids"] if flat else []
+        ids_flat = encode_unique(self.tok, [text for ps in all_pieces for text, _ in ps], False)
         out, k = [], 0
         for conv, ps in zip(conversations, all_pieces):
             ids: List[int] = []
@@ -159,6 +158,15 @@ class Renderer:
                 mask += [1 if is_assistant else 0] * len(piece)
             out.append((ids, mask, last))
         return out
+
+
+def encode_unique(tokenizer, texts: Sequence[str], add_special_tokens: bool) -> List[List[int]]:
+    """``tokenizer(texts)["input_ids"]``, each distinct text tokenized once (fresh lists)."""
+    if not texts:
+        return []
+    unique = list(dict.fromkeys(texts))
+    ids = dict(zip(unique, tokenizer(unique, add_special_tokens=add_special_tokens)["input_ids"]))
+    return [list(ids[t]) for t in texts]
 
 
 def uses_chat(example, template: Optional[str]) -> bool:

@@ -2,16 +2,17 @@
 
 Order of operations, per source: read (or generate) → seeded shuffle → held-out records
 (the same for every stage, so gold scores compare across stages) → the stage's ``data.split``
-share of the rest. Sources are then blended by weight.
+share of the rest. Sources are then blended by weight. With ``data.eval_path`` the held-out records
+are that file's (a seeded sample of ``data.eval_size``) and nothing is carved out of the sources.
 """
 from __future__ import annotations
 
 import logging
 import random
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
-from rlhf.config import STAGES, DataConfig, parse_split
+from rlhf.config import STAGES, DataConfig, SourceConfig, parse_split
 from rlhf.data import synthetic
 from rlhf.data.gold import scorer_for
 from rlhf.data.records import Example, read_examples
@@ -40,21 +41,38 @@ def split_share(n: int, weights: List[float], index: int) -> slice:
     return slice(bounds[index], bounds[index + 1])
 
 
-def _load_source(path, fmt, dcfg: DataConfig, seed: int, stage: str):
+def _read(src: SourceConfig, dcfg: DataConfig, key: str = "data.path", split_key: str = "data.hf_split"):
+    return read_examples(src.path, src.format, dcfg.on_bad_record, columns=src.columns,
+                         split=src.hf_split or dcfg.hf_split, config=src.hf_config or dcfg.hf_config,
+                         key=key, split_key=split_key)
+
+
+def _load_source(src: SourceConfig, dcfg: DataConfig, seed: int, stage: str):
+    path, fmt = src.path, src.format
     if fmt == "synthetic":
         train, held_out = synthetic.generate(dcfg.synthetic, dcfg.eval_size, seed)
         skipped = 0
     else:
-        records, skipped = read_examples(path, fmt, dcfg.on_bad_record)
+        records, skipped = _read(src, dcfg)
         random.Random(seed).shuffle(records)
-        n_eval = min(dcfg.eval_size, len(records) // 10)
+        n_eval = 0 if dcfg.eval_path else min(dcfg.eval_size, len(records) // 10)
         held_out, train = records[:n_eval], records[n_eval:]
+    if dcfg.eval_path:
+        held_out = []  # data.eval_path's records instead
     if dcfg.split is not None:
         train = train[split_share(len(train), parse_split(str(dcfg.split)), STAGES.index(stage))]
     if not train:
         raise DataError(f"data.path={path}: no training records left for stage {stage} "
                         f"(data.split={dcfg.split})")
     return train, held_out, skipped
+
+
+def load_eval(dcfg: DataConfig, seed: int) -> Tuple[List[Example], int]:
+    """data.eval_path's held-out records: a seeded sample of at most data.eval_size."""
+    src = dcfg.eval_source()
+    records, skipped = _read(src, dcfg, key="data.eval_path", split_key="data.eval_hf_split")
+    random.Random(seed + 104729).shuffle(records)
+    return records[:dcfg.eval_size], skipped
 
 
 def blend(parts: List[List[Example]], weights: List[float], seed: int) -> List[Example]:
@@ -80,14 +98,20 @@ def load_stage_data(dcfg: DataConfig, stage: str, seed: int) -> StageData:
     sources = dcfg.source_list()
     trains, evals, skipped = [], [], 0
     for i, src in enumerate(sources):
-        tr, ev, sk = _load_source(src.path, src.format, dcfg, seed + 7919 * i, stage)
+        tr, ev, sk = _load_source(src, dcfg, seed + 7919 * i, stage)
         trains.append(tr)
         evals.extend(ev)
         skipped += sk
+    formats = {src.format for src in sources}
+    if dcfg.eval_path:
+        evals, sk = load_eval(dcfg, seed)
+        skipped += sk
+        formats.add(dcfg.eval_source().format)
     if skipped:
         log.warning("skipped %d malformed records (data.on_bad_record=skip)", skipped)
-    scorers = {src.format for src in sources}
-    gold = scorer_for(sources[0].format) if len(scorers) == 1 else None
+    gold = scorer_for(sources[0].format) if len(formats) == 1 else None
     train = blend(trains, [s.weight for s in sources], seed)
     desc = ", ".join(f"{s.format}:{s.path or 'generated'}" for s in sources)
+    if dcfg.eval_path:
+        desc += f"; held out: {dcfg.eval_source().format}:{dcfg.eval_path}"
     return StageData(train=train, eval=evals, gold=gold, skipped=skipped, description=desc)

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rlhf.data.chat import Renderer, template_key, uses_chat
+from rlhf.data.chat import Renderer, encode_unique, template_key, uses_chat
 from rlhf.data.records import Example
 from rlhf.engine.mesh import Mesh
 from rlhf.errors import ConfigError, DataError
@@ -45,7 +45,8 @@ def tokenizer_fingerprint(tok) -> str:
 
 
 def _encode(tok, texts: Sequence[str], special: bool) -> List[List[int]]:
-    return tok(list(texts), add_special_tokens=special)["input_ids"] if texts else []
+    """Token ids of each text; repeated texts (prompts and answers repeat) are tokenized once."""
+    return encode_unique(tok, texts, special)
 
 
 def p95(lengths: Sequence[int]) -> int:

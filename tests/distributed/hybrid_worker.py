@@ -34,10 +34,21 @@ def step_loss(eng, batch):
     return loss.item()
 
 
-def check(mesh, family: str, tp: int, hybrid: bool = True) -> dict:
+# families with every part that changes the numbers (random biases and q/k norm weights), and
+# configs whose row-parallel biases (o_proj, down_proj: added once over the TP group), per-layer
+# windows and partial rotary must survive TP slicing
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+CONFIGS = {
+    "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5, sliding_window=6)),
+}
+
+
+def check(mesh, family: str, tp: int, hybrid: bool = True, **kw) -> dict:
     mesh.inference_tp_size, mesh._tp_group = tp, None
     ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=hybrid, precision="fp32")
-    model = tiny_model(family)
+    model = tiny_model(family, perturb=True, **kw)
     ref = copy.deepcopy(model)
     prompts = mixed_prompts(n=4 + mesh.rank, seed=mesh.rank)  # ranks hold different prompts
     eng = TrainEngine(model, mesh, ecfg, TrainConfig(lr=1e-2, warmup_steps=0))
@@ -73,9 +84,11 @@ def no_corruption(mesh) -> list:
 def main(out: str) -> None:
     mesh = init_mesh(EngineConfig(timeout_s=120, precision="fp32"))
     res = {}
-    for family in ("llama", "qwen2", "mistral"):
+    for family in FAMILIES:
         for tp in (1, 2):
             res[f"{family}_tp{tp}"] = check(mesh, family, tp)
+    for name, (family, kw) in CONFIGS.items():
+        res[f"{name}_tp2"] = check(mesh, family, 2, **kw)
     res["llama_hf_fsdp"] = check(mesh, "llama", 1, hybrid=False)
     res["no_corruption"] = no_corruption(mesh)
     gathered = mesh.all_gather_object(res)

@@ -70,12 +70,15 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
                                       ("hh", "hh-rlhf/harmless-base-test.jsonl.gz")])
 def test_real_data_sft(shared_data, tmp_path, fmt, rel):
     proc = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={shared_data / rel}", f"data.format={fmt}",
-                   "train.max_steps=4", "train.global_batch=8", "train.save_every=0", "logger.progress=false",
-                   "data.max_prompt_len=96", "data.max_response_len=64", "eval.gold_prompts=8",
-                   "eval.max_new_tokens=8", "data.eval_size=16")
+                   "train.max_steps=30", "train.global_batch=8", "train.save_every=0", "logger.progress=false",
+                   "train.log_every=1", "train.warmup_steps=5", "data.max_prompt_len=96", "data.max_response_len=64",
+                   "eval.gold_prompts=8", "eval.max_new_tokens=8", "data.eval_size=16")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "sft" / "metrics.jsonl")
-    assert all(r["loss"] > 0 for r in rows if "loss" in r)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 30
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.9 * first, (first, last)  # it learns the real data (measured: hh 6.04 → 5.14, gsm8k more)
     final = rows[-1]
     assert "eval/loss" in final
     assert ("gold/score" in final) == (fmt == "gsm8k")

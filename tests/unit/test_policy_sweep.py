@@ -1,0 +1,138 @@
+"""A sweep of configs that trip injection policies: each one is either injected and generates the
+greedy tokens of HF generate exactly, or falls back to HF generate with a one-line warning that
+says why — never an approximate injection.
+
+Biases and q/k norm weights are random (``perturb``), windows shorter than the prompts, and the
+RoPE variants change the frequencies, so that a part the inference modules got wrong would show in
+the tokens.
+"""
+import logging
+
+import pytest
+import torch
+
+from rlhf.ops import SamplingParams
+from tests.infer_helpers import BOS, EOS, PAD, hf_greedy, mixed_prompts, tiny_model
+from tests.unit.test_inference import hybrid
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8, "rope_theta": 10000.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+
+
+def longrope(rotary_dim: int = 16):
+    n = rotary_dim // 2
+    return {"rope_type": "longrope", "short_factor": [1.0 + i / n for i in range(n)],
+            "long_factor": [2.0 + i / n for i in range(n)], "original_max_position_embeddings": 128,
+            "rope_theta": 10000.0}
+
+
+# name: (family, config fields, expected: None = injected, else a phrase of the fallback reason)
+CASES = {
+    # biases
+    "llama_mlp_bias": ("llama", dict(mlp_bias=True), None),
+    "llama_attention_bias": ("llama", dict(attention_bias=True), None),
+    "llama_all_biases_untied": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False), None),
+    "qwen2_qkv_bias": ("qwen2", {}, None),
+    "qwen3_attention_bias": ("qwen3", dict(attention_bias=True), None),
+    # sliding windows: every layer, some layers, none
+    "mistral_window_all_layers": ("mistral", dict(sliding_window=4), None),
+    "qwen2_window_all_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0), None),
+    "qwen2_window_some_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), None),
+    "qwen2_window_off": ("qwen2", dict(use_sliding_window=False, sliding_window=4, max_window_layers=0), None),
+    "qwen3_window_some_layers": ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), None),
+    "phi3_window": ("phi3", dict(sliding_window=4), None),
+    # RoPE variants: static frequencies are served, frequencies that change with the length are not
+    "llama_rope_linear": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                         "rope_theta": 10000.0}), None),
+    "llama_rope_llama3": ("llama", dict(rope_parameters=LLAMA3), None),
+    "llama_rope_yarn": ("llama", dict(rope_parameters=YARN), None),
+    "qwen3_rope_yarn": ("qwen3", dict(rope_parameters=YARN), None),
+    "llama_rope_dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                          "rope_theta": 10000.0}), "RoPE type 'dynamic'"),
+    "llama_rope_longrope": ("llama", dict(rope_parameters=longrope()), "RoPE type 'longrope'"),
+    "phi3_rope_longrope": ("phi3", dict(rope_parameters=longrope()), "RoPE type 'longrope'"),
+    "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5), None),
+    # tied / untied embeddings
+    "llama_untied": ("llama", dict(tie_word_embeddings=False), None),
+    "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True), None),
+    "qwen3_tied": ("qwen3", dict(tie_word_embeddings=True), None),
+    "phi3_tied": ("phi3", dict(tie_word_embeddings=True), None),
+    # head_dim != hidden / heads
+    "llama_head_dim": ("llama", dict(head_dim=32), None),
+    "mistral_head_dim": ("mistral", dict(head_dim=8), None),
+    "qwen3_head_dim": ("qwen3", dict(head_dim=32), None),
+    # other activations
+    "llama_gelu": ("llama", dict(hidden_act="gelu"), "activation gelu"),
+}
+
+
+def _other(family: str, **kw):
+    """A tiny model of a family without a policy (built from its config class; random init)."""
+    import transformers
+    cls = getattr(transformers, {"gemma2": "Gemma2Config", "mixtral": "MixtralConfig",
+                                 "qwen2_moe": "Qwen2MoeConfig"}[family])
+    cfg = cls(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=BOS,
+              eos_token_id=EOS, **kw)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+OTHERS = {
+    "gemma2_softcapping": ("gemma2", dict(head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
+    "mixtral_moe": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=64)),
+}
+
+NEW = 8
+GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, min_new_tokens=NEW)
+
+
+class _Warnings(logging.Handler):
+    """The warnings the ``rlhf`` logger emits (whatever its propagation and level setup)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _check(model, expected):
+    prompts = mixed_prompts(5)
+    ref = hf_greedy(model, prompts, NEW)
+    logger, catch = logging.getLogger("rlhf"), _Warnings()
+    level, logger.level = logger.level, min(logger.level or logging.WARNING, logging.WARNING)
+    logger.addHandler(catch)
+    try:
+        _, hy = hybrid(model)
+    finally:
+        logger.removeHandler(catch)
+        logger.setLevel(level)
+    warnings = catch.lines
+    gen = hy.generate(prompts, GREEDY)
+    if expected is None:  # injected: exactly HF's tokens, and not a word of warning
+        assert hy.inject, warnings
+        assert not warnings, warnings
+        assert gen.logprobs is not None
+    else:  # HF generate, with one line that says why
+        assert not hy.inject
+        assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+        assert expected in warnings[0] and "HF generate" in warnings[0], warnings
+        assert gen.logprobs is None
+    assert torch.equal(gen.responses, ref)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_policy_sweep(case):
+    family, kw, expected = CASES[case]
+    _check(tiny_model(family, perturb=True, **kw), expected)
+
+
+@pytest.mark.parametrize("case", list(OTHERS))
+def test_families_without_policy_fall_back(case):
+    family, kw = OTHERS[case]
+    _check(_other(family, **kw), f"model family '{family}' has no injection policy")
