@@ -1,4 +1,4 @@
-"""Per-rank bytes of parameters + gradients + optimizer state for ZeRO 0/2/3 (JSON lines, CONTRACT.md).
+"""Per-rank bytes of parameters + gradients + optimizer state for ZeRO 0/1/2/3 (JSON lines, CONTRACT.md).
 
     python bench/memory.py [--workload small] [--world-sizes 2 4] [--precision fp32 bf16]
 
@@ -9,9 +9,9 @@ after backward, after the optimizer step), the bytes of the tensors this rank ho
 state. The figure is the peak of their sum. Next to it, the seed's formulas for the same Ψ and N:
 
   mixed precision (bf16/fp16 params and grads, fp32 master + Adam, K=12):
-    ZeRO-0 16Ψ    ZeRO-2 2Ψ + 14Ψ/N    ZeRO-3 16Ψ/N
+    ZeRO-0 16Ψ    ZeRO-1 4Ψ + 12Ψ/N    ZeRO-2 2Ψ + 14Ψ/N    ZeRO-3 16Ψ/N
   fp32 equivalent (fp32 params, grads and Adam m, v: 4 + 4 + 8 bytes):
-    ZeRO-0 16Ψ    ZeRO-2 4Ψ + 12Ψ/N    ZeRO-3 16Ψ/N
+    ZeRO-0 16Ψ    ZeRO-1 8Ψ + 8Ψ/N     ZeRO-2 4Ψ + 12Ψ/N    ZeRO-3 16Ψ/N
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ from common import WORKLOADS, device_label, llama_config  # noqa: E402  (CONTRAC
 def formula(zero: int, psi: int, n: int, precision: str) -> float:
     if zero == 0:
         return 16 * psi
-    if zero in (1, 2):
+    if zero == 1:  # parameters and gradients replicated, optimizer state (master + Adam) sharded
+        return 4 * psi + 12 * psi / n if precision == "bf16" else 8 * psi + 8 * psi / n
+    if zero == 2:
         return 2 * psi + 14 * psi / n if precision == "bf16" else 4 * psi + 12 * psi / n
     return 16 * psi / n
 
@@ -66,7 +68,8 @@ def _held_bytes(engine) -> dict:
                     params += _local_bytes(fp.sharded_param)
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None and id(p) in seen)
     optim = 0
-    for st in engine.optimizer.state.values():
+    # ZeRO-1's ZeroRedundancyOptimizer holds this rank's share in its local optimizer (.optim)
+    for st in getattr(engine.optimizer, "optim", engine.optimizer).state.values():
         for k, v in st.items():
             if k != "step" and isinstance(v, torch.Tensor):
                 optim += _local_bytes(v)
@@ -85,7 +88,7 @@ def worker(workload: str, precision: str, out: str) -> None:
     w = WORKLOADS[workload]
     cfg = llama_config(w, max_position_embeddings=256)
     rows = []
-    for zero in (0, 2, 3):
+    for zero in (0, 1, 2, 3):
         torch.manual_seed(0)
         if mesh.is_main:
             model = LlamaForCausalLM(cfg)

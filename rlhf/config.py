@@ -8,7 +8,7 @@ starts; a bad value raises ``ConfigError`` (exit code 2) naming the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from rlhf.errors import ConfigError
 
@@ -90,7 +90,8 @@ class SourceConfig:
     format: str = "synthetic"
     weight: float = 1.0
     # the format's field names -> this dataset's, e.g. {prompt: instruction, response: output}
-    columns: Dict[str, str] = field(default_factory=dict)
+    # (typed Any: a typed dict would refuse new keys from the command line under Hydra's struct mode)
+    columns: Any = None
     hf_split: Optional[str] = None  # split of a DatasetDict folder or hub dataset; None = data.hf_split
     hf_config: Optional[str] = None  # hub dataset config (subset); None = data.hf_config
 
@@ -104,8 +105,13 @@ class SourceConfig:
 
 def check_columns(columns, fmt: str, key: str) -> None:
     """data.columns maps the format's own field names (keys) to the dataset's (values)."""
+    if columns is None:
+        return
+    if not isinstance(columns, dict):
+        raise ConfigError(f"{key}={columns!r} is invalid: expected a mapping of the format's fields to the "
+                          f"dataset's columns, e.g. {key}={{prompt: instruction, response: output}}")
     fields = FORMAT_FIELDS[fmt]
-    for name, column in (columns or {}).items():
+    for name, column in columns.items():
         if name not in fields:
             expected = ("none: data.format=synthetic is generated" if not fields
                         else "one of " + ", ".join(fields))
@@ -135,7 +141,7 @@ class DataConfig:
     # the single (path, format, columns, hf_split, hf_config) of this group.
     sources: List[SourceConfig] = field(default_factory=list)
     # the format's field names -> the dataset's, e.g. {prompt: instruction, response: output} (Alpaca)
-    columns: Dict[str, str] = field(default_factory=dict)
+    columns: Any = None
     hf_split: str = "train"  # the split of a DatasetDict folder (save_to_disk) or of a hub dataset
     hf_config: Optional[str] = None  # a hub dataset's config (subset), e.g. main for openai/gsm8k
     # auto: the tokenizer's chat template where it has one (messages data and the embedded task);
@@ -174,11 +180,19 @@ class DataConfig:
         if self.split is not None:
             parse_split(str(self.split))
         self._check_eval_and_template()
+        for key in ("max_prompt_len", "max_response_len"):
+            v = getattr(self, key)
+            _check(v is None or v > 0, f"data.{key}", v, "a positive integer (unset = per data.format)")
+
+    def resolve(self) -> "DataConfig":
+        """Unset lengths take the format's defaults (the longest of a blend's). Called when the whole
+        config is built (not in __post_init__: Hydra instantiates the default group while building
+        its schema, which would freeze the synthetic task's numbers for every format)."""
         formats = [s.format for s in self.source_list()]
         for i, key in enumerate(("max_prompt_len", "max_response_len")):
-            if getattr(self, key) is None:  # the format's default (the longest of a blend's)
+            if getattr(self, key) is None:
                 setattr(self, key, max(DEFAULT_LENGTHS[f][i] for f in formats))
-            _check(getattr(self, key) > 0, f"data.{key}", getattr(self, key), "a positive integer")
+        return self
 
     def _check_eval_and_template(self) -> None:
         if self.eval_format is not None:
@@ -220,7 +234,7 @@ class DataConfig:
         short), else data.max_response_len (a GSM8K answer needs room to reach its '####')."""
         if all(s.format == "synthetic" for s in self.source_list()):
             return 16
-        return int(self.max_response_len)
+        return int(self.resolve().max_response_len)
 
 
 def parse_split(spec: str) -> List[float]:
@@ -496,6 +510,7 @@ class Config:
 
     def __post_init__(self):
         _check(self.stage in STAGES, "stage", self.stage, "one of " + ", ".join(STAGES))
+        self.data.resolve()  # unset data.max_prompt_len / max_response_len: per data format
         self.eval.resolve(self.data)  # eval.max_new_tokens=None: per data format
         if self.stage == "ppo":
             self.check_ppo()

@@ -30,12 +30,13 @@ class RewardScorer:
     def __init__(self, model_dir: str, device: str = "cpu", trust_remote_code: bool = False):
         from transformers import AutoModelForSequenceClassification
 
-        from rlhf.models.loading import load_tokenizer
+        from rlhf.models.loading import build_model, load_tokenizer
         from rlhf.models.value import ScalarHeadModel
         self.dir = Path(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir), trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code).to(device)
+        # (a pad that load_tokenizer adds is a row of the embeddings: resized like in the stages)
+        self.model = build_model(AutoModelForSequenceClassification, path=str(model_dir),
+                                 trust_remote_code=trust_remote_code, tokenizer=self.tokenizer).to(device)
         self.model.eval()
         self.values = ScalarHeadModel(self.model)
         self.device = device

@@ -72,16 +72,16 @@ def run(cfg: Config) -> None:
 
     updates_per_step = p.ppo_epochs * p.minibatches_per_epoch
     total_updates = t.max_steps * updates_per_step
-    actor = TrainEngine(causal_lm(cfg, actor_src, mesh), mesh, cfg.engine, t, total_steps=total_updates)
+    actor = TrainEngine(causal_lm(cfg, actor_src, mesh, tokenizer), mesh, cfg.engine, t, total_steps=total_updates)
     hybrid = HybridEngine(actor, tokenizer, cfg.engine)
     # The critic starts as the reward model, rescaled to the normalised rewards it will predict.
     critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" else 1.0
-    critic = (TrainEngine(scalar_model(cfg, rm_src, mesh, critic_scale), mesh, cfg.engine, t,
+    critic = (TrainEngine(scalar_model(cfg, rm_src, mesh, tokenizer, critic_scale), mesh, cfg.engine, t,
                           total_steps=total_updates, lr=p.critic_lr) if alg.estimator == "gae" else None)
     scorers = experience.Scorers(  # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
-        ref=FrozenModel(causal_lm(cfg, actor_src, mesh), mesh, cfg.engine) if alg.kl_coef > 0 else None,
+        ref=FrozenModel(causal_lm(cfg, actor_src, mesh, tokenizer), mesh, cfg.engine) if alg.kl_coef > 0 else None,
         critic=critic,
-        reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh), mesh, cfg.engine) if p.use_reward_model else None,
+        reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, cfg.engine) if p.use_reward_model else None,
         reward_stats=stats, running=A.RunningMoments(), rule=rule, rule_weight=p.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format, gold=data.gold)
     ema = EMA(actor, p.ema_decay) if p.ema_decay else None
@@ -196,17 +196,18 @@ def inputs(cfg: Config):
     return str(actor_src), rm_src
 
 
-def causal_lm(cfg: Config, src: str, mesh):
+def causal_lm(cfg: Config, src: str, mesh, tokenizer):
     model_cfg = loading.load_config(src, cfg.model.trust_remote_code)
     return loading.build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
-                               trust_remote_code=cfg.model.trust_remote_code)
+                               trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
 
 
-def scalar_model(cfg: Config, src, mesh, scale: float = 1.0) -> ScalarHeadModel:
+def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0) -> ScalarHeadModel:
     """The reward model's architecture and weights as a scalar-head model (the critic's head scaled)."""
     model_cfg = loading.load_config(str(src), cfg.model.trust_remote_code)
     model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, path=str(src),
-                                on_meta=not mesh.is_main, trust_remote_code=cfg.model.trust_remote_code)
+                                on_meta=not mesh.is_main, trust_remote_code=cfg.model.trust_remote_code,
+                                tokenizer=tokenizer)
     if scale != 1.0 and mesh.is_main:
         with torch.no_grad():
             head_module(model).weight.mul_(scale)

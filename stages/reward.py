@@ -63,13 +63,13 @@ def run(cfg: Config) -> None:
     model_cfg.num_labels, model_cfg.pad_token_id = 1, tokenizer.pad_token_id
     if mesh.is_main:
         model = loading.build_model(AutoModelForSequenceClassification, path=source, config=model_cfg,
-                                    trust_remote_code=cfg.model.trust_remote_code)
+                                    trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.run.seed)
             init_head(model)
     else:
         model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True,
-                                    trust_remote_code=cfg.model.trust_remote_code)
+                                    trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
     engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, t)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)

@@ -64,9 +64,7 @@ def run(cfg: Config) -> None:
 
     model = loading.build_model(AutoModelForCausalLM, config=model_cfg, path=cfg.model.path,
                                 on_meta=not mesh.is_main, seed=cfg.run.seed,
-                                trust_remote_code=cfg.model.trust_remote_code)
-    if mesh.is_main:
-        loading.resize_for_tokenizer(model, tokenizer)
+                                trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
     engine = TrainEngine(model, mesh, cfg.engine, t)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)

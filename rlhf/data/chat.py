@@ -23,15 +23,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from rlhf.data.records import Turn
 from rlhf.errors import ConfigError, DataError
 
-# HH-RLHF's plain form (records.plain_text writes the same text). No whitespace control: the
-# newlines are part of the text.
+# HH-RLHF's plain form (records.plain_text writes the same text). The newlines are string literals:
+# Transformers renders with trim_blocks, which would eat a newline right after a block tag.
 FALLBACK_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}"
-    "{% elif m['role'] == 'user' %}\n\nHuman: {{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}\n\nAssistant: {{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}{{ '\\n\\nHuman: ' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '\\n\\nAssistant: ' + m['content'] }}"
     "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}\n\nAssistant:{% endif %}"
+    "{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}"
 )
 
 _PROBE = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."},

@@ -1,7 +1,6 @@
 """Gold scorers: rules that say how good a response really is (never seen by the reward model)."""
 from __future__ import annotations
 
-import re
 from typing import Callable, Optional
 
 from rlhf.data import synthetic

@@ -193,23 +193,24 @@ def report_lengths(kind: str, cols: Columns, params: dict, warn: bool = True) ->
                             f"{answers} responses that have one ({kind} data; 95% of its responses fit in "
                             f"{r_p95} tokens): nothing would learn to answer, raise data.max_response_len")
         if prompt_cut:
-            parts.append(f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} (95% fit in {p_p95})")
+            parts.append(f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} "
+                         f"(95% fit in {p_p95} tokens)")
         if response_cut:
+            lost_part = f", {_pct(lost, answers)} of the answers ('####') with it" if lost else ""
             parts.append(f"{_pct(response_cut, n)} their response cut to data.max_response_len={mr} "
-                         f"(95% fit in {r_p95})" + (f", {_pct(lost, answers)} of the answers ('####') with it"
-                                                   if lost else ""))
+                         f"(95% fit in {r_p95} tokens){lost_part}")
     elif kind.startswith("pairs"):
         n, prompt_cut, dropped, p_p95, r_p95 = stats
         if dropped:
             parts.append(f"{_pct(dropped, n)} are dropped, their response longer than data.max_response_len={mr} "
-                         f"(95% fit in {r_p95})")
+                         f"(95% fit in {r_p95} tokens)")
         if prompt_cut:
-            parts.append(f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} (95% fit in {p_p95})")
+            parts.append(f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} "
+                         f"(95% fit in {p_p95} tokens)")
     else:
         return
     if parts and warn and not kind.endswith("-eval"):
-        msg = (f"{kind} data: of {n} records, " + "; ".join(parts) +
-               ": raise the key named to keep more (95% of the records fit in the lengths given)")
+        msg = f"{kind} data: of {n} records, " + "; ".join(parts) + " (raise those keys to keep more)"
         if msg not in _warned:
             _warned.add(msg)
             log.warning(msg)

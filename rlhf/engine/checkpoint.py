@@ -56,6 +56,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], sta
         for part, value in eng.state_dicts().items():
             sd[f"{name}.{part}"] = value
     dcp.save(sd, checkpoint_id=str(tmp))
+    for name, eng in engines.items():
+        if getattr(eng, "zero1", False):
+            eng.save_zero1_optimizer(tmp / f"{name}.optim_zero1.pt")
     torch.save(_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
     full_state = dict(state, step=step,
                       schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
@@ -83,7 +86,9 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
             sd[f"{name}.{part}"] = value
     dcp.load(sd, checkpoint_id=str(path))
     for name, eng in engines.items():
-        eng.load_state_dicts({part: sd[f"{name}.{part}"] for part in ("model", "optim")})
+        eng.load_state_dicts({part: sd[f"{name}.{part}"] for part in ("model", "optim") if f"{name}.{part}" in sd})
+        if getattr(eng, "zero1", False):
+            eng.load_zero1_optimizer(path / f"{name}.optim_zero1.pt")
         eng.scheduler.load_state_dict(state["schedulers"][name])
         eng.weights_version += 1  # the weights changed: cached inference weights are stale
     rng_file = path / f"rng_rank{mesh.rank}.pt"

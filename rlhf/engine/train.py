@@ -3,7 +3,7 @@
 ZeRO on FSDP2 (DESIGN.md): ``fully_shard`` per decoder block and at the root.
   3: parameters, gradients, optimizer state sharded; parameters resharded after forward.
   2: as 3 but parameters stay gathered from forward to backward (``reshard_after_forward=False``).
-  1: treated as 2 (said in the log). 0: DDP.
+  1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer). 0: DDP.
 ``engine.offload=cpu``: FSDP2's CPUOffloadPolicy. ``engine.precision=bf16``: bf16 compute with fp32
 master weights and fp32 gradient reduction. A single process runs the bare model (bf16 via autocast).
 
@@ -47,7 +47,7 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
     if not mesh.distributed:
         _say_once_single_process(ecfg, mesh)
         return model.to(mesh.device)
-    if ecfg.zero_stage == 0:
+    if ecfg.zero_stage in (0, 1):  # replicated weights (DDP); ZeRO-1 shards only the optimizer state
         if not mesh.is_main:
             model = model.to_empty(device=mesh.device)
             if hasattr(model, "tie_weights"):  # to_empty unties shared parameters
@@ -64,8 +64,6 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    if ecfg.zero_stage == 1:
-        log.info("engine.zero_stage=1 runs as ZeRO-2 (FSDP2 shards gradients with the optimizer state)")
     # Rank 0's full weights, by reference: fully_shard copies its shard out of each parameter and
     # leaves the original tensor alone, so no second full copy is needed (the originals are freed
     # once they are broadcast below). A new dict: set_model_state_dict replaces its entries.
@@ -127,7 +125,7 @@ class FrozenModel:
             p.requires_grad_(False)
         self.mesh, self.ecfg = mesh, ecfg
         self.model = wrap_model(model, mesh, ecfg, trainable=False).eval()
-        self.is_fsdp = mesh.distributed and ecfg.zero_stage > 0
+        self.is_fsdp = mesh.distributed and ecfg.zero_stage >= 2
 
     @property
     def module(self) -> nn.Module:
@@ -146,11 +144,16 @@ class TrainEngine:
                  total_steps: Optional[int] = None, lr: Optional[float] = None):
         self.mesh, self.ecfg, self.tcfg = mesh, ecfg, tcfg
         self.model = wrap_model(model, mesh, ecfg)
-        self.is_fsdp = mesh.distributed and ecfg.zero_stage > 0
-        self.is_ddp = mesh.distributed and ecfg.zero_stage == 0
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, tcfg.weight_decay), lr=lr or tcfg.lr, betas=tuple(tcfg.betas),
-            eps=tcfg.eps, foreach=True)
+        self.is_fsdp = mesh.distributed and ecfg.zero_stage >= 2
+        self.is_ddp = mesh.distributed and ecfg.zero_stage in (0, 1)
+        self.zero1 = mesh.distributed and ecfg.zero_stage == 1
+        adam = dict(lr=lr or tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, foreach=True)
+        if self.zero1:  # ZeRO-1: each rank keeps the AdamW state of its share of the parameters
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            groups = [g for g in param_groups(self.model, tcfg.weight_decay) if g["params"]]
+            self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **adam)
+        else:
+            self.optimizer = torch.optim.AdamW(param_groups(self.model, tcfg.weight_decay), **adam)
         self.scheduler = make_scheduler(self.optimizer, tcfg, total_steps or tcfg.max_steps)
         self.weights_version = 0  # bumped whenever the weights change (step, checkpoint load)
 
@@ -205,15 +208,29 @@ class TrainEngine:
 
     # ---- state ----
     def state_dicts(self):
-        """Sharded model and optimizer state (DTensors under FSDP2) for torch.distributed.checkpoint."""
+        """Sharded model and optimizer state (DTensors under FSDP2) for torch.distributed.checkpoint
+        (ZeRO-1: the model only; its optimizer state is saved apart, ``save_zero1_optimizer``)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        if self.zero1:
+            return {"model": get_model_state_dict(self.model)}
         return {"model": get_model_state_dict(self.model),
                 "optim": get_optimizer_state_dict(self.model, self.optimizer)}
 
     def load_state_dicts(self, sd) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
         set_model_state_dict(self.model, sd["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
+        if not self.zero1:
+            set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
+
+    def save_zero1_optimizer(self, path) -> None:
+        """ZeRO-1: gathers every rank's share of the AdamW state on rank 0, which writes it (collective);
+        the file loads on any world size (``load_zero1_optimizer`` re-partitions it)."""
+        self.optimizer.consolidate_state_dict(to=0)
+        if self.mesh.is_main:
+            torch.save(self.optimizer.state_dict(), path)
+
+    def load_zero1_optimizer(self, path) -> None:
+        self.optimizer.load_state_dict(torch.load(path, weights_only=True, map_location=self.mesh.device))
 
     def full_state_dict(self, all_ranks: bool = False) -> dict:
         """Unsharded weights: on rank 0 only, on CPU (default), or on every rank (``all_ranks``)."""

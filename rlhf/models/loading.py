@@ -84,16 +84,39 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={path}: cannot load a tokenizer: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    if tok.pad_token is None:  # pad must differ from EOS, so that EOS is learnt and never masked
+    # pad must differ from EOS, so that EOS is learnt and never masked, and so that HF's
+    # sequence-classification pooling (the last token that is not pad) lands on the EOS we score
+    if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
         tok.add_special_tokens({"pad_token": "<pad>"})
     return tok
 
 
 def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: bool = False,
-                seed: int = 0, trust_remote_code: bool = False, **kwargs) -> torch.nn.Module:
+                seed: int = 0, trust_remote_code: bool = False, tokenizer=None, **kwargs) -> torch.nn.Module:
     """``model_cls`` (an HF Auto class or model class) from ``path`` or from ``config`` (seeded init).
 
-    ``on_meta``: build the architecture only (weights arrive later by broadcast)."""
+    ``on_meta``: build the architecture only (weights arrive later by broadcast).
+    ``tokenizer``: grow the embeddings to its length where it has more tokens than the model (the pad
+    ``load_tokenizer`` adds), on every rank — a meta model too, so that FSDP wraps the same shapes and
+    config as rank 0 and the broadcast fills them."""
+    if tokenizer is None:
+        return _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs)
+    if config is None:
+        config = load_config(path, trust_remote_code)
+    text = config.get_text_config()
+    pad = text.pad_token_id
+    if pad is not None and pad >= text.vocab_size:  # not a row until the resize (nn.Embedding's padding_idx)
+        text.pad_token_id = None
+    try:
+        model = _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs)
+    finally:
+        text.pad_token_id = pad
+    resize_for_tokenizer(model, tokenizer)
+    model.config.get_text_config().pad_token_id = pad
+    return model
+
+
+def _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs) -> torch.nn.Module:
     if on_meta:
         cfg = config if config is not None else load_config(path, trust_remote_code)
         with torch.device("meta"):
@@ -110,5 +133,8 @@ def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: 
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
-    if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
-        model.resize_token_embeddings(len(tokenizer))
+    """Embedding rows (and an untied LM head) grown to ``len(tokenizer)`` where the model has fewer; the
+    config's vocab_size follows. A meta model gets the shapes only (its weights arrive by broadcast)."""
+    rows = model.get_input_embeddings().weight
+    if rows.shape[0] < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=not rows.is_meta)

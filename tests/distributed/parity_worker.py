@@ -24,7 +24,7 @@ from stages.sft import train_step  # noqa: E402
 
 GLOBAL_BATCH, STEPS, PAD = 8, 5, 0
 # (name, zero_stage, micro_batch_per_rank at world size 2 — 0 means no accumulation)
-CASES = [("zero0", 0, 0), ("zero2", 2, 0), ("zero3", 3, 0), ("zero3_accum", 3, 2)]
+CASES = [("zero0", 0, 0), ("zero1", 1, 0), ("zero2", 2, 0), ("zero3", 3, 0), ("zero3_accum", 3, 2)]
 
 
 def tiny_model(seed: int = 0, on_meta: bool = False):

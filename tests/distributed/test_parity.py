@@ -1,4 +1,4 @@
-"""2 processes (torchrun, gloo) ≡ 1 process for ZeRO 0/2/3 and with accumulation (fp32)."""
+"""2 processes (torchrun, gloo) ≡ 1 process for ZeRO 0/1/2/3 and with accumulation (fp32)."""
 import json
 import subprocess
 import sys

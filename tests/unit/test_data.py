@@ -210,3 +210,142 @@ def test_a_byte_order_mark_is_not_data(tmp_path):
     arr.write_bytes(b"\xef\xbb\xbf" + _json.dumps(recs).encode())
     exs, _ = read_examples(str(arr), "prompt_response")
     assert [e.prompt for e in exs] == ["p1", "p2"]
+
+
+# ---- issue 19: columns, save_to_disk folders, hub config/split, data.eval_path, lengths ----
+
+def test_columns_map_a_dataset_onto_a_format(tmp_path):
+    f = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": f"i{k}", "output": f"o{k}", "input": ""}
+                                                for k in range(3)])
+    exs, _ = read_examples(str(f), "prompt_response", columns={"prompt": "instruction", "response": "output"})
+    assert [(e.prompt, e.response) for e in exs] == [("i0", "o0"), ("i1", "o1"), ("i2", "o2")]
+    with pytest.raises(DataError, match=r"alpaca.jsonl:1: record has no field 'text' \(data.columns.response\)"):
+        read_examples(str(f), "prompt_response", columns={"prompt": "instruction", "response": "text"})
+    from rlhf.config import ConfigError
+    with pytest.raises(ConfigError, match=r"data.columns.question='instruction' is invalid: 'question' is not a "
+                                          r"field of data.format=prompt_response"):
+        DataConfig(path=str(f), format="prompt_response", columns={"question": "instruction"})
+    with pytest.raises(ConfigError, match=r"data.sources\[\].columns.x="):
+        DataConfig(sources=[SourceConfig(path=str(f), format="hh", columns={"x": "y"})])
+    dc = DataConfig(path=str(f), format="prompt_response", columns={"prompt": "instruction", "response": "output"})
+    assert dc.source_list()[0].columns == {"prompt": "instruction", "response": "output"}
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
+    import datasets
+    rows = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(5)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    exs, _ = read_examples(str(tmp_path / "ds"), "prompt_response")
+    assert [e.prompt for e in exs] == [f"p{i}" for i in range(5)] and exs[4].where.endswith("ds[row 4]")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dd"))
+    assert len(read_examples(str(tmp_path / "dd"), "prompt_response")[0]) == 5
+    exs, _ = read_examples(str(tmp_path / "dd"), "prompt_response", split="test")
+    assert [e.prompt for e in exs] == ["p0", "p1"] and exs[1].where.endswith("dd[test][row 1]")
+    with pytest.raises(DataError, match=r"data.path=.*dd: the DatasetDict has no split 'validation' \(it has "
+                                        r"test, train\): set data.hf_split"):
+        read_examples(str(tmp_path / "dd"), "prompt_response", split="validation")
+    # as a run sees them: the DatasetDict's test split as the held-out set
+    dc = DataConfig(path=str(tmp_path / "dd"), format="prompt_response", eval_path=str(tmp_path / "dd"),
+                    eval_hf_split="test")
+    sd = load_stage_data(dc, "sft", seed=0)
+    assert len(sd.train) == 5 and sorted(e.prompt for e in sd.eval) == ["p0", "p1"]
+    assert "held out" in sd.description
+
+
+def test_hub_ids_take_a_config_and_a_split(monkeypatch):
+    import datasets
+    calls = []
+
+    def fake_load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_list([{"question": "q", "answer": "a\n#### 3"}])
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    exs, _ = read_examples("openai/gsm8k", "gsm8k", config="main", split="test")
+    assert calls == [("openai/gsm8k", "main", "test")] and exs[0].reference == "3"
+    assert exs[0].where == "openai/gsm8k[test][row 0]"
+    dc = DataConfig(path="openai/gsm8k", format="gsm8k", hf_config="main", eval_path="openai/gsm8k",
+                    eval_hf_split="test")
+    load_stage_data(dc, "sft", seed=0)
+    assert calls[1:] == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+
+    def offline(name, config=None, split=None):
+        raise ConnectionError("no network\nmore")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match=r"^data.path=org/x \(data.hf_config=c\): not a local file or directory, "
+                                        r"and loading it as a hub dataset \(split 'train'\) failed: no network$"):
+        read_examples("org/x", "gsm8k", config="c")
+
+
+def test_eval_path_gives_the_held_out_set(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"question": f"q{i}", "answer": f"a\n#### {i}"} for i in range(50)])
+    test = write_jsonl(tmp_path / "test.jsonl", [{"question": f"t{i}", "answer": f"b\n#### {i}"} for i in range(30)])
+    dc = DataConfig(path=str(train), format="gsm8k", eval_path=str(test), eval_size=20)
+    sd = load_stage_data(dc, "sft", seed=1)
+    assert len(sd.train) == 50 and len(sd.eval) == 20  # nothing carved out of the training file
+    assert all(e.prompt.startswith("Question: t") for e in sd.eval) and sd.gold is not None
+    assert [e.prompt for e in load_stage_data(dc, "ppo", seed=1).eval] == [e.prompt for e in sd.eval]
+    from rlhf.config import ConfigError
+    with pytest.raises(ConfigError, match="data.eval_path=.* needs data.eval_format"):
+        DataConfig(eval_path=str(test))
+    with pytest.raises(ConfigError, match="data.eval_hf_split=test is set but data.eval_path is not"):
+        DataConfig(path=str(train), format="gsm8k", eval_hf_split="test")
+    with pytest.raises(DataError, match=r"data.eval_path=.*nope.jsonl: no such file"):
+        load_stage_data(DataConfig(path=str(train), format="gsm8k", eval_path=str(tmp_path / "nope.jsonl")),
+                        "sft", seed=1)
+    # a held-out file of another format: no shared gold scorer
+    pairs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "response": "r"}] * 3)
+    sd = load_stage_data(DataConfig(path=str(train), format="gsm8k", eval_path=str(pairs),
+                                    eval_format="prompt_response"), "sft", seed=1)
+    assert sd.gold is None and len(sd.eval) == 3
+
+
+def test_default_lengths_per_format(tmp_path):
+    from rlhf.config import DEFAULT_LENGTHS
+    from rlhf.settings import load_config
+    assert (DataConfig().resolve().max_prompt_len, DataConfig().resolve().max_response_len) == (64, 64)
+    f = str(tmp_path / "x.jsonl")
+    gsm = DataConfig(path=f, format="gsm8k").resolve()
+    assert (gsm.max_prompt_len, gsm.max_response_len) == DEFAULT_LENGTHS["gsm8k"] == (128, 192)
+    assert DataConfig(path=f, format="hh", max_response_len=77).resolve().max_response_len == 77
+    blend = DataConfig(sources=[SourceConfig(path=f, format="gsm8k"), SourceConfig(path=f, format="hh")]).resolve()
+    assert (blend.max_prompt_len, blend.max_response_len) == (384, 192)
+    cfg, _ = load_config([])
+    assert (cfg.data.max_prompt_len, cfg.data.max_response_len, cfg.eval.max_new_tokens) == (64, 64, 16)
+    cfg, _ = load_config([f"data.path={f}", "data.format=gsm8k"])
+    assert (cfg.data.max_prompt_len, cfg.data.max_response_len) == (128, 192)
+    assert cfg.eval.max_new_tokens == 192  # room to reach '####'
+    cfg, _ = load_config([f"data.path={f}", "data.format=gsm8k", "eval.max_new_tokens=8"])
+    assert cfg.eval.max_new_tokens == 8
+
+
+def test_length_warnings_and_nothing_to_learn(tok, tmp_path, caplog):
+    import logging
+
+    from rlhf.config import ConfigError
+    from rlhf.data.tokenize import check_answer_budget, report_lengths, tokenize_pairs
+    answers = [Example(prompt=f"Question: {'long ' * 10}{i}?\nAnswer:", response=f" so {i} + {i} is {2 * i}\n#### {2 * i}",
+                       answer=f"#### {2 * i}", reference=str(2 * i)) for i in range(10)]
+    params = {"max_prompt": 8, "max_response": 64}
+    cols = tokenize_sft(answers, tok, 8, 64)
+    n, prompt_cut, response_cut, with_answer, lost, p_p95, _ = cols["stats"]
+    assert (n, prompt_cut, response_cut, with_answer, lost) == (10, 10, 0, 10, 0) and p_p95 > 8
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        report_lengths("sft", cols, params)
+    assert "of 10 records, 100% have their prompt cut to data.max_prompt_len=8 (95% fit in" in caplog.text
+    short = tokenize_sft(answers, tok, 64, 6)
+    assert short["stats"][2:5] == [10, 10, 10]
+    with pytest.raises(DataError, match=r"data.max_response_len=6 cuts the answer \('#### <number>'\) off every one "
+                                        r"of the 10 responses that have one"):
+        report_lengths("sft", short, {"max_prompt": 64, "max_response": 6})
+    with pytest.raises(ConfigError, match=r"ppo.max_new_tokens=4 is too short to reach an answer: the shortest of "
+                                          r"the 10 reference responses needs \d+ tokens"):
+        check_answer_budget(answers, tok, 4, "ppo.max_new_tokens")
+    check_answer_budget(answers, tok, 64, "ppo.max_new_tokens")
+    pairs = tokenize_pairs([Example(prompt="Q: 1", chosen=" a" * 10, rejected=" b"), Example(prompt="Q: 2", chosen=" a", rejected=" b")],
+                           tok, 64, 5)
+    assert pairs["stats"][:3] == [2, 0, 1] and len(pairs["chosen"]) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        report_lengths("pairs", pairs, {"max_prompt": 64, "max_response": 5})
+    assert "50% are dropped, their response longer than data.max_response_len=5" in caplog.text
