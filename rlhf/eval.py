@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     ap.add_argument("--run-dir", help="the run's directory (run.dir)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run: data.*, eval.*, run.seed, engine.device")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options before or after the overrides
 
     from rlhf.errors import ConfigError, UserError, one_line
     from rlhf.generate import quiet_console

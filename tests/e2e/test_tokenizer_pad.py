@@ -52,7 +52,8 @@ def assert_vocab_agrees(model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert tok.pad_token is not None and tok.pad_token_id != tok.eos_token_id
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        rows = {k: f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+        rows = {k: f.get_slice(k).get_shape()[0] for k in f.keys()
+                if k.endswith(("embed_tokens.weight", "lm_head.weight"))}
     assert rows and set(rows.values()) == {len(tok)}, (rows, len(tok))
     assert json.loads((model_dir / "config.json").read_text())["vocab_size"] == len(tok)
 

@@ -54,7 +54,7 @@ CONFIGS = {
     "qwen3_attention_bias": ("qwen3", dict(attention_bias=True)),
     # a window on the layers from max_window_layers on only (HF's rule), and from layer_types
     "qwen2_window_upper_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "qwen2_window_layer_types": ("qwen2", dict(use_sliding_window=True, sliding_window=4, num_hidden_layers=3,
+    "qwen2_window_layer_types": ("qwen2", dict(use_sliding_window=True, sliding_window=4, layers=3,
                                                layer_types=["sliding_attention", "full_attention",
                                                             "sliding_attention"])),
     "qwen3_window_upper_layers": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
@@ -66,8 +66,7 @@ CONFIGS = {
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_greedy_equals_hf_generate_with_config(case):
     family, kw = CONFIGS[case]
-    model = tiny_model(family, perturb=True, **{k: v for k, v in kw.items() if k != "num_hidden_layers"},
-                       layers=kw.get("num_hidden_layers", 2))
+    model = tiny_model(family, perturb=True, **kw)
     prompts = mixed_prompts()
     ref = hf_greedy(model, prompts, 12)
     _, hy = hybrid(model)

@@ -150,3 +150,29 @@ def test_hydra_override():
     assert load_config([])[0].engine.inference_dtype == "auto"
     with pytest.raises(ConfigError, match="engine.inference_dtype"):
         load_config(["engine.inference_dtype=fp16"])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_mismatch_correction_on_real_rollouts(dtype):
+    """TIS on the log-probs a bf16 inference copy really returns (gaps ~1e-2): per-token weights
+    min(π_train/π_rollout, C), which change the policy loss by exactly that weighting; on fp32
+    rollouts (gaps ~1e-7) the correction is a no-op to 1e-5."""
+    from rlhf.algorithms import ppo as A
+    eng, hy = hybrid(tiny_model("llama"), inference_dtype=dtype)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=3)
+    gen = hy.generate(mixed_prompts(), sp)
+    m = gen.response_mask.float()
+    with torch.no_grad():
+        train = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, 1.0)
+    w = A.mismatch_weights(train, gen.logprobs, m, "tis", cap=1.01)
+    golden = torch.exp(train - gen.logprobs).clamp(max=1.01) * m
+    assert torch.equal(w, golden)
+    adv = torch.linspace(-1, 1, m.numel()).view_as(m)
+    plain, _ = A.policy_loss(train, train, adv, m, normalizer=float(m.sum()))
+    corrected, _ = A.policy_loss(train, train, adv, m, normalizer=float(m.sum()), weights=w)
+    assert float(corrected) == pytest.approx(float((-adv * w).sum() / m.sum()), rel=1e-5)
+    if dtype == "bf16":
+        assert (w - m).abs().max() > 1e-3 and (w <= 1.01 + 1e-6).all()  # the gaps are real and capped
+        assert abs(float(corrected) - float(plain)) > 1e-6
+    else:
+        assert (w - m).abs().max() < 1e-5 and float(corrected) == pytest.approx(float(plain), abs=1e-6)
