@@ -21,8 +21,9 @@ PROG = "python -m rlhf.eval"
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rlhf.generate import OneLineParser
+    ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", help="an exported policy (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)")
     ap.add_argument("--run-dir", help="the run's directory (run.dir)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")

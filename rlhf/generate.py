@@ -28,6 +28,14 @@ from typing import List, Optional
 PROG = "python -m rlhf.generate"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr and exit 2 (as every bad input here)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def quiet_console() -> None:
     """Warnings only (the stages' progress lines and the loading bars are noise here)."""
     import logging
@@ -191,8 +199,8 @@ def _chat_loop(hybrid, tokenizer, template, sp, args) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", help="an exported model directory (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     ap.add_argument("--file", help="JSONL/JSON records with 'prompt' or 'messages', or a text file: one prompt a line")

@@ -172,7 +172,7 @@ def stage_input(cfg: Config, explicit: Optional[str], key: str, stage: str) -> s
     if explicit:
         source, why = explicit, key
     elif sft is not None:
-        source, why = str(sft), f"the SFT output (set {key} to start elsewhere)"
+        source, why = str(sft), f"the SFT output; set {key} to start elsewhere"
     elif cfg.model.path:
         source, why = cfg.model.path, "model.path (no SFT output in run.dir)"
     else:

@@ -138,22 +138,20 @@ class Renderer:
         all_pieces = [self.pieces(c, w) for c, w in zip(conversations, wheres)]
         ids_flat = encode_unique(self.tok, [text for ps in all_pieces for text, _ in ps], False)
         out, k = [], 0
-        for conv, ps in zip(conversations, all_pieces):
+        for ps in all_pieces:
             ids: List[int] = []
             mask: List[int] = []
             last = 0
-            for j, (text, is_assistant) in enumerate(ps):
-                piece = list(ids_flat[k])
+            for j, (_, is_assistant) in enumerate(ps):
+                piece = ids_flat[k]
                 k += 1
-                if j == len(ps) - 1:
-                    last = len(ids) + (len(self.prefix) if j == 0 and self.prefix and
-                                       piece[:len(self.prefix)] != self.prefix else 0)
-                if j == 0 and self.prefix and piece[:len(self.prefix)] != self.prefix:
+                if j == 0 and self.prefix and piece[:len(self.prefix)] != self.prefix:  # BOS, unless written
                     ids += self.prefix
                     mask += [0] * len(self.prefix)
-                if (is_assistant and final_eos and j == len(ps) - 1 and self.eos is not None
-                        and self.eos not in piece):
-                    piece.append(self.eos)
+                if j == len(ps) - 1:
+                    last = len(ids)
+                    if is_assistant and final_eos and self.eos is not None and self.eos not in piece:
+                        piece.append(self.eos)
                 ids += piece
                 mask += [1 if is_assistant else 0] * len(piece)
             out.append((ids, mask, last))

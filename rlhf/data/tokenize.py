@@ -160,8 +160,10 @@ def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Pat
             h.update(json.dumps([e.chat.prompt, e.chat.response, e.chat.chosen, e.chat.rejected]).encode())
     path = Path(cache_dir) / f"{kind}-{h.hexdigest()[:24]}.safetensors"
     if mesh.is_main and not path.is_file():
+        cols = build()
+        report_lengths(kind, cols, params, warn=False)  # a set nothing would learn from: stop before writing
         path.parent.mkdir(parents=True, exist_ok=True)
-        _save(path, build())
+        _save(path, cols)
         atomic_write_text(path.with_suffix(".json"), json.dumps({"kind": kind, "records": len(examples),
                                                                   **params}) + "\n")
     mesh.barrier()
@@ -171,6 +173,12 @@ def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Pat
 
 
 _warned: set = set()
+
+
+def _is_main() -> bool:
+    """Rank 0 of a torchrun job (or a single process): the one that warns."""
+    import os
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _pct(k: int, n: int) -> str:
@@ -316,7 +324,7 @@ def tokenize_prompts(examples: List[Example], tok, max_prompt: int, chat: Option
     when fewer than half do."""
     full = encode_prompts(examples, tok, chat)
     cut = sum(len(p) > max_prompt for p in full)
-    if cut:
+    if cut and _is_main():
         log.warning("ppo prompts: %s of %d are cut to data.max_prompt_len=%d (95%% fit in %d): raise "
                     "data.max_prompt_len to keep more", _pct(cut, len(full)), len(full), max_prompt, p95([len(p) for p in full]))
     if max_new_tokens is not None:
@@ -343,7 +351,7 @@ def check_answer_budget(examples: List[Example], tok, max_new_tokens: int, key: 
                           f"{len(need)} reference responses needs {min(need)} tokens to write its '#### <number>' "
                           f"(95% need at most {p95(need)}), so no response would ever be scored right: "
                           f"raise {key}")
-    if reach < len(need) / 2:
+    if reach < len(need) / 2 and _is_main():
         log.warning("%s=%d: only %s of the reference responses reach their answer ('####') within it (95%% "
                     "need at most %d tokens): raise %s", key, max_new_tokens, _pct(reach, len(need)), p95(need), key)
 

@@ -140,4 +140,4 @@ def test_bad_data_settings_exit_2_with_one_line(tmp_path, case, extra, fragment)
     proc = run_cli(*short_sft(tmp_path / "run", f"data.path={path}", *extra), timeout=300)
     lines = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
     assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], (case, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()  # stopped before writing anything

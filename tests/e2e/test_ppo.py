@@ -139,11 +139,20 @@ def test_ppo_gsm8k_smoke(shared_data, tmp_path):
     proc = run_cli("stage=ppo", f"run.dir={tmp_path}", f"data.path={shared_data / 'gsm8k/train.jsonl'}",
                    "data.format=gsm8k", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
                    "ppo.reward_fn=rlhf.rewards.gold", "train.max_steps=2", "ppo.prompts_per_step=4",
-                   "ppo.samples_per_prompt=2", "ppo.max_new_tokens=16", "ppo.ppo_epochs=1",
+                   "ppo.samples_per_prompt=2", "ppo.max_new_tokens=48", "ppo.ppo_epochs=1",
                    "ppo.minibatches_per_epoch=1", "data.max_prompt_len=96", "eval.gold_prompts=4",
-                   "eval.max_new_tokens=8", "data.eval_size=16", "logger.progress=false", "train.save_every=0")
+                   "eval.max_new_tokens=8", "data.eval_size=16", "logger.progress=false", "train.save_every=0",
+                   # current GRPO practice on real data: clip-higher, dynamic sampling, Dr.GRPO's normaliser
+                   "algorithm.clip_ratio_high=0.28", "ppo.dynamic_sampling=true", "ppo.dynamic_sampling_max_rounds=1",
+                   "algorithm.loss_agg=token_sum_norm")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gold/score" in rows(tmp_path / "ppo" / "metrics.jsonl")[-1]
+    steps = [r for r in rows(tmp_path / "ppo" / "metrics.jsonl") if "reward/rule" in r]
+    assert len(steps) == 2
+    # a 3-step SFT model never writes the right '#### <n>' (reward/rule 0) and runs past 48 tokens on some
+    # rows (the no-EOS penalty); groups whose samples all scored alike were counted and refilled
+    for r in steps:
+        assert r["reward/rule"] == 0.0 and r["reward/penalty"] < 0.0, r
+        assert 0 <= r["dynamic/dropped_groups"] <= 4 * (r["dynamic/rounds"] + 1), r
 
 
 def test_ppo_without_reward_model_exits_2(tmp_path):
