@@ -48,10 +48,14 @@ class MetricsWriter:
             self._wandb = _init_wandb(cfg, stage)
 
     def _open(self) -> None:
-        """Keeps the lines up to the resume step (none on a fresh run) and opens for appending. Done at
-        the first line this run writes, so a rerun that fails before it leaves the old file whole."""
+        """Keeps the lines up to the resume step and opens for appending; on a fresh run an earlier
+        run's file becomes metrics.jsonl.prev. Done at the first line this run writes, so a rerun that
+        fails before it leaves the old file in place."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
+        if self._resume_step is None and self.path.is_file() and self.path.stat().st_size:
+            # a fresh run over an earlier one: the earlier metrics move aside, whole, never truncated
+            os.replace(self.path, self.path.with_name(self.path.name + ".prev"))
         if self._resume_step is not None and self.path.is_file():
             for line in self.path.read_text(encoding="utf-8").splitlines():
                 try:

@@ -195,3 +195,20 @@ def test_sigterm_saves_a_ppo_checkpoint(small_pipeline, tmp_path):
     assert "stopped by SIGTERM after step" in err
     ckpts = list((run / "ppo" / "checkpoints").glob("step_*/trainer_state.json"))
     assert len(ckpts) == 1
+
+
+def test_a_failing_rerun_loses_no_metrics(small_pipeline, tmp_path):
+    """A fresh rerun over a finished run that fails at its first step: the earlier metrics survive
+    whole (moved to metrics.jsonl.prev once the new run writes), the earlier actor stays."""
+    import shutil
+    shutil.copytree(small_pipeline, tmp_path / "run")
+    run = tmp_path / "run"
+    assert run_cli(*quick_ppo(run, "train.max_steps=2")).returncode == 0
+    old_metrics = (run / "ppo" / "metrics.jsonl").read_text()
+    old_actor = (run / "ppo" / "actor" / "model.safetensors").read_bytes()
+    proc = run_cli(*quick_ppo(run, "train.max_steps=2", "ppo.reward_fn=tests.e2e.nan_reward.nan_reward",
+                              "ppo.max_nonfinite_in_a_row=1"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    kept = run / "ppo" / "metrics.jsonl.prev"
+    assert kept.read_text() == old_metrics and len(old_metrics.splitlines()) >= 3
+    assert (run / "ppo" / "actor" / "model.safetensors").read_bytes() == old_actor
