@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.algorithms.logprobs import shifted_nll_sum
+from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
@@ -17,7 +18,9 @@ def load_data(cfg, tokenizer, ctx):
     if sft_data.train[0].response is None:
         raise ConfigError(f"algorithm.ptx_coef needs SFT responses, and data.format="
                           f"{cfg.data.source_list()[0].format} has none")
-    lens = dict(max_prompt=cfg.data.max_prompt_len, max_response=cfg.data.max_response_len)
+    # the SFT stage's tokenization (chat template included), hence its cache
+    lens = dict(max_prompt=cfg.data.max_prompt_len, max_response=cfg.data.max_response_len,
+                chat=resolve_template(tokenizer, cfg.data.chat_template))
     return cached("sft", sft_data.train, tokenizer, lens, ctx.cache_dir, ctx.mesh,
                   lambda: tokenize_sft(sft_data.train, tokenizer, **lens))
 
@@ -26,7 +29,8 @@ def loss(actor, cols, update: int, batch: int, seed: int, tokenizer, mesh) -> to
     """The SFT loss on this update's global batch of SFT records (token-weighted over all ranks,
     scaled for the data-parallel average)."""
     ix = GlobalBatches(len(cols["ids"]), batch, seed + 17).global_indices(update)[mesh.rank::mesh.world_size]
-    b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], tokenizer.pad_token_id, True)
+    b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], tokenizer.pad_token_id, True,
+                    [cols["mask"][i] for i in ix] if "mask" in cols else None)
     n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))
     logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
                            attention_mask=b["attention_mask"].to(mesh.device)).logits
