@@ -2,11 +2,16 @@
 at the end of its current step: it saves a checkpoint there and exits 130 / 143 saying where the
 rerun resumes. A second signal acts at once (KeyboardInterrupt / termination).
 
-Under several processes every rank checks at the same point of each step whether any rank was
-signalled (one small all-reduce), so they stop together and save one consistent checkpoint.
+Every rank checks at the same point of each step whether any rank was signalled (one small
+all-reduce), so ranks that are all signalled stop together and save one consistent checkpoint.
+Under an elastic agent (torchrun, ``python -m rlhf launcher.*``) the agent owns the signals: it
+stops its workers with SIGTERM both when the job is cancelled and when a peer has died (where a
+collective save would only hang), so workers keep the default handlers there and the stage's
+periodic checkpoints (``train.save_every``) are what a rerun resumes from.
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Optional
@@ -32,7 +37,8 @@ class StopRequest:
         self._previous: dict = {}
 
     def listen(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+        under_agent = "TORCHELASTIC_RUN_ID" in os.environ
+        if threading.current_thread() is threading.main_thread() and not under_agent:  # handlers live there
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handler)
         return self

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import quick_sft_args, run_cli
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # ~35 s; ZeRO-1 parity runs by default (test_parity.py)
 
 
 def test_zero1_resume_matches_uninterrupted(tmp_path):

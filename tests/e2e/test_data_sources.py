@@ -103,6 +103,7 @@ def test_save_to_disk_folders_columns_and_bom(tmp_path):
         assert "malformed" not in proc.stderr and "dataset_info.json" not in proc.stderr, name
 
 
+@pytest.mark.slow  # ~17 s
 def test_gsm8k_with_a_held_out_file(shared_data, tmp_path):
     proc = run_cli(*short_sft(tmp_path, f"data.path={shared_data / 'gsm8k/train.jsonl'}", "data.format=gsm8k",
                               f"data.eval_path={shared_data / 'gsm8k/test.jsonl'}", "eval.max_new_tokens=8",

@@ -61,6 +61,7 @@ def test_generate_prompts_file_and_chat(sft_run, tmp_path):
     assert len(replies) == 3 and replies[0] == replies[1] == a["response"].strip()
 
 
+@pytest.mark.slow  # ~23 s
 def test_generate_bad_input_exits_2(sft_run, tmp_path):
     model = sft_run / "sft" / "model"
     critic = tmp_path / "critic"

@@ -67,6 +67,9 @@ def test_other_estimators_run(small_pipeline, tmp_path, estimator):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = [x for x in rows(tmp_path / "run" / "ppo" / "metrics.jsonl") if "reward/mean" in x]
     assert len(r) == 4 and all("critic/loss" not in x for x in r)
+    for x in r:  # reward/mean is the sum of its logged parts: the reward model's score and the no-EOS penalty
+        assert x["reward/model"] + x["reward/penalty"] == pytest.approx(x["reward/mean"], abs=1e-6)
+        assert "reward/rule" not in x  # no rule reward in this run
 
 
 def test_ptx_and_ema_actor(small_pipeline, tmp_path):
@@ -197,6 +200,7 @@ def test_sigterm_saves_a_ppo_checkpoint(small_pipeline, tmp_path):
     assert len(ckpts) == 1
 
 
+@pytest.mark.slow  # ~17 s
 def test_a_failing_rerun_loses_no_metrics(small_pipeline, tmp_path):
     """A fresh rerun over a finished run that fails at its first step: the earlier metrics survive
     whole (moved to metrics.jsonl.prev once the new run writes), the earlier actor stays."""

@@ -1,6 +1,7 @@
 """Reward stage through the CLI, on top of the default SFT run."""
 import json
 
+import pytest
 import torch
 
 from tests.conftest import quick_sft_args, run_cli  # noqa: F401
@@ -107,6 +108,7 @@ def test_reward_resume_after_checkpoint(tmp_path):
     assert again.returncode == 0 and "resumed from" in again.stderr
 
 
+@pytest.mark.slow  # ~36 s
 def test_later_stages_start_from_the_previous_output(tmp_path):
     """model.path is the SFT stage's input: run_all.sh passes it to every stage, and the reward stage
     must still start from the SFT output (reward.model_path chooses another start explicitly)."""

@@ -23,9 +23,7 @@ def hybrid(model, **ecfg):
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_equals_hf_generate(family):
-    model = tiny_model(family, perturb=True)
+def assert_injected_greedy_equals_hf(model):
     prompts = mixed_prompts()
     ref = hf_greedy(model, prompts, 12)
     _, hy = hybrid(model)
@@ -33,6 +31,11 @@ def test_greedy_equals_hf_generate(family):
     gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
     assert torch.equal(gen.responses, ref)
     assert gen.prompt_len == max(len(p) for p in prompts)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_hf_generate(family):
+    assert_injected_greedy_equals_hf(tiny_model(family, perturb=True))
 
 
 def test_greedy_equals_hf_generate_with_sliding_window():
@@ -66,13 +69,7 @@ CONFIGS = {
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_greedy_equals_hf_generate_with_config(case):
     family, kw = CONFIGS[case]
-    model = tiny_model(family, perturb=True, **kw)
-    prompts = mixed_prompts()
-    ref = hf_greedy(model, prompts, 12)
-    _, hy = hybrid(model)
-    assert hy.inject
-    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
-    assert torch.equal(gen.responses, ref)
+    assert_injected_greedy_equals_hf(tiny_model(family, perturb=True, **kw))
 
 
 def test_per_layer_windows_follow_hf():

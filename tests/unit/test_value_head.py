@@ -54,3 +54,20 @@ def test_pairwise_loss_values():
     c, r = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
     assert torch.allclose(pairwise_loss(c, r), torch.tensor([math.log1p(math.exp(-2.0)), math.log(2.0)]))
     assert torch.allclose(pairwise_loss(c, r, margin=2.0)[0], torch.tensor(math.log(2.0)))
+
+
+def test_values_are_a_new_tensor_not_a_view_and_their_gradient_is_right():
+    """FSDP2 warns that a module returning a view can break backward (it did on 2 ranks): the head's
+    output is its own tensor, with the gradient of the plain computation."""
+    m = tiny_rm().train()
+    ids = torch.randint(1, 50, (3, 7), generator=torch.Generator(device="cpu").manual_seed(0), device="cpu")
+    mask = torch.ones_like(ids)
+    values = ScalarHeadModel(m)(ids, mask)
+    assert values._base is None and values.shape == (3, 7)
+    values.pow(2).sum().backward()
+    head = m.score.weight
+    got = head.grad.clone()
+    head.grad = None
+    hidden = m.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    (hidden @ head.t()).squeeze(-1).pow(2).sum().backward()  # the plain formula, as a reference
+    assert torch.allclose(got, head.grad, atol=1e-6)
