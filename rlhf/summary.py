@@ -45,12 +45,14 @@ def main(argv=None) -> None:
     print(f"\nrun: {args.run_dir}")
     print(f"{'stage':<8} {'metric':<20} {'value':>10}")
     for stage, vals in summary.items():
-        if stage == "seconds":
+        if stage in ("seconds", "run"):
             continue
         for k, v in vals.items():
             print(f"{stage:<8} {k:<20} {v:>10.4f}")
     for k, v in seconds.items():
         print(f"{'time':<8} {k + ' (s)':<20} {v:>10.1f}")
+    if args.seed is not None:
+        print(f"{'run':<8} {'seed':<20} {args.seed:>10d}")
     print(f"summary: {args.run_dir / 'summary.json'}")
     print(f"report:  {write_report(args.run_dir)}")
 
