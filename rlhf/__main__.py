@@ -1,9 +1,9 @@
-"""Entry point: ``python -m rlhf stage=sft|reward|ppo [hydra overrides...]``.
+"""Entry point: ``python -m rlhf stage=sft|reward|ppo|dpo [hydra overrides...]``.
 
 Composes the Hydra config with the compose API (no output directory, no chdir, no timestamped
 folders: every rank of a torchrun job computes the same config and only rank 0 writes to
 ``run.dir``), validates it, then runs ``stages.<stage>.run(cfg)``. With ``launcher.nproc_per_node>0``
-and not already under a launcher, it starts torch.distributed.run itself (CONTRACT.md).
+and not already under a launcher, it starts torch.distributed.run itself (docs/contract.md).
 
 Exit codes: 0 success, 2 bad configuration or input, 3 a peer rank died or stopped answering
 (rlhf/watchdog.py; the job can be rerun and resumes from its last checkpoint), anything else a bug.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = """usage: python -m rlhf stage=sft|reward|ppo [key=value ...]
+USAGE = """usage: python -m rlhf stage=sft|reward|ppo|dpo [key=value ...]
 
 Hydra overrides, e.g. run.dir=runs/x train.max_steps=100 engine.zero_stage=3 data.path=f.jsonl
   --cfg       print the composed configuration and exit

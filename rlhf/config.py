@@ -12,7 +12,10 @@ from typing import Any, List, Optional
 
 from rlhf.errors import ConfigError
 
-STAGES = ("sft", "reward", "ppo")
+STAGES = ("sft", "reward", "ppo", "dpo")
+# data.split keeps DeepSpeed-Chat's three shares (sft, reward, ppo); DPO trains on preference pairs,
+# so it takes the reward stage's share (split_share_of)
+SPLIT_SHARES = ("sft", "reward", "ppo")
 FORMATS = ("synthetic", "prompt_response", "prompt_chosen_rejected", "hh", "gsm8k", "messages")
 # The fields each format reads (what data.columns may map a dataset's own names onto). messages also
 # reads the keys of each turn: role and content.
@@ -60,6 +63,27 @@ class RunConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through PEFT (rlhf/models/lora.py) for stage=sft, reward, dpo and PPO's actor;
+    r=0 = off (full fine-tuning)."""
+    r: int = 0
+    alpha: float = 16.0  # the update is B·A·alpha/r
+    dropout: float = 0.0  # on the adapters' input in training mode (0 keeps PPO's recomputed log-probs exact)
+    # module names (the last part, e.g. [q_proj, v_proj]); None = every linear layer of the decoder
+    # blocks: the attention and MLP projections of the family
+    target_modules: Optional[List[str]] = None
+    critic: bool = False  # PPO: adapters on the critic too (else it trains fully)
+
+    def __post_init__(self):
+        _check(self.r >= 0, "model.lora.r", self.r, "a non-negative integer (0 = off)")
+        _check(self.alpha > 0, "model.lora.alpha", self.alpha, "a positive number")
+        _check(0.0 <= self.dropout < 1.0, "model.lora.dropout", self.dropout, "a probability below 1")
+        _check(self.target_modules is None or (len(self.target_modules) > 0 and all(
+            isinstance(t, str) and t for t in self.target_modules)), "model.lora.target_modules",
+            self.target_modules, "a non-empty list of module names, e.g. [q_proj,v_proj]")
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None  # HF id or directory; None = previous stage's output or embedded default
     trust_remote_code: bool = False
@@ -71,6 +95,7 @@ class ModelConfig:
     intermediate_size: int = 512
     max_position_embeddings: int = 128
     vocab_size: int = 512  # upper bound for the tokenizer trained on the task text
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
@@ -237,14 +262,19 @@ class DataConfig:
         return int(self.resolve().max_response_len)
 
 
+def split_share_of(stage: str) -> int:
+    """The index of ``stage``'s weight in data.split: DPO reads pairs, the reward stage's share."""
+    return SPLIT_SHARES.index("reward" if stage == "dpo" else stage)
+
+
 def parse_split(spec: str) -> List[float]:
     try:
         parts = [float(p) for p in spec.split(",")]
     except ValueError:
         parts = []
-    if len(parts) != len(STAGES) or any(p < 0 for p in parts) or sum(parts) <= 0:
+    if len(parts) != len(SPLIT_SHARES) or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise ConfigError(f"data.split={spec!r} is invalid: expected three non-negative weights for "
-                          f"sft,reward,ppo such as \"2,4,4\"")
+                          f"sft,reward,ppo such as \"2,4,4\" (dpo takes the reward share)")
     return parts
 
 
@@ -331,7 +361,7 @@ class EngineConfig:
 
 @dataclass
 class EvalConfig:
-    """Gold score: the same seeded held-out prompts and decoding in every stage (CONTRACT.md)."""
+    """Gold score: the same seeded held-out prompts and decoding in every stage (docs/contract.md)."""
     gold_prompts: int = 256
     gold_samples: int = 4
     temperature: float = 1.0
@@ -371,6 +401,26 @@ class RewardConfig:
     margin: float = 0.0  # pairwise loss -log σ(r_chosen - r_rejected - margin)
     # the model the reward model starts from: None = the SFT output in run.dir, else model.path
     model_path: Optional[str] = None
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation (rlhf/algorithms/dpo.py): the policy against a frozen reference."""
+    beta: float = 0.1  # β: strength of the implicit KL to the reference (rewards are β·log π/π_ref)
+    loss: str = "sigmoid"  # sigmoid (DPO; cDPO with label_smoothing) | ipo
+    # cDPO: the share of pairs assumed mislabelled (sigmoid loss only; 0 = plain DPO)
+    label_smoothing: float = 0.0
+    # the policy and reference to start from: None = the SFT output in run.dir, else model.path
+    model_path: Optional[str] = None
+
+    def __post_init__(self):
+        _check(self.beta > 0, "dpo.beta", self.beta, "a positive number")
+        _check(self.loss in ("sigmoid", "ipo"), "dpo.loss", self.loss, "sigmoid or ipo")
+        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing,
+               "a number in [0, 0.5)")
+        if self.loss == "ipo" and self.label_smoothing:  # would be silently ignored
+            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss=sigmoid "
+                              f"(cDPO), not dpo.loss=ipo: set it to 0 or use dpo.loss=sigmoid")
 
 
 @dataclass
@@ -430,7 +480,7 @@ class AlgorithmConfig:
 
 @dataclass
 class PPOConfig:
-    """Experience and update sizes (units in the names: DESIGN.md habit 6)."""
+    """Experience and update sizes (units in the names: docs/architecture.md, habit 6)."""
     prompts_per_step: int = 32  # over all ranks
     samples_per_prompt: int = 4
     ppo_epochs: int = 4
@@ -484,7 +534,7 @@ class PPOConfig:
 
 @dataclass
 class LauncherConfig:
-    """Self-launch through torch.distributed.run (CONTRACT.md); nproc_per_node=0 = no self-launch."""
+    """Self-launch through torch.distributed.run (docs/contract.md); nproc_per_node=0 = no self-launch."""
     nnodes: int = 1
     nproc_per_node: int = 0
     node_rank: int = 0
@@ -505,6 +555,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 

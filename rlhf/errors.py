@@ -1,7 +1,7 @@
 """User-facing errors: bad configuration or bad input.
 
 Anything raised as ``UserError`` ends the program with exit code 2 and one line on stderr
-(CONTRACT.md, "Exit codes"). Every other exception is a bug and keeps its traceback.
+(docs/contract.md, "Exit codes"). Every other exception is a bug and keeps its traceback.
 """
 
 

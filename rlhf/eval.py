@@ -4,7 +4,7 @@
     python -m rlhf.eval RUN_DIR/sft/model data.path=data/gsm8k.jsonl data.format=gsm8k
 
 The held-out prompts, the decoding and the scorer are the stages' own (``rlhf.evaluation.gold_score``,
-CONTRACT.md): the data settings come from the Hydra overrides given here — the same ``data.*`` and
+docs/contract.md): the data settings come from the Hydra overrides given here — the same ``data.*`` and
 ``eval.*`` (and ``run.seed``) the run was trained with; none = the embedded default task.
 ``--run-dir`` is the run's directory (``run.dir``). Prints one JSON object:
 ``{"model", "gold/score", "gold/score_greedy", "prompts", "samples", "max_new_tokens", "temperature",

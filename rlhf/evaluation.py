@@ -1,6 +1,6 @@
 """Gold score: how good the policy really is, by the rule the reward model never sees.
 
-Same seeded held-out prompts and decoding everywhere (CONTRACT.md): the first ``eval.gold_prompts``
+Same seeded held-out prompts and decoding everywhere (docs/contract.md): the first ``eval.gold_prompts``
 held-out prompts, ``eval.gold_samples`` samples each at ``eval.temperature`` with seed ``eval.seed``.
 Greedy gold is reported beside as ``gold/score_greedy``, never as the headline.
 """

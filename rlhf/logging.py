@@ -1,4 +1,4 @@
-"""metrics.jsonl (CONTRACT.md), wandb, progress bars and the console log. Rank 0 writes; others no-op."""
+"""metrics.jsonl (docs/contract.md), wandb, progress bars and the console log. Rank 0 writes; others no-op."""
 from __future__ import annotations
 
 import json

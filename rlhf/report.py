@@ -1,4 +1,4 @@
-"""report.png of a run: the curves of every stage that has metrics (CONTRACT.md run-directory layout).
+"""report.png of a run: the curves of every stage that has metrics (docs/contract.md, run directory).
 
     python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png
 

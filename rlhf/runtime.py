@@ -80,8 +80,12 @@ def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config)
     arch = {k: v for k, v in model_config.to_dict().items()
             if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")}
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return {"model": digest(arch), "tokenizer": digest(sorted(vocab.items())), "data": data_description,
-            "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}"}
+    out = {"model": digest(arch), "tokenizer": digest(sorted(vocab.items())), "data": data_description,
+           "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}"}
+    lcfg = cfg.model.lora
+    if lcfg.r:  # the adapters' shapes and targets (a full fine-tuning checkpoint has none)
+        out["lora"] = f"r={lcfg.r} target_modules={lcfg.target_modules or 'default'} critic={lcfg.critic}"
+    return out
 
 
 def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:

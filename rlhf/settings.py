@@ -47,7 +47,7 @@ def _describe(e: Exception) -> str:
     if hint:
         text += hint
     if "Could not find 'stage/" in text:
-        return text.replace("Could not find 'stage/", "unknown stage '") + " (expected sft, reward or ppo)"
+        return text.replace("Could not find 'stage/", "unknown stage '") + " (expected sft, reward, ppo or dpo)"
     return text or type(e).__name__
 
 

@@ -1,4 +1,4 @@
-"""summary.json of a run (CONTRACT.md) from the stages' metrics, a short table, and report.png.
+"""summary.json of a run (docs/contract.md) from the stages' metrics, a short table, and report.png.
 
     python -m rlhf.summary RUN_DIR [--seconds stage=S ...]
 """

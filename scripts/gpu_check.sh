@@ -2,7 +2,7 @@
 # One pass over a CUDA machine with no network: the pipeline on the embedded default, then the
 # generation and PPO benches, then ONE table. Installs nothing and creates no venv (unlike
 # scripts/_env.sh): it runs ${PY:-python3} with the project prepended to PYTHONPATH, so the
-# dependencies must already be importable (GPU-NOTES.md: wheels unpacked to /tmp/site, on PYTHONPATH).
+# dependencies must already be importable (docs/gpu.md: wheels unpacked to /tmp/site, on PYTHONPATH).
 #
 #   [PY=python3] [OUT=/tmp] [GEN_REPEATS=3] scripts/gpu_check.sh
 #

@@ -26,12 +26,12 @@ from rlhf.data.tokenize import tokenize_prompts
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
-from rlhf.engine.train import FrozenModel, TrainEngine
+from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
 from rlhf.errors import ConfigError, UserError
 from rlhf.evaluation import gold_score
 from rlhf.logging import progress
-from rlhf.models import loading
-from rlhf.models.value import ScalarHeadModel, head_module
+from rlhf.models import loading, lora
+from rlhf.models.value import ScalarHeadModel, head_module, head_name
 from rlhf.ops import SamplingParams
 from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
@@ -72,14 +72,21 @@ def run(cfg: Config) -> None:
 
     updates_per_step = p.ppo_epochs * p.minibatches_per_epoch
     total_updates = t.max_steps * updates_per_step
-    actor = TrainEngine(causal_lm(cfg, actor_src, mesh, tokenizer), mesh, cfg.engine, t, total_steps=total_updates)
+    lcfg = cfg.model.lora  # model.lora.r > 0: adapters on the actor (and the critic with model.lora.critic)
+    actor_model = lora.adapt(causal_lm(cfg, actor_src, mesh, tokenizer), lcfg, cfg.run.seed, what="actor")
+    actor = TrainEngine(actor_model, mesh, cfg.engine, t, total_steps=total_updates)
     hybrid = HybridEngine(actor, tokenizer, cfg.engine)
     # The critic starts as the reward model, rescaled to the normalised rewards it will predict.
     critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" else 1.0
-    critic = (TrainEngine(scalar_model(cfg, rm_src, mesh, tokenizer, critic_scale), mesh, cfg.engine, t,
-                          total_steps=total_updates, lr=p.critic_lr) if alg.estimator == "gae" else None)
-    scorers = experience.Scorers(  # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
-        ref=FrozenModel(causal_lm(cfg, actor_src, mesh, tokenizer), mesh, cfg.engine) if alg.kl_coef > 0 else None,
+    critic = (TrainEngine(scalar_model(cfg, rm_src, mesh, tokenizer, critic_scale, lcfg if lcfg.critic else None),
+                          mesh, cfg.engine, t, total_steps=total_updates, lr=p.critic_lr)
+              if alg.estimator == "gae" else None)
+    # the reference: the actor with its adapters off under LoRA, else a second copy of the SFT model;
+    # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
+    ref = (reference_for(actor, lambda: causal_lm(cfg, actor_src, mesh, tokenizer), mesh, cfg.engine)
+           if alg.kl_coef > 0 else None)
+    scorers = experience.Scorers(
+        ref=ref,
         critic=critic,
         reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, cfg.engine) if p.use_reward_model else None,
         reward_stats=stats, running=A.RunningMoments(), rule=rule, rule_weight=p.reward_fn_weight,
@@ -171,9 +178,9 @@ def run(cfg: Config) -> None:
 
     # ---- export ----
     evaluate(t.max_steps)
-    export_hf(actor, ctx.out / "actor", mesh, tokenizer=tokenizer)
+    export_hf(actor, ctx.out / "actor", mesh, tokenizer=tokenizer, adapter_dir=ctx.out / "adapter")
     if critic is not None:
-        export_hf(critic, ctx.out / "critic", mesh, tokenizer=tokenizer)
+        export_hf(critic, ctx.out / "critic", mesh, tokenizer=tokenizer, adapter_dir=ctx.out / "critic_adapter")
     if ema is not None:
         ema.export(ctx.out / "actor_ema", tokenizer)
     metrics.close()
@@ -202,8 +209,9 @@ def causal_lm(cfg: Config, src: str, mesh, tokenizer):
                                trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
 
 
-def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0) -> ScalarHeadModel:
-    """The reward model's architecture and weights as a scalar-head model (the critic's head scaled)."""
+def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0, lcfg=None) -> ScalarHeadModel:
+    """The reward model's architecture and weights as a scalar-head model (the critic's head scaled;
+    ``lcfg``: LoRA adapters on its backbone, the head fully trained)."""
     model_cfg = loading.load_config(str(src), cfg.model.trust_remote_code)
     model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, path=str(src),
                                 on_meta=not mesh.is_main, trust_remote_code=cfg.model.trust_remote_code,
@@ -211,6 +219,8 @@ def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0) -> Scala
     if scale != 1.0 and mesh.is_main:
         with torch.no_grad():
             head_module(model).weight.mul_(scale)
+    if lcfg is not None:
+        model = lora.adapt(model, lcfg, cfg.run.seed + 1, head=head_name(model), what="critic")
     return ScalarHeadModel(model)
 
 

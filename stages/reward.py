@@ -22,8 +22,8 @@ from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError, DataError
 from rlhf.logging import progress
-from rlhf.models import loading
-from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
+from rlhf.models import loading, lora
+from rlhf.models.value import ScalarHeadModel, head_name, init_head, sequence_scores
 from rlhf.runtime import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     stage_input, start_stage)
@@ -70,6 +70,8 @@ def run(cfg: Config) -> None:
     else:
         model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True,
                                     trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
+    # model.lora.r > 0: adapters on the backbone, the score head fully trained (and saved with them)
+    model = lora.adapt(model, cfg.model.lora, cfg.run.seed, head=head_name(model))
     engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, t)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
@@ -125,7 +127,8 @@ def run(cfg: Config) -> None:
     res = evaluate(t.max_steps)
     stats = {"mean": res["scores/mean"], "std": res["scores/std"], "step": t.max_steps,
              **{k: v for k, v in res.items() if k.startswith("eval/")}}
-    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={STATS_FILE: stats})
+    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={STATS_FILE: stats},
+              adapter_dir=ctx.out / "adapter")
     metrics.close()
     log.info("reward done: %s (eval/accuracy=%.4f)", ctx.out / "model", res["eval/accuracy"])
     shutdown(mesh)

@@ -23,7 +23,7 @@ from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.evaluation import gold_score
 from rlhf.logging import progress
-from rlhf.models import loading
+from rlhf.models import loading, lora
 from rlhf.runtime import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     start_stage, text_corpus)
@@ -65,6 +65,7 @@ def run(cfg: Config) -> None:
     model = loading.build_model(AutoModelForCausalLM, config=model_cfg, path=cfg.model.path,
                                 on_meta=not mesh.is_main, seed=cfg.run.seed,
                                 trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
+    model = lora.adapt(model, cfg.model.lora, cfg.run.seed)  # model.lora.r > 0: adapters only train
     engine = TrainEngine(model, mesh, cfg.engine, t)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
@@ -123,7 +124,7 @@ def run(cfg: Config) -> None:
     # ---- save ----
     results = evaluate(t.max_steps)
     export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
-              extra_files={"rlhf_eval.json": {"step": t.max_steps, **results}})
+              extra_files={"rlhf_eval.json": {"step": t.max_steps, **results}}, adapter_dir=ctx.out / "adapter")
     metrics.close()
     log.info("sft done: %s", ctx.out / "model")
     shutdown(mesh)

@@ -1,4 +1,4 @@
-"""Shared helpers: the CLI as a subprocess, the shared real data, a tiny-model factory."""
+"""Shared helpers: the CLI as a subprocess, the vendored real-data samples (tests/data), a tiny-model factory."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# Small real-data samples vendored with the tests (sources and licences: tests/data/README.md)
+REAL_DATA = ROOT / "tests" / "data"
 
 # Where the suite runs its stages and ranks: RLHF_TEST_DEVICE=cpu (default: every rank on CPU/gloo,
 # also on a GPU machine) or cuda (engine.device=auto: a GPU per rank where there are enough, else the
@@ -59,10 +60,10 @@ def quick_sft_args(run_dir: Path, steps: int = 20) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip("../shared/data is absent on this machine")
-    return SHARED_DATA
+def real_data() -> Path:
+    """tests/data: HH-RLHF harmless-base test split and a GSM8K subset (part of the repository)."""
+    assert (REAL_DATA / "README.md").is_file(), f"{REAL_DATA} is missing: it is part of the repository"
+    return REAL_DATA
 
 
 @pytest.fixture(scope="session")

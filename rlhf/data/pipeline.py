@@ -2,8 +2,9 @@
 
 Order of operations, per source: read (or generate) → seeded shuffle → held-out records
 (the same for every stage, so gold scores compare across stages) → the stage's ``data.split``
-share of the rest. Sources are then blended by weight. With ``data.eval_path`` the held-out records
-are that file's (a seeded sample of ``data.eval_size``) and nothing is carved out of the sources.
+share of the rest (DPO, which reads pairs, takes the reward stage's share). Sources are then
+blended by weight. With ``data.eval_path`` the held-out records are that file's (a seeded sample
+of ``data.eval_size``) and nothing is carved out of the sources.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
-from rlhf.config import STAGES, DataConfig, SourceConfig, parse_split
+from rlhf.config import DataConfig, SourceConfig, parse_split, split_share_of
 from rlhf.data import synthetic
 from rlhf.data.gold import scorer_for
 from rlhf.data.records import Example, read_examples
@@ -60,7 +61,7 @@ def _load_source(src: SourceConfig, dcfg: DataConfig, seed: int, stage: str):
     if dcfg.eval_path:
         held_out = []  # data.eval_path's records instead
     if dcfg.split is not None:
-        train = train[split_share(len(train), parse_split(str(dcfg.split)), STAGES.index(stage))]
+        train = train[split_share(len(train), parse_split(str(dcfg.split)), split_share_of(stage))]
     if not train:
         raise DataError(f"data.path={path}: no training records left for stage {stage} "
                         f"(data.split={dcfg.split})")

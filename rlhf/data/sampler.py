@@ -1,5 +1,5 @@
 """Deterministic global batches: step → the same sample indices whatever the world size or the
-accumulation, so 1 rank ≡ N ranks and batch B ≡ B/k × k accumulation (DESIGN.md, habit 5)."""
+accumulation, so 1 rank ≡ N ranks and batch B ≡ B/k × k accumulation (docs/architecture.md, habit 5)."""
 from __future__ import annotations
 
 import random

@@ -100,20 +100,35 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
     return state
 
 
-def export_hf(engine, out_dir: Path, mesh: Mesh, tokenizer=None, extra_files: Optional[dict] = None) -> None:
-    """Writes the unsharded model in Hugging Face format (safetensors) to ``out_dir``, atomically."""
+def export_hf(engine, out_dir: Path, mesh: Mesh, tokenizer=None, extra_files: Optional[dict] = None,
+              adapter_dir: Optional[Path] = None) -> None:
+    """Writes the unsharded model in Hugging Face format (safetensors) to ``out_dir``, atomically; a
+    LoRA model merged (W + B·A·α/r), and its adapter alone to ``adapter_dir`` (PEFT format) when given."""
     sd = engine.full_state_dict()  # collective; full tensors on rank 0
     if mesh.is_main:
-        out_dir = Path(out_dir)
-        tmp = temp_dir_for(out_dir)
-        module = engine.module
-        inner = getattr(module, "hf", None)  # ScalarHeadModel wraps the HF model it saves
-        if inner is not None:
-            module, sd = inner, {k.removeprefix("hf."): v for k, v in sd.items()}
-        module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        for name, obj in (extra_files or {}).items():
-            atomic_write_json(tmp / name, obj)
-        replace_dir(tmp, out_dir)
+        write_hf(engine.module, sd, out_dir, tokenizer, extra_files, adapter_dir)
     mesh.barrier()
+
+
+def write_hf(module, sd: dict, out_dir: Path, tokenizer=None, extra_files: Optional[dict] = None,
+             adapter_dir: Optional[Path] = None) -> None:
+    """``module``'s full state dict ``sd`` as a Hugging Face model directory (one process writes)."""
+    from rlhf.models import lora
+    inner = getattr(module, "hf", None)  # ScalarHeadModel wraps the HF model it saves
+    if inner is not None:
+        module, sd = inner, {k.removeprefix("hf."): v for k, v in sd.items()}
+    if lora.is_peft(module):
+        if adapter_dir is not None:
+            tmp = temp_dir_for(Path(adapter_dir))
+            lora.save_adapter(module, sd, tmp)
+            replace_dir(tmp, Path(adapter_dir))
+        sd = lora.merged_state_dict(sd, lora.scaling(module), lora.fan_in_fan_out(module))
+        module = lora.plain_model(module)
+    out_dir = Path(out_dir)
+    tmp = temp_dir_for(out_dir)
+    module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    for name, obj in (extra_files or {}).items():
+        atomic_write_json(tmp / name, obj)
+    replace_dir(tmp, out_dir)

@@ -18,7 +18,9 @@ import torch
 from rlhf.config import EngineConfig
 from rlhf.engine.infer import Generation, InferenceModel, finish, left_pad
 from rlhf.engine.mesh import precision_of
-from rlhf.engine.train import TrainEngine, decoder_layers
+from rlhf.engine.train import TrainEngine
+from rlhf.models.blocks import decoder_layers
+from rlhf.models.lora import unwrap
 from rlhf.errors import ConfigError
 from rlhf.models.policies import policy_for
 from rlhf.ops import SamplingParams
@@ -30,7 +32,7 @@ class HybridEngine:
     def __init__(self, engine: TrainEngine, tokenizer, ecfg: EngineConfig):
         self.engine, self.mesh, self.ecfg = engine, engine.mesh, ecfg
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-        self.policy, reason = policy_for(engine.module.config)
+        self.policy, reason = policy_for(unwrap(engine.module).config)
         self.tp = ecfg.inference_tp_size
         self.inject = ecfg.hybrid and self.policy is not None
         if ecfg.hybrid and self.policy is None:
@@ -67,6 +69,7 @@ class HybridEngine:
         module, fsdp, pol = self.engine.module, self.engine.is_fsdp, self.policy
         rank = self.mesh.tp_rank
         layers = []
+        # (LoRA: the policy reads each adapted projection as W + B·A·α/r, computed out of place)
         for layer in decoder_layers(module):
             if fsdp:
                 layer.unshard()
@@ -75,7 +78,7 @@ class HybridEngine:
                 layer.reshard()
         if fsdp:
             module.unshard()
-        root = pol.root_weights(module)
+        root = pol.root_weights(unwrap(module))
         if fsdp:
             module.reshard()
         root = {k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()}

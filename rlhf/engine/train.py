@@ -1,6 +1,6 @@
 """Training mode: the model wrapped for ``engine.zero_stage``, its optimizer, schedule and step.
 
-ZeRO on FSDP2 (DESIGN.md): ``fully_shard`` per decoder block and at the root.
+ZeRO on FSDP2 (docs/architecture.md): ``fully_shard`` per decoder block and at the root.
   3: parameters, gradients, optimizer state sharded; parameters resharded after forward.
   2: as 3 but parameters stay gathered from forward to backward (``reshard_after_forward=False``).
   1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer). 0: DDP.
@@ -22,16 +22,10 @@ from torch import nn
 from rlhf.config import EngineConfig, TrainConfig
 from rlhf.engine.mesh import Mesh, precision_of
 from rlhf.engine.schedule import make_scheduler
+from rlhf.models.blocks import decoder_layers
+from rlhf.models.lora import adapters_disabled, is_peft
 
 log = logging.getLogger("rlhf")
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of an HF model (``model.layers`` in Llama/Qwen2/Mistral, ``h`` in GPT-2)."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks") and len(mod):
-            return mod
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 def _broadcast_buffers(model: nn.Module) -> None:
@@ -135,6 +129,31 @@ class FrozenModel:
     def forward(self, **batch):
         with autocast(self.mesh, self.ecfg, self.is_fsdp):
             return self.model(**batch)
+
+
+class AdaptersOff:
+    """A LoRA engine's base model, frozen: the same modules run with the adapters off (PPO's and DPO's
+    reference policy without a second copy of the weights; equal to the base model loaded apart)."""
+
+    def __init__(self, engine: "TrainEngine"):
+        self.engine = engine
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @torch.no_grad()
+    def forward(self, **batch):
+        with adapters_disabled(self.engine.module):
+            return self.engine.forward(**batch)
+
+
+def reference_for(engine: "TrainEngine", build, mesh: Mesh, ecfg: EngineConfig):
+    """The frozen reference of a trained policy: its own base when it has LoRA adapters, else a
+    second model from ``build()`` (the same starting weights), sharded like the trainee."""
+    if is_peft(engine.module):
+        return AdaptersOff(engine)
+    return FrozenModel(build(), mesh, ecfg)
 
 
 class TrainEngine:

@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from rlhf.models.lora import is_lora_layer, weight
 from rlhf.ops.rotary import interleave_permutation
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
@@ -67,9 +68,9 @@ class Policy:
         (q, k, v), (gate, up) = self._qkv(a, "weight"), self._gate_up(m, "weight")
         w = {
             "wqkv": torch.cat([self._interleave(q[qs]), self._interleave(k[ks]), v[ks]]),
-            "wo": a.o_proj.weight[:, qs].clone(memory_format=torch.contiguous_format),
+            "wo": weight(a.o_proj)[:, qs].clone(memory_format=torch.contiguous_format),
             "w_gate_up": torch.cat([gate[ms], up[ms]]),
-            "w_down": m.down_proj.weight[:, ms].clone(memory_format=torch.contiguous_format),
+            "w_down": weight(m.down_proj)[:, ms].clone(memory_format=torch.contiguous_format),
             "ln1": layer.input_layernorm.weight.detach().clone(),
             "ln2": layer.post_attention_layernorm.weight.detach().clone(),
         }
@@ -78,12 +79,12 @@ class Policy:
             w["bqkv"] = torch.cat([self._interleave(q[qs]), self._interleave(k[ks]), v[ks]])
         # a row-parallel output's bias is added once: by TP rank 0, before the all-reduce
         if self.o_bias and tp_rank == 0:
-            w["bo"] = a.o_proj.bias.detach().clone()
+            w["bo"] = weight(a.o_proj, "bias").detach().clone()
         if self.mlp_bias:
             gate, up = self._gate_up(m, "bias")
             w["b_gate_up"] = torch.cat([gate[ms], up[ms]])
             if tp_rank == 0:
-                w["b_down"] = m.down_proj.bias.detach().clone()
+                w["b_down"] = weight(m.down_proj, "bias").detach().clone()
         if self.qk_norm:  # one weight row per q and k head of this rank, in the interleaved layout
             perm = self._perm(a.q_norm.weight.device)
             w["qk_norm"] = torch.cat([a.q_norm.weight[perm].expand(hq, d), a.k_norm.weight[perm].expand(hk, d)])
@@ -92,16 +93,16 @@ class Policy:
     def _qkv(self, attn, what: str):
         """(q, k, v) rows of the attention input projections' ``weight`` or ``bias`` (full tensors)."""
         if self.family == "phi3":  # one fused projection, rows [q; k; v]
-            t = getattr(attn.qkv_proj, what)
+            t = weight(attn.qkv_proj, what)
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return t[:nq], t[nq:nq + nk], t[nq + nk:]
-        return getattr(attn.q_proj, what), getattr(attn.k_proj, what), getattr(attn.v_proj, what)
+        return weight(attn.q_proj, what), weight(attn.k_proj, what), weight(attn.v_proj, what)
 
     def _gate_up(self, mlp, what: str):
         if self.family == "phi3":  # rows [gate; up] (HF: gate, up = gate_up_proj(x).chunk(2))
-            t = getattr(mlp.gate_up_proj, what)
+            t = weight(mlp.gate_up_proj, what)
             return t[:self.intermediate_size], t[self.intermediate_size:]
-        return getattr(mlp.gate_proj, what), getattr(mlp.up_proj, what)
+        return weight(mlp.gate_proj, what), weight(mlp.up_proj, what)
 
     def _perm(self, device) -> torch.Tensor:
         """Per head: the rotated dimensions interleaved (rlhf.ops.rotary), the rest where they were."""
@@ -115,8 +116,11 @@ class Policy:
 
     def root_weights(self, model) -> Dict[str, torch.Tensor]:
         base = model.model
-        embed = base.embed_tokens.weight.detach().clone()
-        head = embed if self.tie_word_embeddings else model.lm_head.weight.detach().clone()
+        embed = weight(base.embed_tokens).detach().clone()  # LoRA-adapted where a user targets it
+        if not self.tie_word_embeddings:
+            head = weight(model.lm_head).detach().clone()
+        else:  # the LM head is the base embedding (an embedding adapter changes only the lookup, as in HF)
+            head = base.embed_tokens.weight.detach().clone() if is_lora_layer(base.embed_tokens) else embed
         rot = base.rotary_emb
         if 2 * rot.inv_freq.numel() != self.rotary_dim:
             raise ValueError(f"{self.family}: the rotary embedding has {2 * rot.inv_freq.numel()} dimensions, "

@@ -12,12 +12,21 @@ import math
 import torch
 from torch import nn
 
+from rlhf.models.lora import unwrap
+
+
+HEAD_NAMES = ("score", "classifier", "v_head")
+
+
+def head_name(model: nn.Module) -> str:
+    for name in HEAD_NAMES:
+        if hasattr(model, name):
+            return name
+    raise ValueError(f"{type(model).__name__} has no scalar head (score)")
+
 
 def head_module(model: nn.Module) -> nn.Module:
-    for name in ("score", "classifier", "v_head"):
-        if hasattr(model, name):
-            return getattr(model, name)
-    raise ValueError(f"{type(model).__name__} has no scalar head (score)")
+    return getattr(model, head_name(model))
 
 
 def init_head(model: nn.Module) -> None:
@@ -42,12 +51,13 @@ class ScalarHeadModel(nn.Module):
         self.config = hf_model.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        backbone = getattr(self.hf, self.hf.base_model_prefix)
+        hf = unwrap(self.hf)  # with LoRA: the HF model, its adapted layers in place
+        backbone = getattr(hf, hf.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids(attention_mask)).last_hidden_state
         # sum over the size-1 head dimension: the same numbers as squeeze(-1), but a new tensor, not a
         # view (FSDP2 warns that a module returning a view can break backward)
-        return head_module(self.hf)(hidden).sum(-1).float()
+        return head_module(hf)(hidden).sum(-1).float()
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

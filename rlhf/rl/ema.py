@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import distribute_tensor
 
-from rlhf.fileio import replace_dir, temp_dir_for
+from rlhf.engine.checkpoint import write_hf
 
 
 class EMA:
@@ -48,11 +48,6 @@ class EMA:
     def export(self, out_dir, tokenizer) -> None:
         full = self._full()
         mesh = self.engine.mesh
-        if mesh.is_main:
-            module = self.engine.module
-            tmp = temp_dir_for(out_dir)
-            sd = {k.removeprefix("module."): v for k, v in full.items()}
-            module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            replace_dir(tmp, out_dir)
+        if mesh.is_main:  # as the actor is exported (a LoRA actor merged)
+            write_hf(self.engine.module, {k.removeprefix("module."): v for k, v in full.items()}, out_dir, tokenizer)
         mesh.barrier()

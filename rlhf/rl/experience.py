@@ -13,6 +13,7 @@ import torch
 from rlhf.algorithms import ppo as A
 from rlhf.engine.logprobs import keeps_logits, response_logprobs
 from rlhf.engine.infer import Generation
+from rlhf.models.lora import unwrap
 from rlhf.models.value import sequence_scores
 from rlhf.ops import SamplingParams
 from rlhf.rl.minibatch import auto_micro_batch
@@ -215,7 +216,7 @@ def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples:
     mask = gen.response_mask.float()
     temp = sp.temperature if sp.temperature > 0 else 1.0  # log-probs of greedy rollouts: temperature 1
     rows, n_resp = seq.shape[0], seq.shape[1] - P
-    keep = keeps_logits(actor.module)
+    keep = keeps_logits(unwrap(actor.module))
     micro = micro_rows(actor, rows, (n_resp + 1) if keep else seq.shape[1], micro_batch)
 
     def logprobs(model):

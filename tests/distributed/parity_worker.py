@@ -25,6 +25,9 @@ from stages.sft import train_step  # noqa: E402
 GLOBAL_BATCH, STEPS, PAD = 8, 5, 0
 # (name, zero_stage, micro_batch_per_rank at world size 2 — 0 means no accumulation)
 CASES = [("zero0", 0, 0), ("zero1", 1, 0), ("zero2", 2, 0), ("zero3", 3, 0), ("zero3_accum", 3, 2)]
+# the same with LoRA adapters (PEFT; frozen base weights next to trained adapters in each shard)
+LORA_CASES = [("lora_zero0", 0, 0), ("lora_zero1", 1, 0), ("lora_zero2", 2, 0), ("lora_zero3", 3, 2)]
+LORA = dict(r=4, alpha=8.0)
 
 
 def tiny_model(seed: int = 0, on_meta: bool = False):
@@ -49,9 +52,17 @@ def records(n: int = 64, seed: int = 0):
     return out
 
 
-def loss_curve(mesh, zero_stage: int, micro: int, precision: str = "fp32") -> list[float]:
+def with_lora(model, lora: bool, head=None):
+    if not lora:
+        return model
+    from rlhf.config import LoraConfig
+    from rlhf.models.lora import apply_lora
+    return apply_lora(model, LoraConfig(**LORA), seed=3, head=head)
+
+
+def loss_curve(mesh, zero_stage: int, micro: int, precision: str = "fp32", lora: bool = False) -> list[float]:
     recs = records()
-    model = tiny_model(on_meta=not mesh.is_main)
+    model = with_lora(tiny_model(on_meta=not mesh.is_main), lora)
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2,
                        warmup_steps=1)
     engine = TrainEngine(model, mesh, EngineConfig(zero_stage=zero_stage, precision=precision), tcfg)
@@ -65,7 +76,7 @@ def loss_curve(mesh, zero_stage: int, micro: int, precision: str = "fp32") -> li
     return losses
 
 
-def reward_curve(mesh, zero_stage: int = 3) -> list[float]:
+def reward_curve(mesh, zero_stage: int = 3, lora: bool = False) -> list[float]:
     """The reward stage's real step on a tiny sequence-classification Llama (pairs: a counting
     sequence is chosen over a shuffled one)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -83,6 +94,7 @@ def reward_curve(mesh, zero_stage: int = 3) -> list[float]:
         with torch.device("meta"):
             model = LlamaForSequenceClassification(cfg)
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
+    model = with_lora(model, lora, head="score")
     engine = TrainEngine(ScalarHeadModel(model), mesh, EngineConfig(zero_stage=zero_stage, precision="fp32"), tcfg)
     recs = records()
     rng = random.Random(5)
@@ -100,6 +112,8 @@ def main(out: str) -> None:
     mesh = init_mesh(EngineConfig(timeout_s=120, precision="fp32"))
     results = {name: loss_curve(mesh, z, m) for name, z, m in CASES}
     results["reward_zero3"] = reward_curve(mesh)
+    results.update({name: loss_curve(mesh, z, m, lora=True) for name, z, m in LORA_CASES})
+    results["reward_lora_zero3"] = reward_curve(mesh, lora=True)
     results["world_size"] = mesh.world_size
     if mesh.is_main:
         Path(out).write_text(json.dumps(results))

@@ -52,3 +52,27 @@ def test_reward_two_ranks_match_one_process(two_rank_curves):
     assert ref[-1] < ref[0]
     for a, b in zip(two_rank_curves["reward_zero3"], ref):
         assert abs(a - b) <= 1e-4 * abs(b), (two_rank_curves["reward_zero3"], ref)
+
+
+@pytest.fixture(scope="module")
+def lora_reference():
+    return w.loss_curve(Mesh(), zero_stage=3, micro=0, lora=True)
+
+
+def test_lora_reference_learns_and_differs(lora_reference, reference):
+    assert lora_reference[-1] < lora_reference[0] - 0.05
+    assert abs(lora_reference[-1] - reference[-1]) > 1e-3  # the adapters, not the full weights, trained
+
+
+@pytest.mark.parametrize("case", [c[0] for c in w.LORA_CASES])
+def test_lora_two_ranks_match_one_process(two_rank_curves, lora_reference, case):
+    got = two_rank_curves[case]
+    for a, b in zip(got, lora_reference):
+        assert abs(a - b) <= 1e-4 * abs(b), (case, got, lora_reference)
+
+
+def test_lora_reward_two_ranks_match_one_process(two_rank_curves):
+    ref = w.reward_curve(Mesh(), lora=True)
+    assert ref[-1] < ref[0]
+    for a, b in zip(two_rank_curves["reward_lora_zero3"], ref):
+        assert abs(a - b) <= 1e-4 * abs(b), (two_rank_curves["reward_lora_zero3"], ref)

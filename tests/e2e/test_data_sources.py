@@ -31,10 +31,10 @@ def hh_turns(dialogue: str):
     return turns
 
 
-def messages_file(shared_data, path, n=120):
+def messages_file(real_data, path, n=120):
     """HH-RLHF pairs as messages: chosen/rejected message lists sharing their turns but the last."""
     out = []
-    with gzip.open(shared_data / "hh-rlhf" / "harmless-base-test.jsonl.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz", "rt", encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
             c, r = hh_turns(rec["chosen"]), hh_turns(rec["rejected"])
@@ -48,10 +48,10 @@ def messages_file(shared_data, path, n=120):
     return path
 
 
-def test_messages_sft_reward_ppo_with_a_chat_template(shared_data, tmp_path):
+def test_messages_sft_reward_ppo_with_a_chat_template(real_data, tmp_path):
     """HH-RLHF as messages, the embedded model given a ChatML template by data.chat_template: SFT
     exports the template with the tokenizer, reward and PPO pick it up (data.chat_template=auto)."""
-    data = messages_file(shared_data, tmp_path / "hh_messages.jsonl")
+    data = messages_file(real_data, tmp_path / "hh_messages.jsonl")
     template = tmp_path / "chatml.jinja"
     template.write_text(CHATML)
     run = tmp_path / "run"
@@ -104,9 +104,9 @@ def test_save_to_disk_folders_columns_and_bom(tmp_path):
 
 
 @pytest.mark.slow  # ~17 s
-def test_gsm8k_with_a_held_out_file(shared_data, tmp_path):
-    proc = run_cli(*short_sft(tmp_path, f"data.path={shared_data / 'gsm8k/train.jsonl'}", "data.format=gsm8k",
-                              f"data.eval_path={shared_data / 'gsm8k/test.jsonl'}", "eval.max_new_tokens=8",
+def test_gsm8k_with_a_held_out_file(real_data, tmp_path):
+    proc = run_cli(*short_sft(tmp_path, f"data.path={real_data / 'gsm8k/train.jsonl'}", "data.format=gsm8k",
+                              f"data.eval_path={real_data / 'gsm8k/test.jsonl'}", "eval.max_new_tokens=8",
                               "data.eval_size=8"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gsm8k:" in proc.stderr and "held out: gsm8k:" in proc.stderr and "test.jsonl" in proc.stderr

@@ -133,13 +133,13 @@ def test_nonfinite_rewards_skip_then_stop(small_pipeline, tmp_path):
     assert "non-finite" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_ppo_gsm8k_smoke(shared_data, tmp_path):
-    sft = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={shared_data / 'gsm8k/train.jsonl'}",
+def test_ppo_gsm8k_smoke(real_data, tmp_path):
+    sft = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={real_data / 'gsm8k/train.jsonl'}",
                   "data.format=gsm8k", "train.max_steps=3", "train.global_batch=8", "train.save_every=0",
                   "logger.progress=false", "data.max_prompt_len=96", "data.max_response_len=64",
                   "eval.gold_prompts=4", "eval.max_new_tokens=8", "data.eval_size=16")
     assert sft.returncode == 0, sft.stderr[-2000:]
-    proc = run_cli("stage=ppo", f"run.dir={tmp_path}", f"data.path={shared_data / 'gsm8k/train.jsonl'}",
+    proc = run_cli("stage=ppo", f"run.dir={tmp_path}", f"data.path={real_data / 'gsm8k/train.jsonl'}",
                    "data.format=gsm8k", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
                    "ppo.reward_fn=rlhf.rewards.gold", "train.max_steps=2", "ppo.prompts_per_step=4",
                    "ppo.samples_per_prompt=2", "ppo.max_new_tokens=48", "ppo.ppo_epochs=1",

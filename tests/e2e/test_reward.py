@@ -81,9 +81,9 @@ def test_score_cli(default_reward_run, tmp_path):
         assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_reward_on_hh(default_sft_run, shared_data, tmp_path):
+def test_reward_on_hh(default_sft_run, real_data, tmp_path):
     proc = run_cli("stage=reward", f"run.dir={tmp_path}", f"model.path={default_sft_run / 'sft' / 'model'}",
-                   f"data.path={shared_data / 'hh-rlhf/harmless-base-test.jsonl.gz'}", "data.format=hh",
+                   f"data.path={real_data / 'hh-rlhf/harmless-base-test.jsonl.gz'}", "data.format=hh",
                    "train.max_steps=4", "train.global_batch=8", "train.save_every=0", "logger.progress=false",
                    "data.max_prompt_len=96", "data.max_response_len=96", "data.eval_size=32")
     assert proc.returncode == 0, proc.stderr[-3000:]

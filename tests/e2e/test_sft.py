@@ -68,8 +68,8 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
 
 @pytest.mark.parametrize("fmt, rel", [("gsm8k", "gsm8k/train.jsonl"),
                                       ("hh", "hh-rlhf/harmless-base-test.jsonl.gz")])
-def test_real_data_sft(shared_data, tmp_path, fmt, rel):
-    proc = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={shared_data / rel}", f"data.format={fmt}",
+def test_real_data_sft(real_data, tmp_path, fmt, rel):
+    proc = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={real_data / rel}", f"data.format={fmt}",
                    "train.max_steps=30", "train.global_batch=8", "train.save_every=0", "logger.progress=false",
                    "train.log_every=1", "train.warmup_steps=5", "data.max_prompt_len=96", "data.max_response_len=64",
                    "eval.gold_prompts=8", "eval.max_new_tokens=8", "data.eval_size=16")

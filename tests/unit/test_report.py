@@ -1,4 +1,4 @@
-"""summary.json (CONTRACT.md keys) and report.png from a run directory's metrics."""
+"""summary.json (docs/contract.md keys) and report.png from a run directory's metrics."""
 import json
 import struct
 

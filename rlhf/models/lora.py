@@ -1,0 +1,178 @@
+"""LoRA adapters through PEFT (``model.lora.r > 0``): which modules get them, and the three views of
+an adapted model the rest of the project needs.
+
+PEFT is the well-kept implementation every RLHF library builds on (TRL, OpenRLHF, veRL), so we
+use it for the adapters themselves — their init, scaling, dropout and file format — rather than a
+copy of our own. What PEFT does not do for us, and lives here:
+  - ``delta_weight``/``merged``: W + B·A·α/r computed out of place, for the hybrid engine's gathered
+    inference weights (the training-mode weights stay unmerged: merging in place and back would change
+    them at rounding level).
+  - ``merged_state_dict``: a full (possibly FSDP-gathered) state dict of a PEFT model turned into the
+    plain model's names and merged weights, for the HF export.
+  - ``adapters_disabled``: the base model, for PPO's and DPO's reference log-probs without a second
+    copy of the weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from rlhf.models.blocks import decoder_layers
+
+log = logging.getLogger("rlhf")
+ADAPTER = "default"  # PEFT's name of the one adapter we train
+
+
+def lora_enabled(lcfg) -> bool:
+    return lcfg is not None and lcfg.r > 0
+
+
+def is_peft(module: nn.Module) -> bool:
+    """A PEFT model (also after FSDP2 swapped its class in place); duck-typed so that a run without
+    LoRA never imports PEFT."""
+    return hasattr(module, "peft_config") and hasattr(module, "get_base_model")
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a PEFT model (its LoRA layers injected in place), else ``module``."""
+    return module.get_base_model() if is_peft(module) else module
+
+
+def default_targets(model: nn.Module) -> List[str]:
+    """The attention and MLP projections: names of the linear layers inside the decoder blocks
+    (q/k/v/o_proj, gate/up/down_proj for Llama-likes; qkv_proj, gate_up_proj for Phi-3; c_attn,
+    c_proj, c_fc for GPT-2), not the embeddings, the LM head or a score head."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = set()
+    for layer in decoder_layers(model):
+        for name, mod in layer.named_modules():
+            if is_lora_layer(mod):
+                names.add(name.split(".")[-1])
+            elif isinstance(mod, (nn.Linear, Conv1D)) and ".lora_" not in name and not name.endswith("base_layer"):
+                names.add(name.split(".")[-1])
+    return sorted(names)
+
+
+def adapt(model: nn.Module, lcfg, seed: int, head: Optional[str] = None, what: str = "model") -> nn.Module:
+    """``model`` with LoRA adapters when ``model.lora.r > 0`` (logged with the trainable share), else as is."""
+    if not lora_enabled(lcfg):
+        return model
+    model = apply_lora(model, lcfg, seed, head)
+    log.info("LoRA on the %s: r=%d alpha=%g on %s; %s", what, lcfg.r, lcfg.alpha,
+             ",".join(sorted(model.peft_config[ADAPTER].target_modules)), trainable_share(model))
+    return model
+
+
+def apply_lora(model: nn.Module, lcfg, seed: int, head: Optional[str] = None) -> nn.Module:
+    """``model`` with LoRA adapters (PEFT) on ``model.lora.target_modules`` (default: the attention and
+    MLP projections); every other weight frozen. ``head``: a module that stays fully trainable (the
+    score head of a reward model or critic), saved with the adapter (PEFT's modules_to_save).
+    The adapters' init is seeded (A: Kaiming-uniform, B: zeros, so the adapted model starts as the
+    base); a model on the meta device gets the shapes only (its weights arrive by broadcast)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(lcfg.target_modules) if lcfg.target_modules else default_targets(model)
+    present = {name.split(".")[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        from rlhf.errors import ConfigError
+        raise ConfigError(f"model.lora.target_modules={targets}: {', '.join(missing)} not a module of "
+                          f"{type(model).__name__} (its projections: {', '.join(default_targets(model))})")
+    config = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, target_modules=targets,
+                        bias="none", modules_to_save=[head] if head else None)
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # PEFT asks the model about gradient checkpointing through a name Transformers deprecated
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def adapters_disabled(module: nn.Module):
+    """Context: ``module`` (a PEFT model, possibly wrapped by FSDP2 in place or by DDP) runs as its base
+    model — adapters off, a modules_to_save head back to its original weights."""
+    inner = getattr(module, "module", module)  # DDP
+    return inner.disable_adapter() if is_peft(inner) else contextlib.nullcontext()
+
+
+def scaling(module: nn.Module) -> float:
+    """α/r (or α/√r with rsLoRA) of the adapter."""
+    for mod in module.modules():
+        if is_lora_layer(mod) and ADAPTER in mod.scaling:
+            return float(mod.scaling[ADAPTER])
+    raise ValueError("no LoRA layer")
+
+
+def weight(module: nn.Module, what: str = "weight") -> torch.Tensor:
+    """A linear layer's ``weight`` with its adapter merged in (W + B·A·α/r, out of place) when it is a
+    LoRA layer with active adapters; its ``bias`` (or a plain layer's weight) as it is."""
+    if not is_lora_layer(module):
+        return getattr(module, what)
+    base = getattr(module.get_base_layer(), what)
+    if what != "weight" or module.disable_adapters or module.merged or ADAPTER not in module.lora_A:
+        return base
+    return base + module.get_delta_weight(ADAPTER).to(base.dtype)
+
+
+_LORA_KEY = re.compile(r"^(?P<mod>.*)\.lora_(?P<ab>[AB])\.(?P<name>[^.]+)\.weight$")
+
+
+def merged_state_dict(sd: Dict[str, torch.Tensor], scale: float, fan_in_fan_out: bool = False
+                      ) -> Dict[str, torch.Tensor]:
+    """A PEFT model's full state dict (``base_model.model.`` names) as the plain HF model's: each LoRA
+    layer's base weight + B·A·``scale`` (computed in fp32), adapters dropped, a modules_to_save head
+    taken from its trained copy."""
+    out: Dict[str, torch.Tensor] = {}
+    pairs: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in sd.items():
+        key = key.removeprefix("base_model.model.")
+        m = _LORA_KEY.match(key)
+        if m:
+            if m.group("name") == ADAPTER:
+                pairs.setdefault(m.group("mod"), {})[m.group("ab")] = value
+            continue
+        if ".original_module." in key:
+            continue
+        key = key.replace(f".modules_to_save.{ADAPTER}.", ".").replace(".base_layer.", ".")
+        out[key] = value
+    for mod, ab in pairs.items():
+        w = out[f"{mod}.weight"]
+        delta = (ab["B"].float() @ ab["A"].float()) * scale
+        out[f"{mod}.weight"] = (w.float() + (delta.T if fan_in_fan_out else delta)).to(w.dtype)
+    return out
+
+
+def save_adapter(peft_model: nn.Module, sd: Dict[str, torch.Tensor], out_dir) -> None:
+    """The adapter alone in PEFT's format (adapter_config.json + adapter_model.safetensors), from the
+    full state dict ``sd`` (PEFT names, as ``peft_model.state_dict()`` has them): loadable with
+    ``PeftModel.from_pretrained(base, out_dir)``."""
+    peft_model.save_pretrained(str(out_dir), state_dict=sd, safe_serialization=True)
+
+
+def fan_in_fan_out(module: nn.Module) -> bool:
+    """Whether the adapted layers store weights transposed (GPT-2's Conv1D)."""
+    return any(getattr(m, "fan_in_fan_out", False) for m in module.modules() if is_lora_layer(m))
+
+
+def trainable_share(module: nn.Module) -> str:
+    n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in module.parameters())
+    return f"{n_train:,} of {n_all:,} parameters trainable ({100 * n_train / max(n_all, 1):.2f}%)"
+
+
+def plain_model(module: nn.Module) -> nn.Module:
+    """An empty (meta-device) model of the base architecture without adapters: what writes a merged
+    state dict as a plain Hugging Face checkpoint (same class, same config)."""
+    base = unwrap(module)
+    with torch.device("meta"):
+        return type(base)(base.config)

@@ -1,0 +1,208 @@
+"""Direct preference optimisation: the SFT policy trained on preference pairs against a frozen copy.
+
+    python -m rlhf stage=dpo [run.dir=D] [dpo.model_path=...] [data.path=... data.format=hh|prompt_chosen_rejected]
+
+Setup (pairs, policy and reference from the SFT output, engine, resume) → loop (reference log-probs
+without gradient, policy log-probs, DPO / cDPO / IPO loss over the global batch's pairs) → save
+(held-out implicit-reward accuracy and margin, gold score, HF export of the policy).
+
+No reward model and no generation while training: the loss (rlhf/algorithms/dpo.py) needs only the
+summed response log-probs of each pair under the policy and under the reference.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from rlhf import interrupt
+from rlhf.algorithms.dpo import dpo_loss, response_mask, sequence_logprobs
+from rlhf.algorithms.logprobs import chunked_logprobs
+from rlhf.config import Config, DPOConfig
+from rlhf.data.chat import resolve_template
+from rlhf.data.pipeline import load_stage_data
+from rlhf.data.sampler import GlobalBatches
+from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
+from rlhf.engine.checkpoint import export_hf, save_checkpoint
+from rlhf.engine.hybrid import HybridEngine
+from rlhf.engine.mesh import shutdown
+from rlhf.engine.train import FrozenModel, TrainEngine
+from rlhf.errors import ConfigError, DataError
+from rlhf.evaluation import gold_score
+from rlhf.logging import progress
+from rlhf.models import loading
+from rlhf.runtime import (
+    check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
+    stage_input, start_stage)
+
+log = logging.getLogger("rlhf")
+
+
+def run(cfg: Config) -> None:
+    ctx = start_stage(cfg, "dpo")
+    mesh, t, d = ctx.mesh, cfg.train, cfg.data
+    check_writable(cfg.run.dir)
+
+    # ---- setup: everything is validated before anything is written ----
+    source = stage_input(cfg, cfg.dpo.model_path, "dpo.model_path", "dpo")
+    loading.check_model_path(source)
+    data = load_stage_data(d, "dpo", cfg.run.seed)
+    for e in data.train[:1] + data.eval[:1]:
+        if e.chosen is None or e.rejected is None:
+            raise ConfigError(f"data.format={d.format} has no preference pairs (stage=dpo needs pairs: use "
+                              f"prompt_chosen_rejected, hh, messages with chosen/rejected, or synthetic)")
+    tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
+    chat = resolve_template(tokenizer, d.chat_template)
+    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len, chat=chat)
+    # the reward stage's cache kinds: the same pairs tokenize once for both stages
+    train_cols = cached("pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh,
+                        lambda: tokenize_pairs(data.train, tokenizer, **lens))
+    eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
+                       lambda: tokenize_pairs(data.eval, tokenizer, **lens))
+    require_batches(len(train_cols["chosen"]), t.global_batch, f"data ({data.description})")
+    if not eval_cols["chosen"]:
+        raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
+
+    engine = TrainEngine(causal_lm(cfg, source, mesh, tokenizer), mesh, cfg.engine, t)
+    reference = reference_model(cfg, source, mesh, tokenizer)
+    actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
+    ckpt = checkpoint_to_resume(ctx)
+    # what a checkpoint must have been written with to be resumed (rank 0's view of it)
+    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(engine.module.config, tokenizer, data.description, cfg))
+    start, _, metrics = resume(ctx, {"policy": engine}, ckpt)
+
+    micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
+    batches = GlobalBatches(len(train_cols["chosen"]), t.global_batch, cfg.run.seed)
+    pad = tokenizer.pad_token_id
+
+    def evaluate(step):
+        results = evaluate_pairs(engine, reference, eval_cols, pad, micro, mesh, cfg.dpo)
+        if data.gold is not None:
+            results.update(gold_score(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
+        metrics.log(step, **results)
+        log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
+        return results
+
+    def checkpoint(step):
+        return save_checkpoint(ctx.ckpt_dir, step, {"policy": engine},
+                               {"stage": "dpo", "fingerprint": ctx.fingerprint}, mesh, keep=t.keep_checkpoints)
+
+    # ---- loop ----
+    log.info("dpo (%s, beta=%g, label_smoothing=%g): %d pairs (%s) from %s, %d steps of %d pairs",
+             cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, len(train_cols["chosen"]), data.description,
+             source, t.max_steps, t.global_batch)
+    if start == 0:  # the starting policy's numbers (rewards 0 by definition; its gold score)
+        evaluate(0)
+    engine.train()
+    bar = progress(t.max_steps, start, cfg.logger.progress, "dpo", mesh.is_main)
+    stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
+    t0, seen = time.perf_counter(), 0
+    for step in range(start, t.max_steps):
+        mbs = [collate(train_cols, ix, pad) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
+        lr = engine.lr
+        stats, grad_norm = train_step(engine, reference, mbs, cfg.dpo)
+        seen += t.global_batch
+        done = step + 1
+        bar.step(loss=f"{stats['loss']:.3f}", acc=f"{stats['rewards/accuracy']:.2f}")
+        if done % t.log_every == 0 or step == start or done == t.max_steps:
+            metrics.log(done, **stats, lr=lr, grad_norm=grad_norm,
+                        samples_per_s=seen / max(time.perf_counter() - t0, 1e-9), epoch=batches.epoch_of(done))
+        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+            evaluate(done)
+            engine.train()
+        saved = t.save_every and done % t.save_every == 0
+        if saved:
+            checkpoint(done)
+        interrupt.stop_here(stop, mesh, done, lambda s: None if saved else checkpoint(s))
+    bar.close()
+    stop.close()
+
+    # ---- save ----
+    results = evaluate(t.max_steps)
+    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
+              extra_files={"rlhf_eval.json": {"step": t.max_steps, **results}})
+    metrics.close()
+    log.info("dpo done: %s (eval/rewards/accuracy=%.4f)", ctx.out / "model", results["eval/rewards/accuracy"])
+    shutdown(mesh)
+
+
+def causal_lm(cfg: Config, src: str, mesh, tokenizer):
+    """The model at ``src`` (rank 0 reads it; the other ranks build it on meta and get the weights)."""
+    from transformers import AutoModelForCausalLM
+    model_cfg = loading.load_config(src, cfg.model.trust_remote_code)
+    return loading.build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
+                               trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
+
+
+def reference_model(cfg: Config, src: str, mesh, tokenizer):
+    """The frozen reference π_ref: an object whose ``forward(**batch)`` returns the logits of the
+    starting weights. Today a second copy of the model (FrozenModel, sharded like the policy); the
+    one place to change for another kind (e.g. the policy with its LoRA adapters disabled) — the loss
+    code only calls ``forward``."""
+    return FrozenModel(causal_lm(cfg, src, mesh, tokenizer), mesh, cfg.engine)
+
+
+def collate(cols, indices, pad) -> dict:
+    """A ``collate_pairs`` batch (chosen rows, then rejected rows) with each row's prompt length."""
+    batch = collate_pairs([cols["chosen"][i] for i in indices], [cols["rejected"][i] for i in indices], pad)
+    batch["prompt_len"] = torch.tensor([cols["prompt_len"][i] for i in indices] * 2, device="cpu")
+    return batch
+
+
+def pair_logprobs(forward, batch, device):
+    """(chosen, rejected) [n] summed log-probs of the response tokens (EOS included, prompt and padding
+    excluded) under ``forward`` (an engine's or the reference's)."""
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    logits = forward(input_ids=ids, attention_mask=mask).logits
+    token_lp, _ = chunked_logprobs(logits[:, :-1], ids[:, 1:])
+    seq = sequence_logprobs(token_lp, response_mask(mask, batch["prompt_len"].to(device)))
+    n = ids.shape[0] // 2
+    return seq[:n], seq[n:]
+
+
+def train_step(engine, reference, micro_batches, dcfg: DPOConfig) -> tuple[dict, float]:
+    """One optimizer step of the DPO loss, averaged over the global batch's pairs.
+
+    Each micro-batch contributes sum(loss) / (pairs in the whole global batch) × world size (FSDP/DDP
+    average gradients over ranks), so the gradient does not depend on how the batch is split over
+    ranks and accumulation steps. The reference runs once per micro-batch, without gradient."""
+    mesh = engine.mesh
+    n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
+    sums = torch.zeros(5, dtype=torch.float64, device="cpu")  # loss, chosen, rejected, correct, margin
+    for i, b in enumerate(micro_batches):
+        with torch.no_grad():
+            ref_c, ref_r = pair_logprobs(reference.forward, b, mesh.device)
+        pol_c, pol_r = pair_logprobs(engine.forward, b, mesh.device)
+        losses, chosen, rejected = dpo_loss(pol_c, pol_r, ref_c, ref_r, dcfg.beta, dcfg.loss, dcfg.label_smoothing)
+        engine.backward(losses.sum() / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
+        sums += _pair_sums(losses.detach(), chosen, rejected)
+    grad_norm = engine.step()
+    loss, chosen, rejected, correct, margin = (mesh.all_reduce(sums.to(mesh.device)).cpu() / n_pairs).tolist()
+    return {"loss": loss, "rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracy": correct,
+            "rewards/margin": margin}, grad_norm
+
+
+def _pair_sums(losses, chosen, rejected) -> torch.Tensor:
+    c, r = chosen.double().cpu(), rejected.double().cpu()
+    return torch.stack([losses.double().sum().cpu(), c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum()])
+
+
+def evaluate_pairs(engine, reference, cols, pad, micro, mesh, dcfg: DPOConfig) -> dict:
+    """Held-out DPO loss, implicit-reward accuracy (chosen reward strictly higher: 0 for the starting
+    policy, whose rewards are all 0), margin and mean rewards."""
+    sums = torch.zeros(6, dtype=torch.float64, device="cpu")  # loss, chosen, rejected, correct, margin, pairs
+    engine.eval()
+    with torch.no_grad():
+        for ix in rank_batches(len(cols["chosen"]), micro, mesh):
+            b = collate(cols, ix or [0], pad)  # a turn with no pairs of its own runs pair 0 and ignores it
+            ref_c, ref_r = pair_logprobs(reference.forward, b, mesh.device)
+            pol_c, pol_r = pair_logprobs(engine.forward, b, mesh.device)
+            if not ix:
+                continue
+            losses, chosen, rejected = dpo_loss(pol_c, pol_r, ref_c, ref_r, dcfg.beta, dcfg.loss, dcfg.label_smoothing)
+            sums[:5] += _pair_sums(losses, chosen, rejected)
+            sums[5] += len(ix)
+    loss, chosen, rejected, correct, margin, pairs = mesh.all_reduce(sums.to(mesh.device)).cpu().tolist()
+    return {"eval/loss": loss / pairs, "eval/rewards/accuracy": correct / pairs, "eval/rewards/margin": margin / pairs,
+            "eval/rewards/chosen": chosen / pairs, "eval/rewards/rejected": rejected / pairs}
