@@ -72,6 +72,10 @@ class LoraConfig:
     # module names (the last part, e.g. [q_proj, v_proj]); None = every linear layer of the decoder
     # blocks: the attention and MLP projections of the family
     target_modules: Optional[List[str]] = None
+    # modules trained fully beside the adapters and saved with them (PEFT's modules_to_save), e.g.
+    # [embed_tokens]; None = none, except for the embedded default (random init with a tokenizer of its
+    # own: nothing pretrained to adapt), which trains its (tied) embeddings: [embed_tokens]
+    modules_to_save: Optional[List[str]] = None
     critic: bool = False  # PPO: adapters on the critic too (else it trains fully)
 
     def __post_init__(self):
@@ -81,6 +85,8 @@ class LoraConfig:
         _check(self.target_modules is None or (len(self.target_modules) > 0 and all(
             isinstance(t, str) and t for t in self.target_modules)), "model.lora.target_modules",
             self.target_modules, "a non-empty list of module names, e.g. [q_proj,v_proj]")
+        _check(self.modules_to_save is None or all(isinstance(t, str) and t for t in self.modules_to_save),
+               "model.lora.modules_to_save", self.modules_to_save, "a list of module names, e.g. [embed_tokens]")
 
 
 @dataclass
@@ -410,6 +416,9 @@ class DPOConfig:
     loss: str = "sigmoid"  # sigmoid (DPO; cDPO with label_smoothing) | ipo
     # cDPO: the share of pairs assumed mislabelled (sigmoid loss only; 0 = plain DPO)
     label_smoothing: float = 0.0
+    # DPOP (DPO-Positive): λ of the penalty on the chosen log-prob falling below the reference's
+    # (sigmoid loss only; 0 = plain DPO). For pairs that differ in a token or two, e.g. the embedded task
+    dpop_lambda: float = 0.0
     # the policy and reference to start from: None = the SFT output in run.dir, else model.path
     model_path: Optional[str] = None
 
@@ -418,9 +427,11 @@ class DPOConfig:
         _check(self.loss in ("sigmoid", "ipo"), "dpo.loss", self.loss, "sigmoid or ipo")
         _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing,
                "a number in [0, 0.5)")
-        if self.loss == "ipo" and self.label_smoothing:  # would be silently ignored
-            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss=sigmoid "
-                              f"(cDPO), not dpo.loss=ipo: set it to 0 or use dpo.loss=sigmoid")
+        _check(self.dpop_lambda >= 0, "dpo.dpop_lambda", self.dpop_lambda, "a non-negative number (0 = off)")
+        for key, what in (("label_smoothing", "cDPO"), ("dpop_lambda", "DPOP")):
+            if self.loss == "ipo" and getattr(self, key):  # would be silently ignored
+                raise ConfigError(f"dpo.{key}={getattr(self, key)} applies to dpo.loss=sigmoid ({what}), "
+                                  f"not dpo.loss=ipo: set it to 0 or use dpo.loss=sigmoid")
 
 
 @dataclass

@@ -89,9 +89,9 @@ def run(cfg: Config) -> None:
                                {"stage": "dpo", "fingerprint": ctx.fingerprint}, mesh, keep=t.keep_checkpoints)
 
     # ---- loop ----
-    log.info("dpo (%s, beta=%g, label_smoothing=%g): %d pairs (%s) from %s, %d steps of %d pairs",
-             cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, len(train_cols["chosen"]), data.description,
-             source, t.max_steps, t.global_batch)
+    log.info("dpo (%s, beta=%g, label_smoothing=%g, dpop_lambda=%g): %d pairs (%s) from %s, %d steps of %d pairs",
+             cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.dpop_lambda, len(train_cols["chosen"]),
+             data.description, source, t.max_steps, t.global_batch)
     if start == 0:  # the starting policy's numbers (rewards 0 by definition; its gold score)
         evaluate(0)
     engine.train()
@@ -174,13 +174,17 @@ def train_step(engine, reference, micro_batches, dcfg: DPOConfig) -> tuple[dict,
         with torch.no_grad():
             ref_c, ref_r = pair_logprobs(reference.forward, b, mesh.device)
         pol_c, pol_r = pair_logprobs(engine.forward, b, mesh.device)
-        losses, chosen, rejected = dpo_loss(pol_c, pol_r, ref_c, ref_r, dcfg.beta, dcfg.loss, dcfg.label_smoothing)
+        losses, chosen, rejected = loss_of(pol_c, pol_r, ref_c, ref_r, dcfg)
         engine.backward(losses.sum() / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
         sums += _pair_sums(losses.detach(), chosen, rejected)
     grad_norm = engine.step()
     loss, chosen, rejected, correct, margin = (mesh.all_reduce(sums.to(mesh.device)).cpu() / n_pairs).tolist()
     return {"loss": loss, "rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracy": correct,
             "rewards/margin": margin}, grad_norm
+
+
+def loss_of(pol_c, pol_r, ref_c, ref_r, dcfg: DPOConfig):
+    return dpo_loss(pol_c, pol_r, ref_c, ref_r, dcfg.beta, dcfg.loss, dcfg.label_smoothing, dcfg.dpop_lambda)
 
 
 def _pair_sums(losses, chosen, rejected) -> torch.Tensor:
@@ -200,7 +204,7 @@ def evaluate_pairs(engine, reference, cols, pad, micro, mesh, dcfg: DPOConfig) -
             pol_c, pol_r = pair_logprobs(engine.forward, b, mesh.device)
             if not ix:
                 continue
-            losses, chosen, rejected = dpo_loss(pol_c, pol_r, ref_c, ref_r, dcfg.beta, dcfg.loss, dcfg.label_smoothing)
+            losses, chosen, rejected = loss_of(pol_c, pol_r, ref_c, ref_r, dcfg)
             sums[:5] += _pair_sums(losses, chosen, rejected)
             sums[5] += len(ix)
     loss, chosen, rejected, correct, margin, pairs = mesh.all_reduce(sums.to(mesh.device)).cpu().tolist()

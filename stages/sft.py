@@ -65,7 +65,8 @@ def run(cfg: Config) -> None:
     model = loading.build_model(AutoModelForCausalLM, config=model_cfg, path=cfg.model.path,
                                 on_meta=not mesh.is_main, seed=cfg.run.seed,
                                 trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
-    model = lora.adapt(model, cfg.model.lora, cfg.run.seed)  # model.lora.r > 0: adapters only train
+    # model.lora.r > 0: the adapters train (and, for the embedded default, its embeddings)
+    model = lora.adapt(model, cfg.model.lora, cfg.run.seed, embedded=not cfg.model.path)
     engine = TrainEngine(model, mesh, cfg.engine, t)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)

@@ -61,7 +61,7 @@ def quick_sft_args(run_dir: Path, steps: int = 20) -> list[str]:
 
 @pytest.fixture(scope="session")
 def real_data() -> Path:
-    """tests/data: HH-RLHF harmless-base test split and a GSM8K subset (part of the repository)."""
+    """tests/data: HH-RLHF harmless-base test split, GSM8K train and a GSM8K test prefix (in the repository)."""
     assert (REAL_DATA / "README.md").is_file(), f"{REAL_DATA} is missing: it is part of the repository"
     return REAL_DATA
 

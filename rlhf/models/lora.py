@@ -43,6 +43,11 @@ def is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
 
 
+def is_saved_module(module: nn.Module) -> bool:
+    """PEFT's wrapper of a module that trains fully (modules_to_save): a trained copy beside the original."""
+    return hasattr(module, "original_module") and hasattr(module, "modules_to_save")
+
+
 def unwrap(module: nn.Module) -> nn.Module:
     """The Hugging Face model inside a PEFT model (its LoRA layers injected in place), else ``module``."""
     return module.get_base_model() if is_peft(module) else module
@@ -64,20 +69,28 @@ def default_targets(model: nn.Module) -> List[str]:
     return sorted(names)
 
 
-def adapt(model: nn.Module, lcfg, seed: int, head: Optional[str] = None, what: str = "model") -> nn.Module:
-    """``model`` with LoRA adapters when ``model.lora.r > 0`` (logged with the trainable share), else as is."""
+def adapt(model: nn.Module, lcfg, seed: int, head: Optional[str] = None, what: str = "model",
+          embedded: bool = False) -> nn.Module:
+    """``model`` with LoRA adapters when ``model.lora.r > 0`` (logged with the trainable share), else as
+    is. ``embedded``: the embedded default (random init, its own tokenizer), whose embeddings train
+    fully unless model.lora.modules_to_save says otherwise."""
     if not lora_enabled(lcfg):
         return model
-    model = apply_lora(model, lcfg, seed, head)
-    log.info("LoRA on the %s: r=%d alpha=%g on %s; %s", what, lcfg.r, lcfg.alpha,
-             ",".join(sorted(model.peft_config[ADAPTER].target_modules)), trainable_share(model))
+    full = list(lcfg.modules_to_save) if lcfg.modules_to_save is not None else (["embed_tokens"] if embedded else [])
+    model = apply_lora(model, lcfg, seed, head, full)
+    targets = model.peft_config[ADAPTER].target_modules
+    log.info("LoRA on the %s: r=%d alpha=%g on %s%s; %s", what, lcfg.r, lcfg.alpha,
+             ",".join(sorted(targets)),
+             f", fully trained: {','.join(full)}" if full else "", trainable_share(model))
     return model
 
 
-def apply_lora(model: nn.Module, lcfg, seed: int, head: Optional[str] = None) -> nn.Module:
+def apply_lora(model: nn.Module, lcfg, seed: int, head: Optional[str] = None,
+               full: Optional[List[str]] = None) -> nn.Module:
     """``model`` with LoRA adapters (PEFT) on ``model.lora.target_modules`` (default: the attention and
     MLP projections); every other weight frozen. ``head``: a module that stays fully trainable (the
-    score head of a reward model or critic), saved with the adapter (PEFT's modules_to_save).
+    score head of a reward model or critic), saved with the adapter (PEFT's modules_to_save), as are
+    the modules named in ``full`` (a tied LM head follows its embedding).
     The adapters' init is seeded (A: Kaiming-uniform, B: zeros, so the adapted model starts as the
     base); a model on the meta device gets the shapes only (its weights arrive by broadcast)."""
     from peft import LoraConfig, get_peft_model
@@ -89,8 +102,15 @@ def apply_lora(model: nn.Module, lcfg, seed: int, head: Optional[str] = None) ->
         from rlhf.errors import ConfigError
         raise ConfigError(f"model.lora.target_modules={targets}: {', '.join(missing)} not a module of "
                           f"{type(model).__name__} (its projections: {', '.join(default_targets(model))})")
+    saved = list(full or []) + ([head] if head else [])
+    missing = [t for t in saved if t not in present]
+    if missing:
+        from rlhf.errors import ConfigError
+        raise ConfigError(f"model.lora.modules_to_save={saved}: {', '.join(missing)} not a module of "
+                          f"{type(model).__name__}")
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     config = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, target_modules=targets,
-                        bias="none", modules_to_save=[head] if head else None)
+                        bias="none", modules_to_save=saved or None, ensure_weight_tying=tied and bool(saved))
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # PEFT asks the model about gradient checkpointing through a name Transformers deprecated
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
@@ -116,6 +136,9 @@ def scaling(module: nn.Module) -> float:
 def weight(module: nn.Module, what: str = "weight") -> torch.Tensor:
     """A linear layer's ``weight`` with its adapter merged in (W + B·A·α/r, out of place) when it is a
     LoRA layer with active adapters; its ``bias`` (or a plain layer's weight) as it is."""
+    if is_saved_module(module):  # a module trained fully: its trained copy unless the adapters are off
+        inner = module.original_module if module.disable_adapters else module.modules_to_save[ADAPTER]
+        return getattr(inner, what)
     if not is_lora_layer(module):
         return getattr(module, what)
     base = getattr(module.get_base_layer(), what)

@@ -46,3 +46,15 @@ def test_micro_batches_and_two_ranks_match_one_process(small_pipeline, tmp_path)
     before = load_file(str(small_pipeline / "sft" / "model" / "model.safetensors"))
     after = ref[1]["actor"]
     assert max(float((after[k] - before[k]).abs().max()) for k in before if k in after) > 1e-4
+
+
+def test_lora_two_ranks_match_one_process(small_pipeline, tmp_path):
+    """The same with LoRA on actor and critic: ZeRO-3 shards of frozen weights and adapters, the merged
+    weights gathered for TP 2, the reference as the actor with its adapters off."""
+    lora = ("model.lora.r=8", "model.lora.critic=true", "train.lr=1e-3", "ppo.critic_lr=1e-3")
+    ref = first_step(small_pipeline, tmp_path / "one", 1, 1, *lora)
+    assert_same_update(first_step(small_pipeline, tmp_path / "two", 2, 2, *lora, "ppo.micro_batch_per_rank=2"),
+                       ref, "LoRA, 2 ranks, tp 2")
+    before = load_file(str(small_pipeline / "sft" / "model" / "model.safetensors"))
+    after = ref[1]["actor"]
+    assert max(float((after[k] - before[k]).abs().max()) for k in before if k in after) > 1e-5

@@ -105,7 +105,7 @@ def test_save_to_disk_folders_columns_and_bom(tmp_path):
 
 @pytest.mark.slow  # ~17 s
 def test_gsm8k_with_a_held_out_file(real_data, tmp_path):
-    proc = run_cli(*short_sft(tmp_path, f"data.path={real_data / 'gsm8k/train.jsonl'}", "data.format=gsm8k",
+    proc = run_cli(*short_sft(tmp_path, f"data.path={real_data / 'gsm8k/train.jsonl.gz'}", "data.format=gsm8k",
                               f"data.eval_path={real_data / 'gsm8k/test.jsonl'}", "eval.max_new_tokens=8",
                               "data.eval_size=8"))
     assert proc.returncode == 0, proc.stderr[-3000:]

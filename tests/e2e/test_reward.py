@@ -82,13 +82,22 @@ def test_score_cli(default_reward_run, tmp_path):
 
 
 def test_reward_on_hh(default_sft_run, real_data, tmp_path):
+    """Real HH pairs end to end: the model must fit 32 of them (evaluated on the same 32). Scoring the
+    wrong position, swapping chosen and rejected or cutting the responses apart would leave it near
+    chance; a tiny arithmetic model cannot generalise on HH, so held-out accuracy would say nothing."""
+    import gzip
+    pairs = tmp_path / "hh32.jsonl"
+    with gzip.open(real_data / "hh-rlhf/harmless-base-test.jsonl.gz", "rt") as f:
+        lines = [x for x in f if len(x) < 1200][:32]  # short conversations: nothing is truncated away
+    pairs.write_text("".join(lines))
     proc = run_cli("stage=reward", f"run.dir={tmp_path}", f"model.path={default_sft_run / 'sft' / 'model'}",
-                   f"data.path={real_data / 'hh-rlhf/harmless-base-test.jsonl.gz'}", "data.format=hh",
-                   "train.max_steps=4", "train.global_batch=8", "train.save_every=0", "logger.progress=false",
-                   "data.max_prompt_len=96", "data.max_response_len=96", "data.eval_size=32")
+                   f"data.path={pairs}", "data.format=hh", f"data.eval_path={pairs}",
+                   "train.max_steps=40", "train.global_batch=8", "train.lr=1e-3", "train.warmup_steps=4",
+                   "train.save_every=0", "logger.progress=false",
+                   "data.max_prompt_len=256", "data.max_response_len=192")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "reward" / "metrics.jsonl").read_text().splitlines()]
-    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+    assert rows[-1]["eval/accuracy"] >= 0.9, rows[-1]
 
 
 def test_reward_without_sft_exits_2(tmp_path):

@@ -66,7 +66,7 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
     assert steps == sorted(set(steps)), "metrics.jsonl holds each step once after resume"
 
 
-@pytest.mark.parametrize("fmt, rel", [("gsm8k", "gsm8k/train.jsonl"),
+@pytest.mark.parametrize("fmt, rel", [("gsm8k", "gsm8k/train.jsonl.gz"),
                                       ("hh", "hh-rlhf/harmless-base-test.jsonl.gz")])
 def test_real_data_sft(real_data, tmp_path, fmt, rel):
     proc = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={real_data / rel}", f"data.format={fmt}",

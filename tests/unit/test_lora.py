@@ -19,15 +19,18 @@ from tests.infer_helpers import Tok, hf_greedy, mixed_prompts, tiny_model
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 
 
-def adapted(family: str, r: int = 4, **kw):
+def adapted(family: str, r: int = 4, full=None, **kw):
     """A tiny model of ``family`` with adapters whose B is random (PEFT starts B at zero, where a
-    dropped adapter would change nothing)."""
-    model = lora.apply_lora(tiny_model(family, perturb=True, **kw), LoraConfig(r=r, alpha=2.0 * r), seed=0)
+    dropped adapter would change nothing); ``full``: modules trained fully (their copies perturbed)."""
+    model = lora.apply_lora(tiny_model(family, perturb=True, **kw), LoraConfig(r=r, alpha=2.0 * r), seed=0,
+                            full=full)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif ".modules_to_save." in name:
+                p.mul_(-1.5)
     return model.eval()
 
 
@@ -52,6 +55,24 @@ def test_hybrid_greedy_equals_hf_generate_on_the_merged_model(family):
     assert torch.equal(gen.responses, ref)
     with lora.adapters_disabled(model):  # the adapters matter: the base model says something else
         assert not torch.equal(hf_greedy(model, prompts, 12), ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # tied and untied embeddings
+def test_fully_trained_embeddings_are_served_and_exported(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+    model = adapted(family, full=["embed_tokens"])
+    prompts = mixed_prompts()
+    ref = hf_greedy(merged_copy(model), prompts, 12)
+    eng, hy = engine_of(model)
+    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
+    assert torch.equal(gen.responses, ref)
+    x = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    write_hf(model, {k: v.detach().clone() for k, v in model.state_dict().items()}, tmp_path / "m")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=x).logits, want, atol=1e-5)
 
 
 def test_training_weights_stay_unmerged_and_rollout_logprobs_match_training():
