@@ -416,9 +416,9 @@ class DPOConfig:
     loss: str = "sigmoid"  # sigmoid (DPO; cDPO with label_smoothing) | ipo
     # cDPO: the share of pairs assumed mislabelled (sigmoid loss only; 0 = plain DPO)
     label_smoothing: float = 0.0
-    # DPOP (DPO-Positive): λ of the penalty on the chosen log-prob falling below the reference's
-    # (sigmoid loss only; 0 = plain DPO). For pairs that differ in a token or two, e.g. the embedded task
-    dpop_lambda: float = 0.0
+    # RPO: + sft_coef × the chosen response's NLL per token, per pair (0 = plain DPO; TRL's rpo_alpha).
+    # Keeps the chosen responses likely where pairs differ in a token or two (the embedded task)
+    sft_coef: float = 0.0
     # the policy and reference to start from: None = the SFT output in run.dir, else model.path
     model_path: Optional[str] = None
 
@@ -427,11 +427,10 @@ class DPOConfig:
         _check(self.loss in ("sigmoid", "ipo"), "dpo.loss", self.loss, "sigmoid or ipo")
         _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing,
                "a number in [0, 0.5)")
-        _check(self.dpop_lambda >= 0, "dpo.dpop_lambda", self.dpop_lambda, "a non-negative number (0 = off)")
-        for key, what in (("label_smoothing", "cDPO"), ("dpop_lambda", "DPOP")):
-            if self.loss == "ipo" and getattr(self, key):  # would be silently ignored
-                raise ConfigError(f"dpo.{key}={getattr(self, key)} applies to dpo.loss=sigmoid ({what}), "
-                                  f"not dpo.loss=ipo: set it to 0 or use dpo.loss=sigmoid")
+        _check(self.sft_coef >= 0, "dpo.sft_coef", self.sft_coef, "a non-negative number (0 = off)")
+        if self.loss == "ipo" and self.label_smoothing:  # would be silently ignored
+            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss=sigmoid "
+                              f"(cDPO), not dpo.loss=ipo: set it to 0 or use dpo.loss=sigmoid")
 
 
 @dataclass

@@ -23,10 +23,10 @@ from rlhf.fileio import pid_running
 SHUTDOWN_TIMEOUT_S = 5
 
 
-def shutdown_timeout(lc) -> int:
+def shutdown_timeout() -> int:
+    """$TORCH_ELASTIC_SHUTDOWN_TIMEOUT when set, else SHUTDOWN_TIMEOUT_S."""
     env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    value = getattr(lc, "shutdown_timeout_s", None)
-    return int(value if value is not None else env if env else SHUTDOWN_TIMEOUT_S)
+    return int(env) if env else SHUTDOWN_TIMEOUT_S
 
 
 # pids of workers the agent itself terminated (they were still running when it closed the group):
@@ -118,7 +118,7 @@ def self_launch(cfg, overrides: List[str]) -> int:
         # ("connectFullMesh failed ... Connection refused"). Unshared, every attempt gets a new store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[HEARTBEAT_STORE_ENV] = lc.rdzv_endpoint  # workers inherit it (rlhf.watchdog.Heartbeat)
-    _patch_worker_close(shutdown_timeout(lc))
+    _patch_worker_close(shutdown_timeout())
     watch = JobWatch(lc.rdzv_endpoint, lc.rdzv_id).start() if lc.nnodes > 1 else None
     try:
         run(parse_args(launcher_args(cfg, overrides)))

@@ -89,8 +89,8 @@ def run(cfg: Config) -> None:
                                {"stage": "dpo", "fingerprint": ctx.fingerprint}, mesh, keep=t.keep_checkpoints)
 
     # ---- loop ----
-    log.info("dpo (%s, beta=%g, label_smoothing=%g, dpop_lambda=%g): %d pairs (%s) from %s, %d steps of %d pairs",
-             cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.dpop_lambda, len(train_cols["chosen"]),
+    log.info("dpo (%s, beta=%g, label_smoothing=%g, sft_coef=%g): %d pairs (%s) from %s, %d steps of %d pairs",
+             cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.sft_coef, len(train_cols["chosen"]),
              data.description, source, t.max_steps, t.global_batch)
     if start == 0:  # the starting policy's numbers (rewards 0 by definition; its gold score)
         evaluate(0)
@@ -169,33 +169,47 @@ def train_step(engine, reference, micro_batches, dcfg: DPOConfig) -> tuple[dict,
     ranks and accumulation steps. The reference runs once per micro-batch, without gradient."""
     mesh = engine.mesh
     n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
-    sums = torch.zeros(5, dtype=torch.float64, device="cpu")  # loss, chosen, rejected, correct, margin
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device="cpu")
     for i, b in enumerate(micro_batches):
         with torch.no_grad():
             ref_c, ref_r = pair_logprobs(reference.forward, b, mesh.device)
         pol_c, pol_r = pair_logprobs(engine.forward, b, mesh.device)
-        losses, chosen, rejected = loss_of(pol_c, pol_r, ref_c, ref_r, dcfg)
+        losses, chosen, rejected = loss_of(pol_c, pol_r, ref_c, ref_r, b, dcfg)
         engine.backward(losses.sum() / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
-        sums += _pair_sums(losses.detach(), chosen, rejected)
+        sums += pair_sums(losses.detach(), chosen, rejected, pol_c.detach(), pol_r.detach())
     grad_norm = engine.step()
-    loss, chosen, rejected, correct, margin = (mesh.all_reduce(sums.to(mesh.device)).cpu() / n_pairs).tolist()
-    return {"loss": loss, "rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracy": correct,
-            "rewards/margin": margin}, grad_norm
+    means = (mesh.all_reduce(sums.to(mesh.device)).cpu() / n_pairs).tolist()
+    return dict(zip(SUMS, means)), grad_norm
 
 
-def loss_of(pol_c, pol_r, ref_c, ref_r, dcfg: DPOConfig):
-    return dpo_loss(pol_c, pol_r, ref_c, ref_r, dcfg.beta, dcfg.loss, dcfg.label_smoothing, dcfg.dpop_lambda)
+def loss_of(pol_c, pol_r, ref_c, ref_r, batch, dcfg: DPOConfig):
+    """``dpo_loss`` with the stage's settings (the chosen token counts for dpo.sft_coef)."""
+    tokens = chosen_tokens(batch).to(pol_c.device) if dcfg.sft_coef else None
+    return dpo_loss(pol_c, pol_r, ref_c, ref_r, dcfg.beta, dcfg.loss, dcfg.label_smoothing, dcfg.sft_coef, tokens)
 
 
-def _pair_sums(losses, chosen, rejected) -> torch.Tensor:
+def chosen_tokens(batch) -> torch.Tensor:
+    """[n] response tokens (EOS included) of each chosen sequence of a ``collate`` batch."""
+    n = batch["input_ids"].shape[0] // 2
+    return response_mask(batch["attention_mask"][:n], batch["prompt_len"][:n]).sum(-1)
+
+
+# what train_step and evaluate_pairs average over pairs (metrics keys; evaluation prefixes eval/)
+SUMS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen",
+        "logps/rejected")
+
+
+def pair_sums(losses, chosen, rejected, logp_chosen, logp_rejected) -> torch.Tensor:
+    """The sums over a micro-batch's pairs of each of ``SUMS`` (float64, CPU); accuracy counts the pairs
+    whose chosen reward is strictly higher (0 for the starting policy, whose rewards are all 0)."""
     c, r = chosen.double().cpu(), rejected.double().cpu()
-    return torch.stack([losses.double().sum().cpu(), c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum()])
+    return torch.stack([losses.double().sum().cpu(), c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum(),
+                        logp_chosen.double().sum().cpu(), logp_rejected.double().sum().cpu()])
 
 
 def evaluate_pairs(engine, reference, cols, pad, micro, mesh, dcfg: DPOConfig) -> dict:
-    """Held-out DPO loss, implicit-reward accuracy (chosen reward strictly higher: 0 for the starting
-    policy, whose rewards are all 0), margin and mean rewards."""
-    sums = torch.zeros(6, dtype=torch.float64, device="cpu")  # loss, chosen, rejected, correct, margin, pairs
+    """``SUMS`` over the held-out pairs as eval/<key>: loss, implicit-reward accuracy, margin, ..."""
+    sums = torch.zeros(len(SUMS) + 1, dtype=torch.float64, device="cpu")  # and the pair count
     engine.eval()
     with torch.no_grad():
         for ix in rank_batches(len(cols["chosen"]), micro, mesh):
@@ -204,9 +218,8 @@ def evaluate_pairs(engine, reference, cols, pad, micro, mesh, dcfg: DPOConfig) -
             pol_c, pol_r = pair_logprobs(engine.forward, b, mesh.device)
             if not ix:
                 continue
-            losses, chosen, rejected = loss_of(pol_c, pol_r, ref_c, ref_r, dcfg)
-            sums[:5] += _pair_sums(losses, chosen, rejected)
-            sums[5] += len(ix)
-    loss, chosen, rejected, correct, margin, pairs = mesh.all_reduce(sums.to(mesh.device)).cpu().tolist()
-    return {"eval/loss": loss / pairs, "eval/rewards/accuracy": correct / pairs, "eval/rewards/margin": margin / pairs,
-            "eval/rewards/chosen": chosen / pairs, "eval/rewards/rejected": rejected / pairs}
+            losses, chosen, rejected = loss_of(pol_c, pol_r, ref_c, ref_r, b, dcfg)
+            sums[:-1] += pair_sums(losses, chosen, rejected, pol_c, pol_r)
+            sums[-1] += len(ix)
+    *totals, pairs = mesh.all_reduce(sums.to(mesh.device)).cpu().tolist()
+    return {f"eval/{k}": v / pairs for k, v in zip(SUMS, totals)}

@@ -17,6 +17,7 @@ from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
+from rlhf.data.tokenizer import train_embedded_tokenizer
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
@@ -53,7 +54,7 @@ def run(cfg: Config) -> None:
     else:  # the embedded default: a tokenizer trained on the task's text and a tiny Llama
         corpus = (synthetic.tokenizer_corpus(d.synthetic) if d.format == "synthetic" and not d.sources
                   else text_corpus(data.train))
-        tokenizer = loading.train_embedded_tokenizer(corpus, cfg.model, mesh)
+        tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
     chat = resolve_template(tokenizer, d.chat_template)  # data.chat_template (a file's is exported too)
     lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len, chat=chat)

@@ -28,7 +28,6 @@ import torch
 
 from rlhf.data.chat import Renderer, encode_unique, template_key, uses_chat
 from rlhf.data.records import Example
-from rlhf.engine.mesh import Mesh
 from rlhf.errors import ConfigError, DataError
 from rlhf.fileio import atomic_write_text
 
@@ -147,10 +146,12 @@ def _load(path: Path) -> Columns:
     return cols
 
 
-def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Path, mesh: Mesh,
+def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Path, mesh,
            build: Callable[[], Columns]) -> Columns:
     """``build()`` once per content: rank 0 computes and stores, the others wait and read. Then
-    (every rank, cached or not) ``report_lengths``: the warning once, the stop when nothing learns."""
+    (every rank, cached or not) ``report_lengths``: the warning once, the stop when nothing learns.
+    ``mesh``: the process group as far as data needs it (``is_main`` and ``barrier()``; an
+    ``rlhf.engine.mesh.Mesh``, which this folder does not import: data depends on nothing above it)."""
     params = {k: (template_key(v) if k == "chat" else v) for k, v in params.items()}
     h = hashlib.sha256(json.dumps({"kind": kind, "tok": tokenizer_fingerprint(tok), "schema": SCHEMA, **params},
                                   sort_keys=True).encode())

@@ -53,3 +53,14 @@ def wrap_tokenizer(tokenizer_json: str, model_max_length: int):
         unk_token=UNK,        model_max_length=model_max_length, padding_side="right", clean_up_tokenization_spaces=False)
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def train_embedded_tokenizer(corpus, m, mesh):
+    """Rank 0 trains the embedded tokenizer (``m``: the model group, for its vocabulary size and
+    length) and broadcasts it as JSON to the other ranks (``mesh``: ``is_main``, ``distributed``,
+    ``broadcast_object``)."""
+    tok = train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings) if mesh.is_main else None
+    if not mesh.distributed:
+        return tok
+    text = mesh.broadcast_object(tok.backend_tokenizer.to_str() if mesh.is_main else None)
+    return tok if mesh.is_main else wrap_tokenizer(text, m.max_position_embeddings)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -259,6 +259,3 @@ class TrainEngine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         return get_model_state_dict(self.model, options=opts)
-
-    def trainable_parameters(self) -> Iterable[nn.Parameter]:
-        return (p for p in self.model.parameters() if p.requires_grad)

@@ -58,16 +58,6 @@ def check_model_family(config_file: Path, path: str) -> None:
                           f"{config_file.name} (not an architecture of this Transformers version)")
 
 
-def train_embedded_tokenizer(corpus, m: ModelConfig, mesh):
-    """Rank 0 trains the embedded tokenizer and broadcasts it (as JSON) to the other ranks."""
-    from rlhf.data.tokenizer import train_tokenizer, wrap_tokenizer
-    tok = train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings) if mesh.is_main else None
-    if not mesh.distributed:
-        return tok
-    text = mesh.broadcast_object(tok.backend_tokenizer.to_str() if mesh.is_main else None)
-    return tok if mesh.is_main else wrap_tokenizer(text, m.max_position_embeddings)
-
-
 def load_config(path: str, trust_remote_code: bool):
     from transformers import AutoConfig
     try:

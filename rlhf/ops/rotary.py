@@ -22,17 +22,10 @@ def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: flo
     return torch.polar(torch.full_like(angles, scaling), angles)
 
 
-def apply_rotary(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, d] in the interleaved layout; rot [B, T, d/2] complex."""
-    xf = x if x.dtype == torch.float32 else x.float()
-    out = torch.view_as_real(torch.view_as_complex(xf.reshape(*x.shape[:-1], -1, 2)) * rot[:, None]).flatten(-2)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
 def apply_rotary_(x: torch.Tensor, rot: torch.Tensor, head_dim: Optional[int] = None) -> torch.Tensor:
     """In place, all heads at once: x [..., H·d] (interleaved layout, last dimension contiguous,
-    e.g. the q and k columns of a fused QKV output); rot [..., 1, r/2] complex. The same arithmetic
-    as ``apply_rotary`` (computed in fp32 for lower precisions). Partial rotary (``head_dim`` d > r,
+    e.g. the q and k columns of a fused QKV output); rot [..., 1, r/2] complex: each (even, odd) pair
+    of a head multiplied by its complex rotation (computed in fp32 for lower precisions). Partial rotary (``head_dim`` d > r,
     Phi-3): the first r dimensions of each head rotate, the others pass through."""
     half = rot.shape[-1]
     d = head_dim or 2 * half
