@@ -20,11 +20,12 @@ IPO = 0.25
 REWARDS = (0.5, -0.25)
 
 
-def _loss(kind, smoothing=0.0, **pair):
+def _loss(kind, smoothing=0.0, sft_coef=0.0, **pair):
     t = {k: torch.tensor([v], dtype=torch.float64, requires_grad=k == "policy_chosen")
          for k, v in {**PAIR, **pair}.items()}
     losses, chosen, rejected = dpo_loss(t["policy_chosen"], t["policy_rejected"], t["ref_chosen"],
-                                        t["ref_rejected"], BETA, kind, smoothing)
+                                        t["ref_rejected"], BETA, kind, smoothing, sft_coef,
+                                        chosen_tokens=torch.tensor([4]))  # y_w: 4 tokens
     losses.sum().backward()
     return losses.item(), chosen.item(), rejected.item(), t["policy_chosen"].grad.item()
 
@@ -42,6 +43,15 @@ def test_golden_values(kind, smoothing, want, grad):
     assert loss == pytest.approx(want, abs=1e-9)
     assert (chosen, rejected) == pytest.approx(REWARDS, abs=1e-12)
     assert g == pytest.approx(grad, abs=1e-9)
+
+
+def test_rpo_adds_the_chosen_nll_per_token():
+    # α = 0.5, y_w of 4 tokens with log π(y_w) = −1: + 0.5 × 1/4 = 0.125 → 0.3868710061 + 0.125
+    loss, chosen, rejected, g = _loss("sigmoid", sft_coef=0.5)
+    assert loss == pytest.approx(0.5118710061, abs=1e-9)
+    assert (chosen, rejected) == pytest.approx(REWARDS, abs=1e-12)  # the rewards do not change
+    assert g == pytest.approx(-0.1604106504 - 0.125, abs=1e-9)  # d/dπ_w of −α π_w / 4 = −0.125
+    assert _loss("ipo", sft_coef=0.5)[0] == pytest.approx(0.25 + 0.125, abs=1e-12)
 
 
 def test_a_pair_the_policy_gets_wrong():
@@ -66,6 +76,8 @@ def test_bad_arguments():
         dpo_loss(x, x, x, x, 0.1, "hinge")
     with pytest.raises(ValueError, match="label_smoothing"):
         dpo_loss(x, x, x, x, 0.1, "ipo", 0.1)
+    with pytest.raises(ValueError, match="chosen_tokens"):
+        dpo_loss(x, x, x, x, 0.1, sft_coef=1.0)
 
 
 def test_response_mask_skips_prompt_and_padding_and_keeps_eos():
@@ -79,11 +91,12 @@ def test_response_mask_skips_prompt_and_padding_and_keeps_eos():
 
 def test_pair_logprobs_sum_response_tokens_only():
     """The stage's log-probs of a collated pair: prompt tokens, and padding, change nothing; the EOS counts."""
-    from stages.dpo import collate, pair_logprobs
+    from stages.dpo import chosen_tokens, collate, pair_logprobs
     # prompt [1, 5]; chosen response [6, EOS=2]; rejected response [7, 8, EOS]; pad 0; vocabulary 10
     cols = {"chosen": [[1, 5, 6, 2]], "rejected": [[1, 5, 7, 8, 2]], "prompt_len": [2]}
     batch = collate(cols, [0], pad=0)
     assert batch["input_ids"].tolist() == [[1, 5, 6, 2, 0], [1, 5, 7, 8, 2]]
+    assert chosen_tokens(batch).tolist() == [2]  # 6 and EOS: what dpo.sft_coef's NLL is per token of
 
     class Out:
         def __init__(self, logits):
