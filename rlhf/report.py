@@ -3,8 +3,10 @@
     python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png
 
 Panels: SFT loss (train and eval); reward-model loss and held-out accuracy; PPO reward/mean and
-kl/mean per PPO step; gold score (sampled, and greedy dashed) per PPO step with the SFT policy's
-gold score as the baseline. scripts/run_all.sh writes it after summary.json.
+kl/mean per PPO step; gold score (sampled, and greedy dashed) per PPO (and DPO) step with the SFT
+policy's gold score as the baseline. A run with a DPO stage gets a third row: DPO loss, implicit-reward
+accuracy and margin, and the summed log-probs of chosen and rejected responses (falling chosen
+log-probs are DPO's known failure). scripts/run_all.sh writes it after summary.json.
 """
 from __future__ import annotations
 
@@ -53,9 +55,10 @@ def render(run_dir: Path) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sft, rm, ppo = (read_series(run_dir / s / "metrics.jsonl") for s in ("sft", "reward", "ppo"))
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    (a_sft, a_rm, a_gold), (a_rew, a_kl, a_time) = axes
+    sft, rm, ppo, dpo = (read_series(run_dir / s / "metrics.jsonl") for s in ("sft", "reward", "ppo", "dpo"))
+    rows = 3 if dpo else 2
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows))
+    (a_sft, a_rm, a_gold), (a_rew, a_kl, a_time) = axes[:2]
 
     a_sft.set_title("SFT loss")
     _plot(a_sft, sft, "loss", "train")
@@ -71,9 +74,12 @@ def render(run_dir: Path) -> bytes:
         acc.set_ylabel("held-out accuracy", color="tab:red")
         acc.legend(fontsize=8, loc="center right")
 
-    a_gold.set_title("Gold score on held-out prompts (PPO step)")
+    a_gold.set_title("Gold score on held-out prompts (PPO / DPO step)" if dpo else
+                     "Gold score on held-out prompts (PPO step)")
     _plot(a_gold, ppo, "gold/score", "PPO, sampled", marker="o")
     _plot(a_gold, ppo, "gold/score_greedy", "PPO, greedy", linestyle="--", marker=".")
+    _plot(a_gold, dpo, "gold/score", "DPO, sampled", marker="s", color="tab:brown")
+    _plot(a_gold, dpo, "gold/score_greedy", "DPO, greedy", linestyle="--", marker=".", color="tab:olive")
     if "gold/score" in sft:
         base = sft["gold/score"][1][-1]
         a_gold.axhline(base, color="gray", linestyle=":", label=f"SFT, sampled ({base:.3f})")
@@ -98,6 +104,8 @@ def render(run_dir: Path) -> bytes:
     for key, label in (("time/generate_s", "generate"), ("time/score_s", "score"),
                        ("time/train_s", "train"), ("time/switch_s", "switch")):
         _plot(a_time, ppo, key, label)
+    if dpo:
+        _dpo_row(axes[2], dpo)
 
     for ax in axes.flat:
         ax.set_xlabel("step")
@@ -112,6 +120,28 @@ def render(run_dir: Path) -> bytes:
     fig.savefig(buf, format="png", dpi=80)
     plt.close(fig)
     return buf.getvalue()
+
+
+def _dpo_row(row, dpo: Series) -> None:
+    a_loss, a_acc, a_lp = row
+    a_loss.set_title("DPO loss")
+    _plot(a_loss, dpo, "loss", "train", alpha=0.6)
+    _plot(a_loss, dpo, "eval/loss", "held-out", marker="o")
+    a_acc.set_title("DPO implicit rewards: accuracy (margin, right axis)")
+    _plot(a_acc, dpo, "rewards/accuracy", "train accuracy", alpha=0.6)
+    _plot(a_acc, dpo, "eval/rewards/accuracy", "held-out accuracy", marker="o")
+    a_acc.set_ylim(0, 1)
+    if "rewards/margin" in dpo:
+        margin = a_acc.twinx()
+        _plot(margin, dpo, "rewards/margin", "train margin", color="tab:red", alpha=0.5)
+        _plot(margin, dpo, "eval/rewards/margin", "held-out margin", color="tab:red", marker="o")
+        margin.set_ylabel("margin β·(log-ratio chosen − rejected)", color="tab:red")
+        margin.legend(fontsize=8, loc="center right")
+    a_lp.set_title("DPO policy log-probs of the responses (summed)")
+    _plot(a_lp, dpo, "logps/chosen", "chosen", color="tab:green", alpha=0.6)
+    _plot(a_lp, dpo, "logps/rejected", "rejected", color="tab:red", alpha=0.6)
+    _plot(a_lp, dpo, "eval/logps/chosen", "held-out chosen", color="tab:green", marker="o")
+    _plot(a_lp, dpo, "eval/logps/rejected", "held-out rejected", color="tab:red", marker="o")
 
 
 def write_report(run_dir: Path) -> Path:

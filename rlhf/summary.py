@@ -12,7 +12,8 @@ from rlhf.report import read_series, write_report
 
 KEYS = {"sft": ("eval/loss", "gold/score", "gold/score_greedy"),
         "reward": ("eval/accuracy",),
-        "ppo": ("gold/score", "gold/score_greedy", "kl/mean", "reward/mean")}
+        "ppo": ("gold/score", "gold/score_greedy", "kl/mean", "reward/mean"),
+        "dpo": ("gold/score", "gold/score_greedy", "eval/rewards/accuracy", "eval/rewards/margin")}
 
 
 def last_values(metrics_file: Path, keys) -> dict:
@@ -43,16 +44,16 @@ def main(argv=None) -> None:
     summary = build_summary(args.run_dir, seconds, args.seed)
     atomic_write_json(args.run_dir / "summary.json", summary)
     print(f"\nrun: {args.run_dir}")
-    print(f"{'stage':<8} {'metric':<20} {'value':>10}")
+    print(f"{'stage':<8} {'metric':<22} {'value':>10}")
     for stage, vals in summary.items():
         if stage in ("seconds", "run"):
             continue
         for k, v in vals.items():
-            print(f"{stage:<8} {k:<20} {v:>10.4f}")
+            print(f"{stage:<8} {k:<22} {v:>10.4f}")
     for k, v in seconds.items():
-        print(f"{'time':<8} {k + ' (s)':<20} {v:>10.1f}")
+        print(f"{'time':<8} {k + ' (s)':<22} {v:>10.1f}")
     if args.seed is not None:
-        print(f"{'run':<8} {'seed':<20} {args.seed:>10d}")
+        print(f"{'run':<8} {'seed':<22} {args.seed:>10d}")
     print(f"summary: {args.run_dir / 'summary.json'}")
     print(f"report:  {write_report(args.run_dir)}")
 

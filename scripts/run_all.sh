@@ -2,10 +2,26 @@
 # The whole pipeline in one command, on the embedded default when given no overrides:
 #   scripts/run_all.sh [hydra overrides...]        e.g. run.dir=runs/x train.max_steps=200
 #   NPROC=2 scripts/run_all.sh                     every stage on 2 processes (torchrun)
-# Stages run in order (SFT → reward → PPO, those this version has); overrides pass to every stage.
+#   scripts/run_all.sh stages=sft,dpo [overrides]  other stages, in that order (a leading stages= is
+#                                                  the script's own argument, not passed to Hydra)
+# Stages run in order (default SFT → reward → PPO); overrides pass to every stage.
 # Writes <run.dir>/summary.json and prints a short table. A failing stage stops the script.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
+STAGES=()
+if [ $# -gt 0 ] && [[ "$1" == stages=* ]]; then
+  IFS=',' read -r -a STAGES <<< "${1#stages=}"
+  shift
+  [ ${#STAGES[@]} -gt 0 ] || { echo "[run_all] stages= names no stage (e.g. stages=sft,dpo)" >&2; exit 2; }
+  for s in "${STAGES[@]}"; do
+    if ! [[ "$s" =~ ^[a-z]+$ && -f "$ROOT/stages/$s.py" ]]; then
+      echo "[run_all] stages=: unknown stage '$s' (expected sft, reward, ppo or dpo)" >&2
+      exit 2
+    fi
+  done
+else
+  for s in sft reward ppo; do [ -f "$ROOT/stages/$s.py" ] && STAGES+=("$s"); done
+fi
 NPROC="${NPROC:-1}"
 if [ "$NPROC" -gt 1 ]; then
   LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" -m rlhf)
@@ -14,8 +30,6 @@ else
 fi
 RUN="$("$PY" -m rlhf --cfg "$@" | "$PY" -c 'import sys,yaml; r = yaml.safe_load(sys.stdin)["run"]; print(r["seed"], r["dir"])')"
 read -r SEED RUN_DIR <<< "$RUN"
-STAGES=()
-for s in sft reward ppo; do [ -f "$ROOT/stages/$s.py" ] && STAGES+=("$s"); done
 declare -A SECONDS_OF
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
 secs() { printf '%d.%03d' $(( $1 / 1000 )) $(( $1 % 1000 )); }

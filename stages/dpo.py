@@ -45,6 +45,9 @@ def run(cfg: Config) -> None:
     check_writable(cfg.run.dir)
 
     # ---- setup: everything is validated before anything is written ----
+    if cfg.model.lora.r > 0:  # would silently train every weight against a second full copy
+        raise ConfigError(f"model.lora.r={cfg.model.lora.r}: stage=dpo does not take LoRA adapters yet (it trains "
+                          f"every weight): set model.lora.r=0")
     source = stage_input(cfg, cfg.dpo.model_path, "dpo.model_path", "dpo")
     loading.check_model_path(source)
     data = load_stage_data(d, "dpo", cfg.run.seed)

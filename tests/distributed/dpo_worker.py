@@ -69,7 +69,8 @@ def main(out: str) -> None:
         losses, weights = dpo_run(mesh, zero, micro)
         results[name] = losses
         if mesh.is_main:
-            save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, str(Path(out) / f"{name}.safetensors"))
+            tensors = {k: v.detach().clone().contiguous() for k, v in weights.items()}  # tied: own copies
+            save_file(tensors, str(Path(out) / f"{name}.safetensors"))
     if mesh.is_main:
         (Path(out) / "losses.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()

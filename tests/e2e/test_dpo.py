@@ -94,3 +94,29 @@ def test_data_without_pairs_exits_2(sft_run, tmp_path):
 def test_dpo_without_sft_exits_2(tmp_path):
     proc = run_cli("stage=dpo", f"run.dir={tmp_path}", timeout=120)
     assert proc.returncode == 2 and "run stage=sft first or set model.path (or dpo.model_path)" in proc.stderr
+
+
+def _run_all(*args, timeout=600):
+    import subprocess
+
+    from tests.conftest import ENV, ROOT
+    return subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_all_refuses_an_unknown_stage(tmp_path):
+    proc = _run_all("stages=sft,dop", f"run.dir={tmp_path}", timeout=120)
+    assert proc.returncode == 2 and "unknown stage 'dop'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "sft").exists()
+
+
+@pytest.mark.slow  # ~40 s on an idle machine, minutes under load
+def test_run_all_dpo_path(tmp_path):
+    """`scripts/run_all.sh stages=sft,dpo`: the leading stages= is the script's, the rest go to Hydra."""
+    proc = _run_all("stages=sft,dpo", f"run.dir={tmp_path}", "train.max_steps=30", "logger.progress=false",
+                    "data.synthetic.num_records=2000", "eval.gold_prompts=16", "train.save_every=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary) == {"sft", "dpo", "seconds", "run"}
+    assert set(summary["seconds"]) == {"sft", "dpo", "total"}
+    assert "eval/rewards/accuracy" in summary["dpo"] and not (tmp_path / "reward").exists()

@@ -6,7 +6,7 @@ from rlhf.settings import load_config
 
 
 def test_defaults_compose_per_stage():
-    for stage in ("sft", "reward", "ppo"):
+    for stage in ("sft", "reward", "ppo", "dpo"):
         cfg, text = load_config([f"stage={stage}"])
         assert isinstance(cfg, Config) and cfg.stage == stage
         assert "run:" in text
@@ -50,3 +50,34 @@ def test_self_launch_arguments():
     assert args[:7] == ["--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--rdzv-backend=c10d",
                         "--rdzv-endpoint=127.0.0.1:29511", "--rdzv-id=rlhf", "--max-restarts=1"]
     assert args[7:] == ["-m", "rlhf", "stage=sft", "run.dir=x"]
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("dpo.beta=0", "dpo.beta=0"),
+    ("dpo.loss=hinge", "dpo.loss='hinge'"),
+    ("dpo.label_smoothing=0.5", "dpo.label_smoothing"),
+    ("dpo.sft_coef=-1", "dpo.sft_coef"),
+])
+def test_bad_dpo_config(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(["stage=dpo", override])
+    assert fragment in str(e.value)
+
+
+def test_dpo_config_and_its_data_split():
+    from rlhf.config import split_share_of
+    cfg, _ = load_config(["stage=dpo"])
+    assert cfg.dpo.loss == "sigmoid" and cfg.dpo.label_smoothing == 0.0 and cfg.dpo.model_path is None
+    with pytest.raises(ConfigError, match="applies to dpo.loss=sigmoid"):
+        load_config(["stage=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
+    load_config(["stage=dpo", "dpo.loss=ipo"])
+    # data.split keeps three weights (sft, reward, ppo); dpo reads pairs: the reward share
+    assert [split_share_of(s) for s in ("sft", "reward", "ppo", "dpo")] == [0, 1, 2, 1]
+    cfg, _ = load_config(["stage=dpo", 'data.split="2,4,4"', "data.synthetic.num_records=100"])
+    from rlhf.data.pipeline import load_stage_data
+    dpo, reward = (load_stage_data(cfg.data, stage, 0).train for stage in ("dpo", "reward"))
+    assert len(dpo) == 40 and [e.chosen for e in dpo] == [e.chosen for e in reward]
+    with pytest.raises(ConfigError, match="dpo takes the reward share"):
+        load_config(["stage=dpo", 'data.split="1,1,1,1"'])
+    with pytest.raises(ConfigError, match="expected sft, reward, ppo or dpo"):
+        load_config(["stage=dop"])

@@ -50,3 +50,19 @@ def test_report_draws_the_curves(tmp_path):
     assert len(full) > len(empty) + 10_000  # curves, legends and ticks add real content
     series = report.read_series(tmp_path / "full/ppo/metrics.jsonl")
     assert series["gold/score"] == ([0, 20], [0.4, 0.75])  # the torn last line is skipped
+
+
+def test_dpo_stage_in_summary_and_report(tmp_path, capsys):
+    run = _run(tmp_path)
+    _write(run / "dpo/metrics.jsonl",
+           [{"step": 0, "eval/loss": 0.69, "eval/rewards/accuracy": 0.0, "eval/rewards/margin": 0.0, "gold/score": 0.4}]
+           + [{"step": s, "loss": 0.7 - s / 100, "rewards/accuracy": 0.5 + s / 100, "rewards/margin": s / 10,
+               "logps/chosen": -2.0, "logps/rejected": -2.0 - s} for s in range(1, 30)]
+           + [{"step": 30, "eval/loss": 0.3, "eval/rewards/accuracy": 0.95, "eval/rewards/margin": 2.0,
+               "eval/logps/chosen": -1.5, "eval/logps/rejected": -20.0, "gold/score": 0.7, "gold/score_greedy": 0.9}])
+    summary.main([str(run), "--seconds", "sft=1", "--seconds", "dpo=2"])
+    s = json.loads((run / "summary.json").read_text())
+    assert s["dpo"] == {"gold/score": 0.7, "gold/score_greedy": 0.9, "eval/rewards/accuracy": 0.95,
+                        "eval/rewards/margin": 2.0}
+    assert "dpo" in capsys.readouterr().out
+    assert _png_size((run / "report.png").read_bytes()) == (1200, 960)  # a third row: the DPO curves
