@@ -67,7 +67,7 @@ def run(cfg: Config) -> None:
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
-    engine = TrainEngine(causal_lm(cfg, source, mesh, tokenizer), mesh, cfg.engine, t)
+    engine = TrainEngine(loading.causal_lm(source, mesh, tokenizer, cfg.model.trust_remote_code), mesh, cfg.engine, t)
     reference = reference_model(cfg, source, mesh, tokenizer)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
     ckpt = checkpoint_to_resume(ctx)
@@ -130,20 +130,12 @@ def run(cfg: Config) -> None:
     shutdown(mesh)
 
 
-def causal_lm(cfg: Config, src: str, mesh, tokenizer):
-    """The model at ``src`` (rank 0 reads it; the other ranks build it on meta and get the weights)."""
-    from transformers import AutoModelForCausalLM
-    model_cfg = loading.load_config(src, cfg.model.trust_remote_code)
-    return loading.build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
-                               trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
-
-
 def reference_model(cfg: Config, src: str, mesh, tokenizer):
     """The frozen reference π_ref: an object whose ``forward(**batch)`` returns the logits of the
     starting weights. Today a second copy of the model (FrozenModel, sharded like the policy); the
     one place to change for another kind (e.g. the policy with its LoRA adapters disabled) — the loss
     code only calls ``forward``."""
-    return FrozenModel(causal_lm(cfg, src, mesh, tokenizer), mesh, cfg.engine)
+    return FrozenModel(loading.causal_lm(src, mesh, tokenizer, cfg.model.trust_remote_code), mesh, cfg.engine)
 
 
 def collate(cols, indices, pad) -> dict:

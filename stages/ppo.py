@@ -14,7 +14,7 @@ import logging
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification
 
 from rlhf import interrupt
 from rlhf.algorithms import ppo as A
@@ -73,7 +73,7 @@ def run(cfg: Config) -> None:
     updates_per_step = p.ppo_epochs * p.minibatches_per_epoch
     total_updates = t.max_steps * updates_per_step
     lcfg = cfg.model.lora  # model.lora.r > 0: adapters on the actor (and the critic with model.lora.critic)
-    actor_model = lora.adapt(causal_lm(cfg, actor_src, mesh, tokenizer), lcfg, cfg.run.seed, what="actor")
+    actor_model = lora.adapt(loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code), lcfg, cfg.run.seed, what="actor")
     actor = TrainEngine(actor_model, mesh, cfg.engine, t, total_steps=total_updates)
     hybrid = HybridEngine(actor, tokenizer, cfg.engine)
     # The critic starts as the reward model, rescaled to the normalised rewards it will predict.
@@ -83,7 +83,7 @@ def run(cfg: Config) -> None:
               if alg.estimator == "gae" else None)
     # the reference: the actor with its adapters off under LoRA, else a second copy of the SFT model;
     # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
-    ref = (reference_for(actor, lambda: causal_lm(cfg, actor_src, mesh, tokenizer), mesh, cfg.engine)
+    ref = (reference_for(actor, lambda: loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code), mesh, cfg.engine)
            if alg.kl_coef > 0 else None)
     scorers = experience.Scorers(
         ref=ref,
@@ -201,12 +201,6 @@ def inputs(cfg: Config):
         raise ConfigError("ppo.use_reward_model=false needs a rule reward: set ppo.reward_fn (e.g. rlhf.rewards.gold)")
     loading.check_model_path(str(actor_src))
     return str(actor_src), rm_src
-
-
-def causal_lm(cfg: Config, src: str, mesh, tokenizer):
-    model_cfg = loading.load_config(src, cfg.model.trust_remote_code)
-    return loading.build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
-                               trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
 
 
 def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0, lcfg=None) -> ScalarHeadModel:

@@ -128,3 +128,12 @@ def resize_for_tokenizer(model, tokenizer) -> None:
     rows = model.get_input_embeddings().weight
     if rows.shape[0] < len(tokenizer):
         model.resize_token_embeddings(len(tokenizer), mean_resizing=not rows.is_meta)
+
+
+def causal_lm(src: str, mesh, tokenizer, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The causal LM at ``src`` (rank 0 reads it; the other ranks build it on meta and get the
+    weights by broadcast when the engine wraps it), grown to the tokenizer's length."""
+    from transformers import AutoModelForCausalLM
+    model_cfg = load_config(src, trust_remote_code)
+    return build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
+                       trust_remote_code=trust_remote_code, tokenizer=tokenizer)
