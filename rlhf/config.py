@@ -508,6 +508,11 @@ class PPOConfig:
     # the actor (and reference) to start from: None = the SFT output in run.dir, else model.path
     actor_path: Optional[str] = None
     use_reward_model: bool = True
+    # refuse a reward model whose held-out pair accuracy (its reward_stats.json) is below this: PPO
+    # would optimise its errors. None = 0.9 on the embedded task (where a weaker one is known to get
+    # hacked: gold falls), 0.55 on other data (just above chance: real preference data tops out
+    # near 0.7); 0 = off
+    min_rm_accuracy: Optional[float] = None
     reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
     reward_fn_weight: float = 1.0
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
@@ -540,6 +545,8 @@ class PPOConfig:
         _check(0 <= self.overlong_buffer < self.max_new_tokens, "ppo.overlong_buffer", self.overlong_buffer,
                f"0..ppo.max_new_tokens-1={self.max_new_tokens - 1}")
         _check(self.overlong_penalty >= 0, "ppo.overlong_penalty", self.overlong_penalty, "a non-negative number")
+        _check(self.min_rm_accuracy is None or 0 <= self.min_rm_accuracy <= 1, "ppo.min_rm_accuracy",
+               self.min_rm_accuracy, "0..1, or null for the default")
 
 
 @dataclass

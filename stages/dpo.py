@@ -27,11 +27,11 @@ from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
-from rlhf.engine.train import FrozenModel, TrainEngine
+from rlhf.engine.train import TrainEngine, reference_for
 from rlhf.errors import ConfigError, DataError
 from rlhf.evaluation import gold_score
 from rlhf.logging import progress
-from rlhf.models import loading
+from rlhf.models import loading, lora
 from rlhf.runtime import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     stage_input, start_stage)
@@ -45,9 +45,6 @@ def run(cfg: Config) -> None:
     check_writable(cfg.run.dir)
 
     # ---- setup: everything is validated before anything is written ----
-    if cfg.model.lora.r > 0:  # would silently train every weight against a second full copy
-        raise ConfigError(f"model.lora.r={cfg.model.lora.r}: stage=dpo does not take LoRA adapters yet (it trains "
-                          f"every weight): set model.lora.r=0")
     source = stage_input(cfg, cfg.dpo.model_path, "dpo.model_path", "dpo")
     loading.check_model_path(source)
     data = load_stage_data(d, "dpo", cfg.run.seed)
@@ -67,8 +64,13 @@ def run(cfg: Config) -> None:
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
-    engine = TrainEngine(loading.causal_lm(source, mesh, tokenizer, cfg.model.trust_remote_code), mesh, cfg.engine, t)
-    reference = reference_model(cfg, source, mesh, tokenizer)
+    def build():
+        return loading.causal_lm(source, mesh, tokenizer, cfg.model.trust_remote_code)
+
+    # model.lora.r > 0: adapters on the policy, whose base (adapters off) is the reference; else the
+    # reference is a second copy of the starting weights
+    engine = TrainEngine(lora.adapt(build(), cfg.model.lora, cfg.run.seed, what="policy"), mesh, cfg.engine, t)
+    reference = reference_for(engine, build, mesh, cfg.engine)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
@@ -124,18 +126,10 @@ def run(cfg: Config) -> None:
     # ---- save ----
     results = evaluate(t.max_steps)
     export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
-              extra_files={"rlhf_eval.json": {"step": t.max_steps, **results}})
+              extra_files={"rlhf_eval.json": {"step": t.max_steps, **results}}, adapter_dir=ctx.out / "adapter")
     metrics.close()
     log.info("dpo done: %s (eval/rewards/accuracy=%.4f)", ctx.out / "model", results["eval/rewards/accuracy"])
     shutdown(mesh)
-
-
-def reference_model(cfg: Config, src: str, mesh, tokenizer):
-    """The frozen reference π_ref: an object whose ``forward(**batch)`` returns the logits of the
-    starting weights. Today a second copy of the model (FrozenModel, sharded like the policy); the
-    one place to change for another kind (e.g. the policy with its LoRA adapters disabled) — the loss
-    code only calls ``forward``."""
-    return FrozenModel(loading.causal_lm(src, mesh, tokenizer, cfg.model.trust_remote_code), mesh, cfg.engine)
 
 
 def collate(cols, indices, pad) -> dict:

@@ -27,7 +27,7 @@ def test_padless_tokenizer_sft_reward_ppo_on_two_ranks(tmp_path):
     assert_vocab_agrees(run / "reward" / "model")
     assert_hf_scores_like_rlhf_score(run / "reward" / "model")  # pad ≠ EOS
 
-    proc = run_cli("stage=ppo", f"run.dir={run}", f"ppo.actor_path={raw}", "train.max_steps=1",
+    proc = run_cli("stage=ppo", f"run.dir={run}", "ppo.min_rm_accuracy=0", f"ppo.actor_path={raw}", "train.max_steps=1",
                    "ppo.prompts_per_step=4", "ppo.samples_per_prompt=2", "ppo.ppo_epochs=1",
                    "ppo.minibatches_per_epoch=1", "ppo.max_new_tokens=8", "eval.gold_prompts=4", "eval.gold_samples=1",
                    "train.eval_every=0", "engine.inference_tp_size=2", *COMMON, nproc=2)

@@ -14,7 +14,7 @@ KEYS = ("actor/loss", "critic/loss", "reward/mean", "kl/mean", "response/length"
 
 def first_step(src, dst, nproc, tp, *extra):
     shutil.copytree(src, dst)
-    proc = run_cli("stage=ppo", f"run.dir={dst}", "train.max_steps=1", "ppo.prompts_per_step=8",
+    proc = run_cli("stage=ppo", f"run.dir={dst}", "ppo.min_rm_accuracy=0", "train.max_steps=1", "ppo.prompts_per_step=8",
                    "ppo.samples_per_prompt=2", "ppo.ppo_epochs=2", "ppo.minibatches_per_epoch=2",
                    "ppo.temperature=0", "logger.progress=false", "eval.gold_prompts=8", "eval.gold_samples=1",
                    "train.eval_every=0", "train.save_every=0", "data.synthetic.num_records=2000",

@@ -61,6 +61,17 @@ OK = {"prompt": "a", "response": "b"}
 TRUNCATED_CONFIG = '{"model_type": "llama",'
 
 
+def weak_reward_model(c: Ctx) -> list:
+    """A run directory with the good SFT output and a reward model that ranks 0.7 of held-out pairs right."""
+    import shutil
+    run = c.tmp / "weak"
+    (run / "reward" / "model").mkdir(parents=True)
+    (run / "sft").symlink_to(c.good / "sft")
+    shutil.copy(c.good / "sft" / "model" / "config.json", run / "reward" / "model" / "config.json")
+    (run / "reward" / "model" / "reward_stats.json").write_text(json.dumps({"mean": 0, "std": 1, "eval/accuracy": 0.7}))
+    return [f"run.dir={run}", "stage=ppo"]
+
+
 def in_good(c: Ctx, *overrides: str) -> list:
     return [f"run.dir={c.good}", *overrides]
 
@@ -168,6 +179,8 @@ CASES = [
     ("reward_fn_raises", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
                                            "ppo.reward_fn=tests.e2e.nan_reward.raises"),
      "ppo.reward_fn=tests.e2e.nan_reward.raises: calling it on one record failed: KeyError"),
+    ("weak_reward_model", weak_reward_model,
+     "held-out accuracy 0.700 (reward_stats.json) is below ppo.min_rm_accuracy=0.9"),
     ("grpo_one_sample", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.samples_per_prompt=1"),
      "ppo.samples_per_prompt=1 is invalid for algorithm.estimator=grpo"),
 ]

@@ -68,7 +68,7 @@ def test_messages_sft_reward_ppo_with_a_chat_template(real_data, tmp_path):
     proc = run_cli("stage=reward", *common, "train.max_steps=3", "train.global_batch=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/accuracy" in rows(run / "reward" / "metrics.jsonl")[-1]
-    proc = run_cli("stage=ppo", *common, "train.max_steps=2", "ppo.prompts_per_step=4", "ppo.samples_per_prompt=2",
+    proc = run_cli("stage=ppo", *common, "ppo.min_rm_accuracy=0", "train.max_steps=2", "ppo.prompts_per_step=4", "ppo.samples_per_prompt=2",
                    "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=1", "ppo.max_new_tokens=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = rows(run / "ppo" / "metrics.jsonl")[-1]

@@ -80,6 +80,26 @@ def test_rerun_resumes_with_the_same_policy(dpo_run):
     assert steps == sorted(set(steps))
 
 
+def test_lora_dpo_trains_adapters_against_the_base(sft_run, tmp_path):
+    """model.lora.r > 0: the reference is the policy with its adapters off (every implicit reward 0 at
+    step 0), only the adapted projections move (norms equal the SFT model's in the merged export), the
+    adapter is saved in PEFT format, and the held-out pairs are learnt (measured 0.84 at r=8)."""
+    from safetensors.torch import load_file
+    proc = run_cli(*dpo_args(tmp_path / "run", f"dpo.model_path={sft_run / 'sft' / 'model'}", "model.lora.r=8",
+                             "model.lora.alpha=16", "train.save_every=0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run" / "dpo"
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/loss" in r]
+    assert evals[0]["eval/rewards/margin"] == 0.0 and evals[0]["eval/rewards/accuracy"] == 0.0
+    assert evals[-1]["eval/rewards/accuracy"] >= 0.6, evals[-1]
+    sft = load_file(str(sft_run / "sft" / "model" / "model.safetensors"))
+    dpo = load_file(str(out / "model" / "model.safetensors"))
+    assert sft.keys() == dpo.keys()
+    moved = {k for k in sft if not sft[k].equal(dpo[k])}
+    assert moved and all(k.endswith("proj.weight") for k in moved), sorted(moved)
+
+
 def test_data_without_pairs_exits_2(sft_run, tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "response": f" A{i}."}) + "\n" for i in range(40)))

@@ -30,7 +30,8 @@ def quick_ppo(run_dir, *extra):
     return ["stage=ppo", f"run.dir={run_dir}", "train.max_steps=4", "ppo.prompts_per_step=8",
             "ppo.samples_per_prompt=2", "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=2", "logger.progress=false",
             "eval.gold_prompts=8", "eval.gold_samples=1", "train.eval_every=0", "train.save_every=0",
-            "data.synthetic.num_records=2000", "engine.precision=fp32", *extra]
+            "data.synthetic.num_records=2000", "engine.precision=fp32",
+            "ppo.min_rm_accuracy=0", *extra]  # a 30-step reward model: below the default gate
 
 
 @pytest.mark.slow  # about 5 minutes; issue 5's acceptance bar (+0.3 gold over SFT, measured +0.31)

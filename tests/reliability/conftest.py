@@ -22,7 +22,7 @@ def ppo_args(run_dir, *extra: str) -> list[str]:
             "ppo.samples_per_prompt=2", "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=2", "logger.progress=false",
             "eval.gold_prompts=8", "eval.gold_samples=1", "train.eval_every=0",
             f"train.save_every={PPO_SAVE_EVERY}", "data.synthetic.num_records=2000", "engine.threads_per_rank=1",
-            *extra]
+            "ppo.min_rm_accuracy=0", *extra]
 
 
 def one_node(nproc: int = 2, **kw) -> list[str]:
