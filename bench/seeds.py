@@ -2,15 +2,18 @@
 median / max (docs/contract.md, `bench: "seeds"`).
 
     python bench/seeds.py [--seeds 0 1 2 3 4] [--parallel K] [--stages sft,reward,ppo,grpo]
-                          [--out DIR] [--set KEY=VAL ...] [--grpo-set KEY=VAL ...] [--label NAME]
+                          [--out DIR] [--set KEY=VAL ...] [--stage-set STAGE:KEY=VAL ...]
+                          [--grpo-set KEY=VAL ...] [--label NAME]
 
 Per seed (run.seed=N, run.dir=<out>/seed<N>): SFT → reward → PPO (GAE with the reward model), and
 GRPO with the rule reward from the same SFT model (<out>/seed<N>/grpo[_<label>]/ppo). Figures: sft_gold,
 sft_gold_greedy (held-out gold of the SFT policy, sampled and greedy), rm_accuracy, ppo_gold,
 ppo_gold_greedy, ppo_gain (ppo_gold − sft_gold), grpo_gold, grpo_gain, seconds (wall time of the
-seed's stages) and the seconds of each stage. A stage whose output already exists in --out is not
+seed's stages) and the seconds of each stage. A PPO or GRPO run that
+refuses the seed's reward model (ppo.min_rm_accuracy, exit 2) is reported as ``ppo_refused: 1`` and
+the bench goes on with the next stage. A stage whose output already exists in --out is not
 run again (point --out at an earlier run to add stages or GRPO variants to it). ``--set`` passes
-overrides to every stage, ``--grpo-set`` to the GRPO run only (e.g. clip-higher, dynamic sampling);
+overrides to every stage, ``--stage-set sft:train.max_steps=500`` to one stage, ``--grpo-set`` to the GRPO run only (e.g. clip-higher, dynamic sampling);
 ``--label`` names the GRPO variant (its own run directory) and is carried by every line.
 """
 from __future__ import annotations
@@ -48,12 +51,13 @@ def grpo_dir(label) -> str:
 
 def run_stage(stage: str, seed_dir: Path, seed: int, threads: int, overrides: list, grpo_overrides: list,
               label, log) -> float:
-    """Runs one stage of one seed (unless its output exists); returns its seconds (0 when skipped)."""
+    """Runs one stage of one seed (unless its output exists); returns its seconds (0 when skipped,
+    None when PPO refused the reward model)."""
     output = f"{grpo_dir(label)}/ppo/actor" if stage == "grpo" else OUTPUT[stage]
     if (seed_dir / output / "config.json").is_file():
         return 0.0
     run_dir = seed_dir
-    extra = list(overrides)
+    extra = list(overrides.get("*", [])) + list(overrides.get(stage, []))
     if stage == "grpo":  # its own run dir (one per --label) holding a copy of the SFT output
         run_dir = seed_dir / grpo_dir(label)
         if not (run_dir / "sft").exists():
@@ -66,6 +70,9 @@ def run_stage(stage: str, seed_dir: Path, seed: int, threads: int, overrides: li
     t0 = time.perf_counter()
     with open(seed_dir / f"{stage}.log", "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode == 2 and "ppo.min_rm_accuracy" in (seed_dir / f"{stage}.log").read_text():
+        log(f"seed {seed}: {stage} refused the reward model (ppo.min_rm_accuracy); see {seed_dir / stage}.log")
+        return None
     if proc.returncode != 0:
         raise SystemExit(f"seeds: seed {seed} stage {stage} failed (exit {proc.returncode}); see {seed_dir / stage}.log")
     seconds = time.perf_counter() - t0
@@ -89,10 +96,12 @@ def figures(seed_dir: Path, stages: list, seconds: dict, label=None) -> dict:
         out["grpo_gold"] = last(grpo_metrics, "gold/score")
         out["grpo_gold_greedy"] = last(grpo_metrics, "gold/score_greedy")
         out["grpo_gain"] = out["grpo_gold"] - out["sft_gold"]
+    if seconds.get("ppo", 0) is None:
+        out["ppo_refused"] = 1
     for s in stages:
         if seconds.get(s):
             out[f"{s}_seconds"] = seconds[s]
-    out["seconds"] = sum(seconds.values())
+    out["seconds"] = sum(v for v in seconds.values() if v)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -104,6 +113,7 @@ def main() -> None:
     ap.add_argument("--stages", default="sft,reward,ppo,grpo")
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--set", nargs="*", default=[], help="overrides for every stage")
+    ap.add_argument("--stage-set", nargs="*", default=[], help="STAGE:KEY=VAL overrides for one stage")
     ap.add_argument("--grpo-set", nargs="*", default=[], help="overrides for the GRPO run only")
     ap.add_argument("--label", default=None)
     args = ap.parse_args()
@@ -111,6 +121,12 @@ def main() -> None:
     unknown = set(stages) - set(OUTPUT)
     if unknown:
         ap.error(f"unknown stages {sorted(unknown)}: choose from {', '.join(OUTPUT)}")
+    overrides = {"*": list(args.set)}
+    for item in args.stage_set:
+        stage, sep, kv = item.partition(":")
+        if not sep or stage not in OUTPUT:
+            ap.error(f"--stage-set {item!r}: expected STAGE:KEY=VAL with STAGE one of {', '.join(OUTPUT)}")
+        overrides.setdefault(stage, []).append(kv)
     out = args.out or Path(tempfile.mkdtemp(prefix="rlhf-seeds-"))
     threads = max(1, (os.cpu_count() or 1) // args.parallel)
 
@@ -120,7 +136,7 @@ def main() -> None:
     def one(seed: int) -> dict:
         seed_dir = out / f"seed{seed}"
         seed_dir.mkdir(parents=True, exist_ok=True)
-        seconds = {s: run_stage(s, seed_dir, seed, threads, args.set, args.grpo_set, args.label, log)
+        seconds = {s: run_stage(s, seed_dir, seed, threads, overrides, args.grpo_set, args.label, log)
                    for s in stages}
         return figures(seed_dir, stages, seconds, args.label)
 
