@@ -7,10 +7,15 @@ generate on a plain model (JSON lines, docs/contract.md).
 Each rank generates its own prompts (8 × prompt_len, sampling, temperature 1, min = max new tokens
 so every variant does the same work). tokens_per_s is summed over ranks. The bandwidth bound of a
 hybrid variant is batch × bandwidth / (weight bytes read per decode step), the bandwidth measured
-by a large copy on each rank at the same time.
+by a large copy on each rank at the same time; a second bound (``bandwidth_bound_kv_tokens_per_s``)
+adds the KV cache a decode step reads, averaged over the generation (prompt_len + new/2 cached
+positions of every row: at batch 64 and 384 positions the cache of ``gpu1b`` is as many bytes as its
+weights).
 
 ``--variants ... hybrid_tp1_ref hybrid_tp2_ref``: the hybrid variants with
 engine.inference_kernels=reference (plain GEMMs instead of the packed ones), side by side.
+``hybrid_tp1_nograph``: hybrid TP 1 with engine.cuda_graphs=off (on CUDA the row-removing decode loop
+instead of the graph-captured static step; on the CPU the same loop as hybrid_tp1).
 ``--dtypes``: fp32 runs every variant; bf16 runs the hybrid variants with engine.inference_dtype=bf16
 (fp32 training weights, bf16 inference copy) and hf_plain on the model cast to bf16, reported as
 ``<variant>_bf16`` (the fair comparison is equal precision: hybrid_tp1_bf16 vs hf_plain_bf16).
@@ -20,7 +25,7 @@ while other jobs run are not comparable.
 
 Device (``--device``, as ``engine.device``; every line carries ``device``): auto = CUDA when this node
 has a GPU for each of the ``--nproc`` processes, else the CPU. On CUDA the defaults are
-``--variants hybrid_tp1 hybrid_tp2 hf_plain --dtypes bf16`` (hybrid: engine.inference_dtype=bf16 with
+``--variants hybrid_tp1 hybrid_tp1_nograph hybrid_tp2 hf_plain --dtypes bf16`` (hybrid: engine.inference_dtype=bf16 with
 engine.precision=auto; hf_plain: the model cast to bf16 and moved to the GPU), timed regions are
 bracketed by torch.cuda.synchronize(), and the bandwidth of the bound is that of a large
 device-to-device copy. Variants whose TP degree does not divide ``--nproc`` are skipped (stderr says
@@ -106,6 +111,14 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
+def kv_bytes_per_step(w: dict, rows: int, element_bytes: int) -> float:
+    """KV cache bytes one decode step reads for ``rows`` rows, averaged over the generation: the step
+    that samples token t (1..new-1) attends to prompt_len + t cached positions (mean prompt_len + new/2),
+    K and V of every KV head in every layer."""
+    positions = w["prompt_len"] + w["new"] / 2
+    return w["layers"] * rows * positions * 2 * w["kv"] * (w["hidden"] // w["heads"]) * element_bytes
+
+
 class Tok:
     pad_token_id, eos_token_id = 0, 2
 
@@ -126,7 +139,8 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
     # copy, training precision auto (fp32 on the CPU, bf16 with fp32 master weights on CUDA)
     ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=variant != "hf_fsdp", timeout_s=600,
                         device=device, precision="fp32" if dtype == "fp32" else "auto",
-                        inference_dtype=dtype, inference_kernels="reference" if variant.endswith("_ref") else "auto")
+                        inference_dtype=dtype, inference_kernels="reference" if variant.endswith("_ref") else "auto",
+                        cuda_graphs="off" if variant.endswith("_nograph") else "auto")
     mesh = init_mesh(ecfg)
     model = make_model(w, on_meta=not mesh.is_main)
     eng = TrainEngine(model, mesh, ecfg, TrainConfig())
@@ -191,9 +205,12 @@ def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32", device
     return res
 
 
-# *_ref: the hybrid variant with engine.inference_kernels=reference (plain GEMMs), for a side-by-side
-DTYPE_VARIANTS = {"fp32": ("hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref"),
-                  "bf16": ("hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref")}
+# *_ref: the hybrid variant with engine.inference_kernels=reference (plain GEMMs), for a side-by-side;
+# *_nograph: with engine.cuda_graphs=off
+DTYPE_VARIANTS = {"fp32": ("hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref",
+                           "hybrid_tp1_nograph"),
+                  "bf16": ("hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref",
+                           "hybrid_tp1_nograph")}
 # (hf_fsdp generates in the training dtype)
 
 
@@ -202,7 +219,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", nargs="+", default=["tiny", "small"], choices=sorted(WORKLOADS))
     ap.add_argument("--variants", nargs="+", default=None, choices=DTYPE_VARIANTS["fp32"],
-                    help="default: hf_fsdp hybrid_tp1 hybrid_tp2 hf_plain (CUDA: hybrid_tp1 hybrid_tp2 hf_plain)")
+                    help="default: hf_fsdp hybrid_tp1 hybrid_tp2 hf_plain (CUDA: hybrid_tp1 hybrid_tp1_nograph "
+                         "hybrid_tp2 hf_plain)")
     ap.add_argument("--dtypes", nargs="+", default=None, choices=sorted(DTYPE_VARIANTS),
                     help="default: fp32 bf16 (CUDA: bf16)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -217,8 +235,8 @@ def main() -> None:
     dev = resolve_device(args.device, args.nproc)
     on_cuda = dev.type == "cuda"
     if args.variants is None:
-        args.variants = ["hybrid_tp1", "hybrid_tp2", "hf_plain"] if on_cuda else ["hf_fsdp", "hybrid_tp1", "hybrid_tp2",
-                                                                                   "hf_plain"]
+        args.variants = (["hybrid_tp1", "hybrid_tp1_nograph", "hybrid_tp2", "hf_plain"] if on_cuda
+                         else ["hf_fsdp", "hybrid_tp1", "hybrid_tp2", "hf_plain"])
     if args.dtypes is None:
         args.dtypes = ["bf16"] if on_cuda else ["fp32", "bf16"]
     for v in [v for v in args.variants if args.nproc % tp_of(v)]:
@@ -261,6 +279,14 @@ def main() -> None:
                     print(json.dumps({**base, "metric": "bandwidth_bound_tokens_per_s", "value": round(bound, 1),
                                       "unit": "tokens/s", "fraction_reached": round(tps / bound, 4),
                                       "bandwidth_gb_s": round(r["bandwidth"] / 1e9, 2)}), flush=True)
+                    # + the KV cache: a TP rank holds kv_heads / tp of every row of its group
+                    kv = kv_bytes_per_step(WORKLOADS[workload], rows_per_group, 2 if dtype == "bf16" else 4) / tp
+                    bound_kv = (ws // tp) * rows_per_group * r["bandwidth"] / (per_step_bytes + kv)
+                    print(json.dumps({**base, "metric": "bandwidth_bound_kv_tokens_per_s", "value": round(bound_kv, 1),
+                                      "unit": "tokens/s", "fraction_reached": round(tps / bound_kv, 4),
+                                      "bandwidth_gb_s": round(r["bandwidth"] / 1e9, 2),
+                                      "weight_bytes_per_step": int(per_step_bytes),
+                                      "kv_bytes_per_step": int(kv)}), flush=True)
 
         def rate(name, per_process=False):
             r = results[name]
@@ -279,8 +305,9 @@ def main() -> None:
                 print(json.dumps({"bench": "generation", "workload": workload, "device": label, "variant": variant,
                                   "metric": "speedup", "value": round(rate(b, per_process=True) / rate(d), 2),
                                   "unit": "x", "target": 1.5}), flush=True)
-        for name in [n for n in results if "_ref" in n]:  # packed vs plain GEMMs, same run and dtype
-            fast = name.replace("_ref", "")
+        # packed vs plain GEMMs; graph-captured static step vs the row-removing loop (same run and dtype)
+        for name in [n for n in results if "_ref" in n or "_nograph" in n]:
+            fast = name.replace("_ref", "").replace("_nograph", "")
             if fast in results:
                 print(json.dumps({"bench": "generation", "workload": workload, "device": label,
                                   "variant": f"{fast}_vs_{name}", "metric": "speedup",

@@ -347,6 +347,13 @@ class EngineConfig:
     # decode GEMMs, oneDNN-packed bf16), reference = plain GEMMs everywhere (fp32 results differ from
     # auto's at rounding level only)
     inference_kernels: str = "auto"  # auto | reference
+    # the decode loop on CUDA: auto = a static decode step (fixed batch, finished rows masked, no host
+    # synchronisation) replayed as a CUDA graph per (batch bucket, cache span) — eager static step with
+    # inference_tp_size > 1; off = the row-removing loop with a host check per step (the CPU's loop,
+    # which the CPU always uses: there it is faster)
+    cuda_graphs: str = "auto"  # auto | off
+    # the static step's "have all rows finished?" check (a host synchronisation) every this many steps
+    decode_sync_every: int = 8
 
     def __post_init__(self):
         _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
@@ -363,6 +370,9 @@ class EngineConfig:
                "auto, fp32 or bf16")
         _check(self.inference_kernels in ("auto", "reference"), "engine.inference_kernels",
                self.inference_kernels, "auto or reference")
+        _check(self.cuda_graphs in ("auto", "off"), "engine.cuda_graphs", self.cuda_graphs, "auto or off")
+        _check(self.decode_sync_every > 0, "engine.decode_sync_every", self.decode_sync_every,
+               "a positive integer")
 
 
 @dataclass

@@ -7,7 +7,7 @@
 #   [PY=python3] [OUT=/tmp] [GEN_REPEATS=3] scripts/gpu_check.sh
 #
 # Writes under ${OUT:-/tmp}/gpu_check: run/ (run.dir of the stages), <step>.log (stderr/stdout of
-# each step), generation.jsonl and ppo_bench.jsonl (bench JSON lines), seconds.txt, table.md.
+# each step), generation.jsonl, ppo_bench.jsonl, decode_check.jsonl (JSON lines), seconds.txt, table.md.
 # Exit codes: 0 all steps passed, 2 no CUDA GPU, else the exit code of the step that failed (named).
 set -euo pipefail
 
@@ -53,6 +53,8 @@ step generation_bench "$DIR/generation.jsonl" \
   "$PY" bench/generation.py --device cuda --nproc 1 --workload small gpu05b gpu1b --repeats "${GEN_REPEATS:-3}"
 step ppo_bench "$DIR/ppo_bench.jsonl" \
   "$PY" bench/ppo.py --device cuda --world-sizes 1 --workload gpu05b --steps 3 --variants hybrid
+# the CUDA-graph decode loop against the row-removing loop and HF generate (fp32; exit 1 on a mismatch)
+step decode_check "$DIR/decode_check.jsonl" "$PY" scripts/gpu_decode_check.py
 
 STEP="table"
 "$PY" - "$DIR" "$RUN" <<'EOF' | tee "$DIR/table.md"
@@ -89,7 +91,7 @@ for s in ("sft", "reward", "ppo"):
 gen = lines("generation.jsonl")
 device = next((r.get("device") for r in gen if r.get("device")), "?")
 for r in gen:
-    if r["metric"] in ("tokens_per_s", "bandwidth_bound_tokens_per_s"):
+    if r["metric"] in ("tokens_per_s", "bandwidth_bound_tokens_per_s", "bandwidth_bound_kv_tokens_per_s"):
         extra = f" ({100 * r['fraction_reached']:.1f}% of bound, {r['bandwidth_gb_s']} GB/s)" \
             if "fraction_reached" in r else ""
         rows.append((f"generation {r['workload']} {r['variant']} {r['metric']}", f"{r['value']:,.0f}{extra}"))
@@ -100,6 +102,9 @@ for r in lines("ppo_bench.jsonl"):
         unit = " GiB" if r["metric"].endswith("_gb") else ""
         rows.append((f"ppo bench {r['workload']} {r['variant']} ws{r['world_size']} {r['metric']}",
                      f"{r['value']:.3f}{unit}"))
+for r in lines("decode_check.jsonl"):
+    rows.append((f"decode check {r['check']}", ("ok " if r["ok"] else "FAILED ") +
+                 json.dumps({k: v for k, v in r.items() if k not in ("check", "ok")})))
 print(f"\n## gpu_check on {device}\n\n| what | value |\n| --- | --- |")
 for k, v in rows:
     print(f"| {k} | {v} |")

@@ -46,6 +46,7 @@ class HybridEngine:
         self.timings: dict = {}
         self._model: Optional[InferenceModel] = None  # kept when engine.release_inference_cache=false
         self._model_version = -1  # the engine's weights_version when _model was built
+        self.decode = decode_loop(ecfg, self.mesh.device, self.tp)  # (tests set it to "static" on the CPU)
 
     # ---- the one call the trainer makes ----
     def generate(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
@@ -83,7 +84,8 @@ class HybridEngine:
             module.reshard()
         root = {k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()}
         return InferenceModel(root, layers, pol, tp=self.tp, tp_group=self.mesh.tp_group, dtype=self.dtype,
-                              kernels=self.ecfg.inference_kernels)
+                              kernels=self.ecfg.inference_kernels, decode=self.decode,
+                              sync_every=self.ecfg.decode_sync_every)
 
     def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
         t0 = time.perf_counter()
@@ -93,6 +95,9 @@ class HybridEngine:
         # them while the training weights have not changed (no optimizer step since they were built:
         # e.g. the gold evaluation right after a rollout, or its sampled and greedy passes)
         reuse = self._model is not None and self._model_version == self.engine.weights_version
+        if not reuse and self._model is not None:  # stale: its weights, cache and graphs go first
+            self._model.release()
+            self._model = None
         model = self._model if reuse else self.build_inference_model()
         t1 = time.perf_counter()
         # a CPU generator whatever the device: the same draws on every device (sampling moves them)
@@ -136,6 +141,15 @@ class HybridEngine:
         res = finish(ids, mask, tokens, None, self.eos_id, self.pad_id)
         self.timings = {"switch_s": 0.0, "gather_s": 0.0, "generate_s": time.perf_counter() - t0, "release_s": 0.0}
         return res
+
+
+def decode_loop(ecfg: EngineConfig, device: torch.device, tp: int) -> str:
+    """The inference mode's decode loop (``InferenceModel.decode``): on CUDA with engine.cuda_graphs=auto
+    the static step as CUDA graphs (eager with TP > 1: NCCL collectives are not captured), else the
+    row-removing loop (the CPU, where it is faster, or engine.cuda_graphs=off)."""
+    if ecfg.cuda_graphs == "off" or device.type != "cuda":
+        return "dynamic"
+    return "graphs" if tp == 1 else "static"
 
 
 def _rows(out: Generation, per_rank: List[List[List[int]]], tp_rank: int, n: int) -> Generation:

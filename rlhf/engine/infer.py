@@ -9,7 +9,9 @@ for fp32 on an MKL CPU, packed again for the decode batch when a generation star
 The cache [layers, batch, max_len, 2 · kv_heads · head_dim] is allocated once and written in place;
 rows whose sequence has ended leave the batch. Per decode step the loop only looks things up and
 writes in place (rotations from a per-call table, an additive key mask updated one slot a step);
-logits are cast to fp32 before log-softmax and sampling whatever the dtype.
+logits are cast to fp32 before log-softmax and sampling whatever the dtype. ``decode``: "dynamic"
+is that loop (the CPU's, and ``engine.cuda_graphs=off``); "static" the fixed-shape step without host
+synchronisation of ``rlhf.engine.decode_static``, "graphs" the same replayed as CUDA graphs.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
 from rlhf.models.policies import Policy
 from rlhf.ops import SamplingParams, attend, rms_norm, rotary_cos_sin, sample
 from rlhf.ops.linear import can_pack, can_pack_rows, linear, linear_rows, pack_rows, prepare_weight
@@ -66,7 +69,8 @@ MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 class InferenceModel:
     def __init__(self, root: Dict[str, torch.Tensor], layers: List[Dict[str, torch.Tensor]], policy: Policy,
-                 tp: int = 1, tp_group=None, dtype: torch.dtype = torch.float32, kernels: str = "auto"):
+                 tp: int = 1, tp_group=None, dtype: torch.dtype = torch.float32, kernels: str = "auto",
+                 decode: str = "dynamic", sync_every: int = 8):
         fast = kernels == "auto"
         self.packed = fast and can_pack(dtype, root["embed"].device)
         self.pack_rows = fast and can_pack_rows(dtype, root["embed"].device)
@@ -82,6 +86,12 @@ class InferenceModel:
         self.windows = tuple(policy.window(i) for i in range(len(self.layers)))  # per layer, None = full
         self.cache: Optional[torch.Tensor] = None
         self._kv: List[torch.Tensor] = []  # per-layer views of the cache
+        if decode not in ("dynamic", "static", "graphs"):
+            raise ValueError(f"decode={decode!r}: expected dynamic, static or graphs")
+        self.decode, self.sync_every, self.span_chunk = decode, sync_every, SPAN_CHUNK
+        # the static loop's state (its own cache) and CUDA graphs: kept between calls while the key
+        # (batch bucket, cache length, sampling) stays, released with the weights
+        self._static: Optional[StaticDecoder] = None
         self._drop_packs()
 
     def _prepare(self, d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -106,6 +116,13 @@ class InferenceModel:
         self._kv = list(self.cache.unbind(0))
 
     def release(self) -> None:
+        """Drops the cache, the packed matrices, the static loop's state and its CUDA graphs."""
+        self._end_call()
+        if self._static is not None:
+            self._static.release()
+            self._static = None
+
+    def _end_call(self) -> None:
         self.cache = None
         self._kv = []
         self._drop_packs()
@@ -163,13 +180,16 @@ class InferenceModel:
         return {w: self.attention_bias(key_valid, start, end, w) for w in set(self.windows)}
 
     def _forward(self, ids: torch.Tensor, rot: torch.Tensor, masks: Optional[Dict[Optional[int], torch.Tensor]],
-                 start: int, last_only: bool = False) -> torch.Tensor:
+                 start: int, last_only: bool = False, slot: Optional[torch.Tensor] = None,
+                 span: int = 0) -> torch.Tensor:
         """``rot`` [B, T, r/2] complex rotations (r = the rotated dimensions of a head); ``masks`` additive
         [B, 1, T, start+T] per layer window (None: causal, from slot 0, no padding, no window);
         ``last_only``: logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden]
-        between GEMMs. A row-parallel output's bias (``bo``, ``b_down``) is on TP rank 0 only."""
+        between GEMMs. A row-parallel output's bias (``bo``, ``b_down``) is on TP rank 0 only.
+        The static step (rlhf/engine/decode_static.py): ``slot`` a [1] device tensor, the cache slot of
+        the one new token (``start`` unused), keys over the first ``span`` slots (``masks`` [B, 1, 1, span])."""
         B, T = ids.shape
-        end = start + T
+        end = start + T if slot is None else span
         hq, hk, d, eps, lin = self.hq, self.hk, self.d, self.p.eps, self._linear
         rot = rot.reshape(B * T, 1, -1)
         x = F.embedding(ids.reshape(-1), self.root["embed"]).to(self.dtype)
@@ -182,7 +202,10 @@ class InferenceModel:
                 qk.copy_(F.rms_norm(qk, (d,), eps=eps).mul_(w["qk_norm"]))  # HF: weight · norm(x)
             apply_rotary_(qkv[:, :(hq + hk) * d], rot, d)  # q and k heads in one op, in place
             kv = self._kv[li]
-            kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
+            if slot is None:
+                kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
+            else:  # a slot known on the device only: no host synchronisation
+                kv.index_copy_(1, slot, qkv[:, hq * d:].view(B, T, 2 * hk * d))
             k = kv[:, :end, :hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
             v = kv[:, :end, hk * d:].unflatten(-1, (hk, d)).transpose(1, 2)
             mask = None if masks is None else masks[self.windows[li]]
@@ -206,10 +229,21 @@ class InferenceModel:
         ids, pmask = left_pad(rows, pad_id, device)
         try:
             with torch.inference_mode():  # the loop's tensors never meet autograd; finish() copies out
-                tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, generator)
+                if self.decode == "dynamic":
+                    tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, generator)
+                else:
+                    tokens, logprobs = self._decode_static(ids, pmask, sp, eos_id, pad_id, generator)
         finally:
-            self.release()
+            self._end_call()
         return finish(ids, pmask, tokens, logprobs, eos_id, pad_id)
+
+    def _decode_static(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, generator):
+        key = StaticKey.of(ids.shape[0], ids.shape[1], sp, eos_id, pad_id, self.span_chunk)
+        if self._static is None or self._static.key != key:
+            self.release()  # the previous key's state and graphs first
+            self._static = StaticDecoder(self, key, ids.device, graphs=self.decode == "graphs")
+        self.pack_for_rows(key.rows)
+        return self._static.run(self, ids, pmask, sp, generator, self.sync_every)
 
     def _decode(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, generator):
         device = ids.device

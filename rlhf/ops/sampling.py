@@ -39,6 +39,34 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
     """Next tokens [B] and their log-probs [B] under softmax(logits / temperature) (the distribution
     PPO optimises; greedy reports the temperature-1 log-prob). ``ban``: a token that may not be
     drawn now (EOS before min_new_tokens); the log-probs stay those of the unmodified policy."""
+    def draw(rows: int) -> torch.Tensor:
+        # drawn on the generator's device (a CPU generator gives the same draws whatever the device
+        # of the logits), then moved to the logits
+        return torch.rand((rows, 1), generator=generator,
+                          device=generator.device if generator is not None else logits.device)
+    return _sample(logits, p, draw, ban, None)
+
+
+def sample_drawn(logits: torch.Tensor, p: SamplingParams, u: Optional[torch.Tensor], ban: Optional[int] = None,
+                 ban_now: Optional[torch.Tensor] = None):
+    """``sample`` with its uniform draws given (``u`` [B, 1] in [0, 1) on the logits' device; None when
+    greedy) and the ban applied where ``ban_now`` (a 0-dim bool tensor on the device) is true: static
+    shapes and no host synchronisation (the static decode step, rlhf/engine/decode_static.py). The
+    same numbers as ``sample`` given the same draws and ban."""
+    return _sample(logits, p, lambda rows: u, ban, ban_now)
+
+
+def _no(x: torch.Tensor, ban: Optional[int], ban_now: Optional[torch.Tensor]) -> None:
+    """In place: column ``ban`` of ``x`` to -inf (where ``ban_now``, when given)."""
+    if ban is None:
+        return
+    if ban_now is None:
+        x[:, ban].fill_(float("-inf"))
+    else:
+        x[:, ban].masked_fill_(ban_now, float("-inf"))
+
+
+def _sample(logits: torch.Tensor, p: SamplingParams, draw, ban: Optional[int], ban_now: Optional[torch.Tensor]):
     fresh = logits.dtype != torch.float32  # .float() below copies: ours to write into
     logits = logits.float()
     if p.temperature <= 0:
@@ -46,22 +74,17 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
         allowed = logits
         if ban is not None:
             allowed = logits.clone()
-            allowed[:, ban].fill_(float("-inf"))
+            _no(allowed, ban, ban_now)
         tokens = allowed.argmax(-1)
     else:
         # x / 1 == x exactly: skip the division (and copy only when the ban must write)
         scaled = logits / p.temperature if p.temperature != 1.0 else (
             logits.clone() if ban is not None and not fresh else logits)
         logp = torch.log_softmax(scaled, -1)
-        if ban is not None:  # after the log-probs; -inf / T = -inf: the same as banning before scaling
-            scaled[:, ban].fill_(float("-inf"))
+        _no(scaled, ban, ban_now)  # after the log-probs; -inf / T = -inf: the same as banning before scaling
         probs = filter_logits(scaled, p.top_k, p.top_p).softmax(-1)
         # Inverse CDF: one uniform draw per row (torch.multinomial draws far more on CPU).
         cdf = probs.cumsum(-1)
-        # drawn on the generator's device (a CPU generator gives the same draws whatever the device
-        # of the logits), then moved to the logits
-        u = torch.rand((probs.shape[0], 1), generator=generator,
-                       device=generator.device if generator is not None else probs.device)
-        u = u.to(probs.device) * cdf[:, -1:]
+        u = draw(probs.shape[0]).to(probs.device) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

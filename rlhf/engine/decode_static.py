@@ -1,0 +1,199 @@
+"""The static decode step: fixed shapes, no host synchronisation (the CUDA decode loop, docs/gpu.md).
+
+The row-removing loop of ``InferenceModel._decode`` asks the host every step whether a row has
+ended, and shrinks the batch; on a GPU that synchronisation and the launches around it, not the
+bytes, set the time. Here instead:
+
+- rows are padded to a bucket (``bucket``) and every row runs every step; a finished row is masked
+  (its tokens are pad, its log-probs 0), never removed;
+- positions, the cache slot, the step counter and the draws' offset live on the device, and the
+  step writes only tensors allocated once per ``StaticDecoder`` (batch bucket, cache length,
+  sampling): the step can be captured as a CUDA graph (``rlhf/engine/graphs.py``) and replayed;
+- keys span a fixed number of slots (the filled ones rounded up to a multiple of ``SPAN_CHUNK``, the
+  rest masked): one graph per span;
+- the host asks "have all rows finished?" every ``sync_every`` steps only.
+
+Sampling draws its uniforms on the CPU generator before the loop (B·N, one stream) and each row
+takes the draw the row-removing loop would give it (the next one, in row order, among the rows still
+running): the same rollouts from the same seed on either path and any device. Greedy tokens and
+log-probs equal the row-removing loop's to fp32 rounding (GEMMs over more rows, attention over more,
+masked keys), not bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rlhf.engine.graphs import StepGraphs
+from rlhf.ops import SamplingParams, rotary_cos_sin
+from rlhf.ops.sampling import sample_drawn
+
+log = logging.getLogger("rlhf")
+
+SPAN_CHUNK = 128  # key spans are multiples of this many cache slots (one CUDA graph each)
+
+
+def bucket(rows: int) -> int:
+    """The padded batch: 1, 2, 4, then multiples of 8 (at most 7 rows of waste; few graphs)."""
+    return 1 << (rows - 1).bit_length() if rows <= 4 else -(-rows // 8) * 8
+
+
+def round_up(n: int, chunk: int) -> int:
+    return -(-n // chunk) * chunk
+
+
+@dataclass(frozen=True)
+class StaticKey:
+    """What a captured step bakes in: shapes and the sampling constants."""
+    rows: int  # the batch bucket
+    length: int  # cache slots (a multiple of the span chunk)
+    temperature: float
+    top_k: int
+    top_p: float
+    min_new_tokens: int
+    eos_id: int
+    pad_id: int
+    chunk: int  # key spans are multiples of this
+
+    @staticmethod
+    def of(rows: int, prompt_len: int, sp: SamplingParams, eos_id: int, pad_id: int,
+           chunk: int = SPAN_CHUNK) -> "StaticKey":
+        return StaticKey(bucket(rows), round_up(prompt_len + sp.max_new_tokens, chunk), sp.temperature,
+                         sp.top_k, sp.top_p, sp.min_new_tokens, eos_id, pad_id, chunk)
+
+
+class StaticDecoder:
+    """The state of the static decode loop and its step, for one ``StaticKey``; ``graphs``: replay
+    the step as CUDA graphs (else it runs eagerly). Owned by one InferenceModel (the graphs read its
+    weights by address)."""
+
+    def __init__(self, model, key: StaticKey, device: torch.device, graphs: bool = False):
+        self.key, self.device = key, device
+        self.sp = SamplingParams(temperature=key.temperature, top_k=key.top_k, top_p=key.top_p,
+                                 min_new_tokens=key.min_new_tokens)
+        R, L = key.rows, key.length
+        self.cache = torch.zeros((len(model.layers), R, L, 2 * model.hk * model.d), dtype=model.dtype, device=device)
+        self.bias = torch.full((R, L), float("-inf"), dtype=model.dtype, device=device)  # additive key mask
+        self.slots = torch.arange(L, device=device)
+        self.scaling = float(model.root["rope_scaling"])  # read once, not per call
+        # rotations of every position, looked up per step (complex, as rotary_cos_sin gives them)
+        self.rot = rotary_cos_sin(model.root["inv_freq"], self.slots[None], self.scaling, model.dtype)[0]
+        self.tok = torch.full((R,), key.pad_id, dtype=torch.long, device=device)  # the last sampled token
+        self.pos = torch.zeros((R,), dtype=torch.long, device=device)  # its position
+        self.slot = torch.zeros((1,), dtype=torch.long, device=device)  # its cache slot
+        self.t = torch.zeros((), dtype=torch.long, device=device)  # the response column sampled next
+        self.active = torch.zeros((R,), dtype=torch.bool, device=device)
+        self.offset = torch.zeros((), dtype=torch.long, device=device)  # draws used so far
+        self.draws = torch.zeros((R * L,), dtype=torch.float32, device=device)
+        self.out_tok = torch.full((R, L), key.pad_id, dtype=torch.long, device=device)
+        self.out_logp = torch.zeros((R, L), dtype=torch.float32, device=device)
+        self.graphs: Optional[StepGraphs] = StepGraphs(device) if graphs else None
+
+    def release(self) -> None:
+        """Frees the CUDA graphs and their pool (the state goes with this object)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
+    def span(self, end: int) -> int:
+        """Key slots a step attends to when slots [0, end) are filled."""
+        return min(self.key.length, round_up(end, self.key.chunk))
+
+    # ---- what a step does, on the device only ----
+    def take(self, logits: torch.Tensor) -> None:
+        """Samples column ``t`` from ``logits`` [rows, V] for the running rows; pad and 0 elsewhere."""
+        key, a = self.key, self.active
+        u = None
+        if key.temperature > 0:  # running row i takes draw offset + (running rows before i)
+            idx = (self.offset + a.long().cumsum(0) - 1).clamp_(0, self.draws.numel() - 1)
+            u = self.draws[idx][:, None]
+            self.offset += a.long().sum()
+        tok, logp = sample_drawn(logits, self.sp, u, ban=key.eos_id if key.min_new_tokens else None,
+                                 ban_now=self.t < key.min_new_tokens)
+        col = self.t.view(1)
+        self.out_tok.index_copy_(1, col, torch.where(a, tok, key.pad_id)[:, None])
+        self.out_logp.index_copy_(1, col, torch.where(a, logp, 0.0)[:, None])
+        a.logical_and_(tok != key.eos_id)
+        self.tok.copy_(tok)
+        self.t += 1
+
+    def step(self, model, span: int) -> None:
+        """One token for every row: the last sampled token at ``slot`` → the next one sampled."""
+        self.bias.index_fill_(1, self.slot, 0.0)
+        full = self.bias[:, None, None, :span]
+        masks = {window: full for window in model.windows}
+        for window in {w for w in model.windows if w}:  # keys at or before slot - window: out of the window
+            masks[window] = full.masked_fill(self.slots[:span] <= self.slot - window, float("-inf"))
+        logits = model._forward(self.tok[:, None], self.rot[self.pos][:, None], masks, 0, slot=self.slot,
+                                span=span)[:, -1]
+        self.pos += 1
+        self.slot += 1
+        self.take(logits)
+
+    def park(self) -> None:
+        """Counters at the start (a warm-up step before a capture then stays within the buffers)."""
+        self.slot.zero_()
+        self.t.zero_()
+        self.offset.zero_()
+
+    # ---- one generation ----
+    def run(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, generator,
+            sync_every: int):
+        """Tokens [B, N] and log-probs [B, N] (pad / 0 after a row's EOS) of ``ids`` [B, P] left-padded."""
+        B, P = ids.shape
+        N, R = sp.max_new_tokens, self.key.rows
+        model._kv = list(self.cache.unbind(0))
+        if self.graphs is not None:
+            spans = sorted({self.span(P + t) for t in range(1, N)})
+            try:  # before the state is set: the warm-up steps write into it
+                self.graphs.capture(lambda span: self.step(model, span), self.park, spans)
+            except RuntimeError as e:  # an op the capture refuses: the same step, eagerly
+                log.warning("CUDA graph capture failed (%s); decoding with the eager static step", e)
+                self.release()
+        self._start(model, ids, pmask, sp, generator)
+        # the prefill: the real rows only, as the row-removing loop does it
+        model._kv = list(self.cache[:, :B].unbind(0))
+        positions = (pmask.cumsum(-1) - 1).clamp(min=0)
+        plain = ids.device.type == "cuda" and not any(model.windows) and bool(pmask.all())
+        logits = model._forward(ids, self.rot[positions], None if plain else model._masks(pmask.bool(), 0, P),
+                                0, last_only=True)[:, -1]
+        model._kv = list(self.cache.unbind(0))
+        if R > B:
+            logits = torch.cat([logits, logits.new_zeros((R - B, logits.shape[-1]))])
+        self.take(logits)
+        for t in range(1, N):
+            span = self.span(P + t)
+            if self.graphs is not None:
+                self.graphs.replay(span)
+            else:
+                self.step(model, span)
+            if t % sync_every == 0 and t < N - 1 and not bool(self.active.any()):  # the one host sync
+                break
+        return self.out_tok[:B, :N].clone(), self.out_logp[:B, :N].clone()
+
+    def _start(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, generator) -> None:
+        """The state for a new generation, written in place (the graphs read these very tensors)."""
+        B, P = ids.shape
+        N = sp.max_new_tokens
+        self.cache.zero_()  # finite everywhere: a masked key's value still meets a zero weight
+        self.bias.fill_(float("-inf"))
+        self.bias[:B, :P].masked_fill_(pmask.bool(), 0.0)
+        # the row-removing loop's table for P + N positions, bit for bit
+        self.rot[:P + N].copy_(rotary_cos_sin(model.root["inv_freq"], self.slots[None, :P + N], self.scaling,
+                                              model.dtype)[0])
+        self.tok.fill_(self.key.pad_id)
+        self.pos.zero_()
+        self.pos[:B].copy_(pmask.sum(-1).clamp(min=1))  # the position after the prompt's last token
+        self.slot.fill_(P)
+        self.t.zero_()
+        self.offset.zero_()
+        self.active.zero_()
+        self.active[:B] = True
+        self.out_tok.fill_(self.key.pad_id)
+        self.out_logp.zero_()
+        if sp.temperature > 0:  # every draw the row-removing loop could take, in its order
+            dev = generator.device if generator is not None else self.device
+            self.draws[:B * N].copy_(torch.rand((B * N,), generator=generator, device=dev))
