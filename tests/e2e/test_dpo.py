@@ -83,7 +83,7 @@ def test_rerun_resumes_with_the_same_policy(dpo_run):
 def test_lora_dpo_trains_adapters_against_the_base(sft_run, tmp_path):
     """model.lora.r > 0: the reference is the policy with its adapters off (every implicit reward 0 at
     step 0), only the adapted projections move (norms equal the SFT model's in the merged export), the
-    adapter is saved in PEFT format, and the held-out pairs are learnt (measured 0.84 at r=8)."""
+    adapter is saved in PEFT format, and the held-out pairs are learnt past 0.6."""
     from safetensors.torch import load_file
     proc = run_cli(*dpo_args(tmp_path / "run", f"dpo.model_path={sft_run / 'sft' / 'model'}", "model.lora.r=8",
                              "model.lora.alpha=16", "train.save_every=0"))
