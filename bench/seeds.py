@@ -9,11 +9,12 @@ Per seed (run.seed=N, run.dir=<out>/seed<N>): SFT → reward → PPO (GAE with t
 GRPO with the rule reward from the same SFT model (<out>/seed<N>/grpo[_<label>]/ppo). Figures: sft_gold,
 sft_gold_greedy (held-out gold of the SFT policy, sampled and greedy), rm_accuracy, ppo_gold,
 ppo_gold_greedy, ppo_gain (ppo_gold − sft_gold), grpo_gold, grpo_gain, seconds (wall time of the
-seed's stages) and the seconds of each stage. A PPO or GRPO run that
-refuses the seed's reward model (ppo.min_rm_accuracy, exit 2) is reported as ``ppo_refused: 1`` and
-the bench goes on with the next stage. A stage whose output already exists in --out is not
-run again (point --out at an earlier run to add stages or GRPO variants to it). ``--set`` passes
-overrides to every stage, ``--stage-set sft:train.max_steps=500`` to one stage, ``--grpo-set`` to the GRPO run only (e.g. clip-higher, dynamic sampling);
+seed's stages) and the seconds of each stage. A PPO run that refuses the seed's reward model
+(ppo.min_rm_accuracy, exit 2) is reported as ``ppo_refused: 1`` and the bench goes on with the next
+stage. A stage whose output already exists in --out is not run again (point --out at an earlier run
+to add stages or GRPO variants to it). ``--set`` passes overrides to every stage, ``--stage-set
+sft:train.max_steps=500`` to one stage, ``--grpo-set`` to the GRPO run only (e.g. clip-higher,
+dynamic sampling);
 ``--label`` names the GRPO variant (its own run directory) and is carried by every line.
 """
 from __future__ import annotations

@@ -44,8 +44,8 @@ from rlhf.runtime import (
 log = logging.getLogger("rlhf")
 
 
-# the default ppo.min_rm_accuracy per data format (None: any other format)
-MIN_RM_ACCURACY = {"synthetic": 0.9, None: 0.55}
+# the default ppo.min_rm_accuracy: on the embedded task, and on any other data
+MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER = 0.9, 0.55
 
 
 def check_reward_model(stats: dict, rm_src, threshold, data_format) -> None:
@@ -53,7 +53,7 @@ def check_reward_model(stats: dict, rm_src, threshold, data_format) -> None:
     the policy towards its errors (on the embedded task RMs at 0.65–0.87 lowered the gold score)."""
     acc = stats.get("eval/accuracy")
     if threshold is None:
-        threshold = MIN_RM_ACCURACY.get(data_format, MIN_RM_ACCURACY[None])
+        threshold = MIN_RM_ACCURACY_EMBEDDED if data_format == "synthetic" else MIN_RM_ACCURACY_OTHER
     if acc is None or acc >= threshold:
         return
     raise ConfigError(f"reward model {rm_src}: held-out accuracy {acc:.3f} (reward_stats.json) is below "

@@ -56,7 +56,7 @@ def sample_drawn(logits: torch.Tensor, p: SamplingParams, u: Optional[torch.Tens
     return _sample(logits, p, lambda rows: u, ban, ban_now)
 
 
-def _no(x: torch.Tensor, ban: Optional[int], ban_now: Optional[torch.Tensor]) -> None:
+def _ban_column(x: torch.Tensor, ban: Optional[int], ban_now: Optional[torch.Tensor]) -> None:
     """In place: column ``ban`` of ``x`` to -inf (where ``ban_now``, when given)."""
     if ban is None:
         return
@@ -74,14 +74,14 @@ def _sample(logits: torch.Tensor, p: SamplingParams, draw, ban: Optional[int], b
         allowed = logits
         if ban is not None:
             allowed = logits.clone()
-            _no(allowed, ban, ban_now)
+            _ban_column(allowed, ban, ban_now)
         tokens = allowed.argmax(-1)
     else:
         # x / 1 == x exactly: skip the division (and copy only when the ban must write)
         scaled = logits / p.temperature if p.temperature != 1.0 else (
             logits.clone() if ban is not None and not fresh else logits)
         logp = torch.log_softmax(scaled, -1)
-        _no(scaled, ban, ban_now)  # after the log-probs; -inf / T = -inf: the same as banning before scaling
+        _ban_column(scaled, ban, ban_now)  # after the log-probs; -inf / T = -inf: the same as banning before scaling
         probs = filter_logits(scaled, p.top_k, p.top_p).softmax(-1)
         # Inverse CDF: one uniform draw per row (torch.multinomial draws far more on CPU).
         cdf = probs.cumsum(-1)

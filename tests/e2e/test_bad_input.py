@@ -9,6 +9,7 @@ good run's files must be byte-identical and the fresh directory must not exist.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,6 @@ TRUNCATED_CONFIG = '{"model_type": "llama",'
 
 def weak_reward_model(c: Ctx) -> list:
     """A run directory with the good SFT output and a reward model that ranks 0.7 of held-out pairs right."""
-    import shutil
     run = c.tmp / "weak"
     (run / "reward" / "model").mkdir(parents=True)
     (run / "sft").symlink_to(c.good / "sft")
