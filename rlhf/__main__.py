@@ -6,7 +6,7 @@ folders: every rank of a torchrun job computes the same config and only rank 0 w
 and not already under a launcher, it starts torch.distributed.run itself (docs/contract.md).
 
 Exit codes: 0 success, 2 bad configuration or input, 3 a peer rank died or stopped answering
-(rlhf/watchdog.py; the job can be rerun and resumes from its last checkpoint), anything else a bug.
+(rlhf/launcher/watchdog.py; the job can be rerun and resumes from its last checkpoint), anything else a bug.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ Config groups and keys: see README.md and rlhf/config.py."""
 
 def _fail(msg: str, code: int = 2) -> None:
     from rlhf.errors import one_line
-    from rlhf.watchdog import hold_termination, write_error_file
+    from rlhf.launcher.watchdog import hold_termination, write_error_file
     printed = int(os.environ.get("RANK", "0")) == 0  # every rank sees the same error: print it once
     hold_termination()
     if printed:
@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--cfg"]
 
     from rlhf.errors import UserError
-    from rlhf.settings import load_config
+    from rlhf.compose import compose_config
 
     try:
-        cfg, yaml_text = load_config(argv)
+        cfg, yaml_text = compose_config(argv)
     except UserError as e:
         _fail(str(e))
     if show_cfg:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     if cfg.launcher.nproc_per_node > 0 and "LOCAL_RANK" not in os.environ:
-        from rlhf.launch import self_launch
+        from rlhf.launcher.launch import self_launch
         sys.exit(self_launch(cfg, argv))
 
     import importlib
@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         stage.run(cfg)
     except UserError as e:
-        _fail(str(e), code=getattr(e, "exit_code", 2))  # rlhf.interrupt.Interrupted: 130 / 143
+        _fail(str(e), code=getattr(e, "exit_code", 2))  # rlhf.launcher.interrupt.Interrupted: 130 / 143
     except KeyboardInterrupt:
         _fail("interrupted", code=130)
     except Exception as e:
         # A peer that died or stopped answering: one clear line and exit code 3, not a traceback
-        # from deep inside FSDP (rlhf/watchdog.py). Anything else is a bug and keeps its traceback.
-        from rlhf import watchdog
+        # from deep inside FSDP (rlhf/launcher/watchdog.py). Anything else is a bug and keeps its traceback.
+        from rlhf.launcher import watchdog
         failure = watchdog.collective_failure(e, cfg.engine.timeout_s)
         if failure is None:
             raise

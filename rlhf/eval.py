@@ -3,7 +3,7 @@
     python -m rlhf.eval RUN_DIR/ppo/actor [--run-dir RUN_DIR] [key=value ...]
     python -m rlhf.eval RUN_DIR/sft/model data.path=data/gsm8k.jsonl data.format=gsm8k
 
-The held-out prompts, the decoding and the scorer are the stages' own (``rlhf.evaluation.gold_score``,
+The held-out prompts, the decoding and the scorer are the stages' own (``rlhf.runtime.evaluation.gold_score``,
 docs/contract.md): the data settings come from the Hydra overrides given here — the same ``data.*`` and
 ``eval.*`` (and ``run.seed``) the run was trained with; none = the embedded default task.
 ``--run-dir`` is the run's directory (``run.dir``). Prints one JSON object:
@@ -42,9 +42,9 @@ def main(argv=None) -> None:
         from pathlib import Path
         if args.run_dir is not None and not Path(args.run_dir).is_dir():
             raise ConfigError(f"--run-dir {args.run_dir}: no such directory")
-        from rlhf.settings import load_config
+        from rlhf.compose import compose_config
         overrides = ["stage=sft"] + ([f"run.dir={args.run_dir}"] if args.run_dir else []) + list(args.overrides)
-        cfg, _ = load_config(overrides)
+        cfg, _ = compose_config(overrides)
         result = gold_of(args.path, cfg, args.trust_remote_code)
     except UserError as e:
         print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
@@ -56,7 +56,7 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     from rlhf.data.chat import resolve_template
     from rlhf.data.pipeline import load_stage_data
     from rlhf.errors import ConfigError
-    from rlhf.evaluation import gold_prompts, gold_score
+    from rlhf.runtime.evaluation import gold_prompts, gold_score
     from rlhf.generate import load_policy
     data = load_stage_data(cfg.data, "sft", cfg.run.seed)  # the held-out records are every stage's
     if data.gold is None:

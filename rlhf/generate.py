@@ -42,7 +42,7 @@ def quiet_console() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from rlhf.logging import setup_console
+    from rlhf.rundir.log import setup_console
     setup_console(0)
     logging.getLogger("rlhf").setLevel(logging.WARNING)
     hf_logging.disable_progress_bar()

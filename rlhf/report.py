@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from rlhf.fileio import atomic_write_bytes
+from rlhf.rundir.fileio import atomic_write_bytes
 
 Series = Dict[str, Tuple[List[int], List[float]]]
 

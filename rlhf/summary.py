@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlhf.fileio import atomic_write_json
+from rlhf.rundir.fileio import atomic_write_json
 from rlhf.report import read_series, write_report
 
 KEYS = {"sft": ("eval/loss", "gold/score", "gold/score_greedy"),

@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rlhf import interrupt
+from rlhf.launcher import interrupt
 from rlhf.algorithms import ppo as A
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
@@ -28,8 +28,8 @@ from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
 from rlhf.errors import ConfigError, UserError
-from rlhf.evaluation import gold_score
-from rlhf.logging import progress
+from rlhf.runtime.evaluation import gold_score
+from rlhf.rundir.log import progress
 from rlhf.models import loading, lora
 from rlhf.models.value import ScalarHeadModel, head_module, head_name
 from rlhf.ops import SamplingParams
@@ -38,7 +38,7 @@ from rlhf.rewards import resolve
 from rlhf.rl import experience, ptx
 from rlhf.rl.ema import EMA
 from rlhf.rl.update import Diverged, ppo_update
-from rlhf.runtime import (
+from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, previous_output, resume, run_fingerprint, stage_input, start_stage)
 
 log = logging.getLogger("rlhf")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from rlhf import interrupt
+from rlhf.launcher import interrupt
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
@@ -21,10 +21,10 @@ from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError, DataError
-from rlhf.logging import progress
+from rlhf.rundir.log import progress
 from rlhf.models import loading, lora
 from rlhf.models.value import ScalarHeadModel, head_name, init_head, sequence_scores
-from rlhf.runtime import (
+from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     stage_input, start_stage)
 

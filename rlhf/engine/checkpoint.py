@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import torch
 
 from rlhf.engine.mesh import Mesh
-from rlhf.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
+from rlhf.rundir.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
 
 log = logging.getLogger("rlhf")
 STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -176,7 +176,7 @@ def init_mesh(engine: EngineConfig) -> Mesh:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=engine.timeout_s),
                                 device_id=device if use_cuda else None)
         # Lets the rank that sees a collective time out name the peer that went silent.
-        from rlhf.watchdog import start_heartbeat
+        from rlhf.launcher.watchdog import start_heartbeat
         start_heartbeat(rank, world_size)
     return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
                 device=device, backend=backend if world_size > 1 else None,
@@ -184,7 +184,7 @@ def init_mesh(engine: EngineConfig) -> Mesh:
 
 
 def shutdown(mesh: Mesh) -> None:
-    from rlhf.watchdog import stop_heartbeat
+    from rlhf.launcher.watchdog import stop_heartbeat
     stop_heartbeat()
     if mesh.distributed and dist.is_initialized():
         dist.destroy_process_group()

@@ -79,7 +79,7 @@ def _listening(port: int) -> bool:
 def test_stopped_peer_on_the_store_node_ends_every_node(tmp_path):
     """Two nodes; the worker of the node hosting the rendezvous store stops. Its agent sees a live
     worker and torch's would wait forever; the other node's launcher gives up and says so in the
-    store (rlhf.watchdog.JobWatch), and both launchers exit."""
+    store (rlhf.launcher.watchdog.JobWatch), and both launchers exit."""
     from tests.reliability.helpers import free_port
     port, run = free_port(), tmp_path / "run"
     args = [*quick_sft_args(run, steps=1000), "train.save_every=5", f"engine.timeout_s={TIMEOUT_S}",

@@ -107,7 +107,7 @@ def test_launcher_reports_the_root_cause(tmp_path, monkeypatch):
 EXIT_WITH_A_BUSY_HEARTBEAT = r"""
 import datetime, os, sys, time
 import torch.distributed as dist
-import rlhf.watchdog as W
+import rlhf.launcher.watchdog as W
 W.BEAT_S = 0.0005  # the heartbeat thread is almost always inside a store call
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=5))

@@ -2,15 +2,15 @@ import pytest
 
 from rlhf.config import Config
 from rlhf.errors import ConfigError
-from rlhf.settings import load_config
+from rlhf.compose import compose_config
 
 
 def test_defaults_compose_per_stage():
     for stage in ("sft", "reward", "ppo", "dpo"):
-        cfg, text = load_config([f"stage={stage}"])
+        cfg, text = compose_config([f"stage={stage}"])
         assert isinstance(cfg, Config) and cfg.stage == stage
         assert "run:" in text
-    cfg, _ = load_config(["stage=sft", "run.dir=x", "train.max_steps=7", "engine.zero_stage=2"])
+    cfg, _ = compose_config(["stage=sft", "run.dir=x", "train.max_steps=7", "engine.zero_stage=2"])
     assert (cfg.run.dir, cfg.train.max_steps, cfg.engine.zero_stage) == ("x", 7, 2)
 
 
@@ -28,23 +28,23 @@ def test_defaults_compose_per_stage():
 ])
 def test_bad_config_is_one_clear_error(override, fragment):
     with pytest.raises(ConfigError) as e:
-        load_config(["stage=sft", override])
+        compose_config(["stage=sft", override])
     assert fragment in str(e.value)
 
 
 def test_world_size_checks():
-    cfg, _ = load_config(["train.global_batch=10", "train.micro_batch_per_rank=3"])
+    cfg, _ = compose_config(["train.global_batch=10", "train.micro_batch_per_rank=3"])
     with pytest.raises(ConfigError, match="not divisible"):
         cfg.validate_world(2)
-    cfg, _ = load_config(["engine.inference_tp_size=2", "train.global_batch=12"])
+    cfg, _ = compose_config(["engine.inference_tp_size=2", "train.global_batch=12"])
     with pytest.raises(ConfigError, match="does not divide"):
         cfg.validate_world(3)
     cfg.validate_world(4)
 
 
 def test_self_launch_arguments():
-    from rlhf.launch import launcher_args
-    cfg, _ = load_config(["launcher.nproc_per_node=2", "launcher.nnodes=2", "launcher.node_rank=1",
+    from rlhf.launcher.launch import launcher_args
+    cfg, _ = compose_config(["launcher.nproc_per_node=2", "launcher.nnodes=2", "launcher.node_rank=1",
                           "launcher.rdzv_endpoint=127.0.0.1:29511", "launcher.max_restarts=1"])
     args = launcher_args(cfg, ["stage=sft", "run.dir=x"])
     assert args[:7] == ["--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--rdzv-backend=c10d",
@@ -60,24 +60,24 @@ def test_self_launch_arguments():
 ])
 def test_bad_dpo_config(override, fragment):
     with pytest.raises(ConfigError) as e:
-        load_config(["stage=dpo", override])
+        compose_config(["stage=dpo", override])
     assert fragment in str(e.value)
 
 
 def test_dpo_config_and_its_data_split():
     from rlhf.config import split_share_of
-    cfg, _ = load_config(["stage=dpo"])
+    cfg, _ = compose_config(["stage=dpo"])
     assert cfg.dpo.loss == "sigmoid" and cfg.dpo.label_smoothing == 0.0 and cfg.dpo.model_path is None
     with pytest.raises(ConfigError, match="applies to dpo.loss=sigmoid"):
-        load_config(["stage=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
-    load_config(["stage=dpo", "dpo.loss=ipo"])
+        compose_config(["stage=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
+    compose_config(["stage=dpo", "dpo.loss=ipo"])
     # data.split keeps three weights (sft, reward, ppo); dpo reads pairs: the reward share
     assert [split_share_of(s) for s in ("sft", "reward", "ppo", "dpo")] == [0, 1, 2, 1]
-    cfg, _ = load_config(["stage=dpo", 'data.split="2,4,4"', "data.synthetic.num_records=100"])
+    cfg, _ = compose_config(["stage=dpo", 'data.split="2,4,4"', "data.synthetic.num_records=100"])
     from rlhf.data.pipeline import load_stage_data
     dpo, reward = (load_stage_data(cfg.data, stage, 0).train for stage in ("dpo", "reward"))
     assert len(dpo) == 40 and [e.chosen for e in dpo] == [e.chosen for e in reward]
     with pytest.raises(ConfigError, match="dpo takes the reward share"):
-        load_config(["stage=dpo", 'data.split="1,1,1,1"'])
+        compose_config(["stage=dpo", 'data.split="1,1,1,1"'])
     with pytest.raises(ConfigError, match="expected sft, reward, ppo or dpo"):
-        load_config(["stage=dop"])
+        compose_config(["stage=dop"])

@@ -302,7 +302,7 @@ def test_eval_path_gives_the_held_out_set(tmp_path):
 
 def test_default_lengths_per_format(tmp_path):
     from rlhf.config import DEFAULT_LENGTHS
-    from rlhf.settings import load_config
+    from rlhf.compose import compose_config
     assert (DataConfig().resolve().max_prompt_len, DataConfig().resolve().max_response_len) == (64, 64)
     f = str(tmp_path / "x.jsonl")
     gsm = DataConfig(path=f, format="gsm8k").resolve()
@@ -310,12 +310,12 @@ def test_default_lengths_per_format(tmp_path):
     assert DataConfig(path=f, format="hh", max_response_len=77).resolve().max_response_len == 77
     blend = DataConfig(sources=[SourceConfig(path=f, format="gsm8k"), SourceConfig(path=f, format="hh")]).resolve()
     assert (blend.max_prompt_len, blend.max_response_len) == (384, 192)
-    cfg, _ = load_config([])
+    cfg, _ = compose_config([])
     assert (cfg.data.max_prompt_len, cfg.data.max_response_len, cfg.eval.max_new_tokens) == (64, 64, 16)
-    cfg, _ = load_config([f"data.path={f}", "data.format=gsm8k"])
+    cfg, _ = compose_config([f"data.path={f}", "data.format=gsm8k"])
     assert (cfg.data.max_prompt_len, cfg.data.max_response_len) == (128, 192)
     assert cfg.eval.max_new_tokens == 192  # room to reach '####'
-    cfg, _ = load_config([f"data.path={f}", "data.format=gsm8k", "eval.max_new_tokens=8"])
+    cfg, _ = compose_config([f"data.path={f}", "data.format=gsm8k", "eval.max_new_tokens=8"])
     assert cfg.eval.max_new_tokens == 8
 
 

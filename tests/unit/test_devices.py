@@ -107,11 +107,11 @@ def test_one_ppo_iteration_names_every_device(small_pipeline, tmp_path, variant)
     """SFT/reward outputs from the CLI, then PPO in this process under the guard: generation
     (sampled and greedy gold), scoring, rewards, GAE, whitening, micro-batched updates, PPO-ptx,
     the EMA actor, a checkpoint, export."""
-    from rlhf.settings import load_config
+    from rlhf.compose import compose_config
     from stages import ppo
     run = tmp_path / "run"
     shutil.copytree(small_pipeline, run)
-    cfg, _ = load_config(["stage=ppo", f"run.dir={run}", "ppo.min_rm_accuracy=0", "train.max_steps=1", "ppo.prompts_per_step=4",
+    cfg, _ = compose_config(["stage=ppo", f"run.dir={run}", "ppo.min_rm_accuracy=0", "train.max_steps=1", "ppo.prompts_per_step=4",
                           "ppo.samples_per_prompt=2", "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=2",
                           "ppo.micro_batch_per_rank=3", "ppo.reward_fn=rlhf.rewards.gold",
                           "algorithm.reward_norm=running", "logger.progress=false", "eval.gold_prompts=4",

@@ -144,12 +144,12 @@ def test_packed_bf16_linear_matches_plain_bf16():
 
 
 def test_hydra_override():
-    from rlhf.settings import load_config
-    cfg, _ = load_config(["engine.inference_dtype=bf16"])
+    from rlhf.compose import compose_config
+    cfg, _ = compose_config(["engine.inference_dtype=bf16"])
     assert cfg.engine.inference_dtype == "bf16"
-    assert load_config([])[0].engine.inference_dtype == "auto"
+    assert compose_config([])[0].engine.inference_dtype == "auto"
     with pytest.raises(ConfigError, match="engine.inference_dtype"):
-        load_config(["engine.inference_dtype=fp16"])
+        compose_config(["engine.inference_dtype=fp16"])
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

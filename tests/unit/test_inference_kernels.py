@@ -16,7 +16,7 @@ from rlhf.ops.linear import (
     pack_rows,
     prepare_weight,
 )
-from rlhf.settings import load_config
+from rlhf.compose import compose_config
 from tests.infer_helpers import Tok, mixed_prompts, tiny_model
 from tests.unit.test_inference import hybrid
 
@@ -26,7 +26,7 @@ needs_mkl = pytest.mark.skipif(not MKL, reason="torch without MKL (non-x86 build
 
 def test_config_values():
     assert EngineConfig().inference_kernels == "auto"
-    assert load_config(["engine.inference_kernels=reference"])[0].engine.inference_kernels == "reference"
+    assert compose_config(["engine.inference_kernels=reference"])[0].engine.inference_kernels == "reference"
     with pytest.raises(ConfigError, match="engine.inference_kernels"):
         EngineConfig(inference_kernels="fast")
 

@@ -16,7 +16,7 @@ from rlhf.engine.graphs import WARMUP_STEPS
 from rlhf.engine.hybrid import decode_loop
 from rlhf.errors import ConfigError
 from rlhf.ops import SamplingParams
-from rlhf.settings import load_config
+from rlhf.compose import compose_config
 from tests.device_guard import DeviceDiscipline
 from tests.infer_helpers import EOS, PAD, mixed_prompts, tiny_model
 from tests.sync_guard import HostSyncs
@@ -61,7 +61,7 @@ def assert_logprobs_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def test_config_keys_and_the_loop_each_device_gets():
     assert EngineConfig().cuda_graphs == "auto" and EngineConfig().decode_sync_every == 8
-    cfg = load_config(["engine.cuda_graphs=off", "engine.decode_sync_every=4"])[0].engine
+    cfg = compose_config(["engine.cuda_graphs=off", "engine.decode_sync_every=4"])[0].engine
     assert (cfg.cuda_graphs, cfg.decode_sync_every) == ("off", 4)
     with pytest.raises(ConfigError, match="engine.cuda_graphs"):
         EngineConfig(cuda_graphs="on")

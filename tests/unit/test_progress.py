@@ -2,7 +2,7 @@
 bar's postfix never forcing a redraw."""
 import logging
 
-from rlhf.logging import Progress
+from rlhf.rundir.log import Progress
 
 
 class Clock:

@@ -192,10 +192,10 @@ def test_loading_helpers_thread_their_parameter():
 
 def test_trust_remote_code_key_exists_and_is_off():
     from rlhf.config import ModelConfig
-    from rlhf.settings import load_config
+    from rlhf.compose import compose_config
     assert ModelConfig().trust_remote_code is False
-    assert load_config(["stage=sft"])[0].model.trust_remote_code is False
-    assert load_config(["stage=sft", "model.trust_remote_code=true"])[0].model.trust_remote_code is True
+    assert compose_config(["stage=sft"])[0].model.trust_remote_code is False
+    assert compose_config(["stage=sft", "model.trust_remote_code=true"])[0].model.trust_remote_code is True
 
 
 def test_data_cache_is_safetensors_and_json(tmp_path):

@@ -13,7 +13,7 @@ from rlhf.config import Config
 from rlhf.data.records import Example
 from rlhf.engine.mesh import Mesh, init_mesh
 from rlhf.errors import DataError
-from rlhf.logging import setup_console
+from rlhf.rundir.log import setup_console
 
 log = logging.getLogger("rlhf")
 
@@ -109,7 +109,7 @@ def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
     import json
 
     from rlhf.engine.checkpoint import STATE_FILE, load_checkpoint
-    from rlhf.logging import MetricsWriter
+    from rlhf.rundir.log import MetricsWriter
     if ckpt is not None:
         check_resumable(ctx, ckpt, json.loads((ckpt / STATE_FILE).read_text()))
     state = load_checkpoint(ckpt, engines, ctx.mesh) if ckpt is not None else {}

@@ -5,7 +5,7 @@ launcher.rdzv_endpoint=HOST:PORT launcher.max_restarts=K]``: start torch.distrib
 When workers fail and no restart is left, the launcher exits with the root cause's exit code (the
 first rank to fail: 2 for bad input, 3 for a lost or silent peer, 128+N for a worker killed by
 signal N) and makes sure the whole job ends: a short shutdown timeout turns a stopped worker into
-a killed one within seconds, and on several nodes ``rlhf.watchdog.JobWatch`` tells the other
+a killed one within seconds, and on several nodes ``rlhf.launcher.watchdog.JobWatch`` tells the other
 launchers to stop their workers too.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
-from rlhf.fileio import pid_running
+from rlhf.rundir.fileio import pid_running
 
 # Seconds the agent waits after SIGTERM before it SIGKILLs a worker. Our workers do not handle
 # SIGTERM (they die at once); only a stopped or wedged one needs the SIGKILL, and torch's 30 s
@@ -71,7 +71,7 @@ def _root_cause(failures: dict):
     timestamps in whole seconds, and ranks often fail within the same second; so first come
     the failures that are causes (an exit code of their own, then a signal from outside), then
     the consequences: a rank that lost its peer (exit 3), then the ranks the agent terminated."""
-    from rlhf.watchdog import EXIT_PEER
+    from rlhf.launcher.watchdog import EXIT_PEER
 
     def order(item):
         rank, f = item
@@ -110,14 +110,14 @@ def self_launch(cfg, overrides: List[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    from rlhf.watchdog import EXIT_PEER, HEARTBEAT_STORE_ENV, JobWatch
+    from rlhf.launcher.watchdog import EXIT_PEER, HEARTBEAT_STORE_ENV, JobWatch
     lc = cfg.launcher
     if lc.max_restarts > 0:
         # torch's agent shares one store server across rendezvous rounds and its workers use it
         # without a per-attempt prefix, so a restarted gloo group reads the dead group's addresses
         # ("connectFullMesh failed ... Connection refused"). Unshared, every attempt gets a new store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    os.environ[HEARTBEAT_STORE_ENV] = lc.rdzv_endpoint  # workers inherit it (rlhf.watchdog.Heartbeat)
+    os.environ[HEARTBEAT_STORE_ENV] = lc.rdzv_endpoint  # workers inherit it (rlhf.launcher.watchdog.Heartbeat)
     _patch_worker_close(shutdown_timeout())
     watch = JobWatch(lc.rdzv_endpoint, lc.rdzv_id).start() if lc.nnodes > 1 else None
     try:

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from rlhf.fileio import atomic_write_text
+from rlhf.rundir.fileio import atomic_write_text
 
 log = logging.getLogger("rlhf")
 

@@ -13,7 +13,7 @@ from rlhf.data.records import Example
 from rlhf.data.tokenize import encode_prompts
 from rlhf.engine.mesh import Mesh
 from rlhf.ops import SamplingParams
-from rlhf.runtime import rank_batches
+from rlhf.runtime.stage import rank_batches
 
 
 def gold_prompts(held_out: List[Example], ecfg: EvalConfig) -> List[Example]:

@@ -10,7 +10,7 @@ from rlhf.errors import ConfigError
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-def load_config(overrides: Sequence[str] = ()) -> Tuple[Config, str]:
+def compose_config(overrides: Sequence[str] = ()) -> Tuple[Config, str]:
     """Returns the validated ``Config`` and its YAML text. Raises ``ConfigError`` on any problem."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
