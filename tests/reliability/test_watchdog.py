@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from rlhf import launch, watchdog
+from rlhf.launcher import launch, watchdog
 from tests.reliability.helpers import free_port
 
 GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
