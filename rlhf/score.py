@@ -31,7 +31,7 @@ class RewardScorer:
         from transformers import AutoModelForSequenceClassification
 
         from rlhf.models.loading import build_model, load_tokenizer
-        from rlhf.models.value import ScalarHeadModel
+        from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel
         self.dir = Path(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir), trust_remote_code)
         # (a pad that load_tokenizer adds is a row of the embeddings: resized like in the stages)
@@ -40,7 +40,7 @@ class RewardScorer:
         self.model.eval()
         self.values = ScalarHeadModel(self.model)
         self.device = device
-        stats_file = self.dir / "reward_stats.json"
+        stats_file = self.dir / REWARD_STATS_FILE
         self.stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {"mean": 0.0, "std": 1.0}
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> List[List[int]]:

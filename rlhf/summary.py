@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlhf.rundir.fileio import atomic_write_json
 from rlhf.report import read_series, write_report
+from rlhf.rundir.fileio import atomic_write_json
 
 KEYS = {"sft": ("eval/loss", "gold/score", "gold/score_greedy"),
         "reward": ("eval/accuracy",),

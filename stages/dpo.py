@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from rlhf.launcher import interrupt
 from rlhf.algorithms.dpo import dpo_loss, response_mask, sequence_logprobs
 from rlhf.algorithms.logprobs import chunked_logprobs
 from rlhf.config import Config, DPOConfig
@@ -29,9 +28,10 @@ from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine, reference_for
 from rlhf.errors import ConfigError, DataError
-from rlhf.runtime.evaluation import gold_score
-from rlhf.rundir.log import progress
+from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
+from rlhf.rundir.log import progress
+from rlhf.runtime.evaluation import gold_score
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     stage_input, start_stage)

@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rlhf.launcher import interrupt
+from rlhf import seeding
 from rlhf.algorithms import ppo as A
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
@@ -28,16 +28,17 @@ from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
 from rlhf.errors import ConfigError, UserError
-from rlhf.runtime.evaluation import gold_score
-from rlhf.rundir.log import progress
+from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.models.value import ScalarHeadModel, head_module, head_name
+from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name
 from rlhf.ops import SamplingParams
 from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
 from rlhf.rl import experience, ptx
 from rlhf.rl.ema import EMA
 from rlhf.rl.update import Diverged, ppo_update
+from rlhf.rundir.log import progress
+from rlhf.runtime.evaluation import gold_score
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, previous_output, resume, run_fingerprint, stage_input, start_stage)
 
@@ -84,8 +85,8 @@ def run(cfg: Config) -> None:
                                   max_new_tokens=p.max_new_tokens)["prompt"]
     ptx_data = ptx.load_data(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None
     stats = {"mean": 0.0, "std": 1.0}
-    if rm_src is not None and (rm_src / "reward_stats.json").is_file():
-        stats = json.loads((rm_src / "reward_stats.json").read_text())
+    if rm_src is not None and (rm_src / REWARD_STATS_FILE).is_file():
+        stats = json.loads((rm_src / REWARD_STATS_FILE).read_text())
     if p.use_reward_model:
         check_reward_model(stats, rm_src, p.min_rm_accuracy, cfg.data.source_list()[0].format)
 
@@ -160,7 +161,8 @@ def run(cfg: Config) -> None:
         t0 = time.perf_counter()
         idx = batches.global_indices(step)[mesh.rank::mesh.world_size]
         sp = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, max_new_tokens=p.max_new_tokens,
-                            min_new_tokens=p.min_new_tokens, n=group, seed=cfg.run.seed * 7919 + step)
+                            min_new_tokens=p.min_new_tokens, n=group,
+                            seed=seeding.nested(cfg.run.seed, step, seeding.ROLLOUT))
         exp = experience.collect(hybrid, actor, scorers, [prompt_ids[i] for i in idx], [data.train[i] for i in idx],
                                  sp, alg, p, kl_ctl.beta, tokenizer, mesh, more=lambda r: extra_prompts(step, r))
         t1 = time.perf_counter()
@@ -168,7 +170,8 @@ def run(cfg: Config) -> None:
         # ---- updates: PPO epochs over minibatches in training mode ----
         ptx_term = (lambda update, rows: ptx.loss(actor, ptx_data, update, rows, cfg.run.seed, tokenizer, mesh)
                     ) if ptx_data is not None else None
-        shuffle = torch.Generator(device="cpu").manual_seed(cfg.run.seed + 31 * step)  # minibatch order
+        minibatch_order = seeding.offset(cfg.run.seed, step, seeding.MINIBATCH)
+        shuffle = torch.Generator(device="cpu").manual_seed(minibatch_order)
         try:
             train_stats, skipped = ppo_update(
                 exp, actor, critic, alg, p, kl_ctl.beta, shuffle, mesh, ptx_loss=ptx_term,

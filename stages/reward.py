@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 
-from rlhf.launcher import interrupt
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
@@ -21,15 +20,15 @@ from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError, DataError
-from rlhf.rundir.log import progress
+from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.models.value import ScalarHeadModel, head_name, init_head, sequence_scores
+from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, sequence_scores
+from rlhf.rundir.log import progress
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
-STATS_FILE = "reward_stats.json"
 
 
 def run(cfg: Config) -> None:
@@ -127,7 +126,7 @@ def run(cfg: Config) -> None:
     res = evaluate(t.max_steps)
     stats = {"mean": res["scores/mean"], "std": res["scores/std"], "step": t.max_steps,
              **{k: v for k, v in res.items() if k.startswith("eval/")}}
-    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={STATS_FILE: stats},
+    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={REWARD_STATS_FILE: stats},
               adapter_dir=ctx.out / "adapter")
     metrics.close()
     log.info("reward done: %s (eval/accuracy=%.4f)", ctx.out / "model", res["eval/accuracy"])

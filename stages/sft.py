@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 
-from rlhf.launcher import interrupt
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.chat import resolve_template
@@ -22,9 +21,10 @@ from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
-from rlhf.runtime.evaluation import gold_score
-from rlhf.rundir.log import progress
+from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
+from rlhf.rundir.log import progress
+from rlhf.runtime.evaluation import gold_score
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     start_stage, text_corpus)

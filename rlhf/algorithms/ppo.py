@@ -12,6 +12,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from rlhf.algorithms.masks import last_index
+
 Tensor = torch.Tensor
 
 
@@ -59,19 +61,13 @@ def kl_kind(alg) -> str:
     return alg.kl_estimator or ("k3" if alg.estimator == "grpo" else "k1")
 
 
-def last_token_index(mask: Tensor) -> Tensor:
-    """Index of the last response token of each row (0 for an empty row)."""
-    t = torch.arange(mask.shape[1], device=mask.device)
-    return (t[None, :] * mask.long()).argmax(-1)
-
-
 def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float, clip: Optional[float] = None) -> Tensor:
     """Per-token reward −β·KL_t, plus the (clipped) sequence score at the last response token
     (DeepSpeed-Chat's compute_rewards)."""
     if clip is not None:
         scores = scores.clamp(-clip, clip)
     rewards = -beta * kl * mask
-    idx = last_token_index(mask)
+    idx = last_index(mask)
     return rewards.scatter_add(1, idx[:, None], scores[:, None].to(rewards.dtype))
 
 

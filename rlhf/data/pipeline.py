@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
+from rlhf import seeding
 from rlhf.config import DataConfig, SourceConfig, parse_split, split_share_of
 from rlhf.data import synthetic
 from rlhf.data.gold import scorer_for
@@ -72,7 +73,7 @@ def load_eval(dcfg: DataConfig, seed: int) -> Tuple[List[Example], int]:
     """data.eval_path's held-out records: a seeded sample of at most data.eval_size."""
     src = dcfg.eval_source()
     records, skipped = _read(src, dcfg, key="data.eval_path", split_key="data.eval_hf_split")
-    random.Random(seed + 104729).shuffle(records)
+    random.Random(seeding.offset(seed, 1, seeding.HELD_OUT)).shuffle(records)
     return records[:dcfg.eval_size], skipped
 
 
@@ -99,7 +100,7 @@ def load_stage_data(dcfg: DataConfig, stage: str, seed: int) -> StageData:
     sources = dcfg.source_list()
     trains, evals, skipped = [], [], 0
     for i, src in enumerate(sources):
-        tr, ev, sk = _load_source(src, dcfg, seed + 7919 * i, stage)
+        tr, ev, sk = _load_source(src, dcfg, seeding.offset(seed, i, seeding.SOURCE), stage)
         trains.append(tr)
         evals.extend(ev)
         skipped += sk

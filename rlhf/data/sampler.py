@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from typing import Dict, List
 
+from rlhf import seeding
+
 
 class GlobalBatches:
     def __init__(self, n: int, global_batch: int, seed: int):
@@ -14,7 +16,7 @@ class GlobalBatches:
     def _perm(self, epoch: int) -> List[int]:
         if epoch not in self._perms:
             p = list(range(self.n))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(p)
+            random.Random(seeding.nested(self.seed, epoch, seeding.EPOCH)).shuffle(p)
             self._perms = {epoch: p}  # keep one epoch in memory
         return self._perms[epoch]
 

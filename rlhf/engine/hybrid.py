@@ -15,13 +15,14 @@ from typing import List, Optional
 
 import torch
 
+from rlhf import seeding
 from rlhf.config import EngineConfig
 from rlhf.engine.infer import Generation, InferenceModel, finish, left_pad
 from rlhf.engine.mesh import precision_of
 from rlhf.engine.train import TrainEngine
+from rlhf.errors import ConfigError
 from rlhf.models.blocks import decoder_layers
 from rlhf.models.lora import unwrap
-from rlhf.errors import ConfigError
 from rlhf.models.policies import policy_for
 from rlhf.ops import SamplingParams
 
@@ -101,7 +102,7 @@ class HybridEngine:
         model = self._model if reuse else self.build_inference_model()
         t1 = time.perf_counter()
         # a CPU generator whatever the device: the same draws on every device (sampling moves them)
-        gen = torch.Generator(device="cpu").manual_seed(sp.seed + 1_000_003 * self.mesh.tp_index)
+        gen = torch.Generator(device="cpu").manual_seed(seeding.offset(sp.seed, self.mesh.tp_index, seeding.RANK))
         out = model.generate([p for ps in per_rank for p in ps], sp, eos_id=self.eos_id, pad_id=self.pad_id,
                              generator=gen, device=self.mesh.device)
         t2 = time.perf_counter()
@@ -131,7 +132,7 @@ class HybridEngine:
             kwargs["temperature"] = sp.temperature
         device = self.mesh.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(sp.seed + 1_000_003 * self.mesh.rank)
+            torch.manual_seed(seeding.offset(sp.seed, self.mesh.rank, seeding.RANK))
             out = self.engine.module.generate(input_ids=ids, attention_mask=mask, **kwargs)
         tokens = out.sequences[:, ids.shape[1]:]
         n = sp.max_new_tokens

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from rlhf.algorithms.logprobs import chunked_logprobs
-from rlhf.models.value import position_ids
+from rlhf.algorithms.masks import position_ids
 
 
 def keeps_logits(module) -> bool:
@@ -31,7 +31,7 @@ def response_stats(forward, sequences: torch.Tensor, attention_mask: torch.Tenso
     extra = {"logits_to_keep": n + 1} if keep_logits else {}
     logits = forward(input_ids=sequences, attention_mask=attention_mask,
                      position_ids=position_ids(attention_mask), **extra).logits
-    t = temperature if temperature > 0 else 1.0
+    t = temperature if temperature > 0 else 1.0  # greedy rollouts (temperature 0) score at 1: decided here only
     return chunked_logprobs(logits[:, -(n + 1):-1], sequences[:, prompt_len:], t, entropy=entropy)
 
 

@@ -12,10 +12,13 @@ import math
 import torch
 from torch import nn
 
+from rlhf.algorithms.masks import last_index, position_ids
 from rlhf.models.lora import unwrap
 
 
 HEAD_NAMES = ("score", "classifier", "v_head")
+# beside an exported reward model: {mean, std, step, eval/*} of its held-out scores (PPO normalises by them)
+REWARD_STATS_FILE = "reward_stats.json"
 
 
 def head_name(model: nn.Module) -> str:
@@ -58,16 +61,6 @@ class ScalarHeadModel(nn.Module):
         # sum over the size-1 head dimension: the same numbers as squeeze(-1), but a new tensor, not a
         # view (FSDP2 warns that a module returning a view can break backward)
         return head_module(hf)(hidden).sum(-1).float()
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def last_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last non-pad token of each row (works for left and right padding)."""
-    t = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (t[None, :] * attention_mask.long()).argmax(-1)
 
 
 def sequence_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

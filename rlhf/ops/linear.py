@@ -40,13 +40,12 @@ def can_pack_rows(dtype: torch.dtype, device) -> bool:
                          and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
 
 
-def prepare_weight(w: torch.Tensor, packed: bool, batch_hint: Optional[int] = None,
-                   for_rows: bool = False) -> torch.Tensor:
+def prepare_weight(w: torch.Tensor, packed: bool, for_rows: bool = False) -> torch.Tensor:
     """``w`` [out, in] (a Linear's weight) → the operand ``linear`` takes. ``for_rows``: Wᵀ as a view
     of W, which stays contiguous — ``pack_rows`` packs it without a transpose (5-10x faster), and a
     GEMM with many rows (a prefill) takes the transposed view as fast as a copy."""
     if packed:
-        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
     if for_rows:
         return w.contiguous().t()
     return w.t().contiguous()

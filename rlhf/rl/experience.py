@@ -10,9 +10,10 @@ from typing import Callable, List, Optional
 
 import torch
 
+from rlhf import seeding
 from rlhf.algorithms import ppo as A
-from rlhf.engine.logprobs import keeps_logits, response_logprobs
 from rlhf.engine.infer import Generation
+from rlhf.engine.logprobs import keeps_logits, response_logprobs
 from rlhf.models.lora import unwrap
 from rlhf.models.value import sequence_scores
 from rlhf.ops import SamplingParams
@@ -202,7 +203,7 @@ def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples:
     micro_batch = ppo.micro_batch_per_rank
 
     def make_rollouts(p, e, round_=0):  # each extra round samples with a seed of its own
-        sp_r = replace(sp, seed=sp.seed + 104_729 * round_) if round_ else sp
+        sp_r = replace(sp, seed=seeding.offset(sp.seed, round_, seeding.REFILL)) if round_ else sp
         return rollout(hybrid, scorers, p, e, sp_r, alg, ppo, micro_batch, tokenizer, mesh, timings)
 
     t0 = time.perf_counter()
@@ -214,13 +215,12 @@ def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples:
     gen = ro.gen
     seq, att, P = gen.sequences, gen.attention_mask, gen.prompt_len
     mask = gen.response_mask.float()
-    temp = sp.temperature if sp.temperature > 0 else 1.0  # log-probs of greedy rollouts: temperature 1
     rows, n_resp = seq.shape[0], seq.shape[1] - P
     keep = keeps_logits(unwrap(actor.module))
     micro = micro_rows(actor, rows, (n_resp + 1) if keep else seq.shape[1], micro_batch)
 
     def logprobs(model):
-        return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], P, temp, keep_logits=keep),
+        return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], P, sp.temperature, keep_logits=keep),
                                 rows, micro)
 
     old_logp = logprobs(actor)

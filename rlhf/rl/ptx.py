@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf import seeding
 from rlhf.algorithms.logprobs import shifted_nll_sum
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
@@ -28,7 +29,8 @@ def load_data(cfg, tokenizer, ctx):
 def loss(actor, cols, update: int, batch: int, seed: int, tokenizer, mesh) -> torch.Tensor:
     """The SFT loss on this update's global batch of SFT records (token-weighted over all ranks,
     scaled for the data-parallel average)."""
-    ix = GlobalBatches(len(cols["ids"]), batch, seed + 17).global_indices(update)[mesh.rank::mesh.world_size]
+    batches = GlobalBatches(len(cols["ids"]), batch, seeding.offset(seed, 1, seeding.PTX))
+    ix = batches.global_indices(update)[mesh.rank::mesh.world_size]
     b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], tokenizer.pad_token_id, True,
                     [cols["mask"][i] for i in ix] if "mask" in cols else None)
     n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))

@@ -50,7 +50,6 @@ def ppo_update(exp: Experience, actor, critic, alg, ppo, kl_beta: float, generat
     stats = Stats()
     ids = global_rows(exp.rows, exp.group_size, mesh.rank, mesh.world_size)
     total_rows = exp.rows * mesh.world_size
-    temp = ppo.temperature if ppo.temperature > 0 else 1.0
     # Training forwards compute the logits of every position: asking for the response positions only
     # (logits_to_keep) gives the same forward but sums the LM head's weight gradient in another
     # order, and fixed-seed numbers are a contract.
@@ -63,7 +62,7 @@ def ppo_update(exp: Experience, actor, critic, alg, ppo, kl_beta: float, generat
             parts = [(r, mb.weight) if len(r) else (mb.rows[:1], 0.0) for r in micro_batches(mb.rows, micro, mb.most)]
             normalizer, token_normalizer = _normalizer(exp, mb, alg, ppo, mesh)
             ptx = (lambda u=update, n=mb.global_size: ptx_loss(u, n)) if ptx_loss else None
-            ok = _actor_step(exp, actor, parts, normalizer, alg, kl_beta, temp, keep, stats, mesh, ptx)
+            ok = _actor_step(exp, actor, parts, normalizer, alg, kl_beta, ppo.temperature, keep, stats, mesh, ptx)
             update += 1
             skipped_in_a_row = 0 if ok else skipped_in_a_row + 1
             if not ok:

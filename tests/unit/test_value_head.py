@@ -4,7 +4,8 @@ import math
 import torch
 
 from rlhf.algorithms.losses import pairwise_loss
-from rlhf.models.value import ScalarHeadModel, init_head, last_index, sequence_scores
+from rlhf.algorithms.masks import last_index
+from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
 
 
 def tiny_rm():
@@ -39,8 +40,8 @@ def test_scores_do_not_depend_on_padding():
 
 
 def test_last_index_left_and_right():
-    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1]])
-    assert last_index(mask).tolist() == [1, 3, 3]
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert last_index(mask).tolist() == [1, 3, 3, 0]  # an empty row (a response of no token): 0
 
 
 def test_head_init_statistics():
