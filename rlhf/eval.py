@@ -3,7 +3,7 @@
     python -m rlhf.eval RUN_DIR/ppo/actor [--run-dir RUN_DIR] [key=value ...]
     python -m rlhf.eval RUN_DIR/sft/model data.path=data/gsm8k.jsonl data.format=gsm8k
 
-The held-out prompts, the decoding and the scorer are the stages' own (``rlhf.runtime.evaluation.gold_score``,
+The held-out prompts, the decoding and the scorer are the stages' own (``rlhf.runtime.evaluation.evaluate_gold``,
 docs/contract.md): the data settings come from the Hydra overrides given here — the same ``data.*`` and
 ``eval.*`` (and ``run.seed``) the run was trained with; none = the embedded default task.
 ``--run-dir`` is the run's directory (``run.dir``). Prints one JSON object:
@@ -56,7 +56,7 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     from rlhf.data.chat import resolve_template
     from rlhf.data.pipeline import load_stage_data
     from rlhf.errors import ConfigError
-    from rlhf.runtime.evaluation import gold_prompts, gold_score
+    from rlhf.runtime.evaluation import gold_prompts, evaluate_gold
     from rlhf.generate import load_policy
     data = load_stage_data(cfg.data, "sft", cfg.run.seed)  # the held-out records are every stage's
     if data.gold is None:
@@ -66,7 +66,7 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
         raise ConfigError(f"data ({data.description}): no held-out records with a reference answer")
     hybrid, tokenizer, mesh = load_policy(path, trust_remote_code=trust_remote_code, ecfg=cfg.engine)
     chat = resolve_template(tokenizer, cfg.data.chat_template)
-    res = gold_score(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat)
+    res = evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat)
     return {"model": str(path), **res, "prompts": len(gold_prompts(data.eval, cfg.eval)),
             "samples": cfg.eval.gold_samples, "max_new_tokens": cfg.eval.max_new_tokens,
             "temperature": cfg.eval.temperature, "data": data.description}

@@ -192,7 +192,7 @@ def _chat_loop(hybrid, tokenizer, template, sp, args) -> None:
             continue
         history.append({"role": "user", "content": text})
         ids = encode_prompts([as_example(history, args.system)], tokenizer, template)
-        (reply, _, _), = generate(hybrid, tokenizer, ids, replace(sp, n=1, seed=sp.seed + turn))
+        (reply, _, _), = generate(hybrid, tokenizer, ids, replace(sp, samples_per_prompt=1, seed=sp.seed + turn))
         turn += 1
         history.append({"role": "assistant", "content": reply.strip()})
         print(reply.strip(), flush=True)
@@ -241,7 +241,7 @@ def main(argv=None) -> None:
         template = resolve_template(tokenizer, args.chat_template, key="--chat-template")
         from rlhf.ops import SamplingParams
         sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, n=args.n, seed=args.seed)
+                            max_new_tokens=args.max_new_tokens, samples_per_prompt=args.n, seed=args.seed)
         if args.chat:
             _chat_loop(hybrid, tokenizer, template, sp, args)
             return

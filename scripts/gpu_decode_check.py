@@ -97,7 +97,7 @@ def main() -> int:
     ok &= report("greedy_logprob_gap", gap <= 1e-5, value=gap)
     ok &= report("greedy_eq_hf_generate", torch.equal(out["auto"].responses, hf.to(device)))
 
-    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=4, n=2, seed=3)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=4, samples_per_prompt=2, seed=3)
     out = {k: hy.generate(prompts, sampled) for k, hy in engines.items()}
     same = (out["auto"].sequences == out["off"].sequences).all(1).float().mean().item()
     ok &= report("sampled_same_rollouts", same >= 0.9, share_of_equal_rows=same)

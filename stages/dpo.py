@@ -31,7 +31,7 @@ from rlhf.errors import ConfigError, DataError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.rundir.log import progress
-from rlhf.runtime.evaluation import gold_score
+from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     stage_input, start_stage)
@@ -41,26 +41,26 @@ log = logging.getLogger("rlhf")
 
 def run(cfg: Config) -> None:
     ctx = start_stage(cfg, "dpo")
-    mesh, t, d = ctx.mesh, cfg.train, cfg.data
+    mesh, train, data_cfg = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
 
     # ---- setup: everything is validated before anything is written ----
     source = stage_input(cfg, cfg.dpo.model_path, "dpo.model_path", "dpo")
     loading.check_model_path(source)
-    data = load_stage_data(d, "dpo", cfg.run.seed)
+    data = load_stage_data(data_cfg, "dpo", cfg.run.seed)
     for e in data.train[:1] + data.eval[:1]:
         if e.chosen is None or e.rejected is None:
-            raise ConfigError(f"data.format={d.format} has no preference pairs (stage=dpo needs pairs: use "
+            raise ConfigError(f"data.format={data_cfg.format} has no preference pairs (stage=dpo needs pairs: use "
                               f"prompt_chosen_rejected, hh, messages with chosen/rejected, or synthetic)")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
-    chat = resolve_template(tokenizer, d.chat_template)
-    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len, chat=chat)
+    chat = resolve_template(tokenizer, data_cfg.chat_template)
+    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
     # the reward stage's cache kinds: the same pairs tokenize once for both stages
     train_cols = cached("pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh,
                         lambda: tokenize_pairs(data.train, tokenizer, **lens))
     eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
                        lambda: tokenize_pairs(data.eval, tokenizer, **lens))
-    require_batches(len(train_cols["chosen"]), t.global_batch, f"data ({data.description})")
+    require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
@@ -69,7 +69,7 @@ def run(cfg: Config) -> None:
 
     # model.lora.r > 0: adapters on the policy, whose base (adapters off) is the reference; else the
     # reference is a second copy of the starting weights
-    engine = TrainEngine(lora.adapt(build(), cfg.model.lora, cfg.run.seed, what="policy"), mesh, cfg.engine, t)
+    engine = TrainEngine(lora.adapt(build(), cfg.model.lora, cfg.run.seed, what="policy"), mesh, cfg.engine, train)
     reference = reference_for(engine, build, mesh, cfg.engine)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
     ckpt = checkpoint_to_resume(ctx)
@@ -77,46 +77,46 @@ def run(cfg: Config) -> None:
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(engine.module.config, tokenizer, data.description, cfg))
     start, _, metrics = resume(ctx, {"policy": engine}, ckpt)
 
-    micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
-    batches = GlobalBatches(len(train_cols["chosen"]), t.global_batch, cfg.run.seed)
+    micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
+    batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
     pad = tokenizer.pad_token_id
 
     def evaluate(step):
         results = evaluate_pairs(engine, reference, eval_cols, pad, micro, mesh, cfg.dpo)
         if data.gold is not None:
-            results.update(gold_score(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
+            results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
         metrics.log(step, **results)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
         return results
 
     def checkpoint(step):
         return save_checkpoint(ctx.ckpt_dir, step, {"policy": engine},
-                               {"stage": "dpo", "fingerprint": ctx.fingerprint}, mesh, keep=t.keep_checkpoints)
+                               {"stage": "dpo", "fingerprint": ctx.fingerprint}, mesh, keep=train.keep_checkpoints)
 
     # ---- loop ----
     log.info("dpo (%s, beta=%g, label_smoothing=%g, sft_coef=%g): %d pairs (%s) from %s, %d steps of %d pairs",
              cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.sft_coef, len(train_cols["chosen"]),
-             data.description, source, t.max_steps, t.global_batch)
+             data.description, source, train.max_steps, train.global_batch)
     if start == 0:  # the starting policy's numbers (rewards 0 by definition; its gold score)
         evaluate(0)
     engine.train()
-    bar = progress(t.max_steps, start, cfg.logger.progress, "dpo", mesh.is_main)
+    bar = progress(train.max_steps, start, cfg.logger.progress, "dpo", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
-    for step in range(start, t.max_steps):
+    for step in range(start, train.max_steps):
         mbs = [collate(train_cols, ix, pad) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
         lr = engine.lr
         stats, grad_norm = train_step(engine, reference, mbs, cfg.dpo)
-        seen += t.global_batch
+        seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{stats['loss']:.3f}", acc=f"{stats['rewards/accuracy']:.2f}")
-        if done % t.log_every == 0 or step == start or done == t.max_steps:
+        if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, **stats, lr=lr, grad_norm=grad_norm,
                         samples_per_s=seen / max(time.perf_counter() - t0, 1e-9), epoch=batches.epoch_of(done))
-        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+        if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
             evaluate(done)
             engine.train()
-        saved = t.save_every and done % t.save_every == 0
+        saved = train.save_every and done % train.save_every == 0
         if saved:
             checkpoint(done)
         interrupt.stop_here(stop, mesh, done, lambda s: None if saved else checkpoint(s))
@@ -124,9 +124,9 @@ def run(cfg: Config) -> None:
     stop.close()
 
     # ---- save ----
-    results = evaluate(t.max_steps)
+    results = evaluate(train.max_steps)
     export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
-              extra_files={"rlhf_eval.json": {"step": t.max_steps, **results}}, adapter_dir=ctx.out / "adapter")
+              extra_files={"rlhf_eval.json": {"step": train.max_steps, **results}}, adapter_dir=ctx.out / "adapter")
     metrics.close()
     log.info("dpo done: %s (eval/rewards/accuracy=%.4f)", ctx.out / "model", results["eval/rewards/accuracy"])
     shutdown(mesh)
@@ -146,8 +146,8 @@ def pair_logprobs(forward, batch, device):
     logits = forward(input_ids=ids, attention_mask=mask).logits
     token_lp, _ = chunked_logprobs(logits[:, :-1], ids[:, 1:])
     seq = sequence_logprobs(token_lp, response_mask(mask, batch["prompt_len"].to(device)))
-    n = ids.shape[0] // 2
-    return seq[:n], seq[n:]
+    pairs = ids.shape[0] // 2
+    return seq[:pairs], seq[pairs:]
 
 
 def train_step(engine, reference, micro_batches, dcfg: DPOConfig) -> tuple[dict, float]:
@@ -179,8 +179,8 @@ def loss_of(pol_c, pol_r, ref_c, ref_r, batch, dcfg: DPOConfig):
 
 def chosen_tokens(batch) -> torch.Tensor:
     """[n] response tokens (EOS included) of each chosen sequence of a ``collate`` batch."""
-    n = batch["input_ids"].shape[0] // 2
-    return response_mask(batch["attention_mask"][:n], batch["prompt_len"][:n]).sum(-1)
+    pairs = batch["input_ids"].shape[0] // 2
+    return response_mask(batch["attention_mask"][:pairs], batch["prompt_len"][:pairs]).sum(-1)
 
 
 # what train_step and evaluate_pairs average over pairs (metrics keys; evaluation prefixes eval/)

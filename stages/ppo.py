@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlhf import seeding
-from rlhf.algorithms import ppo as A
+from rlhf.algorithms import ppo as ppo_math
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
@@ -38,7 +38,7 @@ from rlhf.rl import experience, ptx
 from rlhf.rl.ema import EMA
 from rlhf.rl.update import Diverged, ppo_update
 from rlhf.rundir.log import progress
-from rlhf.runtime.evaluation import gold_score
+from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, previous_output, resume, run_fingerprint, stage_input, start_stage)
 
@@ -64,42 +64,42 @@ def check_reward_model(stats: dict, rm_src, threshold, data_format) -> None:
 
 def run(cfg: Config) -> None:
     ctx = start_stage(cfg, "ppo")
-    mesh, t, p, alg = ctx.mesh, cfg.train, cfg.ppo, cfg.algorithm
+    mesh, train, ppo, alg = ctx.mesh, cfg.train, cfg.ppo, cfg.algorithm
     check_writable(cfg.run.dir)
 
     # ---- setup: everything is validated before anything is written ----
     actor_src, rm_src = inputs(cfg)
-    rule = resolve(p.reward_fn) if p.reward_fn else None
+    rule = resolve(ppo.reward_fn) if ppo.reward_fn else None
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
-        check_reward_fn(rule, p.reward_fn, data.train[0], cfg.data.source_list()[0].format)
-    if len(data.train) < p.prompts_per_step:
+        check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)
+    if len(data.train) < ppo.prompts_per_step:
         raise UserError(f"data ({data.description}): {len(data.train)} prompts, fewer than one step "
-                        f"(ppo.prompts_per_step={p.prompts_per_step})")
-    if p.prompts_per_step % mesh.world_size:
-        raise ConfigError(f"ppo.prompts_per_step={p.prompts_per_step} is not divisible by the world size "
+                        f"(ppo.prompts_per_step={ppo.prompts_per_step})")
+    if ppo.prompts_per_step % mesh.world_size:
+        raise ConfigError(f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world size "
                           f"{mesh.world_size}")
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, cfg.data.chat_template)  # as in SFT: prompts through the chat template
     prompt_ids = tokenize_prompts(data.train, tokenizer, cfg.data.max_prompt_len, chat,
-                                  max_new_tokens=p.max_new_tokens)["prompt"]
+                                  max_new_tokens=ppo.max_new_tokens)["prompt"]
     ptx_data = ptx.load_data(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None
     stats = {"mean": 0.0, "std": 1.0}
     if rm_src is not None and (rm_src / REWARD_STATS_FILE).is_file():
         stats = json.loads((rm_src / REWARD_STATS_FILE).read_text())
-    if p.use_reward_model:
-        check_reward_model(stats, rm_src, p.min_rm_accuracy, cfg.data.source_list()[0].format)
+    if ppo.use_reward_model:
+        check_reward_model(stats, rm_src, ppo.min_rm_accuracy, cfg.data.source_list()[0].format)
 
-    updates_per_step = p.ppo_epochs * p.minibatches_per_epoch
-    total_updates = t.max_steps * updates_per_step
+    updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
+    total_updates = train.max_steps * updates_per_step
     lcfg = cfg.model.lora  # model.lora.r > 0: adapters on the actor (and the critic with model.lora.critic)
     actor_model = lora.adapt(loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code), lcfg, cfg.run.seed, what="actor")
-    actor = TrainEngine(actor_model, mesh, cfg.engine, t, total_steps=total_updates)
+    actor = TrainEngine(actor_model, mesh, cfg.engine, train, total_steps=total_updates)
     hybrid = HybridEngine(actor, tokenizer, cfg.engine)
     # The critic starts as the reward model, rescaled to the normalised rewards it will predict.
     critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" else 1.0
     critic = (TrainEngine(scalar_model(cfg, rm_src, mesh, tokenizer, critic_scale, lcfg if lcfg.critic else None),
-                          mesh, cfg.engine, t, total_steps=total_updates, lr=p.critic_lr)
+                          mesh, cfg.engine, train, total_steps=total_updates, lr=ppo.critic_lr)
               if alg.estimator == "gae" else None)
     # the reference: the actor with its adapters off under LoRA, else a second copy of the SFT model;
     # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
@@ -108,11 +108,11 @@ def run(cfg: Config) -> None:
     scorers = experience.Scorers(
         ref=ref,
         critic=critic,
-        reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, cfg.engine) if p.use_reward_model else None,
-        reward_stats=stats, running=A.RunningMoments(), rule=rule, rule_weight=p.reward_fn_weight,
+        reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, cfg.engine) if ppo.use_reward_model else None,
+        reward_stats=stats, running=ppo_math.RunningMoments(), rule=rule, rule_weight=ppo.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format, gold=data.gold)
-    ema = EMA(actor, p.ema_decay) if p.ema_decay else None
-    kl_ctl = A.AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
+    ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
+    kl_ctl = ppo_math.AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
 
     ckpt = checkpoint_to_resume(ctx)
@@ -124,47 +124,48 @@ def run(cfg: Config) -> None:
         scorers.running.load_state_dict(state["running"])
         if ema is not None:
             ema.load(ckpt)
-    batches = GlobalBatches(len(prompt_ids), p.prompts_per_step, cfg.run.seed)
-    group = p.samples_per_prompt
-    extra = GlobalBatches(len(prompt_ids), p.prompts_per_step, cfg.run.seed + 1)  # dynamic sampling's refills
+    batches = GlobalBatches(len(prompt_ids), ppo.prompts_per_step, cfg.run.seed)
+    extra = GlobalBatches(len(prompt_ids), ppo.prompts_per_step, cfg.run.seed + 1)  # dynamic sampling's refills
 
     def extra_prompts(step, round_):
-        ix = extra.global_indices(step * p.dynamic_sampling_max_rounds + round_ - 1)[mesh.rank::mesh.world_size]
+        ix = extra.global_indices(step * ppo.dynamic_sampling_max_rounds + round_ - 1)[mesh.rank::mesh.world_size]
         return [prompt_ids[i] for i in ix], [data.train[i] for i in ix]
 
     def evaluate(step):
         if data.gold is None:
             return
-        res = gold_score(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat)
+        res = evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat)
         metrics.log(step, **res)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items()))
 
     log.info("ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d minibatches",
-             alg.estimator, len(prompt_ids), data.description, t.max_steps, p.prompts_per_step, group,
-             p.ppo_epochs, p.minibatches_per_epoch)
+             alg.estimator, len(prompt_ids), data.description, train.max_steps, ppo.prompts_per_step,
+             ppo.samples_per_prompt,
+             ppo.ppo_epochs, ppo.minibatches_per_epoch)
     if start == 0:
         evaluate(0)
     def checkpoint(step):
         path = save_checkpoint(ctx.ckpt_dir, step, engines, {"stage": "ppo", "fingerprint": ctx.fingerprint,
                                                              "kl": kl_ctl.state_dict(),
                                                              "running": scorers.running.state_dict()},
-                               mesh, keep=t.keep_checkpoints)
+                               mesh, keep=train.keep_checkpoints)
         if ema is not None:
             ema.save(path)
         return path
 
     skipped = 0
-    bar = progress(t.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
+    bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
-    for step in range(start, t.max_steps):
+    for step in range(start, train.max_steps):
         # ---- experience: generate in inference mode, then score in training mode ----
         t0 = time.perf_counter()
         idx = batches.global_indices(step)[mesh.rank::mesh.world_size]
-        sp = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, max_new_tokens=p.max_new_tokens,
-                            min_new_tokens=p.min_new_tokens, n=group,
+        sp = SamplingParams(temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p,
+                            max_new_tokens=ppo.max_new_tokens, min_new_tokens=ppo.min_new_tokens,
+                            samples_per_prompt=ppo.samples_per_prompt,
                             seed=seeding.nested(cfg.run.seed, step, seeding.ROLLOUT))
         exp = experience.collect(hybrid, actor, scorers, [prompt_ids[i] for i in idx], [data.train[i] for i in idx],
-                                 sp, alg, p, kl_ctl.beta, tokenizer, mesh, more=lambda r: extra_prompts(step, r))
+                                 sp, alg, ppo, kl_ctl.beta, tokenizer, mesh, more=lambda r: extra_prompts(step, r))
         t1 = time.perf_counter()
 
         # ---- updates: PPO epochs over minibatches in training mode ----
@@ -174,7 +175,7 @@ def run(cfg: Config) -> None:
         shuffle = torch.Generator(device="cpu").manual_seed(minibatch_order)
         try:
             train_stats, skipped = ppo_update(
-                exp, actor, critic, alg, p, kl_ctl.beta, shuffle, mesh, ptx_loss=ptx_term,
+                exp, actor, critic, alg, ppo, kl_ctl.beta, shuffle, mesh, ptx_loss=ptx_term,
                 first_update=step * updates_per_step, skipped_in_a_row=skipped,
                 on_epoch_end=ema.update if ema is not None else None)
         except Diverged as e:
@@ -184,14 +185,14 @@ def run(cfg: Config) -> None:
         # ---- log, evaluate, checkpoint ----
         done = step + 1
         row = step_metrics(exp, alg, exp.timings, t1 - t0, t2 - t1, mesh)
-        kl_ctl.update(row["kl/mean"], p.prompts_per_step * group)
+        kl_ctl.update(row["kl/mean"], ppo.prompts_per_step * ppo.samples_per_prompt)
         row.update({"kl/beta": kl_ctl.beta, **train_stats})
-        if done % t.log_every == 0 or step == start or done == t.max_steps:
+        if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, **row)
         bar.step(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
-        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+        if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
             evaluate(done)
-        saved = t.save_every and done % t.save_every == 0
+        saved = train.save_every and done % train.save_every == 0
         if saved:
             checkpoint(done)
         interrupt.stop_here(stop, mesh, done, lambda s: None if saved else checkpoint(s))
@@ -199,7 +200,7 @@ def run(cfg: Config) -> None:
     stop.close()
 
     # ---- export ----
-    evaluate(t.max_steps)
+    evaluate(train.max_steps)
     export_hf(actor, ctx.out / "actor", mesh, tokenizer=tokenizer, adapter_dir=ctx.out / "adapter")
     if critic is not None:
         export_hf(critic, ctx.out / "critic", mesh, tokenizer=tokenizer, adapter_dir=ctx.out / "critic_adapter")
@@ -212,14 +213,14 @@ def run(cfg: Config) -> None:
 
 def inputs(cfg: Config):
     """(actor source, reward-model dir or None): the SFT output (or model.path) and the reward stage's output."""
-    p, alg = cfg.ppo, cfg.algorithm
-    actor_src = stage_input(cfg, p.actor_path, "ppo.actor_path", "ppo")
-    needs_rm = p.use_reward_model or alg.estimator == "gae"  # GAE's critic starts as the reward model
+    ppo, alg = cfg.ppo, cfg.algorithm
+    actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
+    needs_rm = ppo.use_reward_model or alg.estimator == "gae"  # GAE's critic starts as the reward model
     rm_src = previous_output(cfg.run.dir, "reward", "model") if needs_rm else None
     if needs_rm and rm_src is None:
         raise ConfigError(f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first "
                           f"(or use algorithm.estimator=grpo ppo.use_reward_model=false ppo.reward_fn=...)")
-    if not p.use_reward_model and not p.reward_fn:
+    if not ppo.use_reward_model and not ppo.reward_fn:
         raise ConfigError("ppo.use_reward_model=false needs a rule reward: set ppo.reward_fn (e.g. rlhf.rewards.gold)")
     loading.check_model_path(str(actor_src))
     return str(actor_src), rm_src
@@ -228,7 +229,7 @@ def inputs(cfg: Config):
 def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0, lcfg=None) -> ScalarHeadModel:
     """The reward model's architecture and weights as a scalar-head model (the critic's head scaled;
     ``lcfg``: LoRA adapters on its backbone, the head fully trained)."""
-    model_cfg = loading.load_config(str(src), cfg.model.trust_remote_code)
+    model_cfg = loading.load_model_config(str(src), cfg.model.trust_remote_code)
     model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, path=str(src),
                                 on_meta=not mesh.is_main, trust_remote_code=cfg.model.trust_remote_code,
                                 tokenizer=tokenizer)
@@ -245,7 +246,8 @@ def step_metrics(exp, alg, timings: dict, collect_s: float, train_s: float, mesh
     the update statistics."""
     rows = mesh.sum(exp.rows)
     # the k1 estimate whatever the penalty uses
-    kl = exp.kl if A.kl_kind(alg) == "k1" else A.kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") * exp.mask
+    kl = (exp.kl if ppo_math.kl_kind(alg) == "k1"
+          else ppo_math.kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") * exp.mask)
     kl_seq = mesh.sum(float(kl.sum(1).sum())) / rows
     gen_s = timings.get("generate_s", collect_s)
     gen_tokens = mesh.sum(float(exp.mask.sum()))
@@ -265,10 +267,10 @@ def step_metrics(exp, alg, timings: dict, collect_s: float, train_s: float, mesh
         diff = (exp.old_logprobs - exp.rollout_logprobs).abs() * exp.mask
         row["rollout/logprob_abs_diff_mean"] = mesh.sum(float(diff.sum())) / tokens
         row["rollout/logprob_abs_diff_max"] = max(mesh.all_gather_object(float(diff.max())))
-        k3 = A.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * exp.mask  # KL(rollout ‖ train)
+        k3 = ppo_math.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * exp.mask  # KL(rollout ‖ train)
         row["rollout/kl"] = mesh.sum(float(k3.sum())) / tokens
     if exp.values is not None:
-        row["values/explained_var"] = float(A.explained_variance(exp.values, exp.returns, exp.mask))
+        row["values/explained_var"] = float(ppo_math.explained_variance(exp.values, exp.returns, exp.mask))
     return row
 
 

@@ -58,7 +58,7 @@ def run(cfg: Config) -> None:
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
-    model_cfg = loading.load_config(source, cfg.model.trust_remote_code)
+    model_cfg = loading.load_model_config(source, cfg.model.trust_remote_code)
     model_cfg.num_labels, model_cfg.pad_token_id = 1, tokenizer.pad_token_id
     if mesh.is_main:
         model = loading.build_model(AutoModelForSequenceClassification, path=source, config=model_cfg,

@@ -24,7 +24,7 @@ from rlhf.engine.train import TrainEngine
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.rundir.log import progress
-from rlhf.runtime.evaluation import gold_score
+from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
     start_stage, text_corpus)
@@ -36,28 +36,29 @@ def run(cfg: Config) -> None:
     from transformers import AutoModelForCausalLM
 
     ctx = start_stage(cfg, "sft")
-    mesh, t, d = ctx.mesh, cfg.train, cfg.data
+    mesh, train, data_cfg = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
 
     # ---- setup: everything is validated before anything is written ----
     if cfg.model.path:
         loading.check_model_path(cfg.model.path)
-    data = load_stage_data(d, "sft", cfg.run.seed)
-    require_batches(len(data.train), t.global_batch, f"data ({data.description})")
+    data = load_stage_data(data_cfg, "sft", cfg.run.seed)
+    require_batches(len(data.train), train.global_batch, f"data ({data.description})")
     ckpt = checkpoint_to_resume(ctx)
     if cfg.model.path:
         tokenizer = loading.load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-        model_cfg = loading.load_config(cfg.model.path, cfg.model.trust_remote_code)
+        model_cfg = loading.load_model_config(cfg.model.path, cfg.model.trust_remote_code)
     elif ckpt is not None and (ckpt / "tokenizer").is_dir():
         tokenizer = loading.load_tokenizer(str(ckpt / "tokenizer"))
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
     else:  # the embedded default: a tokenizer trained on the task's text and a tiny Llama
-        corpus = (synthetic.tokenizer_corpus(d.synthetic) if d.format == "synthetic" and not d.sources
+        embedded_task = data_cfg.format == "synthetic" and not data_cfg.sources
+        corpus = (synthetic.tokenizer_corpus(data_cfg.synthetic) if embedded_task
                   else text_corpus(data.train))
         tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
-    chat = resolve_template(tokenizer, d.chat_template)  # data.chat_template (a file's is exported too)
-    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len, chat=chat)
+    chat = resolve_template(tokenizer, data_cfg.chat_template)  # data.chat_template (a file's is exported too)
+    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
     train_cols = cached("sft", data.train, tokenizer, lens, ctx.cache_dir, mesh,
                         lambda: tokenize_sft(data.train, tokenizer, **lens))
     eval_cols = cached("sft-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
@@ -68,65 +69,65 @@ def run(cfg: Config) -> None:
                                 trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
     # model.lora.r > 0: the adapters train (and, for the embedded default, its embeddings)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, embedded=not cfg.model.path)
-    engine = TrainEngine(model, mesh, cfg.engine, t)
+    engine = TrainEngine(model, mesh, cfg.engine, train)
     actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model.config, tokenizer, data.description, cfg))
     start, _, metrics = resume(ctx, {"actor": engine}, ckpt)
 
-    micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
-    batches = GlobalBatches(len(train_cols["ids"]), t.global_batch, cfg.run.seed)
+    micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
+    batches = GlobalBatches(len(train_cols["ids"]), train.global_batch, cfg.run.seed)
     pad = tokenizer.pad_token_id
 
     def collate(indices):
         return collate_sft([train_cols["ids"][i] for i in indices],
-                           [train_cols["prompt_len"][i] for i in indices], pad, d.mask_prompt,
+                           [train_cols["prompt_len"][i] for i in indices], pad, data_cfg.mask_prompt,
                            [train_cols["mask"][i] for i in indices])
 
     def evaluate(step):
         results = {}
         if eval_cols is not None:
-            results["eval/loss"] = eval_loss(engine, eval_cols, pad, d.mask_prompt, micro, mesh)
+            results["eval/loss"] = eval_loss(engine, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
         if data.gold is not None:
-            results.update(gold_score(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
+            results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
         metrics.log(step, **results)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
         return results
 
     # ---- loop ----
     log.info("sft: %d records (%s), %d steps of %d samples, %d per micro-batch, %d accumulation",
-             len(train_cols["ids"]), data.description, t.max_steps, t.global_batch, micro,
-             t.global_batch // (micro * mesh.world_size))
+             len(train_cols["ids"]), data.description, train.max_steps, train.global_batch, micro,
+             train.global_batch // (micro * mesh.world_size))
     engine.train()
-    bar = progress(t.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
+    bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
-    for step in range(start, t.max_steps):
+    for step in range(start, train.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
         lr = engine.lr
         loss, grad_norm = train_step(engine, mbs)
-        seen += t.global_batch
+        seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}")
-        if done % t.log_every == 0 or step == start or done == t.max_steps:
+        if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, loss=loss, lr=lr, grad_norm=grad_norm,
                         samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
                         epoch=batches.epoch_of(done))
-        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+        if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
             evaluate(done)
             engine.train()
-        saved = t.save_every and done % t.save_every == 0
+        saved = train.save_every and done % train.save_every == 0
         if saved:
-            save(ctx, engine, tokenizer, done, mesh, t.keep_checkpoints)
+            save(ctx, engine, tokenizer, done, mesh, train.keep_checkpoints)
         interrupt.stop_here(stop, mesh, done,
-                            lambda s: None if saved else save(ctx, engine, tokenizer, s, mesh, t.keep_checkpoints))
+                            lambda s: None if saved else save(ctx, engine, tokenizer, s, mesh, train.keep_checkpoints))
     bar.close()
     stop.close()
 
     # ---- save ----
-    results = evaluate(t.max_steps)
+    results = evaluate(train.max_steps)
     export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
-              extra_files={"rlhf_eval.json": {"step": t.max_steps, **results}}, adapter_dir=ctx.out / "adapter")
+              extra_files={"rlhf_eval.json": {"step": train.max_steps, **results}}, adapter_dir=ctx.out / "adapter")
     metrics.close()
     log.info("sft done: %s", ctx.out / "model")
     shutdown(mesh)
@@ -173,7 +174,7 @@ def eval_loss(engine, cols, pad, mask_prompt, micro, mesh) -> float:
                             pad, mask_prompt, [cols["mask"][i] for i in ix or [0]])
             logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
                                     attention_mask=b["attention_mask"].to(mesh.device)).logits
-            nll, n = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+            nll, tokens = shifted_nll_sum(logits, b["labels"].to(mesh.device))
             if ix:  # a turn with no records of its own ran record 0 and ignores it
-                total, count = total + float(nll), count + n
+                total, count = total + float(nll), count + tokens
     return mesh.sum(total) / max(mesh.sum(count), 1)

@@ -97,12 +97,18 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Ten
     return out
 
 
+def by_prompt(scores: Tensor, group_size: int) -> Tensor:
+    """[rows] → [prompts, group_size]: a group is one prompt's samples, in consecutive rows
+    (``rlhf.ops.sampling.prompt_major``; ``group_size`` is ``ppo.samples_per_prompt``)."""
+    return scores.view(-1, group_size)
+
+
 def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6,
                     std_normalize: bool = True) -> Tensor:
     """GRPO outcome advantages: (r − mean_group) / (std_group + eps), the same on every token;
     ``std_normalize=False`` is Dr.GRPO's r − mean_group (Liu et al. 2025: the std division weights
     easy and hard prompts unequally)."""
-    g = scores.view(-1, group_size)
+    g = by_prompt(scores, group_size)
     adv = g - g.mean(1, keepdim=True)
     if std_normalize:
         adv = adv / (g.std(1, keepdim=True, unbiased=True) + eps)
@@ -112,7 +118,7 @@ def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 
 def zero_variance_groups(scores: Tensor, group_size: int) -> Tensor:
     """[prompts] True where every sample of a prompt scored alike (no signal for a group estimator:
     DAPO's dynamic sampling drops them)."""
-    g = scores.view(-1, group_size)
+    g = by_prompt(scores, group_size)
     return (g == g[:, :1]).all(1)
 
 
@@ -166,7 +172,7 @@ def mismatch_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode:
 
 def rloo_advantages(scores: Tensor, group_size: int, mask: Tensor) -> Tensor:
     """RLOO: r_i − mean of the other k−1 samples of the same prompt, on every token."""
-    g = scores.view(-1, group_size)
+    g = by_prompt(scores, group_size)
     baseline = (g.sum(1, keepdim=True) - g) / max(group_size - 1, 1)
     return (g - baseline).reshape(-1, 1) * mask
 

@@ -25,6 +25,7 @@ from rlhf.models.blocks import decoder_layers
 from rlhf.models.lora import unwrap
 from rlhf.models.policies import policy_for
 from rlhf.ops import SamplingParams
+from rlhf.ops.sampling import prompt_major
 
 log = logging.getLogger("rlhf")
 
@@ -51,7 +52,7 @@ class HybridEngine:
 
     # ---- the one call the trainer makes ----
     def generate(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
-        """``sp.n`` samples of each prompt. Collective: every rank calls it, the same number of
+        """``sp.samples_per_prompt`` samples of each prompt. Collective: every rank calls it, the same number of
         times; a rank with no prompts takes part with one stand-in row and gets none back."""
         if not prompts:
             return self.generate([[self.eos_id]], sp).rows(0, 0)
@@ -113,7 +114,7 @@ class HybridEngine:
             self._model, self._model_version = model, self.engine.weights_version
         t3 = time.perf_counter()
         if self.tp > 1:
-            out = _rows(out, per_rank, self.mesh.tp_rank, sp.n)
+            out = _rows(out, per_rank, self.mesh.tp_rank, sp.samples_per_prompt)
         self.timings = {"switch_s": (t1 - t0) + (t3 - t2), "gather_s": t1 - t0, "generate_s": t2 - t1,
                         "release_s": t3 - t2}
         return out
@@ -122,7 +123,7 @@ class HybridEngine:
     @torch.no_grad()
     def _generate_hf(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
         t0 = time.perf_counter()
-        rows = [p for p in prompts for _ in range(sp.n)]
+        rows = prompt_major(prompts, sp.samples_per_prompt)
         ids, mask = left_pad(rows, self.pad_id, self.mesh.device)
         kwargs = dict(do_sample=sp.temperature > 0, max_new_tokens=sp.max_new_tokens,
                       min_new_tokens=sp.min_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,

@@ -24,8 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
-from rlhf.models.policies import Policy
+from rlhf.models.policies import InjectionPolicy
 from rlhf.ops import SamplingParams, attend, rms_norm, rotary_cos_sin, sample
+from rlhf.ops.sampling import prompt_major
 from rlhf.ops.linear import can_pack, can_pack_rows, linear, linear_rows, pack_rows, prepare_weight
 from rlhf.ops.rotary import apply_rotary_
 
@@ -68,7 +69,7 @@ MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
 class InferenceModel:
-    def __init__(self, root: Dict[str, torch.Tensor], layers: List[Dict[str, torch.Tensor]], policy: Policy,
+    def __init__(self, root: Dict[str, torch.Tensor], layers: List[Dict[str, torch.Tensor]], policy: InjectionPolicy,
                  tp: int = 1, tp_group=None, dtype: torch.dtype = torch.float32, kernels: str = "auto",
                  decode: str = "dynamic", sync_every: int = 8):
         fast = kernels == "auto"
@@ -223,9 +224,9 @@ class InferenceModel:
     @torch.no_grad()
     def generate(self, prompts: List[List[int]], sp: SamplingParams, *, eos_id: int, pad_id: int,
                  generator: Optional[torch.Generator] = None, device=None) -> Generation:
-        """``sp.n`` samples of every prompt (prompt-major order)."""
+        """``sp.samples_per_prompt`` samples of every prompt (prompt-major order)."""
         device = device or self.root["embed"].device
-        rows = [p for p in prompts for _ in range(sp.n)]
+        rows = prompt_major(prompts, sp.samples_per_prompt)
         ids, pmask = left_pad(rows, pad_id, device)
         try:
             with torch.inference_mode():  # the loop's tensors never meet autograd; finish() copies out

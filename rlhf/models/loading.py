@@ -58,7 +58,9 @@ def check_model_family(config_file: Path, path: str) -> None:
                           f"{config_file.name} (not an architecture of this Transformers version)")
 
 
-def load_config(path: str, trust_remote_code: bool):
+def load_model_config(path: str, trust_remote_code: bool):
+    """The Hugging Face model config (AutoConfig) at ``path`` (the run's own config is composed by
+    ``rlhf.compose.compose_config``)."""
     from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -92,7 +94,7 @@ def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: 
     if tokenizer is None:
         return _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs)
     if config is None:
-        config = load_config(path, trust_remote_code)
+        config = load_model_config(path, trust_remote_code)
     text = config.get_text_config()
     pad = text.pad_token_id
     if pad is not None and pad >= text.vocab_size:  # not a row until the resize (nn.Embedding's padding_idx)
@@ -108,7 +110,7 @@ def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: 
 
 def _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs) -> torch.nn.Module:
     if on_meta:
-        cfg = config if config is not None else load_config(path, trust_remote_code)
+        cfg = config if config is not None else load_model_config(path, trust_remote_code)
         with torch.device("meta"):
             return model_cls.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs) \
                 if hasattr(model_cls, "from_config") else model_cls(cfg)
@@ -134,6 +136,6 @@ def causal_lm(src: str, mesh, tokenizer, trust_remote_code: bool = False) -> tor
     """The causal LM at ``src`` (rank 0 reads it; the other ranks build it on meta and get the
     weights by broadcast when the engine wraps it), grown to the tokenizer's length."""
     from transformers import AutoModelForCausalLM
-    model_cfg = load_config(src, trust_remote_code)
+    model_cfg = load_model_config(src, trust_remote_code)
     return build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
                        trust_remote_code=trust_remote_code, tokenizer=tokenizer)

@@ -26,7 +26,9 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at init
 
 
 @dataclass
-class Policy:
+class InjectionPolicy:
+    """How one model family's weights are laid out for the inference modules and sliced for TP (an
+    injection policy, as DeepSpeed calls it: not the actor policy being trained)."""
     family: str
     num_heads: int
     num_kv_heads: int
@@ -166,7 +168,7 @@ def _layer_windows(config, family: str) -> Tuple[Optional[Tuple[Optional[int], .
     return (None,) * n, ""  # Llama: no sliding window
 
 
-def policy_for(config) -> tuple[Optional[Policy], str]:
+def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     """(policy, "") for a supported config, else (None, the reason)."""
     family = getattr(config, "model_type", "?")
     if family not in FAMILIES:
@@ -185,10 +187,13 @@ def policy_for(config) -> tuple[Optional[Policy], str]:
         return None, why
     attention_bias = bool(getattr(config, "attention_bias", False)) and family in ("llama", "qwen3")
     slides = [w for w in windows if w]
-    return Policy(family=family, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                  head_dim=head_dim, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                  eps=config.rms_norm_eps, qkv_bias=family == "qwen2" or attention_bias,
-                  sliding_window=slides[0] if slides else None,
-                  tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                  layer_windows=windows, rotary_dim=int(head_dim * partial), qk_norm=family == "qwen3",
-                  o_bias=attention_bias, mlp_bias=family == "llama" and bool(getattr(config, "mlp_bias", False))), ""
+    return InjectionPolicy(family=family, num_heads=heads,
+                           num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                           head_dim=head_dim, hidden_size=config.hidden_size,
+                           intermediate_size=config.intermediate_size,
+                           eps=config.rms_norm_eps, qkv_bias=family == "qwen2" or attention_bias,
+                           sliding_window=slides[0] if slides else None,
+                           tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                           layer_windows=windows, rotary_dim=int(head_dim * partial), qk_norm=family == "qwen3",
+                           o_bias=attention_bias,
+                           mlp_bias=family == "llama" and bool(getattr(config, "mlp_bias", False))), ""

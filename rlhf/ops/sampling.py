@@ -14,8 +14,15 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     max_new_tokens: int = 16
     min_new_tokens: int = 0
-    n: int = 1  # samples per prompt
+    samples_per_prompt: int = 1  # rows of a prompt: consecutive (``prompt_major``)
     seed: int = 0
+
+
+def prompt_major(items: list, samples_per_prompt: int) -> list:
+    """The row layout of every generation: each prompt's samples in consecutive rows
+    (``[a, a, b, b]`` for two samples of prompts ``a``, ``b``). What the rows of a ``Generation``, the
+    examples they are scored against and the groups of GRPO/RLOO (``scores.view(-1, samples)``) assume."""
+    return [x for x in items for _ in range(samples_per_prompt)]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

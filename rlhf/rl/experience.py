@@ -11,24 +11,25 @@ from typing import Callable, List, Optional
 import torch
 
 from rlhf import seeding
-from rlhf.algorithms import ppo as A
+from rlhf.algorithms import ppo as ppo_math
 from rlhf.engine.infer import Generation
 from rlhf.engine.logprobs import keeps_logits, response_logprobs
 from rlhf.models.lora import unwrap
 from rlhf.models.value import sequence_scores
 from rlhf.ops import SamplingParams
+from rlhf.ops.sampling import prompt_major
 from rlhf.rl.minibatch import auto_micro_batch
 
 
 @dataclass
 class Experience:
-    """This rank's rows of one step: a prompt's ``group_size`` samples in consecutive rows,
+    """This rank's rows of one step: a prompt's ``samples_per_prompt`` samples in consecutive rows,
     prompts left-padded to ``prompt_len``, responses right-padded (0 in ``mask`` after EOS)."""
     sequences: torch.Tensor  # [B, P + N]
     attention_mask: torch.Tensor  # [B, P + N]
     mask: torch.Tensor  # [B, N] float, 1 on response tokens (EOS included)
     prompt_len: int
-    group_size: int
+    samples_per_prompt: int
     rollout_logprobs: Optional[torch.Tensor]  # [B, N] what the inference mode sampled with (None: HF generate)
     old_logprobs: torch.Tensor  # [B, N] the actor in training mode, before the update
     ref_logprobs: torch.Tensor  # [B, N] the reference policy
@@ -61,7 +62,7 @@ class Scorers:
     critic: Optional[object]
     reward_model: Optional[object]
     reward_stats: dict  # {"mean", "std"} of the reward stage's held-out scores
-    running: A.RunningMoments
+    running: ppo_math.RunningMoments
     rule: Optional[Callable]  # rule(responses, examples, fmt) -> [float]
     rule_weight: float
     data_format: str
@@ -95,14 +96,14 @@ class Rollouts:
 
 def rollout(hybrid, scorers: Scorers, prompts: List[List[int]], examples: list, sp: SamplingParams, alg, ppo,
             micro_batch: int, tokenizer, mesh, timings: dict) -> Rollouts:
-    """Generate ``sp.n`` samples of each prompt (inference mode) and reward them: reward model (normalised),
-    rule reward, no-EOS penalty, soft overlong penalty. Adds the generation's timings to ``timings``."""
+    """Generate ``sp.samples_per_prompt`` samples of each prompt (inference mode) and reward them:
+    reward model (normalised), rule reward, no-EOS penalty, soft overlong penalty. Adds the generation's timings to ``timings``."""
     gen = hybrid.generate(prompts, sp)
     for k, v in hybrid.timings.items():
         timings[k] = timings.get(k, 0.0) + v
     seq, att = gen.sequences, gen.attention_mask
     mask = gen.response_mask.float()
-    examples = [e for e in examples for _ in range(sp.n)]
+    examples = prompt_major(examples, sp.samples_per_prompt)
     rows = seq.shape[0]
     score = torch.zeros(rows, device=seq.device)
     parts = {}
@@ -127,7 +128,7 @@ def rollout(hybrid, scorers: Scorers, prompts: List[List[int]], examples: list, 
         parts["penalty"] = alg.no_eos_penalty * (~ended).float()
         score = score + parts["penalty"]
     if ppo.overlong_buffer:
-        parts["overlong"] = A.overlong_penalty(mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer,
+        parts["overlong"] = ppo_math.overlong_penalty(mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer,
                                                ppo.overlong_penalty)
         score = score + parts["overlong"]
     gold = None
@@ -144,14 +145,14 @@ def dynamic_sampling(first: Rollouts, more, sp: SamplingParams, max_rounds: int,
     rank's (prompts, examples) of extra round ``round``), at most ``max_rounds`` times. Every rank
     takes part in every round (generation is collective). A rank still short at the end tops up with
     groups it dropped, so every rank keeps as many rows as it started with."""
-    group, quota = sp.n, first.scores.numel() // sp.n
+    samples, quota = sp.samples_per_prompt, first.scores.numel() // sp.samples_per_prompt
     kept, dropped, rounds, n_dropped = [], [], 0, 0
     batch = first
     while True:
-        zero = A.zero_variance_groups(batch.scores, group).tolist()
+        zero = ppo_math.zero_variance_groups(batch.scores, samples).tolist()
         n_dropped += sum(zero)
-        kept += [(batch, g) for g, z in enumerate(zero) if not z]
-        dropped += [(batch, g) for g, z in enumerate(zero) if z]
+        kept += [(batch, prompt_ix) for prompt_ix, flat in enumerate(zero) if not flat]
+        dropped += [(batch, prompt_ix) for prompt_ix, flat in enumerate(zero) if flat]
         short = mesh.sum(float(len(kept) < quota))
         if not short or rounds == max_rounds:
             break
@@ -161,23 +162,24 @@ def dynamic_sampling(first: Rollouts, more, sp: SamplingParams, max_rounds: int,
     chosen = (kept + dropped)[:quota]
     stats = {"dynamic/dropped_groups": mesh.sum(n_dropped), "dynamic/rounds": float(rounds),
              "dynamic/topped_up_groups": mesh.sum(topped)}
-    return concat_groups(chosen, group, pad_id), stats
+    return concat_groups(chosen, samples, pad_id), stats
 
 
-def concat_groups(chosen: list, group: int, pad_id: int) -> Rollouts:
-    """One ``Rollouts`` of the (rollouts, group index) pairs in ``chosen``, prompts re-padded on the left
+def concat_groups(chosen: list, samples_per_prompt: int, pad_id: int) -> Rollouts:
+    """One ``Rollouts`` of the (rollouts, prompt index) pairs in ``chosen`` (a prompt's
+    ``samples_per_prompt`` rows are consecutive: ``prompt_major``), prompts re-padded on the left
     to the longest prompt length among them."""
-    P = max(b.gen.prompt_len for b, _ in chosen)
+    prompt_len = max(b.gen.prompt_len for b, _ in chosen)
     parts_keys = chosen[0][0].parts.keys()
     seqs, atts, masks, logps, examples, scores, golds = [], [], [], [], [], [], []
     parts = {k: [] for k in parts_keys}
-    for b, g in chosen:
-        rows = slice(g * group, (g + 1) * group)
-        pad = P - b.gen.prompt_len
+    for b, prompt_ix in chosen:
+        rows = slice(prompt_ix * samples_per_prompt, (prompt_ix + 1) * samples_per_prompt)
+        pad = prompt_len - b.gen.prompt_len
         seq, att = b.gen.sequences[rows], b.gen.attention_mask[rows]
         if pad:
-            seq = torch.cat([seq.new_full((group, pad), pad_id), seq], 1)
-            att = torch.cat([att.new_zeros((group, pad)), att], 1)
+            seq = torch.cat([seq.new_full((samples_per_prompt, pad), pad_id), seq], 1)
+            att = torch.cat([att.new_zeros((samples_per_prompt, pad)), att], 1)
         seqs.append(seq)
         atts.append(att)
         masks.append(b.gen.response_mask[rows])
@@ -188,15 +190,15 @@ def concat_groups(chosen: list, group: int, pad_id: int) -> Rollouts:
         for k in parts_keys:
             parts[k].append(b.parts[k][rows])
     gen = Generation(sequences=torch.cat(seqs), attention_mask=torch.cat(atts), response_mask=torch.cat(masks),
-                     logprobs=None if any(x is None for x in logps) else torch.cat(logps), prompt_len=P)
-    gold = None if any(g is None for g in golds) else torch.cat(golds)
+                     logprobs=None if any(x is None for x in logps) else torch.cat(logps), prompt_len=prompt_len)
+    gold = None if any(part is None for part in golds) else torch.cat(golds)
     return Rollouts(gen, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()}, gold)
 
 
 @torch.no_grad()
 def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples: list, sp: SamplingParams,
             alg, ppo, kl_beta: float, tokenizer, mesh, more=None) -> Experience:
-    """Generate ``sp.n`` samples of each prompt (inference mode), reward them, then score them
+    """Generate ``sp.samples_per_prompt`` samples of each prompt (inference mode), reward them, then score them
     (training mode): log-probs of the actor and the reference, critic values, KL, advantages.
     ``more(round)``: further (prompts, examples) of this rank for dynamic sampling."""
     timings: dict = {}
@@ -213,28 +215,30 @@ def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples:
         ro, dyn = dynamic_sampling(ro, more, sp, ppo.dynamic_sampling_max_rounds, make_rollouts,
                                    tokenizer.pad_token_id, mesh)
     gen = ro.gen
-    seq, att, P = gen.sequences, gen.attention_mask, gen.prompt_len
+    seq, att, prompt_len = gen.sequences, gen.attention_mask, gen.prompt_len
     mask = gen.response_mask.float()
-    rows, n_resp = seq.shape[0], seq.shape[1] - P
+    rows, n_resp = seq.shape[0], seq.shape[1] - prompt_len
     keep = keeps_logits(unwrap(actor.module))
     micro = micro_rows(actor, rows, (n_resp + 1) if keep else seq.shape[1], micro_batch)
 
     def logprobs(model):
-        return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], P, sp.temperature, keep_logits=keep),
+        return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], prompt_len, sp.temperature,
+                                                             keep_logits=keep),
                                 rows, micro)
 
     old_logp = logprobs(actor)
     # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
     ref_logp = logprobs(scorers.ref) if scorers.ref is not None else old_logp
-    values = (in_micro_batches(lambda r: critic_values(scorers.critic, seq[r], att[r], P), rows, micro) * mask
+    values = (in_micro_batches(lambda r: critic_values(scorers.critic, seq[r], att[r], prompt_len), rows, micro) * mask
               if scorers.critic is not None else None)
-    kl = A.kl_penalty(old_logp, ref_logp, A.kl_kind(alg)) * mask
+    kl = ppo_math.kl_penalty(old_logp, ref_logp, ppo_math.kl_kind(alg)) * mask
     all_reduce = mesh.all_reduce if mesh.distributed else None
-    adv, returns = A.advantages(alg, ro.scores, kl, values, mask, sp.n, kl_beta, all_reduce)
+    adv, returns = ppo_math.advantages(alg, ro.scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce)
     loss_mask = mask
     if ppo.overlong_filter:  # truncated responses (no EOS) carry no loss
         loss_mask = mask * (gen.responses == tokenizer.eos_token_id).any(1, keepdim=True).float()
-    return Experience(sequences=seq, attention_mask=att, mask=mask, prompt_len=P, group_size=sp.n,
+    return Experience(sequences=seq, attention_mask=att, mask=mask, prompt_len=prompt_len,
+                      samples_per_prompt=sp.samples_per_prompt,
                       rollout_logprobs=gen.logprobs, old_logprobs=old_logp, ref_logprobs=ref_logp, values=values,
                       scores=ro.scores, score_parts=ro.parts, kl=kl, advantages=adv, returns=returns,
                       loss_mask=loss_mask, gold=ro.gold, timings=timings, extra_metrics=dyn,

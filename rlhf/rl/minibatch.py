@@ -2,7 +2,7 @@
 one process would, and each rank's share runs in micro-batches of a bounded number of rows.
 
 Row layout (one helper, ``global_rows``): rank r holds prompts r, r+W, r+2W, … of the step's
-global prompt list, each prompt's ``group_size`` samples in consecutive rows.
+global prompt list, each prompt's ``samples_per_prompt`` samples in consecutive rows.
 """
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from typing import Iterator, List, NamedTuple
 import torch
 
 
-def global_rows(rows: int, group_size: int, rank: int, world: int) -> torch.Tensor:
+def global_rows(rows: int, samples_per_prompt: int, rank: int, world: int) -> torch.Tensor:
     """Global index of each of this rank's ``rows`` experience rows."""
     j = torch.arange(rows, device="cpu")
-    return ((j // group_size) * world + rank) * group_size + j % group_size
+    return ((j // samples_per_prompt) * world + rank) * samples_per_prompt + j % samples_per_prompt
 
 
-def rank_of_row(global_ids: torch.Tensor, group_size: int, world: int) -> torch.Tensor:
+def rank_of_row(global_ids: torch.Tensor, samples_per_prompt: int, world: int) -> torch.Tensor:
     """The rank that holds each global row (the inverse of ``global_rows``)."""
-    return (global_ids // group_size) % world
+    return (global_ids // samples_per_prompt) % world
 
 
 class Minibatch(NamedTuple):
@@ -29,14 +29,14 @@ class Minibatch(NamedTuple):
     global_size: int  # rows over all ranks
 
 
-def minibatches(global_ids: torch.Tensor, total_rows: int, count: int, group_size: int, world: int,
+def minibatches(global_ids: torch.Tensor, total_rows: int, count: int, samples_per_prompt: int, world: int,
                 generator: torch.Generator) -> Iterator[Minibatch]:
     """This rank's share of each of ``count`` global minibatches of a seeded shuffle of all rows. A
     rank with no row in a minibatch gets one zero-weight row (the forwards are collective)."""
     perm = torch.randperm(total_rows, generator=generator, device="cpu")
     where = {int(gid): i for i, gid in enumerate(global_ids)}
     for chunk in perm.chunk(count):
-        most = int(torch.bincount(rank_of_row(chunk, group_size, world), minlength=world).max())
+        most = int(torch.bincount(rank_of_row(chunk, samples_per_prompt, world), minlength=world).max())
         local = [where[int(x)] for x in chunk if int(x) in where]
         if local:
             yield Minibatch(torch.tensor(local, device="cpu"), 1.0, most, len(chunk))

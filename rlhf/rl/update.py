@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rlhf.algorithms import ppo as A
+from rlhf.algorithms import ppo as ppo_math
 from rlhf.engine.logprobs import response_stats
 from rlhf.rl.experience import Experience, critic_values, micro_rows
 from rlhf.rl.minibatch import global_rows, micro_batches, minibatches
@@ -48,7 +48,7 @@ def ppo_update(exp: Experience, actor, critic, alg, ppo, kl_beta: float, generat
     if critic is not None:
         critic.train()
     stats = Stats()
-    ids = global_rows(exp.rows, exp.group_size, mesh.rank, mesh.world_size)
+    ids = global_rows(exp.rows, exp.samples_per_prompt, mesh.rank, mesh.world_size)
     total_rows = exp.rows * mesh.world_size
     # Training forwards compute the logits of every position: asking for the response positions only
     # (logits_to_keep) gives the same forward but sums the LM head's weight gradient in another
@@ -57,7 +57,7 @@ def ppo_update(exp: Experience, actor, critic, alg, ppo, kl_beta: float, generat
     micro = micro_rows(actor, exp.rows, exp.sequences.shape[1], ppo.micro_batch_per_rank)
     update = first_update
     for _ in range(ppo.ppo_epochs):
-        for mb in minibatches(ids, total_rows, ppo.minibatches_per_epoch, exp.group_size, mesh.world_size,
+        for mb in minibatches(ids, total_rows, ppo.minibatches_per_epoch, exp.samples_per_prompt, mesh.world_size,
                               generator):
             parts = [(r, mb.weight) if len(r) else (mb.rows[:1], 0.0) for r in micro_batches(mb.rows, micro, mb.most)]
             normalizer, token_normalizer = _normalizer(exp, mb, alg, ppo, mesh)
@@ -87,7 +87,7 @@ def _normalizer(exp, mb, alg, ppo, mesh) -> float:
     tokens = mesh.sum(float(lm.sum()))
     seqs = mesh.sum(float((lm.sum(1) > 0).sum())) if alg.loss_agg != "token_mean" else 0.0
     norm_tokens = alg.loss_norm_tokens or ppo.max_new_tokens
-    return (A.loss_denominator(alg.loss_agg, tokens, seqs, norm_tokens) / mesh.world_size,
+    return (ppo_math.loss_denominator(alg.loss_agg, tokens, seqs, norm_tokens) / mesh.world_size,
             tokens / mesh.world_size)
 
 
@@ -101,24 +101,24 @@ def _all_finite(x: torch.Tensor, mesh) -> bool:
 
 def _actor_step(exp, actor, parts, normalizer, alg, kl_beta, temp, keep, stats, mesh, ptx) -> bool:
     """Forward/backward of each micro-batch, then one optimizer step; False when skipped (non-finite)."""
-    seq, att, P = exp.sequences, exp.attention_mask, exp.prompt_len
+    seq, att, prompt_len = exp.sequences, exp.attention_mask, exp.prompt_len
     loss_sum, sums, ok = 0.0, None, True  # sums: clipped tokens, Σ approx-KL, tokens, Σ entropy
     for i, (r, w) in enumerate(parts):
         mask = exp.loss_mask[r] * w
-        weights = A.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
+        weights = ppo_math.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
         pg_weights = weights
         if alg.mismatch_correction != "none" and exp.rollout_logprobs is not None:
-            correction = A.mismatch_weights(exp.old_logprobs[r], exp.rollout_logprobs[r], mask,
+            correction = ppo_math.mismatch_weights(exp.old_logprobs[r], exp.rollout_logprobs[r], mask,
                                             alg.mismatch_correction, alg.tis_cap)
             pg_weights = weights * correction
             stats.add("rollout/correction_mean", float((correction * mask).sum()), float(mask.sum()))
-        logp, ent = response_stats(actor.forward, seq[r], att[r], P, temp, keep_logits=keep,
+        logp, ent = response_stats(actor.forward, seq[r], att[r], prompt_len, temp, keep_logits=keep,
                                    entropy="loss" if alg.entropy_coef else "metric")
-        pl, st = A.policy_loss(logp, exp.old_logprobs[r], exp.advantages[r], mask, clip_low(alg), alg.dual_clip,
+        pl, st = ppo_math.policy_loss(logp, exp.old_logprobs[r], exp.advantages[r], mask, clip_low(alg), alg.dual_clip,
                                normalizer=normalizer, clip_high=alg.clip_ratio_high, weights=pg_weights)
         loss = pl
         if alg.estimator == "grpo" and kl_beta:  # GRPO keeps the KL out of the reward, as a loss term
-            kl_term = A.kl_penalty(logp, exp.ref_logprobs[r], A.kl_kind(alg))
+            kl_term = ppo_math.kl_penalty(logp, exp.ref_logprobs[r], ppo_math.kl_kind(alg))
             loss = loss + kl_beta * (kl_term * weights).sum() / normalizer
         if alg.entropy_coef:
             loss = loss - alg.entropy_coef * (ent * weights).sum() / normalizer
@@ -147,11 +147,12 @@ def _actor_step(exp, actor, parts, normalizer, alg, kl_beta, temp, keep, stats, 
 
 
 def _critic_step(exp, critic, parts, normalizer, alg, stats, mesh) -> None:
-    seq, att, P = exp.sequences, exp.attention_mask, exp.prompt_len
+    seq, att, prompt_len = exp.sequences, exp.attention_mask, exp.prompt_len
     total, ok = 0.0, True
     for i, (r, w) in enumerate(parts):  # the value loss is a token mean (algorithm.loss_agg is the actor's)
-        v = critic_values(critic, seq[r], att[r], P)
-        vl = A.value_loss(v, exp.values[r], exp.returns[r], exp.loss_mask[r] * w, alg.value_clip, normalizer=normalizer)
+        v = critic_values(critic, seq[r], att[r], prompt_len)
+        vl = ppo_math.value_loss(v, exp.values[r], exp.returns[r], exp.loss_mask[r] * w, alg.value_clip,
+                                 normalizer=normalizer)
         total += float(vl.detach())
         if ok:
             ok = _all_finite(vl, mesh)

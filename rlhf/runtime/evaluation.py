@@ -20,7 +20,7 @@ def gold_prompts(held_out: List[Example], ecfg: EvalConfig) -> List[Example]:
     return [e for e in held_out if e.reference is not None][:ecfg.gold_prompts]
 
 
-def gold_score(generate, tokenizer, held_out: List[Example], scorer: Callable[[str, str], float],
+def evaluate_gold(generate, tokenizer, held_out: List[Example], scorer: Callable[[str, str], float],
                ecfg: EvalConfig, mesh: Mesh, chat: Optional[str] = None) -> dict:
     """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params)``
     is a hybrid engine's (every rank calls it with its share of the prompts); means are global.
@@ -37,7 +37,7 @@ def gold_score(generate, tokenizer, held_out: List[Example], scorer: Callable[[s
     for key, temperature, samples in modes:
         total, count = 0.0, 0
         for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):  # collective calls
-            sp = SamplingParams(temperature=temperature, max_new_tokens=max_new, n=samples,
+            sp = SamplingParams(temperature=temperature, max_new_tokens=max_new, samples_per_prompt=samples,
                                 seed=ecfg.seed + b * ecfg.batch_size)
             gen = generate([encoded[i] for i in ix], sp)
             texts = tokenizer.batch_decode(

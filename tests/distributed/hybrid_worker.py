@@ -55,7 +55,7 @@ def check(mesh, family: str, tp: int, hybrid: bool = True, **kw) -> dict:
     hy = HybridEngine(eng, Tok, ecfg)
     gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=10))
     greedy_equal = torch.equal(gen.responses.cpu(), hf_greedy(ref, prompts, 10))
-    sp = SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=5)
+    sp = SamplingParams(temperature=0.8, max_new_tokens=10, samples_per_prompt=2, seed=5)
     gen = hy.generate(prompts, sp)
     with torch.no_grad():
         lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)

@@ -93,13 +93,13 @@ def test_every_rank_builds_the_same_resized_model(tmp_path):
     is the new token (not an embedding row until the resize)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from rlhf.models.loading import build_model, load_config, load_tokenizer
+    from rlhf.models.loading import build_model, load_model_config, load_tokenizer
     raw = raw_model(tmp_path / "raw")
     tok = load_tokenizer(str(raw))
     for cls, head in ((AutoModelForCausalLM, None), (AutoModelForSequenceClassification, 1)):
         built = []
         for on_meta in (False, True):
-            cfg = load_config(str(raw), False)
+            cfg = load_model_config(str(raw), False)
             if head:
                 cfg.num_labels, cfg.pad_token_id = head, tok.pad_token_id
             built.append(build_model(cls, config=cfg, path=None if on_meta else str(raw), on_meta=on_meta,

@@ -87,7 +87,7 @@ def test_logprobs_match_training_mode(family):
     model = tiny_model(family, perturb=True, **kw)
     eng, hy = hybrid(model)
     assert hy.inject
-    sp = SamplingParams(temperature=0.7, max_new_tokens=10, n=2, seed=3)
+    sp = SamplingParams(temperature=0.7, max_new_tokens=10, samples_per_prompt=2, seed=3)
     gen = hy.generate(mixed_prompts(), sp)
     with torch.no_grad():
         lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
@@ -158,7 +158,7 @@ def _live_tensor_bytes() -> int:
 
 def test_memory_after_generate_returns_to_the_level_before():
     eng, hy = hybrid(tiny_model("llama", hidden=128, layers=3, vocab=512, intermediate=256))
-    sp = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=5)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, samples_per_prompt=4, seed=5)
     hy.generate(mixed_prompts(8, vocab=512), sp)  # warm-up: lazily created state exists from here on
     before = _live_tensor_bytes()
     gen = hy.generate(mixed_prompts(8, vocab=512), sp)
@@ -171,10 +171,10 @@ def test_memory_after_generate_returns_to_the_level_before():
 
 def test_fixed_seed_gives_identical_samples():
     _, hy = hybrid(tiny_model("llama"))
-    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, n=3, seed=11)
+    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, samples_per_prompt=3, seed=11)
     a, b = hy.generate(mixed_prompts(), sp), hy.generate(mixed_prompts(), sp)
     assert torch.equal(a.sequences, b.sequences)
-    c = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=12))
+    c = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=10, samples_per_prompt=3, seed=12))
     assert not torch.equal(a.sequences, c.sequences)
 
 

@@ -55,7 +55,7 @@ def test_bf16_logprobs_close_to_fp32_training_recompute(family):
     hf16 = copy.deepcopy(model).to(torch.bfloat16)
     eng, hy = hybrid(model, inference_dtype="bf16")
     for temp in (1.0, 0.7):
-        sp = SamplingParams(temperature=temp, max_new_tokens=12, n=2, seed=1)
+        sp = SamplingParams(temperature=temp, max_new_tokens=12, samples_per_prompt=2, seed=1)
         gen = hy.generate(mixed_prompts(), sp)
         assert gen.logprobs.dtype == torch.float32
         with torch.no_grad():
@@ -93,14 +93,14 @@ def test_bf16_fixed_seed_reproduces_and_eos_leaves_batch():
     with torch.no_grad():
         model.lm_head.weight[2] += 2.0 * model.lm_head.weight.abs().max()  # EOS (id 2) likely: rows end early
     _, hy = hybrid(model, inference_dtype="bf16")
-    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, min_new_tokens=2, n=3, seed=11)
+    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, min_new_tokens=2, samples_per_prompt=3, seed=11)
     a, b = hy.generate(mixed_prompts(), sp), hy.generate(mixed_prompts(), sp)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.logprobs, b.logprobs)
     lengths = a.response_mask.sum(1)
     assert (lengths >= 3).all() and (lengths < 10).any()  # ≥ 2 tokens then EOS; some rows ended
     for row, n in zip(a.responses, lengths):
         assert (row[n:] == PAD).all()
-    c = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=12))
+    c = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=10, samples_per_prompt=3, seed=12))
     assert not torch.equal(a.sequences, c.sequences)
 
 
@@ -159,7 +159,7 @@ def test_mismatch_correction_on_real_rollouts(dtype):
     rollouts (gaps ~1e-7) the correction is a no-op to 1e-5."""
     from rlhf.algorithms import ppo as A
     eng, hy = hybrid(tiny_model("llama"), inference_dtype=dtype)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=3)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, samples_per_prompt=2, seed=3)
     gen = hy.generate(mixed_prompts(), sp)
     m = gen.response_mask.float()
     with torch.no_grad():

@@ -83,7 +83,7 @@ def test_fast_kernels_agree_with_reference_while_rows_leave(family):
 def test_fast_kernels_logprobs_match_training_mode():
     model = tiny_model("qwen2")  # q/k/v biases: the packed GEMM's bias path
     eng, hy = hybrid(model)
-    sp = SamplingParams(temperature=0.7, max_new_tokens=10, n=2, seed=3)
+    sp = SamplingParams(temperature=0.7, max_new_tokens=10, samples_per_prompt=2, seed=3)
     gen = hy.generate(mixed_prompts(), sp)
     with torch.no_grad():
         lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
@@ -103,6 +103,6 @@ def test_packed_weights_live_only_while_decoding():
     model.release()
     assert all(r() is None for r in refs) and model._rows == 0
     # generate packs for its own batch and releases on the way out
-    out = model.generate(mixed_prompts(3), SamplingParams(temperature=0, max_new_tokens=3, n=2),
+    out = model.generate(mixed_prompts(3), SamplingParams(temperature=0, max_new_tokens=3, samples_per_prompt=2),
                          eos_id=Tok.eos_token_id, pad_id=Tok.pad_token_id)
     assert out.sequences.shape[0] == 6 and model._rows == 0 and model.cache is None

@@ -114,7 +114,7 @@ def test_static_sampling_draws_what_the_row_removing_loop_draws(family):
     """Same seed, same rollouts: each running row takes the draw the row-removing loop gives it,
     also across min_new_tokens (EOS banned), top-k/top-p, several samples per prompt."""
     _, hy = hybrid(eos_prone(family))
-    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW, min_new_tokens=2, n=2, seed=4)
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW, min_new_tokens=2, samples_per_prompt=2, seed=4)
     _, ref = generate(hy, "dynamic", sp, mixed_prompts(5))
     _, out = generate(hy, "static", sp, mixed_prompts(5))
     assert len(set(ref.response_mask.sum(1).tolist())) >= 3 and (ref.response_mask.sum(1) >= 3).all()
@@ -128,7 +128,7 @@ def test_same_shapes_give_the_same_bits():
     """With keys spanning exactly the filled slots and a full bucket running to the end, the static
     step computes what the row-removing loop computes, bit for bit."""
     _, hy = hybrid(tiny_model("llama", perturb=True), inference_kernels="reference")
-    sp = SamplingParams(temperature=0.8, max_new_tokens=NEW, min_new_tokens=NEW, n=2, seed=1)
+    sp = SamplingParams(temperature=0.8, max_new_tokens=NEW, min_new_tokens=NEW, samples_per_prompt=2, seed=1)
     _, ref = generate(hy, "dynamic", sp, mixed_prompts(4))
     _, out = generate(hy, "static", sp, mixed_prompts(4), chunk=1)
     assert torch.equal(out.sequences, ref.sequences) and torch.equal(out.logprobs, ref.logprobs)
@@ -247,7 +247,7 @@ def test_graph_path_bookkeeping(monkeypatch, caplog):
     _, hy = hybrid(eos_prone("llama"))
     prompts = mixed_prompts(6)
     for sp in (SamplingParams(temperature=0, max_new_tokens=NEW),
-               SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=3, n=2, seed=3)):
+               SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=3, samples_per_prompt=2, seed=3)):
         _, ref = generate(hy, "dynamic", sp, prompts, sync_every=100)
         model, out = generate(hy, "graphs", sp, prompts, sync_every=100)
         assert torch.equal(out.sequences, ref.sequences)
@@ -292,5 +292,5 @@ def test_static_loop_names_every_device():
     _, hy = hybrid(eos_prone("llama"))
     hy.decode = "static"
     with DeviceDiscipline() as guard:
-        hy.generate(mixed_prompts(4), SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=0))
+        hy.generate(mixed_prompts(4), SamplingParams(temperature=1.0, max_new_tokens=6, samples_per_prompt=2, seed=0))
     assert guard.calls >= 10

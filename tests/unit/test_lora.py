@@ -79,7 +79,7 @@ def test_training_weights_stay_unmerged_and_rollout_logprobs_match_training():
     model = adapted("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     eng, hy = engine_of(model)
-    sp = SamplingParams(temperature=0.8, max_new_tokens=8, n=2, seed=1)
+    sp = SamplingParams(temperature=0.8, max_new_tokens=8, samples_per_prompt=2, seed=1)
     gen = hy.generate(mixed_prompts(), sp)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # bit for bit: nothing merged in place

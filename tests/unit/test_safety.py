@@ -20,7 +20,7 @@ SOURCE_DIRS = ("rlhf", "stages", "bench", "scripts")
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
 HF_LOADERS = {"from_pretrained"}
 # The project's helpers that reach from_pretrained, and where their trust_remote_code argument sits.
-HELPERS = {"load_config": 1, "load_tokenizer": 1, "build_model": None}
+HELPERS = {"load_model_config": 1, "load_tokenizer": 1, "build_model": None}
 # Helper calls that do not thread model.trust_remote_code (safe: remote code stays off), reported
 # for their owners; (file, enclosing function, callee). Keep this list shrinking.
 KNOWN_UNTHREADED = {
