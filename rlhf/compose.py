@@ -1,9 +1,19 @@
 """Compose and validate the configuration (Hydra compose API over the typed dataclasses)."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import re
 from pathlib import Path
 from typing import Sequence, Tuple
 
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlhf import config as C
 from rlhf.config import Config, register
 from rlhf.errors import ConfigError
 
@@ -12,12 +22,6 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 def compose_config(overrides: Sequence[str] = ()) -> Tuple[Config, str]:
     """Returns the validated ``Config`` and its YAML text. Raises ``ConfigError`` on any problem."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     register()
     GlobalHydra.instance().clear()
     try:
@@ -53,11 +57,6 @@ def _describe(e: Exception) -> str:
 
 def _did_you_mean(text: str) -> str:
     """", did you mean 'max_steps'?" for an unknown key close to a real one of its group."""
-    import dataclasses
-    import difflib
-    import re
-
-    from rlhf import config as C
     m = re.search(r"Key '([^']+)' not in '(\w+)'", text)
     cls = getattr(C, m.group(2), None) if m else None
     if cls is None or not dataclasses.is_dataclass(cls):

@@ -17,11 +17,14 @@ return one number.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, List
+
+from hydra.utils import get_method
 
 from rlhf.data.gold import scorer_for
 from rlhf.data.records import Example
-from rlhf.errors import ConfigError
+from rlhf.errors import ConfigError, one_line
 
 
 def gold(responses: List[str], examples: List[Example], fmt: str) -> List[float]:
@@ -33,9 +36,6 @@ def gold(responses: List[str], examples: List[Example], fmt: str) -> List[float]
 
 
 def resolve(path: str) -> Callable:
-    from hydra.utils import get_method
-
-    from rlhf.errors import one_line
     try:
         return get_method(path)
     except Exception as e:  # hydra raises ImportError/ValueError variants, their cause chained
@@ -49,9 +49,6 @@ def resolve(path: str) -> Callable:
 def check(fn: Callable, path: str, example: Example, fmt: str) -> None:
     """Calls the reward function once, on an empty response to one record, before any work: a wrong
     signature or return type fails here with one line instead of after the models are loaded."""
-    import inspect
-
-    from rlhf.errors import one_line
     try:
         inspect.signature(fn).bind([""], [example], fmt)
     except TypeError as e:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlhf.algorithms.losses import pairwise_loss
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
@@ -32,9 +36,6 @@ log = logging.getLogger("rlhf")
 
 
 def run(cfg: Config) -> None:
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
     ctx = start_stage(cfg, "reward")
     mesh, t, d = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
@@ -142,7 +143,6 @@ def _pair_scores(engine, batch, device):
 
 def train_step(engine, micro_batches, margin: float = 0.0) -> tuple[float, float, float]:
     """One optimizer step of the pairwise loss, averaged over the global batch's pairs."""
-    from rlhf.algorithms.losses import pairwise_loss
     mesh = engine.mesh
     n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
     loss_sum, correct = 0.0, 0.0
@@ -158,9 +158,6 @@ def train_step(engine, micro_batches, margin: float = 0.0) -> tuple[float, float
 
 def evaluate_pairs(engine, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
     """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std of all scores."""
-    import torch
-
-    from rlhf.algorithms.losses import pairwise_loss
     sums = torch.zeros(6, dtype=torch.float64, device="cpu")  # pairs, correct, loss, chosen, rejected, sq
     engine.eval()
     with torch.no_grad():

@@ -10,6 +10,10 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf.algorithms.logprobs import shifted_nll_sum
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.chat import resolve_template
@@ -26,15 +30,13 @@ from rlhf.models import loading, lora
 from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
-    start_stage, text_corpus)
+    check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint, start_stage,
+    text_corpus)
 
 log = logging.getLogger("rlhf")
 
 
 def run(cfg: Config) -> None:
-    from transformers import AutoModelForCausalLM
-
     ctx = start_stage(cfg, "sft")
     mesh, train, data_cfg = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
@@ -138,7 +140,6 @@ def train_step(engine, micro_batches) -> tuple[float, float]:
 
     Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
     gradient does not depend on how the batch is split over ranks and accumulation steps."""
-    from rlhf.algorithms.logprobs import shifted_nll_sum
     mesh = engine.mesh
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
     loss_sum = 0.0
@@ -163,9 +164,6 @@ def save(ctx, engine, tokenizer, step, mesh, keep):
 
 def eval_loss(engine, cols, pad, mask_prompt, micro, mesh) -> float:
     """Token-weighted NLL over the held-out records (split over ranks)."""
-    import torch
-
-    from rlhf.algorithms.logprobs import shifted_nll_sum
     total, count = 0.0, 0
     engine.eval()
     with torch.no_grad():

@@ -16,6 +16,7 @@ gets one (the policy must learn to stop).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -177,5 +178,4 @@ def template_key(template: Optional[str]) -> Optional[str]:
     """A short digest of a template (for cache keys)."""
     if template is None:
         return None
-    import hashlib
     return hashlib.sha256(template.encode()).hexdigest()[:16]

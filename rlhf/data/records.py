@@ -312,7 +312,7 @@ def iter_raw_records(path: Path) -> Iterator[Tuple[Union[dict, DataError], str]]
 
 
 def _iter_parquet(path: Path) -> Iterator[Tuple[dict, str]]:
-    import datasets
+    import datasets  # lazy (here and below): 1-1.5 s to import (measured), only these sources need it
     try:
         ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
     except Exception as e:  # pyarrow raises many kinds

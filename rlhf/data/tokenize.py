@@ -21,10 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from rlhf.data.chat import Renderer, encode_unique, template_key, uses_chat
 from rlhf.data.records import Example
@@ -114,7 +117,6 @@ def tokenize_sft(examples: List[Example], tok, max_prompt: int, max_response: in
 
 
 def _save(path: Path, cols: Columns) -> None:
-    from safetensors.torch import save_file
     tensors, meta = {}, {}
     for name, col in cols.items():
         if col and isinstance(col[0], list):
@@ -131,8 +133,6 @@ def _save(path: Path, cols: Columns) -> None:
 
 
 def _load(path: Path) -> Columns:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["columns"])
     t = load_file(str(path))
@@ -178,7 +178,6 @@ _warned: set = set()
 
 def _is_main() -> bool:
     """Rank 0 of a torchrun job (or a single process): the one that warns."""
-    import os
     return os.environ.get("RANK", "0") == "0"
 
 

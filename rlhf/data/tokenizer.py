@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 
 # A user turn renders as the synthetic prompt ("Q: ...\nA:"), so that the embedded default task
@@ -25,8 +28,6 @@ CHAT_TEMPLATE = (
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int):
     """Returns a ``PreTrainedTokenizerFast`` trained on ``texts`` (deterministic for the same input)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
@@ -46,8 +47,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int
 
 def wrap_tokenizer(tokenizer_json: str, model_max_length: int):
     """The Hugging Face tokenizer around a trained `tokenizers` model (given as its JSON)."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
     fast = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(tokenizer_json), bos_token=BOS, eos_token=EOS, pad_token=PAD,
         unk_token=UNK,        model_max_length=model_max_length, padding_side="right", clean_up_tokenization_spaces=False)

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from rlhf.engine.mesh import Mesh
+from rlhf.models import lora
 from rlhf.rundir.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
 
 log = logging.getLogger("rlhf")
@@ -43,8 +45,6 @@ def _rng_state() -> Dict[str, torch.Tensor]:
 def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], state: dict, mesh: Mesh,
                     keep: int = 2) -> Path:
     """``engines``: name → TrainEngine. ``state``: JSON-able trainer state (data position, ...)."""
-    import torch.distributed.checkpoint as dcp
-
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / f"step_{step:08d}"
     if mesh.is_main:
@@ -76,8 +76,6 @@ def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], sta
 
 def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dict:
     """Restores every engine's model/optimizer/scheduler and this rank's RNG; returns trainer state."""
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
     sd = {}
@@ -113,7 +111,6 @@ def export_hf(engine, out_dir: Path, mesh: Mesh, tokenizer=None, extra_files: Op
 def write_hf(module, sd: dict, out_dir: Path, tokenizer=None, extra_files: Optional[dict] = None,
              adapter_dir: Optional[Path] = None) -> None:
     """``module``'s full state dict ``sd`` as a Hugging Face model directory (one process writes)."""
-    from rlhf.models import lora
     inner = getattr(module, "hf", None)  # ScalarHeadModel wraps the HF model it saves
     if inner is not None:
         module, sd = inner, {k.removeprefix("hf."): v for k, v in sd.items()}

@@ -14,9 +14,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from rlhf.config import EngineConfig
 from rlhf.errors import ConfigError
+from rlhf.launcher.watchdog import start_heartbeat, stop_heartbeat
 
 log = logging.getLogger("rlhf")
 
@@ -45,7 +47,6 @@ class Mesh:
     def dp_mesh(self):
         """The 1-D DeviceMesh ("dp") FSDP2 shards over."""
         if self._dp_mesh is None and self.distributed:
-            from torch.distributed.device_mesh import init_device_mesh
             self._dp_mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         return self._dp_mesh
 
@@ -176,7 +177,6 @@ def init_mesh(engine: EngineConfig) -> Mesh:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=engine.timeout_s),
                                 device_id=device if use_cuda else None)
         # Lets the rank that sees a collective time out name the peer that went silent.
-        from rlhf.launcher.watchdog import start_heartbeat
         start_heartbeat(rank, world_size)
     return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
                 device=device, backend=backend if world_size > 1 else None,
@@ -184,7 +184,6 @@ def init_mesh(engine: EngineConfig) -> Mesh:
 
 
 def shutdown(mesh: Mesh) -> None:
-    from rlhf.launcher.watchdog import stop_heartbeat
     stop_heartbeat()
     if mesh.distributed and dist.is_initialized():
         dist.destroy_process_group()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 
 def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
     """warmup: linear 0→1 over warmup_steps then constant (DeepSpeed WarmupLR, linear type).
@@ -27,7 +29,6 @@ def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int, min_
 
 
 def make_scheduler(optimizer, tcfg, total_steps: int):
-    import torch
     fn = lambda s: lr_factor(s, kind=tcfg.scheduler, warmup_steps=tcfg.warmup_steps,  # noqa: E731
                              total_steps=total_steps, min_ratio=tcfg.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

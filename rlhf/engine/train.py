@@ -18,6 +18,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from rlhf.config import EngineConfig, TrainConfig
 from rlhf.engine.mesh import Mesh, precision_of
@@ -54,9 +58,6 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
         # DDP broadcasts rank 0's parameters and buffers at construction.
         return nn.parallel.DistributedDataParallel(
             model, device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     # Rank 0's full weights, by reference: fully_shard copies its shard out of each parameter and
     # leaves the original tensor alone, so no second full copy is needed (the originals are freed
@@ -168,7 +169,6 @@ class TrainEngine:
         self.zero1 = mesh.distributed and ecfg.zero_stage == 1
         adam = dict(lr=lr or tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, foreach=True)
         if self.zero1:  # ZeRO-1: each rank keeps the AdamW state of its share of the parameters
-            from torch.distributed.optim import ZeroRedundancyOptimizer
             groups = [g for g in param_groups(self.model, tcfg.weight_decay) if g["params"]]
             self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **adam)
         else:
@@ -229,14 +229,12 @@ class TrainEngine:
     def state_dicts(self):
         """Sharded model and optimizer state (DTensors under FSDP2) for torch.distributed.checkpoint
         (ZeRO-1: the model only; its optimizer state is saved apart, ``save_zero1_optimizer``)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
         if self.zero1:
             return {"model": get_model_state_dict(self.model)}
         return {"model": get_model_state_dict(self.model),
                 "optim": get_optimizer_state_dict(self.model, self.optimizer)}
 
     def load_state_dicts(self, sd) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
         set_model_state_dict(self.model, sd["model"])
         if not self.zero1:
             set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
@@ -256,6 +254,5 @@ class TrainEngine:
         if not self.is_fsdp:
             sd = self.module.state_dict()
             return {k: v.detach().cpu() for k, v in sd.items()} if (all_ranks or self.mesh.is_main) else {}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         return get_model_state_dict(self.model, options=opts)

@@ -15,6 +15,13 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.run import parse_args, run
+
+from rlhf.errors import one_line
+from rlhf.launcher.watchdog import EXIT_PEER, HEARTBEAT_STORE_ENV, JobWatch
 from rlhf.rundir.fileio import pid_running
 
 # Seconds the agent waits after SIGTERM before it SIGKILLs a worker. Our workers do not handle
@@ -40,7 +47,6 @@ def _patch_worker_close(seconds: int) -> None:
     ``--shutdown-timeout`` only reaches the exit paths. Cap every close in this (launcher) process
     to ``seconds``, and remember which workers were still running, i.e. were terminated by the
     agent."""
-    from torch.distributed.elastic.multiprocessing.api import PContext
     original = getattr(PContext.close, "_rlhf_original", PContext.close)
 
     def close(self, death_sig=None, timeout: int = 30) -> None:
@@ -62,7 +68,6 @@ def launcher_args(cfg, overrides: List[str]) -> List[str]:
 
 
 def _err(msg: str) -> None:
-    from rlhf.errors import one_line
     print(f"rlhf: error: {one_line(msg)}", file=sys.stderr, flush=True)
 
 
@@ -71,8 +76,6 @@ def _root_cause(failures: dict):
     timestamps in whole seconds, and ranks often fail within the same second; so first come
     the failures that are causes (an exit code of their own, then a signal from outside), then
     the consequences: a rank that lost its peer (exit 3), then the ranks the agent terminated."""
-    from rlhf.launcher.watchdog import EXIT_PEER
-
     def order(item):
         rank, f = item
         if f.pid in _terminated_by_agent:
@@ -105,12 +108,6 @@ def child_failure(e) -> Tuple[int, Optional[str], str]:
 
 
 def self_launch(cfg, overrides: List[str]) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import parse_args, run
-
-    from rlhf.launcher.watchdog import EXIT_PEER, HEARTBEAT_STORE_ENV, JobWatch
     lc = cfg.launcher
     if lc.max_restarts > 0:
         # torch's agent shares one store server across rendezvous rounds and its workers use it
@@ -141,7 +138,6 @@ def self_launch(cfg, overrides: List[str]) -> int:
         if watch is not None and watch.reason:
             _err(f"stopping: another node gave up: {watch.reason.get('message')}")
             return int(watch.reason.get("code", EXIT_PEER))
-        from rlhf.errors import one_line
         _err(f"the rendezvous at {lc.rdzv_endpoint} failed ({type(e).__name__}: {one_line(str(e))}); "
              f"a node stopped, or the endpoint is unreachable")
         return EXIT_PEER

@@ -23,11 +23,13 @@ stopped answering or lost its connection (retryable: rerun to resume from the la
 """
 from __future__ import annotations
 
+import _thread
 import atexit
 import datetime
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -55,6 +57,8 @@ class Failure:
 
 
 def _store(host: str, port: int):
+    # torch is imported lazily in this module: rlhf/__main__.py's error path (one line, exit 2)
+    # imports it, and torch would take a config error from 0.3 s to 2 s (measured, CPU dev machine)
     import torch.distributed as dist
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_STORE_TIMEOUT)
 
@@ -191,7 +195,7 @@ def collective_failure(exc: BaseException, timeout_s: float) -> Optional[Failure
     peer in a multi-process job; None for anything else (a bug keeps its traceback)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: see _store
     text, is_dist = "", False
     for e in _chain(exc):
         text += f"\n{type(e).__name__}: {e}"
@@ -239,7 +243,6 @@ def hold_termination() -> None:
     """Blocks SIGTERM in this (exiting) process: the agent terminates the other ranks as soon as
     one fails, and a rank caught between printing its line and writing its error file would make
     the launcher print the line a second time. The process exits right after anyway."""
-    import signal
     try:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     except (AttributeError, ValueError, OSError):
@@ -280,8 +283,6 @@ class JobWatch:
         return self
 
     def _run(self) -> None:
-        import _thread
-        import signal
         while not self._stop.wait(1.0):
             try:
                 if self._store is None:

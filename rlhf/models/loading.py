@@ -6,19 +6,21 @@ the model (``rlhf.engine.train``), so a large checkpoint is read once per job, n
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 from typing import Optional
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from rlhf.config import ModelConfig
 from rlhf.errors import ConfigError
 
 
 def embedded_llama_config(m: ModelConfig, tokenizer):
-    from transformers import LlamaConfig
     return LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
@@ -43,9 +45,6 @@ def check_model_path(path: str) -> None:
 def check_model_family(config_file: Path, path: str) -> None:
     """config.json must parse, and name a model family Transformers knows (or bring its own code
     through ``auto_map``, which loads only with model.trust_remote_code=true)."""
-    import json
-
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     try:
         spec = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -61,7 +60,6 @@ def check_model_family(config_file: Path, path: str) -> None:
 def load_model_config(path: str, trust_remote_code: bool):
     """The Hugging Face model config (AutoConfig) at ``path`` (the run's own config is composed by
     ``rlhf.compose.compose_config``)."""
-    from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -70,7 +68,6 @@ def load_model_config(path: str, trust_remote_code: bool):
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -135,7 +132,6 @@ def resize_for_tokenizer(model, tokenizer) -> None:
 def causal_lm(src: str, mesh, tokenizer, trust_remote_code: bool = False) -> torch.nn.Module:
     """The causal LM at ``src`` (rank 0 reads it; the other ranks build it on meta and get the
     weights by broadcast when the engine wraps it), grown to the tokenizer's length."""
-    from transformers import AutoModelForCausalLM
     model_cfg = load_model_config(src, trust_remote_code)
     return build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
                        trust_remote_code=trust_remote_code, tokenizer=tokenizer)

@@ -22,7 +22,9 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
+from rlhf.errors import ConfigError
 from rlhf.models.blocks import decoder_layers
 
 log = logging.getLogger("rlhf")
@@ -57,8 +59,6 @@ def default_targets(model: nn.Module) -> List[str]:
     """The attention and MLP projections: names of the linear layers inside the decoder blocks
     (q/k/v/o_proj, gate/up/down_proj for Llama-likes; qkv_proj, gate_up_proj for Phi-3; c_attn,
     c_proj, c_fc for GPT-2), not the embeddings, the LM head or a score head."""
-    from transformers.pytorch_utils import Conv1D
-
     names = set()
     for layer in decoder_layers(model):
         for name, mod in layer.named_modules():
@@ -93,19 +93,17 @@ def apply_lora(model: nn.Module, lcfg, seed: int, head: Optional[str] = None,
     the modules named in ``full`` (a tied LM head follows its embedding).
     The adapters' init is seeded (A: Kaiming-uniform, B: zeros, so the adapted model starts as the
     base); a model on the meta device gets the shapes only (its weights arrive by broadcast)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # lazy: 5 s to import (measured), used only with model.lora.r > 0
 
     targets = list(lcfg.target_modules) if lcfg.target_modules else default_targets(model)
     present = {name.split(".")[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in present]
     if missing:
-        from rlhf.errors import ConfigError
         raise ConfigError(f"model.lora.target_modules={targets}: {', '.join(missing)} not a module of "
                           f"{type(model).__name__} (its projections: {', '.join(default_targets(model))})")
     saved = list(full or []) + ([head] if head else [])
     missing = [t for t in saved if t not in present]
     if missing:
-        from rlhf.errors import ConfigError
         raise ConfigError(f"model.lora.modules_to_save={saved}: {', '.join(missing)} not a module of "
                           f"{type(model).__name__}")
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))

@@ -1,8 +1,11 @@
 """What every stage does first: process group, console, seeds, and finding its inputs."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -11,9 +14,10 @@ import torch
 
 from rlhf.config import Config
 from rlhf.data.records import Example
+from rlhf.engine.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint
 from rlhf.engine.mesh import Mesh, init_mesh
-from rlhf.errors import DataError
-from rlhf.rundir.log import setup_console
+from rlhf.errors import ConfigError, DataError
+from rlhf.rundir.log import MetricsWriter, setup_console
 
 log = logging.getLogger("rlhf")
 
@@ -52,8 +56,6 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
 def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
     """``run.resume``: true = the newest complete checkpoint of the stage (if any), false = none, or a
     path: that checkpoint (a ``step_<N>`` directory, absolute or inside <stage>/checkpoints/)."""
-    from rlhf.engine.checkpoint import STATE_FILE, latest_checkpoint
-    from rlhf.errors import ConfigError
     choice = ctx.cfg.run.resume
     if choice is True or choice is None:
         return latest_checkpoint(ctx.ckpt_dir)
@@ -71,9 +73,6 @@ def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
 def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config) -> dict:
     """What a run's checkpoints depend on: the model's architecture, the tokenizer, the data and the
     lengths (a short digest of each, and the data's description, for the message on a mismatch)."""
-    import hashlib
-    import json
-
     def digest(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -90,7 +89,6 @@ def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config)
 
 def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
     """Exit 2 with one line when ``ckpt`` was written by another setup, or is past train.max_steps."""
-    from rlhf.errors import ConfigError
     how = "rerun with run.resume=false to start over (or use another run.dir)"
     saved = state.get("fingerprint") or {}
     for key, now in ctx.fingerprint.items():
@@ -106,10 +104,6 @@ def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
     """Restores ``engines`` from ``ckpt`` (if any, after ``check_resumable``) and opens the stage's
     metrics.jsonl, keeping only the lines up to the checkpoint. Returns (start step, trainer state,
     metrics writer)."""
-    import json
-
-    from rlhf.engine.checkpoint import STATE_FILE, load_checkpoint
-    from rlhf.rundir.log import MetricsWriter
     if ckpt is not None:
         check_resumable(ctx, ckpt, json.loads((ckpt / STATE_FILE).read_text()))
     state = load_checkpoint(ckpt, engines, ctx.mesh) if ckpt is not None else {}
@@ -133,9 +127,6 @@ def check_writable(path: Path) -> None:
     """Fails early (exit 2) when the run directory cannot be created or written. A real probe (a
     temporary directory made and removed in the nearest existing ancestor): permission bits do not
     stop root, while a regular file in the way or a read-only file system does."""
-    import tempfile
-
-    from rlhf.errors import ConfigError
     p = Path(path)
     probe = p
     while not (probe.exists() or probe.is_symlink()) and probe != probe.parent:
@@ -171,7 +162,6 @@ def stage_input(cfg: Config, explicit: Optional[str], key: str, stage: str) -> s
     """The model a later stage starts from: ``key`` (e.g. ppo.actor_path) when set, else the SFT
     output in run.dir, else model.path (a stage run on its own). model.path is the SFT stage's input,
     so a whole-pipeline run given model.path still hands each stage the previous one's output."""
-    from rlhf.errors import ConfigError
     sft = previous_output(cfg.run.dir, "sft", "model")
     if explicit:
         source, why = explicit, key
