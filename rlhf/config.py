@@ -611,16 +611,14 @@ class Config:
                               f"rloo), not {a.estimator}")
 
     def validate_world(self, world_size: int) -> None:
-        """Checks that need the world size (sizes that must divide)."""
-        t, e = self.train, self.engine
+        """Checks that need the world size (sizes that must divide). The parallel degrees are checked
+        where the mesh is built (``rlhf.engine.mesh.init_mesh``), before this can run."""
+        t = self.train
         micro = t.micro_batch_per_rank or max(t.global_batch // world_size, 1)
         if t.global_batch % (micro * world_size) != 0:
             raise ConfigError(
                 f"train.global_batch={t.global_batch} is not divisible by train.micro_batch_per_rank={micro}"
                 f" x world size {world_size}")
-        if world_size % e.inference_tp_size != 0:
-            raise ConfigError(f"engine.inference_tp_size={e.inference_tp_size} does not divide the world "
-                              f"size {world_size}")
 
 
 def register() -> None:

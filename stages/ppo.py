@@ -40,7 +40,8 @@ from rlhf.rl.update import Diverged, ppo_update
 from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, previous_output, resume, run_fingerprint, stage_input, start_stage)
+    check_writable, checkpoint_to_resume, end_of_step, previous_output, resume, run_fingerprint, stage_input,
+    start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -66,6 +67,8 @@ def run(cfg: Config) -> None:
     ctx = start_stage(cfg, "ppo")
     mesh, train, ppo, alg = ctx.mesh, cfg.train, cfg.ppo, cfg.algorithm
     check_writable(cfg.run.dir)
+    # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
+    # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- setup: everything is validated before anything is written ----
     actor_src, rm_src = inputs(cfg)
@@ -190,12 +193,7 @@ def run(cfg: Config) -> None:
         if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, **row)
         bar.step(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
-        if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
-            evaluate(done)
-        saved = train.save_every and done % train.save_every == 0
-        if saved:
-            checkpoint(done)
-        interrupt.stop_here(stop, mesh, done, lambda s: None if saved else checkpoint(s))
+        end_of_step(done, train, stop, mesh, checkpoint, evaluate)
     bar.close()
     stop.close()
 

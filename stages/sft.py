@@ -30,8 +30,8 @@ from rlhf.models import loading, lora
 from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint, start_stage,
-    text_corpus)
+    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, resume, run_fingerprint,
+    start_stage, text_corpus)
 
 log = logging.getLogger("rlhf")
 
@@ -40,6 +40,8 @@ def run(cfg: Config) -> None:
     ctx = start_stage(cfg, "sft")
     mesh, train, data_cfg = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
+    # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
+    # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- setup: everything is validated before anything is written ----
     if cfg.model.path:
@@ -94,6 +96,7 @@ def run(cfg: Config) -> None:
             results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
         metrics.log(step, **results)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
+        engine.train()  # evaluation left it in eval mode
         return results
 
     # ---- loop ----
@@ -115,14 +118,8 @@ def run(cfg: Config) -> None:
             metrics.log(done, loss=loss, lr=lr, grad_norm=grad_norm,
                         samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
                         epoch=batches.epoch_of(done))
-        if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
-            evaluate(done)
-            engine.train()
-        saved = train.save_every and done % train.save_every == 0
-        if saved:
-            save(ctx, engine, tokenizer, done, mesh, train.keep_checkpoints)
-        interrupt.stop_here(stop, mesh, done,
-                            lambda s: None if saved else save(ctx, engine, tokenizer, s, mesh, train.keep_checkpoints))
+        end_of_step(done, train, stop, mesh, lambda s: save(ctx, engine, tokenizer, s, mesh, train.keep_checkpoints),
+                    evaluate)
     bar.close()
     stop.close()
 

@@ -42,6 +42,11 @@ def _rng_state() -> Dict[str, torch.Tensor]:
     return state
 
 
+def _state_dicts(engines: Dict[str, "object"]) -> dict:
+    """``<engine name>.<model|optim>`` → that engine's sharded state dict (what dcp saves and loads into)."""
+    return {f"{name}.{part}": value for name, eng in engines.items() for part, value in eng.state_dicts().items()}
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], state: dict, mesh: Mesh,
                     keep: int = 2) -> Path:
     """``engines``: name → TrainEngine. ``state``: JSON-able trainer state (data position, ...)."""
@@ -51,10 +56,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], sta
         remove_stale_temps(ckpt_dir)
     tmp = temp_dir_for(final) if mesh.is_main else None
     tmp = Path(mesh.broadcast_object(str(tmp)))
-    sd = {}
-    for name, eng in engines.items():
-        for part, value in eng.state_dicts().items():
-            sd[f"{name}.{part}"] = value
+    sd = _state_dicts(engines)
     dcp.save(sd, checkpoint_id=str(tmp))
     for name, eng in engines.items():
         if getattr(eng, "zero1", False):
@@ -78,10 +80,7 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
     """Restores every engine's model/optimizer/scheduler and this rank's RNG; returns trainer state."""
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
-    sd = {}
-    for name, eng in engines.items():
-        for part, value in eng.state_dicts().items():
-            sd[f"{name}.{part}"] = value
+    sd = _state_dicts(engines)
     dcp.load(sd, checkpoint_id=str(path))
     for name, eng in engines.items():
         eng.load_state_dicts({part: sd[f"{name}.{part}"] for part in ("model", "optim") if f"{name}.{part}" in sd})

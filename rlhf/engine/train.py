@@ -39,26 +39,43 @@ def _broadcast_buffers(model: nn.Module) -> None:
 
 
 def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool = True) -> nn.Module:
-    """Applies the ZeRO stage; on ranks > 0 ``model`` may be on the meta device (weights come from rank 0)."""
-    if ecfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Applies activation checkpointing and the ZeRO stage; on ranks > 0 ``model`` may be on the meta
+    device (weights come from rank 0). A new parallelism is one more ``apply_*`` function here."""
+    apply_ac(model, ecfg)
     if not mesh.distributed:
         _say_once_single_process(ecfg, mesh)
         return model.to(mesh.device)
     if ecfg.zero_stage in (0, 1):  # replicated weights (DDP); ZeRO-1 shards only the optimizer state
-        if not mesh.is_main:
-            model = model.to_empty(device=mesh.device)
-            if hasattr(model, "tie_weights"):  # to_empty unties shared parameters
-                model.tie_weights()
-        model = model.to(mesh.device)
-        if not trainable:  # nothing to reduce: replicate rank 0's weights and stop there
-            for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t.data, src=0)
-            return model
-        # DDP broadcasts rank 0's parameters and buffers at construction.
-        return nn.parallel.DistributedDataParallel(
-            model, device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
+        return apply_ddp(model, mesh, trainable)
+    return apply_fsdp(model, mesh, ecfg)
 
+
+def apply_ac(model: nn.Module, ecfg: EngineConfig) -> None:
+    """``engine.activation_checkpointing``: recompute the decoder blocks' activations in backward
+    (Transformers' non-reentrant gradient checkpointing)."""
+    if ecfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_ddp(model: nn.Module, mesh: Mesh, trainable: bool) -> nn.Module:
+    """ZeRO-0/1: replicated weights, rank 0's everywhere; DDP reduces the gradients of a trained model."""
+    if not mesh.is_main:
+        model = model.to_empty(device=mesh.device)
+        if hasattr(model, "tie_weights"):  # to_empty unties shared parameters
+            model.tie_weights()
+    model = model.to(mesh.device)
+    if not trainable:  # nothing to reduce: replicate rank 0's weights and stop there
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+        return model
+    # DDP broadcasts rank 0's parameters and buffers at construction.
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
+    """ZeRO-2/3: FSDP2 ``fully_shard`` per decoder block and at the root (ZeRO-3 reshards the
+    parameters after forward), bf16 through its mixed-precision policy, optional CPU offload."""
     # Rank 0's full weights, by reference: fully_shard copies its shard out of each parameter and
     # leaves the original tensor alone, so no second full copy is needed (the originals are freed
     # once they are broadcast below). A new dict: set_model_state_dict replaces its entries.

@@ -1,4 +1,5 @@
-"""What every stage does first: process group, console, seeds, and finding its inputs."""
+"""What every stage does around its loop: process group, console, seeds, finding its inputs, resuming,
+and the end of each step (evaluate, checkpoint, stop on a signal)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,15 +9,16 @@ import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
-from rlhf.config import Config
+from rlhf.config import Config, TrainConfig
 from rlhf.data.records import Example
 from rlhf.engine.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint
 from rlhf.engine.mesh import Mesh, init_mesh
 from rlhf.errors import ConfigError, DataError
+from rlhf.launcher import interrupt
 from rlhf.rundir.log import MetricsWriter, setup_console
 
 log = logging.getLogger("rlhf")
@@ -121,6 +123,19 @@ def rank_batches(n: int, micro: int, mesh: Mesh):
     idx = list(range(n))[mesh.rank::mesh.world_size]
     for s in range(0, -(-n // mesh.world_size), micro):
         yield idx[s:s + micro]
+
+
+def end_of_step(done: int, train: TrainConfig, stop: interrupt.StopRequest, mesh: Mesh,
+                checkpoint: Callable[[int], object], evaluate: Optional[Callable[[int], object]] = None) -> None:
+    """What every stage's loop does after its step ``done``: evaluate every ``train.eval_every`` steps
+    (the last step's evaluation is the export's), checkpoint every ``train.save_every``, and after a
+    first SIGINT/SIGTERM checkpoint (unless just done) and stop (``rlhf.launcher.interrupt``)."""
+    if evaluate is not None and train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
+        evaluate(done)
+    saved = train.save_every and done % train.save_every == 0
+    if saved:
+        checkpoint(done)
+    interrupt.stop_here(stop, mesh, done, lambda step: None if saved else checkpoint(step))
 
 
 def check_writable(path: Path) -> None:

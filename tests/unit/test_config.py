@@ -32,14 +32,18 @@ def test_bad_config_is_one_clear_error(override, fragment):
     assert fragment in str(e.value)
 
 
-def test_world_size_checks():
+def test_world_size_checks(monkeypatch):
     cfg, _ = compose_config(["train.global_batch=10", "train.micro_batch_per_rank=3"])
     with pytest.raises(ConfigError, match="not divisible"):
         cfg.validate_world(2)
-    cfg, _ = compose_config(["engine.inference_tp_size=2", "train.global_batch=12"])
-    with pytest.raises(ConfigError, match="does not divide"):
-        cfg.validate_world(3)
+    cfg, _ = compose_config(["engine.inference_tp_size=2", "train.global_batch=12", "engine.device=cpu"])
     cfg.validate_world(4)
+    # the parallel degrees: checked once, where the mesh is built (before any process group starts)
+    from rlhf.engine.mesh import init_mesh
+    for key, value in (("WORLD_SIZE", "3"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "3")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="engine.inference_tp_size=2 does not divide the world size 3"):
+        init_mesh(cfg.engine)
 
 
 def test_self_launch_arguments():
