@@ -254,11 +254,11 @@ def main(argv=None) -> None:
         print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
     for i, (text, tokens, finished) in enumerate(results):
-        prompt = prompts[i // args.n]
+        prompt_ix, sample = divmod(i, args.n)  # rows are prompt-major (rlhf.ops.sampling.prompt_major)
         if args.text:
             print(text, flush=True)
         else:
-            print(json.dumps({"prompt": prompt, "sample": i % args.n, "response": text, "tokens": tokens,
+            print(json.dumps({"prompt": prompts[prompt_ix], "sample": sample, "response": text, "tokens": tokens,
                               "finished": finished}, ensure_ascii=False), flush=True)
 
 

@@ -154,10 +154,10 @@ def decode_loop(ecfg: EngineConfig, device: torch.device, tp: int) -> str:
     return "graphs" if tp == 1 else "static"
 
 
-def _rows(out: Generation, per_rank: List[List[List[int]]], tp_rank: int, n: int) -> Generation:
-    """This rank's rows of a TP group's generation (prompt-major, ``n`` samples each)."""
-    start = sum(len(p) for p in per_rank[:tp_rank]) * n
-    stop = start + len(per_rank[tp_rank]) * n
+def _rows(out: Generation, per_rank: List[List[List[int]]], tp_rank: int, samples_per_prompt: int) -> Generation:
+    """This rank's rows of a TP group's generation (``prompt_major``: a prompt's samples consecutive)."""
+    start = sum(len(p) for p in per_rank[:tp_rank]) * samples_per_prompt
+    stop = start + len(per_rank[tp_rank]) * samples_per_prompt
     # re-trim the common left padding so that this rank's prompt length is its own
     seq, att = out.sequences[start:stop], out.attention_mask[start:stop]
     p = out.prompt_len
