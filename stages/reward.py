@@ -29,7 +29,7 @@ from rlhf.models import loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, sequence_scores
 from rlhf.rundir.log import progress
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, rank_batches, require_batches, resume, run_fingerprint,
+    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, resume, run_fingerprint,
     stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
@@ -37,25 +37,25 @@ log = logging.getLogger("rlhf")
 
 def run(cfg: Config) -> None:
     ctx = start_stage(cfg, "reward")
-    mesh, t, d = ctx.mesh, cfg.train, cfg.data
+    mesh, train, data_cfg = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
 
     # ---- setup: everything is validated before anything is written ----
     source = stage_input(cfg, cfg.reward.model_path, "reward.model_path", "reward")
     loading.check_model_path(source)
-    data = load_stage_data(d, "reward", cfg.run.seed)
+    data = load_stage_data(data_cfg, "reward", cfg.run.seed)
     for e in data.train[:1] + data.eval[:1]:
         if e.chosen is None or e.rejected is None:
-            raise ConfigError(f"data.format={d.format} has no preference pairs (use prompt_chosen_rejected, "
+            raise ConfigError(f"data.format={data_cfg.format} has no preference pairs (use prompt_chosen_rejected, "
                               f"hh or synthetic)")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
-    lens = dict(max_prompt=d.max_prompt_len, max_response=d.max_response_len,
-                chat=resolve_template(tokenizer, d.chat_template))
+    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len,
+                chat=resolve_template(tokenizer, data_cfg.chat_template))
     train_cols = cached("pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh,
                         lambda: tokenize_pairs(data.train, tokenizer, **lens))
     eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
                        lambda: tokenize_pairs(data.eval, tokenizer, **lens))
-    require_batches(len(train_cols["chosen"]), t.global_batch, f"data ({data.description})")
+    require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
@@ -72,14 +72,14 @@ def run(cfg: Config) -> None:
                                     trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
     # model.lora.r > 0: adapters on the backbone, the score head fully trained (and saved with them)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, head=head_name(model))
-    engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, t)
+    engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, train)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model_cfg, tokenizer, data.description, cfg))
     start, _, metrics = resume(ctx, {"reward": engine}, ckpt)
 
-    micro = t.micro_batch_per_rank or t.global_batch // mesh.world_size
-    batches = GlobalBatches(len(train_cols["chosen"]), t.global_batch, cfg.run.seed)
+    micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
+    batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
     pad = tokenizer.pad_token_id
 
     def collate(indices):
@@ -92,40 +92,38 @@ def run(cfg: Config) -> None:
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items() if k.startswith("eval/")))
         return res
 
+    def evaluate_mid_run(step):
+        evaluate(step)
+        engine.train()
+
     # ---- loop ----
     log.info("reward: %d pairs (%s) from %s, %d steps of %d pairs", len(train_cols["chosen"]),
-             data.description, source, t.max_steps, t.global_batch)
+             data.description, source, train.max_steps, train.global_batch)
     engine.train()
     def checkpoint(step):
         return save_checkpoint(ctx.ckpt_dir, step, {"reward": engine},
-                               {"stage": "reward", "fingerprint": ctx.fingerprint}, mesh, keep=t.keep_checkpoints)
+                               {"stage": "reward", "fingerprint": ctx.fingerprint}, mesh, keep=train.keep_checkpoints)
 
-    bar = progress(t.max_steps, start, cfg.logger.progress, "reward", mesh.is_main)
+    bar = progress(train.max_steps, start, cfg.logger.progress, "reward", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
-    for step in range(start, t.max_steps):
+    for step in range(start, train.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
         lr = engine.lr
         loss, acc, grad_norm = train_step(engine, mbs, cfg.reward.margin)
-        seen += t.global_batch
+        seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}", acc=f"{acc:.2f}")
-        if done % t.log_every == 0 or step == start or done == t.max_steps:
+        if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, loss=loss, accuracy=acc, lr=lr, grad_norm=grad_norm,
                         samples_per_s=seen / max(time.perf_counter() - t0, 1e-9))
-        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
-            evaluate(done)
-            engine.train()
-        saved = t.save_every and done % t.save_every == 0
-        if saved:
-            checkpoint(done)
-        interrupt.stop_here(stop, mesh, done, lambda s: None if saved else checkpoint(s))
+        end_of_step(done, train, stop, mesh, checkpoint, evaluate_mid_run)
     bar.close()
     stop.close()
 
     # ---- save ----
-    res = evaluate(t.max_steps)
-    stats = {"mean": res["scores/mean"], "std": res["scores/std"], "step": t.max_steps,
+    res = evaluate(train.max_steps)
+    stats = {"mean": res["scores/mean"], "std": res["scores/std"], "step": train.max_steps,
              **{k: v for k, v in res.items() if k.startswith("eval/")}}
     export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={REWARD_STATS_FILE: stats},
               adapter_dir=ctx.out / "adapter")
