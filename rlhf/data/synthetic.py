@@ -3,12 +3,14 @@
 Prompt ``"Q: What is 03 + 45?\\nA:"``, response ``" The answer is 48."``. Operands are zero-padded so
 every prompt has the same length. The SFT data is right with probability ``p_correct`` and off by
 1..3 otherwise, so a policy that imitates it is right only part of the time (room for the reward
-model and PPO). Preference pairs put the right answer against a wrong one: half the time off by
-1..3 (the SFT data's own errors), else off by 4..15. A reward model that only ever saw near misses
-prefers far-off answers it never saw over the right one (measured: its argmax over n±12 was right on
-19% of held-out prompts), and PPO walks straight into them. Gold = exact match of the whole
-response, a rule the reward model never sees. Held-out prompts use operand pairs that
-no training record contains. Deterministic per seed.
+model and PPO). Preference pairs put the right answer against a wrong one, in three equal shares:
+off by 1..3 (the SFT data's own errors), one digit of the answer replaced (the tens digit wrong is
+the carry mistake a policy makes when it samples), and off by 4..15. A reward model that only ever
+saw near misses prefers far-off answers it never saw over the right one (measured: its argmax over
+n±12 was right on 19% of held-out prompts); one without digit errors scores n±10 as high as n (argmax
+over n±15 right on 30% of held-out prompts, the rest at n±10), and PPO walks straight into them.
+Gold = exact match of the whole response, a rule the reward model never sees. Held-out prompts use
+operand pairs that no training record contains. Deterministic per seed.
 """
 from __future__ import annotations
 
@@ -48,10 +50,22 @@ def _wrong(n: int, rng: random.Random) -> int:
             return w
 
 
+def _digit_error(n: int, rng: random.Random) -> int:
+    """``n`` with one of its digits replaced by another (no leading zero)."""
+    digits = list(str(n))
+    i = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0" and len(digits) > 1)]
+    digits[i] = rng.choice(choices)
+    return int("".join(digits))
+
+
 def _rejected(n: int, rng: random.Random) -> int:
-    """Half the time off by 1..3 (the SFT data's own errors), else off by 4..15."""
-    if rng.random() < 0.5:
+    """A third each: off by 1..3 (the SFT data's own errors), one digit wrong, off by 4..15."""
+    kind = rng.randrange(3)
+    if kind == 0:
         return _wrong(n, rng)
+    if kind == 1:
+        return _digit_error(n, rng)
     while True:
         w = n + rng.choice((-1, 1)) * rng.randint(4, 15)
         if w >= 0:

@@ -20,10 +20,9 @@ def gold_of(path):
     return [r["gold/score"] for r in rows(path) if "gold/score" in r]
 
 
-# the least gain over 30 iterations each learning test accepts; measured from the default SFT model
-# (gold 0.398, 128 prompts × 2): RLOO +0.18, REINFORCE++ +0.21. (GAE with the reward model gained only
-# +0.02 in 30 iterations and lost greedy gold: the recipe issue's work; its test stays the slow full run.)
-GAIN = {"rloo": 0.1, "reinforce_pp": 0.1}
+# the least gain over 30 iterations each learning test accepts, from the default SFT model (and, for
+# GAE, the default reward model); measured on seed 1234 (128 prompts × 2): see each test.
+GAIN = {"gae": 0.1, "rloo": 0.1, "reinforce_pp": 0.1}
 
 
 def quick_ppo(run_dir, *extra):
@@ -34,7 +33,7 @@ def quick_ppo(run_dir, *extra):
             "ppo.min_rm_accuracy=0", *extra]  # a 30-step reward model: below the default gate
 
 
-@pytest.mark.slow  # about 5 minutes; issue 5's acceptance bar (+0.3 gold over SFT, measured +0.31)
+@pytest.mark.slow  # about 3 minutes; the recipe's targets (README "Learning over seeds")
 def test_default_ppo_beats_sft(default_reward_run):
     proc = run_cli("stage=ppo", f"run.dir={default_reward_run}", timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,7 +41,7 @@ def test_default_ppo_beats_sft(default_reward_run):
     gold = gold_of(out / "metrics.jsonl")
     sft_gold = gold_of(default_reward_run / "sft" / "metrics.jsonl")[-1]
     assert gold[0] == pytest.approx(sft_gold)  # the same prompts and decoding as the SFT stage's
-    assert gold[-1] >= sft_gold + 0.3, (sft_gold, gold)
+    assert gold[-1] >= sft_gold + 0.25, (sft_gold, gold)
     steps = [r for r in rows(out / "metrics.jsonl") if "reward/mean" in r]
     assert max(r["kl/mean"] for r in steps) < 3.0
     first = sum(r["reward/mean"] for r in steps[:10]) / 10
@@ -62,7 +61,7 @@ def test_grpo_with_rule_reward_beats_sft(default_sft_run, tmp_path):
                    "ppo.reward_fn=rlhf.rewards.gold", timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     gold = gold_of(tmp_path / "ppo" / "metrics.jsonl")
-    assert gold[-1] >= gold[0] + 0.3, gold
+    assert gold[-1] >= gold[0] + 0.25, gold  # the recipe's target (README "Learning over seeds")
     assert not (tmp_path / "ppo" / "critic").exists()  # critic-free: no critic loaded or saved
 
 
@@ -77,6 +76,15 @@ def short_learning_run(sft_run, run_dir, *extra):
                    *extra, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return gold_of(run_dir / "ppo" / "metrics.jsonl")
+
+
+def test_gae_ppo_with_the_reward_model_raises_gold(default_reward_run, tmp_path):
+    """PPO with a critic on the default reward model's scores (the pipeline's own path, no gold rule in
+    the reward): 30 iterations must raise the held-out gold, and the reward must track the gold."""
+    gold = short_learning_run(default_reward_run, tmp_path)
+    assert gold[-1] >= gold[0] + GAIN["gae"], gold
+    steps = [r for r in rows(tmp_path / "ppo" / "metrics.jsonl") if "reward/gold_corr" in r]
+    assert sum(r["reward/gold_corr"] for r in steps) / len(steps) > 0.5, steps[-1]
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])

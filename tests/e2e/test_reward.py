@@ -11,7 +11,7 @@ def test_default_reward_run(default_reward_run):
     out = default_reward_run / "reward"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if "eval/accuracy" in r][-1]
-    assert final["eval/accuracy"] >= 0.9, final
+    assert final["eval/accuracy"] >= 0.95, final  # the recipe's target (README "Learning over seeds")
     assert final["eval/chosen_score"] > final["eval/rejected_score"]
     assert all(k in rows[0] for k in ("loss", "accuracy"))
     stats = json.loads((out / "model" / "reward_stats.json").read_text())

@@ -30,8 +30,10 @@ def test_default_sft_run(default_sft_run):
     assert losses[-1] <= 0.5 * losses[0], losses
     assert all(k in rows[0] for k in ("loss", "lr", "samples_per_s"))
     final = [r for r in rows if "gold/score" in r][-1]
-    assert 0.2 <= final["gold/score"] <= 0.7, final
-    assert "eval/loss" in final and "gold/score_greedy" in final
+    # the recipe's targets (README "Learning over seeds"): the arithmetic learnt (greedy), the data's
+    # own errors still sampled (room for RL)
+    assert final["gold/score_greedy"] >= 0.8 and 0.25 <= final["gold/score"] <= 0.7, final
+    assert "eval/loss" in final
     assert list((out / "checkpoints").iterdir()), "checkpoints are written by default"
 
 

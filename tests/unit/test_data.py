@@ -146,6 +146,31 @@ def test_synthetic_task_is_deterministic_with_disjoint_held_out():
     assert len({len(e.prompt) for e in tr1}) == 1  # zero-padded operands: equal-length prompts
 
 
+def test_synthetic_rejected_answers_cover_near_misses_digit_errors_and_far_misses():
+    """A third each: the reward model must see the carry mistakes (a tens digit wrong) a sampling
+    policy makes, not only near misses (docs/performance.md: without them it scored n±10 like n)."""
+    tr, _ = synthetic.generate(SyntheticConfig(num_records=6000), 256, seed=3)
+    kinds = {"near": 0, "digit": 0, "far": 0}
+    for e in tr:
+        n, w = int(e.reference), int(synthetic.ANSWER.match(e.rejected).group(1))
+        assert w != n and w >= 0
+        same_len = len(str(w)) == len(str(n))
+        one_digit = same_len and sum(a != b for a, b in zip(str(w), str(n))) == 1
+        if abs(w - n) <= 3:
+            kinds["near"] += 1
+        elif one_digit:
+            kinds["digit"] += 1
+        else:
+            assert 4 <= abs(w - n) <= 15, (n, w)
+            kinds["far"] += 1
+    share = {k: v / len(tr) for k, v in kinds.items()}
+    # a digit error within ±3 or a far miss that changes one digit counts once, in the first kind
+    assert share["near"] > 0.33 and share["digit"] > 0.2 and share["far"] > 0.1, share
+    tens = sum(abs(int(synthetic.ANSWER.match(e.rejected).group(1)) - int(e.reference)) % 10 == 0
+               for e in tr) / len(tr)
+    assert tens > 0.1, tens  # n ± 10, 20, …: the carry mistakes (0.19 here; 0.04 without digit errors)
+
+
 def test_gold_scorers():
     assert synthetic.gold_score(" The answer is 48.", "48") == 1.0
     assert synthetic.gold_score(" The answer is 48. extra", "48") == 0.0
