@@ -32,8 +32,8 @@ class Mesh:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: Optional[str] = None
     inference_tp_size: int = 1
+    _device_mesh: Any = None
     _dp_mesh: Any = None
-    _tp_group: Any = None
 
     @property
     def distributed(self) -> bool:
@@ -43,14 +43,25 @@ class Mesh:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    # ---- the job's one DeviceMesh, 2-D: ("replica", "tp") ----
+    # Inference TP group g is ranks [g·tp, (g+1)·tp) (mesh["tp"]); the groups ("replica") generate
+    # different prompts. Training (FSDP2 / DDP) shards or replicates over every rank: the same mesh
+    # flattened to one dimension, "dp". Degrees are checked once, where the mesh is made (init_mesh).
+    @property
+    def device_mesh(self):
+        if self._device_mesh is None and self.distributed:
+            tp = self.inference_tp_size
+            self._device_mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp),
+                                                 mesh_dim_names=("replica", "tp"))
+        return self._device_mesh
+
     @property
     def dp_mesh(self):
-        """The 1-D DeviceMesh ("dp") FSDP2 shards over."""
+        """The 1-D DeviceMesh ("dp", every rank) FSDP2 shards over: the 2-D mesh flattened."""
         if self._dp_mesh is None and self.distributed:
-            self._dp_mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+            self._dp_mesh = self.device_mesh._flatten("dp")
         return self._dp_mesh
 
-    # ---- tensor-parallel groups of the inference mode: ranks [g·tp, (g+1)·tp) ----
     @property
     def tp_rank(self) -> int:
         return self.rank % self.inference_tp_size
@@ -62,15 +73,13 @@ class Mesh:
 
     @property
     def tp_group(self):
-        if self.inference_tp_size == 1:
-            return None
-        if self._tp_group is None:
-            tp = self.inference_tp_size
-            for g in range(self.world_size // tp):  # every rank creates every group, in order
-                group = dist.new_group(list(range(g * tp, (g + 1) * tp)))
-                if g == self.tp_index:
-                    self._tp_group = group
-        return self._tp_group
+        return None if self.inference_tp_size == 1 else self.device_mesh["tp"].get_group()
+
+    def set_inference_tp(self, tp: int) -> None:
+        """Another inference TP degree for this job (a new 2-D mesh; training's "dp" mesh stays)."""
+        check_tp(tp, self.world_size)
+        self.dp_mesh  # noqa: B018 (made from the first 2-D mesh before it is replaced)
+        self.inference_tp_size, self._device_mesh = tp, None
 
     def tp_all_gather_object(self, obj: Any) -> list:
         if self.inference_tp_size == 1:
@@ -151,6 +160,12 @@ def precision_of(ecfg: EngineConfig, device: torch.device) -> str:
     return "fp32"
 
 
+def check_tp(tp: int, world_size: int) -> None:
+    """The inference TP degree must split the world into whole groups (exit 2 otherwise)."""
+    if tp < 1 or world_size % tp != 0:
+        raise ConfigError(f"engine.inference_tp_size={tp} does not divide the world size {world_size}")
+
+
 def init_mesh(engine: EngineConfig) -> Mesh:
     """Reads torchrun's environment, picks the device, initialises the process group and validates
     degrees. Resolves ``engine.precision=auto`` in place once the device is known."""
@@ -167,9 +182,7 @@ def init_mesh(engine: EngineConfig) -> Mesh:
     if backend == "nccl" and not use_cuda:
         raise ConfigError(f"engine.backend=nccl needs CUDA tensors, and this run is on the {device.type} "
                           f"(use gloo, or engine.device=cuda on a machine with GPUs)")
-    if world_size % engine.inference_tp_size != 0:
-        raise ConfigError(f"engine.inference_tp_size={engine.inference_tp_size} does not divide the "
-                          f"world size {world_size}")
+    check_tp(engine.inference_tp_size, world_size)
     threads = engine.threads_per_rank or max(1, (os.cpu_count() or 1) // max(local_world, 1))
     if not use_cuda:
         torch.set_num_threads(threads)

@@ -46,7 +46,7 @@ CONFIGS = {
 
 
 def check(mesh, family: str, tp: int, hybrid: bool = True, **kw) -> dict:
-    mesh.inference_tp_size, mesh._tp_group = tp, None
+    mesh.set_inference_tp(tp)
     ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=hybrid, precision="fp32")
     model = tiny_model(family, perturb=True, **kw)
     ref = copy.deepcopy(model)
@@ -71,7 +71,7 @@ def no_corruption(mesh) -> list:
     out = []
     for do_generate in (False, True):
         ecfg = EngineConfig(zero_stage=3, inference_tp_size=2, precision="fp32")
-        mesh.inference_tp_size, mesh._tp_group = 2, None
+        mesh.set_inference_tp(2)
         eng = TrainEngine(tiny_model("llama"), mesh, ecfg, TrainConfig(lr=1e-2, warmup_steps=0))
         hy = HybridEngine(eng, Tok, ecfg)
         step_loss(eng, batch)
