@@ -27,14 +27,14 @@ from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine, reference_for
-from rlhf.errors import ConfigError, DataError
+from rlhf.errors import DataError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, resume, run_fingerprint,
-    stage_input, start_stage)
+    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, require_pairs, resume,
+    run_fingerprint, stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -50,10 +50,7 @@ def run(cfg: Config) -> None:
     source = stage_input(cfg, cfg.dpo.model_path, "dpo.model_path", "dpo")
     loading.check_model_path(source)
     data = load_stage_data(data_cfg, "dpo", cfg.run.seed)
-    for e in data.train[:1] + data.eval[:1]:
-        if e.chosen is None or e.rejected is None:
-            raise ConfigError(f"data.format={data_cfg.format} has no preference pairs (stage=dpo needs pairs: use "
-                              f"prompt_chosen_rejected, hh, messages with chosen/rejected, or synthetic)")
+    require_pairs(data, data_cfg.format, "dpo")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, data_cfg.chat_template)
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)

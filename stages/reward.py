@@ -23,14 +23,14 @@ from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
-from rlhf.errors import ConfigError, DataError
+from rlhf.errors import DataError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, sequence_scores
 from rlhf.rundir.log import progress
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, resume, run_fingerprint,
-    stage_input, start_stage)
+    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, require_pairs, resume,
+    run_fingerprint, stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -39,15 +39,14 @@ def run(cfg: Config) -> None:
     ctx = start_stage(cfg, "reward")
     mesh, train, data_cfg = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
+    # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
+    # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- setup: everything is validated before anything is written ----
     source = stage_input(cfg, cfg.reward.model_path, "reward.model_path", "reward")
     loading.check_model_path(source)
     data = load_stage_data(data_cfg, "reward", cfg.run.seed)
-    for e in data.train[:1] + data.eval[:1]:
-        if e.chosen is None or e.rejected is None:
-            raise ConfigError(f"data.format={data_cfg.format} has no preference pairs (use prompt_chosen_rejected, "
-                              f"hh or synthetic)")
+    require_pairs(data, data_cfg.format, "reward")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len,
                 chat=resolve_template(tokenizer, data_cfg.chat_template))

@@ -155,6 +155,14 @@ def check_writable(path: Path) -> None:
         raise ConfigError(f"run.dir={path}: not a writable directory ({e.strerror or e})") from None
 
 
+def require_pairs(data, data_format: str, stage: str) -> None:
+    """Exit 2 unless the stage's records are preference pairs (reward, DPO)."""
+    for e in data.train[:1] + data.eval[:1]:
+        if e.chosen is None or e.rejected is None:
+            raise ConfigError(f"data.format={data_format} has no preference pairs (stage={stage} needs pairs: use "
+                              f"prompt_chosen_rejected, hh, messages with chosen/rejected, or synthetic)")
+
+
 def require_batches(n_records: int, global_batch: int, what: str) -> None:
     if n_records < global_batch:
         raise DataError(f"{what}: {n_records} training records, fewer than one batch "
