@@ -21,8 +21,9 @@ def gold_of(path):
 
 
 # the least gain over 30 iterations each learning test accepts, from the default SFT model (and, for
-# GAE, the default reward model); measured on seed 1234 (128 prompts × 2): see each test.
-GAIN = {"gae": 0.1, "rloo": 0.1, "reinforce_pp": 0.1}
+# GAE, the default reward model); measured (run.seed 1234, 128 prompts × 2, gold 0.531 at the start):
+# GAE +0.15 (reward/gold_corr 0.64 on average), GRPO +0.17, RLOO +0.15, REINFORCE++ +0.18.
+GAIN = {"gae": 0.1, "grpo": 0.1, "rloo": 0.1, "reinforce_pp": 0.1}
 
 
 def quick_ppo(run_dir, *extra):
@@ -54,15 +55,13 @@ def test_default_ppo_beats_sft(default_reward_run):
     AutoModelForSequenceClassification.from_pretrained(out / "critic")
 
 
-def test_grpo_with_rule_reward_beats_sft(default_sft_run, tmp_path):
-    import shutil
-    shutil.copytree(default_sft_run / "sft", tmp_path / "sft")
-    proc = run_cli("stage=ppo", f"run.dir={tmp_path}", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
-                   "ppo.reward_fn=rlhf.rewards.gold", timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    gold = gold_of(tmp_path / "ppo" / "metrics.jsonl")
-    assert gold[-1] >= gold[0] + 0.25, gold  # the recipe's target (README "Learning over seeds")
-    assert not (tmp_path / "ppo" / "critic").exists()  # critic-free: no critic loaded or saved
+def test_grpo_with_rule_reward_raises_gold(default_sft_run, tmp_path):
+    """GRPO with the gold rule as reward, 30 iterations from the default SFT model (the recipe's full 80
+    are bench/seeds.py's and tests/e2e/test_seeds.py's): gold rises, and no critic is loaded or saved."""
+    gold = short_learning_run(default_sft_run, tmp_path, "algorithm.estimator=grpo", "ppo.use_reward_model=false",
+                              "ppo.reward_fn=rlhf.rewards.gold")
+    assert gold[-1] >= gold[0] + GAIN["grpo"], gold
+    assert not (tmp_path / "ppo" / "critic").exists()
 
 
 def short_learning_run(sft_run, run_dir, *extra):
