@@ -23,7 +23,7 @@ from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
-from rlhf.engine.checkpoint import export_hf, save_checkpoint
+from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine, reference_for
@@ -33,8 +33,8 @@ from rlhf.models import loading, lora
 from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, require_pairs, resume,
-    run_fingerprint, stage_input, start_stage)
+    check_writable, checkpoint_to_resume, end_of_step, export_policy, log_evaluation, rank_batches,
+    require_batches, require_pairs, resume, run_fingerprint, stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -84,10 +84,7 @@ def run(cfg: Config) -> None:
         results = evaluate_pairs(engine, reference, eval_cols, pad, micro, mesh, cfg.dpo)
         if data.gold is not None:
             results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
-        metrics.log(step, **results)
-        log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
-        engine.train()  # evaluation left it in eval mode
-        return results
+        return log_evaluation(metrics, step, results, engine)
 
     def checkpoint(step):
         return save_checkpoint(ctx.ckpt_dir, step, {"policy": engine},
@@ -119,8 +116,7 @@ def run(cfg: Config) -> None:
 
     # ---- save ----
     results = evaluate(train.max_steps)
-    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
-              extra_files={"rlhf_eval.json": {"step": train.max_steps, **results}}, adapter_dir=ctx.out / "adapter")
+    export_policy(engine, ctx, mesh, tokenizer, results, train.max_steps)
     metrics.close()
     log.info("dpo done: %s (eval/rewards/accuracy=%.4f)", ctx.out / "model", results["eval/rewards/accuracy"])
     shutdown(mesh)

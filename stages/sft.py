@@ -21,7 +21,7 @@ from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.data.tokenizer import train_embedded_tokenizer
-from rlhf.engine.checkpoint import export_hf, save_checkpoint
+from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
@@ -30,8 +30,8 @@ from rlhf.models import loading, lora
 from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, resume, run_fingerprint,
-    start_stage, text_corpus)
+    check_writable, checkpoint_to_resume, end_of_step, export_policy, log_evaluation, rank_batches,
+    require_batches, resume, run_fingerprint, start_stage, text_corpus)
 
 log = logging.getLogger("rlhf")
 
@@ -94,10 +94,7 @@ def run(cfg: Config) -> None:
             results["eval/loss"] = eval_loss(engine, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
         if data.gold is not None:
             results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
-        metrics.log(step, **results)
-        log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
-        engine.train()  # evaluation left it in eval mode
-        return results
+        return log_evaluation(metrics, step, results, engine)
 
     # ---- loop ----
     log.info("sft: %d records (%s), %d steps of %d samples, %d per micro-batch, %d accumulation",
@@ -125,8 +122,7 @@ def run(cfg: Config) -> None:
 
     # ---- save ----
     results = evaluate(train.max_steps)
-    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
-              extra_files={"rlhf_eval.json": {"step": train.max_steps, **results}}, adapter_dir=ctx.out / "adapter")
+    export_policy(engine, ctx, mesh, tokenizer, results, train.max_steps)
     metrics.close()
     log.info("sft done: %s", ctx.out / "model")
     shutdown(mesh)

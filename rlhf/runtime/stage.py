@@ -15,7 +15,7 @@ import torch
 
 from rlhf.config import Config, TrainConfig
 from rlhf.data.records import Example
-from rlhf.engine.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint
+from rlhf.engine.checkpoint import STATE_FILE, export_hf, latest_checkpoint, load_checkpoint
 from rlhf.engine.mesh import Mesh, init_mesh
 from rlhf.errors import ConfigError, DataError
 from rlhf.launcher import interrupt
@@ -136,6 +136,22 @@ def end_of_step(done: int, train: TrainConfig, stop: interrupt.StopRequest, mesh
     if saved:
         checkpoint(done)
     interrupt.stop_here(stop, mesh, done, lambda step: None if saved else checkpoint(step))
+
+
+def log_evaluation(metrics: MetricsWriter, step: int, results: dict, engine) -> dict:
+    """Logs a mid-run or final evaluation (metrics.jsonl and one console line) and puts the engine back
+    in training mode (evaluation left it in eval mode); returns ``results``."""
+    metrics.log(step, **results)
+    log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
+    engine.train()
+    return results
+
+
+def export_policy(engine, ctx: StageContext, mesh: Mesh, tokenizer, results: dict, step: int) -> None:
+    """A policy stage's export (SFT, DPO): ``<stage>/model`` (merged HF model, with its final evaluation
+    in rlhf_eval.json) and, with LoRA, ``<stage>/adapter``."""
+    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
+              extra_files={"rlhf_eval.json": {"step": step, **results}}, adapter_dir=ctx.out / "adapter")
 
 
 def check_writable(path: Path) -> None:
