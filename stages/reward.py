@@ -29,8 +29,8 @@ from rlhf.models import loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, sequence_scores
 from rlhf.rundir.log import progress
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, rank_batches, require_batches, require_pairs, resume,
-    run_fingerprint, stage_input, start_stage)
+    check_writable, checkpoint_to_resume, end_of_step, log_evaluation, rank_batches, require_batches,
+    require_pairs, resume, run_fingerprint, stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -87,13 +87,8 @@ def run(cfg: Config) -> None:
 
     def evaluate(step):
         res = evaluate_pairs(engine, eval_cols, pad, micro, mesh, cfg.reward.margin)
-        metrics.log(step, **{k: v for k, v in res.items() if k.startswith("eval/")})
-        log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items() if k.startswith("eval/")))
+        log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, engine)
         return res
-
-    def evaluate_mid_run(step):
-        evaluate(step)
-        engine.train()
 
     # ---- loop ----
     log.info("reward: %d pairs (%s) from %s, %d steps of %d pairs", len(train_cols["chosen"]),
@@ -116,7 +111,7 @@ def run(cfg: Config) -> None:
         if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, loss=loss, accuracy=acc, lr=lr, grad_norm=grad_norm,
                         samples_per_s=seen / max(time.perf_counter() - t0, 1e-9))
-        end_of_step(done, train, stop, mesh, checkpoint, evaluate_mid_run)
+        end_of_step(done, train, stop, mesh, checkpoint, evaluate)
     bar.close()
     stop.close()
 
