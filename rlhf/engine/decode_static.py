@@ -156,10 +156,7 @@ class StaticDecoder:
         self._start(model, ids, pmask, sp, generator)
         # the prefill: the real rows only, as the row-removing loop does it
         model._kv = list(self.cache[:, :B].unbind(0))
-        positions = (pmask.cumsum(-1) - 1).clamp(min=0)
-        plain = ids.device.type == "cuda" and not any(model.windows) and bool(pmask.all())
-        logits = model._forward(ids, self.rot[positions], None if plain else model._masks(pmask.bool(), 0, P),
-                                0, last_only=True)[:, -1]
+        logits = model.prefill(ids, pmask, self.rot)
         model._kv = list(self.cache.unbind(0))
         if R > B:
             logits = torch.cat([logits, logits.new_zeros((R - B, logits.shape[-1]))])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
 from rlhf.models.policies import InjectionPolicy
-from rlhf.ops import SamplingParams, attend, rms_norm, rotary_cos_sin, sample
+from rlhf.ops import SamplingParams, attend, attend_varlen, rms_norm, rotary_cos_sin, sample, varlen_kernel_fits
 from rlhf.ops.sampling import prompt_major
 from rlhf.ops.linear import can_pack, can_pack_rows, linear, linear_rows, pack_rows, prepare_weight
 from rlhf.ops.rotary import apply_rotary_
@@ -52,6 +52,28 @@ class Generation:
         return Generation(self.sequences[start:stop], self.attention_mask[start:stop],
                           self.response_mask[start:stop],
                           None if self.logprobs is None else self.logprobs[start:stop], self.prompt_len)
+
+
+@dataclass
+class Packed:
+    """The real tokens of left-padded rows, back to back (``InferenceModel.prefill``)."""
+    tokens: torch.Tensor  # [total] their flat indices in the [B, P] prompt block
+    slots: torch.Tensor  # [total] their flat indices in one layer's cache [B, S] (row b, slot s: b·S + s)
+    cu: torch.Tensor  # [B + 1] int32, row b = packed tokens cu[b]:cu[b+1]
+    last: torch.Tensor  # [B] the packed index of each row's last token
+    max_len: int
+
+    @staticmethod
+    def of(pmask: torch.Tensor, cache_len: int) -> Optional["Packed"]:
+        """None when a row has no token (nothing to attend from)."""
+        B, P = pmask.shape
+        lengths = pmask.sum(-1)
+        if not bool((lengths > 0).all()):
+            return None
+        tokens = pmask.reshape(-1).nonzero().squeeze(1)
+        row, col = tokens // P, tokens % P
+        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        return Packed(tokens, row * cache_len + col, cu, cu[1:].long() - 1, int(lengths.max()))
 
 
 def left_pad(prompts: List[List[int]], pad_id: int, device=None):
@@ -85,6 +107,9 @@ class InferenceModel:
         self.hq, self.hk = policy.num_heads // tp, policy.num_kv_heads // tp
         self.d = policy.head_dim
         self.windows = tuple(policy.window(i) for i in range(len(self.layers)))  # per layer, None = full
+        # the prefill of left-padded prompts: the real tokens packed into one sequence for the flash
+        # kernel (varlen) where it fits, else every slot with an additive mask (the CPU's reference)
+        self.packed_prefill = fast and varlen_kernel_fits(dtype, root["embed"].device, policy.head_dim)
         self.cache: Optional[torch.Tensor] = None
         self._kv: List[torch.Tensor] = []  # per-layer views of the cache
         if decode not in ("dynamic", "static", "graphs"):
@@ -182,13 +207,15 @@ class InferenceModel:
 
     def _forward(self, ids: torch.Tensor, rot: torch.Tensor, masks: Optional[Dict[Optional[int], torch.Tensor]],
                  start: int, last_only: bool = False, slot: Optional[torch.Tensor] = None,
-                 span: int = 0) -> torch.Tensor:
+                 span: int = 0, packed: Optional["Packed"] = None) -> torch.Tensor:
         """``rot`` [B, T, r/2] complex rotations (r = the rotated dimensions of a head); ``masks`` additive
         [B, 1, T, start+T] per layer window (None: causal, from slot 0, no padding, no window);
         ``last_only``: logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden]
         between GEMMs. A row-parallel output's bias (``bo``, ``b_down``) is on TP rank 0 only.
         The static step (rlhf/engine/decode_static.py): ``slot`` a [1] device tensor, the cache slot of
-        the one new token (``start`` unused), keys over the first ``span`` slots (``masks`` [B, 1, 1, span])."""
+        the one new token (``start`` unused), keys over the first ``span`` slots (``masks`` [B, 1, 1, span]).
+        ``packed`` (the prefill of ``prefill``): ``ids`` [1, total] the real prompt tokens of every row
+        back to back, written to their cache slots, attending within their own row (``masks`` unused)."""
         B, T = ids.shape
         end = start + T if slot is None else span
         hq, hk, d, eps, lin = self.hq, self.hk, self.d, self.p.eps, self._linear
@@ -203,6 +230,14 @@ class InferenceModel:
                 qk.copy_(F.rms_norm(qk, (d,), eps=eps).mul_(w["qk_norm"]))  # HF: weight · norm(x)
             apply_rotary_(qkv[:, :(hq + hk) * d], rot, d)  # q and k heads in one op, in place
             kv = self._kv[li]
+            if packed is not None:
+                kv.view(-1, kv.shape[-1]).index_copy_(0, packed.slots, qkv[:, hq * d:])
+                a = attend_varlen(qkv[:, :hq * d].view(-1, hq, d), qkv[:, hq * d:(hq + hk) * d].view(-1, hk, d),
+                                  qkv[:, (hq + hk) * d:].view(-1, hk, d), packed.cu, packed.max_len,
+                                  self.windows[li])
+                x.add_(self._all_reduce(lin(a.reshape(B * T, hq * d), w, rw, "wo", w.get("bo"))))
+                x = self._mlp(x, w, rw)
+                continue
             if slot is None:
                 kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
             else:  # a slot known on the device only: no host synchronisation
@@ -212,13 +247,47 @@ class InferenceModel:
             mask = None if masks is None else masks[self.windows[li]]
             a = attend(qkv[:, :hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
             x.add_(self._all_reduce(lin(a.transpose(1, 2).reshape(B * T, hq * d), w, rw, "wo", w.get("bo"))))
-            h = rms_norm(x, w["ln2"], eps)
-            gate, up = lin(h, w, rw, "w_gate_up", w.get("b_gate_up")).chunk(2, dim=-1)
-            x.add_(self._all_reduce(lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down", w.get("b_down"))))
-        if last_only:
+            x = self._mlp(x, w, rw)
+        if packed is not None:
+            x, B, T = x[packed.last], packed.last.shape[0], 1
+        elif last_only:
             x, T = x.view(B, T, -1)[:, -1], 1
         x = rms_norm(x, self.root["norm"], eps)
         return lin(x, self.root, self._rw[-1], "lm_head").view(B, T, -1)
+
+    def _mlp(self, x: torch.Tensor, w: Dict[str, torch.Tensor], rw) -> torch.Tensor:
+        """x + the layer's MLP of its post-attention norm, in place."""
+        h = rms_norm(x, w["ln2"], self.p.eps)
+        gate, up = self._linear(h, w, rw, "w_gate_up", w.get("b_gate_up")).chunk(2, dim=-1)
+        return x.add_(self._all_reduce(self._linear(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down",
+                                                    w.get("b_down"))))
+
+    def rotary_table(self, n: int, device) -> torch.Tensor:
+        """The rotations of positions 0..n−1 [n, r/2] (complex), looked up per step."""
+        return rotary_cos_sin(self.root["inv_freq"], torch.arange(n, device=device)[None],
+                              float(self.root["rope_scaling"]), self.dtype)[0]
+
+    def prefill(self, ids: torch.Tensor, pmask: torch.Tensor, rot_table: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] at the last token of each left-padded prompt (``ids``, ``pmask`` [B, P]), the
+        prompts' keys and values written to cache slots [0, P) (``rot_table``: rotations by position).
+        Unpadded rows with no sliding window on CUDA: plain causal attention (flash, no mask). Padded
+        rows where ``packed_prefill``: the real tokens of every row packed back to back, so that no GEMM
+        or attention computes padding and the flash kernel runs without a mask (varlen); the padding
+        slots of the cache keep what they held (the decode step masks them). Else (the CPU): every slot,
+        with an additive mask."""
+        B, P = ids.shape
+        positions = (pmask.cumsum(-1) - 1).clamp(min=0)
+        if ids.device.type == "cuda" and not any(self.windows) and bool(pmask.all()):
+            return self._forward(ids, rot_table[positions], None, 0, last_only=True)[:, -1]
+        pk = Packed.of(pmask, self._kv[0].shape[1]) if self.packed_prefill else None
+        if pk is not None:
+            rot = rot_table[positions].reshape(B * P, -1)[pk.tokens][None]
+            try:
+                return self._forward(ids.reshape(-1)[pk.tokens][None], rot, None, 0, packed=pk)[:, -1]
+            except RuntimeError as e:  # a kernel that refuses these operands: the masked path, from now on
+                log.warning("inference mode: packed prefill unavailable (%s); using the masked prefill", e)
+                self.packed_prefill = False
+        return self._forward(ids, rot_table[positions], self._masks(pmask.bool(), 0, P), 0, last_only=True)[:, -1]
 
     # ---- decode loop ----
     @torch.no_grad()
@@ -253,8 +322,7 @@ class InferenceModel:
         self.allocate(B, P + N, device)
         self.pack_for_rows(B)
         # rotations of every position this call can reach, looked up per step
-        rot_table = rotary_cos_sin(self.root["inv_freq"], torch.arange(P + N, device=device)[None],
-                                   float(self.root["rope_scaling"]), self.dtype)[0]
+        rot_table = self.rotary_table(P + N, device)
         # additive key mask over the cache slots, kept up to date in place: 0 = a token, -inf = padding / empty
         bias = torch.full((B, P + N), float("-inf"), dtype=self.dtype, device=device)
         bias[:, :P].masked_fill_(pmask.bool(), 0.0)
@@ -264,11 +332,7 @@ class InferenceModel:
         out_logp = torch.zeros((B, N), dtype=torch.float32, device=device)
         active: Optional[torch.Tensor] = None  # None = every row
         next_pos = positions[:, -1] + 1
-        # On CUDA, unpadded prompts need no mask (causal SDPA, the flash kernel); the CPU keeps the
-        # reference path
-        plain = device.type == "cuda" and not any(windows) and bool(pmask.all())
-        logits = self._forward(ids, rot_table[positions], None if plain else self._masks(pmask.bool(), 0, P),
-                               0, last_only=True)[:, -1]
+        logits = self.prefill(ids, pmask, rot_table)
         for t in range(N):
             ban = eos_id if t < sp.min_new_tokens else None
             tok, logp = sample(logits, sp, generator, ban=ban)

@@ -32,3 +32,41 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     out = F.scaled_dot_product_attention(q.reshape(B, kv, g * T, d), k, v,
                                          attn_mask=mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, g, 1))
     return out.view(B, H, T, d)
+
+
+def varlen_kernel_fits(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether ``torch.nn.attention.varlen.varlen_attn`` (flash attention over packed sequences)
+    takes these operands: a CUDA device, half precision, a head size the flash kernels support."""
+    try:
+        from torch.nn.attention import varlen  # noqa: F401  (absent from older torch builds)
+    except ImportError:
+        return False
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0 and head_dim <= 256)
+
+
+def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                  window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of packed sequences with no padding anywhere: q [total, H, d], k, v
+    [total, KV, d] (grouped-query as in ``attend``), sequence i = rows cu[i]:cu[i+1] (``cu`` int32
+    [n+1], ``max_len`` the longest); ``window``: keys at most window − 1 positions back (the
+    additive masks' rule). Returns [total, H, d]. Where the flash kernel fits (``varlen_kernel_fits``)
+    one ``varlen_attn`` call; elsewhere one causal SDPA per sequence — the reference the CPU tests
+    compare the packed prefill against (the CPU's prefill itself stays on the masked path)."""
+    H, kv = q.shape[1], k.shape[1]
+    if varlen_kernel_fits(q.dtype, q.device, q.shape[-1]):
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, enable_gqa=H != kv,
+                           window_size=(window - 1 if window else -1, 0))
+    out = torch.empty_like(q)
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
+        if window and e - s > window:
+            i = torch.arange(e - s, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=H != kv)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=H != kv)
+        out[s:e] = o.transpose(0, 1)
+    return out
