@@ -1,7 +1,7 @@
 """Seconds per PPO step, split into generate / score / train / switch (JSON lines, docs/contract.md).
 
     python bench/ppo.py [--workload tiny small] [--world-sizes 1 2] [--steps 3] [--variants hybrid hf]
-                        [--micro-batch N] [--device auto|cpu|cuda] [--estimator gae|grpo]
+                        [--micro-batch N] [--device auto|cpu|cuda] [--estimator gae|grpo] [--set KEY=VAL ...]
 
 Runs the real stage (`python -m rlhf stage=ppo`) on a run directory it prepares: a random-init
 Llama of the workload as the SFT model, a random-init scalar-head model as the reward model, and
@@ -23,7 +23,8 @@ is the reward model's architecture) 16 bytes/param (fp32 params, grads, AdamW m 
 
 ``--device`` (engine.device, passed explicitly): auto = CUDA when the node has a GPU for each rank
 of the world size, else the CPU. ``--micro-batch N``: ppo.micro_batch_per_rank=N (default: not
-passed, i.e. auto). Every line carries ``device``.
+passed, i.e. auto). ``--set``: further stage overrides (e.g. ``algorithm.kl_coef=0``), carried by
+every line as ``overrides``. Every line carries ``device``.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn
 
 
 def run_stage(run_dir: Path, data: Path, w: dict, nproc: int, hybrid: bool, steps: int, device: str = "auto",
-              micro_batch: int | None = None, estimator: str = "gae") -> tuple:
+              micro_batch: int | None = None, estimator: str = "gae", overrides: tuple = ()) -> tuple:
     """The stage's per-step metrics rows and the per-rank peak memory records (bench/stage_peak.py)."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
     wrapper = str(ROOT / "bench" / "stage_peak.py")
@@ -102,6 +103,7 @@ def run_stage(run_dir: Path, data: Path, w: dict, nproc: int, hybrid: bool, step
     out = run_dir / f"ppo_{nproc}_{hybrid}"
     extra = [f"engine.device={device}"] + ([f"ppo.micro_batch_per_rank={micro_batch}"] if micro_batch else [])
     extra += GRPO if estimator == "grpo" else ["ppo.samples_per_prompt=1"]
+    extra += list(overrides)
     cmd = launch + [str(peak_dir), "stage=ppo", f"run.dir={run_dir}", f"data.path={data}", "data.format=prompt_response",
                     f"train.max_steps={steps}", f"ppo.prompts_per_step={w['prompts'] * nproc}",
                     "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=1",
@@ -129,6 +131,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=None, help="ppo.micro_batch_per_rank (default: auto)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="as engine.device")
     ap.add_argument("--estimator", default="gae", choices=("gae", "grpo"))
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VAL", help="further stage overrides")
     args = ap.parse_args()
     for workload in args.workload:
         w = WORKLOADS[workload]
@@ -140,7 +143,7 @@ def main() -> None:
                 dev = resolve_device(args.device, ws)
                 for hybrid in (v == "hybrid" for v in args.variants):
                     rows, peaks = run_stage(run_dir, data, w, ws, hybrid, args.steps, dev.type, args.micro_batch,
-                                            args.estimator)
+                                            args.estimator, args.set)
                     rows = rows[1:]
                     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
                     gen, score, train, switch = (med("time/generate_s"), med("time/score_s"), med("time/train_s"),
@@ -153,6 +156,8 @@ def main() -> None:
                             "torch": torch.__version__, "device": device_label(dev)}
                     if args.micro_batch:
                         base["micro_batch_per_rank"] = args.micro_batch
+                    if args.set:
+                        base["overrides"] = args.set
                     for metric, value, unit in (("s_per_step", step, "s"), ("generate_s", gen, "s"),
                                                 ("score_s", score, "s"), ("train_s", train, "s"),
                                                 ("switch_s", switch, "s"), ("samples_per_s", samples / step, "samples/s"),

@@ -69,13 +69,14 @@ def run_stage(stage: str, seed_dir: Path, seed: int, threads: int, overrides: li
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
     t0 = time.perf_counter()
-    with open(seed_dir / f"{stage}.log", "w") as f:
+    log_file = seed_dir / f"{grpo_dir(label) if stage == 'grpo' else stage}.log"  # GRPO variants side by side
+    with open(log_file, "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode == 2 and "ppo.min_rm_accuracy" in (seed_dir / f"{stage}.log").read_text():
-        log(f"seed {seed}: {stage} refused the reward model (ppo.min_rm_accuracy); see {seed_dir / stage}.log")
+    if proc.returncode == 2 and "ppo.min_rm_accuracy" in log_file.read_text():
+        log(f"seed {seed}: {stage} refused the reward model (ppo.min_rm_accuracy); see {log_file}")
         return None
     if proc.returncode != 0:
-        raise SystemExit(f"seeds: seed {seed} stage {stage} failed (exit {proc.returncode}); see {seed_dir / stage}.log")
+        raise SystemExit(f"seeds: seed {seed} stage {stage} failed (exit {proc.returncode}); see {log_file}")
     seconds = time.perf_counter() - t0
     log(f"seed {seed}: {stage} {seconds:.0f} s")
     return seconds
