@@ -56,8 +56,10 @@ def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     H, kv = q.shape[1], k.shape[1]
     if varlen_kernel_fits(q.dtype, q.device, q.shape[-1]):
         from torch.nn.attention.varlen import varlen_attn
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, enable_gqa=H != kv,
-                           window_size=(window - 1 if window else -1, 0))
+        # q, k, v arrive as column slices of the fused QKV output (row stride = its width): dense copies
+        # for the kernel, a small cost beside the prefill's GEMMs
+        return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len,
+                           enable_gqa=H != kv, window_size=(window - 1 if window else -1, 0))
     out = torch.empty_like(q)
     bounds = cu.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
