@@ -67,8 +67,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp)
             data, _, _ = prepare(run_dir, w)
-            tok = AutoTokenizer.from_pretrained(run_dir / "sft" / "model")
-            model = AutoModelForCausalLM.from_pretrained(run_dir / "sft" / "model", dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(run_dir / "sft" / "model", trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(run_dir / "sft" / "model", dtype=torch.float32,
+                                                         trust_remote_code=False)
             prompts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()]
             n_tokens = {len(tok(p)["input_ids"]) for p in prompts[:16]}
             if n_tokens != {w["prompt_len"]}:
