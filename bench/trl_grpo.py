@@ -16,6 +16,7 @@ after the first (warm-up) one, like bench/ppo.py's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -89,7 +90,8 @@ def main() -> None:
             timer = StepTimer()
             trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[timer])
-            trainer.train()
+            with contextlib.redirect_stdout(sys.stderr):  # TRL prints its log dicts: stdout is JSON lines only
+                trainer.train()
             step = statistics.median(timer.times[1:])
             samples = w["prompts"] * GRPO_SAMPLES
             base = {"bench": "ppo", "workload": workload, "variant": "trl_grpo", "world_size": 1,
