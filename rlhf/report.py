@@ -97,7 +97,9 @@ def render(run_dir: Path) -> bytes:
         _plot(corr, ppo, "reward/gold_corr", "corr(reward model, gold)", color="tab:red", alpha=0.7)
         corr.set_ylim(-1, 1)
         corr.set_ylabel("correlation", color="tab:red")
-        corr.legend(fontsize=8, loc="lower right")
+        # one legend for both axes, on the twin (drawn above the reward axis, whose own legend it hides)
+        corr.legend(a_rew.lines + corr.lines, [ln.get_label() for ln in a_rew.lines + corr.lines],
+                    fontsize=8, loc="lower right")
     a_kl.set_title("PPO kl/mean (nats per response)")
     _plot(a_kl, ppo, "kl/mean", "kl/mean", color="tab:purple")
     a_time.set_title("PPO seconds per step")
@@ -109,6 +111,8 @@ def render(run_dir: Path) -> bytes:
 
     for ax in axes.flat:
         ax.set_xlabel("step")
+        if ax is a_rew and "reward/gold_corr" in ppo:
+            continue  # its lines are in the twin axis's legend
         if ax.lines:
             ax.legend(fontsize=8, loc="best")
         else:
