@@ -230,37 +230,31 @@ class InferenceModel:
                 qk.copy_(F.rms_norm(qk, (d,), eps=eps).mul_(w["qk_norm"]))  # HF: weight · norm(x)
             apply_rotary_(qkv[:, :(hq + hk) * d], rot, d)  # q and k heads in one op, in place
             kv = self._kv[li]
-            if packed is not None:
+            if packed is not None:  # each token to its own slot; attention within its own row
                 kv.view(-1, kv.shape[-1]).index_copy_(0, packed.slots, qkv[:, hq * d:])
                 a = attend_varlen(qkv[:, :hq * d].view(-1, hq, d), qkv[:, hq * d:(hq + hk) * d].view(-1, hk, d),
                                   qkv[:, (hq + hk) * d:].view(-1, hk, d), packed.cu, packed.max_len,
-                                  self.windows[li])
-                x.add_(self._all_reduce(lin(a.reshape(B * T, hq * d), w, rw, "wo", w.get("bo"))))
-                x = self._mlp(x, w, rw)
-                continue
-            if slot is None:
-                kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
-            else:  # a slot known on the device only: no host synchronisation
-                kv.index_copy_(1, slot, qkv[:, hq * d:].view(B, T, 2 * hk * d))
-            k = kv[:, :end, :hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
-            v = kv[:, :end, hk * d:].unflatten(-1, (hk, d)).transpose(1, 2)
-            mask = None if masks is None else masks[self.windows[li]]
-            a = attend(qkv[:, :hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
-            x.add_(self._all_reduce(lin(a.transpose(1, 2).reshape(B * T, hq * d), w, rw, "wo", w.get("bo"))))
-            x = self._mlp(x, w, rw)
+                                  self.windows[li]).reshape(B * T, hq * d)
+            else:
+                if slot is None:
+                    kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
+                else:  # a slot known on the device only: no host synchronisation
+                    kv.index_copy_(1, slot, qkv[:, hq * d:].view(B, T, 2 * hk * d))
+                k = kv[:, :end, :hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
+                v = kv[:, :end, hk * d:].unflatten(-1, (hk, d)).transpose(1, 2)
+                mask = None if masks is None else masks[self.windows[li]]
+                a = attend(qkv[:, :hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
+                a = a.transpose(1, 2).reshape(B * T, hq * d)
+            x.add_(self._all_reduce(lin(a, w, rw, "wo", w.get("bo"))))
+            h = rms_norm(x, w["ln2"], eps)
+            gate, up = lin(h, w, rw, "w_gate_up", w.get("b_gate_up")).chunk(2, dim=-1)
+            x.add_(self._all_reduce(lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down", w.get("b_down"))))
         if packed is not None:
             x, B, T = x[packed.last], packed.last.shape[0], 1
         elif last_only:
             x, T = x.view(B, T, -1)[:, -1], 1
         x = rms_norm(x, self.root["norm"], eps)
         return lin(x, self.root, self._rw[-1], "lm_head").view(B, T, -1)
-
-    def _mlp(self, x: torch.Tensor, w: Dict[str, torch.Tensor], rw) -> torch.Tensor:
-        """x + the layer's MLP of its post-attention norm, in place."""
-        h = rms_norm(x, w["ln2"], self.p.eps)
-        gate, up = self._linear(h, w, rw, "w_gate_up", w.get("b_gate_up")).chunk(2, dim=-1)
-        return x.add_(self._all_reduce(self._linear(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down",
-                                                    w.get("b_down"))))
 
     def rotary_table(self, n: int, device) -> torch.Tensor:
         """The rotations of positions 0..n−1 [n, r/2] (complex), looked up per step."""
