@@ -148,13 +148,10 @@ def run(cfg: Config) -> None:
     if start == 0:
         evaluate(0)
     def checkpoint(step):
-        path = save_checkpoint(ctx.ckpt_dir, step, engines, {"stage": "ppo", "fingerprint": ctx.fingerprint,
+        return save_checkpoint(ctx.ckpt_dir, step, engines, {"stage": "ppo", "fingerprint": ctx.fingerprint,
                                                              "kl": kl_ctl.state_dict(),
                                                              "running": scorers.running.state_dict()},
-                               mesh, keep=train.keep_checkpoints)
-        if ema is not None:
-            ema.save(path)
-        return path
+                               mesh, keep=train.keep_checkpoints, extra=ema.save if ema is not None else None)
 
     skipped = 0
     bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)

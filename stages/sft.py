@@ -148,11 +148,8 @@ def train_step(engine, micro_batches) -> tuple[float, float]:
 
 
 def save(ctx, engine, tokenizer, step, mesh, keep):
-    path = save_checkpoint(ctx.ckpt_dir, step, {"actor": engine}, {"stage": "sft", "fingerprint": ctx.fingerprint},
-                           mesh, keep=keep)
-    if mesh.is_main and not (path / "tokenizer").exists():
-        tokenizer.save_pretrained(path / "tokenizer")
-    return path
+    return save_checkpoint(ctx.ckpt_dir, step, {"actor": engine}, {"stage": "sft", "fingerprint": ctx.fingerprint},
+                           mesh, keep=keep, tokenizer=tokenizer)
 
 
 def eval_loss(engine, cols, pad, mask_prompt, micro, mesh) -> float:

@@ -12,7 +12,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -48,8 +48,12 @@ def _state_dicts(engines: Dict[str, "object"]) -> dict:
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], state: dict, mesh: Mesh,
-                    keep: int = 2) -> Path:
-    """``engines``: name → TrainEngine. ``state``: JSON-able trainer state (data position, ...)."""
+                    keep: int = 2, tokenizer=None, extra: Optional[Callable[[Path], None]] = None) -> Path:
+    """``engines``: name → TrainEngine. ``state``: JSON-able trainer state (data position, ...).
+    ``tokenizer``: saved as ``tokenizer/`` (a run that trained its own tokenizer resumes with it).
+    ``extra``: called on every rank with the checkpoint's directory to write more files into it
+    (the EMA actor). Both are written before the checkpoint is complete: a kill never leaves a
+    complete checkpoint without them."""
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / f"step_{step:08d}"
     if mesh.is_main:
@@ -62,11 +66,15 @@ def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], sta
         if getattr(eng, "zero1", False):
             eng.save_zero1_optimizer(tmp / f"{name}.optim_zero1.pt")
     torch.save(_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
+    if extra is not None:
+        extra(tmp)
     full_state = dict(state, step=step,
                       schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
                       world_size=mesh.world_size)
     mesh.barrier()
     if mesh.is_main:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "tokenizer")
         atomic_write_json(tmp / STATE_FILE, full_state)
         replace_dir(tmp, final)
         olds = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)))

@@ -142,7 +142,7 @@ def test_ppo_resume_after_sigkill(small_pipeline, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     shutil.copytree(small_pipeline, ref)
     shutil.copytree(small_pipeline, run)
-    args = ["train.max_steps=6", "train.save_every=2"]
+    args = ["train.max_steps=6", "train.save_every=2", "ppo.ema_decay=0.5"]  # the EMA resumes too
     assert run_cli(*quick_ppo(ref, *args)).returncode == 0
     p = subprocess.Popen([sys.executable, "-m", "rlhf", *quick_ppo(run, *args)], cwd=ROOT, env=ENV,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -154,7 +154,7 @@ def test_ppo_resume_after_sigkill(small_pipeline, tmp_path):
     proc = run_cli(*quick_ppo(run, *args))
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
     from safetensors.torch import load_file
-    for name in ("actor", "critic"):
+    for name in ("actor", "critic", "actor_ema"):
         a = load_file(str(ref / "ppo" / name / "model.safetensors"))
         b = load_file(str(run / "ppo" / name / "model.safetensors"))
         assert all(torch.equal(a[k], b[k]) for k in a), name
