@@ -2,8 +2,9 @@
 
 A checkpoint is ``<stage>/checkpoints/step_<N>/``: the DCP shards of every trained model and
 optimizer, one ``rng_rank<r>.pt`` per rank (tensors only, loaded with ``weights_only=True``) and
-``trainer_state.json`` (step, schedulers, data position, anything else the stage keeps). It is
-written under a temporary name and renamed when complete, so the newest complete one always wins.
+``trainer_state.json`` (step, schedulers, data position, anything else the stage keeps), with what
+the stage adds (SFT's ``tokenizer/``, PPO's EMA actor). It is written under a temporary name, the
+state file last, and renamed when complete, so the newest complete one always wins.
 """
 from __future__ import annotations
 
