@@ -70,7 +70,7 @@ def render(run_dir: Path) -> bytes:
     if "eval/accuracy" in rm:
         acc = a_rm.twinx()
         _plot(acc, rm, "eval/accuracy", "held-out accuracy", color="tab:red", marker="o")
-        acc.set_ylim(0, 1)
+        acc.set_ylim(0, 1.03)
         acc.set_ylabel("held-out accuracy", color="tab:red")
         acc.legend(fontsize=8, loc="center right")
 
@@ -87,7 +87,7 @@ def render(run_dir: Path) -> bytes:
     if "gold/score_greedy" in sft:
         greedy = sft["gold/score_greedy"][1][-1]
         a_gold.axhline(greedy, color="gray", linestyle="-.", label=f"SFT, greedy ({greedy:.3f})")
-    a_gold.set_ylim(0, 1)
+    a_gold.set_ylim(0, 1.03)  # a greedy gold of 1.0 stays visible above the frame line
 
     a_rew.set_title("PPO reward/mean, and how it tracks the gold rule")
     _plot(a_rew, ppo, "reward/mean", "reward/mean")
@@ -134,7 +134,7 @@ def _dpo_row(row, dpo: Series) -> None:
     a_acc.set_title("DPO implicit rewards: accuracy (margin, right axis)")
     _plot(a_acc, dpo, "rewards/accuracy", "train accuracy", alpha=0.6)
     _plot(a_acc, dpo, "eval/rewards/accuracy", "held-out accuracy", marker="o")
-    a_acc.set_ylim(0, 1)
+    a_acc.set_ylim(0, 1.03)
     if "rewards/margin" in dpo:
         margin = a_acc.twinx()
         _plot(margin, dpo, "rewards/margin", "train margin", color="tab:red", alpha=0.5)
