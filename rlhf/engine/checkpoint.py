@@ -8,10 +8,12 @@ state file last, and renamed when complete, so the newest complete one always wi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -62,7 +64,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], sta
     tmp = temp_dir_for(final) if mesh.is_main else None
     tmp = Path(mesh.broadcast_object(str(tmp)))
     sd = _state_dicts(engines)
-    dcp.save(sd, checkpoint_id=str(tmp))
+    with _quiet_single_process():
+        dcp.save(sd, checkpoint_id=str(tmp))
     for name, eng in engines.items():
         if getattr(eng, "zero1", False):
             eng.save_zero1_optimizer(tmp / f"{name}.optim_zero1.pt")
@@ -85,12 +88,23 @@ def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], sta
     return final
 
 
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every save and load without a process group that it assumes a single process,
+    which is what a one-process run is: the warning is noise in the main job's log."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
+
+
 def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dict:
     """Restores every engine's model/optimizer/scheduler and this rank's RNG; returns trainer state."""
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
     sd = _state_dicts(engines)
-    dcp.load(sd, checkpoint_id=str(path))
+    with _quiet_single_process():
+        dcp.load(sd, checkpoint_id=str(path))
     for name, eng in engines.items():
         eng.load_state_dicts({part: sd[f"{name}.{part}"] for part in ("model", "optim") if f"{name}.{part}" in sd})
         if getattr(eng, "zero1", False):
