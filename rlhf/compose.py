@@ -5,10 +5,11 @@ import dataclasses
 import difflib
 import re
 from pathlib import Path
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -25,8 +26,9 @@ def compose_config(overrides: Sequence[str] = ()) -> Tuple[Config, str]:
     register()
     GlobalHydra.instance().clear()
     try:
+        overrides, why = choose_recipe(list(overrides))
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            dcfg = compose(config_name="config", overrides=list(overrides))
+            dcfg = compose(config_name="config", overrides=overrides)
         yaml_text = OmegaConf.to_yaml(dcfg)
         cfg = OmegaConf.to_object(dcfg)  # builds the dataclasses: runs every __post_init__ check
     except ConfigError:
@@ -35,7 +37,40 @@ def compose_config(overrides: Sequence[str] = ()) -> Tuple[Config, str]:
         raise ConfigError(_describe(e)) from None
     finally:
         GlobalHydra.instance().clear()
+    cfg.recipe_why = why
     return cfg, yaml_text
+
+
+# keys naming the model a stage starts from: any of them set means a model the user brings
+MODEL_KEYS = ("model.path", "ppo.actor_path", "dpo.model_path", "reward.model_path")
+
+
+def recipes() -> list:
+    return sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+
+
+def choose_recipe(overrides: List[str]) -> Tuple[List[str], str]:
+    """The recipe when the command line names none, and why: pretrained when it names a model of the
+    user's (model.path and the stages' own input paths), else the recipe the run's earlier stages used
+    (their saved config.yaml in run.dir), else embedded. An explicit recipe=... is kept as it is."""
+    given = {}
+    for o in OverridesParser.create().parse_overrides(overrides):
+        value = o.value()
+        given[o.key_or_group] = None if value is None else str(value)
+    if given.get("recipe"):
+        return overrides, f"recipe={given['recipe']} on the command line"
+    for key in MODEL_KEYS:
+        if given.get(key) not in (None, "", "null"):
+            return overrides + ["recipe=pretrained"], (f"{key}={given[key]} is set: settings for a pretrained "
+                                                       f"model (recipe=embedded gives the embedded task's)")
+    run_dir = Path(given.get("run.dir") or C.RunConfig.dir)
+    for stage in C.STAGES:
+        saved = run_dir / stage / "config.yaml"
+        if saved.is_file():
+            m = re.search(r"^recipe: *(\S+)", saved.read_text(encoding="utf-8", errors="replace"), re.M)
+            if m and m.group(1) in recipes():
+                return overrides + [f"recipe={m.group(1)}"], f"the recipe of this run's earlier stages ({saved})"
+    return overrides + ["recipe=embedded"], "no model.path: the embedded model and task"
 
 
 def _describe(e: Exception) -> str:
@@ -50,6 +85,14 @@ def _describe(e: Exception) -> str:
     hint = _did_you_mean(text)
     if hint:
         text += hint
+    m = re.search(r"Could not find 'recipe_stage/(\w+)/(\w+)'", text)
+    if m and m.group(1) in recipes():
+        have = [s for s in C.STAGES if (CONF_DIR / "recipe_stage" / m.group(1) / f"{s}.yaml").is_file()]
+        return (f"recipe={m.group(1)} has no {m.group(2)} stage (its stages: {', '.join(have)}); "
+                f"pick another recipe for stage={m.group(2)}")
+    if "Could not find 'recipe/" in text or (m and m.group(1) not in recipes()):
+        name = re.search(r"Could not find 'recipe(?:_stage)?/(\w+)", text).group(1)
+        return f"unknown recipe '{name}' (expected {', '.join(recipes())})"
     if "Could not find 'stage/" in text:
         return text.replace("Could not find 'stage/", "unknown stage '") + " (expected sft, reward, ppo or dpo)"
     return text or type(e).__name__

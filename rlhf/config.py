@@ -7,8 +7,10 @@ starts; a bad value raises ``ConfigError`` (exit code 2) naming the key.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, ClassVar, List, Optional
 
 from rlhf.errors import ConfigError
 
@@ -103,6 +105,10 @@ class ModelConfig:
     intermediate_size: int = 256
     max_position_embeddings: int = 128
     vocab_size: int = 512  # upper bound for the tokenizer trained on the task text
+    # stage=ppo and dpo: every dropout probability of actor, reference, critic and reward model set to
+    # 0 (config and modules; TRL's disable_dropout), else the training-mode forwards that PPO's ratio
+    # and DPO's log-ratio compare each draw their own masks. SFT and reward keep the model's dropout.
+    disable_dropout: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
@@ -288,7 +294,10 @@ def parse_split(spec: str) -> List[float]:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000  # optimizer steps
+    # optimizer steps; null = from train.epochs over the stage's records (PPO: its prompts), which
+    # the recipe for pretrained models uses. Set, it wins over train.epochs.
+    max_steps: Optional[int] = 1000
+    epochs: Optional[float] = None  # passes over the stage's data when train.max_steps is null
     global_batch: int = 64  # samples per optimizer step, summed over ranks and accumulation
     micro_batch_per_rank: int = 0  # 0 = global_batch / world_size (no accumulation)
     lr: float = 3e-3
@@ -298,7 +307,9 @@ class TrainConfig:
     eps: float = 1e-8
     # DeepSpeed's schedulers: warmup (WarmupLR), warmup_decay (WarmupDecayLR), cosine; or constant
     scheduler: str = "cosine"
-    warmup_steps: int = 50
+    # null = train.warmup_ratio × the stage's steps; set, it wins over train.warmup_ratio
+    warmup_steps: Optional[int] = 50
+    warmup_ratio: Optional[float] = None
     grad_clip: float = 1.0  # 0 = off
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
@@ -306,7 +317,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self):
-        _check(self.max_steps > 0, "train.max_steps", self.max_steps, "a positive integer")
+        _check(self.max_steps is None or self.max_steps > 0, "train.max_steps", self.max_steps,
+               "a positive integer (null = from train.epochs)")
+        _check(self.epochs is None or self.epochs > 0, "train.epochs", self.epochs, "a positive number")
+        if self.max_steps is None and self.epochs is None:
+            raise ConfigError("train.max_steps and train.epochs are both null: set one of them")
         _check(self.global_batch > 0, "train.global_batch", self.global_batch, "a positive integer")
         _check(self.micro_batch_per_rank >= 0, "train.micro_batch_per_rank", self.micro_batch_per_rank,
                "a non-negative integer")
@@ -314,13 +329,46 @@ class TrainConfig:
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
         _check(self.scheduler in ("warmup", "warmup_decay", "cosine", "constant"), "train.scheduler",
                self.scheduler, "warmup, warmup_decay, cosine or constant")
-        _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "a non-negative integer")
+        _check(self.warmup_steps is None or self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps,
+               "a non-negative integer (null = from train.warmup_ratio)")
+        _check(self.warmup_ratio is None or 0 <= self.warmup_ratio < 1, "train.warmup_ratio", self.warmup_ratio,
+               "a share of the steps in [0, 1)")
+        if self.warmup_steps is None and self.warmup_ratio is None:
+            raise ConfigError("train.warmup_steps and train.warmup_ratio are both null: set one of them")
         _check(len(self.betas) == 2, "train.betas", self.betas, "two numbers")
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a non-negative number")
         _check(self.log_every > 0, "train.log_every", self.log_every, "a positive integer")
         _check(self.save_every >= 0, "train.save_every", self.save_every, "a non-negative integer")
         _check(self.keep_checkpoints > 0, "train.keep_checkpoints", self.keep_checkpoints,
                "a positive integer")
+
+    def resolve_steps(self, items: int, per_step: int, what: str, updates_per_step: int = 1) -> Optional[str]:
+        """Fills a null train.max_steps from train.epochs (``items`` records or prompts, ``per_step``
+        of them a step) and a null train.warmup_steps (optimizer steps: ``updates_per_step`` a stage
+        step) from train.warmup_ratio. Called by each stage once its data is loaded; returns the line
+        that says what was derived (None: nothing was)."""
+        said = []
+        if self.max_steps is None:
+            self.max_steps = max(1, math.ceil(self.epochs * items / per_step))
+            said.append(f"train.max_steps={self.max_steps} (train.epochs={self.epochs:g} over {items} {what}, "
+                        f"{per_step} a step)")
+        if self.warmup_steps is None:
+            self.warmup_steps = int(round(self.warmup_ratio * self.max_steps * updates_per_step))
+            said.append(f"train.warmup_steps={self.warmup_steps} (train.warmup_ratio={self.warmup_ratio:g})")
+        return "; ".join(said) or None
+
+
+ROLES = ("actor", "critic", "reference", "reward_model")  # the models a stage places (engine.<role>.*)
+
+
+@dataclass
+class PlacementConfig:
+    """Where one model of a stage lives (engine.actor / critic / reference / reward_model); null = the
+    engine.* value. DeepSpeed-Chat's --actor_zero_stage, --critic_zero_stage, --offload_reference_model."""
+    zero_stage: Optional[int] = None
+    offload: Optional[str] = None
+    precision: Optional[str] = None
+    activation_checkpointing: Optional[bool] = None
 
 
 @dataclass
@@ -356,6 +404,14 @@ class EngineConfig:
     cuda_graphs: str = "auto"  # auto | off
     # the static step's "have all rows finished?" check (a host synchronisation) every this many steps
     decode_sync_every: int = 8
+    role: ClassVar[str] = ""  # set on the copy placement(role) returns
+    # per model: ZeRO stage, offload, precision and activation checkpointing of the policy (SFT, DPO,
+    # PPO's actor), PPO's critic, the frozen reference (PPO, DPO) and the reward model (trained by
+    # stage=reward, frozen in PPO); each key unset = the engine.* value above
+    actor: PlacementConfig = field(default_factory=PlacementConfig)
+    critic: PlacementConfig = field(default_factory=PlacementConfig)
+    reference: PlacementConfig = field(default_factory=PlacementConfig)
+    reward_model: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self):
         _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
@@ -375,12 +431,44 @@ class EngineConfig:
         _check(self.cuda_graphs in ("auto", "off"), "engine.cuda_graphs", self.cuda_graphs, "auto or off")
         _check(self.decode_sync_every > 0, "engine.decode_sync_every", self.decode_sync_every,
                "a positive integer")
+        for role in ROLES:
+            p = getattr(self, role)
+            _check(p.zero_stage in (None, 0, 1, 2, 3), f"engine.{role}.zero_stage", p.zero_stage,
+                   "0, 1, 2 or 3 (unset = engine.zero_stage)")
+            _check(p.offload in (None, "none", "cpu"), f"engine.{role}.offload", p.offload,
+                   "none or cpu (unset = engine.offload)")
+            _check(p.precision in (None, "auto", "fp32", "bf16"), f"engine.{role}.precision", p.precision,
+                   "auto, fp32 or bf16 (unset = engine.precision)")
+
+    def placement(self, role: str) -> "EngineConfig":
+        """This engine configuration with ``engine.<role>.*`` applied: what the model of that role is
+        wrapped, offloaded and cast with."""
+        chosen = {k: v for k, v in dataclasses.asdict(getattr(self, role)).items() if v is not None}
+        placed = dataclasses.replace(self, **chosen)
+        placed.role = role
+        return placed
+
+    def key(self, name: str) -> str:
+        """The setting that decided ``name`` for this placement, for messages: engine.critic.offload
+        when the role set it, else engine.offload."""
+        if self.role and getattr(getattr(self, self.role), name) is not None:
+            return f"engine.{self.role}.{name}"
+        return f"engine.{name}"
+
+    def offloads(self) -> bool:
+        """Whether any role (or engine.offload) asks for CPU offload."""
+        return any(self.placement(r).offload == "cpu" for r in ROLES)
+
+    def placements(self) -> dict:
+        """role -> its resolved (zero_stage, offload, precision, activation_checkpointing), for the log."""
+        return {role: tuple(getattr(self.placement(role), k) for k in
+                            ("zero_stage", "offload", "precision", "activation_checkpointing")) for role in ROLES}
 
 
 @dataclass
 class EvalConfig:
     """Gold score: the same seeded held-out prompts and decoding in every stage (docs/contract.md)."""
-    gold_prompts: int = 256
+    gold_prompts: int = 256  # 0 = no gold evaluation at all
     gold_samples: int = 4
     temperature: float = 1.0
     # None = per data format (DataConfig.default_new_tokens): 16 for the synthetic task, else
@@ -391,7 +479,8 @@ class EvalConfig:
     greedy_too: bool = True  # also report gold/score_greedy
 
     def __post_init__(self):
-        _check(self.gold_prompts > 0, "eval.gold_prompts", self.gold_prompts, "a positive integer")
+        _check(self.gold_prompts >= 0, "eval.gold_prompts", self.gold_prompts,
+               "a non-negative integer (0 = no gold evaluation)")
         _check(self.gold_samples > 0, "eval.gold_samples", self.gold_samples, "a positive integer")
         _check(self.temperature >= 0, "eval.temperature", self.temperature, "a non-negative number")
         _check(self.max_new_tokens is None or self.max_new_tokens > 0, "eval.max_new_tokens",
@@ -511,7 +600,9 @@ class PPOConfig:
     # minibatch; results do not depend on it); 0 = auto: as many rows as keep one micro-batch's fp32
     # logits within 256 MiB (all rows for a small vocabulary, a few for a 152k one)
     micro_batch_per_rank: int = 0
-    max_new_tokens: int = 16
+    # None = per data format (DataConfig.default_new_tokens): 16 for the synthetic task, else
+    # data.max_response_len; resolved when the whole config is built
+    max_new_tokens: Optional[int] = None
     min_new_tokens: int = 0
     temperature: float = 1.0  # 0 = greedy (log-probs then at temperature 1)
     top_k: int = 0
@@ -519,6 +610,11 @@ class PPOConfig:
     critic_lr: float = 1e-4
     # the actor (and reference) to start from: None = the SFT output in run.dir, else model.path
     actor_path: Optional[str] = None
+    # an exported reward model (a sequence-classification directory) to score with: None = the reward
+    # stage's output in run.dir
+    reward_model_path: Optional[str] = None
+    # the critic's starting weights (GAE): None = the reward model (ppo.reward_model_path or run.dir's)
+    critic_path: Optional[str] = None
     use_reward_model: bool = True
     # refuse a reward model whose held-out pair accuracy (its reward_stats.json) is below this: PPO
     # would optimise its errors. None = 0.9 on the embedded task (where a weaker one is known to get
@@ -542,23 +638,29 @@ class PPOConfig:
     overlong_penalty: float = 1.0
 
     def __post_init__(self):
-        for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch",
-                    "max_new_tokens"):
+        for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch"):
             _check(getattr(self, key) > 0, f"ppo.{key}", getattr(self, key), "a positive integer")
+        _check(self.max_new_tokens is None or self.max_new_tokens > 0, "ppo.max_new_tokens", self.max_new_tokens,
+               "a positive integer (unset = per data format)")
         _check(self.micro_batch_per_rank >= 0, "ppo.micro_batch_per_rank", self.micro_batch_per_rank,
                "a non-negative integer (0 = auto)")
         _check(self.temperature >= 0, "ppo.temperature", self.temperature, "a non-negative number (0 = greedy)")
-        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "ppo.min_new_tokens", self.min_new_tokens,
-               f"0..ppo.max_new_tokens={self.max_new_tokens}")
         _check(self.top_k >= 0, "ppo.top_k", self.top_k, "a non-negative integer (0 = off)")
         _check(0 < self.top_p <= 1, "ppo.top_p", self.top_p, "a number in (0, 1]")
         _check(self.dynamic_sampling_max_rounds >= 0, "ppo.dynamic_sampling_max_rounds",
                self.dynamic_sampling_max_rounds, "a non-negative integer")
-        _check(0 <= self.overlong_buffer < self.max_new_tokens, "ppo.overlong_buffer", self.overlong_buffer,
-               f"0..ppo.max_new_tokens-1={self.max_new_tokens - 1}")
         _check(self.overlong_penalty >= 0, "ppo.overlong_penalty", self.overlong_penalty, "a non-negative number")
         _check(self.min_rm_accuracy is None or 0 <= self.min_rm_accuracy <= 1, "ppo.min_rm_accuracy",
                self.min_rm_accuracy, "0..1, or null for the default")
+
+    def resolve(self, data: "DataConfig") -> None:
+        """ppo.max_new_tokens=None: per data format; then the checks that depend on it."""
+        if self.max_new_tokens is None:
+            self.max_new_tokens = data.default_new_tokens()
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "ppo.min_new_tokens", self.min_new_tokens,
+               f"0..ppo.max_new_tokens={self.max_new_tokens}")
+        _check(0 <= self.overlong_buffer < self.max_new_tokens, "ppo.overlong_buffer", self.overlong_buffer,
+               f"0..ppo.max_new_tokens-1={self.max_new_tokens - 1}")
 
 
 @dataclass
@@ -575,6 +677,11 @@ class LauncherConfig:
 @dataclass
 class Config:
     stage: str = "sft"
+    # the settings a stage starts from (conf/recipe_stage/<recipe>/<stage>.yaml; docs/recipes.md):
+    # embedded when no model is given, pretrained when model.path is (rlhf/compose.py decides and
+    # says why: recipe_why); any explicit key=value wins over the recipe
+    recipe: str = "embedded"
+    recipe_why: ClassVar[str] = "the default"
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -592,6 +699,7 @@ class Config:
         _check(self.stage in STAGES, "stage", self.stage, "one of " + ", ".join(STAGES))
         self.data.resolve()  # unset data.max_prompt_len / max_response_len: per data format
         self.eval.resolve(self.data)  # eval.max_new_tokens=None: per data format
+        self.ppo.resolve(self.data)  # ppo.max_new_tokens=None: per data format
         if self.stage == "ppo":
             self.check_ppo()
         tp, m = self.engine.inference_tp_size, self.model

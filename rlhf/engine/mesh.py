@@ -32,6 +32,8 @@ class Mesh:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: Optional[str] = None
     inference_tp_size: int = 1
+    # one process with a process group of its own: FSDP2 can wrap a model there (CPU offload on a GPU)
+    single_group: bool = False
     _device_mesh: Any = None
     _dp_mesh: Any = None
 
@@ -49,7 +51,7 @@ class Mesh:
     # flattened to one dimension, "dp". Degrees are checked once, where the mesh is made (init_mesh).
     @property
     def device_mesh(self):
-        if self._device_mesh is None and self.distributed:
+        if self._device_mesh is None and (self.distributed or self.single_group):
             tp = self.inference_tp_size
             self._device_mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp),
                                                  mesh_dim_names=("replica", "tp"))
@@ -58,7 +60,7 @@ class Mesh:
     @property
     def dp_mesh(self):
         """The 1-D DeviceMesh ("dp", every rank) FSDP2 shards over: the 2-D mesh flattened."""
-        if self._dp_mesh is None and self.distributed:
+        if self._dp_mesh is None and (self.distributed or self.single_group):
             self._dp_mesh = self.device_mesh._flatten("dp")
         return self._dp_mesh
 
@@ -191,12 +193,16 @@ def init_mesh(engine: EngineConfig) -> Mesh:
                                 device_id=device if use_cuda else None)
         # Lets the rank that sees a collective time out name the peer that went silent.
         start_heartbeat(rank, world_size)
+    single_group = world_size == 1 and use_cuda and engine.offloads()
+    if single_group and not dist.is_initialized():  # FSDP2's CPU offload needs a (one-rank) process group
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=engine.timeout_s), device_id=device)
     return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
-                device=device, backend=backend if world_size > 1 else None,
-                inference_tp_size=engine.inference_tp_size)
+                device=device, backend=backend if world_size > 1 or single_group else None,
+                inference_tp_size=engine.inference_tp_size, single_group=single_group)
 
 
 def shutdown(mesh: Mesh) -> None:
     stop_heartbeat()
-    if mesh.distributed and dist.is_initialized():
+    if (mesh.distributed or mesh.single_group) and dist.is_initialized():
         dist.destroy_process_group()

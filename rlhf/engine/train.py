@@ -4,7 +4,8 @@ ZeRO on FSDP2 (docs/architecture.md): ``fully_shard`` per decoder block and at t
   3: parameters, gradients, optimizer state sharded; parameters resharded after forward.
   2: as 3 but parameters stay gathered from forward to backward (``reshard_after_forward=False``).
   1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer). 0: DDP.
-``engine.offload=cpu``: FSDP2's CPUOffloadPolicy. ``engine.precision=bf16``: bf16 compute with fp32
+``engine.offload=cpu``: FSDP2's CPUOffloadPolicy (on a GPU; in one process over a one-rank process group;
+refused with exit 2 where it cannot apply: on the CPU, and with ZeRO-0/1 on several processes). ``engine.precision=bf16``: bf16 compute with fp32
 master weights and fp32 gradient reduction. A single process runs the bare model (bf16 via autocast).
 
 The stages never branch on any of this: they call ``forward``, ``backward``, ``step``.
@@ -20,12 +21,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from rlhf.config import EngineConfig, TrainConfig
 from rlhf.engine.mesh import Mesh, precision_of
 from rlhf.engine.schedule import make_scheduler
+from rlhf.errors import ConfigError
 from rlhf.models.blocks import decoder_layers
 from rlhf.models.lora import adapters_disabled, is_peft
 
@@ -41,13 +43,29 @@ def _broadcast_buffers(model: nn.Module) -> None:
 def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool = True) -> nn.Module:
     """Applies activation checkpointing and the ZeRO stage; on ranks > 0 ``model`` may be on the meta
     device (weights come from rank 0). A new parallelism is one more ``apply_*`` function here."""
+    check_offload(ecfg, mesh)
     apply_ac(model, ecfg)
-    if not mesh.distributed:
+    offload = ecfg.offload == "cpu"
+    if not mesh.distributed and not offload:
         _say_once_single_process(ecfg, mesh)
         return model.to(mesh.device)
-    if ecfg.zero_stage in (0, 1):  # replicated weights (DDP); ZeRO-1 shards only the optimizer state
+    if mesh.distributed and ecfg.zero_stage in (0, 1):  # replicated weights (DDP); ZeRO-1 shards only the optimizer state
         return apply_ddp(model, mesh, trainable)
-    return apply_fsdp(model, mesh, ecfg)
+    return apply_fsdp(model, mesh, ecfg)  # one process with offload: FSDP2 over its one-rank group
+
+
+def check_offload(ecfg: EngineConfig, mesh: Mesh) -> None:
+    """``engine.offload=cpu`` (or ``engine.<role>.offload``) applies or stops the run (exit 2) saying why:
+    never silently ignored."""
+    if ecfg.offload != "cpu":
+        return
+    key = ecfg.key("offload")
+    if mesh.device.type == "cpu":
+        raise ConfigError(f"{key}=cpu: this run trains on the CPU, where the model is in host memory already: "
+                          f"there is nothing to offload (set {key}=none)")
+    if mesh.distributed and ecfg.zero_stage in (0, 1):
+        raise ConfigError(f"{key}=cpu needs ZeRO-2 or 3, not {ecfg.key('zero_stage')}={ecfg.zero_stage}: the "
+                          f"offload is FSDP2's, of the sharded parameters, gradients and optimizer state")
 
 
 def apply_ac(model: nn.Module, ecfg: EngineConfig) -> None:
@@ -80,13 +98,11 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
     # leaves the original tensor alone, so no second full copy is needed (the originals are freed
     # once they are broadcast below). A new dict: set_model_state_dict replaces its entries.
     full_sd = {k: v.detach() for k, v in model.state_dict().items()} if mesh.is_main else {}
-    kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3)
+    kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3 or not mesh.distributed)
     if precision_of(ecfg, mesh.device) == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if ecfg.offload == "cpu" and mesh.device.type != "cpu":
+    if ecfg.offload == "cpu":  # a GPU run (check_offload)
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    elif ecfg.offload == "cpu":
-        log.info("engine.offload=cpu: the device is the CPU already; nothing to offload")
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -115,9 +131,6 @@ def _say_once_single_process(ecfg: EngineConfig, mesh: Mesh) -> None:
     _SAID.add("single")
     log.info("one process: the model trains unwrapped on %s (engine.zero_stage=%d applies from 2 processes on)",
              mesh.device, ecfg.zero_stage)
-    if ecfg.offload != "none":
-        log.warning("engine.offload=%s is not applied in one process: it offloads the shards of a sharded "
-                    "model (run 2 or more processes to use it)", ecfg.offload)
 
 
 def param_groups(model: nn.Module, weight_decay: float):
@@ -137,7 +150,7 @@ class FrozenModel:
             p.requires_grad_(False)
         self.mesh, self.ecfg = mesh, ecfg
         self.model = wrap_model(model, mesh, ecfg, trainable=False).eval()
-        self.is_fsdp = mesh.distributed and ecfg.zero_stage >= 2
+        self.is_fsdp = isinstance(self.model, FSDPModule)
 
     @property
     def module(self) -> nn.Module:
@@ -181,9 +194,9 @@ class TrainEngine:
                  total_steps: Optional[int] = None, lr: Optional[float] = None):
         self.mesh, self.ecfg, self.tcfg = mesh, ecfg, tcfg
         self.model = wrap_model(model, mesh, ecfg)
-        self.is_fsdp = mesh.distributed and ecfg.zero_stage >= 2
-        self.is_ddp = mesh.distributed and ecfg.zero_stage in (0, 1)
-        self.zero1 = mesh.distributed and ecfg.zero_stage == 1
+        self.is_fsdp = isinstance(self.model, FSDPModule)
+        self.is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
+        self.zero1 = self.is_ddp and ecfg.zero_stage == 1
         adam = dict(lr=lr or tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, foreach=True)
         if self.zero1:  # ZeRO-1: each rank keeps the AdamW state of its share of the parameters
             groups = [g for g in param_groups(self.model, tcfg.weight_decay) if g["params"]]

@@ -1,0 +1,117 @@
+"""Recipes (conf/recipe, conf/recipe_stage): which one a command line gets, and that a user's
+pretrained model gets none of the embedded task's tuning."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf.compose import CONF_DIR, compose_config
+from rlhf.config import STAGES, TrainConfig
+from rlhf.errors import ConfigError
+
+# the dataclass defaults tuned on the embedded task (beside its recipe files' keys) that a pretrained
+# model must not inherit, per stage
+TUNED = {"sft": ("train.lr", "train.max_steps", "train.warmup_steps", "train.global_batch"),
+         "reward": (), "ppo": ("ppo.critic_lr",), "dpo": ()}
+
+
+def value(cfg, key):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def flat(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_path_alone_gets_the_pretrained_recipe(stage, tmp_path):
+    embedded, _ = compose_config([f"stage={stage}"])
+    pretrained, _ = compose_config([f"stage={stage}", "model.path=org/some-model"])
+    assert embedded.recipe == "embedded" and pretrained.recipe == "pretrained"
+    assert "model.path=org/some-model is set" in pretrained.recipe_why
+    # every tuned key of the embedded recipe file, and the dataclass defaults tuned on the toy task
+    spec = yaml.safe_load((CONF_DIR / "recipe_stage" / "embedded" / f"{stage}.yaml").read_text())
+    keys = {k for k in flat(spec) if any(w in k for w in ("lr", "decay", "steps", "len", "tokens", "coef"))}
+    keys |= set(TUNED[stage])
+    survivors = [k for k in sorted(keys) if value(embedded, k) == value(pretrained, k)]
+    assert not survivors, f"stage={stage}: the embedded recipe's {survivors} survive with model.path set"
+
+
+def test_lengths_follow_the_data():
+    cfg, _ = compose_config(["stage=ppo", "model.path=org/m", "data.path=x.jsonl", "data.format=hh"])
+    assert cfg.ppo.max_new_tokens == cfg.data.max_response_len == 192
+    cfg, _ = compose_config(["stage=ppo", "model.path=org/m", "data.path=x.jsonl", "data.format=hh",
+                             "data.max_response_len=300"])
+    assert cfg.ppo.max_new_tokens == cfg.eval.max_new_tokens == 300
+    embedded, _ = compose_config(["stage=ppo"])
+    assert embedded.ppo.max_new_tokens == 16  # the synthetic task's answers
+
+
+def test_an_explicit_override_wins_and_the_embedded_numbers_stand():
+    cfg, _ = compose_config(["stage=sft", "model.path=org/m", "train.lr=0.5", "train.max_steps=7",
+                             "train.warmup_steps=2"])
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.train.warmup_steps) == (0.5, 7, 2)
+    cfg, _ = compose_config(["stage=sft", "model.path=org/m", "recipe=embedded"])
+    assert cfg.recipe == "embedded" and cfg.train.weight_decay == 1.0 and cfg.train.max_steps == 2000
+    # today's embedded values, stage by stage (a recipe split that changes them changes every number)
+    expect = {"sft": (3e-3, 2000, 1.0, 50), "reward": (5e-4, 1800, 0.0, 30), "ppo": (5e-5, 80, 0.0, 0),
+              "dpo": (1e-3, 600, 0.0, 20)}
+    for stage, numbers in expect.items():
+        c, _ = compose_config([f"stage={stage}"])
+        assert (c.train.lr, c.train.max_steps, c.train.weight_decay, c.train.warmup_steps) == numbers, stage
+    c, _ = compose_config(["stage=ppo"])
+    assert (c.algorithm.kl_coef, c.train.eval_every, c.train.save_every, c.ppo.critic_lr) == (0.02, 40, 20, 1e-4)
+
+
+def test_later_stages_keep_the_recipe_of_the_run(tmp_path):
+    run = tmp_path / "run"
+    (run / "sft").mkdir(parents=True)
+    (run / "sft" / "config.yaml").write_text("stage: sft\nrecipe: hh\n")
+    cfg, _ = compose_config(["stage=ppo", f"run.dir={run}", "data.path=x.jsonl"])
+    assert cfg.recipe == "hh" and str(run / "sft" / "config.yaml") in cfg.recipe_why
+    cfg, _ = compose_config(["stage=ppo", f"run.dir={tmp_path / 'fresh'}"])
+    assert cfg.recipe == "embedded"
+
+
+def test_task_recipes_and_their_stages():
+    hh, _ = compose_config(["stage=reward", "recipe=hh", "data.path=x.jsonl"])
+    assert (hh.data.format, hh.data.split, hh.train.lr) == ("hh", "2,4,4", 9e-6)
+    g, _ = compose_config(["stage=ppo", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
+    assert (g.algorithm.estimator, g.ppo.use_reward_model, g.ppo.reward_fn, g.ppo.samples_per_prompt) == (
+        "grpo", False, "rlhf.rewards.gold", 8)
+    with pytest.raises(ConfigError, match="recipe=gsm8k_grpo has no reward stage .its stages: sft, ppo."):
+        compose_config(["stage=reward", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
+    with pytest.raises(ConfigError, match="unknown recipe 'nope' .expected embedded, gsm8k_grpo, hh, pretrained."):
+        compose_config(["recipe=nope"])
+
+
+def test_steps_and_warmup_from_epochs():
+    t = TrainConfig(max_steps=None, epochs=2, warmup_steps=None, warmup_ratio=0.05)
+    said = t.resolve_steps(1000, 64, "records")
+    assert (t.max_steps, t.warmup_steps) == (32, 2) and "train.epochs=2 over 1000 records" in said
+    t = TrainConfig(max_steps=None, epochs=1, warmup_steps=None, warmup_ratio=0.1)
+    t.resolve_steps(100, 10, "prompts", updates_per_step=4)  # PPO: warmup counts optimizer steps
+    assert (t.max_steps, t.warmup_steps) == (10, 4)
+    t = TrainConfig(max_steps=5, epochs=3, warmup_steps=1, warmup_ratio=0.5)  # set: they win
+    assert t.resolve_steps(1000, 10, "records") is None and (t.max_steps, t.warmup_steps) == (5, 1)
+    with pytest.raises(ConfigError, match="train.max_steps and train.epochs are both null"):
+        TrainConfig(max_steps=None, epochs=None)
+
+
+def test_recipe_files_say_where_their_numbers_come_from():
+    """Every pretrained setting names its source (a comment on the line or the file's header)."""
+    for path in sorted((CONF_DIR / "recipe_stage" / "pretrained").glob("*.yaml")):
+        text = path.read_text()
+        assert "Sources" in text, path
+        for line in text.splitlines():
+            if ":" in line and line.startswith("  ") and not line.strip().startswith("#"):
+                key, _, rest = line.strip().partition(":")
+                if rest.strip() and "null" not in rest:
+                    assert "#" in rest, f"{Path(path).name}: {key} has no source comment"
