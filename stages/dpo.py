@@ -34,7 +34,8 @@ from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, end_of_step, export_policy, log_evaluation, rank_batches,
-    require_batches, require_pairs, resume, run_fingerprint, stage_input, start_stage)
+    finished, mark_finished, require_batches, require_pairs, resolve_steps, resume, run_fingerprint, stage_input,
+    start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -60,20 +61,23 @@ def run(cfg: Config) -> None:
     eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
                        lambda: tokenize_pairs(data.eval, tokenizer, **lens))
     require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
+    resolve_steps(ctx, len(train_cols["chosen"]), train.global_batch, "pairs")
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
-    def build():
-        return loading.causal_lm(source, mesh, tokenizer, cfg.model.trust_remote_code)
+    def build(role="reference"):
+        return loading.causal_lm(source, mesh, tokenizer, cfg.model.trust_remote_code, cfg.model.disable_dropout, role)
 
     # model.lora.r > 0: adapters on the policy, whose base (adapters off) is the reference; else the
     # reference is a second copy of the starting weights
-    engine = TrainEngine(lora.adapt(build(), cfg.model.lora, cfg.run.seed, what="policy"), mesh, cfg.engine, train)
-    reference = reference_for(engine, build, mesh, cfg.engine)
-    actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
+    engine = TrainEngine(lora.adapt(build("policy"), cfg.model.lora, cfg.run.seed, what="policy"), mesh, cfg.engine.placement("actor"), train)
+    reference = reference_for(engine, build, mesh, cfg.engine.placement("reference"))
+    actor = HybridEngine(engine, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(engine.module.config, tokenizer, data.description, cfg))
+    if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
+        return shutdown(mesh)
     start, _, metrics = resume(ctx, {"policy": engine}, ckpt)
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
@@ -83,7 +87,8 @@ def run(cfg: Config) -> None:
     def evaluate(step):
         results = evaluate_pairs(engine, reference, eval_cols, pad, micro, mesh, cfg.dpo)
         if data.gold is not None:
-            results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
+            results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat,
+                                          cfg.logger.progress))
         return log_evaluation(metrics, step, results, engine)
 
     def checkpoint(step):
@@ -118,6 +123,7 @@ def run(cfg: Config) -> None:
     results = evaluate(train.max_steps)
     export_policy(engine, ctx, mesh, tokenizer, results, train.max_steps)
     metrics.close()
+    mark_finished(ctx, train.max_steps)
     log.info("dpo done: %s (eval/rewards/accuracy=%.4f)", ctx.out / "model", results["eval/rewards/accuracy"])
     shutdown(mesh)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -40,8 +41,9 @@ from rlhf.rl.update import Diverged, ppo_update
 from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, previous_output, resume, run_fingerprint, stage_input,
-    start_stage)
+    check_writable, checkpoint_to_resume, end_of_step, finished, mark_finished, previous_output, resolve_steps,
+    resume, run_fingerprint,
+    stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -71,7 +73,7 @@ def run(cfg: Config) -> None:
     # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- setup: everything is validated before anything is written ----
-    actor_src, rm_src = inputs(cfg)
+    actor_src, rm_src, critic_src = inputs(cfg)
     rule = resolve(ppo.reward_fn) if ppo.reward_fn else None
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
@@ -94,24 +96,27 @@ def run(cfg: Config) -> None:
         check_reward_model(stats, rm_src, ppo.min_rm_accuracy, cfg.data.source_list()[0].format)
 
     updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
+    resolve_steps(ctx, len(prompt_ids), ppo.prompts_per_step, "prompts", updates_per_step)
     total_updates = train.max_steps * updates_per_step
     lcfg = cfg.model.lora  # model.lora.r > 0: adapters on the actor (and the critic with model.lora.critic)
-    actor_model = lora.adapt(loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code), lcfg, cfg.run.seed, what="actor")
-    actor = TrainEngine(actor_model, mesh, cfg.engine, train, total_steps=total_updates)
-    hybrid = HybridEngine(actor, tokenizer, cfg.engine)
-    # The critic starts as the reward model, rescaled to the normalised rewards it will predict.
-    critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" else 1.0
-    critic = (TrainEngine(scalar_model(cfg, rm_src, mesh, tokenizer, critic_scale, lcfg if lcfg.critic else None),
-                          mesh, cfg.engine, train, total_steps=total_updates, lr=ppo.critic_lr)
+    actor_model = lora.adapt(loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code, cfg.model.disable_dropout, "actor"), lcfg, cfg.run.seed, what="actor")
+    place = cfg.engine.placement  # engine.<role>.* over engine.*: each model's ZeRO stage, offload, precision
+    actor = TrainEngine(actor_model, mesh, place("actor"), train, total_steps=total_updates)
+    hybrid = HybridEngine(actor, tokenizer, place("actor"))
+    # The critic starts as the reward model, rescaled to the normalised rewards it will predict (a
+    # critic of its own, ppo.critic_path, is taken as it is).
+    critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" and critic_src == rm_src else 1.0
+    critic = (TrainEngine(scalar_model(cfg, critic_src, mesh, tokenizer, critic_scale, lcfg if lcfg.critic else None, "critic"),
+                          mesh, place("critic"), train, total_steps=total_updates, lr=ppo.critic_lr)
               if alg.estimator == "gae" else None)
     # the reference: the actor with its adapters off under LoRA, else a second copy of the SFT model;
     # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
-    ref = (reference_for(actor, lambda: loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code), mesh, cfg.engine)
+    ref = (reference_for(actor, lambda: loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code, cfg.model.disable_dropout, "reference"), mesh, place("reference"))
            if alg.kl_coef > 0 else None)
     scorers = experience.Scorers(
         ref=ref,
         critic=critic,
-        reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, cfg.engine) if ppo.use_reward_model else None,
+        reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, place("reward_model")) if ppo.use_reward_model else None,
         reward_stats=stats, running=ppo_math.RunningMoments(), rule=rule, rule_weight=ppo.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format, gold=data.gold)
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
@@ -121,6 +126,8 @@ def run(cfg: Config) -> None:
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(actor.module.config, tokenizer, data.description, cfg))
+    if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
+        return shutdown(mesh)
     start, state, metrics = resume(ctx, engines, ckpt)
     if ckpt is not None:
         kl_ctl.load_state_dict(state["kl"])
@@ -137,7 +144,9 @@ def run(cfg: Config) -> None:
     def evaluate(step):
         if data.gold is None:
             return
-        res = evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat)
+        res = evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress)
+        if not res:  # eval.gold_prompts=0
+            return
         metrics.log(step, **res)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items()))
 
@@ -202,32 +211,57 @@ def run(cfg: Config) -> None:
     if ema is not None:
         ema.export(ctx.out / "actor_ema", tokenizer)
     metrics.close()
+    mark_finished(ctx, train.max_steps)
     log.info("ppo done: %s", ctx.out / "actor")
     shutdown(mesh)
 
 
 def inputs(cfg: Config):
-    """(actor source, reward-model dir or None): the SFT output (or model.path) and the reward stage's output."""
+    """(actor source, reward-model dir or None, critic dir or None): the SFT output (or model.path or
+    ppo.actor_path), the reward model (ppo.reward_model_path or the reward stage's output) and the
+    critic's start (ppo.critic_path or the reward model)."""
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
-    needs_rm = ppo.use_reward_model or alg.estimator == "gae"  # GAE's critic starts as the reward model
-    rm_src = previous_output(cfg.run.dir, "reward", "model") if needs_rm else None
-    if needs_rm and rm_src is None:
-        raise ConfigError(f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first "
-                          f"(or use algorithm.estimator=grpo ppo.use_reward_model=false ppo.reward_fn=...)")
+    gae = alg.estimator == "gae"
     if not ppo.use_reward_model and not ppo.reward_fn:
         raise ConfigError("ppo.use_reward_model=false needs a rule reward: set ppo.reward_fn (e.g. rlhf.rewards.gold)")
+    if ppo.critic_path and not gae:
+        raise ConfigError(f"ppo.critic_path={ppo.critic_path} is set but algorithm.estimator={alg.estimator} "
+                          f"has no critic (only gae does)")
+    # GAE's critic starts as the reward model unless it has a start of its own
+    needs_rm = ppo.use_reward_model or (gae and not ppo.critic_path)
+    rm_src = None
+    if ppo.reward_model_path:
+        loading.check_model_path(ppo.reward_model_path, "ppo.reward_model_path")
+        rm_src = Path(ppo.reward_model_path).expanduser()
+    elif needs_rm:
+        rm_src = previous_output(cfg.run.dir, "reward", "model")
+        if rm_src is None:
+            raise ConfigError(f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first, set "
+                              f"ppo.reward_model_path, or use algorithm.estimator=grpo ppo.use_reward_model=false "
+                              f"ppo.reward_fn=...")
+    critic_src = None
+    if ppo.critic_path:
+        loading.check_model_path(ppo.critic_path, "ppo.critic_path")
+        critic_src = Path(ppo.critic_path).expanduser()
+    elif gae:
+        critic_src = rm_src
     loading.check_model_path(str(actor_src))
-    return str(actor_src), rm_src
+    if needs_rm or ppo.reward_model_path:
+        log.info("ppo: reward model %s%s", rm_src, "" if ppo.use_reward_model else " (ppo.use_reward_model=false: the critic's start only)")
+    if critic_src is not None:
+        log.info("ppo: critic starts from %s", critic_src)
+    return str(actor_src), rm_src, critic_src
 
 
-def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0, lcfg=None) -> ScalarHeadModel:
+def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0, lcfg=None,
+                 role: str = "reward model") -> ScalarHeadModel:
     """The reward model's architecture and weights as a scalar-head model (the critic's head scaled;
-    ``lcfg``: LoRA adapters on its backbone, the head fully trained)."""
+    ``lcfg``: LoRA adapters on its backbone, the head fully trained; dropout per model.disable_dropout)."""
     model_cfg = loading.load_model_config(str(src), cfg.model.trust_remote_code)
     model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, path=str(src),
                                 on_meta=not mesh.is_main, trust_remote_code=cfg.model.trust_remote_code,
-                                tokenizer=tokenizer)
+                                tokenizer=tokenizer, disable_dropout=cfg.model.disable_dropout, role=role)
     if scale != 1.0 and mesh.is_main:
         with torch.no_grad():
             head_module(model).weight.mul_(scale)

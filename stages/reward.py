@@ -30,7 +30,7 @@ from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, ini
 from rlhf.rundir.log import progress
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, end_of_step, log_evaluation, rank_batches, require_batches,
-    require_pairs, resume, run_fingerprint, stage_input, start_stage)
+    finished, mark_finished, require_pairs, resolve_steps, resume, run_fingerprint, stage_input, start_stage)
 
 log = logging.getLogger("rlhf")
 
@@ -55,6 +55,7 @@ def run(cfg: Config) -> None:
     eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
                        lambda: tokenize_pairs(data.eval, tokenizer, **lens))
     require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
+    resolve_steps(ctx, len(train_cols["chosen"]), train.global_batch, "pairs")
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
@@ -71,10 +72,12 @@ def run(cfg: Config) -> None:
                                     trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
     # model.lora.r > 0: adapters on the backbone, the score head fully trained (and saved with them)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, head=head_name(model))
-    engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine, train)
+    engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model_cfg, tokenizer, data.description, cfg))
+    if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
+        return shutdown(mesh)
     start, _, metrics = resume(ctx, {"reward": engine}, ckpt)
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
@@ -122,6 +125,7 @@ def run(cfg: Config) -> None:
     export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={REWARD_STATS_FILE: stats},
               adapter_dir=ctx.out / "adapter")
     metrics.close()
+    mark_finished(ctx, train.max_steps)
     log.info("reward done: %s (eval/accuracy=%.4f)", ctx.out / "model", res["eval/accuracy"])
     shutdown(mesh)
 

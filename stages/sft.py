@@ -31,7 +31,7 @@ from rlhf.rundir.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, end_of_step, export_policy, log_evaluation, rank_batches,
-    require_batches, resume, run_fingerprint, start_stage, text_corpus)
+    finished, mark_finished, require_batches, resolve_steps, resume, run_fingerprint, start_stage, text_corpus)
 
 log = logging.getLogger("rlhf")
 
@@ -65,6 +65,7 @@ def run(cfg: Config) -> None:
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
     train_cols = cached("sft", data.train, tokenizer, lens, ctx.cache_dir, mesh,
                         lambda: tokenize_sft(data.train, tokenizer, **lens))
+    resolve_steps(ctx, len(train_cols["ids"]), train.global_batch, "records")
     eval_cols = cached("sft-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
                        lambda: tokenize_sft(data.eval, tokenizer, **lens)) if data.eval else None
 
@@ -73,10 +74,12 @@ def run(cfg: Config) -> None:
                                 trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
     # model.lora.r > 0: the adapters train (and, for the embedded default, its embeddings)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, embedded=not cfg.model.path)
-    engine = TrainEngine(model, mesh, cfg.engine, train)
-    actor = HybridEngine(engine, tokenizer, cfg.engine)  # generation for the gold score
+    engine = TrainEngine(model, mesh, cfg.engine.placement("actor"), train)
+    actor = HybridEngine(engine, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model.config, tokenizer, data.description, cfg))
+    if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
+        return shutdown(mesh)
     start, _, metrics = resume(ctx, {"actor": engine}, ckpt)
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
@@ -93,7 +96,8 @@ def run(cfg: Config) -> None:
         if eval_cols is not None:
             results["eval/loss"] = eval_loss(engine, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
         if data.gold is not None:
-            results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat))
+            results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat,
+                                          cfg.logger.progress))
         return log_evaluation(metrics, step, results, engine)
 
     # ---- loop ----
@@ -124,6 +128,7 @@ def run(cfg: Config) -> None:
     results = evaluate(train.max_steps)
     export_policy(engine, ctx, mesh, tokenizer, results, train.max_steps)
     metrics.close()
+    mark_finished(ctx, train.max_steps)
     log.info("sft done: %s", ctx.out / "model")
     shutdown(mesh)
 

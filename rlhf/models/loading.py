@@ -18,6 +18,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from rlhf.config import ModelConfig
 from rlhf.errors import ConfigError
+from rlhf.models import dropout
 
 
 def embedded_llama_config(m: ModelConfig, tokenizer):
@@ -30,16 +31,17 @@ def embedded_llama_config(m: ModelConfig, tokenizer):
         initializer_range=0.02)
 
 
-def check_model_path(path: str) -> None:
-    """A local path that does not exist is an error; a bare ``name`` or ``org/name`` may be a hub id."""
+def check_model_path(path: str, key: str = "model.path") -> None:
+    """A local path that does not exist is an error; a bare ``name`` or ``org/name`` may be a hub id.
+    ``key``: the setting that named it (model.path, ppo.reward_model_path, ...), for the message."""
     p = Path(os.path.expanduser(path))
     if p.exists():
         if not (p / "config.json").is_file():
-            raise ConfigError(f"model.path={path}: directory has no config.json (not a Hugging Face model)")
+            raise ConfigError(f"{key}={path}: directory has no config.json (not a Hugging Face model)")
         check_model_family(p / "config.json", path)
         return
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) or path.startswith("."):
-        raise ConfigError(f"model.path={path}: no such directory")
+        raise ConfigError(f"{key}={path}: no such directory")
 
 
 def check_model_family(config_file: Path, path: str) -> None:
@@ -81,13 +83,23 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: bool = False,
-                seed: int = 0, trust_remote_code: bool = False, tokenizer=None, **kwargs) -> torch.nn.Module:
+                seed: int = 0, trust_remote_code: bool = False, tokenizer=None,
+                disable_dropout: Optional[bool] = None, role: str = "model", **kwargs) -> torch.nn.Module:
     """``model_cls`` (an HF Auto class or model class) from ``path`` or from ``config`` (seeded init).
 
     ``on_meta``: build the architecture only (weights arrive later by broadcast).
     ``tokenizer``: grow the embeddings to its length where it has more tokens than the model (the pad
     ``load_tokenizer`` adds), on every rank — a meta model too, so that FSDP wraps the same shapes and
-    config as rank 0 and the broadcast fills them."""
+    config as rank 0 and the broadcast fills them.
+    ``disable_dropout`` (model.disable_dropout, RL and DPO): true sets every dropout probability to 0,
+    false keeps it (both logged, naming the model's ``role``); None leaves the model as it is."""
+    model = _build_resized(model_cls, config, path, on_meta, seed, trust_remote_code, tokenizer, **kwargs)
+    if disable_dropout is not None:
+        dropout.disable_dropout(model, role, disable_dropout)
+    return model
+
+
+def _build_resized(model_cls, config, path, on_meta, seed, trust_remote_code, tokenizer, **kwargs):
     if tokenizer is None:
         return _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs)
     if config is None:
@@ -121,17 +133,27 @@ def _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs) 
         return model_cls.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
 
 
+# the attribute that records, on a model ``resize_for_tokenizer`` grew, how many embedding rows its
+# checkpoint had: a LoRA adapter is exported for that vocabulary (``lora.save_adapter``)
+BASE_VOCAB_ROWS = "rlhf_base_vocab_rows"
+
+
 def resize_for_tokenizer(model, tokenizer) -> None:
     """Embedding rows (and an untied LM head) grown to ``len(tokenizer)`` where the model has fewer; the
-    config's vocab_size follows. A meta model gets the shapes only (its weights arrive by broadcast)."""
+    config's vocab_size follows, and the rows it had are kept as ``model.rlhf_base_vocab_rows``. A meta
+    model gets the shapes only (its weights arrive by broadcast)."""
     rows = model.get_input_embeddings().weight
     if rows.shape[0] < len(tokenizer):
+        setattr(model, BASE_VOCAB_ROWS, getattr(model, BASE_VOCAB_ROWS, rows.shape[0]))
         model.resize_token_embeddings(len(tokenizer), mean_resizing=not rows.is_meta)
 
 
-def causal_lm(src: str, mesh, tokenizer, trust_remote_code: bool = False) -> torch.nn.Module:
+def causal_lm(src: str, mesh, tokenizer, trust_remote_code: bool = False, disable_dropout: Optional[bool] = None,
+              role: str = "model") -> torch.nn.Module:
     """The causal LM at ``src`` (rank 0 reads it; the other ranks build it on meta and get the
-    weights by broadcast when the engine wraps it), grown to the tokenizer's length."""
+    weights by broadcast when the engine wraps it), grown to the tokenizer's length; its dropout as
+    ``build_model`` says."""
     model_cfg = load_model_config(src, trust_remote_code)
     return build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
-                       trust_remote_code=trust_remote_code, tokenizer=tokenizer)
+                       trust_remote_code=trust_remote_code, tokenizer=tokenizer, disable_dropout=disable_dropout,
+                       role=role)

@@ -1,5 +1,5 @@
-"""What every stage does around its loop: process group, console, seeds, finding its inputs, resuming,
-and the end of each step (evaluate, checkpoint, stop on a signal)."""
+"""What every stage does around its loop: process group, console, seeds, finding its inputs, resuming
+(or finding the stage already done), and the end of each step (evaluate, checkpoint, stop on a signal)."""
 from __future__ import annotations
 
 import hashlib
@@ -12,16 +12,23 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
+from omegaconf import OmegaConf
 
 from rlhf.config import Config, TrainConfig
 from rlhf.data.records import Example
 from rlhf.engine.checkpoint import STATE_FILE, export_hf, latest_checkpoint, load_checkpoint
 from rlhf.engine.mesh import Mesh, init_mesh
+from rlhf.engine.train import check_offload
 from rlhf.errors import ConfigError, DataError
 from rlhf.launcher import interrupt
+from rlhf.rundir.fileio import atomic_write_json, atomic_write_text
 from rlhf.rundir.log import MetricsWriter, setup_console
 
 log = logging.getLogger("rlhf")
+
+# in <run.dir>/<stage>/: the configuration the stage ran with (resolved, YAML), and the mark of a
+# stage that ran to its end ({"step", "fingerprint", "outputs"}; docs/contract.md)
+CONFIG_FILE, DONE_FILE = "config.yaml", "done.json"
 
 
 @dataclass
@@ -49,10 +56,27 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
     cache = Path(cfg.run.cache_dir) if cfg.run.cache_dir else run_dir / "cache"
     log.info("stage=%s run.dir=%s world_size=%d device=%s zero_stage=%d precision=%s", stage, run_dir,
              mesh.world_size, mesh.device, cfg.engine.zero_stage, cfg.engine.precision)
-    if cfg.train.warmup_steps > cfg.train.max_steps:
-        log.warning("train.warmup_steps=%d is more than train.max_steps=%d: the learning rate never reaches "
-                    "train.lr", cfg.train.warmup_steps, cfg.train.max_steps)
+    log.info("recipe=%s (%s)", cfg.recipe, cfg.recipe_why)
+    placed = cfg.engine.placements()
+    if len(set(placed.values())) > 1:  # engine.<role>.* differ: say where each model lives
+        log.info("placement (zero_stage, offload, precision, activation_checkpointing): %s",
+                 ", ".join(f"{role} {p}" for role, p in placed.items()))
+    for role in placed:  # engine.offload=cpu applies or stops here, before any model loads
+        check_offload(cfg.engine.placement(role), mesh)
     return StageContext(cfg=cfg, mesh=mesh, out=run_dir / stage, cache_dir=cache)
+
+
+def resolve_steps(ctx: StageContext, items: int, per_step: int, what: str, updates_per_step: int = 1) -> None:
+    """The stage's step count once its data is known: train.max_steps from train.epochs and
+    train.warmup_steps from train.warmup_ratio where they are null (the pretrained recipes), said in
+    the log; ``updates_per_step``: optimizer steps per stage step (PPO), the unit of the warmup."""
+    train = ctx.cfg.train
+    said = train.resolve_steps(items, per_step, what, updates_per_step)
+    if said:
+        log.info("%s", said)
+    if train.warmup_steps > train.max_steps * updates_per_step:
+        log.warning("train.warmup_steps=%d is more than the stage's %d optimizer steps: the learning rate never "
+                    "reaches train.lr", train.warmup_steps, train.max_steps * updates_per_step)
 
 
 def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
@@ -102,16 +126,64 @@ def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
                           f"raise train.max_steps to continue it, or {how}")
 
 
+def finished(ctx: StageContext) -> bool:
+    """Whether a rerun finds the stage already done: ``run.resume`` is true, ``<stage>/done.json``
+    (``mark_finished``) records train.max_steps and this fingerprint, and every export it lists is still
+    there. Then it says so in one line and the stage returns without touching anything (a larger
+    train.max_steps resumes from the last checkpoint instead; run.resume=false starts over).
+    Call it once ``ctx.fingerprint`` is known, before ``resume``; rank 0 decides for every rank."""
+    line = _done_line(ctx) if ctx.mesh.is_main else None
+    line = ctx.mesh.broadcast_object(line)
+    if line is not None:
+        log.info("%s", line)
+    return line is not None
+
+
+def _done_line(ctx: StageContext) -> Optional[str]:
+    if ctx.cfg.run.resume not in (True, None):
+        return None
+    marker = ctx.out / DONE_FILE
+    try:
+        done = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    outputs = done.get("outputs") or []
+    if (done.get("step") != ctx.cfg.train.max_steps or done.get("fingerprint") != ctx.fingerprint or not outputs
+            or not all(_exported(ctx.out / name) for name in outputs)):
+        return None
+    return (f"{ctx.out.name}: already done (step {done['step']} = train.max_steps, exported to "
+            f"{', '.join(str(ctx.out / name) for name in outputs)}; {marker}): nothing to do. A larger "
+            f"train.max_steps continues it from its last checkpoint; run.resume=false trains it again")
+
+
+def mark_finished(ctx: StageContext, step: int) -> None:
+    """Records, after the stage's exports (rank 0, atomically), that it ran to ``step`` with this
+    fingerprint, and which exports it left: ``finished`` reads it on a rerun."""
+    if not ctx.mesh.is_main:
+        return
+    outputs = sorted(p.name for p in ctx.out.iterdir() if _exported(p))
+    atomic_write_json(ctx.out / DONE_FILE, {"step": step, "fingerprint": ctx.fingerprint, "outputs": outputs})
+
+
+def _exported(path: Path) -> bool:
+    """An export (written whole by ``export_hf``): a Hugging Face model or a PEFT adapter directory."""
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
 def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
     """Restores ``engines`` from ``ckpt`` (if any, after ``check_resumable``) and opens the stage's
     metrics.jsonl, keeping only the lines up to the checkpoint. Returns (start step, trainer state,
-    metrics writer)."""
+    metrics writer). From here the run writes: rank 0 drops ``done.json`` and saves the configuration
+    the stage runs with to ``<stage>/config.yaml`` (``rlhf.eval --run-dir`` reads it)."""
     if ckpt is not None:
         check_resumable(ctx, ckpt, json.loads((ckpt / STATE_FILE).read_text()))
     state = load_checkpoint(ckpt, engines, ctx.mesh) if ckpt is not None else {}
     start = state.get("step", 0)
     if ckpt is not None:
         log.info("resumed from %s (step %d)", ckpt, start)
+    if ctx.mesh.is_main:  # the run starts writing: not finished any more, and what it runs with
+        (ctx.out / DONE_FILE).unlink(missing_ok=True)
+        atomic_write_text(ctx.out / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.structured(ctx.cfg)))
     metrics = MetricsWriter(ctx.out / "metrics.jsonl", is_main=ctx.mesh.is_main,
                             resume_step=start if ckpt is not None else None, cfg=ctx.cfg, stage=ctx.out.name)
     return start, state, metrics

@@ -58,3 +58,12 @@ def test_lora_two_ranks_match_one_process(small_pipeline, tmp_path):
     before = load_file(str(small_pipeline / "sft" / "model" / "model.safetensors"))
     after = ref[1]["actor"]
     assert max(float((after[k] - before[k]).abs().max()) for k in before if k in after) > 1e-5
+
+
+def test_mixed_placements_two_ranks_match_one_process(small_pipeline, tmp_path):
+    """Each model placed on its own (DeepSpeed-Chat's --actor_zero_stage 3 --critic_zero_stage 2, a
+    replicated reference and reward model): the first step equals the 1-process run's."""
+    ref = first_step(small_pipeline, tmp_path / "one", 1, 1)
+    mixed = ("engine.actor.zero_stage=3", "engine.critic.zero_stage=2", "engine.reference.zero_stage=1",
+             "engine.reward_model.zero_stage=0", "ppo.micro_batch_per_rank=2")
+    assert_same_update(first_step(small_pipeline, tmp_path / "two", 2, 1, *mixed), ref, "mixed placements, 2 ranks")

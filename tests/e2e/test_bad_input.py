@@ -203,3 +203,14 @@ def test_bad_input_exits_2_and_alters_nothing(good_run, tmp_path, name, make_arg
     assert "Traceback" not in proc.stderr
     assert tree_digest(good_run) == before
     assert not ctx.fresh.exists(), "a failed run created its run directory"
+
+
+@pytest.mark.parametrize("key", ["engine.offload", "engine.reference.offload"])
+def test_offload_on_the_cpu_is_refused_not_ignored(key, tmp_path):
+    """engine.offload=cpu applies or stops the run: on the CPU there is nothing to offload (exit 2,
+    one line naming the key), before any model loads or anything is written."""
+    proc = run_cli("stage=sft", f"run.dir={tmp_path / 'run'}", f"{key}=cpu", "train.max_steps=1", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and f"{key}=cpu: this run trains on the CPU" in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "sft").exists()
