@@ -40,7 +40,8 @@ def build_model(out: Path, data: Path) -> Path:
     from rlhf.data.tokenizer import train_tokenizer
     if (out / "config.json").is_file():
         return out
-    texts = [t for e in read_examples(str(data), "hh") for t in (e.prompt, e.chosen, e.rejected) if t]
+    examples, _ = read_examples(str(data), "hh")
+    texts = [t for e in examples for t in (e.prompt, e.chosen, e.rejected) if t]
     tok = train_tokenizer(texts, vocab_size=8192, model_max_length=QWEN25_05B["max_position_embeddings"])
     cfg = Qwen2Config(**QWEN25_05B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)

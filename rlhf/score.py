@@ -1,12 +1,14 @@
 """Score (prompt, response) pairs with a saved reward model.
 
     python -m rlhf.score RUN_DIR/reward/model --prompt $'Q: What is 03 + 45?\\nA:' --response " The answer is 48."
-    python -m rlhf.score RUN_DIR/reward/model --jsonl responses.jsonl   # fields prompt, response
-    python -m rlhf.score RUN_DIR/reward/model --jsonl pairs.jsonl       # prompt/chosen/rejected, or hh pairs
+    python -m rlhf.score RUN_DIR/reward/model --jsonl responses.jsonl   # prompt/response, or messages
+    python -m rlhf.score RUN_DIR/reward/model --jsonl pairs.jsonl       # prompt/chosen/rejected, hh, messages pairs
 
 Prints one JSON object per response: {"score": float, "normalized": float}; for preference pairs one
 per pair ({"chosen": float, "rejected": float, "correct": bool}) and then {"pairs": n, "accuracy": a}.
 ``normalized`` uses the mean/std of held-out scores saved by the reward stage (reward_stats.json).
+A file is read by the stages' readers in the format its first record has; turns (``messages``) are
+rendered through the model's chat template (``--chat-template``) exactly as the reward stage renders them.
 A prompt needs its real newlines: in bash write $'...\\n...' (in plain double quotes \\n stays a
 backslash and an n, which the model never saw). Runs on the GPU when there is one (--device).
 """
@@ -16,9 +18,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
+
+UNCUT = sys.maxsize  # data.max_*_len for scoring: nothing is cut
 
 # Imports of transformers and of the project's model code inside functions on purpose: --help answers in
 # 2 s (torch alone, measured on the CPU dev machine) rather than 5 s.
@@ -68,6 +72,18 @@ class RewardScorer:
     def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64) -> torch.Tensor:
         return self.score_ids(self.encode(prompts, responses), batch_size)
 
+    def pair_ids(self, examples: Sequence, chat=None) -> Tuple[List[List[int]], List[List[int]]]:
+        """(chosen, rejected) sequences of preference pairs as the reward stage builds them (turns
+        through the chat template ``chat``, text as it is; each response with its EOS), uncut."""
+        from rlhf.data.tokenize import tokenize_pairs
+        cols = tokenize_pairs(list(examples), self.tokenizer, UNCUT, UNCUT, chat)
+        return cols["chosen"], cols["rejected"]
+
+    def response_ids(self, examples: Sequence, chat=None) -> List[List[int]]:
+        """prompt + response + EOS of each record, built as the stages build them (turns through ``chat``)."""
+        from rlhf.data.tokenize import tokenize_sft
+        return tokenize_sft(list(examples), self.tokenizer, UNCUT, UNCUT, chat)["ids"]
+
     def normalize(self, scores: torch.Tensor) -> torch.Tensor:
         return (scores - self.stats["mean"]) / max(self.stats["std"], 1e-8)
 
@@ -92,17 +108,35 @@ def check_reward_model(model_dir: str) -> None:
                           f"one-label sequence classifier); pass RUN_DIR/reward/model")
 
 
+def format_of(record) -> str:
+    """The data format (data.format) a record is in, from its fields: pairs with turn lists are
+    ``messages`` pairs, with a ``prompt`` ``prompt_chosen_rejected``, else ``hh`` dialogues; a
+    ``messages`` conversation; else ``prompt_response``."""
+    rec = record if isinstance(record, dict) else {}
+    if "chosen" in rec or "rejected" in rec:
+        if isinstance(rec.get("chosen"), list) or isinstance(rec.get("rejected"), list):
+            return "messages"
+        return "prompt_chosen_rejected" if "prompt" in rec else "hh"
+    return "messages" if "messages" in rec else "prompt_response"
+
+
 def read_records(path: str):
-    """(kind, examples): 'pairs' when the records hold chosen/rejected (prompt_chosen_rejected, or hh
-    dialogues), else 'responses' (prompt, response)."""
+    """(kind, examples): 'pairs' when the records hold chosen/rejected (prompt_chosen_rejected, hh
+    dialogues or messages pairs), else 'responses' (prompt_response, or messages conversations ending
+    with the assistant turn to score). The format is the first record's; every record must have it."""
     from rlhf.data.records import data_files, iter_raw_records, read_examples
-    files = data_files(path)
+    from rlhf.errors import DataError
+    files = data_files(path, key="--jsonl")
     first = next(iter(iter_raw_records(files[0])), None) if files else None
-    fields = set(first[0]) if first is not None and isinstance(first[0], dict) else set()
-    if {"chosen", "rejected"} <= fields:
-        fmt = "prompt_chosen_rejected" if "prompt" in fields else "hh"
-        return "pairs", read_examples(path, fmt)[0]
-    return "responses", read_examples(path, "prompt_response")[0]
+    fmt = format_of(first[0] if first is not None else None)
+    exs = read_examples(path, fmt, key="--jsonl", skip_key=None)[0]
+    kind = "pairs" if exs[0].chosen is not None else "responses"
+    for e in exs:
+        if kind == "pairs" and (e.chosen is None or e.rejected is None):
+            raise DataError(f"{e.where}: not a preference pair (chosen and rejected), as the file's first record is")
+        if kind == "responses" and e.response is None:
+            raise DataError(f"{e.where}: no response to score (a messages record needs a last assistant turn)")
+    return kind, exs
 
 
 def main(argv=None) -> None:
@@ -111,6 +145,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt")
     ap.add_argument("--response")
     ap.add_argument("--jsonl", help="a file of {prompt, response} records, or of preference pairs")
+    ap.add_argument("--chat-template", default="auto", help="for turns (messages): auto (the tokenizer's, as the "
+                    "reward stage used it), none, or a Jinja file")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="where the model runs (auto: the GPU when there is one, as engine.device)")
@@ -125,24 +161,24 @@ def main(argv=None) -> None:
         else:
             ap.error("give --prompt and --response, or --jsonl")
         check_reward_model(args.model_dir)
+        from rlhf.data.chat import resolve_template
         from rlhf.engine.mesh import choose_device
         scorer = RewardScorer(args.model_dir, device=str(choose_device(args.device, 0, 1)),
                               trust_remote_code=args.trust_remote_code)
+        chat = resolve_template(scorer.tokenizer, args.chat_template, key="--chat-template")
+        seqs = (scorer.pair_ids(exs, chat) if kind == "pairs" else
+                scorer.response_ids(exs, chat) if exs is not None else scorer.encode([args.prompt], [args.response]))
     except (UserError, OSError, ValueError) as e:
         print(f"rlhf.score: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
     if kind == "pairs":
-        prompts = [e.prompt for e in exs]
-        chosen = scorer.score(prompts, [e.chosen for e in exs]).tolist()
-        rejected = scorer.score(prompts, [e.rejected for e in exs]).tolist()
+        chosen, rejected = (scorer.score_ids(ids).tolist() for ids in seqs)
         for c, r in zip(chosen, rejected):
             print(json.dumps({"chosen": c, "rejected": r, "correct": c > r}))
         correct = sum(c > r for c, r in zip(chosen, rejected))
         print(json.dumps({"pairs": len(chosen), "accuracy": correct / max(len(chosen), 1)}))
         return
-    prompts, responses = ([e.prompt for e in exs], [e.response for e in exs]) if exs is not None else (
-        [args.prompt], [args.response])
-    scores = scorer.score(prompts, responses)
+    scores = scorer.score_ids(seqs)
     for s, n in zip(scores.tolist(), scorer.normalize(scores).tolist()):
         print(json.dumps({"score": s, "normalized": n}))
 

@@ -66,6 +66,8 @@ def check_reward_model(stats: dict, rm_src, threshold, data_format) -> None:
 
 
 def run(cfg: Config) -> None:
+    # the user's reward function imports before anything else: an import error is the run's one line
+    rule = resolve(cfg.ppo.reward_fn) if cfg.ppo.reward_fn else None
     ctx = start_stage(cfg, "ppo")
     mesh, train, ppo, alg = ctx.mesh, cfg.train, cfg.ppo, cfg.algorithm
     check_writable(cfg.run.dir)
@@ -74,7 +76,6 @@ def run(cfg: Config) -> None:
 
     # ---- setup: everything is validated before anything is written ----
     actor_src, rm_src, critic_src = inputs(cfg)
-    rule = resolve(ppo.reward_fn) if ppo.reward_fn else None
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
         check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)

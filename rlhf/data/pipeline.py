@@ -2,9 +2,11 @@
 
 Order of operations, per source: read (or generate) → seeded shuffle → held-out records
 (the same for every stage, so gold scores compare across stages) → the stage's ``data.split``
-share of the rest (DPO, which reads pairs, takes the reward stage's share). Sources are then
-blended by weight. With ``data.eval_path`` the held-out records are that file's (a seeded sample
-of ``data.eval_size``) and nothing is carved out of the sources.
+share of the rest (DPO, which reads pairs, takes the reward stage's share) → for SFT, without the
+records whose response is empty (nothing to imitate: skipped and counted whatever
+``data.on_bad_record``; pairs keep them). Sources are then blended by weight. With
+``data.eval_path`` the held-out records are that file's (a seeded sample of ``data.eval_size``)
+and nothing is carved out of the sources.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from rlhf import seeding
 from rlhf.config import DataConfig, SourceConfig, parse_split, split_share_of
 from rlhf.data import synthetic
 from rlhf.data.gold import scorer_for
-from rlhf.data.records import Example, read_examples
+from rlhf.data.records import Example, empty_response, read_examples
 from rlhf.errors import DataError
 
 log = logging.getLogger("rlhf")
@@ -28,8 +30,9 @@ class StageData:
     train: List[Example]
     eval: List[Example]
     gold: Optional[Callable[[str, str], float]]  # gold scorer when every source has one
-    skipped: int = 0
+    skipped: int = 0  # malformed records skipped (data.on_bad_record=skip)
     description: str = ""
+    empty: int = 0  # records SFT skipped for their empty response (train and held out)
 
 
 def split_share(n: int, weights: List[float], index: int) -> slice:
@@ -49,7 +52,17 @@ def _read(src: SourceConfig, dcfg: DataConfig, key: str = "data.path", split_key
                          key=key, split_key=split_key)
 
 
-def _load_source(src: SourceConfig, dcfg: DataConfig, seed: int, stage: str):
+def _trainable(records: List[Example], stage: str, empty: List[Example]) -> List[Example]:
+    """``records`` less, for SFT, those whose response is empty (added to ``empty``): SFT would learn
+    to answer with nothing. The other stages keep them (a pair compares an empty answer as it is;
+    PPO reads prompts only)."""
+    if stage != "sft":
+        return records
+    empty += [e for e in records if empty_response(e)]
+    return [e for e in records if not empty_response(e)]
+
+
+def _load_source(src: SourceConfig, dcfg: DataConfig, seed: int, stage: str, empty: List[Example]):
     path, fmt = src.path, src.format
     if fmt == "synthetic":
         train, held_out = synthetic.generate(dcfg.synthetic, dcfg.eval_size, seed)
@@ -63,9 +76,12 @@ def _load_source(src: SourceConfig, dcfg: DataConfig, seed: int, stage: str):
         held_out = []  # data.eval_path's records instead
     if dcfg.split is not None:
         train = train[split_share(len(train), parse_split(str(dcfg.split)), split_share_of(stage))]
+    n_empty = len(empty)
+    train, held_out = _trainable(train, stage, empty), _trainable(held_out, stage, empty)
     if not train:
+        why = f"{len(empty) - n_empty} with an empty response, " if len(empty) > n_empty else ""
         raise DataError(f"data.path={path}: no training records left for stage {stage} "
-                        f"(data.split={dcfg.split})")
+                        f"({why}data.split={dcfg.split})")
     return train, held_out, skipped
 
 
@@ -98,22 +114,26 @@ def blend(parts: List[List[Example]], weights: List[float], seed: int) -> List[E
 
 def load_stage_data(dcfg: DataConfig, stage: str, seed: int) -> StageData:
     sources = dcfg.source_list()
-    trains, evals, skipped = [], [], 0
+    trains, evals, skipped, empty = [], [], 0, []
     for i, src in enumerate(sources):
-        tr, ev, sk = _load_source(src, dcfg, seeding.offset(seed, i, seeding.SOURCE), stage)
+        tr, ev, sk = _load_source(src, dcfg, seeding.offset(seed, i, seeding.SOURCE), stage, empty)
         trains.append(tr)
         evals.extend(ev)
         skipped += sk
     formats = {src.format for src in sources}
     if dcfg.eval_path:
         evals, sk = load_eval(dcfg, seed)
+        evals = _trainable(evals, stage, empty)
         skipped += sk
         formats.add(dcfg.eval_source().format)
     if skipped:
         log.warning("skipped %d malformed records (data.on_bad_record=skip)", skipped)
+    if empty:
+        log.warning("%s: skipped %d records whose response is empty (the first: %s): nothing to learn to "
+                    "answer from (the reward stage and DPO keep them)", stage, len(empty), empty[0].where)
     gold = scorer_for(sources[0].format) if len(formats) == 1 else None
     train = blend(trains, [s.weight for s in sources], seed)
     desc = ", ".join(f"{s.format}:{s.path or 'generated'}" for s in sources)
     if dcfg.eval_path:
         desc += f"; held out: {dcfg.eval_source().format}:{dcfg.eval_path}"
-    return StageData(train=train, eval=evals, gold=gold, skipped=skipped, description=desc)
+    return StageData(train=train, eval=evals, gold=gold, skipped=skipped, description=desc, empty=len(empty))

@@ -97,14 +97,23 @@ def apply_columns(rec: dict, columns: Dict[str, str]) -> dict:
     return out
 
 
+def empty_response(e: Example) -> bool:
+    """Whether ``e``'s response (the last assistant turn; a pair's chosen one) is there but empty or
+    blank. Every format reads such a record (a pair compares the empty answer as it is: saying nothing
+    can be the better answer, as in HH-RLHF); SFT, which would learn to answer with nothing, skips it
+    (rlhf/data/pipeline.py)."""
+    return e.response is not None and not e.response.strip()
+
+
 def _prompt_response(rec: dict, where: str) -> Example:
-    return Example(prompt=_field(rec, "prompt", where), response=_field(rec, "response", where), where=where)
+    return Example(prompt=_field(rec, "prompt", where), response=_field(rec, "response", where, allow_empty=True),
+                   where=where)
 
 
 def _prompt_chosen_rejected(rec: dict, where: str) -> Example:
-    chosen = _field(rec, "chosen", where)
+    chosen = _field(rec, "chosen", where, allow_empty=True)
     return Example(prompt=_field(rec, "prompt", where), response=chosen, chosen=chosen,
-                   rejected=_field(rec, "rejected", where), where=where)
+                   rejected=_field(rec, "rejected", where, allow_empty=True), where=where)
 
 
 def split_hh(dialogue: str, where: str, name: str) -> Tuple[str, str]:
@@ -213,10 +222,8 @@ def messages_parser(role_key: str = "role", content_key: str = "content") -> Cal
         turns = turns_of(rec["messages"], where, "messages", *keys)
         if turns[-1]["role"] != "assistant":  # a prompt only (PPO prompts); SFT says it has no target
             prompt, response = turns, None
-        else:
+        else:  # an empty last turn is read as it is (records.empty_response)
             prompt, response = turns[:-1], turns[-1]["content"]
-            if not response.strip():
-                raise DataError(f"{where}: field 'messages'[{len(turns) - 1}] (the last assistant turn) is empty")
         if not any(t["role"] == "user" for t in prompt):
             raise DataError(f"{where}: field 'messages' has no user turn before the last assistant turn")
         return Example(prompt=plain_text(prompt), response=None if response is None else " " + response,
@@ -234,6 +241,10 @@ def _message_pair(rec: dict, where: str, keys) -> Example:
     rejected = turns_of(rec["rejected"], where, "rejected", *keys)
     k = _common_prefix(chosen, rejected)
     tails = chosen[k:], rejected[k:]
+    for name, tail, other in (("chosen", tails[0], tails[1]), ("rejected", tails[1], tails[0])):
+        if not tail and len(other) == 1 and other[0]["role"] == "assistant":  # a converter dropped the turn
+            raise DataError(f"{where}: field '{name}' has no last assistant turn (write an empty answer as "
+                            f"an assistant turn with empty content)")
     if any(len(t) != 1 or t[0]["role"] != "assistant" for t in tails):
         raise DataError(f"{where}: fields 'chosen' and 'rejected' must differ only in their last turn, an "
                         f"assistant turn (they share {k} turns, then have {len(tails[0])} and {len(tails[1])})")
@@ -245,10 +256,7 @@ def _message_pair(rec: dict, where: str, keys) -> Example:
         prompt = _prompt_turns(rec, where, keys)
     if prompt[-1]["role"] == "assistant" or not any(t["role"] == "user" for t in prompt):
         raise DataError(f"{where}: the prompt of 'chosen'/'rejected' must end with a user turn")
-    c, r = tails[0][0]["content"], tails[1][0]["content"]
-    for name, text in (("chosen", c), ("rejected", r)):
-        if not text.strip():
-            raise DataError(f"{where}: field '{name}' has an empty last assistant turn")
+    c, r = tails[0][0]["content"], tails[1][0]["content"]  # either may be empty (records.empty_response)
     return Example(prompt=plain_text(prompt), response=" " + c, chosen=" " + c, rejected=" " + r, where=where,
                    chat=Chat(prompt=prompt, response=c, chosen=c, rejected=r))
 
@@ -395,9 +403,11 @@ def raw_records(path: str, split: str = "train", config: Optional[str] = None, k
 
 def read_examples(path: str, fmt: str, on_bad_record: str = "error", columns: Optional[Dict[str, str]] = None,
                   split: str = "train", config: Optional[str] = None, key: str = "data.path",
-                  split_key: str = "data.hf_split") -> Tuple[List[Example], int]:
+                  split_key: str = "data.hf_split", skip_key: Optional[str] = "data.on_bad_record"
+                  ) -> Tuple[List[Example], int]:
     """Parses every record of ``path`` in format ``fmt``, renaming ``columns`` (format field ->
-    dataset column) first. Returns (examples, number skipped)."""
+    dataset column) first. Returns (examples, number skipped). A malformed record raises, its
+    message naming ``skip_key`` (the way to skip such records) when there is one."""
     columns = dict(columns or {})
     parse = PARSERS[fmt]
     if fmt == "messages" and ("role" in columns or "content" in columns):
@@ -412,7 +422,9 @@ def read_examples(path: str, fmt: str, on_bad_record: str = "error", columns: Op
             out.append(parse(apply_columns(rec, columns), where))
         except DataError as e:
             if on_bad_record != "skip":
-                raise
+                if skip_key is None:
+                    raise
+                raise DataError(f"{e} (or set {skip_key}=skip to skip and count such records)") from None
             skipped += 1
             first = first or str(e)
     if not out:

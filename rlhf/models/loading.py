@@ -32,16 +32,47 @@ def embedded_llama_config(m: ModelConfig, tokenizer):
 
 
 def check_model_path(path: str, key: str = "model.path") -> None:
-    """A local path that does not exist is an error; a bare ``name`` or ``org/name`` may be a hub id.
-    ``key``: the setting that named it (model.path, ppo.reward_model_path, ...), for the message."""
+    """A local directory must hold a Hugging Face model. A path that does not exist is a hub id only
+    where it reads as one (``name`` or ``org/name``) and nothing local says it is a path (``runs/x``
+    with a ``runs/`` directory here is a missing run, not a hub id); with HF_HUB_OFFLINE=1 that hub id
+    must be in the local cache. ``key``: the setting that named it (model.path, ppo.reward_model_path, ...)."""
     p = Path(os.path.expanduser(path))
     if p.exists():
         if not (p / "config.json").is_file():
             raise ConfigError(f"{key}={path}: directory has no config.json (not a Hugging Face model)")
         check_model_family(p / "config.json", path)
         return
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) or path.startswith("."):
+    if not _hub_id(path):
         raise ConfigError(f"{key}={path}: no such directory")
+    from huggingface_hub import constants, try_to_load_from_cache
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+        raise ConfigError(f"{key}={path}: no such directory, and no hub model {path} in the local cache "
+                          f"(HF_HUB_OFFLINE=1: the hub is offline)")
+
+
+def _hub_id(path: str) -> bool:
+    """``path`` (which does not exist) may be a hub id: ``name`` or ``org/name``, no ``~``, and no
+    ``org`` that is a local directory."""
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) or path.startswith("."):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return "/" not in path or not Path(path.split("/")[0]).is_dir()
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _load_error(path: str, what: str, e: Exception) -> ConfigError:
+    """The error of loading ``what`` from ``path`` in one line (a missing path: as a hub id)."""
+    if Path(os.path.expanduser(path)).exists():
+        return ConfigError(f"model.path={path}: cannot load {what}: {_one_line(e)}")
+    return ConfigError(f"model.path={path}: no such directory, and no hub model {path} to load {what} from: "
+                       f"{_one_line(e)}")
 
 
 def check_model_family(config_file: Path, path: str) -> None:
@@ -65,16 +96,24 @@ def load_model_config(path: str, trust_remote_code: bool):
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path={path}: cannot load a model config: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise _load_error(path, "a model config", e) from None
+
+
+# what AutoTokenizer reads: one of these in a model directory (else it fails with a cut-off message)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    local = Path(os.path.expanduser(path))
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) \
+            and not any(local.glob("*.tiktoken")):
+        raise ConfigError(f"model.path={path}: no tokenizer files ({' / '.join(TOKENIZER_FILES[:4])} / ...) "
+                          f"in {path}")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path={path}: cannot load a tokenizer: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise _load_error(path, "a tokenizer", e) from None
     # pad must differ from EOS, so that EOS is learnt and never masked, and so that HF's
     # sequence-classification pooling (the last token that is not pad) lands on the EOS we score
     if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from rlhf import seeding
+from rlhf import rewards, seeding
 from rlhf.algorithms import ppo as ppo_math
 from rlhf.engine.infer import Generation
 from rlhf.engine.logprobs import keeps_logits, response_logprobs
@@ -118,9 +118,9 @@ def rollout(hybrid, scorers: Scorers, prompts: List[List[int]], examples: list, 
     if scorers.rule is not None or scorers.gold is not None:
         texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(gen.responses, mask)],
                                        skip_special_tokens=True)
-    if scorers.rule is not None:
-        rule = torch.tensor(scorers.rule(texts, examples, scorers.data_format), dtype=torch.float32,
-                            device=seq.device)
+    if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it
+        rule = torch.tensor(rewards.call(scorers.rule, texts, examples, scorers.data_format),
+                            dtype=torch.float32, device=seq.device)
         parts["rule"] = scorers.rule_weight * rule
         score = score + parts["rule"]
     if alg.no_eos_penalty:

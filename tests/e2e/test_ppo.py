@@ -247,8 +247,35 @@ def test_a_failing_rerun_loses_no_metrics(small_pipeline, tmp_path):
     old_metrics = (run / "ppo" / "metrics.jsonl").read_text()
     old_actor = (run / "ppo" / "actor" / "model.safetensors").read_bytes()
     proc = run_cli(*quick_ppo(run, "train.max_steps=2", "ppo.reward_fn=tests.e2e.nan_reward.nan_reward",
-                              "ppo.max_nonfinite_in_a_row=1"))
+                              "ppo.max_nonfinite_in_a_row=1", "run.resume=false"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     kept = run / "ppo" / "metrics.jsonl.prev"
     assert kept.read_text() == old_metrics and len(old_metrics.splitlines()) >= 3
     assert (run / "ppo" / "actor" / "model.safetensors").read_bytes() == old_actor
+
+
+def test_models_from_anywhere(small_pipeline, tmp_path):
+    """ppo.actor_path, ppo.reward_model_path and ppo.critic_path start PPO from exported models outside
+    run.dir: the same first step as the run whose run.dir holds them (fp32, greedy, no reward scaling,
+    so the critic started from ppo.critic_path is the reward model as it is in both)."""
+    import shutil
+    from safetensors.torch import load_file
+    same = ("recipe=embedded", "train.max_steps=1", "ppo.temperature=0", "algorithm.reward_norm=none")
+    shutil.copytree(small_pipeline, tmp_path / "inside")
+    assert run_cli(*quick_ppo(tmp_path / "inside", *same)).returncode == 0
+    proc = run_cli(*quick_ppo(tmp_path / "outside", *same, f"ppo.actor_path={small_pipeline / 'sft' / 'model'}",
+                              f"ppo.reward_model_path={small_pipeline / 'reward' / 'model'}",
+                              f"ppo.critic_path={small_pipeline / 'reward' / 'model'}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"ppo: reward model {small_pipeline / 'reward' / 'model'}" in proc.stderr
+    assert f"ppo: critic starts from {small_pipeline / 'reward' / 'model'}" in proc.stderr
+    a, b = ([r for r in rows(tmp_path / d / "ppo" / "metrics.jsonl") if "actor/loss" in r][-1]
+            for d in ("inside", "outside"))
+    for k in ("reward/mean", "actor/loss", "critic/loss"):
+        assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
+    for name in ("actor", "critic"):
+        wa, wb = (load_file(str(tmp_path / d / "ppo" / name / "model.safetensors")) for d in ("inside", "outside"))
+        assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) == 0.0, name
+    bad = run_cli(*quick_ppo(tmp_path / "bad", f"ppo.actor_path={small_pipeline / 'sft' / 'model'}",
+                             "ppo.reward_model_path=/no/such/rm"), timeout=120)
+    assert bad.returncode == 2 and "ppo.reward_model_path=/no/such/rm: no such directory" in bad.stderr

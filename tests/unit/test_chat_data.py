@@ -87,7 +87,10 @@ def test_messages_records_parse(tmp_path):
     ({"messages": [{"role": "user"}]}, "field 'messages'[0] has no string 'content'"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot': expected system, user or assistant"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, "no user turn"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}, "is empty"),
+    # an empty answer is a record (tests/unit/test_empty_turns.py); a dropped last turn is not
+    ({"chosen": [{"role": "user", "content": "q"}],
+      "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
+     "field 'chosen' has no last assistant turn"),
     ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
       "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "b"}]},
      "must differ only in their last turn"),
