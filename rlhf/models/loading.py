@@ -139,6 +139,7 @@ def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: 
 
 
 def _build_resized(model_cls, config, path, on_meta, seed, trust_remote_code, tokenizer, **kwargs):
+    """The model, grown to ``tokenizer``'s length when one is given (see ``build_model``)."""
     if tokenizer is None:
         return _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs)
     if config is None:

@@ -26,6 +26,7 @@ from transformers.pytorch_utils import Conv1D
 
 from rlhf.errors import ConfigError
 from rlhf.models.blocks import decoder_layers
+from rlhf.models.loading import BASE_VOCAB_ROWS
 
 log = logging.getLogger("rlhf")
 ADAPTER = "default"  # PEFT's name of the one adapter we train
@@ -145,14 +146,15 @@ def weight(module: nn.Module, what: str = "weight") -> torch.Tensor:
     return base + module.get_delta_weight(ADAPTER).to(base.dtype)
 
 
-_LORA_KEY = re.compile(r"^(?P<mod>.*)\.lora_(?P<ab>[AB])\.(?P<name>[^.]+)\.weight$")
+# a linear layer's ``<mod>.lora_A.default.weight``, an embedding's ``<mod>.lora_embedding_A.default``
+_LORA_KEY = re.compile(r"^(?P<mod>.*)\.lora_(?P<emb>embedding_)?(?P<ab>[AB])\.(?P<name>[^.]+)(?(emb)|\.weight)$")
 
 
 def merged_state_dict(sd: Dict[str, torch.Tensor], scale: float, fan_in_fan_out: bool = False
                       ) -> Dict[str, torch.Tensor]:
     """A PEFT model's full state dict (``base_model.model.`` names) as the plain HF model's: each LoRA
-    layer's base weight + B·A·``scale`` (computed in fp32), adapters dropped, a modules_to_save head
-    taken from its trained copy."""
+    layer's base weight + B·A·``scale`` (computed in fp32; an embedding's (B·A)ᵀ, as PEFT stores it),
+    adapters dropped, a modules_to_save head taken from its trained copy."""
     out: Dict[str, torch.Tensor] = {}
     pairs: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, value in sd.items():
@@ -160,7 +162,7 @@ def merged_state_dict(sd: Dict[str, torch.Tensor], scale: float, fan_in_fan_out:
         m = _LORA_KEY.match(key)
         if m:
             if m.group("name") == ADAPTER:
-                pairs.setdefault(m.group("mod"), {})[m.group("ab")] = value
+                pairs.setdefault(m.group("mod"), {"embedding": bool(m.group("emb"))})[m.group("ab")] = value
             continue
         if ".original_module." in key:
             continue
@@ -169,15 +171,42 @@ def merged_state_dict(sd: Dict[str, torch.Tensor], scale: float, fan_in_fan_out:
     for mod, ab in pairs.items():
         w = out[f"{mod}.weight"]
         delta = (ab["B"].float() @ ab["A"].float()) * scale
-        out[f"{mod}.weight"] = (w.float() + (delta.T if fan_in_fan_out else delta)).to(w.dtype)
+        out[f"{mod}.weight"] = (w.float() + (delta.T if fan_in_fan_out or ab["embedding"] else delta)).to(w.dtype)
     return out
 
 
 def save_adapter(peft_model: nn.Module, sd: Dict[str, torch.Tensor], out_dir) -> None:
     """The adapter alone in PEFT's format (adapter_config.json + adapter_model.safetensors), from the
     full state dict ``sd`` (PEFT names, as ``peft_model.state_dict()`` has them): loadable with
-    ``PeftModel.from_pretrained(base, out_dir)``."""
-    peft_model.save_pretrained(str(out_dir), state_dict=sd, safe_serialization=True)
+    ``PeftModel.from_pretrained(base, out_dir)`` onto the base checkpoint as the user has it. When the
+    tokenizer's added pad grew the embeddings (``loading.resize_for_tokenizer``), the adapter is
+    written for the checkpoint's vocabulary: the pad row left out of what it carries of the embeddings
+    and LM head, and PEFT's copy of the resized base embeddings not saved (the base's rows are
+    unchanged), so it loads onto the original base and gives the merged export's logits on text
+    without the pad."""
+    rows = getattr(unwrap(peft_model), BASE_VOCAB_ROWS, None)
+    extra = {}
+    if rows is not None:
+        sd = base_vocabulary(peft_model, sd, rows)
+        extra["save_embedding_layers"] = False
+    peft_model.save_pretrained(str(out_dir), state_dict=sd, safe_serialization=True, **extra)
+
+
+def base_vocabulary(peft_model: nn.Module, sd: Dict[str, torch.Tensor], rows: int) -> Dict[str, torch.Tensor]:
+    """``sd`` with the tensors of the input embeddings and LM head (their adapters, trained copies)
+    cut back to the first ``rows`` tokens along every dimension of the grown vocabulary's size."""
+    base = unwrap(peft_model)
+    grown = base.config.get_text_config().vocab_size
+    layers = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
+    prefixes = tuple(f"{name}." for name, m in peft_model.named_modules() if any(m is layer for layer in layers))
+    out = dict(sd)
+    for key, t in sd.items():
+        if key.startswith(prefixes):
+            for dim, size in enumerate(t.shape):
+                if size == grown:
+                    t = t.narrow(dim, 0, rows)
+            out[key] = t.contiguous()
+    return out
 
 
 def fan_in_fan_out(module: nn.Module) -> bool:
