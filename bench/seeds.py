@@ -46,6 +46,11 @@ def last(metrics: Path, key: str):
     return vals[-1] if vals else None
 
 
+def gain(after, before):
+    """after − before, or None when either was not measured (eval.gold_prompts=0, or a stage not run)."""
+    return None if after is None or before is None else after - before
+
+
 def grpo_dir(label) -> str:
     return f"grpo_{label}" if label else "grpo"
 
@@ -92,12 +97,12 @@ def figures(seed_dir: Path, stages: list, seconds: dict, label=None) -> dict:
     if (seed_dir / "ppo/metrics.jsonl").is_file():
         out["ppo_gold"] = last(seed_dir / "ppo/metrics.jsonl", "gold/score")
         out["ppo_gold_greedy"] = last(seed_dir / "ppo/metrics.jsonl", "gold/score_greedy")
-        out["ppo_gain"] = out["ppo_gold"] - out["sft_gold"]
+        out["ppo_gain"] = gain(out["ppo_gold"], out.get("sft_gold"))
     grpo_metrics = seed_dir / grpo_dir(label) / "ppo/metrics.jsonl"
     if grpo_metrics.is_file():
         out["grpo_gold"] = last(grpo_metrics, "gold/score")
         out["grpo_gold_greedy"] = last(grpo_metrics, "gold/score_greedy")
-        out["grpo_gain"] = out["grpo_gold"] - out["sft_gold"]
+        out["grpo_gain"] = gain(out["grpo_gold"], out.get("sft_gold"))
     if seconds.get("ppo", 0) is None:
         out["ppo_refused"] = 1
     for s in stages:

@@ -5,7 +5,9 @@ memory to OUT_DIR/peak_<rank>.json (bench/ppo.py; one file per rank under torch.
 
 peak_rss_gb: the peak resident set of this process (getrusage ru_maxrss; KiB on Linux) in GiB;
 on CUDA also peak_gpu_gb (torch.cuda.max_memory_allocated) and peak_gpu_reserved_gb
-(max_memory_reserved, what the caching allocator held) of this process's device.
+(max_memory_reserved, what the caching allocator held) of this process's device. Each counter
+is taken with the peaks the stage's metrics lines read before resetting it (``mem/peak_gb`` is the
+peak since the previous line: rlhf.rundir.log.PeakMemory), so these stay the whole process's peaks.
 """
 from __future__ import annotations
 
@@ -20,13 +22,15 @@ sys.path.insert(0, str(ROOT))
 
 
 def peak() -> dict:
-    rec = {"rank": int(os.environ.get("RANK", "0")),
-           "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    from rlhf.rundir.log import peaks_before_resets
+    before = peaks_before_resets()
+    rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, before.get("rss", 0))
+    rec = {"rank": int(os.environ.get("RANK", "0")), "peak_rss_gb": rss / 2**30}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         rec["device"] = f"cuda:{torch.cuda.get_device_name()}"
-        rec["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        rec["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        rec["peak_gpu_gb"] = max(torch.cuda.max_memory_allocated(), before.get("gpu", 0)) / 2**30
+        rec["peak_gpu_reserved_gb"] = max(torch.cuda.max_memory_reserved(), before.get("gpu_reserved", 0)) / 2**30
     return rec
 
 

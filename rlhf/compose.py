@@ -5,7 +5,7 @@ import dataclasses
 import difflib
 import re
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -19,16 +19,25 @@ from rlhf.config import Config, register
 from rlhf.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+_ABSENT = object()
 
 
-def compose_config(overrides: Sequence[str] = ()) -> Tuple[Config, str]:
-    """Returns the validated ``Config`` and its YAML text. Raises ``ConfigError`` on any problem."""
+def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -> Tuple[Config, str]:
+    """Returns the validated ``Config`` and its YAML text. Raises ``ConfigError`` on any problem.
+    ``base``: values (e.g. a run's saved ``data``/``eval``) that stand over the composed defaults and
+    under the keys the overrides name (``rlhf.eval --run-dir``)."""
     register()
     GlobalHydra.instance().clear()
     try:
         overrides, why = choose_recipe(list(overrides))
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             dcfg = compose(config_name="config", overrides=overrides)
+        if base:
+            merged = OmegaConf.merge(dcfg, base)
+            for o in OverridesParser.create().parse_overrides(overrides):  # the command line on top again
+                if OmegaConf.select(dcfg, o.key_or_group, default=_ABSENT) is not _ABSENT:
+                    OmegaConf.update(merged, o.key_or_group, OmegaConf.select(dcfg, o.key_or_group), merge=False)
+            dcfg = merged
         yaml_text = OmegaConf.to_yaml(dcfg)
         cfg = OmegaConf.to_object(dcfg)  # builds the dataclasses: runs every __post_init__ check
     except ConfigError:

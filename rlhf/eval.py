@@ -4,11 +4,14 @@
     python -m rlhf.eval RUN_DIR/sft/model data.path=data/gsm8k.jsonl data.format=gsm8k
 
 The held-out prompts, the decoding and the scorer are the stages' own (``rlhf.runtime.evaluation.evaluate_gold``,
-docs/contract.md): the data settings come from the Hydra overrides given here — the same ``data.*`` and
-``eval.*`` (and ``run.seed``) the run was trained with; none = the embedded default task.
-``--run-dir`` is the run's directory (``run.dir``). Prints one JSON object:
-``{"model", "gold/score", "gold/score_greedy", "prompts", "samples", "max_new_tokens", "temperature",
-"data"}``. Runs on the GPU when there is one (``engine.device``). A path that is not an exported
+docs/contract.md), with the run's settings: ``data.*``, ``eval.*`` and ``run.seed`` come from the
+configuration a stage saved in the run (``<run.dir>/<stage>/config.yaml``: the policy's own stage's when
+PATH lies in the run directory, else the newest in ``--run-dir``), and the Hydra overrides given here
+win over it. A run directory without one (a run older than those files) takes the overrides alone;
+then, without any ``data.*`` override, only a policy of the embedded task is scored (on the embedded
+task) and any other exits 2. Prints one JSON object: ``{"model", "gold/score", "gold/score_greedy",
+"prompts", "samples", "max_new_tokens", "temperature", "data", "config"}`` (``config``: the file read,
+or null). Runs on the GPU when there is one (``engine.device``). A path that is not an exported
 policy, or data without a gold scorer, exits 2 with one line.
 """
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Optional
 
 # Imports inside functions on purpose: --help and usage errors answer in 0.04 s (measured on the CPU
 # dev machine), against 2-5 s once torch/transformers load; they load only when a model is loaded.
@@ -27,7 +32,7 @@ def main(argv=None) -> None:
     ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", help="an exported policy (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)")
-    ap.add_argument("--run-dir", help="the run's directory (run.dir)")
+    ap.add_argument("--run-dir", help="the run's directory (run.dir): its saved data and eval settings")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run: data.*, eval.*, run.seed, engine.device")
     args = ap.parse_intermixed_args(argv)  # options before or after the overrides
@@ -35,23 +40,87 @@ def main(argv=None) -> None:
     from rlhf.errors import ConfigError, UserError, one_line
     from rlhf.generate import quiet_console
     quiet_console()
+    saved = None
     try:
         bad = [o for o in args.overrides if "=" not in o]
         if bad:
             raise ConfigError(f"{bad[0]!r} is not a key=value override (one path only: {args.path})")
         from rlhf.generate import check_policy_dir
         check_policy_dir(args.path)
-        from pathlib import Path
         if args.run_dir is not None and not Path(args.run_dir).is_dir():
             raise ConfigError(f"--run-dir {args.run_dir}: no such directory")
-        from rlhf.compose import compose_config
-        overrides = ["stage=sft"] + ([f"run.dir={args.run_dir}"] if args.run_dir else []) + list(args.overrides)
-        cfg, _ = compose_config(overrides)
+        saved = run_config(Path(args.path), Path(args.run_dir) if args.run_dir else None)
+        cfg = compose_for(saved, args.run_dir, args.overrides)
+        if saved is None and not any(o.lstrip("+~").startswith("data.") for o in args.overrides):
+            check_embedded_task(args.path, args.run_dir, cfg, args.trust_remote_code)
         result = gold_of(args.path, cfg, args.trust_remote_code)
     except UserError as e:
-        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+        read = f" (the run's settings from {saved})" if saved is not None and str(saved) not in str(e) else ""
+        print(f"{PROG}: error: {one_line(e)}{read}", file=sys.stderr)
         sys.exit(2)
-    print(json.dumps(result), flush=True)
+    if saved is not None:
+        print(f"{PROG}: the run's data and eval settings from {saved}", file=sys.stderr, flush=True)
+    print(json.dumps({**result, "config": None if saved is None else str(saved)}), flush=True)
+
+
+# what rlhf.eval takes from a run's saved configuration, with run.seed (engine.* stays this machine's)
+RUN_KEYS = ("data", "eval")
+
+
+def run_config(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
+    """The configuration a stage saved (``<run.dir>/<stage>/config.yaml``) that the policy at ``path`` was
+    trained with: the one beside it (``path`` = ``<run.dir>/<stage>/<export>``, inside ``run_dir`` when
+    given), else the newest in ``run_dir``; None when there is none."""
+    from rlhf.config import STAGES
+    from rlhf.runtime.stage import CONFIG_FILE
+    own = path.resolve().parent / CONFIG_FILE
+    if own.is_file() and (run_dir is None or own.parent.parent == run_dir.resolve()):
+        return own
+    if run_dir is None:
+        return None
+    saved = [run_dir / stage / CONFIG_FILE for stage in STAGES if (run_dir / stage / CONFIG_FILE).is_file()]
+    return max(saved, key=lambda p: p.stat().st_mtime) if saved else None
+
+
+def compose_for(saved: Optional[Path], run_dir: Optional[str], overrides: list):
+    """The configuration to evaluate with: the defaults, under the saved run's ``data``, ``eval`` and
+    ``run.seed`` (when ``saved``), under the command line's overrides."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rlhf.compose import compose_config
+    from rlhf.errors import ConfigError, one_line
+    overrides = ["stage=sft"] + ([f"run.dir={run_dir}"] if run_dir else []) + list(overrides)
+    if saved is None:
+        return compose_config(overrides)[0]
+    try:
+        run = OmegaConf.load(saved)
+        base = {**{k: run[k] for k in RUN_KEYS}, "run": {"seed": run.run.seed}}
+    except (OSError, OmegaConfBaseException, ValueError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{saved}: not a configuration saved by a stage ({one_line(e)})") from None
+    try:
+        return compose_config(overrides, base=base)[0]
+    except ConfigError as e:
+        compose_config(overrides)  # a mistake of the command line's own is reported as such
+        raise ConfigError(f"{saved}: {e}") from None
+
+
+def check_embedded_task(path: str, run_dir: Optional[str], cfg, trust_remote_code: bool) -> None:
+    """Without a saved configuration and without data.* on the command line the embedded task is what
+    would be scored: exit 2 unless the policy was trained on it (its tokenizer is the one stage=sft
+    trains on the embedded task's text), rather than score another task's policy on arithmetic."""
+    from rlhf.data import synthetic
+    from rlhf.data.tokenizer import train_tokenizer
+    from rlhf.errors import ConfigError
+    from rlhf.models.loading import load_tokenizer
+    embedded = train_tokenizer(synthetic.tokenizer_corpus(cfg.data.synthetic), cfg.model.vocab_size,
+                               cfg.model.max_position_embeddings)
+    if load_tokenizer(path, trust_remote_code).get_vocab() == embedded.get_vocab():
+        return
+    where = f"--run-dir {run_dir} holds" if run_dir else f"{Path(path).resolve().parent} holds"
+    raise ConfigError(f"{where} no saved stage configuration (<stage>/config.yaml) and {path} was not trained on "
+                      f"the embedded task: pass the run's data settings (data.path=... data.format=..., and its "
+                      f"eval.* and run.seed)")
 
 
 def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
@@ -60,6 +129,8 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     from rlhf.errors import ConfigError
     from rlhf.runtime.evaluation import gold_prompts, evaluate_gold
     from rlhf.generate import load_policy
+    if cfg.eval.gold_prompts == 0:
+        raise ConfigError("eval.gold_prompts=0: nothing to evaluate (set a positive eval.gold_prompts)")
     data = load_stage_data(cfg.data, "sft", cfg.run.seed)  # the held-out records are every stage's
     if data.gold is None:
         raise ConfigError(f"data ({data.description}) has no gold scorer (there is one for data.format=synthetic "

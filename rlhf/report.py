@@ -2,11 +2,12 @@
 
     python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png
 
-Panels: SFT loss (train and eval); reward-model loss and held-out accuracy; PPO reward/mean and
-kl/mean per PPO step; gold score (sampled, and greedy dashed) per PPO (and DPO) step with the SFT
-policy's gold score as the baseline. A run with a DPO stage gets a third row: DPO loss, implicit-reward
-accuracy and margin, and the summed log-probs of chosen and rejected responses (falling chosen
-log-probs are DPO's known failure). scripts/run_all.sh writes it after summary.json.
+Panels: SFT loss (train and eval); reward-model loss and held-out accuracy; gold score (sampled, and
+greedy dashed) per PPO (and DPO) step with the SFT policy's gold score as the baseline; peak memory of
+every stage (``mem/peak_gb``); PPO reward/mean, kl/mean and seconds per PPO step. A run with a DPO
+stage gets a third row: DPO loss, implicit-reward accuracy and margin, and the summed log-probs of
+chosen and rejected responses (falling chosen log-probs are DPO's known failure). scripts/run_all.sh
+writes it after summary.json.
 """
 from __future__ import annotations
 
@@ -48,17 +49,34 @@ def _plot(ax, series: Series, key: str, label: str, **kw) -> bool:
     return True
 
 
+STAGES = ("sft", "reward", "ppo", "dpo")
+
+
 def render(run_dir: Path) -> bytes:
     """The PNG bytes of the report (matplotlib, headless)."""
+    fig = figure(run_dir)
+    import matplotlib.pyplot as plt  # after figure(): the Agg backend is chosen there
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def figure(run_dir: Path):
+    """The report's matplotlib figure (its panels are its axes, named by their titles)."""
     # lazy: 0.5-0.8 s to import (measured); rlhf.summary --help and a summary without a report skip it
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sft, rm, ppo, dpo = (read_series(run_dir / s / "metrics.jsonl") for s in ("sft", "reward", "ppo", "dpo"))
+    series = {s: read_series(run_dir / s / "metrics.jsonl") for s in STAGES}
+    sft, rm, ppo, dpo = (series[s] for s in STAGES)
     rows = 3 if dpo else 2
-    fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows))
+    fig = plt.figure(figsize=(20, 4 * rows))
+    grid = fig.add_gridspec(rows, 4)
+    axes = [[fig.add_subplot(grid[r, c]) for c in range(3)] for r in range(rows)]
     (a_sft, a_rm, a_gold), (a_rew, a_kl, a_time) = axes[:2]
+    a_mem = fig.add_subplot(grid[:2, 3])  # every stage: beside the first two rows
 
     a_sft.set_title("SFT loss")
     _plot(a_sft, sft, "loss", "train")
@@ -106,10 +124,14 @@ def render(run_dir: Path) -> bytes:
     for key, label in (("time/generate_s", "generate"), ("time/score_s", "score"),
                        ("time/train_s", "train"), ("time/switch_s", "switch")):
         _plot(a_time, ppo, key, label)
+    a_mem.set_title("Peak memory of rank 0 since the previous logged step (GiB)")
+    peaks = [max(series[s]["mem/peak_gb"][1]) for s in STAGES if _plot(a_mem, series[s], "mem/peak_gb", s, marker=".")]
+    if peaks:
+        a_mem.set_ylim(0, 1.1 * max(peaks))
     if dpo:
         _dpo_row(axes[2], dpo)
 
-    for ax in axes.flat:
+    for ax in [ax for row in axes for ax in row] + [a_mem]:  # not the twin axes (their legends are set)
         ax.set_xlabel("step")
         if ax is a_rew and "reward/gold_corr" in ppo:
             continue  # its lines are in the twin axis's legend
@@ -120,10 +142,7 @@ def render(run_dir: Path) -> bytes:
         ax.grid(alpha=0.3)
     fig.suptitle(f"rlhf run: {run_dir}")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
 
 
 def _dpo_row(row, dpo: Series) -> None:

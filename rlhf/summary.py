@@ -14,18 +14,20 @@ KEYS = {"sft": ("eval/loss", "gold/score", "gold/score_greedy"),
         "reward": ("eval/accuracy",),
         "ppo": ("gold/score", "gold/score_greedy", "kl/mean", "reward/mean"),
         "dpo": ("gold/score", "gold/score_greedy", "eval/rewards/accuracy", "eval/rewards/margin")}
+PEAKS = ("mem/peak_gb",)  # every stage: the largest logged value (the stage's peak), not the last
 
 
-def last_values(metrics_file: Path, keys) -> dict:
-    """The last logged value of each key in a metrics.jsonl."""
+def last_values(metrics_file: Path, keys, peaks=()) -> dict:
+    """The last logged value of each of ``keys`` in a metrics.jsonl, and the largest of each of ``peaks``."""
     series = read_series(metrics_file)
-    return {k: series[k][1][-1] for k in keys if k in series}
+    return {**{k: series[k][1][-1] for k in keys if k in series},
+            **{k: max(series[k][1]) for k in peaks if k in series}}
 
 
 def build_summary(run_dir: Path, seconds: dict, seed=None) -> dict:
     summary = {}
     for stage, keys in KEYS.items():
-        vals = last_values(run_dir / stage / "metrics.jsonl", keys)
+        vals = last_values(run_dir / stage / "metrics.jsonl", keys, PEAKS)
         if vals:
             summary[stage] = vals
     summary["seconds"] = seconds

@@ -32,8 +32,73 @@ def _clean(v):
     return v
 
 
+GIB = 2 ** 30  # mem/peak_gb is in GiB, as the benches' peak_rss_gb / peak_gpu_gb
+
+# The largest peaks PeakMemory read before resetting the counters, in bytes ("rss"; on CUDA "gpu" and
+# "gpu_reserved"): a reader of the whole process's peak (bench/stage_peak.py) takes them into account,
+# since a reset also lowers what getrusage / torch.cuda.max_memory_* report afterwards.
+_before_resets: dict = {}
+
+
+def peaks_before_resets() -> dict:
+    return dict(_before_resets)
+
+
+def _keep(key: str, value: int) -> None:
+    _before_resets[key] = max(_before_resets.get(key, 0), value)
+
+
+class PeakMemory:
+    """The peak memory of this process since the previous ``read()`` (the first: since it started), in GiB.
+
+    On CUDA (once this process has initialised it): ``torch.cuda.max_memory_allocated`` of the
+    current device — what tensors held at most, not the allocator's reserve — reset after each read.
+    Otherwise the peak resident set size: ``VmHWM`` of /proc/self/status, reset to the current RSS
+    after each read by writing 5 to /proc/self/clear_refs (Linux). Where that file cannot be written
+    (a locked-down /proc) or does not exist (macOS) no reset is possible and the figure is the lifetime
+    peak (``VmHWM``, or ``ru_maxrss``), never lower than the previous one; ``interval`` says which."""
+
+    def __init__(self):
+        self.interval = True  # False once a reset failed: the figures are lifetime peaks
+
+    def read(self) -> float:
+        torch = sys.modules.get("torch")  # a process that never imported torch never used CUDA
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            peak = torch.cuda.max_memory_allocated()
+            _keep("gpu", peak)
+            _keep("gpu_reserved", torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+            return peak / GIB
+        kb = _status_kb("VmHWM")
+        if kb is None:
+            import resource
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+            self.interval = False
+            return rss * (1 if sys.platform == "darwin" else 1024) / GIB
+        _keep("rss", kb * 1024)
+        if self.interval:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # peak RSS := current RSS (Linux >= 4.0)
+            except OSError:
+                self.interval = False
+        return kb * 1024 / GIB
+
+
+def _status_kb(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class MetricsWriter:
-    """Appends one JSON object per logged step to ``metrics.jsonl`` (and to wandb when enabled).
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (and to wandb when enabled),
+    each with ``mem/peak_gb``: rank 0's peak memory since the previous line (``PeakMemory``).
 
     On resume from step S, lines with step > S (written after the checkpoint) are dropped first, so
     the file always describes one consistent run."""
@@ -46,6 +111,7 @@ class MetricsWriter:
             return
         self._resume_step = resume_step
         self._file = None  # opened (and the old file cut back) at the first line of this run
+        self._memory = PeakMemory()
         if cfg is not None and cfg.logger.wandb != "disabled":
             self._wandb = _init_wandb(cfg, stage)
 
@@ -73,7 +139,8 @@ class MetricsWriter:
             return
         if self._file is None:
             self._open()
-        rec = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
+        rec = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()},
+               "mem/peak_gb": round(self._memory.read(), 4)}
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         if self._wandb is not None:
@@ -105,22 +172,28 @@ def _as_dict(cfg) -> dict:
         return {}
 
 
-def progress(total: int, initial: int, enabled: bool, desc: str, is_main: bool = True):
+def progress(total: int, initial: int, enabled: bool, desc: str, is_main: bool = True, unit: str = "step",
+             leave: bool = True):
     """Step progress on rank 0: a tqdm bar in a terminal (``logger.progress``), else — in a log file,
-    or with the bar turned off — a one-line status every 30 s; nothing on other ranks."""
+    or with the bar turned off — a one-line status every 30 s; nothing on other ranks. ``unit``: what
+    is counted (``step``, or e.g. ``response``); ``leave=False``: the bar vanishes when closed (an
+    evaluation's, under the training bar)."""
     tty = sys.stderr.isatty()
-    return Progress(total, initial, desc, bar=enabled and tty and is_main, status=is_main and not (enabled and tty))
+    return Progress(total, initial, desc, bar=enabled and tty and is_main, status=is_main and not (enabled and tty),
+                    unit=unit, leave=leave)
 
 
 class Progress:
-    """``step(**postfix)`` once per step. The bar's postfix never forces a redraw (tqdm's
-    set_postfix does by default: a redraw per step); the status line reads
-    ``sft: step 120/1000 (12%) loss=0.532 3.10 steps/s eta 4m44s``."""
+    """``step(**postfix)`` once per step (``step(n=...)``: n units at once). The bar's postfix never
+    forces a redraw (tqdm's set_postfix does by default: a redraw per step); the status line reads
+    ``sft: step 120/1000 (12%) loss=0.532 3.10 steps/s eta 4m44s`` (another unit:
+    ``gold: 512/1280 responses (40%) 3.10 responses/s eta 3m58s``)."""
 
     def __init__(self, total: int, initial: int, desc: str, bar: bool, status: bool, interval: float = 30.0,
-                 clock=time.monotonic, log=None):
+                 clock=time.monotonic, log=None, unit: str = "step", leave: bool = True):
         self.total, self.done, self.desc = total, initial, desc
         self.status, self.interval, self.clock = status, interval, clock
+        self.unit = unit
         self.log = log or logging.getLogger("rlhf")
         self.t0 = self.last = clock()
         self.start = initial
@@ -128,14 +201,14 @@ class Progress:
         self.bar = None
         if bar:
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr,
-                            mininterval=1.0)
+                            mininterval=1.0, leave=leave, **({} if unit == "step" else {"unit": unit}))
 
-    def step(self, **postfix) -> None:
-        self.done += 1
+    def step(self, n: int = 1, **postfix) -> None:
+        self.done += n
         self.postfix = postfix
         if self.bar is not None:
             self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(1)
+            self.bar.update(n)
         elif self.status and (self.clock() - self.last >= self.interval or self.done == self.total):
             self.last = self.clock()
             self.log.info(self.line())
@@ -146,8 +219,10 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         post = " ".join(f"{k}={v}" for k, v in self.postfix.items())
         eta_s = "?" if eta == float("inf") else f"{int(eta // 60)}m{int(eta % 60):02d}s"
-        return (f"{self.desc}: step {self.done}/{self.total} ({100 * self.done / max(self.total, 1):.0f}%)"
-                f"{' ' + post if post else ''} {rate:.2f} steps/s eta {eta_s}")
+        count = (f"step {self.done}/{self.total}" if self.unit == "step"
+                 else f"{self.done}/{self.total} {self.unit}s")
+        return (f"{self.desc}: {count} ({100 * self.done / max(self.total, 1):.0f}%)"
+                f"{' ' + post if post else ''} {rate:.2f} {self.unit}s/s eta {eta_s}")
 
     def close(self) -> None:
         if self.bar is not None:

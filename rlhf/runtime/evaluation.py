@@ -3,9 +3,14 @@
 Same seeded held-out prompts and decoding everywhere (docs/contract.md): the first ``eval.gold_prompts``
 held-out prompts, ``eval.gold_samples`` samples each at ``eval.temperature`` with seed ``eval.seed``.
 Greedy gold is reported beside as ``gold/score_greedy``, never as the headline.
+
+It can be long (256 prompts × 4 samples of a real model's full responses), so it says what it will
+generate before it starts and shows its progress on rank 0 (``logger.progress``, as training does);
+``eval.gold_prompts=0`` turns it off.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, List, Optional
 
 from rlhf.config import EvalConfig
@@ -13,7 +18,11 @@ from rlhf.data.records import Example
 from rlhf.data.tokenize import encode_prompts
 from rlhf.engine.mesh import Mesh
 from rlhf.ops import SamplingParams
+from rlhf.rundir.log import progress
 from rlhf.runtime.stage import rank_batches
+
+log = logging.getLogger("rlhf")
+_said: set = set()  # lines said once per process
 
 
 def gold_prompts(held_out: List[Example], ecfg: EvalConfig) -> List[Example]:
@@ -21,10 +30,17 @@ def gold_prompts(held_out: List[Example], ecfg: EvalConfig) -> List[Example]:
 
 
 def evaluate_gold(generate, tokenizer, held_out: List[Example], scorer: Callable[[str, str], float],
-               ecfg: EvalConfig, mesh: Mesh, chat: Optional[str] = None) -> dict:
+               ecfg: EvalConfig, mesh: Mesh, chat: Optional[str] = None, show_progress: bool = True) -> dict:
     """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params)``
     is a hybrid engine's (every rank calls it with its share of the prompts); means are global.
-    ``chat``: the chat template the prompts go through (``chat.resolve_template``), as in training."""
+    ``chat``: the chat template the prompts go through (``chat.resolve_template``), as in training.
+    ``show_progress``: ``logger.progress`` (a bar in a terminal, else a status line every 30 s).
+    ``eval.gold_prompts=0``: nothing (said once), ``{}``."""
+    if ecfg.gold_prompts == 0:
+        if "off" not in _said:
+            _said.add("off")
+            log.info("eval.gold_prompts=0: no gold evaluation (no gold/score in metrics.jsonl or summary.json)")
+        return {}
     examples = gold_prompts(held_out, ecfg)
     if not examples:
         return {}
@@ -34,6 +50,13 @@ def evaluate_gold(generate, tokenizer, held_out: List[Example], scorer: Callable
     modes = [("gold/score", ecfg.temperature, ecfg.gold_samples)]
     if ecfg.greedy_too and ecfg.temperature > 0:
         modes.append(("gold/score_greedy", 0.0, 1))
+    sizes = global_batch_sizes(len(examples), ecfg.batch_size, mesh.world_size)  # prompts per generate call
+    responses = len(examples) * sum(samples for _, _, samples in modes)
+    log.info("gold: %d held-out prompts × %d sampled (temperature %g)%s = %d responses of at most %d new tokens, "
+             "in %d generate calls (eval.gold_prompts, eval.gold_samples, eval.greedy_too make it smaller; "
+             "eval.gold_prompts=0 skips it)", len(examples), ecfg.gold_samples, ecfg.temperature,
+             " + 1 greedy" if len(modes) > 1 else "", responses, max_new, len(modes) * len(sizes))
+    bar = progress(responses, 0, show_progress, "gold", mesh.is_main, unit="response", leave=False)
     for key, temperature, samples in modes:
         total, count = 0.0, 0
         for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):  # collective calls
@@ -45,5 +68,15 @@ def evaluate_gold(generate, tokenizer, held_out: List[Example], scorer: Callable
             refs = [examples[i].reference for i in ix for _ in range(samples)]
             total += sum(scorer(t, r) for t, r in zip(texts, refs))
             count += len(texts)
+            bar.step(n=sizes[b] * samples)
         results[key] = mesh.sum(total) / max(mesh.sum(count), 1)
+    bar.close()
     return results
+
+
+def global_batch_sizes(n: int, micro: int, world_size: int) -> List[int]:
+    """Prompts of every rank together in each of ``rank_batches(n, micro, ...)``'s turns (what rank 0's
+    progress counts without asking the others)."""
+    per_rank = [len(range(r, n, world_size)) for r in range(world_size)]
+    turns = -(-n // world_size)
+    return [sum(max(0, min(micro, k - s)) for k in per_rank) for s in range(0, turns, micro)]

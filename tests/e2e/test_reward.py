@@ -107,14 +107,14 @@ def test_reward_without_sft_exits_2(tmp_path):
 
 
 def test_reward_resume_after_checkpoint(tmp_path):
-    """A rerun after the last checkpoint resumes instead of starting over."""
+    """A rerun with a larger train.max_steps resumes from the last checkpoint instead of starting over."""
     assert run_cli(*quick_sft_args(tmp_path, steps=10)).returncode == 0
     args = ["stage=reward", f"run.dir={tmp_path}", "train.max_steps=6", "train.save_every=3",
             "logger.progress=false", "train.global_batch=16", "data.synthetic.num_records=500"]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-2000:]
-    again = run_cli(*args)
-    assert again.returncode == 0 and "resumed from" in again.stderr
+    again = run_cli(*args, "train.max_steps=9")
+    assert again.returncode == 0 and "resumed from" in again.stderr and "step_00000006" in again.stderr
 
 
 @pytest.mark.slow  # ~36 s

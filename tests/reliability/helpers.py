@@ -159,9 +159,9 @@ def metrics(path: Path) -> List[dict]:
     return [json.loads(x) for x in Path(path).read_text().splitlines()]
 
 
-TIMING_KEYS = ("time/", "samples_per_s", "gen/tokens_per_s")
+TIMING_KEYS = ("time/", "samples_per_s", "gen/tokens_per_s", "mem/")
 
 
 def numbers(rows: List[dict]) -> List[dict]:
-    """metrics.jsonl rows without the wall-clock figures (those differ between any two runs)."""
+    """metrics.jsonl rows without the wall-clock and memory figures (those differ between any two runs)."""
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows]

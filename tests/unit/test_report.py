@@ -38,7 +38,7 @@ def test_summary_has_the_contract_keys_and_last_values(tmp_path, capsys):
     assert s["seconds"] == {"sft": 1.5, "reward": 2.0, "ppo": 3.0, "total": 6.5}
     out = capsys.readouterr().out
     assert "gold/score" in out and "report.png" in out
-    assert _png_size((run / "report.png").read_bytes()) == (1200, 640)
+    assert _png_size((run / "report.png").read_bytes()) == (1600, 640)  # a fourth column: peak memory
 
 
 def test_report_draws_the_curves(tmp_path):
@@ -65,4 +65,4 @@ def test_dpo_stage_in_summary_and_report(tmp_path, capsys):
     assert s["dpo"] == {"gold/score": 0.7, "gold/score_greedy": 0.9, "eval/rewards/accuracy": 0.95,
                         "eval/rewards/margin": 2.0}
     assert "dpo" in capsys.readouterr().out
-    assert _png_size((run / "report.png").read_bytes()) == (1200, 960)  # a third row: the DPO curves
+    assert _png_size((run / "report.png").read_bytes()) == (1600, 960)  # a third row: the DPO curves
