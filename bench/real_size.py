@@ -88,11 +88,15 @@ def main() -> None:
     # in minutes (one process, fp32)
     common = [f"model.path={model}", f"data.path={args.data}", "data.format=hh", "logger.progress=false",
               f"train.max_steps={args.steps}", "train.log_every=1", "train.save_every=0", "run.resume=false",
-              "engine.precision=fp32"]
+              "engine.precision=fp32", "data.eval_size=32"]
     batch = {"sft": 8, "reward": 8}
     extra = {"sft": [f"train.global_batch={batch['sft']}", "train.micro_batch_per_rank=4"],
              "reward": [f"train.global_batch={batch['reward']}", "train.micro_batch_per_rank=4"],
-             "ppo": ["ppo.prompts_per_step=4", "ppo.min_rm_accuracy=0", "ppo.max_new_tokens=64"]}
+             # four fp32 models with AdamW state for two of them (≈ 24 GB before activations) do not fit
+             # this 24 GB machine: PPO here trains LoRA adapters on actor and critic (the reference is
+             # the actor with adapters off), as a user of one small machine would
+             "ppo": ["ppo.prompts_per_step=4", "ppo.min_rm_accuracy=0", "ppo.max_new_tokens=64",
+                     "model.lora.r=16", "model.lora.critic=true", "train.lr=1e-4", "ppo.critic_lr=1e-4"]}
     for name in args.stages.split(","):
         print(json.dumps(stage(name, run, common, extra[name], batch)), flush=True)
 

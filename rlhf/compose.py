@@ -30,6 +30,7 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
     GlobalHydra.instance().clear()
     try:
         overrides, why = choose_recipe(list(overrides))
+        _RECIPE_WHY[0] = why
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             dcfg = compose(config_name="config", overrides=overrides)
         if base:
@@ -49,6 +50,8 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
     cfg.recipe_why = why
     return cfg, yaml_text
 
+
+_RECIPE_WHY = [""]  # why the recipe being composed was chosen, for the message when it lacks the stage
 
 # keys naming the model a stage starts from: any of them set means a model the user brings
 MODEL_KEYS = ("model.path", "ppo.actor_path", "dpo.model_path", "reward.model_path")
@@ -73,12 +76,12 @@ def choose_recipe(overrides: List[str]) -> Tuple[List[str], str]:
             return overrides + ["recipe=pretrained"], (f"{key}={given[key]} is set: settings for a pretrained "
                                                        f"model (recipe=embedded gives the embedded task's)")
     run_dir = Path(given.get("run.dir") or C.RunConfig.dir)
-    for stage in C.STAGES:
-        saved = run_dir / stage / "config.yaml"
-        if saved.is_file():
-            m = re.search(r"^recipe: *(\S+)", saved.read_text(encoding="utf-8", errors="replace"), re.M)
-            if m and m.group(1) in recipes():
-                return overrides + [f"recipe={m.group(1)}"], f"the recipe of this run's earlier stages ({saved})"
+    saved = sorted((p for p in (run_dir / s / "config.yaml" for s in C.STAGES) if p.is_file()),
+                   key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in saved:  # the newest stage's (rlhf.runtime.stage.CONFIG_FILE)
+        m = re.search(r"^recipe: *(\S+)", path.read_text(encoding="utf-8", errors="replace"), re.M)
+        if m and m.group(1) in recipes():
+            return overrides + [f"recipe={m.group(1)}"], f"the recipe of this run's earlier stages ({path})"
     return overrides + ["recipe=embedded"], "no model.path: the embedded model and task"
 
 
@@ -94,13 +97,13 @@ def _describe(e: Exception) -> str:
     hint = _did_you_mean(text)
     if hint:
         text += hint
-    m = re.search(r"Could not find 'recipe_stage/(\w+)/(\w+)'", text)
+    m = re.search(r"Could not find 'recipe_stage/([\w.-]+)/(\w+)'", text)
     if m and m.group(1) in recipes():
         have = [s for s in C.STAGES if (CONF_DIR / "recipe_stage" / m.group(1) / f"{s}.yaml").is_file()]
-        return (f"recipe={m.group(1)} has no {m.group(2)} stage (its stages: {', '.join(have)}); "
-                f"pick another recipe for stage={m.group(2)}")
+        return (f"recipe={m.group(1)} ({_RECIPE_WHY[0]}) has no {m.group(2)} stage (its stages: "
+                f"{', '.join(have)}); pick another recipe for stage={m.group(2)}")
     if "Could not find 'recipe/" in text or (m and m.group(1) not in recipes()):
-        name = re.search(r"Could not find 'recipe(?:_stage)?/(\w+)", text).group(1)
+        name = re.search(r"Could not find 'recipe(?:_stage)?/([\w.-]+)", text).group(1)
         return f"unknown recipe '{name}' (expected {', '.join(recipes())})"
     if "Could not find 'stage/" in text:
         return text.replace("Could not find 'stage/", "unknown stage '") + " (expected sft, reward, ppo or dpo)"

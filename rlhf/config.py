@@ -348,12 +348,17 @@ class TrainConfig:
         step) from train.warmup_ratio. Called by each stage once its data is loaded; returns the line
         that says what was derived (None: nothing was)."""
         said = []
+        if self.max_steps is not None and self.epochs is not None:
+            said.append(f"train.max_steps={self.max_steps} is set: train.epochs={self.epochs:g} does not apply")
         if self.max_steps is None:
             self.max_steps = max(1, math.ceil(self.epochs * items / per_step))
             said.append(f"train.max_steps={self.max_steps} (train.epochs={self.epochs:g} over {items} {what}, "
                         f"{per_step} a step)")
         if self.warmup_steps is None:
             self.warmup_steps = int(round(self.warmup_ratio * self.max_steps * updates_per_step))
+        elif self.warmup_ratio is not None:
+            said.append(f"train.warmup_steps={self.warmup_steps} is set: train.warmup_ratio={self.warmup_ratio:g} "
+                        f"does not apply")
             said.append(f"train.warmup_steps={self.warmup_steps} (train.warmup_ratio={self.warmup_ratio:g})")
         return "; ".join(said) or None
 
@@ -455,14 +460,14 @@ class EngineConfig:
             return f"engine.{self.role}.{name}"
         return f"engine.{name}"
 
-    def offloads(self) -> bool:
-        """Whether any role (or engine.offload) asks for CPU offload."""
-        return any(self.placement(r).offload == "cpu" for r in ROLES)
+    def offloads(self, roles=ROLES) -> bool:
+        """Whether any of ``roles`` asks for CPU offload (engine.offload or its own)."""
+        return any(self.placement(r).offload == "cpu" for r in roles)
 
-    def placements(self) -> dict:
+    def placements(self, roles=ROLES) -> dict:
         """role -> its resolved (zero_stage, offload, precision, activation_checkpointing), for the log."""
         return {role: tuple(getattr(self.placement(role), k) for k in
-                            ("zero_stage", "offload", "precision", "activation_checkpointing")) for role in ROLES}
+                            ("zero_stage", "offload", "precision", "activation_checkpointing")) for role in roles}
 
 
 @dataclass
@@ -708,6 +713,21 @@ class Config:
             for key in ("num_heads", "num_kv_heads", "intermediate_size"):
                 _check(getattr(m, key) % tp == 0, f"model.{key}", getattr(m, key),
                        f"a multiple of engine.inference_tp_size={tp}")
+
+    def roles(self) -> tuple:
+        """The models this stage places apart (engine.<role>.*): a reference under LoRA is the actor with
+        its adapters off, and PPO builds a critic for GAE only, a reference when the KL is on and a reward
+        model when it scores with one."""
+        if self.stage == "sft":
+            return ("actor",)
+        if self.stage == "reward":
+            return ("reward_model",)
+        own_reference = () if self.model.lora.r else ("reference",)
+        if self.stage == "dpo":
+            return ("actor",) + own_reference
+        a, p = self.algorithm, self.ppo
+        return (("actor",) + (("critic",) if a.estimator == "gae" else ())
+                + (own_reference if a.kl_coef > 0 else ()) + (("reward_model",) if p.use_reward_model else ()))
 
     def check_ppo(self) -> None:
         """PPO settings that only make sense together (exit 2 naming the key)."""

@@ -88,26 +88,6 @@ class RewardScorer:
         return (scores - self.stats["mean"]) / max(self.stats["std"], 1e-8)
 
 
-def check_reward_model(model_dir: str) -> None:
-    """Exit 2 (ConfigError) unless ``model_dir`` is a saved reward model: a directory with config.json
-    whose architecture is a sequence classifier with one label."""
-    from rlhf.errors import ConfigError
-    p = Path(model_dir)
-    if not p.is_dir():
-        raise ConfigError(f"{model_dir}: no such directory (pass RUN_DIR/reward/model)")
-    cfg_file = p / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"{model_dir}: no config.json (not a saved model; pass RUN_DIR/reward/model)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{cfg_file}: not JSON ({e})") from None
-    archs = cfg.get("architectures") or []
-    if not any(a.endswith("ForSequenceClassification") for a in archs) or cfg.get("num_labels", 1) != 1:
-        raise ConfigError(f"{model_dir}: not a reward model ({', '.join(archs) or 'no architecture'}, not a "
-                          f"one-label sequence classifier); pass RUN_DIR/reward/model")
-
-
 def format_of(record) -> str:
     """The data format (data.format) a record is in, from its fields: pairs with turn lists are
     ``messages`` pairs, with a ``prompt`` ``prompt_chosen_rejected``, else ``hh`` dialogues; a
@@ -160,7 +140,8 @@ def main(argv=None) -> None:
             exs = None
         else:
             ap.error("give --prompt and --response, or --jsonl")
-        check_reward_model(args.model_dir)
+        from rlhf.models.loading import check_scalar_model
+        check_scalar_model(args.model_dir, "MODEL_DIR", "; pass RUN_DIR/reward/model")
         from rlhf.data.chat import resolve_template
         from rlhf.engine.mesh import choose_device
         scorer = RewardScorer(args.model_dir, device=str(choose_device(args.device, 0, 1)),

@@ -75,7 +75,8 @@ def run(cfg: Config) -> None:
     actor = HybridEngine(engine, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(engine.module.config, tokenizer, data.description, cfg))
+    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(engine.module.config, tokenizer, data.description, cfg,
+                                                                f"policy={source}"))
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"policy": engine}, ckpt)

@@ -86,6 +86,9 @@ def run(cfg: Config) -> None:
         raise ConfigError(f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world size "
                           f"{mesh.world_size}")
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
+    for key, src in (("ppo.reward_model_path", rm_src), ("ppo.critic_path", critic_src)):
+        if src is not None:  # the reward model and critic read the actor's token ids
+            loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, cfg.data.chat_template)  # as in SFT: prompts through the chat template
     prompt_ids = tokenize_prompts(data.train, tokenizer, cfg.data.max_prompt_len, chat,
                                   max_new_tokens=ppo.max_new_tokens)["prompt"]
@@ -106,7 +109,7 @@ def run(cfg: Config) -> None:
     hybrid = HybridEngine(actor, tokenizer, place("actor"))
     # The critic starts as the reward model, rescaled to the normalised rewards it will predict (a
     # critic of its own, ppo.critic_path, is taken as it is).
-    critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" and critic_src == rm_src else 1.0
+    critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" and not ppo.critic_path else 1.0
     critic = (TrainEngine(scalar_model(cfg, critic_src, mesh, tokenizer, critic_scale, lcfg if lcfg.critic else None, "critic"),
                           mesh, place("critic"), train, total_steps=total_updates, lr=ppo.critic_lr)
               if alg.estimator == "gae" else None)
@@ -126,7 +129,8 @@ def run(cfg: Config) -> None:
 
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(actor.module.config, tokenizer, data.description, cfg))
+    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(actor.module.config, tokenizer, data.description, cfg,
+                                                                f"actor={actor_src} reward_model={rm_src} critic={critic_src}"))
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, state, metrics = resume(ctx, engines, ckpt)
@@ -232,8 +236,11 @@ def inputs(cfg: Config):
     # GAE's critic starts as the reward model unless it has a start of its own
     needs_rm = ppo.use_reward_model or (gae and not ppo.critic_path)
     rm_src = None
+    if ppo.reward_model_path and not needs_rm:
+        raise ConfigError(f"ppo.reward_model_path={ppo.reward_model_path} is set but nothing uses it "
+                          f"(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or there is none)")
     if ppo.reward_model_path:
-        loading.check_model_path(ppo.reward_model_path, "ppo.reward_model_path")
+        loading.check_scalar_model(ppo.reward_model_path, "ppo.reward_model_path")
         rm_src = Path(ppo.reward_model_path).expanduser()
     elif needs_rm:
         rm_src = previous_output(cfg.run.dir, "reward", "model")
@@ -243,12 +250,12 @@ def inputs(cfg: Config):
                               f"ppo.reward_fn=...")
     critic_src = None
     if ppo.critic_path:
-        loading.check_model_path(ppo.critic_path, "ppo.critic_path")
+        loading.check_scalar_model(ppo.critic_path, "ppo.critic_path")
         critic_src = Path(ppo.critic_path).expanduser()
     elif gae:
         critic_src = rm_src
-    loading.check_model_path(str(actor_src))
-    if needs_rm or ppo.reward_model_path:
+    loading.check_model_path(str(actor_src), "ppo.actor_path" if ppo.actor_path else "model.path")
+    if needs_rm:
         log.info("ppo: reward model %s%s", rm_src, "" if ppo.use_reward_model else " (ppo.use_reward_model=false: the critic's start only)")
     if critic_src is not None:
         log.info("ppo: critic starts from %s", critic_src)

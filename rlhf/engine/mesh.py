@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from rlhf.config import EngineConfig
+from rlhf.config import ROLES, EngineConfig
 from rlhf.errors import ConfigError
 from rlhf.launcher.watchdog import start_heartbeat, stop_heartbeat
 
@@ -168,9 +168,10 @@ def check_tp(tp: int, world_size: int) -> None:
         raise ConfigError(f"engine.inference_tp_size={tp} does not divide the world size {world_size}")
 
 
-def init_mesh(engine: EngineConfig) -> Mesh:
+def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
     """Reads torchrun's environment, picks the device, initialises the process group and validates
-    degrees. Resolves ``engine.precision=auto`` in place once the device is known."""
+    degrees. Resolves ``engine.precision=auto`` in place once the device is known. ``roles``: the
+    models the stage places (engine.<role>.*), for whether one of them offloads."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -180,8 +181,11 @@ def init_mesh(engine: EngineConfig) -> Mesh:
     if use_cuda:
         torch.cuda.set_device(device)
     engine.precision = precision_of(engine, device)
-    backend = engine.backend or ("nccl" if use_cuda else "gloo")
-    if backend == "nccl" and not use_cuda:
+    offload = use_cuda and engine.offloads(roles)
+    # FSDP2's CPU offload keeps parameters and gradients on the host: their collectives (the gradient
+    # norm, the EMA's full tensors) need a CPU backend beside NCCL
+    backend = engine.backend or (("cuda:nccl,cpu:gloo" if offload else "nccl") if use_cuda else "gloo")
+    if "nccl" in backend and not use_cuda:
         raise ConfigError(f"engine.backend=nccl needs CUDA tensors, and this run is on the {device.type} "
                           f"(use gloo, or engine.device=cuda on a machine with GPUs)")
     check_tp(engine.inference_tp_size, world_size)
@@ -193,7 +197,7 @@ def init_mesh(engine: EngineConfig) -> Mesh:
                                 device_id=device if use_cuda else None)
         # Lets the rank that sees a collective time out name the peer that went silent.
         start_heartbeat(rank, world_size)
-    single_group = world_size == 1 and use_cuda and engine.offloads()
+    single_group = world_size == 1 and offload
     if single_group and not dist.is_initialized():  # FSDP2's CPU offload needs a (one-rank) process group
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=engine.timeout_s), device_id=device)

@@ -34,10 +34,16 @@ from rlhf.models.lora import adapters_disabled, is_peft
 log = logging.getLogger("rlhf")
 
 
-def _broadcast_buffers(model: nn.Module) -> None:
+def _broadcast_buffers(model: nn.Module, device: torch.device) -> None:
     # Non-persistent buffers (rotary inv_freq) are in no state dict; after meta init they are garbage.
-    for buf in model.buffers():
-        dist.broadcast(buf.data, src=0)
+    # They live on the compute device (a rank > 0 under CPU offload materialised them on the host).
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            if buf.device != device:
+                buf = module._buffers[name] = buf.to(device)
+            dist.broadcast(buf.data, src=0)
 
 
 def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool = True) -> nn.Module:
@@ -110,7 +116,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
         model.to_empty(device="cpu" if ecfg.offload == "cpu" else mesh.device)
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True,
                                                                   broadcast_from_rank0=True))
-    _broadcast_buffers(model)
+    _broadcast_buffers(model, mesh.device)
     return model
 
 

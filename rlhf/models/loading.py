@@ -50,6 +50,38 @@ def check_model_path(path: str, key: str = "model.path") -> None:
                           f"(HF_HUB_OFFLINE=1: the hub is offline)")
 
 
+def check_scalar_model(path: str, key: str, hint: str = "") -> None:
+    """Exit 2 unless ``path`` holds a saved reward model or critic: a local directory whose config.json
+    names a sequence classifier with one label (what ``stage=reward`` and PPO's critic export).
+    ``key``: the setting that named it; ``hint``: what to pass instead, for the message."""
+    p = Path(os.path.expanduser(path))
+    if not p.is_dir():
+        raise ConfigError(f"{key}={path}: no such directory{hint}")
+    check_model_path(path, key)
+    try:
+        spec = json.loads((p / "config.json").read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ConfigError(f"{key}={path}: config.json is not JSON ({e})") from None
+    archs = spec.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs) or spec.get("num_labels", 1) != 1:
+        raise ConfigError(f"{key}={path}: not a reward model ({', '.join(archs) or 'no architecture'}, not a "
+                          f"one-label sequence classifier){hint}")
+
+
+def check_same_tokenizer(path: str, key: str, tokenizer, other: str, trust_remote_code: bool = False) -> None:
+    """Exit 2 when the model at ``path`` (``key``) has a tokenizer of its own that is not ``tokenizer``
+    (the one of ``other``): it would score token ids it does not know. A directory without tokenizer
+    files is taken to share it."""
+    p = Path(os.path.expanduser(path))
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return
+    own = load_tokenizer(path, trust_remote_code)
+    if own.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"{key}={path}: its tokenizer ({len(own)} tokens) is not the one of {other} "
+                          f"({len(tokenizer)} tokens): it would read the policy's token ids as other tokens; "
+                          f"train it from the same base model")
+
+
 def _hub_id(path: str) -> bool:
     """``path`` (which does not exist) may be a hub id: ``name`` or ``org/name``, no ``~``, and no
     ``org`` that is a local directory."""

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from rlhf.config import Config, TrainConfig
+from rlhf.config import ROLES, Config, TrainConfig
 from rlhf.data.records import Example
 from rlhf.engine.checkpoint import STATE_FILE, export_hf, latest_checkpoint, load_checkpoint
 from rlhf.engine.mesh import Mesh, init_mesh
@@ -46,7 +46,7 @@ class StageContext:
 
 
 def start_stage(cfg: Config, stage: str) -> StageContext:
-    mesh = init_mesh(cfg.engine)
+    mesh = init_mesh(cfg.engine, cfg.roles())
     setup_console(mesh.rank)
     cfg.validate_world(mesh.world_size)
     # Model init is seeded by run.seed alone (rank 0 materialises it); per-rank streams differ.
@@ -57,10 +57,13 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
     log.info("stage=%s run.dir=%s world_size=%d device=%s zero_stage=%d precision=%s", stage, run_dir,
              mesh.world_size, mesh.device, cfg.engine.zero_stage, cfg.engine.precision)
     log.info("recipe=%s (%s)", cfg.recipe, cfg.recipe_why)
-    placed = cfg.engine.placements()
+    placed = cfg.engine.placements(cfg.roles())
     if len(set(placed.values())) > 1:  # engine.<role>.* differ: say where each model lives
         log.info("placement (zero_stage, offload, precision, activation_checkpointing): %s",
                  ", ".join(f"{role} {p}" for role, p in placed.items()))
+    unused = [r for r in ROLES if r not in placed and any(v is not None for v in vars(getattr(cfg.engine, r)).values())]
+    if unused:  # set (e.g. by scripts/run_all.sh for every stage) but this stage builds no such model
+        log.info("engine.%s.* not used: stage=%s places no %s model here", "/".join(unused), stage, " or ".join(unused))
     for role in placed:  # engine.offload=cpu applies or stops here, before any model loads
         check_offload(cfg.engine.placement(role), mesh)
     return StageContext(cfg=cfg, mesh=mesh, out=run_dir / stage, cache_dir=cache)
@@ -96,17 +99,21 @@ def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
     return path
 
 
-def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config) -> dict:
-    """What a run's checkpoints depend on: the model's architecture, the tokenizer, the data and the
-    lengths (a short digest of each, and the data's description, for the message on a mismatch)."""
+def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config, inputs: str = "") -> dict:
+    """What a run's checkpoints depend on: the model's architecture (dropout aside: model.disable_dropout
+    sets it), the tokenizer, the data, the lengths, and ``inputs``: the models the stage starts from
+    (a short digest of each, and the data's description and the inputs, for the message on a mismatch)."""
     def digest(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     arch = {k: v for k, v in model_config.to_dict().items()
-            if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")}
+            if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
+            and not any(w in k for w in ("dropout", "pdrop", "layerdrop"))}
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     out = {"model": digest(arch), "tokenizer": digest(sorted(vocab.items())), "data": data_description,
            "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}"}
+    if inputs:
+        out["inputs"] = inputs
     lcfg = cfg.model.lora
     if lcfg.r:  # the adapters' shapes and targets (a full fine-tuning checkpoint has none)
         out["lora"] = f"r={lcfg.r} target_modules={lcfg.target_modules or 'default'} critic={lcfg.critic}"
@@ -151,9 +158,12 @@ def _done_line(ctx: StageContext) -> Optional[str]:
     if (done.get("step") != ctx.cfg.train.max_steps or done.get("fingerprint") != ctx.fingerprint or not outputs
             or not all(_exported(ctx.out / name) for name in outputs)):
         return None
+    last = latest_checkpoint(ctx.ckpt_dir)
+    more = (f"a larger train.max_steps continues it from {last}" if last is not None
+            else "a larger train.max_steps trains it again from the start (no checkpoint kept)")
     return (f"{ctx.out.name}: already done (step {done['step']} = train.max_steps, exported to "
-            f"{', '.join(str(ctx.out / name) for name in outputs)}; {marker}): nothing to do. A larger "
-            f"train.max_steps continues it from its last checkpoint; run.resume=false trains it again")
+            f"{', '.join(str(ctx.out / name) for name in outputs)}; {marker}): nothing to do. {more[0].upper()}"
+            f"{more[1:]}; run.resume=false trains it again")
 
 
 def mark_finished(ctx: StageContext, step: int) -> None:

@@ -205,12 +205,21 @@ def test_bad_input_exits_2_and_alters_nothing(good_run, tmp_path, name, make_arg
     assert not ctx.fresh.exists(), "a failed run created its run directory"
 
 
-@pytest.mark.parametrize("key", ["engine.offload", "engine.reference.offload"])
-def test_offload_on_the_cpu_is_refused_not_ignored(key, tmp_path):
+@pytest.mark.parametrize("stage,key", [("sft", "engine.offload"), ("dpo", "engine.reference.offload")])
+def test_offload_on_the_cpu_is_refused_not_ignored(stage, key, tmp_path):
     """engine.offload=cpu applies or stops the run: on the CPU there is nothing to offload (exit 2,
     one line naming the key), before any model loads or anything is written."""
-    proc = run_cli("stage=sft", f"run.dir={tmp_path / 'run'}", f"{key}=cpu", "train.max_steps=1", timeout=120)
+    proc = run_cli(f"stage={stage}", f"run.dir={tmp_path / 'run'}", f"{key}=cpu", "train.max_steps=1", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: error:")]
     assert len(errors) == 1 and f"{key}=cpu: this run trains on the CPU" in errors[0], proc.stderr[-2000:]
-    assert not (tmp_path / "run" / "sft").exists()
+    assert not (tmp_path / "run" / stage).exists()
+
+
+def test_a_placement_for_a_model_the_stage_does_not_build_is_said_not_refused(tmp_path):
+    """scripts/run_all.sh passes every override to every stage: SFT builds no critic, so
+    engine.critic.offload=cpu (which the CPU would refuse for a critic) is reported unused."""
+    proc = run_cli(*quick_sft_args(tmp_path / "run", steps=1), "engine.critic.offload=cpu", "train.save_every=0",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "engine.critic.* not used: stage=sft places no critic model here" in proc.stderr

@@ -279,3 +279,12 @@ def test_models_from_anywhere(small_pipeline, tmp_path):
     bad = run_cli(*quick_ppo(tmp_path / "bad", f"ppo.actor_path={small_pipeline / 'sft' / 'model'}",
                              "ppo.reward_model_path=/no/such/rm"), timeout=120)
     assert bad.returncode == 2 and "ppo.reward_model_path=/no/such/rm: no such directory" in bad.stderr
+    actor = f"ppo.actor_path={small_pipeline / 'sft' / 'model'}"
+    for extra, says in (((f"ppo.reward_model_path={small_pipeline / 'sft' / 'model'}",), "not a reward model"),
+                        ((f"ppo.critic_path={small_pipeline / 'sft' / 'model'}",
+                          f"ppo.reward_model_path={small_pipeline / 'reward' / 'model'}"), "not a reward model"),
+                        ((f"ppo.reward_model_path={small_pipeline / 'reward' / 'model'}", "ppo.use_reward_model=false",
+                          "ppo.reward_fn=rlhf.rewards.gold", "algorithm.estimator=grpo"), "nothing uses it")):
+        bad = run_cli(*quick_ppo(tmp_path / "bad", actor, *extra), timeout=120)
+        errors = [x for x in bad.stderr.splitlines() if x.startswith("rlhf: error:")]
+        assert bad.returncode == 2 and len(errors) == 1 and says in errors[0], bad.stderr[-2000:]

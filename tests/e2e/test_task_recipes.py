@@ -64,4 +64,5 @@ def test_gsm8k_grpo_recipe_end_to_end(user_model, real_data, tmp_path):
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert any("reward/rule" in r for r in rows) and not any("critic/loss" in r for r in rows)
     refused = run_cli("stage=reward", f"run.dir={run}", data, timeout=120)
-    assert refused.returncode == 2 and "recipe=gsm8k_grpo has no reward stage" in refused.stderr
+    assert refused.returncode == 2 and "has no reward stage (its stages: sft, ppo)" in refused.stderr
+    assert "recipe=gsm8k_grpo (the recipe of this run's earlier stages" in refused.stderr

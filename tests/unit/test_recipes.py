@@ -86,7 +86,8 @@ def test_task_recipes_and_their_stages():
     g, _ = compose_config(["stage=ppo", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     assert (g.algorithm.estimator, g.ppo.use_reward_model, g.ppo.reward_fn, g.ppo.samples_per_prompt) == (
         "grpo", False, "rlhf.rewards.gold", 8)
-    with pytest.raises(ConfigError, match="recipe=gsm8k_grpo has no reward stage .its stages: sft, ppo."):
+    with pytest.raises(ConfigError, match="recipe=gsm8k_grpo .recipe=gsm8k_grpo on the command line. has no reward "
+                                          "stage .its stages: sft, ppo."):
         compose_config(["stage=reward", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     with pytest.raises(ConfigError, match="unknown recipe 'nope' .expected embedded, gsm8k_grpo, hh, pretrained."):
         compose_config(["recipe=nope"])
@@ -99,8 +100,11 @@ def test_steps_and_warmup_from_epochs():
     t = TrainConfig(max_steps=None, epochs=1, warmup_steps=None, warmup_ratio=0.1)
     t.resolve_steps(100, 10, "prompts", updates_per_step=4)  # PPO: warmup counts optimizer steps
     assert (t.max_steps, t.warmup_steps) == (10, 4)
-    t = TrainConfig(max_steps=5, epochs=3, warmup_steps=1, warmup_ratio=0.5)  # set: they win
-    assert t.resolve_steps(1000, 10, "records") is None and (t.max_steps, t.warmup_steps) == (5, 1)
+    t = TrainConfig(max_steps=5, epochs=3, warmup_steps=1, warmup_ratio=0.5)  # set: they win, and it is said
+    said = t.resolve_steps(1000, 10, "records")
+    assert (t.max_steps, t.warmup_steps) == (5, 1)
+    assert "train.epochs=3 does not apply" in said and "train.warmup_ratio=0.5 does not apply" in said
+    assert TrainConfig().resolve_steps(1000, 10, "records") is None  # the embedded recipe: nothing to say
     with pytest.raises(ConfigError, match="train.max_steps and train.epochs are both null"):
         TrainConfig(max_steps=None, epochs=None)
 
@@ -115,3 +119,39 @@ def test_recipe_files_say_where_their_numbers_come_from():
                 key, _, rest = line.strip().partition(":")
                 if rest.strip() and "null" not in rest:
                     assert "#" in rest, f"{Path(path).name}: {key} has no source comment"
+
+
+def test_each_stage_places_the_models_it_builds():
+    roles = {}
+    for args in (["stage=sft"], ["stage=reward"], ["stage=dpo"], ["stage=dpo", "model.lora.r=4"], ["stage=ppo"],
+                 ["stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=x.y",
+                  "algorithm.kl_coef=0"]):
+        cfg, _ = compose_config(args)
+        roles[" ".join(args)] = cfg.roles()
+    assert list(roles.values()) == [("actor",), ("reward_model",), ("actor", "reference"), ("actor",),
+                                    ("actor", "critic", "reference", "reward_model"), ("actor",)]
+    cfg, _ = compose_config(["stage=ppo", "engine.zero_stage=2", "engine.critic.zero_stage=3",
+                             "engine.reference.offload=cpu", "engine.reward_model.precision=bf16"])
+    placed = cfg.engine.placements()
+    assert placed["actor"][:3] == (2, "none", "auto") and placed["critic"][0] == 3
+    assert placed["reference"][:2] == (2, "cpu") and placed["reward_model"][2] == "bf16"
+    assert cfg.engine.placement("reference").key("offload") == "engine.reference.offload"
+    assert cfg.engine.placement("actor").key("offload") == "engine.offload"
+    assert cfg.engine.offloads(("reference",)) and not cfg.engine.offloads(("actor", "critic"))
+
+
+def test_the_fingerprint_names_the_inputs_and_not_the_dropout():
+    """Another reward model or critic of the same shape is another run (no "already done", no resume
+    from its checkpoints); model.disable_dropout, which zeroes the config's dropout, is not."""
+    from transformers import GPT2Config
+
+    from rlhf.runtime.stage import run_fingerprint
+
+    class Tok:
+        def get_vocab(self):
+            return {"a": 0}
+    cfg, _ = compose_config(["stage=ppo"])
+    a = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.1), Tok(), "d", cfg, "reward_model=/x")
+    b = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), "d", cfg, "reward_model=/x")
+    c = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), "d", cfg, "reward_model=/y")
+    assert a == b and a != c and c["inputs"] == "reward_model=/y"
