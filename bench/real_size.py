@@ -1,8 +1,9 @@
 """A real architecture at a real size: a Qwen2.5-0.5B-shaped model (its published config, random
 init: there are no pretrained weights on these machines) through a few steps of SFT, reward and PPO
-on HH-RLHF data in one process, with the pretrained recipe (docs/recipes.md). Prints one JSON line
-per stage in the CONTRACT schema: seconds per step (median of the logged steps after the first),
-peak memory (metrics.jsonl's ``mem/peak_gb``), and the wall time of the stage.
+on HH-RLHF data in one process, with the pretrained recipe (docs/recipes.md). Prints JSON lines in
+the schema of docs/contract.md (Benchmarks), variant = the stage: ``s_per_step`` (SFT and reward: from
+the stage's samples/s; PPO: the median iteration's generate + score + update seconds),
+``peak_mem_gb`` (metrics.jsonl's ``mem/peak_gb``) and ``wall_s`` (the whole stage).
 
     python bench/real_size.py [--steps 3] [--out runs/bench_real_size] [--data tests/data/hh-rlhf/...]
 
@@ -68,10 +69,12 @@ def stage(name: str, run: Path, common: list, extra: list, batch: dict) -> dict:
         steps = [batch[name] / last["samples_per_s"]]
     peaks = [r["mem/peak_gb"] for r in rows if "mem/peak_gb" in r]
     recipe = next((x.split("recipe=")[1].split(" ")[0] for x in proc.stderr.splitlines() if "recipe=" in x), None)
-    return {"bench": "real_size", "workload": "qwen2.5-0.5b-shape", "stage": name, "device": device_label("cpu"),
-            "recipe": recipe, "s_per_step": round(statistics.median(steps), 2) if steps else None,
-            "peak_mem_gb": round(max(peaks), 2) if peaks else None, "wall_s": round(wall, 1),
-            "params": "494M"}
+    import torch
+    base = {"bench": "real_size", "workload": "qwen2.5-0.5b-shape", "variant": name, "world_size": 1,
+            "torch": torch.__version__, "device": device_label("cpu"), "recipe": recipe, "params": 494_032_768}
+    return [{**base, "metric": "s_per_step", "value": round(statistics.median(steps), 2), "unit": "s"},
+            {**base, "metric": "peak_mem_gb", "value": round(max(peaks), 2) if peaks else None, "unit": "GiB"},
+            {**base, "metric": "wall_s", "value": round(wall, 1), "unit": "s"}]
 
 
 def main() -> None:
@@ -98,7 +101,8 @@ def main() -> None:
              "ppo": ["ppo.prompts_per_step=4", "ppo.min_rm_accuracy=0", "ppo.max_new_tokens=64",
                      "model.lora.r=16", "model.lora.critic=true", "train.lr=1e-4", "ppo.critic_lr=1e-4"]}
     for name in args.stages.split(","):
-        print(json.dumps(stage(name, run, common, extra[name], batch)), flush=True)
+        for line in stage(name, run, common, extra[name], batch):
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
