@@ -85,7 +85,8 @@ def test_lora_dpo_trains_adapters_against_the_base(sft_run, tmp_path):
     step 0), only the adapted projections move (norms equal the SFT model's in the merged export), the
     adapter is saved in PEFT format, and the held-out pairs are learnt past 0.6."""
     from safetensors.torch import load_file
-    proc = run_cli(*dpo_args(tmp_path / "run", f"dpo.model_path={sft_run / 'sft' / 'model'}", "model.lora.r=8",
+    # dpo.model_path alone would pick the pretrained recipe: this SFT model is the embedded task's
+    proc = run_cli(*dpo_args(tmp_path / "run", "recipe=embedded", f"dpo.model_path={sft_run / 'sft' / 'model'}", "model.lora.r=8",
                              "model.lora.alpha=16", "train.save_every=0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "run" / "dpo"

@@ -49,7 +49,8 @@ def test_worker_exit_code_is_the_jobs(stopped_peer, tmp_path):
     job = Job("stage=sft", f"run.dir={tmp_path / 'run'}", f"data.path={data}", "data.format=prompt_response",
               "train.max_steps=2", "logger.progress=false", *one_node(2), log=tmp_path / "log.txt")
     assert job.wait(300) == 2, job.tail()
-    assert job.error_lines() == [f"rlhf: error: {data}:41: record has no field 'response'"], job.tail()
+    assert job.error_lines() == [f"rlhf: error: {data}:41: record has no field 'response' (or set "
+                                 f"data.on_bad_record=skip to skip and count such records)"], job.tail()
 
 
 def test_stopped_peer_ends_job_with_clear_error(stopped_peer):
