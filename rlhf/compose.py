@@ -28,9 +28,9 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
     under the keys the overrides name (``rlhf.eval --run-dir``)."""
     register()
     GlobalHydra.instance().clear()
+    why = ""
     try:
         overrides, why = choose_recipe(list(overrides))
-        _RECIPE_WHY[0] = why
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             dcfg = compose(config_name="config", overrides=overrides)
         if base:
@@ -44,14 +44,12 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
     except ConfigError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
-        raise ConfigError(_describe(e)) from None
+        raise ConfigError(_describe(e, why)) from None
     finally:
         GlobalHydra.instance().clear()
     cfg.recipe_why = why
     return cfg, yaml_text
 
-
-_RECIPE_WHY = [""]  # why the recipe being composed was chosen, for the message when it lacks the stage
 
 # keys naming the model a stage starts from: any of them set means a model the user brings
 MODEL_KEYS = ("model.path", "ppo.actor_path", "dpo.model_path", "reward.model_path")
@@ -85,7 +83,9 @@ def choose_recipe(overrides: List[str]) -> Tuple[List[str], str]:
     return overrides + ["recipe=embedded"], "no model.path: the embedded model and task"
 
 
-def _describe(e: Exception) -> str:
+def _describe(e: Exception, recipe_why: str = "") -> str:
+    """One line for a Hydra/OmegaConf error; ``recipe_why``: why the recipe was chosen (for a recipe
+    without the stage)."""
     cause = e
     while cause.__cause__ is not None and not isinstance(cause, ConfigError):
         cause = cause.__cause__
@@ -100,7 +100,7 @@ def _describe(e: Exception) -> str:
     m = re.search(r"Could not find 'recipe_stage/([\w.-]+)/(\w+)'", text)
     if m and m.group(1) in recipes():
         have = [s for s in C.STAGES if (CONF_DIR / "recipe_stage" / m.group(1) / f"{s}.yaml").is_file()]
-        return (f"recipe={m.group(1)} ({_RECIPE_WHY[0]}) has no {m.group(2)} stage (its stages: "
+        return (f"recipe={m.group(1)} ({recipe_why}) has no {m.group(2)} stage (its stages: "
                 f"{', '.join(have)}); pick another recipe for stage={m.group(2)}")
     if "Could not find 'recipe/" in text or (m and m.group(1) not in recipes()):
         name = re.search(r"Could not find 'recipe(?:_stage)?/([\w.-]+)", text).group(1)
