@@ -7,7 +7,7 @@ peak_rss_gb: the peak resident set of this process (getrusage ru_maxrss; KiB on 
 on CUDA also peak_gpu_gb (torch.cuda.max_memory_allocated) and peak_gpu_reserved_gb
 (max_memory_reserved, what the caching allocator held) of this process's device. Each counter
 is taken with the peaks the stage's metrics lines read before resetting it (``mem/peak_gb`` is the
-peak since the previous line: rlhf.rundir.log.PeakMemory), so these stay the whole process's peaks.
+peak since the previous line: rlhf.outputs.log.PeakMemory), so these stay the whole process's peaks.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def peak() -> dict:
-    from rlhf.rundir.log import peaks_before_resets
+    from rlhf.outputs.log import peaks_before_resets
     before = peaks_before_resets()
     rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, before.get("rss", 0))
     rec = {"rank": int(os.environ.get("RANK", "0")), "peak_rss_gb": rss / 2**30}

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m rlhf stage=sft|reward|ppo|dpo [hydra overrides...]``.
+"""Entry point: ``python -m rlhf stage=<stage> [hydra overrides...]`` (the stages: rlhf.config.STAGE_TABLE).
 
 Composes the Hydra config with the compose API (no output directory, no chdir, no timestamped
 folders: every rank of a torchrun job computes the same config and only rank 0 writes to
@@ -17,7 +17,8 @@ import sys
 # in 0.3 s (measured on the CPU dev machine), against 2-5 s once torch and transformers load; those
 # load only when a stage runs (stages.<stage> and what it imports).
 
-USAGE = """usage: python -m rlhf stage=sft|reward|ppo|dpo [key=value ...]
+# {stages}: the names in rlhf.config.STAGE_TABLE, "sft|reward|ppo|dpo"
+USAGE = """usage: python -m rlhf stage={stages} [key=value ...]
 
 Hydra overrides, e.g. run.dir=runs/x train.max_steps=100 engine.zero_stage=3 data.path=f.jsonl
   --cfg       print the composed configuration and exit
@@ -39,7 +40,8 @@ def _fail(msg: str, code: int = 2) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
-        print(USAGE)
+        from rlhf.config import stage_names
+        print(USAGE.format(stages="|".join(stage_names())))
         return
     show_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]

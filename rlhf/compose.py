@@ -74,7 +74,7 @@ def choose_recipe(overrides: List[str]) -> Tuple[List[str], str]:
             return overrides + ["recipe=pretrained"], (f"{key}={given[key]} is set: settings for a pretrained "
                                                        f"model (recipe=embedded gives the embedded task's)")
     run_dir = Path(given.get("run.dir") or C.RunConfig.dir)
-    saved = sorted((p for p in (run_dir / s / "config.yaml" for s in C.STAGES) if p.is_file()),
+    saved = sorted((p for p in (run_dir / s / "config.yaml" for s in C.stage_names()) if p.is_file()),
                    key=lambda p: p.stat().st_mtime, reverse=True)
     for path in saved:  # the newest stage's (rlhf.runtime.stage.CONFIG_FILE)
         m = re.search(r"^recipe: *(\S+)", path.read_text(encoding="utf-8", errors="replace"), re.M)
@@ -99,14 +99,14 @@ def _describe(e: Exception, recipe_why: str = "") -> str:
         text += hint
     m = re.search(r"Could not find 'recipe_stage/([\w.-]+)/(\w+)'", text)
     if m and m.group(1) in recipes():
-        have = [s for s in C.STAGES if (CONF_DIR / "recipe_stage" / m.group(1) / f"{s}.yaml").is_file()]
+        have = [s for s in C.stage_names() if (CONF_DIR / "recipe_stage" / m.group(1) / f"{s}.yaml").is_file()]
         return (f"recipe={m.group(1)} ({recipe_why}) has no {m.group(2)} stage (its stages: "
                 f"{', '.join(have)}); pick another recipe for stage={m.group(2)}")
     if "Could not find 'recipe/" in text or (m and m.group(1) not in recipes()):
         name = re.search(r"Could not find 'recipe(?:_stage)?/([\w.-]+)", text).group(1)
         return f"unknown recipe '{name}' (expected {', '.join(recipes())})"
     if "Could not find 'stage/" in text:
-        return text.replace("Could not find 'stage/", "unknown stage '") + " (expected sft, reward, ppo or dpo)"
+        return text.replace("Could not find 'stage/", "unknown stage '") + f" (expected {C.stage_choices()})"
     return text or type(e).__name__
 
 

@@ -1,9 +1,10 @@
 """Typed configuration of every group, registered in Hydra's ConfigStore.
 
-This file is the one home of every default. The YAML files under ``conf/`` only override them
-(``conf/stage/<stage>.yaml`` holds what differs per stage, e.g. the learning rate). Validation runs
-in ``__post_init__`` when ``OmegaConf.to_object`` builds these dataclasses, i.e. before any work
-starts; a bad value raises ``ConfigError`` (exit code 2) naming the key.
+This file is the one home of every default (a data format's own, its default lengths, are in its row
+of the format table, rlhf/data/formats.py, which this file reads). The YAML files under ``conf/``
+only override them (``conf/stage/<stage>.yaml`` holds what differs per stage, e.g. the learning
+rate). Validation runs in ``__post_init__`` when ``OmegaConf.to_object`` builds these dataclasses,
+i.e. before any work starts; a bad value raises ``ConfigError`` (exit code 2) naming the key.
 """
 from __future__ import annotations
 
@@ -12,36 +13,50 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, List, Optional
 
-from rlhf.errors import ConfigError
+from rlhf.algorithms.estimators import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG
+from rlhf.data.formats import FORMATS
+from rlhf.data.pipeline import parse_split
+from rlhf.errors import ConfigError, one_of
 
-STAGES = ("sft", "reward", "ppo", "dpo")
-# data.split keeps DeepSpeed-Chat's three shares (sft, reward, ppo); DPO trains on preference pairs,
-# so it takes the reward stage's share (split_share_of)
-SPLIT_SHARES = ("sft", "reward", "ppo")
-FORMATS = ("synthetic", "prompt_response", "prompt_chosen_rejected", "hh", "gsm8k", "messages")
-# The fields each format reads (what data.columns may map a dataset's own names onto). messages also
-# reads the keys of each turn: role and content.
-FORMAT_FIELDS = {
-    "synthetic": (),
-    "prompt_response": ("prompt", "response"),
-    "prompt_chosen_rejected": ("prompt", "chosen", "rejected"),
-    "hh": ("chosen", "rejected"),
-    "gsm8k": ("question", "answer"),
-    "messages": ("messages", "prompt", "chosen", "rejected", "role", "content"),
-}
-# (max_prompt_len, max_response_len) when data.max_prompt_len / data.max_response_len are unset: the
-# 95th percentile of the shared samples (HH-RLHF harmless-base, GSM8K train) in tokens of a 32k
-# byte-level BPE, rounded up to a multiple of 64 (hh: prompt p95 337, longer response of a pair p95
-# 159; gsm8k: question p95 97, answer p95 169). Formats without a sample of their own take the chat
-# numbers (hh's); messages adds room for the chat template's markup. The synthetic task: 64/64.
-DEFAULT_LENGTHS = {
-    "synthetic": (64, 64),
-    "prompt_response": (384, 192),
-    "prompt_chosen_rejected": (384, 192),
-    "hh": (384, 192),
-    "gsm8k": (128, 192),
-    "messages": (448, 192),
-}
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: ``stages/<name>.py``, run as ``python -m rlhf stage=<name>``, writing ``<run.dir>/<name>/``.
+    STAGE_TABLE is the one list of stages: config validation, compose (recipes, earlier stages' configs),
+    the usage text, summary.json, report.png and scripts/run_all.sh all read it."""
+    name: str
+    pipeline: bool  # scripts/run_all.sh runs it when given no stages= (the pipeline, in the table's order)
+    # the metrics summary.json keeps for it (their last logged values; every stage also keeps its largest
+    # mem/peak_gb)
+    summary_keys: tuple = ()
+
+
+STAGE_TABLE = (
+    Stage("sft", pipeline=True, summary_keys=("eval/loss", "gold/score", "gold/score_greedy")),
+    Stage("reward", pipeline=True, summary_keys=("eval/accuracy",)),
+    Stage("ppo", pipeline=True, summary_keys=("gold/score", "gold/score_greedy", "kl/mean", "reward/mean")),
+    Stage("dpo", pipeline=False, summary_keys=("gold/score", "gold/score_greedy", "eval/rewards/accuracy",
+                                                "eval/rewards/margin")),
+)
+
+
+def stage_names() -> tuple:
+    """The stages' names, in STAGE_TABLE's order (read when called)."""
+    return tuple(s.name for s in STAGE_TABLE)
+
+
+def pipeline_stages() -> tuple:
+    """The stages scripts/run_all.sh runs when given no stages=, in order."""
+    return tuple(s.name for s in STAGE_TABLE if s.pipeline)
+
+
+def stage_choices() -> str:
+    """The stages for a message: 'sft, reward, ppo or dpo'."""
+    return one_of(stage_names())
+
+
+# data.split's shares (SPLIT_SHARES) and its parsing live with the pipeline (rlhf/data/pipeline.py);
+# each data.format is one row of rlhf/data/formats.py (fields, default lengths, parser, gold scorer)
 
 
 def _check(cond: bool, key: str, value, expected: str) -> None:
@@ -137,7 +152,7 @@ class SourceConfig:
     def __post_init__(self):
         _check(self.format in FORMATS, "data.format", self.format, "one of " + ", ".join(FORMATS))
         _check(self.weight > 0, "data.sources[].weight", self.weight, "a positive number")
-        _check(self.format == "synthetic" or bool(self.path), "data.path", self.path,
+        _check(FORMATS[self.format].generated or bool(self.path), "data.path", self.path,
                f"a file, directory or hub id for data.format={self.format}")
         check_columns(self.columns, self.format, "data.sources[].columns" if self.path else "data.columns")
 
@@ -149,10 +164,10 @@ def check_columns(columns, fmt: str, key: str) -> None:
     if not isinstance(columns, dict):
         raise ConfigError(f"{key}={columns!r} is invalid: expected a mapping of the format's fields to the "
                           f"dataset's columns, e.g. {key}={{prompt: instruction, response: output}}")
-    fields = FORMAT_FIELDS[fmt]
+    fields = FORMATS[fmt].fields
     for name, column in columns.items():
         if name not in fields:
-            expected = ("none: data.format=synthetic is generated" if not fields
+            expected = (f"none: data.format={fmt} is generated" if not fields
                         else "one of " + ", ".join(fields))
             raise ConfigError(f"{key}.{name}={column!r} is invalid: '{name}' is not a field of "
                               f"data.format={fmt} (keys of {key} are the format's fields: {expected})")
@@ -194,7 +209,7 @@ class DataConfig:
     eval_format: Optional[str] = None  # None = data.format
     eval_hf_split: Optional[str] = None  # None = data.hf_split
     eval_size: int = 256  # held-out records (synthetic: held-out operand pairs) for eval and gold score
-    # None = per format (DEFAULT_LENGTHS: the synthetic task 64/64, hh 384/192, gsm8k 128/192, ...)
+    # None = per format (rlhf/data/formats.py: the synthetic task 64/64, hh 384/192, gsm8k 128/192, ...)
     max_prompt_len: Optional[int] = None
     max_response_len: Optional[int] = None
     mask_prompt: bool = True  # SFT loss only on response (assistant) tokens
@@ -206,13 +221,13 @@ class DataConfig:
         _check(self.on_bad_record in ("error", "skip"), "data.on_bad_record", self.on_bad_record,
                "error or skip")
         _check(self.eval_size > 0, "data.eval_size", self.eval_size, "a positive integer")
-        if self.format != "synthetic" and not self.path and not self.sources:
+        if not FORMATS[self.format].generated and not self.path and not self.sources:
             raise ConfigError(f"data.path is required for data.format={self.format}")
         if self.path and self.sources:
             raise ConfigError(f"data.path={self.path} and data.sources are both set: use one of them")
-        if self.path and self.format == "synthetic":  # would silently train on the generated task
-            raise ConfigError(f"data.path={self.path} is set but data.format=synthetic generates its data: "
-                              f"set data.format ({', '.join(FORMATS[1:])})")
+        if self.path and FORMATS[self.format].generated:  # would silently train on the generated task
+            raise ConfigError(f"data.path={self.path} is set but data.format={self.format} generates its data: "
+                              f"set data.format ({', '.join(n for n, f in FORMATS.items() if not f.generated)})")
         if not self.sources:
             check_columns(self.columns, self.format, "data.columns")
         _check(bool(self.hf_split), "data.hf_split", self.hf_split, "a split name such as train")
@@ -230,7 +245,7 @@ class DataConfig:
         formats = [s.format for s in self.source_list()]
         for i, key in enumerate(("max_prompt_len", "max_response_len")):
             if getattr(self, key) is None:
-                setattr(self, key, max(DEFAULT_LENGTHS[f][i] for f in formats))
+                setattr(self, key, max(FORMATS[f].lengths[i] for f in formats))
         return self
 
     def _check_eval_and_template(self) -> None:
@@ -240,9 +255,9 @@ class DataConfig:
                 raise ConfigError(f"data.eval_format={self.eval_format} is set but data.eval_path is not")
         if self.eval_path:
             fmt = self.eval_format or self.format
-            if fmt == "synthetic":
+            if FORMATS[fmt].generated:
                 raise ConfigError(f"data.eval_path={self.eval_path} needs data.eval_format (the file's format; "
-                                  f"data.format=synthetic generates its data)")
+                                  f"data.format={fmt} generates its data)")
         if self.eval_hf_split is not None and not self.eval_path:
             raise ConfigError(f"data.eval_hf_split={self.eval_hf_split} is set but data.eval_path is not")
         if self.chat_template not in ("auto", "none"):
@@ -269,27 +284,13 @@ class DataConfig:
                             hf_split=self.eval_hf_split or self.hf_split, hf_config=self.hf_config)
 
     def default_new_tokens(self) -> int:
-        """What eval.max_new_tokens=None resolves to: 16 for the synthetic task (its answers are
-        short), else data.max_response_len (a GSM8K answer needs room to reach its '####')."""
-        if all(s.format == "synthetic" for s in self.source_list()):
-            return 16
+        """What eval.max_new_tokens=None resolves to: the formats' own number where each has one (the
+        synthetic task: 16, its answers are short), else data.max_response_len (a GSM8K answer needs
+        room to reach its '####')."""
+        new_tokens = [FORMATS[s.format].new_tokens for s in self.source_list()]
+        if all(n is not None for n in new_tokens):
+            return max(new_tokens)
         return int(self.resolve().max_response_len)
-
-
-def split_share_of(stage: str) -> int:
-    """The index of ``stage``'s weight in data.split: DPO reads pairs, the reward stage's share."""
-    return SPLIT_SHARES.index("reward" if stage == "dpo" else stage)
-
-
-def parse_split(spec: str) -> List[float]:
-    try:
-        parts = [float(p) for p in spec.split(",")]
-    except ValueError:
-        parts = []
-    if len(parts) != len(SPLIT_SHARES) or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ConfigError(f"data.split={spec!r} is invalid: expected three non-negative weights for "
-                          f"sft,reward,ppo such as \"2,4,4\" (dpo takes the reward share)")
-    return parts
 
 
 @dataclass
@@ -517,7 +518,7 @@ class RewardConfig:
 
 @dataclass
 class DPOConfig:
-    """Direct preference optimisation (rlhf/algorithms/dpo.py): the policy against a frozen reference."""
+    """Direct preference optimisation (rlhf/algorithms/preference.py): the policy against a frozen reference."""
     beta: float = 0.1  # β: strength of the implicit KL to the reference (rewards are β·log π/π_ref)
     loss: str = "sigmoid"  # sigmoid (DPO; cDPO with label_smoothing) | ipo
     # cDPO: the share of pairs assumed mislabelled (sigmoid loss only; 0 = plain DPO)
@@ -542,7 +543,8 @@ class DPOConfig:
 @dataclass
 class AlgorithmConfig:
     """RL estimator and its coefficients (rlhf/algorithms/ppo.py)."""
-    estimator: str = "gae"  # gae (PPO with critic) | grpo | rloo | reinforce_pp (critic-free)
+    # a row of rlhf/algorithms/estimators.py: gae (PPO with critic) | grpo | rloo | reinforce_pp (critic-free)
+    estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.05  # β of the per-token KL penalty (GRPO: of the KL loss term)
@@ -573,10 +575,9 @@ class AlgorithmConfig:
     no_eos_penalty: float = -1.0  # added to the score of a response that never ends (0 = off)
 
     def __post_init__(self):
-        _check(self.estimator in ("gae", "grpo", "rloo", "reinforce_pp"), "algorithm.estimator", self.estimator,
-               "gae, grpo, rloo or reinforce_pp")
-        _check(self.kl_estimator in (None, "k1", "k2", "k3"), "algorithm.kl_estimator", self.kl_estimator,
-               "k1, k2 or k3")
+        _check(self.estimator in ESTIMATORS, "algorithm.estimator", self.estimator, one_of(ESTIMATORS))
+        _check(self.kl_estimator is None or self.kl_estimator in KL_ESTIMATORS, "algorithm.kl_estimator",
+               self.kl_estimator, one_of(KL_ESTIMATORS))
         _check(self.reward_norm in ("stats", "running", "none"), "algorithm.reward_norm", self.reward_norm,
                "stats, running or none")
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", (self.gamma, self.lam), "0..1")
@@ -584,9 +585,7 @@ class AlgorithmConfig:
         for key in ("clip_ratio_low", "clip_ratio_high"):
             v = getattr(self, key)
             _check(v is None or v >= 0, f"algorithm.{key}", v, "a non-negative number")
-        _check(self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"),
-               "algorithm.loss_agg", self.loss_agg,
-               "token_mean, seq_mean_token_mean, seq_mean_token_sum or token_sum_norm")
+        _check(self.loss_agg in LOSS_AGG, "algorithm.loss_agg", self.loss_agg, one_of(LOSS_AGG))
         _check(self.loss_norm_tokens >= 0, "algorithm.loss_norm_tokens", self.loss_norm_tokens,
                "a non-negative integer (0 = ppo.max_new_tokens)")
         _check(self.mismatch_correction in ("none", "tis", "mis"), "algorithm.mismatch_correction",
@@ -701,7 +700,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self):
-        _check(self.stage in STAGES, "stage", self.stage, "one of " + ", ".join(STAGES))
+        _check(self.stage in stage_names(), "stage", self.stage, "one of " + ", ".join(stage_names()))
         self.data.resolve()  # unset data.max_prompt_len / max_response_len: per data format
         self.eval.resolve(self.data)  # eval.max_new_tokens=None: per data format
         self.ppo.resolve(self.data)  # ppo.max_new_tokens=None: per data format
@@ -725,20 +724,26 @@ class Config:
         own_reference = () if self.model.lora.r else ("reference",)
         if self.stage == "dpo":
             return ("actor",) + own_reference
-        a, p = self.algorithm, self.ppo
-        return (("actor",) + (("critic",) if a.estimator == "gae" else ())
-                + (own_reference if a.kl_coef > 0 else ()) + (("reward_model",) if p.use_reward_model else ()))
+        roles = ("actor",)
+        if ESTIMATORS[self.algorithm.estimator].critic:
+            roles += ("critic",)
+        if self.algorithm.kl_coef > 0:
+            roles += own_reference
+        if self.ppo.use_reward_model:
+            roles += ("reward_model",)
+        return roles
 
     def check_ppo(self) -> None:
         """PPO settings that only make sense together (exit 2 naming the key)."""
         a, p = self.algorithm, self.ppo
-        if a.estimator in ("grpo", "rloo") and p.samples_per_prompt < 2:
+        grouped = [e.name for e in ESTIMATORS.values() if e.grouped]
+        if ESTIMATORS[a.estimator].grouped and p.samples_per_prompt < 2:
             raise ConfigError(f"ppo.samples_per_prompt={p.samples_per_prompt} is invalid for "
                               f"algorithm.estimator={a.estimator}: its baseline compares a prompt's samples, "
                               f"so it needs at least 2")
-        if p.dynamic_sampling and a.estimator not in ("grpo", "rloo"):
-            raise ConfigError(f"ppo.dynamic_sampling=true needs a group estimator (algorithm.estimator=grpo or "
-                              f"rloo), not {a.estimator}")
+        if p.dynamic_sampling and not ESTIMATORS[a.estimator].grouped:
+            raise ConfigError(f"ppo.dynamic_sampling=true needs a group estimator (algorithm.estimator="
+                              f"{one_of(grouped)}), not {a.estimator}")
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the world size (sizes that must divide). The parallel degrees are checked

@@ -17,6 +17,12 @@ class DataError(UserError):
     """A malformed data file or record."""
 
 
+def one_of(items, joined_by: str = "or") -> str:
+    """Names for a message: ``one_of(["gae", "grpo", "rloo"])`` → 'gae, grpo or rloo'."""
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {joined_by} {items[-1]}"
+
+
 def one_line(msg: str) -> str:
     """Collapse a message to its first non-empty line (Hydra/OmegaConf errors are multi-line)."""
     for line in str(msg).splitlines():

@@ -71,14 +71,14 @@ def run_config(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
     """The configuration a stage saved (``<run.dir>/<stage>/config.yaml``) that the policy at ``path`` was
     trained with: the one beside it (``path`` = ``<run.dir>/<stage>/<export>``, inside ``run_dir`` when
     given), else the newest in ``run_dir``; None when there is none."""
-    from rlhf.config import STAGES
+    from rlhf.config import stage_names
     from rlhf.runtime.stage import CONFIG_FILE
     own = path.resolve().parent / CONFIG_FILE
     if own.is_file() and (run_dir is None or own.parent.parent == run_dir.resolve()):
         return own
     if run_dir is None:
         return None
-    saved = [run_dir / stage / CONFIG_FILE for stage in STAGES if (run_dir / stage / CONFIG_FILE).is_file()]
+    saved = [run_dir / stage / CONFIG_FILE for stage in stage_names() if (run_dir / stage / CONFIG_FILE).is_file()]
     return max(saved, key=lambda p: p.stat().st_mtime) if saved else None
 
 
@@ -125,16 +125,17 @@ def check_embedded_task(path: str, run_dir: Optional[str], cfg, trust_remote_cod
 
 def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     from rlhf.data.chat import resolve_template
+    from rlhf.data.formats import gold_formats
     from rlhf.data.pipeline import load_stage_data
-    from rlhf.errors import ConfigError
+    from rlhf.errors import ConfigError, one_of
     from rlhf.runtime.evaluation import gold_prompts, evaluate_gold
     from rlhf.generate import load_policy
     if cfg.eval.gold_prompts == 0:
         raise ConfigError("eval.gold_prompts=0: nothing to evaluate (set a positive eval.gold_prompts)")
     data = load_stage_data(cfg.data, "sft", cfg.run.seed)  # the held-out records are every stage's
     if data.gold is None:
-        raise ConfigError(f"data ({data.description}) has no gold scorer (there is one for data.format=synthetic "
-                          f"and gsm8k, when every source and the held-out set share it)")
+        raise ConfigError(f"data ({data.description}) has no gold scorer (there is one for data.format="
+                          f"{one_of(gold_formats(), 'and')}, when every source and the held-out set share it)")
     if not gold_prompts(data.eval, cfg.eval):
         raise ConfigError(f"data ({data.description}): no held-out records with a reference answer")
     hybrid, tokenizer, mesh = load_policy(path, trust_remote_code=trust_remote_code, ecfg=cfg.engine)

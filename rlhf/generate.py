@@ -44,7 +44,7 @@ def quiet_console() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from rlhf.rundir.log import setup_console
+    from rlhf.outputs.log import setup_console
     setup_console(0)
     logging.getLogger("rlhf").setLevel(logging.WARNING)
     hf_logging.disable_progress_bar()

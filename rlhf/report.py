@@ -17,7 +17,8 @@ import json
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from rlhf.rundir.fileio import atomic_write_bytes
+from rlhf.config import stage_names
+from rlhf.outputs.fileio import atomic_write_bytes
 
 Series = Dict[str, Tuple[List[int], List[float]]]
 
@@ -49,9 +50,6 @@ def _plot(ax, series: Series, key: str, label: str, **kw) -> bool:
     return True
 
 
-STAGES = ("sft", "reward", "ppo", "dpo")
-
-
 def render(run_dir: Path) -> bytes:
     """The PNG bytes of the report (matplotlib, headless)."""
     fig = figure(run_dir)
@@ -69,8 +67,9 @@ def figure(run_dir: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = {s: read_series(run_dir / s / "metrics.jsonl") for s in STAGES}
-    sft, rm, ppo, dpo = (series[s] for s in STAGES)
+    stages = stage_names()  # rlhf.config.STAGE_TABLE: every stage's peak memory; the panels of these four
+    series = {s: read_series(run_dir / s / "metrics.jsonl") for s in stages}
+    sft, rm, ppo, dpo = (series[s] for s in ("sft", "reward", "ppo", "dpo"))
     rows = 3 if dpo else 2
     fig = plt.figure(figsize=(20, 4 * rows))
     grid = fig.add_gridspec(rows, 4)
@@ -125,7 +124,7 @@ def figure(run_dir: Path):
                        ("time/train_s", "train"), ("time/switch_s", "switch")):
         _plot(a_time, ppo, key, label)
     a_mem.set_title("Peak memory of rank 0 since the previous logged step (GiB)")
-    peaks = [max(series[s]["mem/peak_gb"][1]) for s in STAGES if _plot(a_mem, series[s], "mem/peak_gb", s, marker=".")]
+    peaks = [max(series[s]["mem/peak_gb"][1]) for s in stages if _plot(a_mem, series[s], "mem/peak_gb", s, marker=".")]
     if peaks:
         a_mem.set_ylim(0, 1.1 * max(peaks))
     if dpo:

@@ -27,16 +27,17 @@ from typing import Callable, List, Optional, Sequence
 
 from hydra.utils import get_method
 
-from rlhf.data.gold import scorer_for
+from rlhf.data.formats import FORMATS, gold_formats
 from rlhf.data.records import Example
 from rlhf.errors import ConfigError, one_line
 
 
 def gold(responses: List[str], examples: List[Example], fmt: str) -> List[float]:
-    """Exact match against the record's reference: the synthetic task's rule or GSM8K's answer."""
-    scorer = scorer_for(fmt)
+    """Exact match against the record's reference: the format's gold scorer (rlhf/data/formats.py:
+    the synthetic task's rule, GSM8K's final answer)."""
+    scorer = FORMATS[fmt].gold if fmt in FORMATS else None
     if scorer is None:
-        raise ConfigError(f"rlhf.rewards.gold has no rule for data.format={fmt} (synthetic, gsm8k)")
+        raise ConfigError(f"rlhf.rewards.gold has no rule for data.format={fmt} ({', '.join(gold_formats())})")
     return [scorer(r, e.reference) for r, e in zip(responses, examples)]
 
 

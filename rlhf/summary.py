@@ -7,13 +7,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlhf import config
 from rlhf.report import read_series, write_report
-from rlhf.rundir.fileio import atomic_write_json
+from rlhf.outputs.fileio import atomic_write_json
 
-KEYS = {"sft": ("eval/loss", "gold/score", "gold/score_greedy"),
-        "reward": ("eval/accuracy",),
-        "ppo": ("gold/score", "gold/score_greedy", "kl/mean", "reward/mean"),
-        "dpo": ("gold/score", "gold/score_greedy", "eval/rewards/accuracy", "eval/rewards/margin")}
 PEAKS = ("mem/peak_gb",)  # every stage: the largest logged value (the stage's peak), not the last
 
 
@@ -25,11 +22,12 @@ def last_values(metrics_file: Path, keys, peaks=()) -> dict:
 
 
 def build_summary(run_dir: Path, seconds: dict, seed=None) -> dict:
+    """Per stage of rlhf.config.STAGE_TABLE that logged any: its row's summary_keys (last values) and PEAKS."""
     summary = {}
-    for stage, keys in KEYS.items():
-        vals = last_values(run_dir / stage / "metrics.jsonl", keys, PEAKS)
+    for stage in config.STAGE_TABLE:
+        vals = last_values(run_dir / stage.name / "metrics.jsonl", stage.summary_keys, PEAKS)
         if vals:
-            summary[stage] = vals
+            summary[stage.name] = vals
     summary["seconds"] = seconds
     if seed is not None:
         summary["run"] = {"seed": seed}

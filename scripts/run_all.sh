@@ -4,23 +4,29 @@
 #   NPROC=2 scripts/run_all.sh                     every stage on 2 processes (torchrun)
 #   scripts/run_all.sh stages=sft,dpo [overrides]  other stages, in that order (a leading stages= is
 #                                                  the script's own argument, not passed to Hydra)
-# Stages run in order (default SFT → reward → PPO); overrides pass to every stage.
+# Stages run in order (default: the pipeline rows of STAGE_TABLE in rlhf/config.py, SFT → reward → PPO);
+# overrides pass to every stage.
 # Writes <run.dir>/summary.json and prints a short table. A failing stage stops the script.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
+# the stages of rlhf/config.py's STAGE_TABLE: every name, the pipeline's in order, and "sft, ..., ppo or dpo"
+TABLE="$("$PY" -c 'from rlhf.config import pipeline_stages as p, stage_choices as c, stage_names as n
+print(*n()); print(*p()); print(c())')"
+{ read -r -a KNOWN; read -r -a PIPELINE; read -r CHOICES; } <<< "$TABLE"
+known() { local k; for k in "${KNOWN[@]}"; do [ "$k" = "$1" ] && return 0; done; return 1; }
 STAGES=()
 if [ $# -gt 0 ] && [[ "$1" == stages=* ]]; then
   IFS=',' read -r -a STAGES <<< "${1#stages=}"
   shift
   [ ${#STAGES[@]} -gt 0 ] || { echo "[run_all] stages= names no stage (e.g. stages=sft,dpo)" >&2; exit 2; }
   for s in "${STAGES[@]}"; do
-    if ! [[ "$s" =~ ^[a-z]+$ && -f "$ROOT/stages/$s.py" ]]; then
-      echo "[run_all] stages=: unknown stage '$s' (expected sft, reward, ppo or dpo)" >&2
+    if ! { known "$s" && [ -f "$ROOT/stages/$s.py" ]; }; then
+      echo "[run_all] stages=: unknown stage '$s' (expected $CHOICES)" >&2
       exit 2
     fi
   done
 else
-  for s in sft reward ppo; do [ -f "$ROOT/stages/$s.py" ] && STAGES+=("$s"); done
+  for s in "${PIPELINE[@]}"; do [ -f "$ROOT/stages/$s.py" ] && STAGES+=("$s"); done
 fi
 NPROC="${NPROC:-1}"
 if [ "$NPROC" -gt 1 ]; then

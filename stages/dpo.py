@@ -6,7 +6,7 @@ Setup (pairs, policy and reference from the SFT output, engine, resume) → loop
 without gradient, policy log-probs, DPO / cDPO / IPO loss over the global batch's pairs) → save
 (held-out implicit-reward accuracy and margin, gold score, HF export of the policy).
 
-No reward model and no generation while training: the loss (rlhf/algorithms/dpo.py) needs only the
+No reward model and no generation while training: the loss (rlhf/algorithms/preference.py) needs only the
 summed response log-probs of each pair under the policy and under the reference.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from rlhf.algorithms.dpo import dpo_loss, response_mask, sequence_logprobs
-from rlhf.algorithms.logprobs import chunked_logprobs
+from rlhf.algorithms.preference import dpo_loss, response_mask, sequence_logprobs
+from rlhf.algorithms.tokens import chunked_logprobs
 from rlhf.config import Config, DPOConfig
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
@@ -30,7 +30,7 @@ from rlhf.engine.train import TrainEngine, reference_for
 from rlhf.errors import DataError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.rundir.log import progress
+from rlhf.outputs.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, end_of_step, export_policy, log_evaluation, rank_batches,
@@ -70,30 +70,30 @@ def run(cfg: Config) -> None:
 
     # model.lora.r > 0: adapters on the policy, whose base (adapters off) is the reference; else the
     # reference is a second copy of the starting weights
-    engine = TrainEngine(lora.adapt(build("policy"), cfg.model.lora, cfg.run.seed, what="policy"), mesh, cfg.engine.placement("actor"), train)
-    reference = reference_for(engine, build, mesh, cfg.engine.placement("reference"))
-    actor = HybridEngine(engine, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
+    actor = TrainEngine(lora.adapt(build("policy"), cfg.model.lora, cfg.run.seed, what="policy"), mesh, cfg.engine.placement("actor"), train)
+    reference = reference_for(actor, build, mesh, cfg.engine.placement("reference"))
+    hybrid = HybridEngine(actor, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(engine.module.config, tokenizer, data.description, cfg,
+    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(actor.module.config, tokenizer, data.description, cfg,
                                                                 f"policy={source}"))
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
-    start, _, metrics = resume(ctx, {"policy": engine}, ckpt)
+    start, _, metrics = resume(ctx, {"policy": actor}, ckpt)
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
     pad = tokenizer.pad_token_id
 
     def evaluate(step):
-        results = evaluate_pairs(engine, reference, eval_cols, pad, micro, mesh, cfg.dpo)
+        results = evaluate_pairs(actor, reference, eval_cols, pad, micro, mesh, cfg.dpo)
         if data.gold is not None:
-            results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat,
+            results.update(evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat,
                                           cfg.logger.progress))
-        return log_evaluation(metrics, step, results, engine)
+        return log_evaluation(metrics, step, results, actor)
 
     def checkpoint(step):
-        return save_checkpoint(ctx.ckpt_dir, step, {"policy": engine},
+        return save_checkpoint(ctx.ckpt_dir, step, {"policy": actor},
                                {"stage": "dpo", "fingerprint": ctx.fingerprint}, mesh, keep=train.keep_checkpoints)
 
     # ---- loop ----
@@ -102,14 +102,14 @@ def run(cfg: Config) -> None:
              data.description, source, train.max_steps, train.global_batch)
     if start == 0:  # the starting policy's numbers (rewards 0 by definition; its gold score)
         evaluate(0)
-    engine.train()
+    actor.train()
     bar = progress(train.max_steps, start, cfg.logger.progress, "dpo", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
         mbs = [collate(train_cols, ix, pad) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
-        lr = engine.lr
-        stats, grad_norm = train_step(engine, reference, mbs, cfg.dpo)
+        lr = actor.lr
+        stats, grad_norm = train_step(actor, reference, mbs, cfg.dpo)
         seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{stats['loss']:.3f}", acc=f"{stats['rewards/accuracy']:.2f}")
@@ -122,7 +122,7 @@ def run(cfg: Config) -> None:
 
     # ---- save ----
     results = evaluate(train.max_steps)
-    export_policy(engine, ctx, mesh, tokenizer, results, train.max_steps)
+    export_policy(actor, ctx, mesh, tokenizer, results, train.max_steps)
     metrics.close()
     mark_finished(ctx, train.max_steps)
     log.info("dpo done: %s (eval/rewards/accuracy=%.4f)", ctx.out / "model", results["eval/rewards/accuracy"])
@@ -147,23 +147,23 @@ def pair_logprobs(forward, batch, device):
     return seq[:pairs], seq[pairs:]
 
 
-def train_step(engine, reference, micro_batches, dcfg: DPOConfig) -> tuple[dict, float]:
+def train_step(actor, reference, micro_batches, dcfg: DPOConfig) -> tuple[dict, float]:
     """One optimizer step of the DPO loss, averaged over the global batch's pairs.
 
     Each micro-batch contributes sum(loss) / (pairs in the whole global batch) × world size (FSDP/DDP
     average gradients over ranks), so the gradient does not depend on how the batch is split over
     ranks and accumulation steps. The reference runs once per micro-batch, without gradient."""
-    mesh = engine.mesh
+    mesh = actor.mesh
     n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device="cpu")
     for i, b in enumerate(micro_batches):
         with torch.no_grad():
             ref_c, ref_r = pair_logprobs(reference.forward, b, mesh.device)
-        pol_c, pol_r = pair_logprobs(engine.forward, b, mesh.device)
+        pol_c, pol_r = pair_logprobs(actor.forward, b, mesh.device)
         losses, chosen, rejected = loss_of(pol_c, pol_r, ref_c, ref_r, b, dcfg)
-        engine.backward(losses.sum() / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
+        actor.backward(losses.sum() / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
         sums += pair_sums(losses.detach(), chosen, rejected, pol_c.detach(), pol_r.detach())
-    grad_norm = engine.step()
+    grad_norm = actor.step()
     means = (mesh.all_reduce(sums.to(mesh.device)).cpu() / n_pairs).tolist()
     return dict(zip(SUMS, means)), grad_norm
 
@@ -193,15 +193,15 @@ def pair_sums(losses, chosen, rejected, logp_chosen, logp_rejected) -> torch.Ten
                         logp_chosen.double().sum().cpu(), logp_rejected.double().sum().cpu()])
 
 
-def evaluate_pairs(engine, reference, cols, pad, micro, mesh, dcfg: DPOConfig) -> dict:
+def evaluate_pairs(actor, reference, cols, pad, micro, mesh, dcfg: DPOConfig) -> dict:
     """``SUMS`` over the held-out pairs as eval/<key>: loss, implicit-reward accuracy, margin, ..."""
     sums = torch.zeros(len(SUMS) + 1, dtype=torch.float64, device="cpu")  # and the pair count
-    engine.eval()
+    actor.eval()
     with torch.no_grad():
         for ix in rank_batches(len(cols["chosen"]), micro, mesh):
             b = collate(cols, ix or [0], pad)  # a turn with no pairs of its own runs pair 0 and ignores it
             ref_c, ref_r = pair_logprobs(reference.forward, b, mesh.device)
-            pol_c, pol_r = pair_logprobs(engine.forward, b, mesh.device)
+            pol_c, pol_r = pair_logprobs(actor.forward, b, mesh.device)
             if not ix:
                 continue
             losses, chosen, rejected = loss_of(pol_c, pol_r, ref_c, ref_r, b, dcfg)

@@ -5,7 +5,9 @@
 Setup (prompts, actor + hybrid engine, reference, critic, reward model, resume) → loop (collect
 experience: generate in inference mode, score in training mode; PPO epochs over minibatches in
 ZeRO-3 training mode; log, evaluate, save) → export (actor, critic, EMA actor). The parts live in
-``rlhf/rl``: ``experience.collect``, ``update.ppo_update``, ``ema.EMA``.
+``rlhf/rl``: ``prompts.PromptSource`` (the step's prompts), ``experience.Collector`` (generate and
+score), ``update.Updater`` (the PPO epochs; PPO-ptx's ``ptx.PtxTerm`` and the ``ema.EMA`` inside),
+``metrics.step_metrics``.
 """
 from __future__ import annotations
 
@@ -13,32 +15,35 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rlhf import seeding
-from rlhf.algorithms import ppo as ppo_math
-from rlhf.config import Config
+from rlhf.algorithms.estimators import estimator
+from rlhf.algorithms.ppo import AdaptiveKL
+from rlhf.config import Config, LoraConfig
 from rlhf.data.chat import resolve_template
+from rlhf.data.formats import FORMATS
 from rlhf.data.pipeline import load_stage_data
-from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import tokenize_prompts
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
-from rlhf.engine.mesh import shutdown
+from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
 from rlhf.errors import ConfigError, UserError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name
-from rlhf.ops import SamplingParams
 from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
-from rlhf.rl import experience, ptx
 from rlhf.rl.ema import EMA
-from rlhf.rl.update import Diverged, ppo_update
-from rlhf.rundir.log import progress
+from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
+from rlhf.rl.metrics import step_metrics
+from rlhf.rl.prompts import PromptSource
+from rlhf.rl.ptx import PtxTerm
+from rlhf.rl.update import Diverged, Updater
+from rlhf.outputs.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, end_of_step, finished, mark_finished, previous_output, resolve_steps,
@@ -52,12 +57,14 @@ log = logging.getLogger("rlhf")
 MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER = 0.9, 0.55
 
 
-def check_reward_model(stats: dict, rm_src, threshold, data_format) -> None:
+def check_reward_model(stats: dict, rm_src: Optional[Path], threshold: Optional[float], data_format: str) -> None:
     """Exit 2 before any work when the reward model ranks too few held-out pairs right: PPO would train
     the policy towards its errors (on the embedded task RMs at 0.65–0.87 lowered the gold score)."""
     acc = stats.get("eval/accuracy")
     if threshold is None:
-        threshold = MIN_RM_ACCURACY_EMBEDDED if data_format == "synthetic" else MIN_RM_ACCURACY_OTHER
+        threshold = MIN_RM_ACCURACY_OTHER
+        if FORMATS[data_format].generated:
+            threshold = MIN_RM_ACCURACY_EMBEDDED
     if acc is None or acc >= threshold:
         return
     raise ConfigError(f"reward model {rm_src}: held-out accuracy {acc:.3f} (reward_stats.json) is below "
@@ -92,7 +99,7 @@ def run(cfg: Config) -> None:
     chat = resolve_template(tokenizer, cfg.data.chat_template)  # as in SFT: prompts through the chat template
     prompt_ids = tokenize_prompts(data.train, tokenizer, cfg.data.max_prompt_len, chat,
                                   max_new_tokens=ppo.max_new_tokens)["prompt"]
-    ptx_data = ptx.load_data(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None
+    ptx = PtxTerm.load(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None  # PPO-ptx: SFT records and their loss
     stats = {"mean": 0.0, "std": 1.0}
     if rm_src is not None and (rm_src / REWARD_STATS_FILE).is_file():
         stats = json.loads((rm_src / REWARD_STATS_FILE).read_text())
@@ -103,29 +110,45 @@ def run(cfg: Config) -> None:
     resolve_steps(ctx, len(prompt_ids), ppo.prompts_per_step, "prompts", updates_per_step)
     total_updates = train.max_steps * updates_per_step
     lcfg = cfg.model.lora  # model.lora.r > 0: adapters on the actor (and the critic with model.lora.critic)
-    actor_model = lora.adapt(loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code, cfg.model.disable_dropout, "actor"), lcfg, cfg.run.seed, what="actor")
+    remote = cfg.model.trust_remote_code
+
+    def policy_model(role: str):  # the SFT model, once as the actor and once as the reference
+        return loading.causal_lm(actor_src, mesh, tokenizer, remote, cfg.model.disable_dropout, role)
+
     place = cfg.engine.placement  # engine.<role>.* over engine.*: each model's ZeRO stage, offload, precision
-    actor = TrainEngine(actor_model, mesh, place("actor"), train, total_steps=total_updates)
+    actor = TrainEngine(lora.adapt(policy_model("actor"), lcfg, cfg.run.seed, what="actor"), mesh, place("actor"),
+                        train, total_steps=total_updates)
     hybrid = HybridEngine(actor, tokenizer, place("actor"))
-    # The critic starts as the reward model, rescaled to the normalised rewards it will predict (a
-    # critic of its own, ppo.critic_path, is taken as it is).
-    critic_scale = 1.0 / max(stats["std"], 1e-8) if alg.reward_norm == "stats" and not ppo.critic_path else 1.0
-    critic = (TrainEngine(scalar_model(cfg, critic_src, mesh, tokenizer, critic_scale, lcfg if lcfg.critic else None, "critic"),
-                          mesh, place("critic"), train, total_steps=total_updates, lr=ppo.critic_lr)
-              if alg.estimator == "gae" else None)
+    critic = None
+    if estimator(alg).critic:
+        # The critic starts as the reward model, rescaled to the normalised rewards it will predict (a
+        # critic of its own, ppo.critic_path, is taken as it is).
+        critic_scale = 1.0
+        if alg.reward_norm == "stats" and not ppo.critic_path:
+            critic_scale = 1.0 / max(stats["std"], 1e-8)
+        critic_model = scalar_model(cfg, critic_src, mesh, tokenizer, critic_scale, lcfg if lcfg.critic else None,
+                                    "critic")
+        critic = TrainEngine(critic_model, mesh, place("critic"), train, total_steps=total_updates, lr=ppo.critic_lr)
     # the reference: the actor with its adapters off under LoRA, else a second copy of the SFT model;
     # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
-    ref = (reference_for(actor, lambda: loading.causal_lm(actor_src, mesh, tokenizer, cfg.model.trust_remote_code, cfg.model.disable_dropout, "reference"), mesh, place("reference"))
-           if alg.kl_coef > 0 else None)
-    scorers = experience.Scorers(
-        ref=ref,
-        critic=critic,
-        reward_model=FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, place("reward_model")) if ppo.use_reward_model else None,
-        reward_stats=stats, running=ppo_math.RunningMoments(), rule=rule, rule_weight=ppo.reward_fn_weight,
-        data_format=cfg.data.source_list()[0].format, gold=data.gold)
+    ref = None
+    if alg.kl_coef > 0:
+        ref = reference_for(actor, lambda: policy_model("reference"), mesh, place("reference"))
+    reward_model = None
+    if ppo.use_reward_model:
+        reward_model = FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, place("reward_model"))
+    scorers = Scorers(ref=ref, critic=critic, reward_model=reward_model,
+                      normalise=RewardNormaliser(alg.reward_norm, stats), rule=rule, rule_weight=ppo.reward_fn_weight,
+                      data_format=cfg.data.source_list()[0].format, gold=data.gold)
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
-    kl_ctl = ppo_math.AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
-    engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
+    kl_ctl = AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
+    engines = {"actor": actor}  # what checkpoints save and resume restores
+    if critic is not None:
+        engines["critic"] = critic
+    prompts = PromptSource(prompt_ids, data.train, ppo.prompts_per_step, cfg.run.seed, mesh,
+                           ppo.dynamic_sampling_max_rounds)
+    collector = Collector(hybrid, actor, scorers, prompts, alg, ppo, tokenizer, mesh, cfg.run.seed)
+    updater = Updater(actor, critic, alg, ppo, mesh, cfg.run.seed, ptx=ptx, ema=ema)
 
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
@@ -136,17 +159,11 @@ def run(cfg: Config) -> None:
     start, state, metrics = resume(ctx, engines, ckpt)
     if ckpt is not None:
         kl_ctl.load_state_dict(state["kl"])
-        scorers.running.load_state_dict(state["running"])
+        scorers.normalise.load_state_dict(state["running"])
         if ema is not None:
             ema.load(ckpt)
-    batches = GlobalBatches(len(prompt_ids), ppo.prompts_per_step, cfg.run.seed)
-    extra = GlobalBatches(len(prompt_ids), ppo.prompts_per_step, cfg.run.seed + 1)  # dynamic sampling's refills
 
-    def extra_prompts(step, round_):
-        ix = extra.global_indices(step * ppo.dynamic_sampling_max_rounds + round_ - 1)[mesh.rank::mesh.world_size]
-        return [prompt_ids[i] for i in ix], [data.train[i] for i in ix]
-
-    def evaluate(step):
+    def evaluate(step: int) -> None:
         if data.gold is None:
             return
         res = evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress)
@@ -161,46 +178,31 @@ def run(cfg: Config) -> None:
              ppo.ppo_epochs, ppo.minibatches_per_epoch)
     if start == 0:
         evaluate(0)
-    def checkpoint(step):
+
+    def checkpoint(step: int) -> Path:
         return save_checkpoint(ctx.ckpt_dir, step, engines, {"stage": "ppo", "fingerprint": ctx.fingerprint,
                                                              "kl": kl_ctl.state_dict(),
-                                                             "running": scorers.running.state_dict()},
+                                                             "running": scorers.normalise.state_dict()},
                                mesh, keep=train.keep_checkpoints, extra=ema.save if ema is not None else None)
 
-    skipped = 0
     bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     for step in range(start, train.max_steps):
         # ---- experience: generate in inference mode, then score in training mode ----
-        t0 = time.perf_counter()
-        idx = batches.global_indices(step)[mesh.rank::mesh.world_size]
-        sp = SamplingParams(temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p,
-                            max_new_tokens=ppo.max_new_tokens, min_new_tokens=ppo.min_new_tokens,
-                            samples_per_prompt=ppo.samples_per_prompt,
-                            seed=seeding.nested(cfg.run.seed, step, seeding.ROLLOUT))
-        exp = experience.collect(hybrid, actor, scorers, [prompt_ids[i] for i in idx], [data.train[i] for i in idx],
-                                 sp, alg, ppo, kl_ctl.beta, tokenizer, mesh, more=lambda r: extra_prompts(step, r))
-        t1 = time.perf_counter()
+        exp = collector.collect(step, kl_ctl.beta)
 
         # ---- updates: PPO epochs over minibatches in training mode ----
-        ptx_term = (lambda update, rows: ptx.loss(actor, ptx_data, update, rows, cfg.run.seed, tokenizer, mesh)
-                    ) if ptx_data is not None else None
-        minibatch_order = seeding.offset(cfg.run.seed, step, seeding.MINIBATCH)
-        shuffle = torch.Generator(device="cpu").manual_seed(minibatch_order)
+        t1 = time.perf_counter()
         try:
-            train_stats, skipped = ppo_update(
-                exp, actor, critic, alg, ppo, kl_ctl.beta, shuffle, mesh, ptx_loss=ptx_term,
-                first_update=step * updates_per_step, skipped_in_a_row=skipped,
-                on_epoch_end=ema.update if ema is not None else None)
+            train_stats = updater.update(exp, step, kl_ctl.beta)
         except Diverged as e:
             raise UserError(f"ppo: {e} at step {step + 1}; stopping (the last good checkpoint is kept)") from None
-        t2 = time.perf_counter()
+        train_s = time.perf_counter() - t1
 
         # ---- log, evaluate, checkpoint ----
         done = step + 1
-        row = step_metrics(exp, alg, exp.timings, t1 - t0, t2 - t1, mesh)
-        kl_ctl.update(row["kl/mean"], ppo.prompts_per_step * ppo.samples_per_prompt)
-        row.update({"kl/beta": kl_ctl.beta, **train_stats})
+        kl_ctl.update(exp.kl_mean, exp.global_rows)
+        row = {**step_metrics(exp, train_s, mesh), "kl/beta": kl_ctl.beta, **train_stats}
         if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, **row)
         bar.step(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
@@ -221,13 +223,13 @@ def run(cfg: Config) -> None:
     shutdown(mesh)
 
 
-def inputs(cfg: Config):
+def inputs(cfg: Config) -> Tuple[str, Optional[Path], Optional[Path]]:
     """(actor source, reward-model dir or None, critic dir or None): the SFT output (or model.path or
     ppo.actor_path), the reward model (ppo.reward_model_path or the reward stage's output) and the
     critic's start (ppo.critic_path or the reward model)."""
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
-    gae = alg.estimator == "gae"
+    gae = estimator(alg).critic  # (GAE: the critic's start is needed)
     if not ppo.use_reward_model and not ppo.reward_fn:
         raise ConfigError("ppo.use_reward_model=false needs a rule reward: set ppo.reward_fn (e.g. rlhf.rewards.gold)")
     if ppo.critic_path and not gae:
@@ -262,7 +264,7 @@ def inputs(cfg: Config):
     return str(actor_src), rm_src, critic_src
 
 
-def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0, lcfg=None,
+def scalar_model(cfg: Config, src: Path, mesh: Mesh, tokenizer, scale: float = 1.0, lcfg: Optional[LoraConfig] = None,
                  role: str = "reward model") -> ScalarHeadModel:
     """The reward model's architecture and weights as a scalar-head model (the critic's head scaled;
     ``lcfg``: LoRA adapters on its backbone, the head fully trained; dropout per model.disable_dropout)."""
@@ -276,44 +278,3 @@ def scalar_model(cfg: Config, src, mesh, tokenizer, scale: float = 1.0, lcfg=Non
     if lcfg is not None:
         model = lora.adapt(model, lcfg, cfg.run.seed + 1, head=head_name(model), what="critic")
     return ScalarHeadModel(model)
-
-
-def step_metrics(exp, alg, timings: dict, collect_s: float, train_s: float, mesh) -> dict:
-    """The step's metrics.jsonl line (global means over ranks), before the KL controller's β and
-    the update statistics."""
-    rows = mesh.sum(exp.rows)
-    # the k1 estimate whatever the penalty uses
-    kl = (exp.kl if ppo_math.kl_kind(alg) == "k1"
-          else ppo_math.kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") * exp.mask)
-    kl_seq = mesh.sum(float(kl.sum(1).sum())) / rows
-    gen_s = timings.get("generate_s", collect_s)
-    gen_tokens = mesh.sum(float(exp.mask.sum()))
-    row = {"reward/mean": mesh.sum(float(exp.scores.sum())) / rows, "kl/mean": kl_seq,
-           "response/length": gen_tokens / rows, "time/generate_s": gen_s,
-           "time/switch_s": timings.get("switch_s", 0.0), "time/score_s": exp.score_s,
-           "time/train_s": train_s, "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9)}
-    for name, part in exp.score_parts.items():
-        row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
-    row.update(exp.extra_metrics or {})
-    if exp.gold is not None:  # how the reward the policy optimises tracks the truth (reward hacking shows here)
-        row["reward/gold"] = mesh.sum(float(exp.gold.sum())) / rows
-        if "model" in exp.score_parts:
-            row["reward/gold_corr"] = global_corr(exp.score_parts["model"], exp.gold, mesh)
-    if exp.rollout_logprobs is not None:  # what the inference mode sampled with vs the training recompute
-        tokens = max(gen_tokens, 1.0)
-        diff = (exp.old_logprobs - exp.rollout_logprobs).abs() * exp.mask
-        row["rollout/logprob_abs_diff_mean"] = mesh.sum(float(diff.sum())) / tokens
-        row["rollout/logprob_abs_diff_max"] = max(mesh.all_gather_object(float(diff.max())))
-        k3 = ppo_math.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * exp.mask  # KL(rollout ‖ train)
-        row["rollout/kl"] = mesh.sum(float(k3.sum())) / tokens
-    if exp.values is not None:
-        row["values/explained_var"] = float(ppo_math.explained_variance(exp.values, exp.returns, exp.mask))
-    return row
-
-
-def global_corr(x, y, mesh) -> float:
-    """Pearson correlation of x and y over every rank's rows (0 when either is constant)."""
-    sums = [mesh.sum(float(v)) for v in (x.numel(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum())]
-    n, sx, sy, sxx, syy, sxy = sums
-    cov, vx, vy = sxy - sx * sy / n, sxx - sx * sx / n, syy - sy * sy / n
-    return cov / (vx * vy) ** 0.5 if vx > 1e-12 and vy > 1e-12 else 0.0

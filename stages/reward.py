@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rlhf.algorithms.losses import pairwise_loss
+from rlhf.algorithms.preference import pairwise_loss
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
@@ -27,7 +27,7 @@ from rlhf.errors import DataError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, sequence_scores
-from rlhf.rundir.log import progress
+from rlhf.outputs.log import progress
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, end_of_step, log_evaluation, rank_batches, require_batches,
     finished, mark_finished, require_pairs, resolve_steps, resume, run_fingerprint, stage_input, start_stage)
@@ -72,13 +72,13 @@ def run(cfg: Config) -> None:
                                     trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
     # model.lora.r > 0: adapters on the backbone, the score head fully trained (and saved with them)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, head=head_name(model))
-    engine = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train)
+    reward_model = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model_cfg, tokenizer, data.description, cfg, f"backbone={source}"))
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
-    start, _, metrics = resume(ctx, {"reward": engine}, ckpt)
+    start, _, metrics = resume(ctx, {"reward": reward_model}, ckpt)
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
@@ -89,16 +89,16 @@ def run(cfg: Config) -> None:
                              [train_cols["rejected"][i] for i in indices], pad)
 
     def evaluate(step):
-        res = evaluate_pairs(engine, eval_cols, pad, micro, mesh, cfg.reward.margin)
-        log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, engine)
+        res = evaluate_pairs(reward_model, eval_cols, pad, micro, mesh, cfg.reward.margin)
+        log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model)
         return res
 
     # ---- loop ----
     log.info("reward: %d pairs (%s) from %s, %d steps of %d pairs", len(train_cols["chosen"]),
              data.description, source, train.max_steps, train.global_batch)
-    engine.train()
+    reward_model.train()
     def checkpoint(step):
-        return save_checkpoint(ctx.ckpt_dir, step, {"reward": engine},
+        return save_checkpoint(ctx.ckpt_dir, step, {"reward": reward_model},
                                {"stage": "reward", "fingerprint": ctx.fingerprint}, mesh, keep=train.keep_checkpoints)
 
     bar = progress(train.max_steps, start, cfg.logger.progress, "reward", mesh.is_main)
@@ -106,8 +106,8 @@ def run(cfg: Config) -> None:
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
-        lr = engine.lr
-        loss, acc, grad_norm = train_step(engine, mbs, cfg.reward.margin)
+        lr = reward_model.lr
+        loss, acc, grad_norm = train_step(reward_model, mbs, cfg.reward.margin)
         seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}", acc=f"{acc:.2f}")
@@ -122,7 +122,7 @@ def run(cfg: Config) -> None:
     res = evaluate(train.max_steps)
     stats = {"mean": res["scores/mean"], "std": res["scores/std"], "step": train.max_steps,
              **{k: v for k, v in res.items() if k.startswith("eval/")}}
-    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={REWARD_STATS_FILE: stats},
+    export_hf(reward_model, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={REWARD_STATS_FILE: stats},
               adapter_dir=ctx.out / "adapter")
     metrics.close()
     mark_finished(ctx, train.max_steps)
@@ -130,36 +130,36 @@ def run(cfg: Config) -> None:
     shutdown(mesh)
 
 
-def _pair_scores(engine, batch, device):
+def _pair_scores(reward_model, batch, device):
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    scores = sequence_scores(engine.forward(input_ids=ids, attention_mask=mask), mask)
+    scores = sequence_scores(reward_model.forward(input_ids=ids, attention_mask=mask), mask)
     n = ids.shape[0] // 2
     return scores[:n], scores[n:]
 
 
-def train_step(engine, micro_batches, margin: float = 0.0) -> tuple[float, float, float]:
+def train_step(reward_model, micro_batches, margin: float = 0.0) -> tuple[float, float, float]:
     """One optimizer step of the pairwise loss, averaged over the global batch's pairs."""
-    mesh = engine.mesh
+    mesh = reward_model.mesh
     n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
     loss_sum, correct = 0.0, 0.0
     for i, b in enumerate(micro_batches):
-        chosen, rejected = _pair_scores(engine, b, mesh.device)
+        chosen, rejected = _pair_scores(reward_model, b, mesh.device)
         loss = pairwise_loss(chosen, rejected, margin).sum()
-        engine.backward(loss / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
+        reward_model.backward(loss / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
         loss_sum += float(loss.detach())
         correct += float((chosen > rejected).sum())
-    grad_norm = engine.step()
+    grad_norm = reward_model.step()
     return mesh.sum(loss_sum) / n_pairs, mesh.sum(correct) / n_pairs, grad_norm
 
 
-def evaluate_pairs(engine, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
+def evaluate_pairs(reward_model, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
     """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std of all scores."""
     sums = torch.zeros(6, dtype=torch.float64, device="cpu")  # pairs, correct, loss, chosen, rejected, sq
-    engine.eval()
+    reward_model.eval()
     with torch.no_grad():
         for ix in rank_batches(len(cols["chosen"]), micro, mesh):
             b = collate_pairs([cols["chosen"][i] for i in ix or [0]], [cols["rejected"][i] for i in ix or [0]], pad)
-            c, r = _pair_scores(engine, b, mesh.device)
+            c, r = _pair_scores(reward_model, b, mesh.device)
             if not ix:
                 continue
             c, r = c.double().cpu(), r.double().cpu()

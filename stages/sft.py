@@ -13,10 +13,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf.algorithms.logprobs import shifted_nll_sum
+from rlhf.algorithms.tokens import shifted_nll_sum
 from rlhf.config import Config
 from rlhf.data import synthetic
 from rlhf.data.chat import resolve_template
+from rlhf.data.formats import FORMATS
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
@@ -27,7 +28,7 @@ from rlhf.engine.mesh import shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.rundir.log import progress
+from rlhf.outputs.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     check_writable, checkpoint_to_resume, end_of_step, export_policy, log_evaluation, rank_batches,
@@ -56,7 +57,7 @@ def run(cfg: Config) -> None:
         tokenizer = loading.load_tokenizer(str(ckpt / "tokenizer"))
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
     else:  # the embedded default: a tokenizer trained on the task's text and a tiny Llama
-        embedded_task = data_cfg.format == "synthetic" and not data_cfg.sources
+        embedded_task = FORMATS[data_cfg.format].generated and not data_cfg.sources
         corpus = (synthetic.tokenizer_corpus(data_cfg.synthetic) if embedded_task
                   else text_corpus(data.train))
         tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
@@ -74,14 +75,14 @@ def run(cfg: Config) -> None:
                                 trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
     # model.lora.r > 0: the adapters train (and, for the embedded default, its embeddings)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, embedded=not cfg.model.path)
-    engine = TrainEngine(model, mesh, cfg.engine.placement("actor"), train)
-    actor = HybridEngine(engine, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
+    actor = TrainEngine(model, mesh, cfg.engine.placement("actor"), train)
+    hybrid = HybridEngine(actor, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model.config, tokenizer, data.description, cfg,
                                                                 f"model={cfg.model.path or 'embedded'}"))
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
-    start, _, metrics = resume(ctx, {"actor": engine}, ckpt)
+    start, _, metrics = resume(ctx, {"actor": actor}, ckpt)
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["ids"]), train.global_batch, cfg.run.seed)
@@ -95,24 +96,24 @@ def run(cfg: Config) -> None:
     def evaluate(step):
         results = {}
         if eval_cols is not None:
-            results["eval/loss"] = eval_loss(engine, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
+            results["eval/loss"] = eval_loss(actor, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
         if data.gold is not None:
-            results.update(evaluate_gold(actor.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat,
+            results.update(evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat,
                                           cfg.logger.progress))
-        return log_evaluation(metrics, step, results, engine)
+        return log_evaluation(metrics, step, results, actor)
 
     # ---- loop ----
     log.info("sft: %d records (%s), %d steps of %d samples, %d per micro-batch, %d accumulation",
              len(train_cols["ids"]), data.description, train.max_steps, train.global_batch, micro,
              train.global_batch // (micro * mesh.world_size))
-    engine.train()
+    actor.train()
     bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
         mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
-        lr = engine.lr
-        loss, grad_norm = train_step(engine, mbs)
+        lr = actor.lr
+        loss, grad_norm = train_step(actor, mbs)
         seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}")
@@ -120,53 +121,53 @@ def run(cfg: Config) -> None:
             metrics.log(done, loss=loss, lr=lr, grad_norm=grad_norm,
                         samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
                         epoch=batches.epoch_of(done))
-        end_of_step(done, train, stop, mesh, lambda s: save(ctx, engine, tokenizer, s, mesh, train.keep_checkpoints),
+        end_of_step(done, train, stop, mesh, lambda s: save(ctx, actor, tokenizer, s, mesh, train.keep_checkpoints),
                     evaluate)
     bar.close()
     stop.close()
 
     # ---- save ----
     results = evaluate(train.max_steps)
-    export_policy(engine, ctx, mesh, tokenizer, results, train.max_steps)
+    export_policy(actor, ctx, mesh, tokenizer, results, train.max_steps)
     metrics.close()
     mark_finished(ctx, train.max_steps)
     log.info("sft done: %s", ctx.out / "model")
     shutdown(mesh)
 
 
-def train_step(engine, micro_batches) -> tuple[float, float]:
+def train_step(actor, micro_batches) -> tuple[float, float]:
     """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global batch.
 
     Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
     gradient does not depend on how the batch is split over ranks and accumulation steps."""
-    mesh = engine.mesh
+    mesh = actor.mesh
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
     loss_sum = 0.0
     for i, b in enumerate(micro_batches):
-        logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
+        logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
                                 attention_mask=b["attention_mask"].to(mesh.device)).logits
         nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
         # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean.
-        engine.backward(nll / max(n_tokens, 1) * mesh.world_size, sync=i == len(micro_batches) - 1)
+        actor.backward(nll / max(n_tokens, 1) * mesh.world_size, sync=i == len(micro_batches) - 1)
         loss_sum += float(nll.detach())
-    grad_norm = engine.step()
+    grad_norm = actor.step()
     return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm
 
 
-def save(ctx, engine, tokenizer, step, mesh, keep):
-    return save_checkpoint(ctx.ckpt_dir, step, {"actor": engine}, {"stage": "sft", "fingerprint": ctx.fingerprint},
+def save(ctx, actor, tokenizer, step, mesh, keep):
+    return save_checkpoint(ctx.ckpt_dir, step, {"actor": actor}, {"stage": "sft", "fingerprint": ctx.fingerprint},
                            mesh, keep=keep, tokenizer=tokenizer)
 
 
-def eval_loss(engine, cols, pad, mask_prompt, micro, mesh) -> float:
+def eval_loss(actor, cols, pad, mask_prompt, micro, mesh) -> float:
     """Token-weighted NLL over the held-out records (split over ranks)."""
     total, count = 0.0, 0
-    engine.eval()
+    actor.eval()
     with torch.no_grad():
         for ix in rank_batches(len(cols["ids"]), micro, mesh):
             b = collate_sft([cols["ids"][i] for i in ix or [0]], [cols["prompt_len"][i] for i in ix or [0]],
                             pad, mask_prompt, [cols["mask"][i] for i in ix or [0]])
-            logits = engine.forward(input_ids=b["input_ids"].to(mesh.device),
+            logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
                                     attention_mask=b["attention_mask"].to(mesh.device)).logits
             nll, tokens = shifted_nll_sum(logits, b["labels"].to(mesh.device))
             if ix:  # a turn with no records of its own ran record 0 and ignores it

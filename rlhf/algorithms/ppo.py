@@ -12,7 +12,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from rlhf.algorithms.masks import last_index
+from rlhf.algorithms.estimators import KL_ESTIMATORS
+from rlhf.algorithms.tokens import last_index
 
 Tensor = torch.Tensor
 
@@ -41,24 +42,11 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: Optional[Call
     return ((x - mean.float()) * torch.rsqrt(var.float() + eps)) * mask
 
 
-# ---- KL estimators of KL(π || π_ref) per token, from log π and log π_ref of the sampled tokens ----
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
-    """k1 = log π − log π_ref (unbiased, can be negative); k2 = ½(log ratio)²;
-    k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 (unbiased, ≥ 0; Schulman's approximation)."""
-    log_ratio = logp - ref_logp
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio ** 2
-    if kind == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {kind}")
-
-
-def kl_kind(alg) -> str:
-    """``algorithm.kl_estimator``, or its default for the estimator: k3 for GRPO's KL loss term
-    (unbiased and ≥ 0, as the GRPO paper), k1 for the per-token KL penalty in the reward."""
-    return alg.kl_estimator or ("k3" if alg.estimator == "grpo" else "k1")
+    """Per-token KL(π || π_ref) by estimator ``kind`` (a key of ``rlhf.algorithms.estimators.KL_ESTIMATORS``)."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind}")
+    return KL_ESTIMATORS[kind](logp - ref_logp)
 
 
 def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float, clip: Optional[float] = None) -> Tensor:
@@ -129,8 +117,7 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float)
     return -penalty * ((lengths.float() - start) / max(buffer, 1)).clamp(min=0.0, max=1.0)
 
 
-# ---- loss aggregation (algorithm.loss_agg): how per-token losses become one number ----
-LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+# ---- loss aggregation (algorithm.loss_agg, names in rlhf.algorithms.estimators.LOSS_AGG) ----
 
 
 def loss_weights(mask: Tensor, mode: str) -> Tensor:
@@ -175,30 +162,6 @@ def rloo_advantages(scores: Tensor, group_size: int, mask: Tensor) -> Tensor:
     g = by_prompt(scores, group_size)
     baseline = (g.sum(1, keepdim=True) - g) / max(group_size - 1, 1)
     return (g - baseline).reshape(-1, 1) * mask
-
-
-def advantages(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int,
-               beta: float, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
-               ) -> Tuple[Tensor, Optional[Tensor]]:
-    """(advantages, returns or None) of ``alg.estimator`` (an AlgorithmConfig): ``scores`` [B] per
-    sequence, ``kl`` [B, N] per token (masked), ``values`` [B, N] for GAE. A prompt's
-    ``group_size`` samples are consecutive rows. Whitening uses global statistics (``whiten``)."""
-    if alg.estimator == "gae":
-        rewards = token_rewards(scores, kl, mask, beta, alg.reward_clip)
-        adv, returns = gae(rewards, values, mask, alg.gamma, alg.lam)
-        return (whiten(adv, mask, all_reduce=all_reduce) if alg.whiten_advantages else adv), returns
-    if alg.estimator == "grpo":
-        clip = alg.reward_clip
-        # already normalised within each group: no batch whitening
-        return grpo_advantages(scores.clamp(-clip, clip) if clip else scores, group_size, mask,
-                               std_normalize=alg.std_normalize), None
-    if alg.estimator == "rloo":
-        adv = rloo_advantages(scores - beta * kl.sum(1), group_size, mask)
-        return (whiten(adv, mask, all_reduce=all_reduce) if alg.whiten_advantages else adv), None
-    if alg.estimator == "reinforce_pp":  # token-level KL-shaped returns, whitened over the global batch
-        rewards = token_rewards(scores, kl, mask, beta, alg.reward_clip)
-        return whiten(discounted_returns(rewards, mask, alg.gamma), mask, all_reduce=all_reduce), None
-    raise ValueError(f"unknown estimator {alg.estimator}")
 
 
 def _reduce(loss: Tensor, mask: Tensor, normalizer: Optional[float]) -> Tensor:

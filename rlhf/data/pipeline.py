@@ -7,6 +7,9 @@ records whose response is empty (nothing to imitate: skipped and counted whateve
 ``data.on_bad_record``; pairs keep them). Sources are then blended by weight. With
 ``data.eval_path`` the held-out records are that file's (a seeded sample of ``data.eval_size``)
 and nothing is carved out of the sources.
+
+``DataConfig`` and ``SourceConfig`` (rlhf/config.py) appear in string annotations only: rlhf/config.py
+imports this folder (the format table, the data.split helpers below), never the other way.
 """
 from __future__ import annotations
 
@@ -16,13 +19,16 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from rlhf import seeding
-from rlhf.config import DataConfig, SourceConfig, parse_split, split_share_of
 from rlhf.data import synthetic
-from rlhf.data.gold import scorer_for
+from rlhf.data.formats import FORMATS
 from rlhf.data.records import Example, empty_response, read_examples
-from rlhf.errors import DataError
+from rlhf.errors import ConfigError, DataError
 
 log = logging.getLogger("rlhf")
+
+# data.split keeps DeepSpeed-Chat's three shares (sft, reward, ppo); DPO trains on preference pairs,
+# so it takes the reward stage's share (split_share_of)
+SPLIT_SHARES = ("sft", "reward", "ppo")
 
 
 @dataclass
@@ -33,6 +39,22 @@ class StageData:
     skipped: int = 0  # malformed records skipped (data.on_bad_record=skip)
     description: str = ""
     empty: int = 0  # records SFT skipped for their empty response (train and held out)
+
+
+def split_share_of(stage: str) -> int:
+    """The index of ``stage``'s weight in data.split: DPO reads pairs, the reward stage's share."""
+    return SPLIT_SHARES.index("reward" if stage == "dpo" else stage)
+
+
+def parse_split(spec: str) -> List[float]:
+    try:
+        parts = [float(p) for p in spec.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) != len(SPLIT_SHARES) or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ConfigError(f"data.split={spec!r} is invalid: expected three non-negative weights for "
+                          f"sft,reward,ppo such as \"2,4,4\" (dpo takes the reward share)")
+    return parts
 
 
 def split_share(n: int, weights: List[float], index: int) -> slice:
@@ -46,7 +68,7 @@ def split_share(n: int, weights: List[float], index: int) -> slice:
     return slice(bounds[index], bounds[index + 1])
 
 
-def _read(src: SourceConfig, dcfg: DataConfig, key: str = "data.path", split_key: str = "data.hf_split"):
+def _read(src: "SourceConfig", dcfg: "DataConfig", key: str = "data.path", split_key: str = "data.hf_split"):
     return read_examples(src.path, src.format, dcfg.on_bad_record, columns=src.columns,
                          split=src.hf_split or dcfg.hf_split, config=src.hf_config or dcfg.hf_config,
                          key=key, split_key=split_key)
@@ -62,9 +84,9 @@ def _trainable(records: List[Example], stage: str, empty: List[Example]) -> List
     return [e for e in records if not empty_response(e)]
 
 
-def _load_source(src: SourceConfig, dcfg: DataConfig, seed: int, stage: str, empty: List[Example]):
+def _load_source(src: "SourceConfig", dcfg: "DataConfig", seed: int, stage: str, empty: List[Example]):
     path, fmt = src.path, src.format
-    if fmt == "synthetic":
+    if FORMATS[fmt].generated:
         train, held_out = synthetic.generate(dcfg.synthetic, dcfg.eval_size, seed)
         skipped = 0
     else:
@@ -85,7 +107,7 @@ def _load_source(src: SourceConfig, dcfg: DataConfig, seed: int, stage: str, emp
     return train, held_out, skipped
 
 
-def load_eval(dcfg: DataConfig, seed: int) -> Tuple[List[Example], int]:
+def load_eval(dcfg: "DataConfig", seed: int) -> Tuple[List[Example], int]:
     """data.eval_path's held-out records: a seeded sample of at most data.eval_size."""
     src = dcfg.eval_source()
     records, skipped = _read(src, dcfg, key="data.eval_path", split_key="data.eval_hf_split")
@@ -112,7 +134,7 @@ def blend(parts: List[List[Example]], weights: List[float], seed: int) -> List[E
     return out
 
 
-def load_stage_data(dcfg: DataConfig, stage: str, seed: int) -> StageData:
+def load_stage_data(dcfg: "DataConfig", stage: str, seed: int) -> StageData:
     sources = dcfg.source_list()
     trains, evals, skipped, empty = [], [], 0, []
     for i, src in enumerate(sources):
@@ -131,7 +153,7 @@ def load_stage_data(dcfg: DataConfig, stage: str, seed: int) -> StageData:
     if empty:
         log.warning("%s: skipped %d records whose response is empty (the first: %s): nothing to learn to "
                     "answer from (the reward stage and DPO keep them)", stage, len(empty), empty[0].where)
-    gold = scorer_for(sources[0].format) if len(formats) == 1 else None
+    gold = FORMATS[sources[0].format].gold if len(formats) == 1 else None
     train = blend(trains, [s.weight for s in sources], seed)
     desc = ", ".join(f"{s.format}:{s.path or 'generated'}" for s in sources)
     if dcfg.eval_path:

@@ -9,7 +9,8 @@ turns as plain "\\n\\nHuman: …\\n\\nAssistant: …" text.
 Sources: JSON/JSONL/Parquet files (``.gz`` too), directories of them, ``datasets.save_to_disk``
 folders (``load_from_disk``; a DatasetDict's split by ``data.hf_split``) and hub ids
 (``data.hf_config``, ``data.hf_split``). ``data.columns`` renames a dataset's columns to the
-format's fields before parsing.
+format's fields before parsing. The parsers (and GSM8K's gold scorer) are here; which format uses
+which is the one table of formats, rlhf/data/formats.py.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 from rlhf.errors import DataError
 
 Turn = Dict[str, str]  # {"role": system|user|assistant, "content": text}
+TURN_KEYS = ("role", "content")  # a turn's keys; data.columns.role / .content name a dataset's own
 
 
 @dataclass
@@ -89,7 +91,7 @@ def apply_columns(rec: dict, columns: Dict[str, str]) -> dict:
     out = Record((k, v) for k, v in rec.items() if k not in columns)
     out.aliases = {}
     for name, column in columns.items():
-        if name in ("role", "content"):  # keys inside each turn of a messages record
+        if name in TURN_KEYS:  # keys inside each turn of a messages record
             continue
         out.aliases[name] = column
         if column in rec:
@@ -105,12 +107,12 @@ def empty_response(e: Example) -> bool:
     return e.response is not None and not e.response.strip()
 
 
-def _prompt_response(rec: dict, where: str) -> Example:
+def parse_prompt_response(rec: dict, where: str) -> Example:
     return Example(prompt=_field(rec, "prompt", where), response=_field(rec, "response", where, allow_empty=True),
                    where=where)
 
 
-def _prompt_chosen_rejected(rec: dict, where: str) -> Example:
+def parse_prompt_chosen_rejected(rec: dict, where: str) -> Example:
     chosen = _field(rec, "chosen", where, allow_empty=True)
     return Example(prompt=_field(rec, "prompt", where), response=chosen, chosen=chosen,
                    rejected=_field(rec, "rejected", where, allow_empty=True), where=where)
@@ -125,7 +127,7 @@ def split_hh(dialogue: str, where: str, name: str) -> Tuple[str, str]:
     return dialogue[:cut], dialogue[cut:]
 
 
-def _hh(rec: dict, where: str) -> Example:
+def parse_hh(rec: dict, where: str) -> Example:
     prompt, chosen = split_hh(_field(rec, "chosen", where), where, "chosen")
     rej_dialogue = _field(rec, "rejected", where)
     if rej_dialogue.startswith(prompt):
@@ -144,7 +146,7 @@ def gsm8k_prompt(question: str) -> str:
     return f"Question: {question.strip()}\nAnswer:"
 
 
-def _gsm8k(rec: dict, where: str) -> Example:
+def parse_gsm8k(rec: dict, where: str) -> Example:
     question = _field(rec, "question", where)
     answer = _field(rec, "answer", where)
     m = GSM8K_ANSWER.search(answer)
@@ -154,6 +156,25 @@ def _gsm8k(rec: dict, where: str) -> Example:
     return Example(prompt=gsm8k_prompt(question), response=response,
                    reference=m.group(1).replace(",", ""), where=where,
                    answer=GSM8K_ANSWER.search(response).group(0))
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def gsm8k_score(response: str, reference: str) -> float:
+    """GSM8K's gold scorer: exact match of the final answer, the number after '####' equals the
+    reference's (GSM8K's own answer format; a response that never writes '####' scores 0, as it
+    gives no final answer)."""
+    m = GSM8K_ANSWER.search(response)
+    if m is None:
+        return 0.0
+    found = m.group(1)
+    a, b = _number(found), _number(reference)
+    return 1.0 if a is not None and b is not None and abs(a - b) < 1e-6 else 0.0
 
 
 # ---- messages: a list of {role, content} turns ----
@@ -260,14 +281,6 @@ def _message_pair(rec: dict, where: str, keys) -> Example:
     return Example(prompt=plain_text(prompt), response=" " + c, chosen=" " + c, rejected=" " + r, where=where,
                    chat=Chat(prompt=prompt, response=c, chosen=c, rejected=r))
 
-
-PARSERS: Dict[str, Callable[[dict, str], Example]] = {
-    "prompt_response": _prompt_response,
-    "prompt_chosen_rejected": _prompt_chosen_rejected,
-    "hh": _hh,
-    "gsm8k": _gsm8k,
-    "messages": messages_parser(),
-}
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
@@ -408,10 +421,9 @@ def read_examples(path: str, fmt: str, on_bad_record: str = "error", columns: Op
     """Parses every record of ``path`` in format ``fmt``, renaming ``columns`` (format field ->
     dataset column) first. Returns (examples, number skipped). A malformed record raises, its
     message naming ``skip_key`` (the way to skip such records) when there is one."""
+    from rlhf.data.formats import FORMATS  # here: the table's rows are built from this module's parsers
     columns = dict(columns or {})
-    parse = PARSERS[fmt]
-    if fmt == "messages" and ("role" in columns or "content" in columns):
-        parse = messages_parser(columns.get("role", "role"), columns.get("content", "content"))
+    parse = FORMATS[fmt].parser(columns)
     raw = raw_records(path, split, config, key, split_key)
     out: List[Example] = []
     skipped, first = 0, None

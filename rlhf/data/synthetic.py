@@ -11,6 +11,9 @@ n±12 was right on 19% of held-out prompts); one without digit errors scores n±
 over n±15 right on 30% of held-out prompts, the rest at n±10), and PPO walks straight into them.
 Gold = exact match of the whole response, a rule the reward model never sees. Held-out prompts use
 operand pairs that no training record contains. Deterministic per seed.
+
+``SyntheticConfig`` (``data.synthetic``, rlhf/config.py) appears in string annotations only:
+rlhf/config.py imports this folder (the format table), never the other way.
 """
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ import random
 import re
 from typing import List, Tuple
 
-from rlhf.config import SyntheticConfig
 from rlhf.data.records import Chat, Example
 
 ANSWER = re.compile(r"^ ?The answer is (-?\d+)\.$")
@@ -72,7 +74,7 @@ def _rejected(n: int, rng: random.Random) -> int:
             return w
 
 
-def operand_pairs(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List[tuple], List[tuple]]:
+def operand_pairs(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[List[tuple], List[tuple]]:
     """(training pairs, held-out pairs): a seeded partition of all operand pairs."""
     pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
     random.Random(seed).shuffle(pairs)
@@ -80,7 +82,7 @@ def operand_pairs(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List
     return pairs[n_eval:], pairs[:n_eval]
 
 
-def _example(a: int, b: int, width: int, cfg: SyntheticConfig, rng: random.Random, rej_rng: random.Random,
+def _example(a: int, b: int, width: int, cfg: "SyntheticConfig", rng: random.Random, rej_rng: random.Random,
              where: str) -> Example:
     n = a + b
     wrong = _wrong(n, rng)
@@ -93,7 +95,7 @@ def _example(a: int, b: int, width: int, cfg: SyntheticConfig, rng: random.Rando
                    reference=str(n), where=where, chat=chat)
 
 
-def generate(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:
+def generate(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:
     """(training records, held-out records). Each held-out operand pair appears once."""
     width = len(str(cfg.max_operand))
     train_pairs, eval_pairs = operand_pairs(cfg, eval_size, seed)
@@ -105,7 +107,7 @@ def generate(cfg: SyntheticConfig, eval_size: int, seed: int) -> Tuple[List[Exam
     return train, held_out
 
 
-def tokenizer_corpus(cfg: SyntheticConfig) -> List[str]:
+def tokenizer_corpus(cfg: "SyntheticConfig") -> List[str]:
     """Every string the task can produce, for training the embedded tokenizer."""
     width = len(str(cfg.max_operand))
     texts = [prompt_text(a, a, width) for a in range(cfg.max_operand + 1)]

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from rlhf.data.chat import Renderer, encode_unique, template_key, uses_chat
 from rlhf.data.records import Example
 from rlhf.errors import ConfigError, DataError
-from rlhf.rundir.fileio import atomic_write_text
+from rlhf.outputs.fileio import atomic_write_text
 
 log = logging.getLogger("rlhf")
 Columns = Dict[str, list]  # name -> list of ints, or list of lists of ints (ragged)

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from rlhf.engine.mesh import Mesh
 from rlhf.models import lora
-from rlhf.rundir.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
+from rlhf.outputs.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
 
 log = logging.getLogger("rlhf")
 STEP_DIR = re.compile(r"^step_(\d+)$")

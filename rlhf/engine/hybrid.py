@@ -3,7 +3,7 @@
 ``engine.hybrid=true``: switch the actor from ZeRO-3 training mode to the injected inference mode —
 gather the FSDP2 shards one decoder layer at a time (bounded extra memory: one gathered layer plus
 the inference copy), lay the weights out for ``engine.inference_tp_size``, allocate the KV cache,
-generate, release cache and weights, return to training mode. Each phase is timed.
+generate, release cache and weights, return to training mode. Each phase is timed (``Generation.timings``).
 ``engine.hybrid=false``: HF ``generate`` on the training-mode model (the baseline). A model family
 without an injection policy also takes that path, with a one-line warning.
 """
@@ -21,7 +21,7 @@ from rlhf.engine.infer import Generation, InferenceModel, finish, left_pad
 from rlhf.engine.mesh import precision_of
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError
-from rlhf.models.blocks import decoder_layers
+from rlhf.models.loading import decoder_layers
 from rlhf.models.lora import unwrap
 from rlhf.models.policies import policy_for
 from rlhf.ops import SamplingParams
@@ -45,7 +45,6 @@ class HybridEngine:
                 raise ConfigError(why)
         dtype = precision_of(ecfg, self.mesh.device) if ecfg.inference_dtype == "auto" else ecfg.inference_dtype
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # of the inference mode
-        self.timings: dict = {}
         self._model: Optional[InferenceModel] = None  # kept when engine.release_inference_cache=false
         self._model_version = -1  # the engine's weights_version when _model was built
         self.decode = decode_loop(ecfg, self.mesh.device, self.tp)  # (tests set it to "static" on the CPU)
@@ -115,8 +114,8 @@ class HybridEngine:
         t3 = time.perf_counter()
         if self.tp > 1:
             out = _rows(out, per_rank, self.mesh.tp_rank, sp.samples_per_prompt)
-        self.timings = {"switch_s": (t1 - t0) + (t3 - t2), "gather_s": t1 - t0, "generate_s": t2 - t1,
-                        "release_s": t3 - t2}
+        out.timings = {"switch_s": (t1 - t0) + (t3 - t2), "gather_s": t1 - t0, "generate_s": t2 - t1,
+                       "release_s": t3 - t2}
         return out
 
     # ---- baseline: HF generate on the training-mode model ----
@@ -141,7 +140,7 @@ class HybridEngine:
             tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], n - tokens.shape[1]), self.pad_id)], 1)
         # HF pads after EOS itself; make sure the first EOS closes the response
         res = finish(ids, mask, tokens, None, self.eos_id, self.pad_id)
-        self.timings = {"switch_s": 0.0, "gather_s": 0.0, "generate_s": time.perf_counter() - t0, "release_s": 0.0}
+        res.timings = {"switch_s": 0.0, "gather_s": 0.0, "generate_s": time.perf_counter() - t0, "release_s": 0.0}
         return res
 
 

@@ -16,7 +16,7 @@ synchronisation of ``rlhf.engine.decode_static``, "graphs" the same replayed as 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -43,15 +43,17 @@ class Generation:
     # would have to keep every step's full-vocabulary logits for them)
     logprobs: Optional[torch.Tensor]
     prompt_len: int
+    # seconds of the call that made it (HybridEngine.generate): switch_s, gather_s, generate_s, release_s
+    timings: Dict[str, float] = field(default_factory=dict)
 
     @property
     def responses(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_len:]
 
     def rows(self, start: int, stop: int) -> "Generation":
+        logprobs = None if self.logprobs is None else self.logprobs[start:stop]
         return Generation(self.sequences[start:stop], self.attention_mask[start:stop],
-                          self.response_mask[start:stop],
-                          None if self.logprobs is None else self.logprobs[start:stop], self.prompt_len)
+                          self.response_mask[start:stop], logprobs, self.prompt_len, self.timings)
 
 
 @dataclass

@@ -6,8 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from rlhf.algorithms.logprobs import chunked_logprobs
-from rlhf.algorithms.masks import position_ids
+from rlhf.algorithms.tokens import chunked_logprobs
+from rlhf.algorithms.tokens import position_ids
 
 
 def keeps_logits(module) -> bool:

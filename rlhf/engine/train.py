@@ -28,7 +28,7 @@ from rlhf.config import EngineConfig, TrainConfig
 from rlhf.engine.mesh import Mesh, precision_of
 from rlhf.engine.schedule import make_scheduler
 from rlhf.errors import ConfigError
-from rlhf.models.blocks import decoder_layers
+from rlhf.models.loading import decoder_layers
 from rlhf.models.lora import adapters_disabled, is_peft
 
 log = logging.getLogger("rlhf")

@@ -22,7 +22,7 @@ from torch.distributed.run import parse_args, run
 
 from rlhf.errors import one_line
 from rlhf.launcher.watchdog import EXIT_PEER, HEARTBEAT_STORE_ENV, JobWatch
-from rlhf.rundir.fileio import pid_running
+from rlhf.outputs.fileio import pid_running
 
 # Seconds the agent waits after SIGTERM before it SIGKILLs a worker. Our workers do not handle
 # SIGTERM (they die at once); only a stopped or wedged one needs the SIGKILL, and torch's 30 s

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -229,3 +230,10 @@ def causal_lm(src: str, mesh, tokenizer, trust_remote_code: bool = False, disabl
     return build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
                        trust_remote_code=trust_remote_code, tokenizer=tokenizer, disable_dropout=disable_dropout,
                        role=role)
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of an HF model (``model.layers`` in Llama/Qwen2/Mistral, ``h`` in GPT-2)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks") and len(mod):
+            return mod
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")

@@ -25,7 +25,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from rlhf.errors import ConfigError
-from rlhf.models.blocks import decoder_layers
+from rlhf.models.loading import decoder_layers
 from rlhf.models.loading import BASE_VOCAB_ROWS
 
 log = logging.getLogger("rlhf")

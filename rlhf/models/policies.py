@@ -6,10 +6,12 @@ Llama, Qwen2, Qwen3 and Mistral share module names (q/k/v/o_proj, gate/up/down_p
 Phi-3 fuses them in its HF layout (qkv_proj rows = [q; k; v], gate_up_proj rows = [gate; up]). They
 differ in biases (Qwen2: q/k/v; Qwen3 and Llama: q/k/v/o with ``attention_bias``; Llama: MLP with
 ``mlp_bias``), q/k RMSNorm per head before the rotation (Qwen3), partial rotary (Phi-3), and sliding
-windows (Mistral and Phi-3: every layer; Qwen2/Qwen3: the layers ``layer_types`` names). Each rule
-below is the HF modeling code's. Anything the inference modules do not reproduce exactly (other
-activations, dynamic or LongRoPE frequencies, other layer types, MoE) has no policy: the caller
-falls back to HF generate with the one-line reason, never to wrong output.
+windows (Mistral and Phi-3: every layer; Qwen2/Qwen3: the layers ``layer_types`` names). Each family
+is one row of FAMILY_TABLE (a ``Family``: those traits, each the HF modeling code's rule); the policy
+reads the row, never the family's name, so a family whose traits are all in it needs only its row.
+Anything the inference modules do not reproduce exactly (other activations, dynamic or LongRoPE
+frequencies, other layer types, MoE) has no policy: the caller falls back to HF generate with the
+one-line reason, never to wrong output.
 """
 from __future__ import annotations
 
@@ -21,7 +23,46 @@ import torch
 from rlhf.models.lora import is_lora_layer, weight
 from rlhf.ops.rotary import interleave_permutation
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+WINDOW_RULES = ("none", "every_layer", "layer_types")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the injection policy reads of one model family (HF ``config.model_type``): its HF modeling
+    code's rules. One row per family in FAMILY_TABLE; a family with no row has no policy."""
+    model_type: str
+    # one fused input projection per block, HF rows qkv_proj = [q; k; v] and gate_up_proj = [gate; up]
+    # (Phi-3); else q/k/v_proj and gate/up_proj
+    fused: bool = False
+    # which layers slide: "every_layer" (one mask for all, windowed when sliding_window is set: Mistral,
+    # Phi-3), "layer_types" (layer i's mask is config.layer_types[i]'s: Qwen2/Qwen3), "none" (Llama)
+    windows: str = "none"
+    qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2)
+    attention_bias: bool = False  # config.attention_bias honoured: q/k/v and o_proj biases (Llama, Qwen3)
+    mlp_bias: bool = False  # config.mlp_bias honoured: gate/up/down biases (Llama)
+    qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
+    partial_rotary: bool = False  # partial_rotary_factor honoured (Phi-3); the others rotate whole heads
+
+    def __post_init__(self):
+        if self.windows not in WINDOW_RULES:
+            raise ValueError(f"{self.model_type}: windows={self.windows!r}, expected one of {WINDOW_RULES}")
+
+
+FAMILY_TABLE = (
+    Family("llama", attention_bias=True, mlp_bias=True),
+    Family("qwen2", windows="layer_types", qkv_bias=True),
+    Family("qwen3", windows="layer_types", attention_bias=True, qk_norm=True),
+    Family("mistral", windows="every_layer"),
+    Family("phi3", fused=True, windows="every_layer", partial_rotary=True),
+)
+FAMILIES = tuple(f.model_type for f in FAMILY_TABLE)
+
+
+def family_of(model_type: str) -> Optional[Family]:
+    """The row of FAMILY_TABLE for ``model_type`` (read at call time), or None."""
+    return next((f for f in FAMILY_TABLE if f.model_type == model_type), None)
+
+
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at init
 
 
@@ -44,6 +85,7 @@ class InjectionPolicy:
     qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
     o_bias: bool = False  # bias of the attention output projection
     mlp_bias: bool = False  # biases of gate/up/down
+    fused: bool = False  # HF layout qkv_proj = [q; k; v], gate_up_proj = [gate; up] (Family.fused)
 
     def __post_init__(self):
         self.rotary_dim = self.rotary_dim or self.head_dim
@@ -94,14 +136,14 @@ class InjectionPolicy:
 
     def _qkv(self, attn, what: str):
         """(q, k, v) rows of the attention input projections' ``weight`` or ``bias`` (full tensors)."""
-        if self.family == "phi3":  # one fused projection, rows [q; k; v]
+        if self.fused:  # one fused projection, rows [q; k; v]
             t = weight(attn.qkv_proj, what)
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return t[:nq], t[nq:nq + nk], t[nq + nk:]
         return weight(attn.q_proj, what), weight(attn.k_proj, what), weight(attn.v_proj, what)
 
     def _gate_up(self, mlp, what: str):
-        if self.family == "phi3":  # rows [gate; up] (HF: gate, up = gate_up_proj(x).chunk(2))
+        if self.fused:  # rows [gate; up] (HF: gate, up = gate_up_proj(x).chunk(2))
             t = weight(mlp.gate_up_proj, what)
             return t[:self.intermediate_size], t[self.intermediate_size:]
         return weight(mlp.gate_proj, what), weight(mlp.up_proj, what)
@@ -142,13 +184,13 @@ def _rope(config) -> Tuple[str, float]:
     return rope_type, 1.0 if factor is None else float(factor)
 
 
-def _layer_windows(config, family: str) -> Tuple[Optional[Tuple[Optional[int], ...]], str]:
+def _layer_windows(config, family: Family) -> Tuple[Optional[Tuple[Optional[int], ...]], str]:
     """Each layer's sliding window (None: full attention), as the family's HF model masks it."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if family in ("mistral", "phi3"):  # HF: one mask for every layer, windowed when sliding_window is set
+    if family.windows == "every_layer":  # HF: one mask for every layer, windowed when sliding_window is set
         return (window,) * n, ""
-    if family in ("qwen2", "qwen3"):  # HF: layer i's mask is config.layer_types[i]'s
+    if family.windows == "layer_types":  # HF: layer i's mask is config.layer_types[i]'s
         # (sliding_window is None unless use_sliding_window; the rule below is the config's own
         # default for layer_types)
         types = getattr(config, "layer_types", None) or [
@@ -165,14 +207,16 @@ def _layer_windows(config, family: str) -> Tuple[Optional[Tuple[Optional[int], .
             else:
                 return None, f"layer type '{t}' is not supported by the inference modules"
         return tuple(out), ""
-    return (None,) * n, ""  # Llama: no sliding window
+    return (None,) * n, ""  # "none" (Llama): no sliding window
 
 
 def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     """(policy, "") for a supported config, else (None, the reason)."""
     family = getattr(config, "model_type", "?")
-    if family not in FAMILIES:
-        return None, f"model family '{family}' has no injection policy (supported: {', '.join(FAMILIES)})"
+    traits = family_of(family)
+    if traits is None:
+        supported = ", ".join(f.model_type for f in FAMILY_TABLE)
+        return None, f"model family '{family}' has no injection policy (supported: {supported})"
     if getattr(config, "hidden_act", "silu") != "silu":
         return None, f"activation {config.hidden_act} is not supported by the inference modules"
     rope_type, partial = _rope(config)
@@ -180,20 +224,21 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         return None, f"RoPE type '{rope_type}' is not supported by the inference modules"
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if partial != 1.0 and family != "phi3":  # HF's other families rotate whole heads
+    if partial != 1.0 and not traits.partial_rotary:  # HF's other families rotate whole heads
         return None, f"partial rotary (partial_rotary_factor={partial}) is not supported for {family}"
-    windows, why = _layer_windows(config, family)
+    windows, why = _layer_windows(config, traits)
     if windows is None:
         return None, why
-    attention_bias = bool(getattr(config, "attention_bias", False)) and family in ("llama", "qwen3")
+    attention_bias = bool(getattr(config, "attention_bias", False)) and traits.attention_bias
     slides = [w for w in windows if w]
     return InjectionPolicy(family=family, num_heads=heads,
                            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                            head_dim=head_dim, hidden_size=config.hidden_size,
                            intermediate_size=config.intermediate_size,
-                           eps=config.rms_norm_eps, qkv_bias=family == "qwen2" or attention_bias,
+                           eps=config.rms_norm_eps, qkv_bias=traits.qkv_bias or attention_bias,
                            sliding_window=slides[0] if slides else None,
                            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                           layer_windows=windows, rotary_dim=int(head_dim * partial), qk_norm=family == "qwen3",
+                           layer_windows=windows, rotary_dim=int(head_dim * partial), qk_norm=traits.qk_norm,
                            o_bias=attention_bias,
-                           mlp_bias=family == "llama" and bool(getattr(config, "mlp_bias", False))), ""
+                           mlp_bias=traits.mlp_bias and bool(getattr(config, "mlp_bias", False)),
+                           fused=traits.fused), ""

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from rlhf.algorithms.masks import last_index, position_ids
+from rlhf.algorithms.tokens import last_index, position_ids
 from rlhf.models.lora import unwrap
 
 

@@ -1,24 +1,34 @@
-"""Experience: one step's rollouts, scored. ``collect`` generates in inference mode and scores in
-training mode (actor and reference log-probs, critic values, reward model and rule rewards, KL,
-advantages), every forward in micro-batches of a bounded number of rows.
+"""Experience: one step's rollouts, scored. ``Collector.collect`` pulls the step's prompts from the
+``PromptSource``, generates in inference mode and scores in training mode (actor and reference
+log-probs, critic values, reward model and rule rewards, KL, advantages), every forward in
+micro-batches of a bounded number of rows.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from rlhf import rewards, seeding
 from rlhf.algorithms import ppo as ppo_math
+from rlhf.algorithms.estimators import advantages, kl_kind
+from rlhf.config import AlgorithmConfig, PPOConfig
+from rlhf.data.records import Example
+from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.infer import Generation
 from rlhf.engine.logprobs import keeps_logits, response_logprobs
+from rlhf.engine.mesh import Mesh
+from rlhf.engine.train import FrozenModel, TrainEngine
 from rlhf.models.lora import unwrap
 from rlhf.models.value import sequence_scores
 from rlhf.ops import SamplingParams
 from rlhf.ops.sampling import prompt_major
 from rlhf.rl.minibatch import auto_micro_batch
+from rlhf.rl.prompts import PromptBatch, PromptSource
+
+Model = Union[TrainEngine, FrozenModel]  # what scores: ``forward(**batch)`` in training or frozen mode
 
 
 @dataclass
@@ -35,15 +45,17 @@ class Experience:
     ref_logprobs: torch.Tensor  # [B, N] the reference policy
     values: Optional[torch.Tensor]  # [B, N] the critic's V(s_t) (GAE only), masked
     scores: torch.Tensor  # [B] total sequence reward: reward model + rule + no-EOS penalty
-    score_parts: dict  # name -> [B]: "model", "rule", "penalty", "overlong" (those in use)
+    score_parts: Dict[str, torch.Tensor]  # name -> [B]: "model", "rule", "penalty", "overlong" (those in use)
     kl: torch.Tensor  # [B, N] per-token KL estimate (algorithm.kl_estimator), masked
+    kl_mean: float  # the k1 KL per sequence, mean over every rank's rows (what the KL controller reads)
+    global_rows: int  # rows over every rank
     advantages: torch.Tensor  # [B, N]
     returns: Optional[torch.Tensor]  # [B, N] value targets (GAE only)
-    loss_mask: Optional[torch.Tensor] = None  # [B, N] tokens that carry loss (mask less overlong-filtered rows)
-    gold: Optional[torch.Tensor] = None  # [B] gold score of each rollout (a metric, never a reward)
-    timings: Optional[dict] = None  # generate_s, switch_s, ... of the step's generations
-    extra_metrics: Optional[dict] = None  # e.g. dynamic sampling's counts
-    score_s: float = 0.0  # seconds spent scoring (after generation)
+    loss_mask: torch.Tensor  # [B, N] tokens that carry loss (mask less overlong-filtered rows)
+    gold: Optional[torch.Tensor]  # [B] gold score of each rollout (a metric, never a reward)
+    timings: Dict[str, float]  # generate_s, switch_s, ... summed over the step's generations
+    extra_metrics: Dict[str, float]  # e.g. dynamic sampling's counts
+    score_s: float  # seconds spent scoring (after generation)
 
     @property
     def rows(self) -> int:
@@ -54,22 +66,45 @@ class Experience:
         return self.sequences[:, self.prompt_len:]
 
 
+class RewardNormaliser:
+    """The reward model's score, normalised (``algorithm.reward_norm``): ``stats`` by the reward stage's
+    held-out mean/std (its reward_stats.json), ``running`` by running moments over every rank's scores
+    so far (state it owns and checkpoints: ``state_dict``), ``none`` as is."""
+
+    def __init__(self, how: str, stats: dict):
+        self.how, self.stats, self.running = how, stats, ppo_math.RunningMoments()
+
+    def __call__(self, raw: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        if self.how == "stats":
+            return (raw - self.stats["mean"]) / max(self.stats["std"], 1e-8)
+        if self.how == "running":
+            every = torch.tensor(mesh.all_gather_object(raw.tolist()), device="cpu").flatten()
+            self.running.update(every)
+            return (raw - self.running.mean) / self.running.std
+        return raw
+
+    def state_dict(self) -> dict:
+        return self.running.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.running.load_state_dict(state)
+
+
 @dataclass
 class Scorers:
     """What scores a rollout: the models (reference, critic, reward model: None when not used), the
     reward model's normalisation and the rule reward."""
-    ref: object
-    critic: Optional[object]
-    reward_model: Optional[object]
-    reward_stats: dict  # {"mean", "std"} of the reward stage's held-out scores
-    running: ppo_math.RunningMoments
+    ref: Optional[Model]
+    critic: Optional[TrainEngine]
+    reward_model: Optional[Model]
+    normalise: RewardNormaliser
     rule: Optional[Callable]  # rule(responses, examples, fmt) -> [float]
     rule_weight: float
     data_format: str
-    gold: Optional[Callable] = None  # gold(response, reference) -> float: watches the reward (not a reward)
+    gold: Optional[Callable[[str, str], float]] = None  # gold(response, reference): watches the reward, never is one
 
 
-def micro_rows(engine, rows: int, tokens: int, micro: int) -> int:
+def micro_rows(engine: Model, rows: int, tokens: int, micro: int) -> int:
     """Rows per forward: ``micro`` (ppo.micro_batch_per_rank) or, when 0, as many as keep a
     micro-batch's fp32 logits within budget for this model's vocabulary."""
     if micro:
@@ -78,7 +113,7 @@ def micro_rows(engine, rows: int, tokens: int, micro: int) -> int:
     return min(rows, auto_micro_batch(tokens, vocab))
 
 
-def in_micro_batches(fn, rows: int, micro: int) -> torch.Tensor:
+def in_micro_batches(fn: Callable[[slice], torch.Tensor], rows: int, micro: int) -> torch.Tensor:
     """``fn(slice)`` over consecutive row slices of at most ``micro`` rows, concatenated (every rank
     has the same number of rows, hence the same number of collective forwards)."""
     return torch.cat([fn(slice(s, s + micro)) for s in range(0, rows, micro)])
@@ -88,84 +123,13 @@ def in_micro_batches(fn, rows: int, micro: int) -> torch.Tensor:
 class Rollouts:
     """Generated rows and their sequence rewards, before the model scoring."""
     gen: Generation
-    examples: list  # one per row
+    examples: List[Example]  # one per row
     scores: torch.Tensor  # [B]
-    parts: dict  # name -> [B]
+    parts: Dict[str, torch.Tensor]  # name -> [B]
     gold: Optional[torch.Tensor] = None  # [B] the gold rule's score of each row, when the data has one
 
 
-def rollout(hybrid, scorers: Scorers, prompts: List[List[int]], examples: list, sp: SamplingParams, alg, ppo,
-            micro_batch: int, tokenizer, mesh, timings: dict) -> Rollouts:
-    """Generate ``sp.samples_per_prompt`` samples of each prompt (inference mode) and reward them:
-    reward model (normalised), rule reward, no-EOS penalty, soft overlong penalty. Adds the generation's timings to ``timings``."""
-    gen = hybrid.generate(prompts, sp)
-    for k, v in hybrid.timings.items():
-        timings[k] = timings.get(k, 0.0) + v
-    seq, att = gen.sequences, gen.attention_mask
-    mask = gen.response_mask.float()
-    examples = prompt_major(examples, sp.samples_per_prompt)
-    rows = seq.shape[0]
-    score = torch.zeros(rows, device=seq.device)
-    parts = {}
-    if scorers.reward_model is not None:
-        micro = micro_batch or rows  # a scalar head: no vocabulary-sized logits
-        raw = in_micro_batches(lambda r: sequence_scores(scorers.reward_model.forward(
-            input_ids=seq[r], attention_mask=att[r]), att[r]), rows, micro)
-        raw = normalise_rewards(raw, alg.reward_norm, scorers, mesh)
-        parts["model"] = raw
-        score = score + raw
-    texts = None
-    if scorers.rule is not None or scorers.gold is not None:
-        texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(gen.responses, mask)],
-                                       skip_special_tokens=True)
-    if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it
-        rule = torch.tensor(rewards.call(scorers.rule, texts, examples, scorers.data_format),
-                            dtype=torch.float32, device=seq.device)
-        parts["rule"] = scorers.rule_weight * rule
-        score = score + parts["rule"]
-    if alg.no_eos_penalty:
-        ended = (gen.responses == tokenizer.eos_token_id).any(1)
-        parts["penalty"] = alg.no_eos_penalty * (~ended).float()
-        score = score + parts["penalty"]
-    if ppo.overlong_buffer:
-        parts["overlong"] = ppo_math.overlong_penalty(mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer,
-                                               ppo.overlong_penalty)
-        score = score + parts["overlong"]
-    gold = None
-    if scorers.gold is not None and all(e.reference is not None for e in examples):
-        gold = torch.tensor([scorers.gold(t, e.reference) for t, e in zip(texts, examples)], dtype=torch.float32,
-                            device=seq.device)
-    return Rollouts(gen, examples, score, parts, gold)
-
-
-def dynamic_sampling(first: Rollouts, more, sp: SamplingParams, max_rounds: int, make_rollouts, pad_id: int,
-                     mesh) -> tuple[Rollouts, dict]:
-    """DAPO's dynamic sampling: keep the prompt groups whose rewards differ; while a rank has fewer
-    than its share of prompts with a signal, generate for further prompts (``more(round)``: this
-    rank's (prompts, examples) of extra round ``round``), at most ``max_rounds`` times. Every rank
-    takes part in every round (generation is collective). A rank still short at the end tops up with
-    groups it dropped, so every rank keeps as many rows as it started with."""
-    samples, quota = sp.samples_per_prompt, first.scores.numel() // sp.samples_per_prompt
-    kept, dropped, rounds, n_dropped = [], [], 0, 0
-    batch = first
-    while True:
-        zero = ppo_math.zero_variance_groups(batch.scores, samples).tolist()
-        n_dropped += sum(zero)
-        kept += [(batch, prompt_ix) for prompt_ix, flat in enumerate(zero) if not flat]
-        dropped += [(batch, prompt_ix) for prompt_ix, flat in enumerate(zero) if flat]
-        short = mesh.sum(float(len(kept) < quota))
-        if not short or rounds == max_rounds:
-            break
-        rounds += 1
-        batch = make_rollouts(*more(rounds), rounds)
-    topped = max(quota - len(kept), 0)
-    chosen = (kept + dropped)[:quota]
-    stats = {"dynamic/dropped_groups": mesh.sum(n_dropped), "dynamic/rounds": float(rounds),
-             "dynamic/topped_up_groups": mesh.sum(topped)}
-    return concat_groups(chosen, samples, pad_id), stats
-
-
-def concat_groups(chosen: list, samples_per_prompt: int, pad_id: int) -> Rollouts:
+def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, pad_id: int) -> Rollouts:
     """One ``Rollouts`` of the (rollouts, prompt index) pairs in ``chosen`` (a prompt's
     ``samples_per_prompt`` rows are consecutive: ``prompt_major``), prompts re-padded on the left
     to the longest prompt length among them."""
@@ -195,69 +159,142 @@ def concat_groups(chosen: list, samples_per_prompt: int, pad_id: int) -> Rollout
     return Rollouts(gen, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()}, gold)
 
 
-@torch.no_grad()
-def collect(hybrid, actor, scorers: Scorers, prompts: List[List[int]], examples: list, sp: SamplingParams,
-            alg, ppo, kl_beta: float, tokenizer, mesh, more=None) -> Experience:
-    """Generate ``sp.samples_per_prompt`` samples of each prompt (inference mode), reward them, then score them
-    (training mode): log-probs of the actor and the reference, critic values, KL, advantages.
-    ``more(round)``: further (prompts, examples) of this rank for dynamic sampling."""
-    timings: dict = {}
-    micro_batch = ppo.micro_batch_per_rank
+class Collector:
+    """One step's experience: this rank's prompts of the step (from the ``PromptSource``), generated in
+    inference mode (dynamic sampling's extra rounds included), rewarded, then scored in training mode
+    (log-probs of the actor and the reference, critic values, KL, advantages)."""
 
-    def make_rollouts(p, e, round_=0):  # each extra round samples with a seed of its own
-        sp_r = replace(sp, seed=seeding.offset(sp.seed, round_, seeding.REFILL)) if round_ else sp
-        return rollout(hybrid, scorers, p, e, sp_r, alg, ppo, micro_batch, tokenizer, mesh, timings)
+    def __init__(self, hybrid: HybridEngine, actor: TrainEngine, scorers: Scorers, prompts: PromptSource,
+                 alg: AlgorithmConfig, ppo: PPOConfig, tokenizer, mesh: Mesh, seed: int):
+        self.hybrid, self.actor, self.scorers, self.prompts = hybrid, actor, scorers, prompts
+        self.alg, self.ppo, self.tokenizer, self.mesh, self.seed = alg, ppo, tokenizer, mesh, seed
 
-    t0 = time.perf_counter()
-    ro = make_rollouts(prompts, examples)
-    dyn = {}
-    if ppo.dynamic_sampling:
-        ro, dyn = dynamic_sampling(ro, more, sp, ppo.dynamic_sampling_max_rounds, make_rollouts,
-                                   tokenizer.pad_token_id, mesh)
-    gen = ro.gen
-    seq, att, prompt_len = gen.sequences, gen.attention_mask, gen.prompt_len
-    mask = gen.response_mask.float()
-    rows, n_resp = seq.shape[0], seq.shape[1] - prompt_len
-    keep = keeps_logits(unwrap(actor.module))
-    micro = micro_rows(actor, rows, (n_resp + 1) if keep else seq.shape[1], micro_batch)
+    def sampling(self, step: int) -> SamplingParams:
+        ppo = self.ppo
+        return SamplingParams(temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p,
+                              max_new_tokens=ppo.max_new_tokens, min_new_tokens=ppo.min_new_tokens,
+                              samples_per_prompt=ppo.samples_per_prompt,
+                              seed=seeding.nested(self.seed, step, seeding.ROLLOUT))
 
-    def logprobs(model):
-        return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], prompt_len, sp.temperature,
-                                                             keep_logits=keep),
-                                rows, micro)
+    @torch.no_grad()
+    def collect(self, step: int, kl_beta: float) -> Experience:
+        """The experience of step ``step`` with KL coefficient ``kl_beta``."""
+        alg, ppo, mesh, sp = self.alg, self.ppo, self.mesh, self.sampling(step)
+        t0 = time.perf_counter()
+        ro = self.rollout(self.prompts.step(step), sp)
+        timings = dict(ro.gen.timings)
+        dyn = {}
+        if ppo.dynamic_sampling:
+            ro, dyn = self.dynamic_sampling(ro, step, sp, timings)
+        gen = ro.gen
+        seq, att, prompt_len = gen.sequences, gen.attention_mask, gen.prompt_len
+        mask = gen.response_mask.float()
+        rows, n_resp = seq.shape[0], seq.shape[1] - prompt_len
+        keep = keeps_logits(unwrap(self.actor.module))
+        micro = micro_rows(self.actor, rows, (n_resp + 1) if keep else seq.shape[1], ppo.micro_batch_per_rank)
 
-    old_logp = logprobs(actor)
-    # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
-    ref_logp = logprobs(scorers.ref) if scorers.ref is not None else old_logp
-    values = (in_micro_batches(lambda r: critic_values(scorers.critic, seq[r], att[r], prompt_len), rows, micro) * mask
-              if scorers.critic is not None else None)
-    kl = ppo_math.kl_penalty(old_logp, ref_logp, ppo_math.kl_kind(alg)) * mask
-    all_reduce = mesh.all_reduce if mesh.distributed else None
-    adv, returns = ppo_math.advantages(alg, ro.scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce)
-    loss_mask = mask
-    if ppo.overlong_filter:  # truncated responses (no EOS) carry no loss
-        loss_mask = mask * (gen.responses == tokenizer.eos_token_id).any(1, keepdim=True).float()
-    return Experience(sequences=seq, attention_mask=att, mask=mask, prompt_len=prompt_len,
-                      samples_per_prompt=sp.samples_per_prompt,
-                      rollout_logprobs=gen.logprobs, old_logprobs=old_logp, ref_logprobs=ref_logp, values=values,
-                      scores=ro.scores, score_parts=ro.parts, kl=kl, advantages=adv, returns=returns,
-                      loss_mask=loss_mask, gold=ro.gold, timings=timings, extra_metrics=dyn,
-                      score_s=time.perf_counter() - t0 - timings.get("generate_s", 0.0) - timings.get("switch_s", 0.0))
+        def logprobs(model: Model) -> torch.Tensor:
+            return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], prompt_len,
+                                                                 sp.temperature, keep_logits=keep), rows, micro)
+
+        old_logp = logprobs(self.actor)
+        # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
+        ref_logp = old_logp if self.scorers.ref is None else logprobs(self.scorers.ref)
+        values = None
+        if self.scorers.critic is not None:
+            values = in_micro_batches(lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len),
+                                      rows, micro) * mask
+        kind = kl_kind(alg)
+        kl = ppo_math.kl_penalty(old_logp, ref_logp, kind) * mask
+        # what the adaptive KL controller reads: the k1 estimate per sequence, whatever the penalty uses
+        k1 = kl if kind == "k1" else ppo_math.kl_penalty(old_logp, ref_logp, "k1") * mask
+        kl_mean = mesh.sum(float(k1.sum(1).sum())) / mesh.sum(rows)
+        all_reduce = mesh.all_reduce if mesh.distributed else None
+        adv, returns = advantages(alg, ro.scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce)
+        loss_mask = mask
+        if ppo.overlong_filter:  # truncated responses (no EOS) carry no loss
+            loss_mask = mask * (gen.responses == self.tokenizer.eos_token_id).any(1, keepdim=True).float()
+        waited = timings.get("generate_s", 0.0) + timings.get("switch_s", 0.0)
+        return Experience(sequences=seq, attention_mask=att, mask=mask, prompt_len=prompt_len,
+                          samples_per_prompt=sp.samples_per_prompt,
+                          rollout_logprobs=gen.logprobs, old_logprobs=old_logp, ref_logprobs=ref_logp, values=values,
+                          scores=ro.scores, score_parts=ro.parts, kl=kl, kl_mean=kl_mean,
+                          global_rows=rows * mesh.world_size, advantages=adv, returns=returns,
+                          loss_mask=loss_mask, gold=ro.gold, timings=timings, extra_metrics=dyn,
+                          score_s=time.perf_counter() - t0 - waited)
+
+    def dynamic_sampling(self, first: Rollouts, step: int, sp: SamplingParams, timings: Dict[str, float]
+                         ) -> Tuple[Rollouts, Dict[str, float]]:
+        """DAPO's dynamic sampling: keep the prompt groups whose rewards differ; while a rank has fewer
+        than its share of prompts with a signal, generate for the prompt source's refills (each round
+        sampling with a seed of its own), at most ``ppo.dynamic_sampling_max_rounds`` times, adding
+        their generation times to ``timings``. Every rank takes part in every round (generation is
+        collective). A rank still short at the end tops up with groups it dropped, so every rank keeps
+        as many rows as it started with."""
+        mesh, max_rounds = self.mesh, self.ppo.dynamic_sampling_max_rounds
+        samples, quota = sp.samples_per_prompt, first.scores.numel() // sp.samples_per_prompt
+        kept, dropped, rounds, n_dropped = [], [], 0, 0
+        batch = first
+        while True:
+            zero = ppo_math.zero_variance_groups(batch.scores, samples).tolist()
+            n_dropped += sum(zero)
+            kept += [(batch, prompt_ix) for prompt_ix, flat in enumerate(zero) if not flat]
+            dropped += [(batch, prompt_ix) for prompt_ix, flat in enumerate(zero) if flat]
+            short = mesh.sum(float(len(kept) < quota))
+            if not short or rounds == max_rounds:
+                break
+            rounds += 1
+            sp_round = replace(sp, seed=seeding.offset(sp.seed, rounds, seeding.REFILL))
+            batch = self.rollout(self.prompts.refill(step, rounds), sp_round)
+            for k, v in batch.gen.timings.items():
+                timings[k] = timings.get(k, 0.0) + v
+        topped = max(quota - len(kept), 0)
+        chosen = (kept + dropped)[:quota]
+        stats = {"dynamic/dropped_groups": mesh.sum(n_dropped), "dynamic/rounds": float(rounds),
+                 "dynamic/topped_up_groups": mesh.sum(topped)}
+        return concat_groups(chosen, samples, self.tokenizer.pad_token_id), stats
+
+    def rollout(self, batch: PromptBatch, sp: SamplingParams) -> Rollouts:
+        """Generate ``sp.samples_per_prompt`` samples of each prompt (inference mode) and reward them:
+        reward model (normalised), rule reward, no-EOS penalty, soft overlong penalty."""
+        scorers, alg, ppo, tokenizer = self.scorers, self.alg, self.ppo, self.tokenizer
+        gen = self.hybrid.generate(batch.ids, sp)
+        seq, att = gen.sequences, gen.attention_mask
+        mask = gen.response_mask.float()
+        examples = prompt_major(batch.examples, sp.samples_per_prompt)
+        rows = seq.shape[0]
+        score = torch.zeros(rows, device=seq.device)
+        parts = {}
+        if scorers.reward_model is not None:
+            micro = ppo.micro_batch_per_rank or rows  # a scalar head: no vocabulary-sized logits
+            raw = in_micro_batches(lambda r: sequence_scores(scorers.reward_model.forward(
+                input_ids=seq[r], attention_mask=att[r]), att[r]), rows, micro)
+            parts["model"] = scorers.normalise(raw, self.mesh)
+            score = score + parts["model"]
+        texts = None
+        if scorers.rule is not None or scorers.gold is not None:
+            texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(gen.responses, mask)],
+                                           skip_special_tokens=True)
+        if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it
+            rule = torch.tensor(rewards.call(scorers.rule, texts, examples, scorers.data_format),
+                                dtype=torch.float32, device=seq.device)
+            parts["rule"] = scorers.rule_weight * rule
+            score = score + parts["rule"]
+        if alg.no_eos_penalty:
+            ended = (gen.responses == tokenizer.eos_token_id).any(1)
+            parts["penalty"] = alg.no_eos_penalty * (~ended).float()
+            score = score + parts["penalty"]
+        if ppo.overlong_buffer:
+            parts["overlong"] = ppo_math.overlong_penalty(mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer,
+                                                          ppo.overlong_penalty)
+            score = score + parts["overlong"]
+        gold = None
+        if scorers.gold is not None and all(e.reference is not None for e in examples):
+            gold = torch.tensor([scorers.gold(t, e.reference) for t, e in zip(texts, examples)],
+                                dtype=torch.float32, device=seq.device)
+        return Rollouts(gen, examples, score, parts, gold)
 
 
-def critic_values(critic, seq: torch.Tensor, att: torch.Tensor, prompt_len: int) -> torch.Tensor:
+def critic_values(critic: TrainEngine, seq: torch.Tensor, att: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """V(s_t) for each response token t: the value at the position just before it."""
     return critic.forward(input_ids=seq, attention_mask=att)[:, prompt_len - 1:-1]
-
-
-def normalise_rewards(raw: torch.Tensor, how: str, scorers: Scorers, mesh) -> torch.Tensor:
-    """The reward model's score, normalised: ``stats`` by the reward stage's held-out mean/std,
-    ``running`` by running moments over every rank's scores so far, ``none`` as is."""
-    if how == "stats":
-        stats = scorers.reward_stats
-        return (raw - stats["mean"]) / max(stats["std"], 1e-8)
-    if how == "running":
-        every = torch.tensor(mesh.all_gather_object(raw.tolist()), device="cpu").flatten()
-        scorers.running.update(every)
-        return (raw - scorers.running.mean) / scorers.running.std
-    return raw

@@ -5,36 +5,48 @@ from __future__ import annotations
 import torch
 
 from rlhf import seeding
-from rlhf.algorithms.logprobs import shifted_nll_sum
+from rlhf.algorithms.tokens import shifted_nll_sum
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
+from rlhf.config import Config
+from rlhf.engine.mesh import Mesh
+from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError
+from rlhf.runtime.stage import StageContext
 
 
-def load_data(cfg, tokenizer, ctx):
-    """PPO-ptx: the SFT share of the data, tokenized (a language-model loss keeps the SFT skills)."""
-    sft_data = load_stage_data(cfg.data, "sft", cfg.run.seed)
-    if sft_data.train[0].response is None:
-        raise ConfigError(f"algorithm.ptx_coef needs SFT responses, and data.format="
-                          f"{cfg.data.source_list()[0].format} has none")
-    # the SFT stage's tokenization (chat template included), hence its cache
-    lens = dict(max_prompt=cfg.data.max_prompt_len, max_response=cfg.data.max_response_len,
-                chat=resolve_template(tokenizer, cfg.data.chat_template))
-    return cached("sft", sft_data.train, tokenizer, lens, ctx.cache_dir, ctx.mesh,
-                  lambda: tokenize_sft(sft_data.train, tokenizer, **lens))
+class PtxTerm:
+    """The language-model loss of update ``u``: the SFT loss on global batch ``u`` of a seeded order of
+    the SFT records (as many records as the update's minibatch has rows), token-weighted over all
+    ranks and scaled for the data-parallel average."""
 
+    def __init__(self, cols: dict, seed: int, tokenizer, mesh: Mesh):
+        self.cols, self.seed, self.tokenizer, self.mesh = cols, seed, tokenizer, mesh
 
-def loss(actor, cols, update: int, batch: int, seed: int, tokenizer, mesh) -> torch.Tensor:
-    """The SFT loss on this update's global batch of SFT records (token-weighted over all ranks,
-    scaled for the data-parallel average)."""
-    batches = GlobalBatches(len(cols["ids"]), batch, seeding.offset(seed, 1, seeding.PTX))
-    ix = batches.global_indices(update)[mesh.rank::mesh.world_size]
-    b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], tokenizer.pad_token_id, True,
-                    [cols["mask"][i] for i in ix] if "mask" in cols else None)
-    n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))
-    logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
-                           attention_mask=b["attention_mask"].to(mesh.device)).logits
-    nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
-    return nll / max(n_tokens, 1) * mesh.world_size
+    @classmethod
+    def load(cls, cfg: Config, tokenizer, ctx: StageContext) -> PtxTerm:
+        """The SFT share of the data, tokenized as the SFT stage does (chat template included, hence its cache)."""
+        sft_data = load_stage_data(cfg.data, "sft", cfg.run.seed)
+        if sft_data.train[0].response is None:
+            raise ConfigError(f"algorithm.ptx_coef needs SFT responses, and data.format="
+                              f"{cfg.data.source_list()[0].format} has none")
+        lens = dict(max_prompt=cfg.data.max_prompt_len, max_response=cfg.data.max_response_len,
+                    chat=resolve_template(tokenizer, cfg.data.chat_template))
+        cols = cached("sft", sft_data.train, tokenizer, lens, ctx.cache_dir, ctx.mesh,
+                      lambda: tokenize_sft(sft_data.train, tokenizer, **lens))
+        return cls(cols, cfg.run.seed, tokenizer, ctx.mesh)
+
+    def loss(self, actor: TrainEngine, update: int, batch: int) -> torch.Tensor:
+        """``actor``'s loss on update ``update``'s ``batch`` records (a forward with gradients)."""
+        cols, mesh = self.cols, self.mesh
+        batches = GlobalBatches(len(cols["ids"]), batch, seeding.offset(self.seed, 1, seeding.PTX))
+        ix = batches.global_indices(update)[mesh.rank::mesh.world_size]
+        b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix],
+                        self.tokenizer.pad_token_id, True, [cols["mask"][i] for i in ix] if "mask" in cols else None)
+        n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))
+        logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
+                               attention_mask=b["attention_mask"].to(mesh.device)).logits
+        nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+        return nll / max(n_tokens, 1) * mesh.world_size

@@ -18,7 +18,7 @@ from rlhf.data.records import Example
 from rlhf.data.tokenize import encode_prompts
 from rlhf.engine.mesh import Mesh
 from rlhf.ops import SamplingParams
-from rlhf.rundir.log import progress
+from rlhf.outputs.log import progress
 from rlhf.runtime.stage import rank_batches
 
 log = logging.getLogger("rlhf")

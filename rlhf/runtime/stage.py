@@ -21,8 +21,8 @@ from rlhf.engine.mesh import Mesh, init_mesh
 from rlhf.engine.train import check_offload
 from rlhf.errors import ConfigError, DataError
 from rlhf.launcher import interrupt
-from rlhf.rundir.fileio import atomic_write_json, atomic_write_text
-from rlhf.rundir.log import MetricsWriter, setup_console
+from rlhf.outputs.fileio import atomic_write_json, atomic_write_text
+from rlhf.outputs.log import MetricsWriter, setup_console
 
 log = logging.getLogger("rlhf")
 

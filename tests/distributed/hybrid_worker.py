@@ -62,7 +62,7 @@ def check(mesh, family: str, tp: int, hybrid: bool = True, **kw) -> dict:
     # HF generate keeps no logits (memory), so it returns no rollout log-probs
     lp_diff = None if gen.logprobs is None else ((lp - gen.logprobs) * gen.response_mask).abs().max().item()
     return {"greedy_equal": greedy_equal, "logprob_diff": lp_diff, "inject": hy.inject,
-            "rows": gen.sequences.shape[0], "switch_s": hy.timings.get("switch_s")}
+            "rows": gen.sequences.shape[0], "switch_s": gen.timings.get("switch_s")}
 
 
 def no_corruption(mesh) -> list:

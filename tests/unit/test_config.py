@@ -69,7 +69,7 @@ def test_bad_dpo_config(override, fragment):
 
 
 def test_dpo_config_and_its_data_split():
-    from rlhf.config import split_share_of
+    from rlhf.data.pipeline import split_share_of
     cfg, _ = compose_config(["stage=dpo"])
     assert cfg.dpo.loss == "sigmoid" and cfg.dpo.label_smoothing == 0.0 and cfg.dpo.model_path is None
     with pytest.raises(ConfigError, match="applies to dpo.loss=sigmoid"):

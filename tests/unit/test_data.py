@@ -5,9 +5,8 @@ import pytest
 
 from rlhf.config import DataConfig, SourceConfig, SyntheticConfig
 from rlhf.data import synthetic
-from rlhf.data.gold import gsm8k_score
 from rlhf.data.pipeline import blend, load_stage_data, split_share
-from rlhf.data.records import Example, read_examples
+from rlhf.data.records import Example, gsm8k_score, read_examples
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.data.tokenizer import train_tokenizer
 from rlhf.engine.mesh import Mesh
@@ -326,12 +325,12 @@ def test_eval_path_gives_the_held_out_set(tmp_path):
 
 
 def test_default_lengths_per_format(tmp_path):
-    from rlhf.config import DEFAULT_LENGTHS
+    from rlhf.data.formats import FORMATS
     from rlhf.compose import compose_config
     assert (DataConfig().resolve().max_prompt_len, DataConfig().resolve().max_response_len) == (64, 64)
     f = str(tmp_path / "x.jsonl")
     gsm = DataConfig(path=f, format="gsm8k").resolve()
-    assert (gsm.max_prompt_len, gsm.max_response_len) == DEFAULT_LENGTHS["gsm8k"] == (128, 192)
+    assert (gsm.max_prompt_len, gsm.max_response_len) == FORMATS["gsm8k"].lengths == (128, 192)
     assert DataConfig(path=f, format="hh", max_response_len=77).resolve().max_response_len == 77
     blend = DataConfig(sources=[SourceConfig(path=f, format="gsm8k"), SourceConfig(path=f, format="hh")]).resolve()
     assert (blend.max_prompt_len, blend.max_response_len) == (384, 192)

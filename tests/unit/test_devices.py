@@ -73,13 +73,14 @@ def test_pure_rl_functions_keep_the_device_of_their_inputs():
     """GAE, rewards, group estimators and whitening on meta tensors: any CPU tensor they made
     themselves would meet the meta inputs and raise."""
     import rlhf.algorithms.ppo as A
+    from rlhf.algorithms.estimators import advantages
     from rlhf.config import AlgorithmConfig
     m = torch.ones(8, 5, device="meta")
     scores, kl, values = torch.empty(8, device="meta"), torch.empty(8, 5, device="meta"), torch.empty(8, 5, device="meta")
     with DeviceDiscipline():
         for est in ("gae", "rloo", "grpo"):  # (whitening reads its statistics back: checked on CPU below)
             alg = AlgorithmConfig(estimator=est, whiten_advantages=False)
-            adv, _ = A.advantages(alg, scores, kl, values, m, 4, 0.05)
+            adv, _ = advantages(alg, scores, kl, values, m, 4, 0.05)
             assert adv.device.type == "meta", est
         assert A.discounted_returns(kl, m).device.type == "meta"
 

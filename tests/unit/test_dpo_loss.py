@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms.dpo import dpo_loss, response_mask, sequence_logprobs
+from rlhf.algorithms.preference import dpo_loss, response_mask, sequence_logprobs
 
 # One pair, β = 0.5: log π(y_w) = −1, log π(y_l) = −3, log π_ref(y_w) = −2, log π_ref(y_l) = −2.5.
 # h = (−1 − (−3)) − (−2 − (−2.5)) = 2 − 0.5 = 1.5, β h = 0.75.

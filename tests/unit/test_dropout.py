@@ -6,16 +6,15 @@ import logging
 import pytest
 import torch
 
-from rlhf.algorithms import ppo as ppo_math
 from rlhf.config import AlgorithmConfig, Config, EngineConfig, ModelConfig, PPOConfig, TrainConfig
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine, reference_for
 from rlhf.models import loading
 from rlhf.models.dropout import disable_dropout
-from rlhf.ops import SamplingParams
-from rlhf.rl import experience
-from rlhf.rl.update import ppo_update
+from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
+from rlhf.rl.prompts import PromptSource
+from rlhf.rl.update import Updater
 from tests.infer_helpers import BOS, EOS, PAD, mixed_prompts
 
 VOCAB = 97
@@ -61,15 +60,14 @@ def first_update(path, disable: bool):
                         TrainConfig(lr=1e-3, warmup_steps=0), total_steps=1)
     ref = reference_for(actor, lambda: loading.causal_lm(path, mesh, tok, disable_dropout=disable, role="reference"),
                         mesh, ecfg)
-    scorers = experience.Scorers(ref=ref, critic=None, reward_model=None, reward_stats={"mean": 0.0, "std": 1.0},
-                                 running=ppo_math.RunningMoments(), rule=digit_sum, rule_weight=1.0,
-                                 data_format="prompt_response")
+    scorers = Scorers(ref=ref, critic=None, reward_model=None, normalise=RewardNormaliser("none", {}),
+                      rule=digit_sum, rule_weight=1.0, data_format="prompt_response")
     actor.train()
-    sp = SamplingParams(max_new_tokens=ppo.max_new_tokens, samples_per_prompt=ppo.samples_per_prompt, seed=3)
-    prompts = mixed_prompts(4, vocab=VOCAB)
-    exp = experience.collect(HybridEngine(actor, tok, ecfg), actor, scorers, prompts, [None] * len(prompts), sp,
-                             alg, ppo, alg.kl_coef, tok, mesh)
-    stats, _ = ppo_update(exp, actor, None, alg, ppo, alg.kl_coef, torch.Generator().manual_seed(0), mesh)
+    prompts = PromptSource(mixed_prompts(4, vocab=VOCAB), [None] * 4, ppo.prompts_per_step, seed=0, mesh=mesh,
+                           max_rounds=0)
+    collector = Collector(HybridEngine(actor, tok, ecfg), actor, scorers, prompts, alg, ppo, tok, mesh, seed=3)
+    exp = collector.collect(0, alg.kl_coef)
+    stats = Updater(actor, None, alg, ppo, mesh, seed=0).update(exp, 0, alg.kl_coef)
     return exp, stats
 
 

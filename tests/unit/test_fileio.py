@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from rlhf.rundir.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
+from rlhf.outputs.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
 
 
 def _dead_pid() -> int:

@@ -6,6 +6,7 @@ Biases and q/k norm weights are random (``perturb``), windows shorter than the p
 RoPE variants change the frequencies, so that a part the inference modules got wrong would show in
 the tokens.
 """
+import dataclasses
 import logging
 
 import pytest
@@ -136,3 +137,19 @@ def test_policy_sweep(case):
 def test_families_without_policy_fall_back(case):
     family, kw = OTHERS[case]
     _check(_other(family, **kw), f"model family '{family}' has no injection policy")
+
+
+def test_a_family_row_is_all_a_new_family_needs(monkeypatch):
+    """policy_for reads the family's row of FAMILY_TABLE, not its name: Llama's row under another
+    model_type gives that type Llama's policy, and the injection serves it exactly."""
+    from rlhf.models import policies
+    model = tiny_model("llama", perturb=True, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    llama_policy, _ = policies.policy_for(model.config)
+    model.config.model_type = "llama_copy"
+    assert policies.policy_for(model.config)[1].startswith("model family 'llama_copy' has no injection policy")
+    row = dataclasses.replace(policies.family_of("llama"), model_type="llama_copy")
+    monkeypatch.setattr(policies, "FAMILY_TABLE", policies.FAMILY_TABLE + (row,))
+    policy, why = policies.policy_for(model.config)
+    assert why == "" and policy.family == "llama_copy"
+    assert dataclasses.replace(policy, family="llama") == llama_policy
+    _check(model, None)

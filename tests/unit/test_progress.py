@@ -2,7 +2,7 @@
 bar's postfix never forcing a redraw."""
 import logging
 
-from rlhf.rundir.log import Progress
+from rlhf.outputs.log import Progress
 
 
 class Clock:

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from rlhf.compose import CONF_DIR, compose_config
-from rlhf.config import STAGES, TrainConfig
+from rlhf.config import TrainConfig, stage_names
 from rlhf.errors import ConfigError
 
 # the dataclass defaults tuned on the embedded task (beside its recipe files' keys) that a pretrained
@@ -30,7 +30,7 @@ def flat(d, prefix=""):
             yield f"{prefix}{k}"
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", stage_names())
 def test_model_path_alone_gets_the_pretrained_recipe(stage, tmp_path):
     embedded, _ = compose_config([f"stage={stage}"])
     pretrained, _ = compose_config([f"stage={stage}", "model.path=org/some-model"])

@@ -14,7 +14,8 @@ from rlhf.data.records import Example
 from rlhf.engine.infer import Generation
 from rlhf.errors import ConfigError
 from rlhf.ops import SamplingParams
-from rlhf.rl import experience
+from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
+from rlhf.rl.prompts import PromptBatch
 from tests.e2e.batch_reward import batch_mean, fails_on_text
 
 EOS = 2
@@ -41,7 +42,6 @@ class Tok:
 
 class Hybrid:
     """Two prompts × two samples, three response tokens each (the last row never ends)."""
-    timings: dict = {}
 
     def generate(self, prompts, sp):
         seq = torch.tensor([[5, 6, 7, 8, EOS], [5, 6, 9, EOS, 0], [5, 7, 7, 7, EOS], [5, 7, 8, 8, 8]])
@@ -51,12 +51,11 @@ class Hybrid:
 
 
 def rollout_with(rule):
-    scorers = experience.Scorers(ref=None, critic=None, reward_model=None, reward_stats={"mean": 0.0, "std": 1.0},
-                                 running=ppo_math.RunningMoments(), rule=rule, rule_weight=1.0,
-                                 data_format="prompt_response")
-    examples = [Example(prompt="a"), Example(prompt="b")]
-    return experience.rollout(Hybrid(), scorers, [[5, 6], [5, 7]], examples, SamplingParams(samples_per_prompt=2),
-                              AlgorithmConfig(), PPOConfig(), 0, Tok(), None, {})
+    scorers = Scorers(ref=None, critic=None, reward_model=None, normalise=RewardNormaliser("none", {}), rule=rule,
+                      rule_weight=1.0, data_format="prompt_response")
+    collector = Collector(Hybrid(), None, scorers, None, AlgorithmConfig(), PPOConfig(), Tok(), None, seed=0)
+    batch = PromptBatch([[5, 6], [5, 7]], [Example(prompt="a"), Example(prompt="b")])
+    return collector.rollout(batch, SamplingParams(samples_per_prompt=2))
 
 
 def test_a_batch_level_reward_stops_the_rollout_naming_it():

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from rlhf.algorithms import estimators as E
 from rlhf.algorithms import ppo as A
 from rlhf.config import AlgorithmConfig, Config, PPOConfig
 from rlhf.errors import ConfigError
@@ -27,7 +28,7 @@ def test_loss_aggregation_golden(mode, expected):
     assert float((LOSS * w).sum() / denom) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("mode", A.LOSS_AGG)
+@pytest.mark.parametrize("mode", E.LOSS_AGG)
 def test_loss_aggregation_does_not_depend_on_the_split(mode):
     """The update sums Σ w·ℓ / (denominator / W) over micro-batches on each of W ranks, and the ranks
     average their gradients: every split of the rows gives the loss (hence the gradient) of one pass."""
@@ -70,7 +71,7 @@ def test_dr_grpo_and_zero_variance_groups():
     assert torch.allclose(dr[:4, 0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
     assert torch.equal(A.zero_variance_groups(scores, 4), torch.tensor([False, True]))
     alg = AlgorithmConfig(estimator="grpo", std_normalize=False)
-    adv, _ = A.advantages(alg, scores, torch.zeros(8, 2), None, m, 4, 0.05)
+    adv, _ = E.advantages(alg, scores, torch.zeros(8, 2), None, m, 4, 0.05)
     assert torch.equal(adv, dr)
 
 
@@ -110,7 +111,7 @@ def test_group_estimators_refuse_one_sample_per_prompt():
 
 
 def test_kl_estimator_defaults():
-    assert A.kl_kind(AlgorithmConfig(estimator="grpo")) == "k3"
-    assert A.kl_kind(AlgorithmConfig(estimator="gae")) == "k1"
-    assert A.kl_kind(AlgorithmConfig(estimator="grpo", kl_estimator="k1")) == "k1"
+    assert E.kl_kind(AlgorithmConfig(estimator="grpo")) == "k3"
+    assert E.kl_kind(AlgorithmConfig(estimator="gae")) == "k1"
+    assert E.kl_kind(AlgorithmConfig(estimator="grpo", kl_estimator="k1")) == "k1"
     assert not math.isnan(float(A.kl_penalty(torch.zeros(1), torch.zeros(1), "k3")))

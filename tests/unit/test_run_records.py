@@ -11,7 +11,7 @@ import pytest
 from rlhf import report, summary
 from rlhf.compose import compose_config
 from rlhf.errors import ConfigError
-from rlhf.rundir.log import MetricsWriter, PeakMemory, Progress
+from rlhf.outputs.log import MetricsWriter, PeakMemory, Progress
 from tests.conftest import ROOT
 
 
@@ -38,7 +38,7 @@ def test_every_metrics_line_has_the_peak_memory_since_the_previous_one(tmp_path)
 def test_whole_process_peaks_survive_the_per_line_resets(monkeypatch):
     """bench/stage_peak.py (the benches' peak_rss_gb) reads the process's peak at its end: the resets
     behind mem/peak_gb must not hide a peak from it."""
-    from rlhf.rundir import log
+    from rlhf.outputs import log
     spec = importlib.util.spec_from_file_location("stage_peak", ROOT / "bench" / "stage_peak.py")
     stage_peak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stage_peak)
@@ -55,7 +55,7 @@ def test_whole_process_peaks_survive_the_per_line_resets(monkeypatch):
 
 def test_peak_memory_on_cuda_is_the_device_allocation_reset_per_line(monkeypatch):
     """The device branch (no GPU here): max_memory_allocated in GiB, then a reset for the next line."""
-    from rlhf.rundir import log
+    from rlhf.outputs import log
     resets = []
     cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
                                  max_memory_allocated=lambda: 3 * 2**30, max_memory_reserved=lambda: 4 * 2**30,

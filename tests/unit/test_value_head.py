@@ -3,8 +3,8 @@ import math
 
 import torch
 
-from rlhf.algorithms.losses import pairwise_loss
-from rlhf.algorithms.masks import last_index
+from rlhf.algorithms.preference import pairwise_loss
+from rlhf.algorithms.tokens import last_index
 from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
 
 

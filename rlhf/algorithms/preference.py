@@ -1,4 +1,5 @@
-"""Direct preference optimisation as pure tensor functions (no project imports).
+"""Preference losses as pure tensor functions (no project imports): the reward model's pairwise
+Bradley-Terry loss (``pairwise_loss``) and direct preference optimisation.
 
 Every loss reads the *summed* log-probability of each pair's responses — the response tokens only,
 EOS included, never the prompt — under the policy (with gradient) and under the frozen reference
@@ -73,3 +74,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach().to(h.dtype)
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach().to(h.dtype)
     return losses, chosen_rewards, rejected_rewards
+
+def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
+    """Bradley-Terry ranking loss per pair: -log σ(r_chosen - r_rejected - margin) (InstructGPT eq. 1;
+    the margin as in Llama 2)."""
+    return -F.logsigmoid(chosen.float() - rejected.float() - margin)

@@ -1,4 +1,6 @@
-"""Per-token log-probabilities and the masked token NLL (pure tensor functions)."""
+"""Per-token functions of logits and masks (pure tensor functions): log-probabilities, the masked token
+NLL, and what an attention or response mask says about its rows (positions, last index; left or
+right padding alike)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -70,3 +72,14 @@ def shifted_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     mask = labels != -100
     lp = token_logprobs(logits, labels.clamp(min=0))
     return -(lp * mask).sum(), int(mask.sum())
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over the real tokens of each row (0 on the left padding)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last set position of each row (0 for an empty row): the last non-pad token of
+    an attention mask, the last response token of a response mask."""
+    t = torch.arange(mask.shape[1], device=mask.device)
+    return (t[None, :] * mask.long()).argmax(-1)

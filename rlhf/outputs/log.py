@@ -13,7 +13,7 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-from rlhf.rundir.fileio import atomic_write_text
+from rlhf.outputs.fileio import atomic_write_text
 
 log = logging.getLogger("rlhf")
 

@@ -1,0 +1,115 @@
+"""The RL estimators (``algorithm.estimator``) as one table: each row is an estimator's traits and its
+advantage function. Everything that differs between estimators — whether the PPO stage builds a
+critic, whether the baseline compares a prompt's samples, where the KL to the reference goes, which
+KL estimator is the default — is read from its row; adding an estimator is one row, one function
+and one test.
+
+An advantage function takes ``(alg, scores, kl, values, mask, group_size, beta, all_reduce)``:
+``alg`` the AlgorithmConfig, ``scores`` [B] per sequence, ``kl`` [B, N] per token (masked),
+``values`` [B, N] (critic estimators; else None), ``mask`` [B, N], ``group_size`` a prompt's samples
+(consecutive rows), ``beta`` the KL coefficient, ``all_reduce`` the global sum for whitening (None in
+one process). It returns (advantages [B, N], value targets [B, N] or None).
+
+The KL estimators (``algorithm.kl_estimator``) and loss aggregations (``algorithm.loss_agg``) are
+tables here too. This module imports no torch (the tensor math is ``rlhf.algorithms.ppo``, imported
+when an advantage is computed), so that ``rlhf.config``, which validates names against these
+tables, stays quick to import: a bad command line fails before torch loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+Tensor = "torch.Tensor"
+AllReduce = Optional[Callable[[Tensor], Tensor]]
+
+
+def _math():
+    from rlhf.algorithms import ppo
+    return ppo
+
+
+def _gae(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int, beta: float,
+         all_reduce: AllReduce) -> Tuple[Tensor, Optional[Tensor]]:
+    """PPO: per-token rewards −β·KL plus the score at the last token, GAE over the critic's values."""
+    m = _math()
+    rewards = m.token_rewards(scores, kl, mask, beta, alg.reward_clip)
+    adv, returns = m.gae(rewards, values, mask, alg.gamma, alg.lam)
+    if alg.whiten_advantages:
+        adv = m.whiten(adv, mask, all_reduce=all_reduce)
+    return adv, returns
+
+
+def _grpo(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int, beta: float,
+          all_reduce: AllReduce) -> Tuple[Tensor, Optional[Tensor]]:
+    """GRPO: the score against its group's mean (and std); already normalised, so no batch whitening."""
+    clip = alg.reward_clip
+    if clip:
+        scores = scores.clamp(-clip, clip)
+    return _math().grpo_advantages(scores, group_size, mask, std_normalize=alg.std_normalize), None
+
+
+def _rloo(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int, beta: float,
+          all_reduce: AllReduce) -> Tuple[Tensor, Optional[Tensor]]:
+    """RLOO: the KL-shaped score against the mean of the prompt's other samples."""
+    m = _math()
+    adv = m.rloo_advantages(scores - beta * kl.sum(1), group_size, mask)
+    if alg.whiten_advantages:
+        adv = m.whiten(adv, mask, all_reduce=all_reduce)
+    return adv, None
+
+
+def _reinforce_pp(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int,
+                  beta: float, all_reduce: AllReduce) -> Tuple[Tensor, Optional[Tensor]]:
+    """REINFORCE++: token-level KL-shaped returns, whitened over the global batch."""
+    m = _math()
+    rewards = m.token_rewards(scores, kl, mask, beta, alg.reward_clip)
+    return m.whiten(m.discounted_returns(rewards, mask, alg.gamma), mask, all_reduce=all_reduce), None
+
+
+@dataclass(frozen=True)
+class Estimator:
+    name: str
+    advantages: Callable[..., Tuple[Tensor, Optional[Tensor]]]
+    critic: bool = False  # learns a value function: the PPO stage builds and trains a critic
+    grouped: bool = False  # its baseline compares a prompt's samples: ≥ 2 per prompt; dynamic sampling applies
+    kl_in_loss: bool = False  # the KL to the reference is a loss term (× β), not a per-token reward
+    kl_default: str = "k1"  # the KL estimator when algorithm.kl_estimator is unset (rlhf.algorithms.ppo)
+
+
+ESTIMATORS: Dict[str, Estimator] = {e.name: e for e in (
+    Estimator("gae", _gae, critic=True),
+    # the KL as a loss term with the unbiased, non-negative k3 (as the GRPO paper)
+    Estimator("grpo", _grpo, grouped=True, kl_in_loss=True, kl_default="k3"),
+    Estimator("rloo", _rloo, grouped=True),
+    Estimator("reinforce_pp", _reinforce_pp),
+)}
+
+
+# KL(π || π_ref) per token from the log-ratio log π − log π_ref of the sampled tokens: k1 the log-ratio
+# (unbiased, can be negative); k2 ½(log-ratio)²; k3 exp(−log-ratio) + log-ratio − 1 (unbiased, ≥ 0;
+# Schulman's approximation)
+KL_ESTIMATORS: Dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": lambda log_ratio: log_ratio,
+    "k2": lambda log_ratio: 0.5 * log_ratio ** 2,
+    "k3": lambda log_ratio: (-log_ratio).expm1() + log_ratio,
+}
+
+# how per-token policy losses become one number (rlhf.algorithms.ppo.loss_weights / loss_denominator)
+LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+
+
+def estimator(alg) -> Estimator:
+    """The row of ``alg.estimator`` (an AlgorithmConfig, validated against this table)."""
+    return ESTIMATORS[alg.estimator]
+
+
+def kl_kind(alg) -> str:
+    """``algorithm.kl_estimator``, or its estimator's default."""
+    return alg.kl_estimator or estimator(alg).kl_default
+
+
+def advantages(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int,
+               beta: float, all_reduce: AllReduce = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """(advantages, value targets or None) of ``alg.estimator``; see the module's docstring."""
+    return estimator(alg).advantages(alg, scores, kl, values, mask, group_size, beta, all_reduce)
