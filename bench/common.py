@@ -1,5 +1,6 @@
 """What the benches share: the workloads of docs/contract.md, the Llama built from one, and the device
 label every JSON line carries."""
+
 from __future__ import annotations
 
 import os
@@ -14,12 +15,11 @@ if str(ROOT) not in sys.path:
 WORKLOADS = {
     "tiny": dict(hidden=128, layers=4, heads=4, kv=2, vocab=2000, prompts=8, prompt_len=32, new=64),
     "small": dict(hidden=512, layers=8, heads=8, kv=4, vocab=8000, prompts=8, prompt_len=64, new=128),
-    "bigvocab": dict(hidden=256, layers=4, heads=4, kv=2, inter=704, vocab=151936, prompts=32, prompt_len=64,
-                     new=128),
-    "gpu05b": dict(hidden=1024, layers=24, heads=16, kv=8, inter=2816, vocab=32000, prompts=64, prompt_len=128,
-                   new=256),
-    "gpu1b": dict(hidden=2048, layers=16, heads=16, kv=8, inter=5632, vocab=32000, prompts=64, prompt_len=128,
-                  new=256),
+    "bigvocab": dict(hidden=256, layers=4, heads=4, kv=2, inter=704, vocab=151936, prompts=32, prompt_len=64, new=128),
+    "gpu05b": dict(
+        hidden=1024, layers=24, heads=16, kv=8, inter=2816, vocab=32000, prompts=64, prompt_len=128, new=256
+    ),
+    "gpu1b": dict(hidden=2048, layers=16, heads=16, kv=8, inter=5632, vocab=32000, prompts=64, prompt_len=128, new=256),
 }
 
 
@@ -31,10 +31,20 @@ def intermediate(w: dict) -> int:
 def llama_config(w: dict, **overrides):
     """The workload's LlamaConfig (untied LM head, 512 positions); ``overrides`` win (token ids, ...)."""
     from transformers import LlamaConfig
-    kw = dict(vocab_size=w["vocab"], hidden_size=w["hidden"], intermediate_size=intermediate(w),
-              num_hidden_layers=w["layers"], num_attention_heads=w["heads"], num_key_value_heads=w["kv"],
-              max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False)
+
+    kw = dict(
+        vocab_size=w["vocab"],
+        hidden_size=w["hidden"],
+        intermediate_size=intermediate(w),
+        num_hidden_layers=w["layers"],
+        num_attention_heads=w["heads"],
+        num_key_value_heads=w["kv"],
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     return LlamaConfig(**{**kw, **overrides})
 
 
@@ -43,6 +53,7 @@ def resolve_device(requested: str = "auto", nproc: int = 1):
     (``engine.device``: auto honours $RLHF_DEVICE and falls back to the CPU when there are fewer GPUs
     than processes)."""
     from rlhf.engine.mesh import choose_device
+
     return choose_device(requested, 0, nproc)
 
 
@@ -50,6 +61,7 @@ def device_label(device=None) -> str:
     """``cpu`` or ``cuda:<device name>`` (the ``device`` field of every bench line). ``device``: a
     torch.device or string; None = CUDA device 0 when torch sees one and $RLHF_DEVICE is not cpu."""
     import torch
+
     if device is None:
         use_cuda = torch.cuda.is_available() and os.environ.get("RLHF_DEVICE", "") != "cpu"
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")

@@ -19,6 +19,7 @@ the adapters only (Φ parameters): the frozen fp32 weights 4Ψ (replicated under
 ZeRO-2 the gathered copy lives from forward to backward next to its shard, 4Ψ + 4Ψ/N; 4Ψ/N under
 ZeRO-3) plus the adapters' 16Φ sharded as the stage says (``lora_formula``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,6 +67,7 @@ def _local_bytes(t) -> int:
 
 def _held_bytes(engine) -> dict:
     import torch
+
     model = engine.model
     params = 0
     seen = set()
@@ -94,6 +96,14 @@ def _held_bytes(engine) -> dict:
     return {"params": params, "grads": grads, "optim": optim}
 
 
+def _record_peak(engine, peak: dict, tag: str) -> None:
+    """``peak``: the largest total of the bytes ``engine`` holds, its parts and where (``tag``)."""
+    b = _held_bytes(engine)
+    tot = sum(b.values())
+    if tot > peak["total"]:
+        peak.update(total=tot, at=tag, **b)
+
+
 def worker(workload: str, precision: str, out: str, lora_r: int = 0) -> None:
     import torch
     from transformers import LlamaForCausalLM
@@ -117,37 +127,40 @@ def worker(workload: str, precision: str, out: str, lora_r: int = 0) -> None:
         if r:
             from rlhf.config import LoraConfig
             from rlhf.models.lora import apply_lora
+
             model = apply_lora(model, LoraConfig(r=r, alpha=2.0 * r), seed=0)
         phi = sum(p.numel() for p in model.parameters() if p.requires_grad) if r else psi
         eng = TrainEngine(model, mesh, EngineConfig(zero_stage=zero, precision=precision), TrainConfig(lr=1e-4))
         peak = {"total": 0}
-        snap = {}
-
-        def record(tag):
-            b = _held_bytes(eng)
-            snap[tag] = b
-            tot = sum(b.values())
-            if tot > peak["total"]:
-                peak.update(total=tot, at=tag, **b)
-
         ids = torch.randint(0, w["vocab"], (2, 64)).to(mesh.device)
         for step in range(2):
             out_ = eng.forward(input_ids=ids)
             if step == 1:
-                record("after_forward")
+                _record_peak(eng, peak, "after_forward")
             loss = out_.logits.float().logsumexp(-1).mean()
             eng.backward(loss)
             if step == 1:
-                record("after_backward")
+                _record_peak(eng, peak, "after_backward")
             # step without clearing grads first so that they count in the snapshot
             eng.optimizer.step()
             if step == 1:
-                record("after_step")
+                _record_peak(eng, peak, "after_step")
             eng.optimizer.zero_grad(set_to_none=True)
-        rows.append({"zero": zero, "lora": r, "psi": psi, "phi": phi, **peak,
-                     "formula": (lora_formula(zero, psi, phi, mesh.world_size) if r
-                                 else formula(zero, psi, mesh.world_size, precision)),
-                     "device": device_label(mesh.device)})
+        rows.append(
+            {
+                "zero": zero,
+                "lora": r,
+                "psi": psi,
+                "phi": phi,
+                **peak,
+                "formula": (
+                    lora_formula(zero, psi, phi, mesh.world_size)
+                    if r
+                    else formula(zero, psi, mesh.world_size, precision)
+                ),
+                "device": device_label(mesh.device),
+            }
+        )
         del eng, model
     if mesh.is_main:
         Path(out).write_text(json.dumps(rows))
@@ -168,22 +181,63 @@ def main() -> None:
     import tempfile
 
     import torch
+
     for n in args.world_sizes:
         for prec in args.precision:
             out = tempfile.mktemp(suffix=".json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   __file__, "--worker", args.workload, prec, out, str(args.lora if prec == "fp32" else 0)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                __file__,
+                "--worker",
+                args.workload,
+                prec,
+                out,
+                str(args.lora if prec == "fp32" else 0),
+            ]
             env = dict(os.environ, OMP_NUM_THREADS="1")
             subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)
             for r in json.loads(Path(out).read_text()):
                 variant = f"zero{r['zero']}" + ("_lora" if r["lora"] else "")
-                base = {"bench": "memory", "workload": args.workload, "variant": variant,
-                        "world_size": n, "precision": prec, "torch": torch.__version__, "device": r["device"]}
-                print(json.dumps({**base, "metric": "bytes_per_rank", "value": r["total"], "unit": "bytes",
-                                  "params": r["params"], "grads": r["grads"], "optim": r["optim"],
-                                  "peak_at": r["at"], "psi": r["psi"], "trainable": r["phi"]}))
-                print(json.dumps({**base, "metric": "formula_bytes", "value": r["formula"], "unit": "bytes",
-                                  "ratio_measured_to_formula": r["total"] / r["formula"]}))
+                base = {
+                    "bench": "memory",
+                    "workload": args.workload,
+                    "variant": variant,
+                    "world_size": n,
+                    "precision": prec,
+                    "torch": torch.__version__,
+                    "device": r["device"],
+                }
+                print(
+                    json.dumps(
+                        {
+                            **base,
+                            "metric": "bytes_per_rank",
+                            "value": r["total"],
+                            "unit": "bytes",
+                            "params": r["params"],
+                            "grads": r["grads"],
+                            "optim": r["optim"],
+                            "peak_at": r["at"],
+                            "psi": r["psi"],
+                            "trainable": r["phi"],
+                        }
+                    )
+                )
+                print(
+                    json.dumps(
+                        {
+                            **base,
+                            "metric": "formula_bytes",
+                            "value": r["formula"],
+                            "unit": "bytes",
+                            "ratio_measured_to_formula": r["total"] / r["formula"],
+                        }
+                    )
+                )
             os.unlink(out)
 
 

@@ -9,6 +9,7 @@ the stage's samples/s; PPO: the median iteration's generate + score + update sec
 
 Learning is not the point (random weights); the settings and the engine at that size are.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,25 @@ from common import ROOT, device_label
 
 # Qwen/Qwen2.5-0.5B's config.json as published (architecture fields)
 QWEN25_05B = dict(
-    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
-    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    hidden_act="silu", use_sliding_window=False, sliding_window=32768, max_window_layers=24,
-    attention_dropout=0.0, initializer_range=0.02)
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    use_sliding_window=False,
+    sliding_window=32768,
+    max_window_layers=24,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+)
 HH = ROOT / "tests" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 
 
@@ -39,13 +54,15 @@ def build_model(out: Path, data: Path) -> Path:
 
     from rlhf.data.records import read_examples
     from rlhf.data.tokenizer import train_tokenizer
+
     if (out / "config.json").is_file():
         return out
     examples, _ = read_examples(str(data), "hh")
     texts = [t for e in examples for t in (e.prompt, e.chosen, e.rejected) if t]
     tok = train_tokenizer(texts, vocab_size=8192, model_max_length=QWEN25_05B["max_position_embeddings"])
-    cfg = Qwen2Config(**QWEN25_05B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        **QWEN25_05B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out)
@@ -70,11 +87,22 @@ def stage(name: str, run: Path, common: list, extra: list, batch: dict) -> dict:
     peaks = [r["mem/peak_gb"] for r in rows if "mem/peak_gb" in r]
     recipe = next((x.split("recipe=")[1].split(" ")[0] for x in proc.stderr.splitlines() if "recipe=" in x), None)
     import torch
-    base = {"bench": "real_size", "workload": "qwen2.5-0.5b-shape", "variant": name, "world_size": 1,
-            "torch": torch.__version__, "device": device_label("cpu"), "recipe": recipe, "params": 494_032_768}
-    return [{**base, "metric": "s_per_step", "value": round(statistics.median(steps), 2), "unit": "s"},
-            {**base, "metric": "peak_mem_gb", "value": round(max(peaks), 2) if peaks else None, "unit": "GiB"},
-            {**base, "metric": "wall_s", "value": round(wall, 1), "unit": "s"}]
+
+    base = {
+        "bench": "real_size",
+        "workload": "qwen2.5-0.5b-shape",
+        "variant": name,
+        "world_size": 1,
+        "torch": torch.__version__,
+        "device": device_label("cpu"),
+        "recipe": recipe,
+        "params": 494_032_768,
+    }
+    return [
+        {**base, "metric": "s_per_step", "value": round(statistics.median(steps), 2), "unit": "s"},
+        {**base, "metric": "peak_mem_gb", "value": round(max(peaks), 2) if peaks else None, "unit": "GiB"},
+        {**base, "metric": "wall_s", "value": round(wall, 1), "unit": "s"},
+    ]
 
 
 def main() -> None:
@@ -89,17 +117,35 @@ def main() -> None:
     run = out / "run"
     # the pretrained recipe as it is, but for the step count and the batch a 2-core CPU can take
     # in minutes (one process, fp32)
-    common = [f"model.path={model}", f"data.path={args.data}", "data.format=hh", "logger.progress=false",
-              f"train.max_steps={args.steps}", "train.log_every=1", "train.save_every=0", "run.resume=false",
-              "engine.precision=fp32", "data.eval_size=32"]
+    common = [
+        f"model.path={model}",
+        f"data.path={args.data}",
+        "data.format=hh",
+        "logger.progress=false",
+        f"train.max_steps={args.steps}",
+        "train.log_every=1",
+        "train.save_every=0",
+        "run.resume=false",
+        "engine.precision=fp32",
+        "data.eval_size=32",
+    ]
     batch = {"sft": 8, "reward": 8}
-    extra = {"sft": [f"train.global_batch={batch['sft']}", "train.micro_batch_per_rank=4"],
-             "reward": [f"train.global_batch={batch['reward']}", "train.micro_batch_per_rank=4"],
-             # four fp32 models with AdamW state for two of them (≈ 24 GB before activations) do not fit
-             # this 24 GB machine: PPO here trains LoRA adapters on actor and critic (the reference is
-             # the actor with adapters off), as a user of one small machine would
-             "ppo": ["ppo.prompts_per_step=4", "ppo.min_rm_accuracy=0", "ppo.max_new_tokens=64",
-                     "model.lora.r=16", "model.lora.critic=true", "train.lr=1e-4", "ppo.critic_lr=1e-4"]}
+    extra = {
+        "sft": [f"train.global_batch={batch['sft']}", "train.micro_batch_per_rank=4"],
+        "reward": [f"train.global_batch={batch['reward']}", "train.micro_batch_per_rank=4"],
+        # four fp32 models with AdamW state for two of them (≈ 24 GB before activations) do not fit
+        # this 24 GB machine: PPO here trains LoRA adapters on actor and critic (the reference is
+        # the actor with adapters off), as a user of one small machine would
+        "ppo": [
+            "ppo.prompts_per_step=4",
+            "ppo.min_rm_accuracy=0",
+            "ppo.max_new_tokens=64",
+            "model.lora.r=16",
+            "model.lora.critic=true",
+            "train.lr=1e-4",
+            "ppo.critic_lr=1e-4",
+        ],
+    }
     for name in args.stages.split(","):
         for line in stage(name, run, common, extra[name], batch):
             print(json.dumps(line), flush=True)

@@ -17,6 +17,7 @@ sft:train.max_steps=500`` to one stage, ``--grpo-set`` to the GRPO run only (e.g
 dynamic sampling);
 ``--label`` names the GRPO variant (its own run directory) and is carried by every line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ def grpo_dir(label) -> str:
     return f"grpo_{label}" if label else "grpo"
 
 
-def run_stage(stage: str, seed_dir: Path, seed: int, threads: int, overrides: list, grpo_overrides: list,
-              label, log) -> float:
+def run_stage(
+    stage: str, seed_dir: Path, seed: int, threads: int, overrides: list, grpo_overrides: list, label, log
+) -> float:
     """Runs one stage of one seed (unless its output exists); returns its seconds (0 when skipped,
     None when PPO refused the reward model)."""
     output = f"{grpo_dir(label)}/ppo/actor" if stage == "grpo" else OUTPUT[stage]
@@ -69,10 +71,26 @@ def run_stage(stage: str, seed_dir: Path, seed: int, threads: int, overrides: li
         if not (run_dir / "sft").exists():
             shutil.copytree(seed_dir / "sft", run_dir / "sft", ignore=shutil.ignore_patterns("checkpoints"))
         extra += GRPO + list(grpo_overrides)
-    cmd = [sys.executable, "-m", "rlhf", f"stage={'ppo' if stage == 'grpo' else stage}", f"run.dir={run_dir}",
-           f"run.seed={seed}", "logger.progress=false", f"engine.threads_per_rank={threads}", *extra]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf",
+        f"stage={'ppo' if stage == 'grpo' else stage}",
+        f"run.dir={run_dir}",
+        f"run.seed={seed}",
+        "logger.progress=false",
+        f"engine.threads_per_rank={threads}",
+        *extra,
+    ]
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS=str(threads),
+    )
     t0 = time.perf_counter()
     log_file = seed_dir / f"{grpo_dir(label) if stage == 'grpo' else stage}.log"  # GRPO variants side by side
     with open(log_file, "w") as f:
@@ -114,6 +132,7 @@ def figures(seed_dir: Path, stages: list, seconds: dict, label=None) -> dict:
 
 def main() -> None:
     import torch
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--parallel", type=int, default=1, help="seeds run at once (threads split between them)")
@@ -143,14 +162,20 @@ def main() -> None:
     def one(seed: int) -> dict:
         seed_dir = out / f"seed{seed}"
         seed_dir.mkdir(parents=True, exist_ok=True)
-        seconds = {s: run_stage(s, seed_dir, seed, threads, overrides, args.grpo_set, args.label, log)
-                   for s in stages}
+        seconds = {s: run_stage(s, seed_dir, seed, threads, overrides, args.grpo_set, args.label, log) for s in stages}
         return figures(seed_dir, stages, seconds, args.label)
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         results = dict(zip(args.seeds, pool.map(one, args.seeds)))
-    base = {"bench": "seeds", "workload": "embedded", "world_size": 1, "threads_per_rank": threads,
-            "torch": torch.__version__, "device": device_label(torch.device("cpu")), "out": str(out)}
+    base = {
+        "bench": "seeds",
+        "workload": "embedded",
+        "world_size": 1,
+        "threads_per_rank": threads,
+        "torch": torch.__version__,
+        "device": device_label(torch.device("cpu")),
+        "out": str(out),
+    }
     if args.label:
         base["label"] = args.label
     for seed, figs in results.items():
@@ -160,8 +185,9 @@ def main() -> None:
     for metric in metrics:
         vals = [figs[metric] for figs in results.values() if metric in figs]
         for name, fn in (("min", min), ("median", statistics.median), ("max", max)):
-            print(json.dumps({**base, "variant": name, "metric": metric, "value": round(fn(vals), 4),
-                              "seeds": len(vals)}))
+            print(
+                json.dumps({**base, "variant": name, "metric": metric, "value": round(fn(vals), 4), "seeds": len(vals)})
+            )
 
 
 if __name__ == "__main__":

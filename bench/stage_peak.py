@@ -9,6 +9,7 @@ on CUDA also peak_gpu_gb (torch.cuda.max_memory_allocated) and peak_gpu_reserved
 is taken with the peaks the stage's metrics lines read before resetting it (``mem/peak_gb`` is the
 peak since the previous line: rlhf.outputs.log.PeakMemory), so these stay the whole process's peaks.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 def peak() -> dict:
     from rlhf.outputs.log import peaks_before_resets
+
     before = peaks_before_resets()
     rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, before.get("rss", 0))
     rec = {"rank": int(os.environ.get("RANK", "0")), "peak_rss_gb": rss / 2**30}
@@ -37,6 +39,7 @@ def peak() -> dict:
 def main() -> None:
     out_dir, argv = Path(sys.argv[1]), sys.argv[2:]
     from rlhf.__main__ import main as rlhf_main
+
     try:
         rlhf_main(argv)
     finally:  # also on an error exit: the figure of a failed run still says how far it got

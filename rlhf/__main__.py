@@ -8,6 +8,7 @@ and not already under a launcher, it starts torch.distributed.run itself (docs/c
 Exit codes: 0 success, 2 bad configuration or input, 3 a peer rank died or stopped answering
 (rlhf/launcher/watchdog.py; the job can be rerun and resumes from its last checkpoint), anything else a bug.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,12 +24,13 @@ USAGE = """usage: python -m rlhf stage={stages} [key=value ...]
 Hydra overrides, e.g. run.dir=runs/x train.max_steps=100 engine.zero_stage=3 data.path=f.jsonl
   --cfg       print the composed configuration and exit
   --help      this text
-Config groups and keys: see README.md and rlhf/config.py."""
+Config groups and keys: see docs/contract.md and rlhf/config.py."""
 
 
 def _fail(msg: str, code: int = 2) -> None:
     from rlhf.errors import one_line
     from rlhf.launcher.watchdog import hold_termination, write_error_file
+
     printed = int(os.environ.get("RANK", "0")) == 0  # every rank sees the same error: print it once
     hold_termination()
     if printed:
@@ -38,16 +40,19 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        argv = sys.argv[1:]
+    argv = list(argv)
     if "--help" in argv or "-h" in argv:
         from rlhf.config import stage_names
+
         print(USAGE.format(stages="|".join(stage_names())))
         return
     show_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
 
-    from rlhf.errors import UserError
     from rlhf.compose import compose_config
+    from rlhf.errors import UserError
 
     try:
         cfg, yaml_text = compose_config(argv)
@@ -59,9 +64,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if cfg.launcher.nproc_per_node > 0 and "LOCAL_RANK" not in os.environ:
         from rlhf.launcher.launch import self_launch
+
         sys.exit(self_launch(cfg, argv))
 
     import importlib
+
     stage = importlib.import_module(f"stages.{cfg.stage}")
     try:
         stage.run(cfg)
@@ -73,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         # A peer that died or stopped answering: one clear line and exit code 3, not a traceback
         # from deep inside FSDP (rlhf/launcher/watchdog.py). Anything else is a bug and keeps its traceback.
         from rlhf.launcher import watchdog
+
         failure = watchdog.collective_failure(e, cfg.engine.timeout_s)
         if failure is None:
             raise

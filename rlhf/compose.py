@@ -1,4 +1,5 @@
 """Compose and validate the configuration (Hydra compose API over the typed dataclasses)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,11 +72,16 @@ def choose_recipe(overrides: List[str]) -> Tuple[List[str], str]:
         return overrides, f"recipe={given['recipe']} on the command line"
     for key in MODEL_KEYS:
         if given.get(key) not in (None, "", "null"):
-            return overrides + ["recipe=pretrained"], (f"{key}={given[key]} is set: settings for a pretrained "
-                                                       f"model (recipe=embedded gives the embedded task's)")
+            return overrides + ["recipe=pretrained"], (
+                f"{key}={given[key]} is set: settings for a pretrained "
+                f"model (recipe=embedded gives the embedded task's)"
+            )
     run_dir = Path(given.get("run.dir") or C.RunConfig.dir)
-    saved = sorted((p for p in (run_dir / s / "config.yaml" for s in C.stage_names()) if p.is_file()),
-                   key=lambda p: p.stat().st_mtime, reverse=True)
+    saved = sorted(
+        (p for p in (run_dir / s / "config.yaml" for s in C.stage_names()) if p.is_file()),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
     for path in saved:  # the newest stage's (rlhf.runtime.stage.CONFIG_FILE)
         m = re.search(r"^recipe: *(\S+)", path.read_text(encoding="utf-8", errors="replace"), re.M)
         if m and m.group(1) in recipes():
@@ -100,8 +106,10 @@ def _describe(e: Exception, recipe_why: str = "") -> str:
     m = re.search(r"Could not find 'recipe_stage/([\w.-]+)/(\w+)'", text)
     if m and m.group(1) in recipes():
         have = [s for s in C.stage_names() if (CONF_DIR / "recipe_stage" / m.group(1) / f"{s}.yaml").is_file()]
-        return (f"recipe={m.group(1)} ({recipe_why}) has no {m.group(2)} stage (its stages: "
-                f"{', '.join(have)}); pick another recipe for stage={m.group(2)}")
+        return (
+            f"recipe={m.group(1)} ({recipe_why}) has no {m.group(2)} stage (its stages: "
+            f"{', '.join(have)}); pick another recipe for stage={m.group(2)}"
+        )
     if "Could not find 'recipe/" in text or (m and m.group(1) not in recipes()):
         name = re.search(r"Could not find 'recipe(?:_stage)?/([\w.-]+)", text).group(1)
         return f"unknown recipe '{name}' (expected {', '.join(recipes())})"
@@ -111,7 +119,7 @@ def _describe(e: Exception, recipe_why: str = "") -> str:
 
 
 def _did_you_mean(text: str) -> str:
-    """", did you mean 'max_steps'?" for an unknown key close to a real one of its group."""
+    """ ", did you mean 'max_steps'?" for an unknown key close to a real one of its group."""
     m = re.search(r"Key '([^']+)' not in '(\w+)'", text)
     cls = getattr(C, m.group(2), None) if m else None
     if cls is None or not dataclasses.is_dataclass(cls):

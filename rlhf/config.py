@@ -6,6 +6,7 @@ only override them (``conf/stage/<stage>.yaml`` holds what differs per stage, e.
 rate). Validation runs in ``__post_init__`` when ``OmegaConf.to_object`` builds these dataclasses,
 i.e. before any work starts; a bad value raises ``ConfigError`` (exit code 2) naming the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,7 @@ class Stage:
     """One stage: ``stages/<name>.py``, run as ``python -m rlhf stage=<name>``, writing ``<run.dir>/<name>/``.
     STAGE_TABLE is the one list of stages: config validation, compose (recipes, earlier stages' configs),
     the usage text, summary.json, report.png and scripts/run_all.sh all read it."""
+
     name: str
     pipeline: bool  # scripts/run_all.sh runs it when given no stages= (the pipeline, in the table's order)
     # the metrics summary.json keeps for it (their last logged values; every stage also keeps its largest
@@ -35,8 +37,11 @@ STAGE_TABLE = (
     Stage("sft", pipeline=True, summary_keys=("eval/loss", "gold/score", "gold/score_greedy")),
     Stage("reward", pipeline=True, summary_keys=("eval/accuracy",)),
     Stage("ppo", pipeline=True, summary_keys=("gold/score", "gold/score_greedy", "kl/mean", "reward/mean")),
-    Stage("dpo", pipeline=False, summary_keys=("gold/score", "gold/score_greedy", "eval/rewards/accuracy",
-                                                "eval/rewards/margin")),
+    Stage(
+        "dpo",
+        pipeline=False,
+        summary_keys=("gold/score", "gold/score_greedy", "eval/rewards/accuracy", "eval/rewards/margin"),
+    ),
 )
 
 
@@ -75,14 +80,19 @@ class RunConfig:
 
     def __post_init__(self):
         _check(bool(self.dir), "run.dir", self.dir, "a directory path")
-        _check(isinstance(self.resume, bool) or (isinstance(self.resume, str) and bool(self.resume)), "run.resume",
-               self.resume, "true, false or a checkpoint directory")
+        _check(
+            isinstance(self.resume, bool) or (isinstance(self.resume, str) and bool(self.resume)),
+            "run.resume",
+            self.resume,
+            "true, false or a checkpoint directory",
+        )
 
 
 @dataclass
 class LoraConfig:
     """LoRA adapters through PEFT (rlhf/models/lora.py) for stage=sft, reward, dpo and PPO's actor;
     r=0 = off (full fine-tuning)."""
+
     r: int = 0
     alpha: float = 16.0  # the update is B·A·alpha/r
     dropout: float = 0.0  # on the adapters' input in training mode (0 keeps PPO's recomputed log-probs exact)
@@ -99,11 +109,19 @@ class LoraConfig:
         _check(self.r >= 0, "model.lora.r", self.r, "a non-negative integer (0 = off)")
         _check(self.alpha > 0, "model.lora.alpha", self.alpha, "a positive number")
         _check(0.0 <= self.dropout < 1.0, "model.lora.dropout", self.dropout, "a probability below 1")
-        _check(self.target_modules is None or (len(self.target_modules) > 0 and all(
-            isinstance(t, str) and t for t in self.target_modules)), "model.lora.target_modules",
-            self.target_modules, "a non-empty list of module names, e.g. [q_proj,v_proj]")
-        _check(self.modules_to_save is None or all(isinstance(t, str) and t for t in self.modules_to_save),
-               "model.lora.modules_to_save", self.modules_to_save, "a list of module names, e.g. [embed_tokens]")
+        _check(
+            self.target_modules is None
+            or (len(self.target_modules) > 0 and all(isinstance(t, str) and t for t in self.target_modules)),
+            "model.lora.target_modules",
+            self.target_modules,
+            "a non-empty list of module names, e.g. [q_proj,v_proj]",
+        )
+        _check(
+            self.modules_to_save is None or all(isinstance(t, str) and t for t in self.modules_to_save),
+            "model.lora.modules_to_save",
+            self.modules_to_save,
+            "a list of module names, e.g. [embed_tokens]",
+        )
 
 
 @dataclass
@@ -127,19 +145,35 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                    "max_position_embeddings", "vocab_size"):
+        for key in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "vocab_size",
+        ):
             v = getattr(self, key)
             _check(v > 0, f"model.{key}", v, "a positive integer")
-        _check(self.hidden_size % self.num_heads == 0, "model.num_heads", self.num_heads,
-               f"a divisor of model.hidden_size={self.hidden_size}")
-        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
-               f"a divisor of model.num_heads={self.num_heads}")
+        _check(
+            self.hidden_size % self.num_heads == 0,
+            "model.num_heads",
+            self.num_heads,
+            f"a divisor of model.hidden_size={self.hidden_size}",
+        )
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_kv_heads",
+            self.num_kv_heads,
+            f"a divisor of model.num_heads={self.num_heads}",
+        )
 
 
 @dataclass
 class SourceConfig:
     """One dataset of a blend."""
+
     path: Optional[str] = None
     format: str = "synthetic"
     weight: float = 1.0
@@ -152,9 +186,16 @@ class SourceConfig:
     def __post_init__(self):
         _check(self.format in FORMATS, "data.format", self.format, "one of " + ", ".join(FORMATS))
         _check(self.weight > 0, "data.sources[].weight", self.weight, "a positive number")
-        _check(FORMATS[self.format].generated or bool(self.path), "data.path", self.path,
-               f"a file, directory or hub id for data.format={self.format}")
-        check_columns(self.columns, self.format, "data.sources[].columns" if self.path else "data.columns")
+        _check(
+            FORMATS[self.format].generated or bool(self.path),
+            "data.path",
+            self.path,
+            f"a file, directory or hub id for data.format={self.format}",
+        )
+        key = "data.columns"
+        if self.path:
+            key = "data.sources[].columns"
+        check_columns(self.columns, self.format, key)
 
 
 def check_columns(columns, fmt: str, key: str) -> None:
@@ -162,21 +203,28 @@ def check_columns(columns, fmt: str, key: str) -> None:
     if columns is None:
         return
     if not isinstance(columns, dict):
-        raise ConfigError(f"{key}={columns!r} is invalid: expected a mapping of the format's fields to the "
-                          f"dataset's columns, e.g. {key}={{prompt: instruction, response: output}}")
+        raise ConfigError(
+            f"{key}={columns!r} is invalid: expected a mapping of the format's fields to the "
+            f"dataset's columns, e.g. {key}={{prompt: instruction, response: output}}"
+        )
     fields = FORMATS[fmt].fields
     for name, column in columns.items():
         if name not in fields:
-            expected = (f"none: data.format={fmt} is generated" if not fields
-                        else "one of " + ", ".join(fields))
-            raise ConfigError(f"{key}.{name}={column!r} is invalid: '{name}' is not a field of "
-                              f"data.format={fmt} (keys of {key} are the format's fields: {expected})")
+            if fields:
+                expected = "one of " + ", ".join(fields)
+            else:
+                expected = f"none: data.format={fmt} is generated"
+            raise ConfigError(
+                f"{key}.{name}={column!r} is invalid: '{name}' is not a field of "
+                f"data.format={fmt} (keys of {key} are the format's fields: {expected})"
+            )
         _check(isinstance(column, str) and bool(column), f"{key}.{name}", column, "a column name")
 
 
 @dataclass
 class SyntheticConfig:
     """The embedded default task: 'What is 03 + 45?' -> ' The answer is 48.' (gold = exact sum)."""
+
     num_records: int = 20000
     max_operand: int = 49
     p_correct: float = 0.65  # share of SFT responses that are right; the rest are off by 1..3
@@ -218,16 +266,17 @@ class DataConfig:
 
     def __post_init__(self):
         _check(self.format in FORMATS, "data.format", self.format, "one of " + ", ".join(FORMATS))
-        _check(self.on_bad_record in ("error", "skip"), "data.on_bad_record", self.on_bad_record,
-               "error or skip")
+        _check(self.on_bad_record in ("error", "skip"), "data.on_bad_record", self.on_bad_record, "error or skip")
         _check(self.eval_size > 0, "data.eval_size", self.eval_size, "a positive integer")
         if not FORMATS[self.format].generated and not self.path and not self.sources:
             raise ConfigError(f"data.path is required for data.format={self.format}")
         if self.path and self.sources:
             raise ConfigError(f"data.path={self.path} and data.sources are both set: use one of them")
         if self.path and FORMATS[self.format].generated:  # would silently train on the generated task
-            raise ConfigError(f"data.path={self.path} is set but data.format={self.format} generates its data: "
-                              f"set data.format ({', '.join(n for n, f in FORMATS.items() if not f.generated)})")
+            raise ConfigError(
+                f"data.path={self.path} is set but data.format={self.format} generates its data: "
+                f"set data.format ({', '.join(n for n, f in FORMATS.items() if not f.generated)})"
+            )
         if not self.sources:
             check_columns(self.columns, self.format, "data.columns")
         _check(bool(self.hf_split), "data.hf_split", self.hf_split, "a split name such as train")
@@ -256,22 +305,35 @@ class DataConfig:
         if self.eval_path:
             fmt = self.eval_format or self.format
             if FORMATS[fmt].generated:
-                raise ConfigError(f"data.eval_path={self.eval_path} needs data.eval_format (the file's format; "
-                                  f"data.format={fmt} generates its data)")
+                raise ConfigError(
+                    f"data.eval_path={self.eval_path} needs data.eval_format (the file's format; "
+                    f"data.format={fmt} generates its data)"
+                )
         if self.eval_hf_split is not None and not self.eval_path:
             raise ConfigError(f"data.eval_hf_split={self.eval_hf_split} is set but data.eval_path is not")
         if self.chat_template not in ("auto", "none"):
             import os
+
             path = os.path.expanduser(str(self.chat_template))
             if not os.path.isfile(path):
-                raise ConfigError(f"data.chat_template={self.chat_template}: no such file (expected auto, none "
-                                  f"or the path of a Jinja chat template)")
+                raise ConfigError(
+                    f"data.chat_template={self.chat_template}: no such file (expected auto, none "
+                    f"or the path of a Jinja chat template)"
+                )
 
     def source_list(self) -> List[SourceConfig]:
         if self.sources:
             return list(self.sources)
-        return [SourceConfig(path=self.path, format=self.format, weight=1.0, columns=dict(self.columns or {}),
-                             hf_split=self.hf_split, hf_config=self.hf_config)]
+        return [
+            SourceConfig(
+                path=self.path,
+                format=self.format,
+                weight=1.0,
+                columns=dict(self.columns or {}),
+                hf_split=self.hf_split,
+                hf_config=self.hf_config,
+            )
+        ]
 
     def eval_source(self) -> Optional[SourceConfig]:
         """data.eval_path as a source (its format defaults to data.format; data.columns applies when
@@ -280,8 +342,14 @@ class DataConfig:
             return None
         fmt = self.eval_format or self.format
         columns = dict(self.columns or {}) if fmt == self.format else {}
-        return SourceConfig(path=self.eval_path, format=fmt, weight=1.0, columns=columns,
-                            hf_split=self.eval_hf_split or self.hf_split, hf_config=self.hf_config)
+        return SourceConfig(
+            path=self.eval_path,
+            format=fmt,
+            weight=1.0,
+            columns=columns,
+            hf_split=self.eval_hf_split or self.hf_split,
+            hf_config=self.hf_config,
+        )
 
     def default_new_tokens(self) -> int:
         """What eval.max_new_tokens=None resolves to: the formats' own number where each has one (the
@@ -318,30 +386,49 @@ class TrainConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self):
-        _check(self.max_steps is None or self.max_steps > 0, "train.max_steps", self.max_steps,
-               "a positive integer (null = from train.epochs)")
+        _check(
+            self.max_steps is None or self.max_steps > 0,
+            "train.max_steps",
+            self.max_steps,
+            "a positive integer (null = from train.epochs)",
+        )
         _check(self.epochs is None or self.epochs > 0, "train.epochs", self.epochs, "a positive number")
         if self.max_steps is None and self.epochs is None:
             raise ConfigError("train.max_steps and train.epochs are both null: set one of them")
         _check(self.global_batch > 0, "train.global_batch", self.global_batch, "a positive integer")
-        _check(self.micro_batch_per_rank >= 0, "train.micro_batch_per_rank", self.micro_batch_per_rank,
-               "a non-negative integer")
+        _check(
+            self.micro_batch_per_rank >= 0,
+            "train.micro_batch_per_rank",
+            self.micro_batch_per_rank,
+            "a non-negative integer",
+        )
         _check(self.lr > 0, "train.lr", self.lr, "a positive number")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
-        _check(self.scheduler in ("warmup", "warmup_decay", "cosine", "constant"), "train.scheduler",
-               self.scheduler, "warmup, warmup_decay, cosine or constant")
-        _check(self.warmup_steps is None or self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps,
-               "a non-negative integer (null = from train.warmup_ratio)")
-        _check(self.warmup_ratio is None or 0 <= self.warmup_ratio < 1, "train.warmup_ratio", self.warmup_ratio,
-               "a share of the steps in [0, 1)")
+        _check(
+            self.scheduler in ("warmup", "warmup_decay", "cosine", "constant"),
+            "train.scheduler",
+            self.scheduler,
+            "warmup, warmup_decay, cosine or constant",
+        )
+        _check(
+            self.warmup_steps is None or self.warmup_steps >= 0,
+            "train.warmup_steps",
+            self.warmup_steps,
+            "a non-negative integer (null = from train.warmup_ratio)",
+        )
+        _check(
+            self.warmup_ratio is None or 0 <= self.warmup_ratio < 1,
+            "train.warmup_ratio",
+            self.warmup_ratio,
+            "a share of the steps in [0, 1)",
+        )
         if self.warmup_steps is None and self.warmup_ratio is None:
             raise ConfigError("train.warmup_steps and train.warmup_ratio are both null: set one of them")
         _check(len(self.betas) == 2, "train.betas", self.betas, "two numbers")
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a non-negative number")
         _check(self.log_every > 0, "train.log_every", self.log_every, "a positive integer")
         _check(self.save_every >= 0, "train.save_every", self.save_every, "a non-negative integer")
-        _check(self.keep_checkpoints > 0, "train.keep_checkpoints", self.keep_checkpoints,
-               "a positive integer")
+        _check(self.keep_checkpoints > 0, "train.keep_checkpoints", self.keep_checkpoints, "a positive integer")
 
     def resolve_steps(self, items: int, per_step: int, what: str, updates_per_step: int = 1) -> Optional[str]:
         """Fills a null train.max_steps from train.epochs (``items`` records or prompts, ``per_step``
@@ -353,13 +440,17 @@ class TrainConfig:
             said.append(f"train.max_steps={self.max_steps} is set: train.epochs={self.epochs:g} does not apply")
         if self.max_steps is None:
             self.max_steps = max(1, math.ceil(self.epochs * items / per_step))
-            said.append(f"train.max_steps={self.max_steps} (train.epochs={self.epochs:g} over {items} {what}, "
-                        f"{per_step} a step)")
+            said.append(
+                f"train.max_steps={self.max_steps} (train.epochs={self.epochs:g} over {items} {what}, "
+                f"{per_step} a step)"
+            )
         if self.warmup_steps is None:
-            self.warmup_steps = int(round(self.warmup_ratio * self.max_steps * updates_per_step))
+            self.warmup_steps = round(self.warmup_ratio * self.max_steps * updates_per_step)
         elif self.warmup_ratio is not None:
-            said.append(f"train.warmup_steps={self.warmup_steps} is set: train.warmup_ratio={self.warmup_ratio:g} "
-                        f"does not apply")
+            said.append(
+                f"train.warmup_steps={self.warmup_steps} is set: train.warmup_ratio={self.warmup_ratio:g} "
+                f"does not apply"
+            )
             said.append(f"train.warmup_steps={self.warmup_steps} (train.warmup_ratio={self.warmup_ratio:g})")
         return "; ".join(said) or None
 
@@ -371,6 +462,7 @@ ROLES = ("actor", "critic", "reference", "reward_model")  # the models a stage p
 class PlacementConfig:
     """Where one model of a stage lives (engine.actor / critic / reference / reward_model); null = the
     engine.* value. DeepSpeed-Chat's --actor_zero_stage, --critic_zero_stage, --offload_reference_model."""
+
     zero_stage: Optional[int] = None
     offload: Optional[str] = None
     precision: Optional[str] = None
@@ -426,25 +518,42 @@ class EngineConfig:
         _check(self.precision in ("auto", "fp32", "bf16"), "engine.precision", self.precision, "auto, fp32 or bf16")
         _check(self.backend in (None, "gloo", "nccl"), "engine.backend", self.backend, "gloo or nccl")
         _check(self.timeout_s > 0, "engine.timeout_s", self.timeout_s, "a positive number of seconds")
-        _check(self.threads_per_rank >= 0, "engine.threads_per_rank", self.threads_per_rank,
-               "a non-negative integer")
-        _check(self.inference_tp_size > 0, "engine.inference_tp_size", self.inference_tp_size,
-               "a positive integer")
-        _check(self.inference_dtype in ("auto", "fp32", "bf16"), "engine.inference_dtype", self.inference_dtype,
-               "auto, fp32 or bf16")
-        _check(self.inference_kernels in ("auto", "reference"), "engine.inference_kernels",
-               self.inference_kernels, "auto or reference")
+        _check(self.threads_per_rank >= 0, "engine.threads_per_rank", self.threads_per_rank, "a non-negative integer")
+        _check(self.inference_tp_size > 0, "engine.inference_tp_size", self.inference_tp_size, "a positive integer")
+        _check(
+            self.inference_dtype in ("auto", "fp32", "bf16"),
+            "engine.inference_dtype",
+            self.inference_dtype,
+            "auto, fp32 or bf16",
+        )
+        _check(
+            self.inference_kernels in ("auto", "reference"),
+            "engine.inference_kernels",
+            self.inference_kernels,
+            "auto or reference",
+        )
         _check(self.cuda_graphs in ("auto", "off"), "engine.cuda_graphs", self.cuda_graphs, "auto or off")
-        _check(self.decode_sync_every > 0, "engine.decode_sync_every", self.decode_sync_every,
-               "a positive integer")
+        _check(self.decode_sync_every > 0, "engine.decode_sync_every", self.decode_sync_every, "a positive integer")
         for role in ROLES:
             p = getattr(self, role)
-            _check(p.zero_stage in (None, 0, 1, 2, 3), f"engine.{role}.zero_stage", p.zero_stage,
-                   "0, 1, 2 or 3 (unset = engine.zero_stage)")
-            _check(p.offload in (None, "none", "cpu"), f"engine.{role}.offload", p.offload,
-                   "none or cpu (unset = engine.offload)")
-            _check(p.precision in (None, "auto", "fp32", "bf16"), f"engine.{role}.precision", p.precision,
-                   "auto, fp32 or bf16 (unset = engine.precision)")
+            _check(
+                p.zero_stage in (None, 0, 1, 2, 3),
+                f"engine.{role}.zero_stage",
+                p.zero_stage,
+                "0, 1, 2 or 3 (unset = engine.zero_stage)",
+            )
+            _check(
+                p.offload in (None, "none", "cpu"),
+                f"engine.{role}.offload",
+                p.offload,
+                "none or cpu (unset = engine.offload)",
+            )
+            _check(
+                p.precision in (None, "auto", "fp32", "bf16"),
+                f"engine.{role}.precision",
+                p.precision,
+                "auto, fp32 or bf16 (unset = engine.precision)",
+            )
 
     def placement(self, role: str) -> "EngineConfig":
         """This engine configuration with ``engine.<role>.*`` applied: what the model of that role is
@@ -467,13 +576,19 @@ class EngineConfig:
 
     def placements(self, roles=ROLES) -> dict:
         """role -> its resolved (zero_stage, offload, precision, activation_checkpointing), for the log."""
-        return {role: tuple(getattr(self.placement(role), k) for k in
-                            ("zero_stage", "offload", "precision", "activation_checkpointing")) for role in roles}
+        return {
+            role: tuple(
+                getattr(self.placement(role), k)
+                for k in ("zero_stage", "offload", "precision", "activation_checkpointing")
+            )
+            for role in roles
+        }
 
 
 @dataclass
 class EvalConfig:
     """Gold score: the same seeded held-out prompts and decoding in every stage (docs/contract.md)."""
+
     gold_prompts: int = 256  # 0 = no gold evaluation at all
     gold_samples: int = 4
     temperature: float = 1.0
@@ -485,12 +600,20 @@ class EvalConfig:
     greedy_too: bool = True  # also report gold/score_greedy
 
     def __post_init__(self):
-        _check(self.gold_prompts >= 0, "eval.gold_prompts", self.gold_prompts,
-               "a non-negative integer (0 = no gold evaluation)")
+        _check(
+            self.gold_prompts >= 0,
+            "eval.gold_prompts",
+            self.gold_prompts,
+            "a non-negative integer (0 = no gold evaluation)",
+        )
         _check(self.gold_samples > 0, "eval.gold_samples", self.gold_samples, "a positive integer")
         _check(self.temperature >= 0, "eval.temperature", self.temperature, "a non-negative number")
-        _check(self.max_new_tokens is None or self.max_new_tokens > 0, "eval.max_new_tokens",
-               self.max_new_tokens, "a positive integer")
+        _check(
+            self.max_new_tokens is None or self.max_new_tokens > 0,
+            "eval.max_new_tokens",
+            self.max_new_tokens,
+            "a positive integer",
+        )
         _check(self.batch_size > 0, "eval.batch_size", self.batch_size, "a positive integer")
 
     def resolve(self, data: "DataConfig") -> None:
@@ -505,8 +628,9 @@ class LoggerConfig:
     progress: bool = True  # tqdm on rank 0
 
     def __post_init__(self):
-        _check(self.wandb in ("disabled", "offline", "online"), "logger.wandb", self.wandb,
-               "disabled, offline or online")
+        _check(
+            self.wandb in ("disabled", "offline", "online"), "logger.wandb", self.wandb, "disabled, offline or online"
+        )
 
 
 @dataclass
@@ -519,6 +643,7 @@ class RewardConfig:
 @dataclass
 class DPOConfig:
     """Direct preference optimisation (rlhf/algorithms/preference.py): the policy against a frozen reference."""
+
     beta: float = 0.1  # β: strength of the implicit KL to the reference (rewards are β·log π/π_ref)
     loss: str = "sigmoid"  # sigmoid (DPO; cDPO with label_smoothing) | ipo
     # cDPO: the share of pairs assumed mislabelled (sigmoid loss only; 0 = plain DPO)
@@ -532,17 +657,19 @@ class DPOConfig:
     def __post_init__(self):
         _check(self.beta > 0, "dpo.beta", self.beta, "a positive number")
         _check(self.loss in ("sigmoid", "ipo"), "dpo.loss", self.loss, "sigmoid or ipo")
-        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing,
-               "a number in [0, 0.5)")
+        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing, "a number in [0, 0.5)")
         _check(self.sft_coef >= 0, "dpo.sft_coef", self.sft_coef, "a non-negative number (0 = off)")
         if self.loss == "ipo" and self.label_smoothing:  # would be silently ignored
-            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss=sigmoid "
-                              f"(cDPO), not dpo.loss=ipo: set it to 0 or use dpo.loss=sigmoid")
+            raise ConfigError(
+                f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss=sigmoid "
+                f"(cDPO), not dpo.loss=ipo: set it to 0 or use dpo.loss=sigmoid"
+            )
 
 
 @dataclass
 class AlgorithmConfig:
     """RL estimator and its coefficients (rlhf/algorithms/ppo.py)."""
+
     # a row of rlhf/algorithms/estimators.py: gae (PPO with critic) | grpo | rloo | reinforce_pp (critic-free)
     estimator: str = "gae"
     gamma: float = 1.0
@@ -576,26 +703,43 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         _check(self.estimator in ESTIMATORS, "algorithm.estimator", self.estimator, one_of(ESTIMATORS))
-        _check(self.kl_estimator is None or self.kl_estimator in KL_ESTIMATORS, "algorithm.kl_estimator",
-               self.kl_estimator, one_of(KL_ESTIMATORS))
-        _check(self.reward_norm in ("stats", "running", "none"), "algorithm.reward_norm", self.reward_norm,
-               "stats, running or none")
+        _check(
+            self.kl_estimator is None or self.kl_estimator in KL_ESTIMATORS,
+            "algorithm.kl_estimator",
+            self.kl_estimator,
+            one_of(KL_ESTIMATORS),
+        )
+        _check(
+            self.reward_norm in ("stats", "running", "none"),
+            "algorithm.reward_norm",
+            self.reward_norm,
+            "stats, running or none",
+        )
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", (self.gamma, self.lam), "0..1")
         _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "a non-negative number")
         for key in ("clip_ratio_low", "clip_ratio_high"):
             v = getattr(self, key)
             _check(v is None or v >= 0, f"algorithm.{key}", v, "a non-negative number")
         _check(self.loss_agg in LOSS_AGG, "algorithm.loss_agg", self.loss_agg, one_of(LOSS_AGG))
-        _check(self.loss_norm_tokens >= 0, "algorithm.loss_norm_tokens", self.loss_norm_tokens,
-               "a non-negative integer (0 = ppo.max_new_tokens)")
-        _check(self.mismatch_correction in ("none", "tis", "mis"), "algorithm.mismatch_correction",
-               self.mismatch_correction, "none, tis or mis")
+        _check(
+            self.loss_norm_tokens >= 0,
+            "algorithm.loss_norm_tokens",
+            self.loss_norm_tokens,
+            "a non-negative integer (0 = ppo.max_new_tokens)",
+        )
+        _check(
+            self.mismatch_correction in ("none", "tis", "mis"),
+            "algorithm.mismatch_correction",
+            self.mismatch_correction,
+            "none, tis or mis",
+        )
         _check(self.tis_cap >= 1.0, "algorithm.tis_cap", self.tis_cap, "a number >= 1")
 
 
 @dataclass
 class PPOConfig:
     """Experience and update sizes (units in the names: docs/architecture.md, habit 6)."""
+
     prompts_per_step: int = 32  # over all ranks
     samples_per_prompt: int = 4
     ppo_epochs: int = 4
@@ -644,32 +788,57 @@ class PPOConfig:
     def __post_init__(self):
         for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch"):
             _check(getattr(self, key) > 0, f"ppo.{key}", getattr(self, key), "a positive integer")
-        _check(self.max_new_tokens is None or self.max_new_tokens > 0, "ppo.max_new_tokens", self.max_new_tokens,
-               "a positive integer (unset = per data format)")
-        _check(self.micro_batch_per_rank >= 0, "ppo.micro_batch_per_rank", self.micro_batch_per_rank,
-               "a non-negative integer (0 = auto)")
+        _check(
+            self.max_new_tokens is None or self.max_new_tokens > 0,
+            "ppo.max_new_tokens",
+            self.max_new_tokens,
+            "a positive integer (unset = per data format)",
+        )
+        _check(
+            self.micro_batch_per_rank >= 0,
+            "ppo.micro_batch_per_rank",
+            self.micro_batch_per_rank,
+            "a non-negative integer (0 = auto)",
+        )
         _check(self.temperature >= 0, "ppo.temperature", self.temperature, "a non-negative number (0 = greedy)")
         _check(self.top_k >= 0, "ppo.top_k", self.top_k, "a non-negative integer (0 = off)")
         _check(0 < self.top_p <= 1, "ppo.top_p", self.top_p, "a number in (0, 1]")
-        _check(self.dynamic_sampling_max_rounds >= 0, "ppo.dynamic_sampling_max_rounds",
-               self.dynamic_sampling_max_rounds, "a non-negative integer")
+        _check(
+            self.dynamic_sampling_max_rounds >= 0,
+            "ppo.dynamic_sampling_max_rounds",
+            self.dynamic_sampling_max_rounds,
+            "a non-negative integer",
+        )
         _check(self.overlong_penalty >= 0, "ppo.overlong_penalty", self.overlong_penalty, "a non-negative number")
-        _check(self.min_rm_accuracy is None or 0 <= self.min_rm_accuracy <= 1, "ppo.min_rm_accuracy",
-               self.min_rm_accuracy, "0..1, or null for the default")
+        _check(
+            self.min_rm_accuracy is None or 0 <= self.min_rm_accuracy <= 1,
+            "ppo.min_rm_accuracy",
+            self.min_rm_accuracy,
+            "0..1, or null for the default",
+        )
 
     def resolve(self, data: "DataConfig") -> None:
         """ppo.max_new_tokens=None: per data format; then the checks that depend on it."""
         if self.max_new_tokens is None:
             self.max_new_tokens = data.default_new_tokens()
-        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "ppo.min_new_tokens", self.min_new_tokens,
-               f"0..ppo.max_new_tokens={self.max_new_tokens}")
-        _check(0 <= self.overlong_buffer < self.max_new_tokens, "ppo.overlong_buffer", self.overlong_buffer,
-               f"0..ppo.max_new_tokens-1={self.max_new_tokens - 1}")
+        _check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "ppo.min_new_tokens",
+            self.min_new_tokens,
+            f"0..ppo.max_new_tokens={self.max_new_tokens}",
+        )
+        _check(
+            0 <= self.overlong_buffer < self.max_new_tokens,
+            "ppo.overlong_buffer",
+            self.overlong_buffer,
+            f"0..ppo.max_new_tokens-1={self.max_new_tokens - 1}",
+        )
 
 
 @dataclass
 class LauncherConfig:
     """Self-launch through torch.distributed.run (docs/contract.md); nproc_per_node=0 = no self-launch."""
+
     nnodes: int = 1
     nproc_per_node: int = 0
     node_rank: int = 0
@@ -710,8 +879,12 @@ class Config:
         if self.stage == "sft" and m.path is None and self.engine.hybrid and tp > 1:
             # The embedded model is built from model.*: its inference TP split is known already.
             for key in ("num_heads", "num_kv_heads", "intermediate_size"):
-                _check(getattr(m, key) % tp == 0, f"model.{key}", getattr(m, key),
-                       f"a multiple of engine.inference_tp_size={tp}")
+                _check(
+                    getattr(m, key) % tp == 0,
+                    f"model.{key}",
+                    getattr(m, key),
+                    f"a multiple of engine.inference_tp_size={tp}",
+                )
 
     def roles(self) -> tuple:
         """The models this stage places apart (engine.<role>.*): a reference under LoRA is the actor with
@@ -738,12 +911,16 @@ class Config:
         a, p = self.algorithm, self.ppo
         grouped = [e.name for e in ESTIMATORS.values() if e.grouped]
         if ESTIMATORS[a.estimator].grouped and p.samples_per_prompt < 2:
-            raise ConfigError(f"ppo.samples_per_prompt={p.samples_per_prompt} is invalid for "
-                              f"algorithm.estimator={a.estimator}: its baseline compares a prompt's samples, "
-                              f"so it needs at least 2")
+            raise ConfigError(
+                f"ppo.samples_per_prompt={p.samples_per_prompt} is invalid for "
+                f"algorithm.estimator={a.estimator}: its baseline compares a prompt's samples, "
+                f"so it needs at least 2"
+            )
         if p.dynamic_sampling and not ESTIMATORS[a.estimator].grouped:
-            raise ConfigError(f"ppo.dynamic_sampling=true needs a group estimator (algorithm.estimator="
-                              f"{one_of(grouped)}), not {a.estimator}")
+            raise ConfigError(
+                f"ppo.dynamic_sampling=true needs a group estimator (algorithm.estimator="
+                f"{one_of(grouped)}), not {a.estimator}"
+            )
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the world size (sizes that must divide). The parallel degrees are checked
@@ -753,9 +930,11 @@ class Config:
         if t.global_batch % (micro * world_size) != 0:
             raise ConfigError(
                 f"train.global_batch={t.global_batch} is not divisible by train.micro_batch_per_rank={micro}"
-                f" x world size {world_size}")
+                f" x world size {world_size}"
+            )
 
 
 def register() -> None:
     from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name="base_config", node=Config)

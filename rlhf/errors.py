@@ -20,7 +20,17 @@ class DataError(UserError):
 def one_of(items, joined_by: str = "or") -> str:
     """Names for a message: ``one_of(["gae", "grpo", "rloo"])`` → 'gae, grpo or rloo'."""
     items = list(items)
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {joined_by} {items[-1]}"
+    if len(items) == 1:
+        return items[0]
+    return f"{', '.join(items[:-1])} {joined_by} {items[-1]}"
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's text, stripped, up to its first line break; its type's name when it has none."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return text.splitlines()[0]
 
 
 def one_line(msg: str) -> str:

@@ -14,6 +14,7 @@ task) and any other exits 2. Prints one JSON object: ``{"model", "gold/score", "
 or null). Runs on the GPU when there is one (``engine.device``). A path that is not an exported
 policy, or data without a gold scorer, exits 2 with one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ PROG = "python -m rlhf.eval"
 
 def main(argv=None) -> None:
     from rlhf.generate import OneLineParser
-    ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    ap = OneLineParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("path", help="an exported policy (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)")
     ap.add_argument("--run-dir", help="the run's directory (run.dir): its saved data and eval settings")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
@@ -39,6 +42,7 @@ def main(argv=None) -> None:
 
     from rlhf.errors import ConfigError, UserError, one_line
     from rlhf.generate import quiet_console
+
     quiet_console()
     saved = None
     try:
@@ -46,16 +50,22 @@ def main(argv=None) -> None:
         if bad:
             raise ConfigError(f"{bad[0]!r} is not a key=value override (one path only: {args.path})")
         from rlhf.generate import check_policy_dir
+
         check_policy_dir(args.path)
         if args.run_dir is not None and not Path(args.run_dir).is_dir():
             raise ConfigError(f"--run-dir {args.run_dir}: no such directory")
-        saved = run_config(Path(args.path), Path(args.run_dir) if args.run_dir else None)
+        run_dir = None
+        if args.run_dir:
+            run_dir = Path(args.run_dir)
+        saved = run_config(Path(args.path), run_dir)
         cfg = compose_for(saved, args.run_dir, args.overrides)
         if saved is None and not any(o.lstrip("+~").startswith("data.") for o in args.overrides):
             check_embedded_task(args.path, args.run_dir, cfg, args.trust_remote_code)
         result = gold_of(args.path, cfg, args.trust_remote_code)
     except UserError as e:
-        read = f" (the run's settings from {saved})" if saved is not None and str(saved) not in str(e) else ""
+        read = ""
+        if saved is not None and str(saved) not in str(e):
+            read = f" (the run's settings from {saved})"
         print(f"{PROG}: error: {one_line(e)}{read}", file=sys.stderr)
         sys.exit(2)
     if saved is not None:
@@ -73,6 +83,7 @@ def run_config(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
     given), else the newest in ``run_dir``; None when there is none."""
     from rlhf.config import stage_names
     from rlhf.runtime.stage import CONFIG_FILE
+
     own = path.resolve().parent / CONFIG_FILE
     if own.is_file() and (run_dir is None or own.parent.parent == run_dir.resolve()):
         return own
@@ -90,7 +101,11 @@ def compose_for(saved: Optional[Path], run_dir: Optional[str], overrides: list):
 
     from rlhf.compose import compose_config
     from rlhf.errors import ConfigError, one_line
-    overrides = ["stage=sft"] + ([f"run.dir={run_dir}"] if run_dir else []) + list(overrides)
+
+    first = ["stage=sft"]
+    if run_dir:
+        first.append(f"run.dir={run_dir}")
+    overrides = first + list(overrides)
     if saved is None:
         return compose_config(overrides)[0]
     try:
@@ -113,14 +128,18 @@ def check_embedded_task(path: str, run_dir: Optional[str], cfg, trust_remote_cod
     from rlhf.data.tokenizer import train_tokenizer
     from rlhf.errors import ConfigError
     from rlhf.models.loading import load_tokenizer
-    embedded = train_tokenizer(synthetic.tokenizer_corpus(cfg.data.synthetic), cfg.model.vocab_size,
-                               cfg.model.max_position_embeddings)
+
+    embedded = train_tokenizer(
+        synthetic.tokenizer_corpus(cfg.data.synthetic), cfg.model.vocab_size, cfg.model.max_position_embeddings
+    )
     if load_tokenizer(path, trust_remote_code).get_vocab() == embedded.get_vocab():
         return
     where = f"--run-dir {run_dir} holds" if run_dir else f"{Path(path).resolve().parent} holds"
-    raise ConfigError(f"{where} no saved stage configuration (<stage>/config.yaml) and {path} was not trained on "
-                      f"the embedded task: pass the run's data settings (data.path=... data.format=..., and its "
-                      f"eval.* and run.seed)")
+    raise ConfigError(
+        f"{where} no saved stage configuration (<stage>/config.yaml) and {path} was not trained on "
+        f"the embedded task: pass the run's data settings (data.path=... data.format=..., and its "
+        f"eval.* and run.seed)"
+    )
 
 
 def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
@@ -128,22 +147,31 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     from rlhf.data.formats import gold_formats
     from rlhf.data.pipeline import load_stage_data
     from rlhf.errors import ConfigError, one_of
-    from rlhf.runtime.evaluation import gold_prompts, evaluate_gold
     from rlhf.generate import load_policy
+    from rlhf.runtime.evaluation import evaluate_gold, gold_prompts
+
     if cfg.eval.gold_prompts == 0:
         raise ConfigError("eval.gold_prompts=0: nothing to evaluate (set a positive eval.gold_prompts)")
     data = load_stage_data(cfg.data, "sft", cfg.run.seed)  # the held-out records are every stage's
     if data.gold is None:
-        raise ConfigError(f"data ({data.description}) has no gold scorer (there is one for data.format="
-                          f"{one_of(gold_formats(), 'and')}, when every source and the held-out set share it)")
+        raise ConfigError(
+            f"data ({data.description}) has no gold scorer (there is one for data.format="
+            f"{one_of(gold_formats(), 'and')}, when every source and the held-out set share it)"
+        )
     if not gold_prompts(data.eval, cfg.eval):
         raise ConfigError(f"data ({data.description}): no held-out records with a reference answer")
     hybrid, tokenizer, mesh = load_policy(path, trust_remote_code=trust_remote_code, ecfg=cfg.engine)
     chat = resolve_template(tokenizer, cfg.data.chat_template)
     res = evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat)
-    return {"model": str(path), **res, "prompts": len(gold_prompts(data.eval, cfg.eval)),
-            "samples": cfg.eval.gold_samples, "max_new_tokens": cfg.eval.max_new_tokens,
-            "temperature": cfg.eval.temperature, "data": data.description}
+    return {
+        "model": str(path),
+        **res,
+        "prompts": len(gold_prompts(data.eval, cfg.eval)),
+        "samples": cfg.eval.gold_samples,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "temperature": cfg.eval.temperature,
+        "data": data.description,
+    }
 
 
 if __name__ == "__main__":

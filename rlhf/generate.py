@@ -17,6 +17,7 @@ Runs on the GPU when there is one (``--device``), in the hybrid engine's injecte
 ``{"prompt", "sample", "response", "tokens", "finished"}`` (``--text``: the responses only).
 Bad input exits 2 with one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ def quiet_console() -> None:
     from transformers.utils import logging as hf_logging
 
     from rlhf.outputs.log import setup_console
+
     setup_console(0)
     logging.getLogger("rlhf").setLevel(logging.WARNING)
     hf_logging.disable_progress_bar()
@@ -56,6 +58,7 @@ class _Policy:
 
     def __init__(self, model, mesh, ecfg):
         from rlhf.engine.train import FrozenModel
+
         self._frozen = FrozenModel(model, mesh, ecfg)
         self.model, self.mesh, self.is_fsdp = self._frozen.model, mesh, False
         self.weights_version = 0
@@ -69,24 +72,28 @@ def check_policy_dir(path: str, prog: str = PROG) -> Path:
     """An exported causal LM directory, or a UserError naming what is wrong."""
     from rlhf.errors import ConfigError
     from rlhf.models.loading import check_model_family
+
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"{path}: no such directory (pass an exported model, e.g. RUN_DIR/sft/model or "
-                          f"RUN_DIR/ppo/actor)")
+        raise ConfigError(
+            f"{path}: no such directory (pass an exported model, e.g. RUN_DIR/sft/model or RUN_DIR/ppo/actor)"
+        )
     if not p.is_dir() or not (p / "config.json").is_file():
-        raise ConfigError(f"{path}: no config.json (not an exported model; pass e.g. RUN_DIR/sft/model or "
-                          f"RUN_DIR/ppo/actor)")
+        raise ConfigError(
+            f"{path}: no config.json (not an exported model; pass e.g. RUN_DIR/sft/model or RUN_DIR/ppo/actor)"
+        )
     check_model_family(p / "config.json", path)
     spec = json.loads((p / "config.json").read_text(encoding="utf-8"))
     archs = spec.get("architectures") or []
     if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
-        raise ConfigError(f"{path}: a {archs[0]} (a reward model or critic), not a policy; pass "
-                          f"RUN_DIR/sft/model or RUN_DIR/ppo/actor")
+        raise ConfigError(
+            f"{path}: a {archs[0]} (a reward model or critic), not a policy; pass "
+            f"RUN_DIR/sft/model or RUN_DIR/ppo/actor"
+        )
     return p
 
 
-def load_policy(path: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
-                ecfg=None):
+def load_policy(path: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, ecfg=None):
     """(hybrid engine, tokenizer, mesh) for the policy in ``path``, on ``device`` (auto: the GPU
     when there is one)."""
     from transformers import AutoModelForCausalLM
@@ -95,6 +102,7 @@ def load_policy(path: str, device: str = "auto", dtype: str = "auto", trust_remo
     from rlhf.engine.hybrid import HybridEngine
     from rlhf.engine.mesh import init_mesh
     from rlhf.models import loading
+
     check_policy_dir(path)
     if ecfg is None:
         ecfg = EngineConfig(device=device, precision=dtype, inference_dtype=dtype)
@@ -110,6 +118,7 @@ def read_prompts(path: str) -> List[object]:
     """Prompts of ``--file``: strings, or lists of turns (JSON records), in file order."""
     from rlhf.data.records import iter_raw_records, turns_of
     from rlhf.errors import DataError
+
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"--file {path}: no such file")
@@ -146,24 +155,32 @@ def as_example(prompt, system: Optional[str] = None):
     when there is a template and itself when there is none; turns always go through a template
     (the plain fallback without one)."""
     from rlhf.data.records import Chat, Example, plain_text
+
     head = [{"role": "system", "content": system}] if system else []
     if isinstance(prompt, str):
-        return Example(prompt=prompt, where="prompt",
-                       chat=Chat(prompt=head + [{"role": "user", "content": prompt}], needs_template=False))
+        return Example(
+            prompt=prompt,
+            where="prompt",
+            chat=Chat(prompt=head + [{"role": "user", "content": prompt}], needs_template=False),
+        )
     return Example(prompt=plain_text(prompt), where="prompt", chat=Chat(prompt=head + list(prompt)))
 
 
 def generate(hybrid, tokenizer, prompts: List[List[int]], sp, batch_size: int = 32):
     """[(response text, tokens, finished)] per prompt and sample (prompt-major), in batches."""
     from dataclasses import replace
+
     out = []
     eos = tokenizer.eos_token_id
     for b in range(0, len(prompts), batch_size):
-        gen = hybrid.generate(prompts[b:b + batch_size], replace(sp, seed=sp.seed + b))
+        gen = hybrid.generate(prompts[b : b + batch_size], replace(sp, seed=sp.seed + b))
         for row, mask in zip(gen.responses, gen.response_mask):
             ids = row[mask.bool()].tolist()
             finished = bool(ids) and ids[-1] == eos
-            text = tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=True)
+            text_ids = ids
+            if finished:  # without its EOS
+                text_ids = ids[:-1]
+            text = tokenizer.decode(text_ids, skip_special_tokens=True)
             out.append((text, len(ids), finished))
     return out
 
@@ -172,11 +189,11 @@ def _chat_loop(hybrid, tokenizer, template, sp, args) -> None:
     from dataclasses import replace
 
     from rlhf.data.tokenize import encode_prompts
+
     history: List[dict] = []
     tty = sys.stdin.isatty()
     if template is None:
-        print(f"{PROG}: no chat template: turns render as plain '\\n\\nHuman: …\\n\\nAssistant:' text",
-              file=sys.stderr)
+        print(f"{PROG}: no chat template: turns render as plain '\\n\\nHuman: …\\n\\nAssistant:' text", file=sys.stderr)
     turn = 0
     while True:
         if tty:
@@ -194,15 +211,16 @@ def _chat_loop(hybrid, tokenizer, template, sp, args) -> None:
             continue
         history.append({"role": "user", "content": text})
         ids = encode_prompts([as_example(history, args.system)], tokenizer, template)
-        (reply, _, _), = generate(hybrid, tokenizer, ids, replace(sp, samples_per_prompt=1, seed=sp.seed + turn))
+        ((reply, _, _),) = generate(hybrid, tokenizer, ids, replace(sp, samples_per_prompt=1, seed=sp.seed + turn))
         turn += 1
         history.append({"role": "assistant", "content": reply.strip()})
         print(reply.strip(), flush=True)
 
 
 def main(argv=None) -> None:
-    ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("path", help="an exported model directory (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     ap.add_argument("--file", help="JSONL/JSON records with 'prompt' or 'messages', or a text file: one prompt a line")
@@ -216,10 +234,18 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=1, help="samples per prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                    help="auto: the GPU when there is one (as engine.device)")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
-                    help="of the inference mode; auto = bf16 on a GPU that has it, else fp32")
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: the GPU when there is one (as engine.device)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "fp32", "bf16"),
+        help="of the inference mode; auto = bf16 on a GPU that has it, else fp32",
+    )
     ap.add_argument("--text", action="store_true", help="print the responses only, not JSON")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
     args = ap.parse_args(argv)
@@ -227,27 +253,41 @@ def main(argv=None) -> None:
         ap.error("give --prompt, --file or --chat")
 
     from rlhf.errors import ConfigError, UserError, one_line
+
     quiet_console()
     try:
-        for key, ok, expected in (("--temperature", args.temperature >= 0, "a non-negative number"),
-                                  ("--top-k", args.top_k >= 0, "a non-negative integer"),
-                                  ("--top-p", 0 < args.top_p <= 1, "a number in (0, 1]"),
-                                  ("--max-new-tokens", args.max_new_tokens > 0, "a positive integer"),
-                                  ("--n", args.n > 0, "a positive integer"),
-                                  ("--batch-size", args.batch_size > 0, "a positive integer")):
+        for key, ok, expected in (
+            ("--temperature", args.temperature >= 0, "a non-negative number"),
+            ("--top-k", args.top_k >= 0, "a non-negative integer"),
+            ("--top-p", 0 < args.top_p <= 1, "a number in (0, 1]"),
+            ("--max-new-tokens", args.max_new_tokens > 0, "a positive integer"),
+            ("--n", args.n > 0, "a positive integer"),
+            ("--batch-size", args.batch_size > 0, "a positive integer"),
+        ):
             if not ok:
                 raise ConfigError(f"{key}={getattr(args, key[2:].replace('-', '_'))} is invalid: expected {expected}")
-        prompts: List[object] = list(args.prompt) + (read_prompts(args.file) if args.file else [])
+        prompts: List[object] = list(args.prompt)
+        if args.file:
+            prompts += read_prompts(args.file)
         hybrid, tokenizer, _ = load_policy(args.path, args.device, args.dtype, args.trust_remote_code)
         from rlhf.data.chat import resolve_template
+
         template = resolve_template(tokenizer, args.chat_template, key="--chat-template")
         from rlhf.ops import SamplingParams
-        sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, samples_per_prompt=args.n, seed=args.seed)
+
+        sp = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            samples_per_prompt=args.n,
+            seed=args.seed,
+        )
         if args.chat:
             _chat_loop(hybrid, tokenizer, template, sp, args)
             return
         from rlhf.data.tokenize import encode_prompts
+
         ids = encode_prompts([as_example(p, args.system) for p in prompts], tokenizer, template)
         results = generate(hybrid, tokenizer, ids, sp, args.batch_size)
     except (UserError, OSError) as e:
@@ -258,8 +298,19 @@ def main(argv=None) -> None:
         if args.text:
             print(text, flush=True)
         else:
-            print(json.dumps({"prompt": prompts[prompt_ix], "sample": sample, "response": text, "tokens": tokens,
-                              "finished": finished}, ensure_ascii=False), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompts[prompt_ix],
+                        "sample": sample,
+                        "response": text,
+                        "tokens": tokens,
+                        "finished": finished,
+                    },
+                    ensure_ascii=False,
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ stage gets a third row: DPO loss, implicit-reward accuracy and margin, and the s
 chosen and rejected responses (falling chosen log-probs are DPO's known failure). scripts/run_all.sh
 writes it after summary.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,7 @@ def render(run_dir: Path) -> bytes:
     """The PNG bytes of the report (matplotlib, headless)."""
     fig = figure(run_dir)
     import matplotlib.pyplot as plt  # after figure(): the Agg backend is chosen there
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
     plt.close(fig)
@@ -64,6 +66,7 @@ def figure(run_dir: Path):
     """The report's matplotlib figure (its panels are its axes, named by their titles)."""
     # lazy: 0.5-0.8 s to import (measured); rlhf.summary --help and a summary without a report skip it
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -91,8 +94,10 @@ def figure(run_dir: Path):
         acc.set_ylabel("held-out accuracy", color="tab:red")
         acc.legend(fontsize=8, loc="center right")
 
-    a_gold.set_title("Gold score on held-out prompts (PPO / DPO step)" if dpo else
-                     "Gold score on held-out prompts (PPO step)")
+    if dpo:
+        a_gold.set_title("Gold score on held-out prompts (PPO / DPO step)")
+    else:
+        a_gold.set_title("Gold score on held-out prompts (PPO step)")
     _plot(a_gold, ppo, "gold/score", "PPO, sampled", marker="o")
     _plot(a_gold, ppo, "gold/score_greedy", "PPO, greedy", linestyle="--", marker=".")
     _plot(a_gold, dpo, "gold/score", "DPO, sampled", marker="s", color="tab:brown")
@@ -115,13 +120,18 @@ def figure(run_dir: Path):
         corr.set_ylim(-1, 1)
         corr.set_ylabel("correlation", color="tab:red")
         # one legend for both axes, on the twin (drawn above the reward axis, whose own legend it hides)
-        corr.legend(a_rew.lines + corr.lines, [ln.get_label() for ln in a_rew.lines + corr.lines],
-                    fontsize=8, loc="lower right")
+        corr.legend(
+            a_rew.lines + corr.lines, [ln.get_label() for ln in a_rew.lines + corr.lines], fontsize=8, loc="lower right"
+        )
     a_kl.set_title("PPO kl/mean (nats per response)")
     _plot(a_kl, ppo, "kl/mean", "kl/mean", color="tab:purple")
     a_time.set_title("PPO seconds per step")
-    for key, label in (("time/generate_s", "generate"), ("time/score_s", "score"),
-                       ("time/train_s", "train"), ("time/switch_s", "switch")):
+    for key, label in (
+        ("time/generate_s", "generate"),
+        ("time/score_s", "score"),
+        ("time/train_s", "train"),
+        ("time/switch_s", "switch"),
+    ):
         _plot(a_time, ppo, key, label)
     a_mem.set_title("Peak memory of rank 0 since the previous logged step (GiB)")
     peaks = [max(series[s]["mem/peak_gb"][1]) for s in stages if _plot(a_mem, series[s], "mem/peak_gb", s, marker=".")]

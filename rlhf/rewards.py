@@ -18,6 +18,7 @@ count, a value that is not a number, or an exception inside it stops the run (ex
 naming it. NaN is a number: the PPO update skips a step it makes non-finite
 (``ppo.max_nonfinite_in_a_row``).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -68,8 +69,14 @@ def _raised_at(e: BaseException) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
-def call(fn: Callable, responses: Sequence[str], examples: Sequence[Example], fmt: str,
-         path: Optional[str] = None, what: Optional[str] = None) -> List[float]:
+def call(
+    fn: Callable,
+    responses: Sequence[str],
+    examples: Sequence[Example],
+    fmt: str,
+    path: Optional[str] = None,
+    what: Optional[str] = None,
+) -> List[float]:
     """``fn(responses, examples, fmt)`` checked: one number per response (NaN and inf included: the
     update handles non-finite steps), as floats. Anything else — an exception inside ``fn``, a
     count that differs (one number for a whole batch), a value that is not a number — is a
@@ -81,17 +88,22 @@ def call(fn: Callable, responses: Sequence[str], examples: Sequence[Example], fm
     try:
         out = fn(list(responses), list(examples), fmt)
     except Exception as e:  # the user's code: named, with where it raised
-        raise ConfigError(f"ppo.reward_fn={path}: calling it on {what} failed: {type(e).__name__}: "
-                          f"{one_line(str(e))}{_raised_at(e)}") from None
+        raise ConfigError(
+            f"ppo.reward_fn={path}: calling it on {what} failed: {type(e).__name__}: {one_line(str(e))}{_raised_at(e)}"
+        ) from None
     try:
         got = len(out)
     except TypeError:
         got = None
     if got != n or isinstance(out, (str, bytes, dict)):
-        count = (f"a {type(out).__name__}" if got is None or isinstance(out, (str, bytes, dict))
-                 else f"{got} value{'s' * (got != 1)}")
-        raise ConfigError(f"ppo.reward_fn={path}: it returned {count} for {n} responses; it must return one "
-                          f"number per response (got {out!r:.80})")
+        if got is None or isinstance(out, (str, bytes, dict)):
+            count = f"a {type(out).__name__}"
+        else:
+            count = f"{got} value{'s' * (got != 1)}"
+        raise ConfigError(
+            f"ppo.reward_fn={path}: it returned {count} for {n} responses; it must return one "
+            f"number per response (got {out!r:.80})"
+        )
     values = []
     for i, x in enumerate(out):
         try:
@@ -99,9 +111,11 @@ def call(fn: Callable, responses: Sequence[str], examples: Sequence[Example], fm
                 raise TypeError("a string")
             values.append(float(x))
         except (TypeError, ValueError) as e:  # None, a string, a tensor of several numbers, ...
-            raise ConfigError(f"ppo.reward_fn={path}: value {i} of the {n} it returned is not a number "
-                              f"({type(x).__name__} {x!r:.40}: {one_line(str(e))}); it must return one number "
-                              f"per response") from None
+            raise ConfigError(
+                f"ppo.reward_fn={path}: value {i} of the {n} it returned is not a number "
+                f"({type(x).__name__} {x!r:.40}: {one_line(str(e))}); it must return one number "
+                f"per response"
+            ) from None
     return values
 
 

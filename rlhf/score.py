@@ -12,6 +12,7 @@ rendered through the model's chat template (``--chat-template``) exactly as the 
 A prompt needs its real newlines: in bash write $'...\\n...' (in plain double quotes \\n stays a
 backslash and an n, which the model never saw). Runs on the GPU when there is one (--device).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,16 +40,23 @@ class RewardScorer:
 
         from rlhf.models.loading import build_model, load_tokenizer
         from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel
+
         self.dir = Path(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir), trust_remote_code)
         # (a pad that load_tokenizer adds is a row of the embeddings: resized like in the stages)
-        self.model = build_model(AutoModelForSequenceClassification, path=str(model_dir),
-                                 trust_remote_code=trust_remote_code, tokenizer=self.tokenizer).to(device)
+        self.model = build_model(
+            AutoModelForSequenceClassification,
+            path=str(model_dir),
+            trust_remote_code=trust_remote_code,
+            tokenizer=self.tokenizer,
+        ).to(device)
         self.model.eval()
         self.values = ScalarHeadModel(self.model)
         self.device = device
         stats_file = self.dir / REWARD_STATS_FILE
-        self.stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {"mean": 0.0, "std": 1.0}
+        self.stats = {"mean": 0.0, "std": 1.0}  # a reward model with no reward_stats.json: unnormalised
+        if stats_file.is_file():
+            self.stats = json.loads(stats_file.read_text())
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> List[List[int]]:
         tok = self.tokenizer
@@ -60,9 +68,10 @@ class RewardScorer:
     def score_ids(self, seqs: List[List[int]], batch_size: int = 64) -> torch.Tensor:
         from rlhf.data.tokenize import pad_right
         from rlhf.models.value import sequence_scores
+
         out = []
         for s in range(0, len(seqs), batch_size):
-            chunk = seqs[s:s + batch_size]
+            chunk = seqs[s : s + batch_size]
             ids = pad_right(chunk, self.tokenizer.pad_token_id).to(self.device)
             lengths = torch.tensor([len(x) for x in chunk], device=self.device)
             mask = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
@@ -76,12 +85,14 @@ class RewardScorer:
         """(chosen, rejected) sequences of preference pairs as the reward stage builds them (turns
         through the chat template ``chat``, text as it is; each response with its EOS), uncut."""
         from rlhf.data.tokenize import tokenize_pairs
+
         cols = tokenize_pairs(list(examples), self.tokenizer, UNCUT, UNCUT, chat)
         return cols["chosen"], cols["rejected"]
 
     def response_ids(self, examples: Sequence, chat=None) -> List[List[int]]:
         """prompt + response + EOS of each record, built as the stages build them (turns through ``chat``)."""
         from rlhf.data.tokenize import tokenize_sft
+
         return tokenize_sft(list(examples), self.tokenizer, UNCUT, UNCUT, chat)["ids"]
 
     def normalize(self, scores: torch.Tensor) -> torch.Tensor:
@@ -106,9 +117,14 @@ def read_records(path: str):
     with the assistant turn to score). The format is the first record's; every record must have it."""
     from rlhf.data.records import data_files, iter_raw_records, read_examples
     from rlhf.errors import DataError
+
     files = data_files(path, key="--jsonl")
-    first = next(iter(iter_raw_records(files[0])), None) if files else None
-    fmt = format_of(first[0] if first is not None else None)
+    first_record = None
+    if files:
+        first = next(iter(iter_raw_records(files[0])), None)  # (record, where)
+        if first is not None:
+            first_record = first[0]
+    fmt = format_of(first_record)
     exs = read_examples(path, fmt, key="--jsonl", skip_key=None)[0]
     kind = "pairs" if exs[0].chosen is not None else "responses"
     for e in exs:
@@ -125,13 +141,21 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt")
     ap.add_argument("--response")
     ap.add_argument("--jsonl", help="a file of {prompt, response} records, or of preference pairs")
-    ap.add_argument("--chat-template", default="auto", help="for turns (messages): auto (the tokenizer's, as the "
-                    "reward stage used it), none, or a Jinja file")
+    ap.add_argument(
+        "--chat-template",
+        default="auto",
+        help="for turns (messages): auto (the tokenizer's, as the reward stage used it), none, or a Jinja file",
+    )
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                    help="where the model runs (auto: the GPU when there is one, as engine.device)")
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the model runs (auto: the GPU when there is one, as engine.device)",
+    )
     args = ap.parse_args(argv)
     from rlhf.errors import UserError, one_line
+
     try:
         kind = "responses"
         if args.jsonl:
@@ -141,14 +165,21 @@ def main(argv=None) -> None:
         else:
             ap.error("give --prompt and --response, or --jsonl")
         from rlhf.models.loading import check_scalar_model
+
         check_scalar_model(args.model_dir, "MODEL_DIR", "; pass RUN_DIR/reward/model")
         from rlhf.data.chat import resolve_template
         from rlhf.engine.mesh import choose_device
-        scorer = RewardScorer(args.model_dir, device=str(choose_device(args.device, 0, 1)),
-                              trust_remote_code=args.trust_remote_code)
+
+        scorer = RewardScorer(
+            args.model_dir, device=str(choose_device(args.device, 0, 1)), trust_remote_code=args.trust_remote_code
+        )
         chat = resolve_template(scorer.tokenizer, args.chat_template, key="--chat-template")
-        seqs = (scorer.pair_ids(exs, chat) if kind == "pairs" else
-                scorer.response_ids(exs, chat) if exs is not None else scorer.encode([args.prompt], [args.response]))
+        if kind == "pairs":
+            seqs = scorer.pair_ids(exs, chat)
+        elif exs is not None:
+            seqs = scorer.response_ids(exs, chat)
+        else:
+            seqs = scorer.encode([args.prompt], [args.response])
     except (UserError, OSError, ValueError) as e:
         print(f"rlhf.score: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)

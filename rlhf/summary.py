@@ -1,15 +1,16 @@
 """summary.json of a run (docs/contract.md) from the stages' metrics, a short table, and report.png.
 
-    python -m rlhf.summary RUN_DIR [--seconds stage=S ...]
+python -m rlhf.summary RUN_DIR [--seconds stage=S ...]
 """
+
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
 from rlhf import config
-from rlhf.report import read_series, write_report
 from rlhf.outputs.fileio import atomic_write_json
+from rlhf.report import read_series, write_report
 
 PEAKS = ("mem/peak_gb",)  # every stage: the largest logged value (the stage's peak), not the last
 
@@ -17,8 +18,10 @@ PEAKS = ("mem/peak_gb",)  # every stage: the largest logged value (the stage's p
 def last_values(metrics_file: Path, keys, peaks=()) -> dict:
     """The last logged value of each of ``keys`` in a metrics.jsonl, and the largest of each of ``peaks``."""
     series = read_series(metrics_file)
-    return {**{k: series[k][1][-1] for k in keys if k in series},
-            **{k: max(series[k][1]) for k in peaks if k in series}}
+    return {
+        **{k: series[k][1][-1] for k in keys if k in series},
+        **{k: max(series[k][1]) for k in peaks if k in series},
+    }
 
 
 def build_summary(run_dir: Path, seconds: dict, seed=None) -> dict:

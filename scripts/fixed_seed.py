@@ -11,6 +11,7 @@ weights). A refactor that should not change results runs it before and after:
 difference), and whether every exported safetensors file is byte-identical; it exits 1 on any
 difference. Keys present in one run only (a new metric) are listed, not failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,40 @@ import subprocess
 import sys
 from pathlib import Path
 
-COMMON = ["engine.precision=fp32", "logger.progress=false", "data.synthetic.num_records=2000",
-          "eval.gold_prompts=16", "eval.gold_samples=2", "train.save_every=0", "run.seed=7"]
-PPO = ["train.max_steps=3", "ppo.prompts_per_step=8", "ppo.samples_per_prompt=2", "ppo.ppo_epochs=2",
-       "ppo.minibatches_per_epoch=2", "ppo.min_rm_accuracy=0", "train.eval_every=0"]
+COMMON = [
+    "engine.precision=fp32",
+    "logger.progress=false",
+    "data.synthetic.num_records=2000",
+    "eval.gold_prompts=16",
+    "eval.gold_samples=2",
+    "train.save_every=0",
+    "run.seed=7",
+]
+PPO = [
+    "train.max_steps=3",
+    "ppo.prompts_per_step=8",
+    "ppo.samples_per_prompt=2",
+    "ppo.ppo_epochs=2",
+    "ppo.minibatches_per_epoch=2",
+    "ppo.min_rm_accuracy=0",
+    "train.eval_every=0",
+]
 # (name, stage, overrides): each PPO variant in a run dir of its own, copied from the reward run
 STEPS = [
     ("sft", "sft", ["train.max_steps=40", "train.warmup_steps=5", "train.eval_every=20"]),
     ("reward", "reward", ["train.max_steps=20", "train.eval_every=10"]),
     ("ppo_gae", "ppo", PPO + ["ppo.ema_decay=0.5", "algorithm.ptx_coef=0.1"]),
-    ("ppo_grpo", "ppo", PPO + ["algorithm.estimator=grpo", "ppo.use_reward_model=false",
-                              "ppo.reward_fn=rlhf.rewards.gold", "ppo.dynamic_sampling=true"]),
+    (
+        "ppo_grpo",
+        "ppo",
+        PPO
+        + [
+            "algorithm.estimator=grpo",
+            "ppo.use_reward_model=false",
+            "ppo.reward_fn=rlhf.rewards.gold",
+            "ppo.dynamic_sampling=true",
+        ],
+    ),
     ("ppo_rloo", "ppo", PPO + ["algorithm.estimator=rloo"]),
     ("ppo_reinforce_pp", "ppo", PPO + ["algorithm.estimator=reinforce_pp"]),
     ("ppo_lora", "ppo", PPO + ["model.lora.r=4", "model.lora.critic=true", "algorithm.mismatch_correction=tis"]),
@@ -41,9 +65,16 @@ STEPS = [
 
 def run(tree: Path, out: Path, nproc: int) -> None:
     import shutil
+
     base = out / "base"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "TOKENIZERS_PARALLELISM": "false", "RLHF_DEVICE": "cpu"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RLHF_DEVICE": "cpu",
+    }
     py = str(tree / ".venv" / "bin" / "python") if (tree / ".venv").exists() else sys.executable
     for name, stage, extra in STEPS:
         run_dir = base
@@ -51,8 +82,7 @@ def run(tree: Path, out: Path, nproc: int) -> None:
             run_dir = out / name
             if not run_dir.exists():
                 shutil.copytree(base, run_dir, ignore=shutil.ignore_patterns("ppo", "dpo"))
-        launch = ([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-                  if nproc > 1 else [py])
+        launch = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [py]
         cmd = launch + ["-m", "rlhf", f"stage={stage}", f"run.dir={run_dir}", *COMMON, *extra]
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -86,8 +116,10 @@ def compare(a: Path, b: Path) -> int:
     for k in only[:10]:
         print("  one run only:", k)
     bad = [f for f in fa if fb.get(f) != fa[f]] + [f for f in fb if f not in fa]
-    print(f"safetensors: {len(fa) - len([f for f in bad if f in fa])}/{len(fa)} byte-identical" +
-          (f"; differ or missing: {bad}" if bad else ""))
+    print(
+        f"safetensors: {len(fa) - len([f for f in bad if f in fa])}/{len(fa)} byte-identical"
+        + (f"; differ or missing: {bad}" if bad else "")
+    )
     return 1 if diff or bad else 0
 
 

@@ -20,6 +20,7 @@ its prompts have different lengths (left padding). Checks:
   against the masked prefill: chosen by default, last-token logits within bf16 rounding, the same
   greedy tokens on ≥ 90% of rows, and both prefills' seconds.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import WORKLOADS, llama_config  # noqa: E402
+
 from rlhf.config import EngineConfig, TrainConfig  # noqa: E402
 from rlhf.engine.hybrid import HybridEngine  # noqa: E402
 from rlhf.engine.infer import left_pad  # noqa: E402
@@ -90,14 +92,22 @@ def packed_prefill(model, prompts) -> bool:
     ok &= report("packed_prefill_logits", gap <= 3e-2, relative_gap=gap)
     same = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()
     ok &= report("packed_prefill_greedy", same >= 0.9, share_of_equal_rows=same)
-    report("prefill_seconds", True, packed=round(secs[True], 5), masked=round(secs[False], 5), rows=len(prompts),
-           prompt_len=P, real_tokens=int(pmask.sum()))
+    report(
+        "prefill_seconds",
+        True,
+        packed=round(secs[True], 5),
+        masked=round(secs[False], 5),
+        rows=len(prompts),
+        prompt_len=P,
+        real_tokens=int(pmask.sum()),
+    )
     m.release()
     return ok
 
 
 def main() -> int:
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(WORKLOADS["small"])).eval()
     with torch.no_grad():
@@ -118,18 +128,25 @@ def main() -> int:
     out = {k: hy.generate(prompts, greedy) for k, hy in engines.items()}
     ids, mask = left_pad(prompts, PAD, device)
     with torch.no_grad():
-        hf = engines["off"].engine.module.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                                   max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=EOS)
-    hf = hf[:, ids.shape[1]:]
+        hf = engines["off"].engine.module.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=EOS
+        )
+    hf = hf[:, ids.shape[1] :]
     hf = torch.cat([hf, hf.new_full((hf.shape[0], NEW - hf.shape[1]), PAD)], 1)
     ends = sorted(set(out["off"].response_mask.sum(1).tolist()))
     gap = (out["auto"].logprobs - out["off"].logprobs).abs().max().item()
-    ok &= report("greedy_graphs_eq_rows_removed", torch.equal(out["auto"].sequences, out["off"].sequences),
-                 logprob_gap=gap, response_lengths=ends)
+    ok &= report(
+        "greedy_graphs_eq_rows_removed",
+        torch.equal(out["auto"].sequences, out["off"].sequences),
+        logprob_gap=gap,
+        response_lengths=ends,
+    )
     ok &= report("greedy_logprob_gap", gap <= 1e-5, value=gap)
     ok &= report("greedy_eq_hf_generate", torch.equal(out["auto"].responses, hf.to(device)))
 
-    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=4, samples_per_prompt=2, seed=3)
+    sampled = SamplingParams(
+        temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=4, samples_per_prompt=2, seed=3
+    )
     out = {k: hy.generate(prompts, sampled) for k, hy in engines.items()}
     same = (out["auto"].sequences == out["off"].sequences).all(1).float().mean().item()
     ok &= report("sampled_same_rollouts", same >= 0.9, share_of_equal_rows=same)
@@ -137,8 +154,14 @@ def main() -> int:
     syncs = {k: host_syncs(hy, prompts, greedy) for k, hy in engines.items()}
     k = engines["auto"].ecfg.decode_sync_every
     # the row-removing loop (the positive control: the counter sees its per-step checks) vs the graphs
-    ok &= report("host_syncs_per_generation", syncs["off"] >= NEW - 1 and syncs["auto"] <= NEW // k + 16,
-                 graphs=syncs["auto"], rows_removed=syncs["off"], steps=NEW, sync_every=k)
+    ok &= report(
+        "host_syncs_per_generation",
+        syncs["off"] >= NEW - 1 and syncs["auto"] <= NEW // k + 16,
+        graphs=syncs["auto"],
+        rows_removed=syncs["off"],
+        steps=NEW,
+        sync_every=k,
+    )
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(device)
     engines["auto"].generate(prompts, greedy)
@@ -148,7 +171,7 @@ def main() -> int:
 
     ok &= packed_prefill(model, prompts)
 
-    for k, hy in engines.items():
+    for hy in engines.values():
         hy.generate(prompts, sampled)  # warm
         torch.cuda.synchronize()
         t = time.perf_counter()

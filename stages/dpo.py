@@ -9,6 +9,7 @@ without gradient, policy log-probs, DPO / cDPO / IPO loss over the global batch'
 No reward model and no generation while training: the loss (rlhf/algorithms/preference.py) needs only the
 summed response log-probs of each pair under the policy and under the reference.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,9 +34,22 @@ from rlhf.models import loading, lora
 from rlhf.outputs.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, export_policy, log_evaluation, rank_batches,
-    finished, mark_finished, require_batches, require_pairs, resolve_steps, resume, run_fingerprint, stage_input,
-    start_stage)
+    check_writable,
+    checkpoint_to_resume,
+    end_of_step,
+    export_policy,
+    finished,
+    log_evaluation,
+    mark_finished,
+    rank_batches,
+    require_batches,
+    require_pairs,
+    resolve_steps,
+    resume,
+    run_fingerprint,
+    stage_input,
+    start_stage,
+)
 
 log = logging.getLogger("rlhf")
 
@@ -56,10 +70,18 @@ def run(cfg: Config) -> None:
     chat = resolve_template(tokenizer, data_cfg.chat_template)
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
     # the reward stage's cache kinds: the same pairs tokenize once for both stages
-    train_cols = cached("pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh,
-                        lambda: tokenize_pairs(data.train, tokenizer, **lens))
-    eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
-                       lambda: tokenize_pairs(data.eval, tokenizer, **lens))
+    train_cols = cached(
+        "pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_pairs(data.train, tokenizer, **lens)
+    )
+    eval_cols = cached(
+        "pairs-eval",
+        data.eval,
+        tokenizer,
+        lens,
+        ctx.cache_dir,
+        mesh,
+        lambda: tokenize_pairs(data.eval, tokenizer, **lens),
+    )
     require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
     resolve_steps(ctx, len(train_cols["chosen"]), train.global_batch, "pairs")
     if not eval_cols["chosen"]:
@@ -70,13 +92,19 @@ def run(cfg: Config) -> None:
 
     # model.lora.r > 0: adapters on the policy, whose base (adapters off) is the reference; else the
     # reference is a second copy of the starting weights
-    actor = TrainEngine(lora.adapt(build("policy"), cfg.model.lora, cfg.run.seed, what="policy"), mesh, cfg.engine.placement("actor"), train)
+    actor = TrainEngine(
+        lora.adapt(build("policy"), cfg.model.lora, cfg.run.seed, what="policy"),
+        mesh,
+        cfg.engine.placement("actor"),
+        train,
+    )
     reference = reference_for(actor, build, mesh, cfg.engine.placement("reference"))
     hybrid = HybridEngine(actor, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(actor.module.config, tokenizer, data.description, cfg,
-                                                                f"policy={source}"))
+    ctx.fingerprint = mesh.broadcast_object(
+        run_fingerprint(actor.module.config, tokenizer, data.description, cfg, f"policy={source}")
+    )
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"policy": actor}, ckpt)
@@ -88,18 +116,36 @@ def run(cfg: Config) -> None:
     def evaluate(step):
         results = evaluate_pairs(actor, reference, eval_cols, pad, micro, mesh, cfg.dpo)
         if data.gold is not None:
-            results.update(evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat,
-                                          cfg.logger.progress))
+            results.update(
+                evaluate_gold(
+                    hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress
+                )
+            )
         return log_evaluation(metrics, step, results, actor)
 
     def checkpoint(step):
-        return save_checkpoint(ctx.ckpt_dir, step, {"policy": actor},
-                               {"stage": "dpo", "fingerprint": ctx.fingerprint}, mesh, keep=train.keep_checkpoints)
+        return save_checkpoint(
+            ctx.ckpt_dir,
+            step,
+            {"policy": actor},
+            {"stage": "dpo", "fingerprint": ctx.fingerprint},
+            mesh,
+            keep=train.keep_checkpoints,
+        )
 
     # ---- loop ----
-    log.info("dpo (%s, beta=%g, label_smoothing=%g, sft_coef=%g): %d pairs (%s) from %s, %d steps of %d pairs",
-             cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.sft_coef, len(train_cols["chosen"]),
-             data.description, source, train.max_steps, train.global_batch)
+    log.info(
+        "dpo (%s, beta=%g, label_smoothing=%g, sft_coef=%g): %d pairs (%s) from %s, %d steps of %d pairs",
+        cfg.dpo.loss,
+        cfg.dpo.beta,
+        cfg.dpo.label_smoothing,
+        cfg.dpo.sft_coef,
+        len(train_cols["chosen"]),
+        data.description,
+        source,
+        train.max_steps,
+        train.global_batch,
+    )
     if start == 0:  # the starting policy's numbers (rewards 0 by definition; its gold score)
         evaluate(0)
     actor.train()
@@ -114,8 +160,14 @@ def run(cfg: Config) -> None:
         done = step + 1
         bar.step(loss=f"{stats['loss']:.3f}", acc=f"{stats['rewards/accuracy']:.2f}")
         if done % train.log_every == 0 or step == start or done == train.max_steps:
-            metrics.log(done, **stats, lr=lr, grad_norm=grad_norm,
-                        samples_per_s=seen / max(time.perf_counter() - t0, 1e-9), epoch=batches.epoch_of(done))
+            metrics.log(
+                done,
+                **stats,
+                lr=lr,
+                grad_norm=grad_norm,
+                samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
+                epoch=batches.epoch_of(done),
+            )
         end_of_step(done, train, stop, mesh, checkpoint, evaluate)
     bar.close()
     stop.close()
@@ -181,16 +233,32 @@ def chosen_tokens(batch) -> torch.Tensor:
 
 
 # what train_step and evaluate_pairs average over pairs (metrics keys; evaluation prefixes eval/)
-SUMS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen",
-        "logps/rejected")
+SUMS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracy",
+    "rewards/margin",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def pair_sums(losses, chosen, rejected, logp_chosen, logp_rejected) -> torch.Tensor:
     """The sums over a micro-batch's pairs of each of ``SUMS`` (float64, CPU); accuracy counts the pairs
     whose chosen reward is strictly higher (0 for the starting policy, whose rewards are all 0)."""
     c, r = chosen.double().cpu(), rejected.double().cpu()
-    return torch.stack([losses.double().sum().cpu(), c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum(),
-                        logp_chosen.double().sum().cpu(), logp_rejected.double().sum().cpu()])
+    return torch.stack(
+        [
+            losses.double().sum().cpu(),
+            c.sum(),
+            r.sum(),
+            (c > r).double().sum(),
+            (c - r).sum(),
+            logp_chosen.double().sum().cpu(),
+            logp_rejected.double().sum().cpu(),
+        ]
+    )
 
 
 def evaluate_pairs(actor, reference, cols, pad, micro, mesh, dcfg: DPOConfig) -> dict:

@@ -9,6 +9,7 @@ ZeRO-3 training mode; log, evaluate, save) → export (actor, critic, EMA actor)
 score), ``update.Updater`` (the PPO epochs; PPO-ptx's ``ptx.PtxTerm`` and the ``ema.EMA`` inside),
 ``metrics.step_metrics``.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ from rlhf.errors import ConfigError, UserError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name
+from rlhf.outputs.log import progress
 from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
 from rlhf.rl.ema import EMA
@@ -43,12 +45,20 @@ from rlhf.rl.metrics import step_metrics
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.ptx import PtxTerm
 from rlhf.rl.update import Diverged, Updater
-from rlhf.outputs.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, finished, mark_finished, previous_output, resolve_steps,
-    resume, run_fingerprint,
-    stage_input, start_stage)
+    check_writable,
+    checkpoint_to_resume,
+    end_of_step,
+    finished,
+    mark_finished,
+    previous_output,
+    resolve_steps,
+    resume,
+    run_fingerprint,
+    stage_input,
+    start_stage,
+)
 
 log = logging.getLogger("rlhf")
 
@@ -67,9 +77,11 @@ def check_reward_model(stats: dict, rm_src: Optional[Path], threshold: Optional[
             threshold = MIN_RM_ACCURACY_EMBEDDED
     if acc is None or acc >= threshold:
         return
-    raise ConfigError(f"reward model {rm_src}: held-out accuracy {acc:.3f} (reward_stats.json) is below "
-                      f"ppo.min_rm_accuracy={threshold:g}; PPO would optimise its errors: train it better "
-                      f"(more reward steps or data), or set ppo.min_rm_accuracy=0 to go on anyway")
+    raise ConfigError(
+        f"reward model {rm_src}: held-out accuracy {acc:.3f} (reward_stats.json) is below "
+        f"ppo.min_rm_accuracy={threshold:g}; PPO would optimise its errors: train it better "
+        f"(more reward steps or data), or set ppo.min_rm_accuracy=0 to go on anyway"
+    )
 
 
 def run(cfg: Config) -> None:
@@ -87,18 +99,22 @@ def run(cfg: Config) -> None:
     if rule is not None:
         check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)
     if len(data.train) < ppo.prompts_per_step:
-        raise UserError(f"data ({data.description}): {len(data.train)} prompts, fewer than one step "
-                        f"(ppo.prompts_per_step={ppo.prompts_per_step})")
+        raise UserError(
+            f"data ({data.description}): {len(data.train)} prompts, fewer than one step "
+            f"(ppo.prompts_per_step={ppo.prompts_per_step})"
+        )
     if ppo.prompts_per_step % mesh.world_size:
-        raise ConfigError(f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world size "
-                          f"{mesh.world_size}")
+        raise ConfigError(
+            f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world size {mesh.world_size}"
+        )
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
     for key, src in (("ppo.reward_model_path", rm_src), ("ppo.critic_path", critic_src)):
         if src is not None:  # the reward model and critic read the actor's token ids
             loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, cfg.data.chat_template)  # as in SFT: prompts through the chat template
-    prompt_ids = tokenize_prompts(data.train, tokenizer, cfg.data.max_prompt_len, chat,
-                                  max_new_tokens=ppo.max_new_tokens)["prompt"]
+    prompt_ids = tokenize_prompts(
+        data.train, tokenizer, cfg.data.max_prompt_len, chat, max_new_tokens=ppo.max_new_tokens
+    )["prompt"]
     ptx = PtxTerm.load(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None  # PPO-ptx: SFT records and their loss
     stats = {"mean": 0.0, "std": 1.0}
     if rm_src is not None and (rm_src / REWARD_STATS_FILE).is_file():
@@ -116,8 +132,13 @@ def run(cfg: Config) -> None:
         return loading.causal_lm(actor_src, mesh, tokenizer, remote, cfg.model.disable_dropout, role)
 
     place = cfg.engine.placement  # engine.<role>.* over engine.*: each model's ZeRO stage, offload, precision
-    actor = TrainEngine(lora.adapt(policy_model("actor"), lcfg, cfg.run.seed, what="actor"), mesh, place("actor"),
-                        train, total_steps=total_updates)
+    actor = TrainEngine(
+        lora.adapt(policy_model("actor"), lcfg, cfg.run.seed, what="actor"),
+        mesh,
+        place("actor"),
+        train,
+        total_steps=total_updates,
+    )
     hybrid = HybridEngine(actor, tokenizer, place("actor"))
     critic = None
     if estimator(alg).critic:
@@ -126,8 +147,10 @@ def run(cfg: Config) -> None:
         critic_scale = 1.0
         if alg.reward_norm == "stats" and not ppo.critic_path:
             critic_scale = 1.0 / max(stats["std"], 1e-8)
-        critic_model = scalar_model(cfg, critic_src, mesh, tokenizer, critic_scale, lcfg if lcfg.critic else None,
-                                    "critic")
+        critic_lora = None  # model.lora.critic: adapters on the critic too
+        if lcfg.critic:
+            critic_lora = lcfg
+        critic_model = scalar_model(cfg, critic_src, mesh, tokenizer, critic_scale, critic_lora, "critic")
         critic = TrainEngine(critic_model, mesh, place("critic"), train, total_steps=total_updates, lr=ppo.critic_lr)
     # the reference: the actor with its adapters off under LoRA, else a second copy of the SFT model;
     # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
@@ -137,23 +160,38 @@ def run(cfg: Config) -> None:
     reward_model = None
     if ppo.use_reward_model:
         reward_model = FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, place("reward_model"))
-    scorers = Scorers(ref=ref, critic=critic, reward_model=reward_model,
-                      normalise=RewardNormaliser(alg.reward_norm, stats), rule=rule, rule_weight=ppo.reward_fn_weight,
-                      data_format=cfg.data.source_list()[0].format, gold=data.gold)
+    scorers = Scorers(
+        ref=ref,
+        critic=critic,
+        reward_model=reward_model,
+        normalise=RewardNormaliser(alg.reward_norm, stats),
+        rule=rule,
+        rule_weight=ppo.reward_fn_weight,
+        data_format=cfg.data.source_list()[0].format,
+        gold=data.gold,
+    )
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
     kl_ctl = AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
     engines = {"actor": actor}  # what checkpoints save and resume restores
     if critic is not None:
         engines["critic"] = critic
-    prompts = PromptSource(prompt_ids, data.train, ppo.prompts_per_step, cfg.run.seed, mesh,
-                           ppo.dynamic_sampling_max_rounds)
+    prompts = PromptSource(
+        prompt_ids, data.train, ppo.prompts_per_step, cfg.run.seed, mesh, ppo.dynamic_sampling_max_rounds
+    )
     collector = Collector(hybrid, actor, scorers, prompts, alg, ppo, tokenizer, mesh, cfg.run.seed)
     updater = Updater(actor, critic, alg, ppo, mesh, cfg.run.seed, ptx=ptx, ema=ema)
 
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(actor.module.config, tokenizer, data.description, cfg,
-                                                                f"actor={actor_src} reward_model={rm_src} critic={critic_src}"))
+    ctx.fingerprint = mesh.broadcast_object(
+        run_fingerprint(
+            actor.module.config,
+            tokenizer,
+            data.description,
+            cfg,
+            f"actor={actor_src} reward_model={rm_src} critic={critic_src}",
+        )
+    )
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, state, metrics = resume(ctx, engines, ckpt)
@@ -172,18 +210,39 @@ def run(cfg: Config) -> None:
         metrics.log(step, **res)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items()))
 
-    log.info("ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d minibatches",
-             alg.estimator, len(prompt_ids), data.description, train.max_steps, ppo.prompts_per_step,
-             ppo.samples_per_prompt,
-             ppo.ppo_epochs, ppo.minibatches_per_epoch)
+    log.info(
+        "ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d minibatches",
+        alg.estimator,
+        len(prompt_ids),
+        data.description,
+        train.max_steps,
+        ppo.prompts_per_step,
+        ppo.samples_per_prompt,
+        ppo.ppo_epochs,
+        ppo.minibatches_per_epoch,
+    )
     if start == 0:
         evaluate(0)
 
+    save_ema = None  # writes the EMA weights beside the checkpoint
+    if ema is not None:
+        save_ema = ema.save
+
     def checkpoint(step: int) -> Path:
-        return save_checkpoint(ctx.ckpt_dir, step, engines, {"stage": "ppo", "fingerprint": ctx.fingerprint,
-                                                             "kl": kl_ctl.state_dict(),
-                                                             "running": scorers.normalise.state_dict()},
-                               mesh, keep=train.keep_checkpoints, extra=ema.save if ema is not None else None)
+        return save_checkpoint(
+            ctx.ckpt_dir,
+            step,
+            engines,
+            {
+                "stage": "ppo",
+                "fingerprint": ctx.fingerprint,
+                "kl": kl_ctl.state_dict(),
+                "running": scorers.normalise.state_dict(),
+            },
+            mesh,
+            keep=train.keep_checkpoints,
+            extra=save_ema,
+        )
 
     bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
@@ -233,45 +292,71 @@ def inputs(cfg: Config) -> Tuple[str, Optional[Path], Optional[Path]]:
     if not ppo.use_reward_model and not ppo.reward_fn:
         raise ConfigError("ppo.use_reward_model=false needs a rule reward: set ppo.reward_fn (e.g. rlhf.rewards.gold)")
     if ppo.critic_path and not gae:
-        raise ConfigError(f"ppo.critic_path={ppo.critic_path} is set but algorithm.estimator={alg.estimator} "
-                          f"has no critic (only gae does)")
+        raise ConfigError(
+            f"ppo.critic_path={ppo.critic_path} is set but algorithm.estimator={alg.estimator} "
+            f"has no critic (only gae does)"
+        )
     # GAE's critic starts as the reward model unless it has a start of its own
     needs_rm = ppo.use_reward_model or (gae and not ppo.critic_path)
     rm_src = None
     if ppo.reward_model_path and not needs_rm:
-        raise ConfigError(f"ppo.reward_model_path={ppo.reward_model_path} is set but nothing uses it "
-                          f"(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or there is none)")
+        raise ConfigError(
+            f"ppo.reward_model_path={ppo.reward_model_path} is set but nothing uses it "
+            f"(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or there is none)"
+        )
     if ppo.reward_model_path:
         loading.check_scalar_model(ppo.reward_model_path, "ppo.reward_model_path")
         rm_src = Path(ppo.reward_model_path).expanduser()
     elif needs_rm:
         rm_src = previous_output(cfg.run.dir, "reward", "model")
         if rm_src is None:
-            raise ConfigError(f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first, set "
-                              f"ppo.reward_model_path, or use algorithm.estimator=grpo ppo.use_reward_model=false "
-                              f"ppo.reward_fn=...")
+            raise ConfigError(
+                f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first, set "
+                f"ppo.reward_model_path, or use algorithm.estimator=grpo ppo.use_reward_model=false "
+                f"ppo.reward_fn=..."
+            )
     critic_src = None
     if ppo.critic_path:
         loading.check_scalar_model(ppo.critic_path, "ppo.critic_path")
         critic_src = Path(ppo.critic_path).expanduser()
     elif gae:
         critic_src = rm_src
-    loading.check_model_path(str(actor_src), "ppo.actor_path" if ppo.actor_path else "model.path")
+    if ppo.actor_path:
+        loading.check_model_path(str(actor_src), "ppo.actor_path")
+    else:
+        loading.check_model_path(str(actor_src), "model.path")
     if needs_rm:
-        log.info("ppo: reward model %s%s", rm_src, "" if ppo.use_reward_model else " (ppo.use_reward_model=false: the critic's start only)")
+        note = ""
+        if not ppo.use_reward_model:
+            note = " (ppo.use_reward_model=false: the critic's start only)"
+        log.info("ppo: reward model %s%s", rm_src, note)
     if critic_src is not None:
         log.info("ppo: critic starts from %s", critic_src)
     return str(actor_src), rm_src, critic_src
 
 
-def scalar_model(cfg: Config, src: Path, mesh: Mesh, tokenizer, scale: float = 1.0, lcfg: Optional[LoraConfig] = None,
-                 role: str = "reward model") -> ScalarHeadModel:
+def scalar_model(
+    cfg: Config,
+    src: Path,
+    mesh: Mesh,
+    tokenizer,
+    scale: float = 1.0,
+    lcfg: Optional[LoraConfig] = None,
+    role: str = "reward model",
+) -> ScalarHeadModel:
     """The reward model's architecture and weights as a scalar-head model (the critic's head scaled;
     ``lcfg``: LoRA adapters on its backbone, the head fully trained; dropout per model.disable_dropout)."""
     model_cfg = loading.load_model_config(str(src), cfg.model.trust_remote_code)
-    model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, path=str(src),
-                                on_meta=not mesh.is_main, trust_remote_code=cfg.model.trust_remote_code,
-                                tokenizer=tokenizer, disable_dropout=cfg.model.disable_dropout, role=role)
+    model = loading.build_model(
+        AutoModelForSequenceClassification,
+        config=model_cfg,
+        path=str(src),
+        on_meta=not mesh.is_main,
+        trust_remote_code=cfg.model.trust_remote_code,
+        tokenizer=tokenizer,
+        disable_dropout=cfg.model.disable_dropout,
+        role=role,
+    )
     if scale != 1.0 and mesh.is_main:
         with torch.no_grad():
             head_module(model).weight.mul_(scale)

@@ -6,6 +6,7 @@ Setup (pairs, SFT model + head, engine, resume) → loop (pairwise loss, chosen 
 batch) → save (held-out accuracy and scores, score statistics for PPO, HF export as
 AutoModelForSequenceClassification with num_labels=1, which also initialises PPO's critic).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,21 @@ from rlhf.models import loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, sequence_scores
 from rlhf.outputs.log import progress
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, log_evaluation, rank_batches, require_batches,
-    finished, mark_finished, require_pairs, resolve_steps, resume, run_fingerprint, stage_input, start_stage)
+    check_writable,
+    checkpoint_to_resume,
+    end_of_step,
+    finished,
+    log_evaluation,
+    mark_finished,
+    rank_batches,
+    require_batches,
+    require_pairs,
+    resolve_steps,
+    resume,
+    run_fingerprint,
+    stage_input,
+    start_stage,
+)
 
 log = logging.getLogger("rlhf")
 
@@ -48,12 +62,23 @@ def run(cfg: Config) -> None:
     data = load_stage_data(data_cfg, "reward", cfg.run.seed)
     require_pairs(data, data_cfg.format, "reward")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
-    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len,
-                chat=resolve_template(tokenizer, data_cfg.chat_template))
-    train_cols = cached("pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh,
-                        lambda: tokenize_pairs(data.train, tokenizer, **lens))
-    eval_cols = cached("pairs-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
-                       lambda: tokenize_pairs(data.eval, tokenizer, **lens))
+    lens = dict(
+        max_prompt=data_cfg.max_prompt_len,
+        max_response=data_cfg.max_response_len,
+        chat=resolve_template(tokenizer, data_cfg.chat_template),
+    )
+    train_cols = cached(
+        "pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_pairs(data.train, tokenizer, **lens)
+    )
+    eval_cols = cached(
+        "pairs-eval",
+        data.eval,
+        tokenizer,
+        lens,
+        ctx.cache_dir,
+        mesh,
+        lambda: tokenize_pairs(data.eval, tokenizer, **lens),
+    )
     require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
     resolve_steps(ctx, len(train_cols["chosen"]), train.global_batch, "pairs")
     if not eval_cols["chosen"]:
@@ -62,20 +87,32 @@ def run(cfg: Config) -> None:
     model_cfg = loading.load_model_config(source, cfg.model.trust_remote_code)
     model_cfg.num_labels, model_cfg.pad_token_id = 1, tokenizer.pad_token_id
     if mesh.is_main:
-        model = loading.build_model(AutoModelForSequenceClassification, path=source, config=model_cfg,
-                                    trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
+        model = loading.build_model(
+            AutoModelForSequenceClassification,
+            path=source,
+            config=model_cfg,
+            trust_remote_code=cfg.model.trust_remote_code,
+            tokenizer=tokenizer,
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.run.seed)
             init_head(model)
     else:
-        model = loading.build_model(AutoModelForSequenceClassification, config=model_cfg, on_meta=True,
-                                    trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
+        model = loading.build_model(
+            AutoModelForSequenceClassification,
+            config=model_cfg,
+            on_meta=True,
+            trust_remote_code=cfg.model.trust_remote_code,
+            tokenizer=tokenizer,
+        )
     # model.lora.r > 0: adapters on the backbone, the score head fully trained (and saved with them)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, head=head_name(model))
     reward_model = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model_cfg, tokenizer, data.description, cfg, f"backbone={source}"))
+    ctx.fingerprint = mesh.broadcast_object(
+        run_fingerprint(model_cfg, tokenizer, data.description, cfg, f"backbone={source}")
+    )
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"reward": reward_model}, ckpt)
@@ -85,8 +122,9 @@ def run(cfg: Config) -> None:
     pad = tokenizer.pad_token_id
 
     def collate(indices):
-        return collate_pairs([train_cols["chosen"][i] for i in indices],
-                             [train_cols["rejected"][i] for i in indices], pad)
+        return collate_pairs(
+            [train_cols["chosen"][i] for i in indices], [train_cols["rejected"][i] for i in indices], pad
+        )
 
     def evaluate(step):
         res = evaluate_pairs(reward_model, eval_cols, pad, micro, mesh, cfg.reward.margin)
@@ -94,12 +132,25 @@ def run(cfg: Config) -> None:
         return res
 
     # ---- loop ----
-    log.info("reward: %d pairs (%s) from %s, %d steps of %d pairs", len(train_cols["chosen"]),
-             data.description, source, train.max_steps, train.global_batch)
+    log.info(
+        "reward: %d pairs (%s) from %s, %d steps of %d pairs",
+        len(train_cols["chosen"]),
+        data.description,
+        source,
+        train.max_steps,
+        train.global_batch,
+    )
     reward_model.train()
+
     def checkpoint(step):
-        return save_checkpoint(ctx.ckpt_dir, step, {"reward": reward_model},
-                               {"stage": "reward", "fingerprint": ctx.fingerprint}, mesh, keep=train.keep_checkpoints)
+        return save_checkpoint(
+            ctx.ckpt_dir,
+            step,
+            {"reward": reward_model},
+            {"stage": "reward", "fingerprint": ctx.fingerprint},
+            mesh,
+            keep=train.keep_checkpoints,
+        )
 
     bar = progress(train.max_steps, start, cfg.logger.progress, "reward", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
@@ -112,18 +163,34 @@ def run(cfg: Config) -> None:
         done = step + 1
         bar.step(loss=f"{loss:.3f}", acc=f"{acc:.2f}")
         if done % train.log_every == 0 or step == start or done == train.max_steps:
-            metrics.log(done, loss=loss, accuracy=acc, lr=lr, grad_norm=grad_norm,
-                        samples_per_s=seen / max(time.perf_counter() - t0, 1e-9))
+            metrics.log(
+                done,
+                loss=loss,
+                accuracy=acc,
+                lr=lr,
+                grad_norm=grad_norm,
+                samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
+            )
         end_of_step(done, train, stop, mesh, checkpoint, evaluate)
     bar.close()
     stop.close()
 
     # ---- save ----
     res = evaluate(train.max_steps)
-    stats = {"mean": res["scores/mean"], "std": res["scores/std"], "step": train.max_steps,
-             **{k: v for k, v in res.items() if k.startswith("eval/")}}
-    export_hf(reward_model, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files={REWARD_STATS_FILE: stats},
-              adapter_dir=ctx.out / "adapter")
+    stats = {
+        "mean": res["scores/mean"],
+        "std": res["scores/std"],
+        "step": train.max_steps,
+        **{k: v for k, v in res.items() if k.startswith("eval/")},
+    }
+    export_hf(
+        reward_model,
+        ctx.out / "model",
+        mesh,
+        tokenizer=tokenizer,
+        extra_files={REWARD_STATS_FILE: stats},
+        adapter_dir=ctx.out / "adapter",
+    )
     metrics.close()
     mark_finished(ctx, train.max_steps)
     log.info("reward done: %s (eval/accuracy=%.4f)", ctx.out / "model", res["eval/accuracy"])
@@ -164,12 +231,24 @@ def evaluate_pairs(reward_model, cols, pad, micro, mesh, margin: float = 0.0) ->
                 continue
             c, r = c.double().cpu(), r.double().cpu()
             n = torch.tensor(float(len(ix)), dtype=torch.float64, device="cpu")
-            sums += torch.stack([n, (c > r).sum().double(),
-                                 pairwise_loss(c, r, margin).sum().double(), c.sum(), r.sum(),
-                                 (c * c).sum() + (r * r).sum()])
+            sums += torch.stack(
+                [
+                    n,
+                    (c > r).sum().double(),
+                    pairwise_loss(c, r, margin).sum().double(),
+                    c.sum(),
+                    r.sum(),
+                    (c * c).sum() + (r * r).sum(),
+                ]
+            )
     sums = mesh.all_reduce(sums.to(mesh.device)).cpu()
     pairs, correct, loss, cs, rs, sq = sums.tolist()
     mean = (cs + rs) / (2 * pairs)
-    return {"eval/accuracy": correct / pairs, "eval/loss": loss / pairs, "eval/chosen_score": cs / pairs,
-            "eval/rejected_score": rs / pairs, "scores/mean": mean,
-            "scores/std": max(sq / (2 * pairs) - mean * mean, 0.0) ** 0.5}
+    return {
+        "eval/accuracy": correct / pairs,
+        "eval/loss": loss / pairs,
+        "eval/chosen_score": cs / pairs,
+        "eval/rejected_score": rs / pairs,
+        "scores/mean": mean,
+        "scores/std": max(sq / (2 * pairs) - mean * mean, 0.0) ** 0.5,
+    }

@@ -5,6 +5,7 @@
 Setup (data, tokenizer, model, engine, resume) → loop (global batches, token-weighted NLL,
 accumulation, clipping, logging, eval, checkpoints) → save (eval loss, gold score, HF export).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,21 @@ from rlhf.models import loading, lora
 from rlhf.outputs.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
-    check_writable, checkpoint_to_resume, end_of_step, export_policy, log_evaluation, rank_batches,
-    finished, mark_finished, require_batches, resolve_steps, resume, run_fingerprint, start_stage, text_corpus)
+    check_writable,
+    checkpoint_to_resume,
+    end_of_step,
+    export_policy,
+    finished,
+    log_evaluation,
+    mark_finished,
+    rank_batches,
+    require_batches,
+    resolve_steps,
+    resume,
+    run_fingerprint,
+    start_stage,
+    text_corpus,
+)
 
 log = logging.getLogger("rlhf")
 
@@ -58,28 +72,47 @@ def run(cfg: Config) -> None:
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
     else:  # the embedded default: a tokenizer trained on the task's text and a tiny Llama
         embedded_task = FORMATS[data_cfg.format].generated and not data_cfg.sources
-        corpus = (synthetic.tokenizer_corpus(data_cfg.synthetic) if embedded_task
-                  else text_corpus(data.train))
+        if embedded_task:
+            corpus = synthetic.tokenizer_corpus(data_cfg.synthetic)
+        else:
+            corpus = text_corpus(data.train)
         tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
     chat = resolve_template(tokenizer, data_cfg.chat_template)  # data.chat_template (a file's is exported too)
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
-    train_cols = cached("sft", data.train, tokenizer, lens, ctx.cache_dir, mesh,
-                        lambda: tokenize_sft(data.train, tokenizer, **lens))
+    train_cols = cached(
+        "sft", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_sft(data.train, tokenizer, **lens)
+    )
     resolve_steps(ctx, len(train_cols["ids"]), train.global_batch, "records")
-    eval_cols = cached("sft-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh,
-                       lambda: tokenize_sft(data.eval, tokenizer, **lens)) if data.eval else None
+    eval_cols = None
+    if data.eval:
+        eval_cols = cached(
+            "sft-eval",
+            data.eval,
+            tokenizer,
+            lens,
+            ctx.cache_dir,
+            mesh,
+            lambda: tokenize_sft(data.eval, tokenizer, **lens),
+        )
 
-    model = loading.build_model(AutoModelForCausalLM, config=model_cfg, path=cfg.model.path,
-                                on_meta=not mesh.is_main, seed=cfg.run.seed,
-                                trust_remote_code=cfg.model.trust_remote_code, tokenizer=tokenizer)
+    model = loading.build_model(
+        AutoModelForCausalLM,
+        config=model_cfg,
+        path=cfg.model.path,
+        on_meta=not mesh.is_main,
+        seed=cfg.run.seed,
+        trust_remote_code=cfg.model.trust_remote_code,
+        tokenizer=tokenizer,
+    )
     # model.lora.r > 0: the adapters train (and, for the embedded default, its embeddings)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, embedded=not cfg.model.path)
     actor = TrainEngine(model, mesh, cfg.engine.placement("actor"), train)
     hybrid = HybridEngine(actor, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model.config, tokenizer, data.description, cfg,
-                                                                f"model={cfg.model.path or 'embedded'}"))
+    ctx.fingerprint = mesh.broadcast_object(
+        run_fingerprint(model.config, tokenizer, data.description, cfg, f"model={cfg.model.path or 'embedded'}")
+    )
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"actor": actor}, ckpt)
@@ -89,23 +122,36 @@ def run(cfg: Config) -> None:
     pad = tokenizer.pad_token_id
 
     def collate(indices):
-        return collate_sft([train_cols["ids"][i] for i in indices],
-                           [train_cols["prompt_len"][i] for i in indices], pad, data_cfg.mask_prompt,
-                           [train_cols["mask"][i] for i in indices])
+        return collate_sft(
+            [train_cols["ids"][i] for i in indices],
+            [train_cols["prompt_len"][i] for i in indices],
+            pad,
+            data_cfg.mask_prompt,
+            [train_cols["mask"][i] for i in indices],
+        )
 
     def evaluate(step):
         results = {}
         if eval_cols is not None:
             results["eval/loss"] = eval_loss(actor, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
         if data.gold is not None:
-            results.update(evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat,
-                                          cfg.logger.progress))
+            results.update(
+                evaluate_gold(
+                    hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress
+                )
+            )
         return log_evaluation(metrics, step, results, actor)
 
     # ---- loop ----
-    log.info("sft: %d records (%s), %d steps of %d samples, %d per micro-batch, %d accumulation",
-             len(train_cols["ids"]), data.description, train.max_steps, train.global_batch, micro,
-             train.global_batch // (micro * mesh.world_size))
+    log.info(
+        "sft: %d records (%s), %d steps of %d samples, %d per micro-batch, %d accumulation",
+        len(train_cols["ids"]),
+        data.description,
+        train.max_steps,
+        train.global_batch,
+        micro,
+        train.global_batch // (micro * mesh.world_size),
+    )
     actor.train()
     bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
@@ -118,11 +164,17 @@ def run(cfg: Config) -> None:
         done = step + 1
         bar.step(loss=f"{loss:.3f}")
         if done % train.log_every == 0 or step == start or done == train.max_steps:
-            metrics.log(done, loss=loss, lr=lr, grad_norm=grad_norm,
-                        samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
-                        epoch=batches.epoch_of(done))
-        end_of_step(done, train, stop, mesh, lambda s: save(ctx, actor, tokenizer, s, mesh, train.keep_checkpoints),
-                    evaluate)
+            metrics.log(
+                done,
+                loss=loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
+                epoch=batches.epoch_of(done),
+            )
+        end_of_step(
+            done, train, stop, mesh, lambda s: save(ctx, actor, tokenizer, s, mesh, train.keep_checkpoints), evaluate
+        )
     bar.close()
     stop.close()
 
@@ -144,8 +196,9 @@ def train_step(actor, micro_batches) -> tuple[float, float]:
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
     loss_sum = 0.0
     for i, b in enumerate(micro_batches):
-        logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
-                                attention_mask=b["attention_mask"].to(mesh.device)).logits
+        logits = actor.forward(
+            input_ids=b["input_ids"].to(mesh.device), attention_mask=b["attention_mask"].to(mesh.device)
+        ).logits
         nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
         # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean.
         actor.backward(nll / max(n_tokens, 1) * mesh.world_size, sync=i == len(micro_batches) - 1)
@@ -155,8 +208,15 @@ def train_step(actor, micro_batches) -> tuple[float, float]:
 
 
 def save(ctx, actor, tokenizer, step, mesh, keep):
-    return save_checkpoint(ctx.ckpt_dir, step, {"actor": actor}, {"stage": "sft", "fingerprint": ctx.fingerprint},
-                           mesh, keep=keep, tokenizer=tokenizer)
+    return save_checkpoint(
+        ctx.ckpt_dir,
+        step,
+        {"actor": actor},
+        {"stage": "sft", "fingerprint": ctx.fingerprint},
+        mesh,
+        keep=keep,
+        tokenizer=tokenizer,
+    )
 
 
 def eval_loss(actor, cols, pad, mask_prompt, micro, mesh) -> float:
@@ -165,10 +225,16 @@ def eval_loss(actor, cols, pad, mask_prompt, micro, mesh) -> float:
     actor.eval()
     with torch.no_grad():
         for ix in rank_batches(len(cols["ids"]), micro, mesh):
-            b = collate_sft([cols["ids"][i] for i in ix or [0]], [cols["prompt_len"][i] for i in ix or [0]],
-                            pad, mask_prompt, [cols["mask"][i] for i in ix or [0]])
-            logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
-                                    attention_mask=b["attention_mask"].to(mesh.device)).logits
+            b = collate_sft(
+                [cols["ids"][i] for i in ix or [0]],
+                [cols["prompt_len"][i] for i in ix or [0]],
+                pad,
+                mask_prompt,
+                [cols["mask"][i] for i in ix or [0]],
+            )
+            logits = actor.forward(
+                input_ids=b["input_ids"].to(mesh.device), attention_mask=b["attention_mask"].to(mesh.device)
+            ).logits
             nll, tokens = shifted_nll_sum(logits, b["labels"].to(mesh.device))
             if ix:  # a turn with no records of its own ran record 0 and ignores it
                 total, count = total + float(nll), count + tokens

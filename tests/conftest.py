@@ -1,4 +1,5 @@
 """Shared helpers: the CLI as a subprocess, the vendored real-data samples (tests/data), a tiny-model factory."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,8 +20,14 @@ REAL_DATA = ROOT / "tests" / "data"
 TEST_DEVICE = os.environ.get("RLHF_TEST_DEVICE", "cpu")
 if TEST_DEVICE not in ("cpu", "cuda"):
     raise pytest.UsageError(f"RLHF_TEST_DEVICE={TEST_DEVICE!r}: expected cpu or cuda")
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-           WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+ENV = dict(
+    os.environ,
+    HF_HUB_OFFLINE="1",
+    HF_DATASETS_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+    WANDB_MODE="disabled",
+    PYTHONPATH=str(ROOT),
+)
 if TEST_DEVICE == "cpu":
     ENV["RLHF_DEVICE"] = "cpu"
 else:
@@ -30,16 +37,26 @@ for k, v in ENV.items():
         os.environ.setdefault(k, v)
 
 
-def run_cli(*overrides: str, timeout: float = 600, nproc: int = 1, env: dict | None = None,
-            **popen) -> subprocess.CompletedProcess:
+def run_cli(
+    *overrides: str, timeout: float = 600, nproc: int = 1, env: dict | None = None, **popen
+) -> subprocess.CompletedProcess:
     """``python -m rlhf <overrides>`` (or torchrun with ``nproc`` ranks) with the test environment."""
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "rlhf", *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "rlhf",
+            *overrides,
+        ]
     else:
         cmd = [sys.executable, "-m", "rlhf", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout, **popen)
+    return subprocess.run(
+        cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout, **popen
+    )
 
 
 def tree_digest(path: Path) -> dict:
@@ -53,10 +70,17 @@ def tree_digest(path: Path) -> dict:
 
 def quick_sft_args(run_dir: Path, steps: int = 20) -> list[str]:
     """A bounded SFT run on the embedded task (seconds, not minutes)."""
-    return ["stage=sft", f"run.dir={run_dir}", f"train.max_steps={steps}", "logger.progress=false",
-            "engine.precision=fp32",  # numbers compared across runs: exact on every device
-            "eval.gold_prompts=16", "eval.gold_samples=1", "data.synthetic.num_records=2000",
-            "train.warmup_steps=5"]
+    return [
+        "stage=sft",
+        f"run.dir={run_dir}",
+        f"train.max_steps={steps}",
+        "logger.progress=false",
+        "engine.precision=fp32",  # numbers compared across runs: exact on every device
+        "eval.gold_prompts=16",
+        "eval.gold_samples=1",
+        "data.synthetic.num_records=2000",
+        "train.warmup_steps=5",
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +112,13 @@ def small_pipeline(tmp_path_factory):
     """A quick SFT + reward run (seconds) for the PPO mechanics tests."""
     run_dir = tmp_path_factory.mktemp("ppo") / "run"
     assert run_cli(*quick_sft_args(run_dir, steps=60), "train.save_every=0").returncode == 0
-    proc = run_cli("stage=reward", f"run.dir={run_dir}", "train.max_steps=30", "train.save_every=0",
-                   "logger.progress=false", "data.synthetic.num_records=2000")
+    proc = run_cli(
+        "stage=reward",
+        f"run.dir={run_dir}",
+        "train.max_steps=30",
+        "train.save_every=0",
+        "logger.progress=false",
+        "data.synthetic.num_records=2000",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run_dir

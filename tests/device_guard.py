@@ -6,6 +6,7 @@ the CPU and meets CUDA tensors (the score/reward/whitening crashes of the first 
 random numbers with a generator on one device into a tensor on another (the sampling crash).
 Run code under it on CPU; run pure functions under ``FakeTensorMode`` with ``cuda`` inputs as well.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,8 +17,21 @@ from torch.overrides import TorchFunctionMode
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN = (str(ROOT / "rlhf") + "/", str(ROOT / "stages") + "/")
-FACTORIES = {torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.as_tensor, torch.arange,
-             torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace, torch.eye}
+FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.tensor,
+    torch.as_tensor,
+    torch.arange,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.linspace,
+    torch.eye,
+}
 
 
 class DeviceError(AssertionError):
@@ -37,11 +51,14 @@ class DeviceDiscipline(TorchFunctionMode):
             gen = kwargs.get("generator")
             device = kwargs.get("device")
             if gen is not None and device is not None and torch.device(device).type != gen.device.type:
-                raise DeviceError(f"{where}: torch.{func.__name__} draws with a {gen.device} generator into "
-                                  f"a {torch.device(device)} tensor")
+                raise DeviceError(
+                    f"{where}: torch.{func.__name__} draws with a {gen.device} generator into "
+                    f"a {torch.device(device)} tensor"
+                )
             if frame.f_code.co_filename.startswith(OWN):
                 self.calls += 1
                 if device is None and not (func is torch.as_tensor and args and isinstance(args[0], torch.Tensor)):
-                    raise DeviceError(f"{where}: torch.{func.__name__} without a device (on a GPU this tensor "
-                                      f"lands on the CPU)")
+                    raise DeviceError(
+                        f"{where}: torch.{func.__name__} without a device (on a GPU this tensor lands on the CPU)"
+                    )
         return func(*args, **kwargs)

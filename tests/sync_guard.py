@@ -7,6 +7,7 @@ value (``.item()``, ``bool()``/``int()``/``float()`` of a tensor, ``.tolist()``,
 cost nothing, which is why they must be caught by name: under a CUDA graph capture each one is an
 error, and in an eager GPU loop each one stalls the launch queue.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,12 +19,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 # values read back to Python
-READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__,
-         torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.nonzero, torch.Tensor.nonzero}
+READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.cpu,
+    torch.nonzero,
+    torch.Tensor.nonzero,
+}
 # ops whose output shape (or result) the host must wait for
-DATA_DEPENDENT = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique, aten._unique2,
-                  aten.unique_dim, aten.unique_consecutive, aten.equal, aten.is_nonzero, aten.bincount,
-                  aten.repeat_interleave, aten.histc}
+DATA_DEPENDENT = {
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.masked_select,
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.equal,
+    aten.is_nonzero,
+    aten.bincount,
+    aten.repeat_interleave,
+    aten.histc,
+}
 INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 
 
@@ -36,8 +58,9 @@ def _where() -> str:
 
 def _tensor_in_slice(index) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(p, slice) and any(isinstance(b, torch.Tensor) for b in (p.start, p.stop, p.step))
-               for p in parts)
+    return any(
+        isinstance(p, slice) and any(isinstance(b, torch.Tensor) for b in (p.start, p.stop, p.step)) for p in parts
+    )
 
 
 class _Functions(TorchFunctionMode):

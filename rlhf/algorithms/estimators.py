@@ -15,6 +15,7 @@ tables here too. This module imports no torch (the tensor math is ``rlhf.algorit
 when an advantage is computed), so that ``rlhf.config``, which validates names against these
 tables, stays quick to import: a bad command line fails before torch loads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,11 +27,20 @@ AllReduce = Optional[Callable[[Tensor], Tensor]]
 
 def _math():
     from rlhf.algorithms import ppo
+
     return ppo
 
 
-def _gae(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int, beta: float,
-         all_reduce: AllReduce) -> Tuple[Tensor, Optional[Tensor]]:
+def _gae(
+    alg,
+    scores: Tensor,
+    kl: Tensor,
+    values: Optional[Tensor],
+    mask: Tensor,
+    group_size: int,
+    beta: float,
+    all_reduce: AllReduce,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """PPO: per-token rewards −β·KL plus the score at the last token, GAE over the critic's values."""
     m = _math()
     rewards = m.token_rewards(scores, kl, mask, beta, alg.reward_clip)
@@ -40,8 +50,16 @@ def _gae(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor
     return adv, returns
 
 
-def _grpo(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int, beta: float,
-          all_reduce: AllReduce) -> Tuple[Tensor, Optional[Tensor]]:
+def _grpo(
+    alg,
+    scores: Tensor,
+    kl: Tensor,
+    values: Optional[Tensor],
+    mask: Tensor,
+    group_size: int,
+    beta: float,
+    all_reduce: AllReduce,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """GRPO: the score against its group's mean (and std); already normalised, so no batch whitening."""
     clip = alg.reward_clip
     if clip:
@@ -49,8 +67,16 @@ def _grpo(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tenso
     return _math().grpo_advantages(scores, group_size, mask, std_normalize=alg.std_normalize), None
 
 
-def _rloo(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int, beta: float,
-          all_reduce: AllReduce) -> Tuple[Tensor, Optional[Tensor]]:
+def _rloo(
+    alg,
+    scores: Tensor,
+    kl: Tensor,
+    values: Optional[Tensor],
+    mask: Tensor,
+    group_size: int,
+    beta: float,
+    all_reduce: AllReduce,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """RLOO: the KL-shaped score against the mean of the prompt's other samples."""
     m = _math()
     adv = m.rloo_advantages(scores - beta * kl.sum(1), group_size, mask)
@@ -59,8 +85,16 @@ def _rloo(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tenso
     return adv, None
 
 
-def _reinforce_pp(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int,
-                  beta: float, all_reduce: AllReduce) -> Tuple[Tensor, Optional[Tensor]]:
+def _reinforce_pp(
+    alg,
+    scores: Tensor,
+    kl: Tensor,
+    values: Optional[Tensor],
+    mask: Tensor,
+    group_size: int,
+    beta: float,
+    all_reduce: AllReduce,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """REINFORCE++: token-level KL-shaped returns, whitened over the global batch."""
     m = _math()
     rewards = m.token_rewards(scores, kl, mask, beta, alg.reward_clip)
@@ -77,13 +111,16 @@ class Estimator:
     kl_default: str = "k1"  # the KL estimator when algorithm.kl_estimator is unset (rlhf.algorithms.ppo)
 
 
-ESTIMATORS: Dict[str, Estimator] = {e.name: e for e in (
-    Estimator("gae", _gae, critic=True),
-    # the KL as a loss term with the unbiased, non-negative k3 (as the GRPO paper)
-    Estimator("grpo", _grpo, grouped=True, kl_in_loss=True, kl_default="k3"),
-    Estimator("rloo", _rloo, grouped=True),
-    Estimator("reinforce_pp", _reinforce_pp),
-)}
+ESTIMATORS: Dict[str, Estimator] = {
+    e.name: e
+    for e in (
+        Estimator("gae", _gae, critic=True),
+        # the KL as a loss term with the unbiased, non-negative k3 (as the GRPO paper)
+        Estimator("grpo", _grpo, grouped=True, kl_in_loss=True, kl_default="k3"),
+        Estimator("rloo", _rloo, grouped=True),
+        Estimator("reinforce_pp", _reinforce_pp),
+    )
+}
 
 
 # KL(π || π_ref) per token from the log-ratio log π − log π_ref of the sampled tokens: k1 the log-ratio
@@ -91,7 +128,7 @@ ESTIMATORS: Dict[str, Estimator] = {e.name: e for e in (
 # Schulman's approximation)
 KL_ESTIMATORS: Dict[str, Callable[[Tensor], Tensor]] = {
     "k1": lambda log_ratio: log_ratio,
-    "k2": lambda log_ratio: 0.5 * log_ratio ** 2,
+    "k2": lambda log_ratio: 0.5 * log_ratio**2,
     "k3": lambda log_ratio: (-log_ratio).expm1() + log_ratio,
 }
 
@@ -109,7 +146,15 @@ def kl_kind(alg) -> str:
     return alg.kl_estimator or estimator(alg).kl_default
 
 
-def advantages(alg, scores: Tensor, kl: Tensor, values: Optional[Tensor], mask: Tensor, group_size: int,
-               beta: float, all_reduce: AllReduce = None) -> Tuple[Tensor, Optional[Tensor]]:
+def advantages(
+    alg,
+    scores: Tensor,
+    kl: Tensor,
+    values: Optional[Tensor],
+    mask: Tensor,
+    group_size: int,
+    beta: float,
+    all_reduce: AllReduce = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """(advantages, value targets or None) of ``alg.estimator``; see the module's docstring."""
     return estimator(alg).advantages(alg, scores, kl, values, mask, group_size, beta, all_reduce)

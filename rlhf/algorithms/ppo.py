@@ -6,6 +6,7 @@ adaptive β); DeepSpeed-Chat step 3 (reward at the last token, clipped value los
 2024 "The N implementation details of RLHF with PPO"; Shao et al. 2024 (GRPO); Ahmadian et al. 2024
 (RLOO); Hu 2025 (REINFORCE++).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
@@ -30,8 +31,9 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((x - mean) ** 2, mask)
 
 
-def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
-           ) -> Tensor:
+def whiten(
+    x: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
+) -> Tensor:
     """(x − mean) / std over the masked entries of the whole global batch: ``all_reduce`` sums a
     float64 tensor over data-parallel ranks (None = this batch alone), so N ranks ≡ 1 process."""
     reduce = all_reduce or (lambda t: t)
@@ -91,8 +93,9 @@ def by_prompt(scores: Tensor, group_size: int) -> Tensor:
     return scores.view(-1, group_size)
 
 
-def grpo_advantages(scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6,
-                    std_normalize: bool = True) -> Tensor:
+def grpo_advantages(
+    scores: Tensor, group_size: int, mask: Tensor, eps: float = 1e-6, std_normalize: bool = True
+) -> Tensor:
     """GRPO outcome advantages: (r − mean_group) / (std_group + eps), the same on every token;
     ``std_normalize=False`` is Dr.GRPO's r − mean_group (Liu et al. 2025: the std division weights
     easy and hard prompts unequally)."""
@@ -142,8 +145,7 @@ def loss_denominator(mode: str, tokens: float, rows: float, norm_tokens: int) ->
     raise ValueError(f"unknown loss aggregation {mode}")
 
 
-def mismatch_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str, cap: float
-                     ) -> Tensor:
+def mismatch_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str, cap: float) -> Tensor:
     """Per-token correction for rollouts sampled by an inference engine whose log-probs differ from
     the training recompute (π_train / π_rollout = ρ): ``tis`` truncated importance weight min(ρ, C)
     (Yao et al. 2025); ``mis`` masks tokens with ρ outside [1/C, C]; ``none`` ones. Detached."""
@@ -170,31 +172,52 @@ def _reduce(loss: Tensor, mask: Tensor, normalizer: Optional[float]) -> Tensor:
     return masked_mean(loss, mask) if normalizer is None else (loss * mask).sum() / normalizer
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: float = 0.2,
-                dual_clip: Optional[float] = None, normalizer: Optional[float] = None,
-                clip_high: Optional[float] = None, weights: Optional[Tensor] = None) -> Tuple[Tensor, dict]:
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    clip: float = 0.2,
+    dual_clip: Optional[float] = None,
+    normalizer: Optional[float] = None,
+    clip_high: Optional[float] = None,
+    weights: Optional[Tensor] = None,
+) -> Tuple[Tensor, dict]:
     """Clipped surrogate −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) (ε_high = ``clip_high``, default ε:
     DAPO's clip-higher when larger); with dual-clip (Ye et al. 2020) the loss of a negative
     advantage is capped at −c·A. ``weights`` [B, N]: per-token weights of the reduction (loss
     aggregation, mismatch correction; default ``mask``). Returns (loss, stats over ``mask``)."""
+    if clip_high is None:
+        clip_high = clip
+    if weights is None:
+        weights = mask
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - clip, 1.0 + (clip if clip_high is None else clip_high))
+    loss2 = -adv * ratio.clamp(1.0 - clip, 1.0 + clip_high)
     loss = torch.max(loss1, loss2)
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.min(loss, -adv * dual_clip), loss)
     with torch.no_grad():
         m = mask.to(loss.dtype)
-        clipped, akl, count = ((loss2 > loss1).float() * m).sum(), (0.5 * log_ratio ** 2 * m).sum(), m.sum()
+        clipped, akl, count = ((loss2 > loss1).float() * m).sum(), (0.5 * log_ratio**2 * m).sum(), m.sum()
         # means over this call's tokens, and the sums behind them (to average over micro-batches)
-        stats = {"clipfrac": clipped / count.clamp(min=1), "approx_kl": akl / count.clamp(min=1),
-                 "sums": torch.stack([clipped, akl, count])}
-    return _reduce(loss, mask if weights is None else weights, normalizer), stats
+        stats = {
+            "clipfrac": clipped / count.clamp(min=1),
+            "approx_kl": akl / count.clamp(min=1),
+            "sums": torch.stack([clipped, akl, count]),
+        }
+    return _reduce(loss, weights, normalizer), stats
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-               clip: Optional[float] = 0.2, normalizer: Optional[float] = None) -> Tensor:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: Optional[float] = 0.2,
+    normalizer: Optional[float] = None,
+) -> Tensor:
     """½·max((V − R)², (clip(V, V_old ± ε) − R)²) (DeepSpeed-Chat's critic_loss_fn)."""
     loss = (values - returns) ** 2
     if clip is not None:
@@ -245,7 +268,7 @@ class RunningMoments:
         m, v = float(x.mean()), float(x.var(unbiased=False))
         delta, total = m - self.mean, self.count + n
         self.mean += delta * n / total
-        self.var = (self.var * self.count + v * n + delta ** 2 * self.count * n / total) / total
+        self.var = (self.var * self.count + v * n + delta**2 * self.count * n / total) / total
         self.count = total
 
     @property

@@ -23,6 +23,7 @@ keeps the chosen responses likely.
 The implicit rewards β (log π − log π_ref) of chosen and rejected responses come back detached: what
 the policy has learnt to prefer, for metrics (accuracy = share of pairs whose chosen reward is higher).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -46,10 +47,17 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch
     return torch.where(mask, token_logprobs, torch.zeros_like(token_logprobs)).sum(-1)
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, loss: str = "sigmoid", label_smoothing: float = 0.0,
-             sft_coef: float = 0.0, chosen_tokens: Optional[torch.Tensor] = None
-             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    loss: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    sft_coef: float = 0.0,
+    chosen_tokens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-pair losses [B], chosen rewards [B], rejected rewards [B]) from summed response log-probs;
     ``chosen_tokens`` [B]: the chosen responses' token counts (needed with ``sft_coef``).
 
@@ -74,6 +82,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach().to(h.dtype)
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach().to(h.dtype)
     return losses, chosen_rewards, rejected_rewards
+
 
 def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
     """Bradley-Terry ranking loss per pair: -log σ(r_chosen - r_rejected - margin) (InstructGPT eq. 1;

@@ -1,6 +1,7 @@
 """Per-token functions of logits and masks (pure tensor functions): log-probabilities, the masked token
 NLL, and what an attention or response mask says about its rows (positions, last index; left or
 right padding alike)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -23,8 +24,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.gather(F.log_softmax(logits, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                          entropy: Optional[str]):
+def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: Optional[str]):
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -39,9 +39,13 @@ def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatu
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     entropy: Optional[str] = None, chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES
-                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def chunked_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: Optional[str] = None,
+    chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """[B, N] log-probs of ``targets`` and, with ``entropy`` ("loss": differentiable; "metric":
     detached, from the same log-softmax), the entropy of softmax(logits / T), from aligned
     ``logits`` [B, N, V], computed over a few positions at a time so that the fp32 log-softmax
@@ -55,9 +59,11 @@ def chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     grad = torch.is_grad_enabled() and logits.requires_grad
     lps, ents = [], []
     for s in range(0, N, step):
-        args = (logits[:, s:s + step], targets[:, s:s + step], temperature, entropy)
-        lp, ent = (checkpoint(_logprobs_and_entropy, *args, use_reentrant=False) if grad
-                   else _logprobs_and_entropy(*args))
+        args = (logits[:, s : s + step], targets[:, s : s + step], temperature, entropy)
+        if grad:  # recomputed in backward: one chunk's activations held at a time
+            lp, ent = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
+        else:
+            lp, ent = _logprobs_and_entropy(*args)
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps, 1), (torch.cat(ents, 1) if entropy else None)
@@ -72,6 +78,7 @@ def shifted_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     mask = labels != -100
     lp = token_logprobs(logits, labels.clamp(min=0))
     return -(lp * mask).sum(), int(mask.sum())
+
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over the real tokens of each row (0 on the left padding)."""

@@ -14,6 +14,7 @@ special prefix (BOS) unless the template writes it, so that training sequences, 
 gold prompts split into tokens exactly as generation sees them. A final assistant span without EOS
 gets one (the policy must learn to stop).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlhf.data.records import Turn
-from rlhf.errors import ConfigError, DataError
+from rlhf.errors import ConfigError, DataError, first_line
 
 # HH-RLHF's plain form (records.plain_text writes the same text). The newlines are string literals:
 # Transformers renders with trim_blocks, which would eat a newline right after a block tag.
@@ -35,8 +36,11 @@ FALLBACK_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}"
 )
 
-_PROBE = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."},
-          {"role": "user", "content": "And then?"}]
+_PROBE = [
+    {"role": "user", "content": "Hello?"},
+    {"role": "assistant", "content": "Hi."},
+    {"role": "user", "content": "And then?"},
+]
 
 
 def _template_text(tokenizer) -> Optional[str]:
@@ -66,22 +70,23 @@ def resolve_template(tokenizer, setting: str, key: str = "data.chat_template") -
         render(tokenizer, text, _PROBE, True)
     except Exception as e:  # jinja2's TemplateSyntaxError, UndefinedError, raise_exception(...)
         line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e)
         raise ConfigError(f"{key}={setting}: not a usable chat template{line}: {msg}") from None
     tokenizer.chat_template = text
     return text
 
 
 def render(tokenizer, template: str, turns: Sequence[Turn], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(turns), chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        list(turns), chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def special_prefix(tokenizer) -> List[int]:
     """The ids the tokenizer puts before a text with ``add_special_tokens=True`` (BOS, or none)."""
     with_, without = (tokenizer("a", add_special_tokens=flag)["input_ids"] for flag in (True, False))
     for i in range(len(with_) - len(without) + 1):
-        if with_[i:i + len(without)] == without:
+        if with_[i : i + len(without)] == without:
             return with_[:i]
     return []
 
@@ -103,7 +108,7 @@ class Renderer:
             try:
                 text = render(self.tok, self.template, turns, gen)
             except Exception as e:  # the template refuses this conversation (roles, order)
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                msg = first_line(e)
                 raise DataError(f"{where}: the chat template cannot render this conversation: {msg}") from None
             self._texts[key] = text
         return text
@@ -117,23 +122,28 @@ class Renderer:
             if turn["role"] != "assistant":
                 continue
             before = self._render(turns[:i], True, where) if i else ""
-            after = self._render(turns[:i + 1], False, where)
+            after = self._render(turns[: i + 1], False, where)
             if not before.startswith(done) or not after.startswith(before):
-                raise DataError(f"{where}: the chat template does not render this conversation turn by turn "
-                                f"(turn {i} rewrites the text before it), so its assistant tokens cannot be "
-                                f"marked; use another data.chat_template")
-            out += [(before[len(done):], False), (after[len(before):], True)]
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation turn by turn "
+                    f"(turn {i} rewrites the text before it), so its assistant tokens cannot be "
+                    f"marked; use another data.chat_template"
+                )
+            out += [(before[len(done) :], False), (after[len(before) :], True)]
             done = after
         if turns and turns[-1]["role"] != "assistant":
             before = self._render(turns, True, where)
             if not before.startswith(done):
-                raise DataError(f"{where}: the chat template does not render this conversation turn by turn; "
-                                f"use another data.chat_template")
-            out.append((before[len(done):], False))
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation turn by turn; "
+                    f"use another data.chat_template"
+                )
+            out.append((before[len(done) :], False))
         return out
 
-    def encode(self, conversations: Sequence[Sequence[Turn]], wheres: Sequence[str],
-               final_eos: bool = True) -> List[Tuple[List[int], List[int], int]]:
+    def encode(
+        self, conversations: Sequence[Sequence[Turn]], wheres: Sequence[str], final_eos: bool = True
+    ) -> List[Tuple[List[int], List[int], int]]:
         """(ids, assistant mask, start of the last piece) of each conversation. ``final_eos``: a
         conversation that ends with an assistant turn gets EOS after it when its span has none."""
         all_pieces = [self.pieces(c, w) for c, w in zip(conversations, wheres)]
@@ -146,7 +156,7 @@ class Renderer:
             for j, (_, is_assistant) in enumerate(ps):
                 piece = ids_flat[k]
                 k += 1
-                if j == 0 and self.prefix and piece[:len(self.prefix)] != self.prefix:  # BOS, unless written
+                if j == 0 and self.prefix and piece[: len(self.prefix)] != self.prefix:  # BOS, unless written
                     ids += self.prefix
                     mask += [0] * len(self.prefix)
                 if j == len(ps) - 1:
@@ -154,7 +164,7 @@ class Renderer:
                     if is_assistant and final_eos and self.eos is not None and self.eos not in piece:
                         piece.append(self.eos)
                 ids += piece
-                mask += [1 if is_assistant else 0] * len(piece)
+                mask += [int(is_assistant)] * len(piece)
             out.append((ids, mask, last))
         return out
 

@@ -9,6 +9,7 @@ new format is one parser and one row of ``_ROWS``.
 rlhf/config.py imports this table, so nothing in rlhf/data/ imports rlhf/config.py (the folder's
 functions that take a ``DataConfig`` or ``SyntheticConfig`` name it in a string annotation only).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,15 +63,24 @@ class Format:
 # fields: messages also reads the keys of each turn: role and content.
 _ROWS = (
     Format("synthetic", fields=(), lengths=(64, 64), parse=None, gold=synthetic.gold_score, new_tokens=16),
-    Format("prompt_response", fields=("prompt", "response"), lengths=(384, 192),
-           parse=records.parse_prompt_response),
-    Format("prompt_chosen_rejected", fields=("prompt", "chosen", "rejected"), lengths=(384, 192),
-           parse=records.parse_prompt_chosen_rejected),
+    Format("prompt_response", fields=("prompt", "response"), lengths=(384, 192), parse=records.parse_prompt_response),
+    Format(
+        "prompt_chosen_rejected",
+        fields=("prompt", "chosen", "rejected"),
+        lengths=(384, 192),
+        parse=records.parse_prompt_chosen_rejected,
+    ),
     Format("hh", fields=("chosen", "rejected"), lengths=(384, 192), parse=records.parse_hh),
-    Format("gsm8k", fields=("question", "answer"), lengths=(128, 192), parse=records.parse_gsm8k,
-           gold=records.gsm8k_score),
-    Format("messages", fields=("messages", "prompt", "chosen", "rejected") + TURN_KEYS, lengths=(448, 192),
-           parse=records.messages_parser(), parse_turns=records.messages_parser),
+    Format(
+        "gsm8k", fields=("question", "answer"), lengths=(128, 192), parse=records.parse_gsm8k, gold=records.gsm8k_score
+    ),
+    Format(
+        "messages",
+        fields=("messages", "prompt", "chosen", "rejected") + TURN_KEYS,
+        lengths=(448, 192),
+        parse=records.messages_parser(),
+        parse_turns=records.messages_parser,
+    ),
 )
 FORMATS: Dict[str, Format] = {f.name: f for f in _ROWS}  # in this order in messages ("one of ...")
 

@@ -11,6 +11,7 @@ and nothing is carved out of the sources.
 ``DataConfig`` and ``SourceConfig`` (rlhf/config.py) appear in string annotations only: rlhf/config.py
 imports this folder (the format table, the data.split helpers below), never the other way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,10 @@ def parse_split(spec: str) -> List[float]:
     except ValueError:
         parts = []
     if len(parts) != len(SPLIT_SHARES) or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ConfigError(f"data.split={spec!r} is invalid: expected three non-negative weights for "
-                          f"sft,reward,ppo such as \"2,4,4\" (dpo takes the reward share)")
+        raise ConfigError(
+            f"data.split={spec!r} is invalid: expected three non-negative weights for "
+            f'sft,reward,ppo such as "2,4,4" (dpo takes the reward share)'
+        )
     return parts
 
 
@@ -64,14 +67,21 @@ def split_share(n: int, weights: List[float], index: int) -> slice:
     acc = 0.0
     for w in weights:
         acc += w
-        bounds.append(int(round(n * acc / total)))
+        bounds.append(round(n * acc / total))
     return slice(bounds[index], bounds[index + 1])
 
 
 def _read(src: "SourceConfig", dcfg: "DataConfig", key: str = "data.path", split_key: str = "data.hf_split"):
-    return read_examples(src.path, src.format, dcfg.on_bad_record, columns=src.columns,
-                         split=src.hf_split or dcfg.hf_split, config=src.hf_config or dcfg.hf_config,
-                         key=key, split_key=split_key)
+    return read_examples(
+        src.path,
+        src.format,
+        dcfg.on_bad_record,
+        columns=src.columns,
+        split=src.hf_split or dcfg.hf_split,
+        config=src.hf_config or dcfg.hf_config,
+        key=key,
+        split_key=split_key,
+    )
 
 
 def _trainable(records: List[Example], stage: str, empty: List[Example]) -> List[Example]:
@@ -102,8 +112,7 @@ def _load_source(src: "SourceConfig", dcfg: "DataConfig", seed: int, stage: str,
     train, held_out = _trainable(train, stage, empty), _trainable(held_out, stage, empty)
     if not train:
         why = f"{len(empty) - n_empty} with an empty response, " if len(empty) > n_empty else ""
-        raise DataError(f"data.path={path}: no training records left for stage {stage} "
-                        f"({why}data.split={dcfg.split})")
+        raise DataError(f"data.path={path}: no training records left for stage {stage} ({why}data.split={dcfg.split})")
     return train, held_out, skipped
 
 
@@ -112,7 +121,7 @@ def load_eval(dcfg: "DataConfig", seed: int) -> Tuple[List[Example], int]:
     src = dcfg.eval_source()
     records, skipped = _read(src, dcfg, key="data.eval_path", split_key="data.eval_hf_split")
     random.Random(seeding.offset(seed, 1, seeding.HELD_OUT)).shuffle(records)
-    return records[:dcfg.eval_size], skipped
+    return records[: dcfg.eval_size], skipped
 
 
 def blend(parts: List[List[Example]], weights: List[float], seed: int) -> List[Example]:
@@ -124,7 +133,7 @@ def blend(parts: List[List[Example]], weights: List[float], seed: int) -> List[E
     total = sum(len(p) for p in parts)
     out: List[Example] = []
     for part, w in zip(parts, weights):
-        want = int(round(total * w / sum(weights)))
+        want = round(total * w / sum(weights))
         while want > 0:
             order = list(part)
             rng.shuffle(order)
@@ -151,8 +160,13 @@ def load_stage_data(dcfg: "DataConfig", stage: str, seed: int) -> StageData:
     if skipped:
         log.warning("skipped %d malformed records (data.on_bad_record=skip)", skipped)
     if empty:
-        log.warning("%s: skipped %d records whose response is empty (the first: %s): nothing to learn to "
-                    "answer from (the reward stage and DPO keep them)", stage, len(empty), empty[0].where)
+        log.warning(
+            "%s: skipped %d records whose response is empty (the first: %s): nothing to learn to "
+            "answer from (the reward stage and DPO keep them)",
+            stage,
+            len(empty),
+            empty[0].where,
+        )
     gold = FORMATS[sources[0].format].gold if len(formats) == 1 else None
     train = blend(trains, [s.weight for s in sources], seed)
     desc = ", ".join(f"{s.format}:{s.path or 'generated'}" for s in sources)

@@ -12,6 +12,7 @@ folders (``load_from_disk``; a DatasetDict's split by ``data.hf_split``) and hub
 format's fields before parsing. The parsers (and GSM8K's gold scorer) are here; which format uses
 which is the one table of formats, rlhf/data/formats.py.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
-from rlhf.errors import DataError
+from rlhf.errors import DataError, first_line
 
 Turn = Dict[str, str]  # {"role": system|user|assistant, "content": text}
 TURN_KEYS = ("role", "content")  # a turn's keys; data.columns.role / .content name a dataset's own
@@ -37,6 +38,7 @@ class Chat:
     ``needs_template``: true for data that only exists as turns (``messages``): without a chat
     template it renders with the plain fallback; false where the text fields are the same record
     already (the synthetic task: its template-free text is the prompt as it always was)."""
+
     prompt: List[Turn]
     response: Optional[str] = None
     chosen: Optional[str] = None
@@ -62,7 +64,8 @@ HH_ASSISTANT = "\n\nAssistant:"
 class Record(dict):
     """A raw record with data.columns applied: ``aliases`` maps a format field to the dataset
     column it came from, so that errors name the column the user has."""
-    aliases: Dict[str, str] = {}
+
+    aliases: Dict[str, str]  # set by apply_columns, the one place that makes a Record
 
 
 def _q(rec: dict, name: str) -> str:
@@ -108,14 +111,20 @@ def empty_response(e: Example) -> bool:
 
 
 def parse_prompt_response(rec: dict, where: str) -> Example:
-    return Example(prompt=_field(rec, "prompt", where), response=_field(rec, "response", where, allow_empty=True),
-                   where=where)
+    return Example(
+        prompt=_field(rec, "prompt", where), response=_field(rec, "response", where, allow_empty=True), where=where
+    )
 
 
 def parse_prompt_chosen_rejected(rec: dict, where: str) -> Example:
     chosen = _field(rec, "chosen", where, allow_empty=True)
-    return Example(prompt=_field(rec, "prompt", where), response=chosen, chosen=chosen,
-                   rejected=_field(rec, "rejected", where, allow_empty=True), where=where)
+    return Example(
+        prompt=_field(rec, "prompt", where),
+        response=chosen,
+        chosen=chosen,
+        rejected=_field(rec, "rejected", where, allow_empty=True),
+        where=where,
+    )
 
 
 def split_hh(dialogue: str, where: str, name: str) -> Tuple[str, str]:
@@ -131,7 +140,7 @@ def parse_hh(rec: dict, where: str) -> Example:
     prompt, chosen = split_hh(_field(rec, "chosen", where), where, "chosen")
     rej_dialogue = _field(rec, "rejected", where)
     if rej_dialogue.startswith(prompt):
-        rejected = rej_dialogue[len(prompt):]
+        rejected = rej_dialogue[len(prompt) :]
     else:
         rejected = split_hh(rej_dialogue, where, "rejected")[1]
     if not prompt.strip():
@@ -153,9 +162,13 @@ def parse_gsm8k(rec: dict, where: str) -> Example:
     if m is None:
         raise DataError(f"{where}: field {_q(rec, 'answer')} does not end in '#### <number>'")
     response = " " + answer.strip()
-    return Example(prompt=gsm8k_prompt(question), response=response,
-                   reference=m.group(1).replace(",", ""), where=where,
-                   answer=GSM8K_ANSWER.search(response).group(0))
+    return Example(
+        prompt=gsm8k_prompt(question),
+        response=response,
+        reference=m.group(1).replace(",", ""),
+        where=where,
+        answer=GSM8K_ANSWER.search(response).group(0),
+    )
 
 
 def _number(text: str) -> Optional[float]:
@@ -179,32 +192,41 @@ def gsm8k_score(response: str, reference: str) -> float:
 
 # ---- messages: a list of {role, content} turns ----
 ROLES = ("system", "user", "assistant")
-ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant",
-                "chatgpt": "assistant"}  # ShareGPT-style names
+ROLE_ALIASES = {
+    "human": "user",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+}  # ShareGPT-style names
 
 
 def turns_of(value, where: str, name: str, role_key: str = "role", content_key: str = "content") -> List[Turn]:
     """A validated list of turns (roles normalised: ShareGPT's human/gpt become user/assistant)."""
     if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field '{name}' must be a non-empty list of {{{role_key}, {content_key}}} "
-                        f"turns, got {type(value).__name__ if not isinstance(value, list) else 'an empty list'}")
+        got = "an empty list" if isinstance(value, list) else type(value).__name__
+        raise DataError(
+            f"{where}: field '{name}' must be a non-empty list of {{{role_key}, {content_key}}} turns, got {got}"
+        )
     out: List[Turn] = []
     for i, turn in enumerate(value):
         at = f"{where}: field '{name}'[{i}]"
         if not isinstance(turn, dict):
-            raise DataError(f"{at} must be an object with '{role_key}' and '{content_key}', "
-                            f"got {type(turn).__name__}")
+            raise DataError(f"{at} must be an object with '{role_key}' and '{content_key}', got {type(turn).__name__}")
         role, content = turn.get(role_key), turn.get(content_key)
         if not isinstance(role, str):
-            raise DataError(f"{at} has no '{role_key}'" + (" (set data.columns.role to the turns' role key)"
-                                                            if role_key == "role" else ""))
+            hint = ""
+            if role_key == "role":
+                hint = " (set data.columns.role to the turns' role key)"
+            raise DataError(f"{at} has no '{role_key}'{hint}")
         role = ROLE_ALIASES.get(role.strip().lower(), role.strip().lower())
         if role not in ROLES:
             raise DataError(f"{at} has {role_key}={turn.get(role_key)!r}: expected system, user or assistant")
         if not isinstance(content, str):
-            raise DataError(f"{at} has no string '{content_key}'" + (
-                " (set data.columns.content to the turns' text key)" if content_key == "content" and
-                content_key not in turn else ""))
+            hint = ""
+            if content_key == "content" and content_key not in turn:
+                hint = " (set data.columns.content to the turns' text key)"
+            raise DataError(f"{at} has no string '{content_key}'{hint}")
         out.append({"role": role, "content": content})
     return out
 
@@ -247,8 +269,12 @@ def messages_parser(role_key: str = "role", content_key: str = "content") -> Cal
             prompt, response = turns[:-1], turns[-1]["content"]
         if not any(t["role"] == "user" for t in prompt):
             raise DataError(f"{where}: field 'messages' has no user turn before the last assistant turn")
-        return Example(prompt=plain_text(prompt), response=None if response is None else " " + response,
-                       where=where, chat=Chat(prompt=prompt, response=response))
+        return Example(
+            prompt=plain_text(prompt),
+            response=None if response is None else " " + response,
+            where=where,
+            chat=Chat(prompt=prompt, response=response),
+        )
 
     return parse
 
@@ -264,30 +290,42 @@ def _message_pair(rec: dict, where: str, keys) -> Example:
     tails = chosen[k:], rejected[k:]
     for name, tail, other in (("chosen", tails[0], tails[1]), ("rejected", tails[1], tails[0])):
         if not tail and len(other) == 1 and other[0]["role"] == "assistant":  # a converter dropped the turn
-            raise DataError(f"{where}: field '{name}' has no last assistant turn (write an empty answer as "
-                            f"an assistant turn with empty content)")
+            raise DataError(
+                f"{where}: field '{name}' has no last assistant turn (write an empty answer as "
+                f"an assistant turn with empty content)"
+            )
     if any(len(t) != 1 or t[0]["role"] != "assistant" for t in tails):
-        raise DataError(f"{where}: fields 'chosen' and 'rejected' must differ only in their last turn, an "
-                        f"assistant turn (they share {k} turns, then have {len(tails[0])} and {len(tails[1])})")
+        raise DataError(
+            f"{where}: fields 'chosen' and 'rejected' must differ only in their last turn, an "
+            f"assistant turn (they share {k} turns, then have {len(tails[0])} and {len(tails[1])})"
+        )
     prompt = chosen[:k]
     if not prompt:  # TRL's form: the prompt apart, chosen/rejected the assistant turn only
         if "prompt" not in rec:
-            raise DataError(f"{where}: 'chosen' and 'rejected' share no turns and the record has no field "
-                            f"{_q(rec, 'prompt')}")
+            raise DataError(
+                f"{where}: 'chosen' and 'rejected' share no turns and the record has no field {_q(rec, 'prompt')}"
+            )
         prompt = _prompt_turns(rec, where, keys)
     if prompt[-1]["role"] == "assistant" or not any(t["role"] == "user" for t in prompt):
         raise DataError(f"{where}: the prompt of 'chosen'/'rejected' must end with a user turn")
     c, r = tails[0][0]["content"], tails[1][0]["content"]  # either may be empty (records.empty_response)
-    return Example(prompt=plain_text(prompt), response=" " + c, chosen=" " + c, rejected=" " + r, where=where,
-                   chat=Chat(prompt=prompt, response=c, chosen=c, rejected=r))
+    return Example(
+        prompt=plain_text(prompt),
+        response=" " + c,
+        chosen=" " + c,
+        rejected=" " + r,
+        where=where,
+        chat=Chat(prompt=prompt, response=c, chosen=c, rejected=r),
+    )
 
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
 
 def _open_text(path: Path):
-    raw = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-    return raw
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
 
 
 def iter_raw_records(path: Path) -> Iterator[Tuple[Union[dict, DataError], str]]:
@@ -334,6 +372,7 @@ def iter_raw_records(path: Path) -> Iterator[Tuple[Union[dict, DataError], str]]
 
 def _iter_parquet(path: Path) -> Iterator[Tuple[dict, str]]:
     import datasets  # lazy (here and below): 1-1.5 s to import (measured), only these sources need it
+
     try:
         ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
     except Exception as e:  # pyarrow raises many kinds
@@ -342,40 +381,44 @@ def _iter_parquet(path: Path) -> Iterator[Tuple[dict, str]]:
         yield rec, f"{path}[row {i}]"
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
 def _iter_hub(name: str, split: str, config: Optional[str], key: str) -> Iterator[Tuple[dict, str]]:
     import datasets
+
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:
-        what = f"{key}={name}" + (f" (data.hf_config={config})" if config else "")
-        raise DataError(f"{what}: not a local file or directory, and loading it as a hub dataset "
-                        f"(split {split!r}) failed: {_first_line(e)}") from None
+        what = f"{key}={name}"
+        if config:
+            what += f" (data.hf_config={config})"
+        raise DataError(
+            f"{what}: not a local file or directory, and loading it as a hub dataset "
+            f"(split {split!r}) failed: {first_line(e)}"
+        ) from None
     for i, rec in enumerate(ds):
         yield dict(rec), f"{name}[{split}][row {i}]"
 
 
 def is_saved_dataset(p: Path) -> bool:
     """A folder written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
-    return p.is_dir() and ((p / "dataset_dict.json").is_file() or
-                           ((p / "state.json").is_file() and (p / "dataset_info.json").is_file()))
+    return p.is_dir() and (
+        (p / "dataset_dict.json").is_file() or ((p / "state.json").is_file() and (p / "dataset_info.json").is_file())
+    )
 
 
 def _iter_saved(p: Path, split: str, key: str, split_key: str) -> Iterator[Tuple[dict, str]]:
     """Rows of a save_to_disk folder; a DatasetDict gives the split ``split``."""
     import datasets
+
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as e:
-        raise DataError(f"{key}={p}: cannot load this datasets.save_to_disk folder: {_first_line(e)}") from None
+        raise DataError(f"{key}={p}: cannot load this datasets.save_to_disk folder: {first_line(e)}") from None
     where = f"{p}"
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise DataError(f"{key}={p}: the DatasetDict has no split {split!r} (it has "
-                            f"{', '.join(sorted(ds))}): set {split_key}")
+            raise DataError(
+                f"{key}={p}: the DatasetDict has no split {split!r} (it has {', '.join(sorted(ds))}): set {split_key}"
+            )
         ds, where = ds[split], f"{p}[{split}]"
     for i, rec in enumerate(ds):
         yield dict(rec), f"{where}[row {i}]"
@@ -387,8 +430,10 @@ def data_files(path: str, key: str = "data.path") -> List[Path]:
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(DATA_SUFFIXES))
         if not files:
-            raise DataError(f"{key}={path}: directory holds no {', '.join(DATA_SUFFIXES)} files "
-                            f"(nor a datasets.save_to_disk folder)")
+            raise DataError(
+                f"{key}={path}: directory holds no {', '.join(DATA_SUFFIXES)} files "
+                f"(nor a datasets.save_to_disk folder)"
+            )
         return files
     if p.is_file():
         return [p]
@@ -399,8 +444,13 @@ def looks_like_hub_id(path: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path)) and not path.endswith(DATA_SUFFIXES)
 
 
-def raw_records(path: str, split: str = "train", config: Optional[str] = None, key: str = "data.path",
-                split_key: str = "data.hf_split") -> Iterator[Tuple[Union[dict, DataError], str]]:
+def raw_records(
+    path: str,
+    split: str = "train",
+    config: Optional[str] = None,
+    key: str = "data.path",
+    split_key: str = "data.hf_split",
+) -> Iterator[Tuple[Union[dict, DataError], str]]:
     """(record or DataError, where) of every record behind ``path``: a file, a directory of files,
     a save_to_disk folder (``split`` of a DatasetDict), or a hub id (``config``, ``split``)."""
     p = Path(os.path.expanduser(path))
@@ -414,14 +464,22 @@ def raw_records(path: str, split: str = "train", config: Optional[str] = None, k
     raise DataError(f"{key}={path}: no such file or directory")
 
 
-def read_examples(path: str, fmt: str, on_bad_record: str = "error", columns: Optional[Dict[str, str]] = None,
-                  split: str = "train", config: Optional[str] = None, key: str = "data.path",
-                  split_key: str = "data.hf_split", skip_key: Optional[str] = "data.on_bad_record"
-                  ) -> Tuple[List[Example], int]:
+def read_examples(
+    path: str,
+    fmt: str,
+    on_bad_record: str = "error",
+    columns: Optional[Dict[str, str]] = None,
+    split: str = "train",
+    config: Optional[str] = None,
+    key: str = "data.path",
+    split_key: str = "data.hf_split",
+    skip_key: Optional[str] = "data.on_bad_record",
+) -> Tuple[List[Example], int]:
     """Parses every record of ``path`` in format ``fmt``, renaming ``columns`` (format field ->
     dataset column) first. Returns (examples, number skipped). A malformed record raises, its
     message naming ``skip_key`` (the way to skip such records) when there is one."""
     from rlhf.data.formats import FORMATS  # here: the table's rows are built from this module's parsers
+
     columns = dict(columns or {})
     parse = FORMATS[fmt].parser(columns)
     raw = raw_records(path, split, config, key, split_key)
@@ -440,6 +498,8 @@ def read_examples(path: str, fmt: str, on_bad_record: str = "error", columns: Op
             skipped += 1
             first = first or str(e)
     if not out:
-        raise DataError(f"{key}={path}: no records" + (f" ({skipped} malformed, skipped; the first: {first})"
-                                                       if skipped else ""))
+        why = ""
+        if skipped:
+            why = f" ({skipped} malformed, skipped; the first: {first})"
+        raise DataError(f"{key}={path}: no records{why}")
     return out, skipped

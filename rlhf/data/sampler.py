@@ -1,5 +1,6 @@
 """Deterministic global batches: step → the same sample indices whatever the world size or the
 accumulation, so 1 rank ≡ N ranks and batch B ≡ B/k × k accumulation (docs/architecture.md, habit 5)."""
+
 from __future__ import annotations
 
 import random
@@ -27,7 +28,7 @@ class GlobalBatches:
     def micro_batches(self, step: int, rank: int, world: int, micro: int) -> List[List[int]]:
         """This rank's micro-batches of the step's global batch (accumulation order)."""
         idx = self.global_indices(step)
-        chunks = [idx[i:i + micro] for i in range(0, len(idx), micro)]
+        chunks = [idx[i : i + micro] for i in range(0, len(idx), micro)]
         return chunks[rank::world]
 
     def epoch_of(self, step: int) -> float:

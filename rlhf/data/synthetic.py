@@ -15,6 +15,7 @@ operand pairs that no training record contains. Deterministic per seed.
 ``SyntheticConfig`` (``data.synthetic``, rlhf/config.py) appears in string annotations only:
 rlhf/config.py imports this folder (the format table), never the other way.
 """
+
 from __future__ import annotations
 
 import random
@@ -82,17 +83,30 @@ def operand_pairs(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[Li
     return pairs[n_eval:], pairs[:n_eval]
 
 
-def _example(a: int, b: int, width: int, cfg: "SyntheticConfig", rng: random.Random, rej_rng: random.Random,
-             where: str) -> Example:
+def _example(
+    a: int, b: int, width: int, cfg: "SyntheticConfig", rng: random.Random, rej_rng: random.Random, where: str
+) -> Example:
     n = a + b
     wrong = _wrong(n, rng)
     response = answer_text(n) if rng.random() < cfg.p_correct else answer_text(wrong)
     chosen, rejected = answer_text(n), answer_text(_rejected(n, rej_rng))
     # the same record as turns (assistant contents without the leading space the template writes)
-    chat = Chat(prompt=[{"role": "user", "content": question_text(a, b, width)}], response=response[1:],
-                chosen=chosen[1:], rejected=rejected[1:], needs_template=False)
-    return Example(prompt=prompt_text(a, b, width), response=response, chosen=chosen, rejected=rejected,
-                   reference=str(n), where=where, chat=chat)
+    chat = Chat(
+        prompt=[{"role": "user", "content": question_text(a, b, width)}],
+        response=response[1:],
+        chosen=chosen[1:],
+        rejected=rejected[1:],
+        needs_template=False,
+    )
+    return Example(
+        prompt=prompt_text(a, b, width),
+        response=response,
+        chosen=chosen,
+        rejected=rejected,
+        reference=str(n),
+        where=where,
+        chat=chat,
+    )
 
 
 def generate(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:
@@ -100,10 +114,11 @@ def generate(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[List[Ex
     width = len(str(cfg.max_operand))
     train_pairs, eval_pairs = operand_pairs(cfg, eval_size, seed)
     rng, rej_rng = random.Random(seed + 1), random.Random(seed + 2)  # rejected answers: own stream
-    train = [_example(*train_pairs[rng.randrange(len(train_pairs))], width, cfg, rng, rej_rng, f"synthetic[{i}]")
-             for i in range(cfg.num_records)]
-    held_out = [_example(a, b, width, cfg, rng, rej_rng, f"synthetic-eval[{i}]")
-                for i, (a, b) in enumerate(eval_pairs)]
+    train = [
+        _example(*train_pairs[rng.randrange(len(train_pairs))], width, cfg, rng, rej_rng, f"synthetic[{i}]")
+        for i in range(cfg.num_records)
+    ]
+    held_out = [_example(a, b, width, cfg, rng, rej_rng, f"synthetic-eval[{i}]") for i, (a, b) in enumerate(eval_pairs)]
     return train, held_out
 
 

@@ -16,6 +16,7 @@ nothing would learn (every GSM8K response cut before its '####' answer).
 The cache holds token ids only (safetensors; no pickles), keyed by a hash of the texts, the
 tokenizer, the template and the lengths; rank 0 builds it while the other ranks wait.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,11 @@ SCHEMA = 2  # of the cached columns (2: mask and stats)
 
 
 def tokenizer_fingerprint(tok) -> str:
-    h = hashlib.sha256(tok.backend_tokenizer.to_str().encode() if hasattr(tok, "backend_tokenizer")
-                       else repr(tok.get_vocab()).encode())
+    if hasattr(tok, "backend_tokenizer"):
+        text = tok.backend_tokenizer.to_str()
+    else:
+        text = repr(tok.get_vocab())
+    h = hashlib.sha256(text.encode())
     h.update(repr((tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)).encode())
     return h.hexdigest()[:16]
 
@@ -73,8 +77,10 @@ def _full_sft_rows(examples: List[Example], tok, chat: Optional[str]):
     """Untruncated (prompt ids, prompt mask, response ids) per record."""
     for e in examples:
         if e.response is None:
-            raise DataError(f"{e.where or 'a record'}: no response to train on (SFT needs one: for messages "
-                            f"data a last assistant turn)")
+            raise DataError(
+                f"{e.where or 'a record'}: no response to train on (SFT needs one: for messages "
+                f"data a last assistant turn)"
+            )
     rows: List[Tuple[List[int], List[int], List[int]]] = [None] * len(examples)  # type: ignore[list-item]
     chat_ix, text_ix = _split_by_path(examples, chat)
     if text_ix:
@@ -83,8 +89,10 @@ def _full_sft_rows(examples: List[Example], tok, chat: Optional[str]):
         for i, p, r in zip(text_ix, prompts, responses):
             rows[i] = (p, [0] * len(p), r + [tok.eos_token_id])
     if chat_ix:
-        enc = Renderer(tok, chat).encode([_conversation(examples[i], examples[i].chat.response) for i in chat_ix],
-                                         [examples[i].where for i in chat_ix])
+        enc = Renderer(tok, chat).encode(
+            [_conversation(examples[i], examples[i].chat.response) for i in chat_ix],
+            [examples[i].where for i in chat_ix],
+        )
         for i, (ids, mask, last) in zip(chat_ix, enc):
             rows[i] = (ids[:last], mask[:last], ids[last:])
     return rows
@@ -94,8 +102,9 @@ def _answer_kept(tok, e: Example, kept: List[int]) -> bool:
     return e.answer is None or e.answer in tok.decode(kept, skip_special_tokens=True)
 
 
-def tokenize_sft(examples: List[Example], tok, max_prompt: int, max_response: int,
-                 chat: Optional[str] = None) -> Columns:
+def tokenize_sft(
+    examples: List[Example], tok, max_prompt: int, max_response: int, chat: Optional[str] = None
+) -> Columns:
     ids, plen, masks = [], [], []
     prompt_cut = response_cut = answers = answers_lost = 0
     p_lens, r_lens = [], []
@@ -140,21 +149,25 @@ def _load(path: Path) -> Columns:
     for name, kind in meta.items():
         if kind == "ragged":
             flat, off = t[f"{name}.flat"].tolist(), t[f"{name}.offsets"].tolist()
-            cols[name] = [flat[off[i]:off[i + 1]] for i in range(len(off) - 1)]
+            cols[name] = [flat[off[i] : off[i + 1]] for i in range(len(off) - 1)]
         else:
             cols[name] = t[name].tolist()
     return cols
 
 
-def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Path, mesh,
-           build: Callable[[], Columns]) -> Columns:
+def cached(
+    kind: str, examples: List[Example], tok, params: dict, cache_dir: Path, mesh, build: Callable[[], Columns]
+) -> Columns:
     """``build()`` once per content: rank 0 computes and stores, the others wait and read. Then
     (every rank, cached or not) ``report_lengths``: the warning once, the stop when nothing learns.
     ``mesh``: the process group as far as data needs it (``is_main`` and ``barrier()``; an
     ``rlhf.engine.mesh.Mesh``, which this folder does not import: data depends on nothing above it)."""
     params = {k: (template_key(v) if k == "chat" else v) for k, v in params.items()}
-    h = hashlib.sha256(json.dumps({"kind": kind, "tok": tokenizer_fingerprint(tok), "schema": SCHEMA, **params},
-                                  sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {"kind": kind, "tok": tokenizer_fingerprint(tok), "schema": SCHEMA, **params}, sort_keys=True
+        ).encode()
+    )
     for e in examples:
         h.update(json.dumps([e.prompt, e.response, e.chosen, e.rejected]).encode())
         if e.chat is not None:
@@ -165,8 +178,9 @@ def cached(kind: str, examples: List[Example], tok, params: dict, cache_dir: Pat
         report_lengths(kind, cols, params, warn=False)  # a set nothing would learn from: stop before writing
         path.parent.mkdir(parents=True, exist_ok=True)
         _save(path, cols)
-        atomic_write_text(path.with_suffix(".json"), json.dumps({"kind": kind, "records": len(examples),
-                                                                  **params}) + "\n")
+        atomic_write_text(
+            path.with_suffix(".json"), json.dumps({"kind": kind, "records": len(examples), **params}) + "\n"
+        )
     mesh.barrier()
     cols = _load(path)
     report_lengths(kind, cols, params, warn=mesh.is_main)
@@ -197,24 +211,32 @@ def report_lengths(kind: str, cols: Columns, params: dict, warn: bool = True) ->
     if kind.startswith("sft"):
         n, prompt_cut, response_cut, answers, lost, p_p95, r_p95 = stats
         if answers and lost == answers:
-            raise DataError(f"data.max_response_len={mr} cuts the answer ('#### <number>') off every one of the "
-                            f"{answers} responses that have one ({kind} data; 95% of its responses fit in "
-                            f"{r_p95} tokens): nothing would learn to answer, raise data.max_response_len")
+            raise DataError(
+                f"data.max_response_len={mr} cuts the answer ('#### <number>') off every one of the "
+                f"{answers} responses that have one ({kind} data; 95% of its responses fit in "
+                f"{r_p95} tokens): nothing would learn to answer, raise data.max_response_len"
+            )
         if prompt_cut:
-            parts.append(f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} "
-                         f"(95% fit in {p_p95} tokens)")
+            parts.append(
+                f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} (95% fit in {p_p95} tokens)"
+            )
         if response_cut:
             lost_part = f", {_pct(lost, answers)} of the answers ('####') with it" if lost else ""
-            parts.append(f"{_pct(response_cut, n)} their response cut to data.max_response_len={mr} "
-                         f"(95% fit in {r_p95} tokens){lost_part}")
+            parts.append(
+                f"{_pct(response_cut, n)} their response cut to data.max_response_len={mr} "
+                f"(95% fit in {r_p95} tokens){lost_part}"
+            )
     elif kind.startswith("pairs"):
         n, prompt_cut, dropped, p_p95, r_p95 = stats
         if dropped:
-            parts.append(f"{_pct(dropped, n)} are dropped, their response longer than data.max_response_len={mr} "
-                         f"(95% fit in {r_p95} tokens)")
+            parts.append(
+                f"{_pct(dropped, n)} are dropped, their response longer than data.max_response_len={mr} "
+                f"(95% fit in {r_p95} tokens)"
+            )
         if prompt_cut:
-            parts.append(f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} "
-                         f"(95% fit in {p_p95} tokens)")
+            parts.append(
+                f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} (95% fit in {p_p95} tokens)"
+            )
     else:
         return
     if parts and warn and not kind.endswith("-eval"):
@@ -228,12 +250,17 @@ def pad_right(seqs: List[List[int]], pad: int) -> torch.Tensor:
     n = max(len(s) for s in seqs)
     out = torch.full((len(seqs), n), pad, dtype=torch.long, device="cpu")
     for i, s in enumerate(seqs):
-        out[i, :len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
     return out
 
 
-def collate_sft(ids: List[List[int]], prompt_lens: List[int], pad_id: int, mask_prompt: bool,
-                masks: Optional[List[List[int]]] = None) -> dict:
+def collate_sft(
+    ids: List[List[int]],
+    prompt_lens: List[int],
+    pad_id: int,
+    mask_prompt: bool,
+    masks: Optional[List[List[int]]] = None,
+) -> dict:
     """input_ids/attention_mask right-padded; labels = -100 on padding (and, with ``mask_prompt``,
     where ``masks`` is 0 — the tokens SFT does not learn —, or before ``prompt_lens`` without masks)."""
     input_ids = pad_right(ids, pad_id)
@@ -269,8 +296,9 @@ def _full_pair_rows(examples: List[Example], tok, chat: Optional[str]):
     return rows
 
 
-def tokenize_pairs(examples: List[Example], tok, max_prompt: int, max_response: int,
-                   chat: Optional[str] = None) -> Columns:
+def tokenize_pairs(
+    examples: List[Example], tok, max_prompt: int, max_response: int, chat: Optional[str] = None
+) -> Columns:
     """Preference pairs: (prompt + chosen + EOS, prompt + rejected + EOS). The prompt is cut from
     the left so that the responses' ends survive; a pair whose response alone is longer than
     ``max_response`` is dropped (counted in ``dropped``); when every pair is, a ``DataError``."""
@@ -293,9 +321,11 @@ def tokenize_pairs(examples: List[Example], tok, max_prompt: int, max_response: 
         out["rejected"].append(p + r)
         out["prompt_len"].append(len(p))
     if examples and dropped == len(examples):  # nothing left to train or evaluate on: say why
-        raise DataError(f"{first[0]}: response of {first[1]} tokens (with EOS) is longer than "
-                        f"data.max_response_len={max_response}, and so is every other pair's "
-                        f"({dropped} of {dropped} dropped; 95% fit in {p95(r_lens)})")
+        raise DataError(
+            f"{first[0]}: response of {first[1]} tokens (with EOS) is longer than "
+            f"data.max_response_len={max_response}, and so is every other pair's "
+            f"({dropped} of {dropped} dropped; 95% fit in {p95(r_lens)})"
+        )
     out["dropped"] = [dropped]
     out["stats"] = [len(examples), prompt_cut, dropped, p95(p_lens), p95(r_lens)]
     return out
@@ -309,15 +339,22 @@ def encode_prompts(examples: List[Example], tok, chat: Optional[str] = None) -> 
     for i, ids in zip(text_ix, _encode(tok, [examples[i].prompt for i in text_ix], True)):
         out[i] = ids
     if chat_ix:
-        enc = Renderer(tok, chat).encode([examples[i].chat.prompt for i in chat_ix],
-                                         [examples[i].where for i in chat_ix])
+        enc = Renderer(tok, chat).encode(
+            [examples[i].chat.prompt for i in chat_ix], [examples[i].where for i in chat_ix]
+        )
         for i, (ids, _, _) in zip(chat_ix, enc):
             out[i] = ids
     return out
 
 
-def tokenize_prompts(examples: List[Example], tok, max_prompt: int, chat: Optional[str] = None,
-                     max_new_tokens: Optional[int] = None, new_tokens_key: str = "ppo.max_new_tokens") -> Columns:
+def tokenize_prompts(
+    examples: List[Example],
+    tok,
+    max_prompt: int,
+    chat: Optional[str] = None,
+    max_new_tokens: Optional[int] = None,
+    new_tokens_key: str = "ppo.max_new_tokens",
+) -> Columns:
     """PPO prompts, left-truncated to ``max_prompt`` (a warning says how many). With
     ``max_new_tokens``: a ConfigError when no reference response reaches its answer ('####')
     within that many tokens (the policy imitates them: it would never be scored right), a warning
@@ -325,8 +362,14 @@ def tokenize_prompts(examples: List[Example], tok, max_prompt: int, chat: Option
     full = encode_prompts(examples, tok, chat)
     cut = sum(len(p) > max_prompt for p in full)
     if cut and _is_main():
-        log.warning("ppo prompts: %s of %d are cut to data.max_prompt_len=%d (95%% fit in %d): raise "
-                    "data.max_prompt_len to keep more", _pct(cut, len(full)), len(full), max_prompt, p95([len(p) for p in full]))
+        log.warning(
+            "ppo prompts: %s of %d are cut to data.max_prompt_len=%d (95%% fit in %d): raise "
+            "data.max_prompt_len to keep more",
+            _pct(cut, len(full)),
+            len(full),
+            max_prompt,
+            p95([len(p) for p in full]),
+        )
     if max_new_tokens is not None:
         check_answer_budget(examples, tok, max_new_tokens, new_tokens_key)
     return {"prompt": [p[-max_prompt:] for p in full]}
@@ -337,7 +380,7 @@ def answer_lengths(examples: List[Example], tok) -> List[int]:
     heads = []
     for e in examples:
         if e.answer is not None and e.response is not None and e.answer in e.response:
-            heads.append(e.response[:e.response.index(e.answer) + len(e.answer)])
+            heads.append(e.response[: e.response.index(e.answer) + len(e.answer)])
     return [len(x) for x in _encode(tok, heads, False)]
 
 
@@ -347,13 +390,22 @@ def check_answer_budget(examples: List[Example], tok, max_new_tokens: int, key: 
         return
     reach = sum(n <= max_new_tokens for n in need)
     if reach == 0:
-        raise ConfigError(f"{key}={max_new_tokens} is too short to reach an answer: the shortest of the "
-                          f"{len(need)} reference responses needs {min(need)} tokens to write its '#### <number>' "
-                          f"(95% need at most {p95(need)}), so no response would ever be scored right: "
-                          f"raise {key}")
+        raise ConfigError(
+            f"{key}={max_new_tokens} is too short to reach an answer: the shortest of the "
+            f"{len(need)} reference responses needs {min(need)} tokens to write its '#### <number>' "
+            f"(95% need at most {p95(need)}), so no response would ever be scored right: "
+            f"raise {key}"
+        )
     if reach < len(need) / 2 and _is_main():
-        log.warning("%s=%d: only %s of the reference responses reach their answer ('####') within it (95%% "
-                    "need at most %d tokens): raise %s", key, max_new_tokens, _pct(reach, len(need)), p95(need), key)
+        log.warning(
+            "%s=%d: only %s of the reference responses reach their answer ('####') within it (95%% "
+            "need at most %d tokens): raise %s",
+            key,
+            max_new_tokens,
+            _pct(reach, len(need)),
+            p95(need),
+            key,
+        )
 
 
 def collate_pairs(chosen: List[List[int]], rejected: List[List[int]], pad_id: int) -> dict:

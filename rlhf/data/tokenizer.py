@@ -4,6 +4,7 @@ Byte-level, so any UTF-8 text encodes (no unknown tokens on real data); digits s
 token, so arithmetic stays learnable. Saved in Hugging Face format with pad distinct from EOS and
 a chat template that renders a user turn exactly as the synthetic task's prompt.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -29,27 +30,41 @@ CHAT_TEMPLATE = (
 def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int):
     """Returns a ``PreTrainedTokenizerFast`` trained on ``texts`` (deterministic for the same input)."""
     tok = Tokenizer(models.BPE(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     specials = [PAD, BOS, EOS, UNK]
     trainer = trainers.BpeTrainer(
-        vocab_size=max(vocab_size, 256 + len(specials)), special_tokens=specials, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+        vocab_size=max(vocab_size, 256 + len(specials)),
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+    )
     tok.train_from_iterator(list(texts), trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)])
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
     return wrap_tokenizer(tok.to_str(), model_max_length)
 
 
 def wrap_tokenizer(tokenizer_json: str, model_max_length: int):
     """The Hugging Face tokenizer around a trained `tokenizers` model (given as its JSON)."""
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(tokenizer_json), bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        unk_token=UNK,        model_max_length=model_max_length, padding_side="right", clean_up_tokenization_spaces=False)
+        tokenizer_object=Tokenizer.from_str(tokenizer_json),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=model_max_length,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -58,8 +73,13 @@ def train_embedded_tokenizer(corpus, m, mesh):
     """Rank 0 trains the embedded tokenizer (``m``: the model group, for its vocabulary size and
     length) and broadcasts it as JSON to the other ranks (``mesh``: ``is_main``, ``distributed``,
     ``broadcast_object``)."""
-    tok = train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings) if mesh.is_main else None
+    tok = None
+    if mesh.is_main:
+        tok = train_tokenizer(corpus, m.vocab_size, m.max_position_embeddings)
     if not mesh.distributed:
         return tok
-    text = mesh.broadcast_object(tok.backend_tokenizer.to_str() if mesh.is_main else None)
-    return tok if mesh.is_main else wrap_tokenizer(text, m.max_position_embeddings)
+    if mesh.is_main:
+        mesh.broadcast_object(tok.backend_tokenizer.to_str())
+        return tok
+    text = mesh.broadcast_object(None)
+    return wrap_tokenizer(text, m.max_position_embeddings)

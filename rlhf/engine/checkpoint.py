@@ -6,6 +6,7 @@ optimizer, one ``rng_rank<r>.pt`` per rank (tensors only, loaded with ``weights_
 the stage adds (SFT's ``tokenizer/``, PPO's EMA actor). It is written under a temporary name, the
 state file last, and renamed when complete, so the newest complete one always wins.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,9 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return None
-    done = [(int(m.group(1)), p) for p in ckpt_dir.iterdir()
-            if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    done = [
+        (int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+    ]
     return max(done)[1] if done else None
 
 
@@ -50,8 +52,16 @@ def _state_dicts(engines: Dict[str, "object"]) -> dict:
     return {f"{name}.{part}": value for name, eng in engines.items() for part, value in eng.state_dicts().items()}
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], state: dict, mesh: Mesh,
-                    keep: int = 2, tokenizer=None, extra: Optional[Callable[[Path], None]] = None) -> Path:
+def save_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    engines: Dict[str, "object"],
+    state: dict,
+    mesh: Mesh,
+    keep: int = 2,
+    tokenizer=None,
+    extra: Optional[Callable[[Path], None]] = None,
+) -> Path:
     """``engines``: name → TrainEngine. ``state``: JSON-able trainer state (data position, ...).
     ``tokenizer``: saved as ``tokenizer/`` (a run that trained its own tokenizer resumes with it).
     ``extra``: called on every rank with the checkpoint's directory to write more files into it
@@ -72,9 +82,12 @@ def save_checkpoint(ckpt_dir: Path, step: int, engines: Dict[str, "object"], sta
     torch.save(_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
     if extra is not None:
         extra(tmp)
-    full_state = dict(state, step=step,
-                      schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
-                      world_size=mesh.world_size)
+    full_state = dict(
+        state,
+        step=step,
+        schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
+        world_size=mesh.world_size,
+    )
     mesh.barrier()
     if mesh.is_main:
         if tokenizer is not None:
@@ -93,8 +106,9 @@ def _quiet_single_process():
     """DCP warns on every save and load without a process group that it assumes a single process,
     which is what a one-process run is: the warning is noise in the main job's log."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                                category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+        )
         yield
 
 
@@ -120,8 +134,14 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
     return state
 
 
-def export_hf(engine, out_dir: Path, mesh: Mesh, tokenizer=None, extra_files: Optional[dict] = None,
-              adapter_dir: Optional[Path] = None) -> None:
+def export_hf(
+    engine,
+    out_dir: Path,
+    mesh: Mesh,
+    tokenizer=None,
+    extra_files: Optional[dict] = None,
+    adapter_dir: Optional[Path] = None,
+) -> None:
     """Writes the unsharded model in Hugging Face format (safetensors) to ``out_dir``, atomically; a
     LoRA model merged (W + B·A·α/r), and its adapter alone to ``adapter_dir`` (PEFT format) when given."""
     sd = engine.full_state_dict()  # collective; full tensors on rank 0
@@ -130,8 +150,14 @@ def export_hf(engine, out_dir: Path, mesh: Mesh, tokenizer=None, extra_files: Op
     mesh.barrier()
 
 
-def write_hf(module, sd: dict, out_dir: Path, tokenizer=None, extra_files: Optional[dict] = None,
-             adapter_dir: Optional[Path] = None) -> None:
+def write_hf(
+    module,
+    sd: dict,
+    out_dir: Path,
+    tokenizer=None,
+    extra_files: Optional[dict] = None,
+    adapter_dir: Optional[Path] = None,
+) -> None:
     """``module``'s full state dict ``sd`` as a Hugging Face model directory (one process writes)."""
     inner = getattr(module, "hf", None)  # ScalarHeadModel wraps the HF model it saves
     if inner is not None:

@@ -19,6 +19,7 @@ running): the same rollouts from the same seed on either path and any device. Gr
 log-probs equal the row-removing loop's to fp32 rounding (GEMMs over more rows, attention over more,
 masked keys), not bit for bit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,9 @@ SPAN_CHUNK = 128  # key spans are multiples of this many cache slots (one CUDA g
 
 def bucket(rows: int) -> int:
     """The padded batch: 1, 2, 4, then multiples of 8 (at most 7 rows of waste; few graphs)."""
-    return 1 << (rows - 1).bit_length() if rows <= 4 else -(-rows // 8) * 8
+    if rows <= 4:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 8) * 8
 
 
 def round_up(n: int, chunk: int) -> int:
@@ -48,6 +51,7 @@ def round_up(n: int, chunk: int) -> int:
 @dataclass(frozen=True)
 class StaticKey:
     """What a captured step bakes in: shapes and the sampling constants."""
+
     rows: int  # the batch bucket
     length: int  # cache slots (a multiple of the span chunk)
     temperature: float
@@ -59,10 +63,20 @@ class StaticKey:
     chunk: int  # key spans are multiples of this
 
     @staticmethod
-    def of(rows: int, prompt_len: int, sp: SamplingParams, eos_id: int, pad_id: int,
-           chunk: int = SPAN_CHUNK) -> "StaticKey":
-        return StaticKey(bucket(rows), round_up(prompt_len + sp.max_new_tokens, chunk), sp.temperature,
-                         sp.top_k, sp.top_p, sp.min_new_tokens, eos_id, pad_id, chunk)
+    def of(
+        rows: int, prompt_len: int, sp: SamplingParams, eos_id: int, pad_id: int, chunk: int = SPAN_CHUNK
+    ) -> "StaticKey":
+        return StaticKey(
+            bucket(rows),
+            round_up(prompt_len + sp.max_new_tokens, chunk),
+            sp.temperature,
+            sp.top_k,
+            sp.top_p,
+            sp.min_new_tokens,
+            eos_id,
+            pad_id,
+            chunk,
+        )
 
 
 class StaticDecoder:
@@ -72,8 +86,9 @@ class StaticDecoder:
 
     def __init__(self, model, key: StaticKey, device: torch.device, graphs: bool = False):
         self.key, self.device = key, device
-        self.sp = SamplingParams(temperature=key.temperature, top_k=key.top_k, top_p=key.top_p,
-                                 min_new_tokens=key.min_new_tokens)
+        self.sp = SamplingParams(
+            temperature=key.temperature, top_k=key.top_k, top_p=key.top_p, min_new_tokens=key.min_new_tokens
+        )
         R, L = key.rows, key.length
         self.cache = torch.zeros((len(model.layers), R, L, 2 * model.hk * model.d), dtype=model.dtype, device=device)
         self.bias = torch.full((R, L), float("-inf"), dtype=model.dtype, device=device)  # additive key mask
@@ -111,8 +126,10 @@ class StaticDecoder:
             idx = (self.offset + a.long().cumsum(0) - 1).clamp_(0, self.draws.numel() - 1)
             u = self.draws[idx][:, None]
             self.offset += a.long().sum()
-        tok, logp = sample_drawn(logits, self.sp, u, ban=key.eos_id if key.min_new_tokens else None,
-                                 ban_now=self.t < key.min_new_tokens)
+        ban = None  # EOS, while the step is under min_new_tokens (ban_now)
+        if key.min_new_tokens:
+            ban = key.eos_id
+        tok, logp = sample_drawn(logits, self.sp, u, ban=ban, ban_now=self.t < key.min_new_tokens)
         col = self.t.view(1)
         self.out_tok.index_copy_(1, col, torch.where(a, tok, key.pad_id)[:, None])
         self.out_logp.index_copy_(1, col, torch.where(a, logp, 0.0)[:, None])
@@ -127,8 +144,9 @@ class StaticDecoder:
         masks = {window: full for window in model.windows}
         for window in {w for w in model.windows if w}:  # keys at or before slot - window: out of the window
             masks[window] = full.masked_fill(self.slots[:span] <= self.slot - window, float("-inf"))
-        logits = model._forward(self.tok[:, None], self.rot[self.pos][:, None], masks, 0, slot=self.slot,
-                                span=span)[:, -1]
+        logits = model._forward(self.tok[:, None], self.rot[self.pos][:, None], masks, 0, slot=self.slot, span=span)[
+            :, -1
+        ]
         self.pos += 1
         self.slot += 1
         self.take(logits)
@@ -140,8 +158,7 @@ class StaticDecoder:
         self.offset.zero_()
 
     # ---- one generation ----
-    def run(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, generator,
-            sync_every: int):
+    def run(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, generator, sync_every: int):
         """Tokens [B, N] and log-probs [B, N] (pad / 0 after a row's EOS) of ``ids`` [B, P] left-padded."""
         B, P = ids.shape
         N, R = sp.max_new_tokens, self.key.rows
@@ -179,8 +196,9 @@ class StaticDecoder:
         self.bias.fill_(float("-inf"))
         self.bias[:B, :P].masked_fill_(pmask.bool(), 0.0)
         # the row-removing loop's table for P + N positions, bit for bit
-        self.rot[:P + N].copy_(rotary_cos_sin(model.root["inv_freq"], self.slots[None, :P + N], self.scaling,
-                                              model.dtype)[0])
+        self.rot[: P + N].copy_(
+            rotary_cos_sin(model.root["inv_freq"], self.slots[None, : P + N], self.scaling, model.dtype)[0]
+        )
         self.tok.fill_(self.key.pad_id)
         self.pos.zero_()
         self.pos[:B].copy_(pmask.sum(-1).clamp(min=1))  # the position after the prompt's last token
@@ -193,4 +211,4 @@ class StaticDecoder:
         self.out_logp.zero_()
         if sp.temperature > 0:  # every draw the row-removing loop could take, in its order
             dev = generator.device if generator is not None else self.device
-            self.draws[:B * N].copy_(torch.rand((B * N,), generator=generator, device=dev))
+            self.draws[: B * N].copy_(torch.rand((B * N,), generator=generator, device=dev))

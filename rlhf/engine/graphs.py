@@ -18,6 +18,7 @@ rules followed (torch.cuda.graphs, "CUDA Graphs" in the CUDA semantics notes):
 The graphs, their pool and the decoder's state go with the inference weights (``release``).
 Not yet run on a GPU when written (docs/gpu.md).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Iterable

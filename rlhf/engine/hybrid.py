@@ -7,6 +7,7 @@ generate, release cache and weights, return to training mode. Each phase is time
 ``engine.hybrid=false``: HF ``generate`` on the training-mode model (the baseline). A model family
 without an injection policy also takes that path, with a one-line warning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,9 @@ class HybridEngine:
             why = self.policy.check_tp(self.tp)
             if why:
                 raise ConfigError(why)
-        dtype = precision_of(ecfg, self.mesh.device) if ecfg.inference_dtype == "auto" else ecfg.inference_dtype
+        dtype = ecfg.inference_dtype
+        if dtype == "auto":
+            dtype = precision_of(ecfg, self.mesh.device)
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # of the inference mode
         self._model: Optional[InferenceModel] = None  # kept when engine.release_inference_cache=false
         self._model_version = -1  # the engine's weights_version when _model was built
@@ -84,9 +87,17 @@ class HybridEngine:
         if fsdp:
             module.reshard()
         root = {k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()}
-        return InferenceModel(root, layers, pol, tp=self.tp, tp_group=self.mesh.tp_group, dtype=self.dtype,
-                              kernels=self.ecfg.inference_kernels, decode=self.decode,
-                              sync_every=self.ecfg.decode_sync_every)
+        return InferenceModel(
+            root,
+            layers,
+            pol,
+            tp=self.tp,
+            tp_group=self.mesh.tp_group,
+            dtype=self.dtype,
+            kernels=self.ecfg.inference_kernels,
+            decode=self.decode,
+            sync_every=self.ecfg.decode_sync_every,
+        )
 
     def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
         t0 = time.perf_counter()
@@ -103,8 +114,14 @@ class HybridEngine:
         t1 = time.perf_counter()
         # a CPU generator whatever the device: the same draws on every device (sampling moves them)
         gen = torch.Generator(device="cpu").manual_seed(seeding.offset(sp.seed, self.mesh.tp_index, seeding.RANK))
-        out = model.generate([p for ps in per_rank for p in ps], sp, eos_id=self.eos_id, pad_id=self.pad_id,
-                             generator=gen, device=self.mesh.device)
+        out = model.generate(
+            [p for ps in per_rank for p in ps],
+            sp,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            generator=gen,
+            device=self.mesh.device,
+        )
         t2 = time.perf_counter()
         if self.ecfg.release_inference_cache:
             model.release()
@@ -114,8 +131,12 @@ class HybridEngine:
         t3 = time.perf_counter()
         if self.tp > 1:
             out = _rows(out, per_rank, self.mesh.tp_rank, sp.samples_per_prompt)
-        out.timings = {"switch_s": (t1 - t0) + (t3 - t2), "gather_s": t1 - t0, "generate_s": t2 - t1,
-                       "release_s": t3 - t2}
+        out.timings = {
+            "switch_s": (t1 - t0) + (t3 - t2),
+            "gather_s": t1 - t0,
+            "generate_s": t2 - t1,
+            "release_s": t3 - t2,
+        }
         return out
 
     # ---- baseline: HF generate on the training-mode model ----
@@ -124,17 +145,27 @@ class HybridEngine:
         t0 = time.perf_counter()
         rows = prompt_major(prompts, sp.samples_per_prompt)
         ids, mask = left_pad(rows, self.pad_id, self.mesh.device)
-        kwargs = dict(do_sample=sp.temperature > 0, max_new_tokens=sp.max_new_tokens,
-                      min_new_tokens=sp.min_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
-                      top_k=sp.top_k, top_p=sp.top_p, return_dict_in_generate=True,
-                      synced_gpus=self.engine.is_fsdp)
+        kwargs = dict(
+            do_sample=sp.temperature > 0,
+            max_new_tokens=sp.max_new_tokens,
+            min_new_tokens=sp.min_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            top_k=sp.top_k,
+            top_p=sp.top_p,
+            return_dict_in_generate=True,
+            synced_gpus=self.engine.is_fsdp,
+        )
         if sp.temperature > 0:
             kwargs["temperature"] = sp.temperature
         device = self.mesh.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        rng_devices = []  # the CPU generator only, and the GPU's when generating on one
+        if device.type == "cuda":
+            rng_devices = [device]
+        with torch.random.fork_rng(devices=rng_devices):
             torch.manual_seed(seeding.offset(sp.seed, self.mesh.rank, seeding.RANK))
             out = self.engine.module.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        tokens = out.sequences[:, ids.shape[1]:]
+        tokens = out.sequences[:, ids.shape[1] :]
         n = sp.max_new_tokens
         if tokens.shape[1] < n:  # HF stops when every row has ended
             tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], n - tokens.shape[1]), self.pad_id)], 1)
@@ -160,8 +191,13 @@ def _rows(out: Generation, per_rank: List[List[List[int]]], tp_rank: int, sample
     # re-trim the common left padding so that this rank's prompt length is its own
     seq, att = out.sequences[start:stop], out.attention_mask[start:stop]
     p = out.prompt_len
-    drop = int((att[:, :p].sum(0) == 0).long().cumprod(0).sum()) if stop > start else 0
-    return Generation(sequences=seq[:, drop:], attention_mask=att[:, drop:],
-                      response_mask=out.response_mask[start:stop],
-                      logprobs=None if out.logprobs is None else out.logprobs[start:stop],
-                      prompt_len=p - drop)
+    drop = 0
+    if stop > start:
+        drop = int((att[:, :p].sum(0) == 0).long().cumprod(0).sum())
+    return Generation(
+        sequences=seq[:, drop:],
+        attention_mask=att[:, drop:],
+        response_mask=out.response_mask[start:stop],
+        logprobs=None if out.logprobs is None else out.logprobs[start:stop],
+        prompt_len=p - drop,
+    )

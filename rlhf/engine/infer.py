@@ -13,6 +13,7 @@ logits are cast to fp32 before log-softmax and sampling whatever the dtype. ``de
 is that loop (the CPU's, and ``engine.cuda_graphs=off``); "static" the fixed-shape step without host
 synchronisation of ``rlhf.engine.decode_static``, "graphs" the same replayed as CUDA graphs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,9 +27,9 @@ import torch.nn.functional as F
 from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
 from rlhf.models.policies import InjectionPolicy
 from rlhf.ops import SamplingParams, attend, attend_varlen, rms_norm, rotary_cos_sin, sample, varlen_kernel_fits
-from rlhf.ops.sampling import prompt_major
 from rlhf.ops.linear import can_pack, can_pack_rows, linear, linear_rows, pack_rows, prepare_weight
 from rlhf.ops.rotary import apply_rotary_
+from rlhf.ops.sampling import prompt_major
 
 log = logging.getLogger("rlhf")
 
@@ -36,6 +37,7 @@ log = logging.getLogger("rlhf")
 @dataclass
 class Generation:
     """Prompts left-padded to one length P, responses right-padded to N (pad after EOS)."""
+
     sequences: torch.Tensor  # [B, P + N]
     attention_mask: torch.Tensor  # [B, P + N] 1 on prompt and response tokens (EOS included)
     response_mask: torch.Tensor  # [B, N] 1 on response tokens (EOS included)
@@ -48,17 +50,24 @@ class Generation:
 
     @property
     def responses(self) -> torch.Tensor:
-        return self.sequences[:, self.prompt_len:]
+        return self.sequences[:, self.prompt_len :]
 
     def rows(self, start: int, stop: int) -> "Generation":
         logprobs = None if self.logprobs is None else self.logprobs[start:stop]
-        return Generation(self.sequences[start:stop], self.attention_mask[start:stop],
-                          self.response_mask[start:stop], logprobs, self.prompt_len, self.timings)
+        return Generation(
+            self.sequences[start:stop],
+            self.attention_mask[start:stop],
+            self.response_mask[start:stop],
+            logprobs,
+            self.prompt_len,
+            self.timings,
+        )
 
 
 @dataclass
 class Packed:
     """The real tokens of left-padded rows, back to back (``InferenceModel.prefill``)."""
+
     tokens: torch.Tensor  # [total] their flat indices in the [B, P] prompt block
     slots: torch.Tensor  # [total] their flat indices in one layer's cache [B, S] (row b, slot s: b·S + s)
     cu: torch.Tensor  # [B + 1] int32, row b = packed tokens cu[b]:cu[b+1]
@@ -68,7 +77,7 @@ class Packed:
     @staticmethod
     def of(pmask: torch.Tensor, cache_len: int) -> Optional["Packed"]:
         """None when a row has no token (nothing to attend from)."""
-        B, P = pmask.shape
+        P = pmask.shape[1]
         lengths = pmask.sum(-1)
         if not bool((lengths > 0).all()):
             return None
@@ -84,8 +93,8 @@ def left_pad(prompts: List[List[int]], pad_id: int, device=None):
     mask = torch.zeros((len(prompts), n), dtype=torch.long, device="cpu")
     for i, p in enumerate(prompts):
         if p:
-            ids[i, n - len(p):] = torch.tensor(p, dtype=torch.long, device="cpu")
-            mask[i, n - len(p):] = 1
+            ids[i, n - len(p) :] = torch.tensor(p, dtype=torch.long, device="cpu")
+            mask[i, n - len(p) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -93,9 +102,18 @@ MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
 class InferenceModel:
-    def __init__(self, root: Dict[str, torch.Tensor], layers: List[Dict[str, torch.Tensor]], policy: InjectionPolicy,
-                 tp: int = 1, tp_group=None, dtype: torch.dtype = torch.float32, kernels: str = "auto",
-                 decode: str = "dynamic", sync_every: int = 8):
+    def __init__(
+        self,
+        root: Dict[str, torch.Tensor],
+        layers: List[Dict[str, torch.Tensor]],
+        policy: InjectionPolicy,
+        tp: int = 1,
+        tp_group=None,
+        dtype: torch.dtype = torch.float32,
+        kernels: str = "auto",
+        decode: str = "dynamic",
+        sync_every: int = 8,
+    ):
         fast = kernels == "auto"
         self.packed = fast and can_pack(dtype, root["embed"].device)
         self.pack_rows = fast and can_pack_rows(dtype, root["embed"].device)
@@ -123,14 +141,16 @@ class InferenceModel:
         self._drop_packs()
 
     def _prepare(self, d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        return {k: (prepare_weight(v, self.packed, for_rows=self.pack_rows) if k in MATRICES else v)
-                for k, v in d.items()}
+        return {
+            k: (prepare_weight(v, self.packed, for_rows=self.pack_rows) if k in MATRICES else v) for k, v in d.items()
+        }
 
     # ---- cache: [layers, batch, max_len, 2 · kv_heads · head_dim], a slot's k and v side by side
     # (as the fused QKV output holds them: one write per layer and step) ----
     def allocate(self, batch: int, max_len: int, device) -> None:
-        self.cache = torch.zeros((len(self.layers), batch, max_len, 2 * self.hk * self.d), dtype=self.dtype,
-                                 device=device)
+        self.cache = torch.zeros(
+            (len(self.layers), batch, max_len, 2 * self.hk * self.d), dtype=self.dtype, device=device
+        )
         self._kv = list(self.cache.unbind(0))
 
     def keep_rows(self, keep: torch.Tensor) -> None:
@@ -165,16 +185,23 @@ class InferenceModel:
         if not self.pack_rows:
             return
         try:
-            self._rw = [{k: pack_rows(v, rows) for k, v in d.items() if k in MATRICES}
-                        for d in self.layers + [self.root]]
+            self._rw = [
+                {k: pack_rows(v, rows) for k, v in d.items() if k in MATRICES} for d in self.layers + [self.root]
+            ]
             self._rows = rows
         except RuntimeError as e:  # an MKL that cannot pack: the plain layout computes the same thing
             log.warning("inference mode: packed fp32 weights unavailable (%s); using plain GEMMs", e)
             self.pack_rows = False
             self._drop_packs()
 
-    def _linear(self, x: torch.Tensor, w: Dict[str, torch.Tensor], rw: Optional[Dict[str, torch.Tensor]],
-                name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _linear(
+        self,
+        x: torch.Tensor,
+        w: Dict[str, torch.Tensor],
+        rw: Optional[Dict[str, torch.Tensor]],
+        name: str,
+        bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         if rw is not None and x.shape[0] <= self._rows:
             return linear_rows(x, rw[name], w[name], self._rows, bias)
         return linear(x, w[name], bias, self.packed)
@@ -185,8 +212,9 @@ class InferenceModel:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
-    def attention_bias(self, key_valid: torch.Tensor, start: int, end: int,
-                       window: Optional[int] = None) -> torch.Tensor:
+    def attention_bias(
+        self, key_valid: torch.Tensor, start: int, end: int, window: Optional[int] = None
+    ) -> torch.Tensor:
         """Additive mask [B, 1, T, end] (0 = attend, -inf = not) for queries at cache slots [start, end):
         causal, the sliding ``window`` if any, keys where ``key_valid`` [B, >=end] (bool); a query on
         left padding attends to itself (so that no NaN can reach a value vector)."""
@@ -207,9 +235,17 @@ class InferenceModel:
         """``attention_bias`` for each window the layers use (None: full attention)."""
         return {w: self.attention_bias(key_valid, start, end, w) for w in set(self.windows)}
 
-    def _forward(self, ids: torch.Tensor, rot: torch.Tensor, masks: Optional[Dict[Optional[int], torch.Tensor]],
-                 start: int, last_only: bool = False, slot: Optional[torch.Tensor] = None,
-                 span: int = 0, packed: Optional["Packed"] = None) -> torch.Tensor:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        rot: torch.Tensor,
+        masks: Optional[Dict[Optional[int], torch.Tensor]],
+        start: int,
+        last_only: bool = False,
+        slot: Optional[torch.Tensor] = None,
+        span: int = 0,
+        packed: Optional["Packed"] = None,
+    ) -> torch.Tensor:
         """``rot`` [B, T, r/2] complex rotations (r = the rotated dimensions of a head); ``masks`` additive
         [B, 1, T, start+T] per layer window (None: causal, from slot 0, no padding, no window);
         ``last_only``: logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden]
@@ -228,24 +264,29 @@ class InferenceModel:
             h = rms_norm(x, w["ln1"], eps)
             qkv = lin(h, w, rw, "wqkv", w.get("bqkv"))
             if "qk_norm" in w:  # RMSNorm of each q and k head (Qwen3), in place, before the rotation
-                qk = qkv[:, :(hq + hk) * d].unflatten(-1, (hq + hk, d))
+                qk = qkv[:, : (hq + hk) * d].unflatten(-1, (hq + hk, d))
                 qk.copy_(F.rms_norm(qk, (d,), eps=eps).mul_(w["qk_norm"]))  # HF: weight · norm(x)
-            apply_rotary_(qkv[:, :(hq + hk) * d], rot, d)  # q and k heads in one op, in place
+            apply_rotary_(qkv[:, : (hq + hk) * d], rot, d)  # q and k heads in one op, in place
             kv = self._kv[li]
             if packed is not None:  # each token to its own slot; attention within its own row
-                kv.view(-1, kv.shape[-1]).index_copy_(0, packed.slots, qkv[:, hq * d:])
-                a = attend_varlen(qkv[:, :hq * d].view(-1, hq, d), qkv[:, hq * d:(hq + hk) * d].view(-1, hk, d),
-                                  qkv[:, (hq + hk) * d:].view(-1, hk, d), packed.cu, packed.max_len,
-                                  self.windows[li]).reshape(B * T, hq * d)
+                kv.view(-1, kv.shape[-1]).index_copy_(0, packed.slots, qkv[:, hq * d :])
+                a = attend_varlen(
+                    qkv[:, : hq * d].view(-1, hq, d),
+                    qkv[:, hq * d : (hq + hk) * d].view(-1, hk, d),
+                    qkv[:, (hq + hk) * d :].view(-1, hk, d),
+                    packed.cu,
+                    packed.max_len,
+                    self.windows[li],
+                ).reshape(B * T, hq * d)
             else:
                 if slot is None:
-                    kv[:, start:end] = qkv[:, hq * d:].view(B, T, 2 * hk * d)
+                    kv[:, start:end] = qkv[:, hq * d :].view(B, T, 2 * hk * d)
                 else:  # a slot known on the device only: no host synchronisation
-                    kv.index_copy_(1, slot, qkv[:, hq * d:].view(B, T, 2 * hk * d))
-                k = kv[:, :end, :hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
-                v = kv[:, :end, hk * d:].unflatten(-1, (hk, d)).transpose(1, 2)
+                    kv.index_copy_(1, slot, qkv[:, hq * d :].view(B, T, 2 * hk * d))
+                k = kv[:, :end, : hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
+                v = kv[:, :end, hk * d :].unflatten(-1, (hk, d)).transpose(1, 2)
                 mask = None if masks is None else masks[self.windows[li]]
-                a = attend(qkv[:, :hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
+                a = attend(qkv[:, : hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
                 a = a.transpose(1, 2).reshape(B * T, hq * d)
             x.add_(self._all_reduce(lin(a, w, rw, "wo", w.get("bo"))))
             h = rms_norm(x, w["ln2"], eps)
@@ -260,8 +301,9 @@ class InferenceModel:
 
     def rotary_table(self, n: int, device) -> torch.Tensor:
         """The rotations of positions 0..n−1 [n, r/2] (complex), looked up per step."""
-        return rotary_cos_sin(self.root["inv_freq"], torch.arange(n, device=device)[None],
-                              float(self.root["rope_scaling"]), self.dtype)[0]
+        return rotary_cos_sin(
+            self.root["inv_freq"], torch.arange(n, device=device)[None], float(self.root["rope_scaling"]), self.dtype
+        )[0]
 
     def prefill(self, ids: torch.Tensor, pmask: torch.Tensor, rot_table: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] at the last token of each left-padded prompt (``ids``, ``pmask`` [B, P]), the
@@ -287,8 +329,16 @@ class InferenceModel:
 
     # ---- decode loop ----
     @torch.no_grad()
-    def generate(self, prompts: List[List[int]], sp: SamplingParams, *, eos_id: int, pad_id: int,
-                 generator: Optional[torch.Generator] = None, device=None) -> Generation:
+    def generate(
+        self,
+        prompts: List[List[int]],
+        sp: SamplingParams,
+        *,
+        eos_id: int,
+        pad_id: int,
+        generator: Optional[torch.Generator] = None,
+        device=None,
+    ) -> Generation:
         """``sp.samples_per_prompt`` samples of every prompt (prompt-major order)."""
         device = device or self.root["embed"].device
         rows = prompt_major(prompts, sp.samples_per_prompt)
@@ -342,7 +392,8 @@ class InferenceModel:
                 break
             keep = tok != eos_id
             if not bool(keep.all()):  # finished sequences leave the batch
-                active = torch.arange(B, device=device) if active is None else active
+                if active is None:
+                    active = torch.arange(B, device=device)
                 active, tok, next_pos, bias = active[keep], tok[keep], next_pos[keep], bias[keep]
                 self.keep_rows(keep)
                 if active.numel() == 0:
@@ -355,7 +406,7 @@ class InferenceModel:
                 masks[window] = full
                 if window and end > window:  # keys at or before slot end-1-window are out of the window
                     masks[window] = full.clone()
-                    masks[window][..., :end - window] = float("-inf")
+                    masks[window][..., : end - window] = float("-inf")
             logits = self._forward(tok[:, None], rot_table[next_pos][:, None], masks, end - 1)[:, -1]
             next_pos += 1
         return out_tokens, out_logp
@@ -368,6 +419,10 @@ def finish(prompt_ids, prompt_mask, tokens, logprobs, eos_id: int, pad_id: int) 
     response_mask = (~after_eos).long()
     tokens = tokens.masked_fill(after_eos, pad_id)
     logprobs = None if logprobs is None else logprobs.masked_fill(after_eos, 0.0)
-    return Generation(sequences=torch.cat([prompt_ids, tokens], 1),
-                      attention_mask=torch.cat([prompt_mask, response_mask], 1),
-                      response_mask=response_mask, logprobs=logprobs, prompt_len=prompt_ids.shape[1])
+    return Generation(
+        sequences=torch.cat([prompt_ids, tokens], 1),
+        attention_mask=torch.cat([prompt_mask, response_mask], 1),
+        response_mask=response_mask,
+        logprobs=logprobs,
+        prompt_len=prompt_ids.shape[1],
+    )

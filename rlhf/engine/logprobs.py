@@ -1,4 +1,5 @@
 """Log-probs of given responses under a model in training mode (what PPO recomputes)."""
+
 from __future__ import annotations
 
 import inspect
@@ -6,8 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from rlhf.algorithms.tokens import chunked_logprobs
-from rlhf.algorithms.tokens import position_ids
+from rlhf.algorithms.tokens import chunked_logprobs, position_ids
 
 
 def keeps_logits(module) -> bool:
@@ -19,9 +19,15 @@ def keeps_logits(module) -> bool:
         return False
 
 
-def response_stats(forward, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                   temperature: float = 1.0, entropy: Optional[str] = None, keep_logits: bool = False
-                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def response_stats(
+    forward,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    temperature: float = 1.0,
+    entropy: Optional[str] = None,
+    keep_logits: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """([B, N] log π(response token), [B, N] entropy or None) at ``temperature`` (1 when greedy;
     ``entropy``: None, "loss" or "metric", see ``chunked_logprobs``),
     with mask-derived positions; ``forward`` is an engine's or a model's ``forward`` returning logits.
@@ -29,14 +35,20 @@ def response_stats(forward, sequences: torch.Tensor, attention_mask: torch.Tenso
     less memory). The fp32 log-softmax runs a few positions at a time (``chunked_logprobs``)."""
     n = sequences.shape[1] - prompt_len
     extra = {"logits_to_keep": n + 1} if keep_logits else {}
-    logits = forward(input_ids=sequences, attention_mask=attention_mask,
-                     position_ids=position_ids(attention_mask), **extra).logits
+    logits = forward(
+        input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask), **extra
+    ).logits
     t = temperature if temperature > 0 else 1.0  # greedy rollouts (temperature 0) score at 1: decided here only
-    return chunked_logprobs(logits[:, -(n + 1):-1], sequences[:, prompt_len:], t, entropy=entropy)
+    return chunked_logprobs(logits[:, -(n + 1) : -1], sequences[:, prompt_len:], t, entropy=entropy)
 
 
-def response_logprobs(forward, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                      temperature: float = 1.0, keep_logits: bool = False) -> torch.Tensor:
+def response_logprobs(
+    forward,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    temperature: float = 1.0,
+    keep_logits: bool = False,
+) -> torch.Tensor:
     """[B, N] log π(response token); see ``response_stats``."""
-    return response_stats(forward, sequences, attention_mask, prompt_len, temperature,
-                          keep_logits=keep_logits)[0]
+    return response_stats(forward, sequences, attention_mask, prompt_len, temperature, keep_logits=keep_logits)[0]

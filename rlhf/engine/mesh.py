@@ -4,6 +4,7 @@ cuda + nccl when there is a GPU for every process of the node (``engine.device``
 A single process (no torchrun) runs without a process group at all; every collective helper here is
 then the identity.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -53,8 +54,9 @@ class Mesh:
     def device_mesh(self):
         if self._device_mesh is None and (self.distributed or self.single_group):
             tp = self.inference_tp_size
-            self._device_mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp),
-                                                 mesh_dim_names=("replica", "tp"))
+            self._device_mesh = init_device_mesh(
+                self.device.type, (self.world_size // tp, tp), mesh_dim_names=("replica", "tp")
+            )
         return self._device_mesh
 
     @property
@@ -141,14 +143,19 @@ def choose_device(requested: str, local_rank: int, local_world: int) -> torch.de
         if gpus == 0:
             raise ConfigError("engine.device=cuda: this machine has no CUDA device (torch sees none)")
         if local_world > gpus:
-            raise ConfigError(f"engine.device=cuda: {local_world} processes on this node but {gpus} GPU(s); "
-                              f"NCCL cannot put two ranks on one GPU (use at most {gpus} processes per node, "
-                              f"or engine.device=cpu)")
+            raise ConfigError(
+                f"engine.device=cuda: {local_world} processes on this node but {gpus} GPU(s); "
+                f"NCCL cannot put two ranks on one GPU (use at most {gpus} processes per node, "
+                f"or engine.device=cpu)"
+            )
         return torch.device("cuda", local_rank)
     if gpus and local_world > gpus:
-        log.warning("engine.device=auto: %d processes on this node but %d GPU(s), and two ranks cannot share "
-                    "a GPU under NCCL; running on the CPU (set engine.device=cuda to make this an error)",
-                    local_world, gpus)
+        log.warning(
+            "engine.device=auto: %d processes on this node but %d GPU(s), and two ranks cannot share "
+            "a GPU under NCCL; running on the CPU (set engine.device=cuda to make this an error)",
+            local_world,
+            gpus,
+        )
         return torch.device("cpu")
     return torch.device("cuda", local_rank) if gpus else torch.device("cpu")
 
@@ -184,26 +191,53 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
     offload = use_cuda and engine.offloads(roles)
     # FSDP2's CPU offload keeps parameters and gradients on the host: their collectives (the gradient
     # norm, the EMA's full tensors) need a CPU backend beside NCCL
-    backend = engine.backend or (("cuda:nccl,cpu:gloo" if offload else "nccl") if use_cuda else "gloo")
+    backend = engine.backend
+    if not backend:
+        if not use_cuda:
+            backend = "gloo"
+        elif offload:
+            backend = "cuda:nccl,cpu:gloo"
+        else:
+            backend = "nccl"
     if "nccl" in backend and not use_cuda:
-        raise ConfigError(f"engine.backend=nccl needs CUDA tensors, and this run is on the {device.type} "
-                          f"(use gloo, or engine.device=cuda on a machine with GPUs)")
+        raise ConfigError(
+            f"engine.backend=nccl needs CUDA tensors, and this run is on the {device.type} "
+            f"(use gloo, or engine.device=cuda on a machine with GPUs)"
+        )
     check_tp(engine.inference_tp_size, world_size)
     threads = engine.threads_per_rank or max(1, (os.cpu_count() or 1) // max(local_world, 1))
     if not use_cuda:
         torch.set_num_threads(threads)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=engine.timeout_s),
-                                device_id=device if use_cuda else None)
+        device_id = device if use_cuda else None
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(seconds=engine.timeout_s), device_id=device_id
+        )
         # Lets the rank that sees a collective time out name the peer that went silent.
         start_heartbeat(rank, world_size)
     single_group = world_size == 1 and offload
+    mesh_backend = None  # no process group
+    if world_size > 1 or single_group:
+        mesh_backend = backend
     if single_group and not dist.is_initialized():  # FSDP2's CPU offload needs a (one-rank) process group
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=engine.timeout_s), device_id=device)
-    return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
-                device=device, backend=backend if world_size > 1 or single_group else None,
-                inference_tp_size=engine.inference_tp_size, single_group=single_group)
+        dist.init_process_group(
+            backend=backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=engine.timeout_s),
+            device_id=device,
+        )
+    return Mesh(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        device=device,
+        backend=mesh_backend,
+        inference_tp_size=engine.inference_tp_size,
+        single_group=single_group,
+    )
 
 
 def shutdown(mesh: Mesh) -> None:

@@ -2,6 +2,7 @@
 
 Each is a multiplier of the peak learning rate as a function of the optimizer step (0-based).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,6 +30,13 @@ def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int, min_
 
 
 def make_scheduler(optimizer, tcfg, total_steps: int):
-    fn = lambda s: lr_factor(s, kind=tcfg.scheduler, warmup_steps=tcfg.warmup_steps,  # noqa: E731
-                             total_steps=total_steps, min_ratio=tcfg.min_lr_ratio)
+    def fn(s):
+        return lr_factor(
+            s,
+            kind=tcfg.scheduler,
+            warmup_steps=tcfg.warmup_steps,
+            total_steps=total_steps,
+            min_ratio=tcfg.min_lr_ratio,
+        )
+
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

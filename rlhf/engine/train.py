@@ -5,11 +5,13 @@ ZeRO on FSDP2 (docs/architecture.md): ``fully_shard`` per decoder block and at t
   2: as 3 but parameters stay gathered from forward to backward (``reshard_after_forward=False``).
   1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer). 0: DDP.
 ``engine.offload=cpu``: FSDP2's CPUOffloadPolicy (on a GPU; in one process over a one-rank process group;
-refused with exit 2 where it cannot apply: on the CPU, and with ZeRO-0/1 on several processes). ``engine.precision=bf16``: bf16 compute with fp32
-master weights and fp32 gradient reduction. A single process runs the bare model (bf16 via autocast).
+refused with exit 2 where it cannot apply: on the CPU, and with ZeRO-0/1 on several processes).
+``engine.precision=bf16``: bf16 compute with fp32 master weights and fp32 gradient reduction. A single
+process runs the bare model (bf16 via autocast).
 
 The stages never branch on any of this: they call ``forward``, ``backward``, ``step``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -55,7 +62,10 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
     if not mesh.distributed and not offload:
         _say_once_single_process(ecfg, mesh)
         return model.to(mesh.device)
-    if mesh.distributed and ecfg.zero_stage in (0, 1):  # replicated weights (DDP); ZeRO-1 shards only the optimizer state
+    if mesh.distributed and ecfg.zero_stage in (
+        0,
+        1,
+    ):  # replicated weights (DDP); ZeRO-1 shards only the optimizer state
         return apply_ddp(model, mesh, trainable)
     return apply_fsdp(model, mesh, ecfg)  # one process with offload: FSDP2 over its one-rank group
 
@@ -67,11 +77,15 @@ def check_offload(ecfg: EngineConfig, mesh: Mesh) -> None:
         return
     key = ecfg.key("offload")
     if mesh.device.type == "cpu":
-        raise ConfigError(f"{key}=cpu: this run trains on the CPU, where the model is in host memory already: "
-                          f"there is nothing to offload (set {key}=none)")
+        raise ConfigError(
+            f"{key}=cpu: this run trains on the CPU, where the model is in host memory already: "
+            f"there is nothing to offload (set {key}=none)"
+        )
     if mesh.distributed and ecfg.zero_stage in (0, 1):
-        raise ConfigError(f"{key}=cpu needs ZeRO-2 or 3, not {ecfg.key('zero_stage')}={ecfg.zero_stage}: the "
-                          f"offload is FSDP2's, of the sharded parameters, gradients and optimizer state")
+        raise ConfigError(
+            f"{key}=cpu needs ZeRO-2 or 3, not {ecfg.key('zero_stage')}={ecfg.zero_stage}: the "
+            f"offload is FSDP2's, of the sharded parameters, gradients and optimizer state"
+        )
 
 
 def apply_ac(model: nn.Module, ecfg: EngineConfig) -> None:
@@ -93,8 +107,10 @@ def apply_ddp(model: nn.Module, mesh: Mesh, trainable: bool) -> nn.Module:
             dist.broadcast(t.data, src=0)
         return model
     # DDP broadcasts rank 0's parameters and buffers at construction.
-    return nn.parallel.DistributedDataParallel(
-        model, device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
+    device_ids = None  # a CPU module
+    if mesh.device.type == "cuda":
+        device_ids = [mesh.device.index]
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
@@ -113,9 +129,11 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     if not mesh.is_main:
-        model.to_empty(device="cpu" if ecfg.offload == "cpu" else mesh.device)
-    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True,
-                                                                  broadcast_from_rank0=True))
+        if ecfg.offload == "cpu":
+            model.to_empty(device="cpu")
+        else:
+            model.to_empty(device=mesh.device)
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     _broadcast_buffers(model, mesh.device)
     return model
 
@@ -135,16 +153,23 @@ def _say_once_single_process(ecfg: EngineConfig, mesh: Mesh) -> None:
     if "single" in _SAID:
         return
     _SAID.add("single")
-    log.info("one process: the model trains unwrapped on %s (engine.zero_stage=%d applies from 2 processes on)",
-             mesh.device, ecfg.zero_stage)
+    log.info(
+        "one process: the model trains unwrapped on %s (engine.zero_stage=%d applies from 2 processes on)",
+        mesh.device,
+        ecfg.zero_stage,
+    )
 
 
 def param_groups(model: nn.Module, weight_decay: float):
     """AdamW groups: no decay on norms and biases (every parameter with fewer than 2 dims)."""
     decay, no_decay = [], []
     for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+        if not p.requires_grad:
+            continue
+        if p.ndim >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -160,7 +185,9 @@ class FrozenModel:
 
     @property
     def module(self) -> nn.Module:
-        return self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return self.model.module
+        return self.model
 
     @torch.no_grad()
     def forward(self, **batch):
@@ -196,8 +223,15 @@ def reference_for(engine: "TrainEngine", build, mesh: Mesh, ecfg: EngineConfig):
 class TrainEngine:
     """A trainable model in training mode: forward/backward/step, state for checkpoints, full weights."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, ecfg: EngineConfig, tcfg: TrainConfig,
-                 total_steps: Optional[int] = None, lr: Optional[float] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        ecfg: EngineConfig,
+        tcfg: TrainConfig,
+        total_steps: Optional[int] = None,
+        lr: Optional[float] = None,
+    ):
         self.mesh, self.ecfg, self.tcfg = mesh, ecfg, tcfg
         self.model = wrap_model(model, mesh, ecfg)
         self.is_fsdp = isinstance(self.model, FSDPModule)
@@ -267,8 +301,10 @@ class TrainEngine:
         (ZeRO-1: the model only; its optimizer state is saved apart, ``save_zero1_optimizer``)."""
         if self.zero1:
             return {"model": get_model_state_dict(self.model)}
-        return {"model": get_model_state_dict(self.model),
-                "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        return {
+            "model": get_model_state_dict(self.model),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer),
+        }
 
     def load_state_dicts(self, sd) -> None:
         set_model_state_dict(self.model, sd["model"])
@@ -289,6 +325,8 @@ class TrainEngine:
         """Unsharded weights: on rank 0 only, on CPU (default), or on every rank (``all_ranks``)."""
         if not self.is_fsdp:
             sd = self.module.state_dict()
-            return {k: v.detach().cpu() for k, v in sd.items()} if (all_ranks or self.mesh.is_main) else {}
+            if not (all_ranks or self.mesh.is_main):
+                return {}
+            return {k: v.detach().cpu() for k, v in sd.items()}
         opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         return get_model_state_dict(self.model, options=opts)

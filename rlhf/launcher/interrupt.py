@@ -9,12 +9,12 @@ stops its workers with SIGTERM both when the job is cancelled and when a peer ha
 collective save would only hang), so workers keep the default handlers there and the stage's
 periodic checkpoints (``train.save_every``) are what a rerun resumes from.
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import threading
-from typing import Optional
 
 import torch
 
@@ -46,7 +46,10 @@ class StopRequest:
     def _handler(self, signum, frame) -> None:
         self.signum = signum
         # the next one is not deferred: Ctrl-C again raises KeyboardInterrupt, SIGTERM again terminates
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.default_int_handler)
+        else:
+            signal.signal(signum, signal.SIG_DFL)
 
     def pending(self, mesh) -> int:
         """The signal any rank received (0 if none); collective when distributed."""
@@ -70,8 +73,14 @@ def stop_here(stop: StopRequest, mesh, step: int, save) -> None:
     path = save(step)
     name = signal.Signals(signum).name
     stop.close()
-    raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved"
-                      f"{f' in {path}' if path else ''}: rerun the same command to resume from step {step}", signum)
+    where = ""
+    if path:
+        where = f" in {path}"
+    raise Interrupted(
+        f"stopped by {name} after step {step}; checkpoint saved{where}: "
+        f"rerun the same command to resume from step {step}",
+        signum,
+    )
 
 
 def listen() -> StopRequest:

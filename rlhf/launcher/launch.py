@@ -8,6 +8,7 @@ signal N) and makes sure the whole job ends: a short shutdown timeout turns a st
 a killed one within seconds, and on several nodes ``rlhf.launcher.watchdog.JobWatch`` tells the other
 launchers to stop their workers too.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,9 +63,18 @@ def _patch_worker_close(seconds: int) -> None:
 
 def launcher_args(cfg, overrides: List[str]) -> List[str]:
     lc = cfg.launcher
-    return [f"--nnodes={lc.nnodes}", f"--nproc-per-node={lc.nproc_per_node}", f"--node-rank={lc.node_rank}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}", f"--rdzv-id={lc.rdzv_id}",
-            f"--max-restarts={lc.max_restarts}", "-m", "rlhf", *overrides]
+    return [
+        f"--nnodes={lc.nnodes}",
+        f"--nproc-per-node={lc.nproc_per_node}",
+        f"--node-rank={lc.node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={lc.rdzv_endpoint}",
+        f"--rdzv-id={lc.rdzv_id}",
+        f"--max-restarts={lc.max_restarts}",
+        "-m",
+        "rlhf",
+        *overrides,
+    ]
 
 
 def _err(msg: str) -> None:
@@ -76,6 +86,7 @@ def _root_cause(failures: dict):
     timestamps in whole seconds, and ranks often fail within the same second; so first come
     the failures that are causes (an exit code of their own, then a signal from outside), then
     the consequences: a rank that lost its peer (exit 3), then the ranks the agent terminated."""
+
     def order(item):
         rank, f = item
         if f.pid in _terminated_by_agent:
@@ -87,6 +98,7 @@ def _root_cause(failures: dict):
         else:
             kind = 0
         return kind, f.timestamp, rank
+
     return min(failures.items(), key=order)
 
 
@@ -94,7 +106,12 @@ def child_failure(e) -> Tuple[int, Optional[str], str]:
     """(exit code, line to print or None, root-cause message) for a ChildFailedError. The line is
     None when a worker already printed that message (workers say so in their error file)."""
     rank, root = _root_cause(e.failures)
-    code = root.exitcode if root.exitcode > 0 else 128 + (-root.exitcode if root.exitcode < 0 else 1)
+    if root.exitcode > 0:
+        code = root.exitcode
+    elif root.exitcode < 0:  # killed by a signal: 128 + its number, as a shell says
+        code = 128 + -root.exitcode
+    else:
+        code = 128 + 1
     data = root.error_file_data if isinstance(root.error_file_data, dict) else {}
     if "rlhf" in data:  # our worker's own message
         msg = str(data.get("message"))
@@ -102,9 +119,13 @@ def child_failure(e) -> Tuple[int, Optional[str], str]:
         msg = f"worker rank {rank} (pid {root.pid}) was killed by {root.signal_name()}"
     else:
         msg = f"worker rank {rank} (pid {root.pid}) exited with code {root.exitcode} (its traceback is above)"
-    printed = {str(f.error_file_data.get("message")) for f in e.failures.values()
-               if isinstance(f.error_file_data, dict) and f.error_file_data.get("rlhf", {}).get("printed")}
-    return code, None if msg in printed else msg, msg
+    printed = {
+        str(f.error_file_data.get("message"))
+        for f in e.failures.values()
+        if isinstance(f.error_file_data, dict) and f.error_file_data.get("rlhf", {}).get("printed")
+    }
+    line = None if msg in printed else msg
+    return code, line, msg
 
 
 def self_launch(cfg, overrides: List[str]) -> int:
@@ -138,8 +159,10 @@ def self_launch(cfg, overrides: List[str]) -> int:
         if watch is not None and watch.reason:
             _err(f"stopping: another node gave up: {watch.reason.get('message')}")
             return int(watch.reason.get("code", EXIT_PEER))
-        _err(f"the rendezvous at {lc.rdzv_endpoint} failed ({type(e).__name__}: {one_line(str(e))}); "
-             f"a node stopped, or the endpoint is unreachable")
+        _err(
+            f"the rendezvous at {lc.rdzv_endpoint} failed ({type(e).__name__}: {one_line(str(e))}); "
+            f"a node stopped, or the endpoint is unreachable"
+        )
         return EXIT_PEER
     except SystemExit as e:
         return int(e.code or 0) if not isinstance(e.code, str) else 2

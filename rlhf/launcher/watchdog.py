@@ -21,6 +21,7 @@ The launcher (``python -m rlhf launcher.nnodes=N ...``):
 Exit codes: 2 bad input (rlhf.errors), ``EXIT_PEER`` = 3 a collective failed because a peer died,
 stopped answering or lost its connection (retryable: rerun to resume from the last checkpoint).
 """
+
 from __future__ import annotations
 
 import _thread
@@ -41,13 +42,15 @@ HEARTBEAT_STORE_ENV = "RLHF_HEARTBEAT_STORE"  # host:port of a store the workers
 BEAT_S = 1.0  # heartbeat period; a peer is silent when its counter does not move for 2.5 periods
 _STORE_TIMEOUT = datetime.timedelta(seconds=5)
 
-_DIST = re.compile(r"gloo|nccl|c10d|TCPStore|ProcessGroup|DistBackendError|DistNetworkError|DistStoreError",
-                   re.I)
+_DIST = re.compile(r"gloo|nccl|c10d|TCPStore|ProcessGroup|DistBackendError|DistNetworkError|DistStoreError", re.I)
 _TIMEOUT = re.compile(r"timed out|timeout|deadline exceeded", re.I)
 _WAITED = re.compile(r"Timed out waiting (\d+)ms")
 # checked first: "timed out connecting: Connection refused" is a missing peer, not a slow one
-_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|end of file|socket closed|"
-                   r"connection (lost|abort)|no route to host|connectFullMesh failed|timed out connecting", re.I)
+_LOST = re.compile(
+    r"connection (closed|reset|refused)|broken pipe|end of file|socket closed|"
+    r"connection (lost|abort)|no route to host|connectFullMesh failed|timed out connecting",
+    re.I,
+)
 
 
 @dataclass
@@ -60,10 +63,12 @@ def _store(host: str, port: int):
     # torch is imported lazily in this module: rlhf/__main__.py's error path (one line, exit 2)
     # imports it, and torch would take a config error from 0.3 s to 2 s (measured, CPU dev machine)
     import torch.distributed as dist
+
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_STORE_TIMEOUT)
 
 
 # ----------------------------------------------------------------------------------------- workers
+
 
 class Heartbeat:
     """One counter per rank in the job's store (``MASTER_ADDR:MASTER_PORT``), bumped every
@@ -134,14 +139,16 @@ class Heartbeat:
 
             def counts():
                 return [int(store.add(self._key("beat", r), 0)) for r in range(self.world_size)]
+
             before = counts()
             store.set(self._key("exiting", self.rank), str(before[self.rank]))
             time.sleep(2.5 * BEAT_S)
             after = counts()
-            exited = [store.check([self._key("exiting", r)]) and
-                      store.get(self._key("exiting", r)).decode() == str(after[r]) for r in range(self.world_size)]
-            return [r for r in range(self.world_size)
-                    if r != self.rank and after[r] == before[r] and not exited[r]]
+            exited = [
+                store.check([self._key("exiting", r)]) and store.get(self._key("exiting", r)).decode() == str(after[r])
+                for r in range(self.world_size)
+            ]
+            return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r] and not exited[r]]
         except Exception:
             return None
 
@@ -187,7 +194,10 @@ def _chain(exc: BaseException):
 
 
 def _ranks(ranks: List[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    names = ", ".join(map(str, ranks))
+    if len(ranks) == 1:
+        return f"rank {names}"
+    return f"ranks {names}"
 
 
 def collective_failure(exc: BaseException, timeout_s: float) -> Optional[Failure]:
@@ -196,6 +206,7 @@ def collective_failure(exc: BaseException, timeout_s: float) -> Optional[Failure
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     import torch.distributed as dist  # lazy: see _store
+
     text, is_dist = "", False
     for e in _chain(exc):
         text += f"\n{type(e).__name__}: {e}"
@@ -213,11 +224,15 @@ def collective_failure(exc: BaseException, timeout_s: float) -> Optional[Failure
     t = f"{int(waited.group(1)) / 1000:g}" if waited else f"{timeout_s:g}"
     if timed_out:
         if silent:
-            msg = (f"collective timed out after {t} s waiting for a peer: {_ranks(silent)} stopped answering "
-                   f"(hung, stopped, or its node is down)")
+            msg = (
+                f"collective timed out after {t} s waiting for a peer: {_ranks(silent)} stopped answering "
+                f"(hung, stopped, or its node is down)"
+            )
         elif silent == []:
-            msg = (f"collective timed out after {t} s although every rank is alive: the ranks wait in "
-                   f"different collectives, or one is slower than engine.timeout_s={t} allows")
+            msg = (
+                f"collective timed out after {t} s although every rank is alive: the ranks wait in "
+                f"different collectives, or one is slower than engine.timeout_s={t} allows"
+            )
         else:
             msg = f"collective timed out after {t} s waiting for a peer ({guess} stopped answering?)"
     elif silent:
@@ -263,6 +278,7 @@ def exit_with(failure: Failure) -> None:
 
 
 # ---------------------------------------------------------------------------------------- launcher
+
 
 class JobWatch:
     """Spreads "this job is over" between the launchers of a multi-node job (see module doc)."""

@@ -12,10 +12,12 @@ built (OPT's ``self.dropout``, the attention's ``self.attention_dropout``). So e
 set to 0 in the config (an exported model keeps it) and on the modules: every ``nn.Dropout``'s ``p``
 and every float attribute of that name.
 """
+
 from __future__ import annotations
 
 import logging
 import re
+
 from torch import nn
 
 log = logging.getLogger("rlhf")
@@ -57,8 +59,10 @@ def disable_dropout(model: nn.Module, what: str, disable: bool = True) -> nn.Mod
     in_modules = list(_module_rates(model))
     if not in_config and not in_modules:
         return model
-    seen = (", ".join(f"{full}={p:g}" for _, _, full, p in in_config) if in_config else
-            ", ".join(sorted({f"{type(m).__name__}.{name}={p:g}" for m, name, p in in_modules})))
+    if in_config:
+        seen = ", ".join(f"{full}={p:g}" for _, _, full, p in in_config)
+    else:
+        seen = ", ".join(sorted({f"{type(m).__name__}.{name}={p:g}" for m, name, p in in_modules}))
     if not disable:
         log.info("dropout kept on in the %s (model.disable_dropout=false): %s", what, seen)
         return model

@@ -4,6 +4,7 @@ Rank 0 materialises the weights (from disk, or a seeded random init); every othe
 same architecture on the meta device and receives the weights by broadcast when the engine wraps
 the model (``rlhf.engine.train``), so a large checkpoint is read once per job, not once per rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,21 @@ from rlhf.models import dropout
 
 def embedded_llama_config(m: ModelConfig, tokenizer):
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, attention_dropout=0.0, rms_norm_eps=1e-5,
-        initializer_range=0.02)
+        vocab_size=len(tokenizer),
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attention_dropout=0.0,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+    )
 
 
 def check_model_path(path: str, key: str = "model.path") -> None:
@@ -46,9 +56,12 @@ def check_model_path(path: str, key: str = "model.path") -> None:
     if not _hub_id(path):
         raise ConfigError(f"{key}={path}: no such directory")
     from huggingface_hub import constants, try_to_load_from_cache
+
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
-        raise ConfigError(f"{key}={path}: no such directory, and no hub model {path} in the local cache "
-                          f"(HF_HUB_OFFLINE=1: the hub is offline)")
+        raise ConfigError(
+            f"{key}={path}: no such directory, and no hub model {path} in the local cache "
+            f"(HF_HUB_OFFLINE=1: the hub is offline)"
+        )
 
 
 def check_scalar_model(path: str, key: str, hint: str = "") -> None:
@@ -65,8 +78,10 @@ def check_scalar_model(path: str, key: str, hint: str = "") -> None:
         raise ConfigError(f"{key}={path}: config.json is not JSON ({e})") from None
     archs = spec.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs) or spec.get("num_labels", 1) != 1:
-        raise ConfigError(f"{key}={path}: not a reward model ({', '.join(archs) or 'no architecture'}, not a "
-                          f"one-label sequence classifier){hint}")
+        raise ConfigError(
+            f"{key}={path}: not a reward model ({', '.join(archs) or 'no architecture'}, not a "
+            f"one-label sequence classifier){hint}"
+        )
 
 
 def check_same_tokenizer(path: str, key: str, tokenizer, other: str, trust_remote_code: bool = False) -> None:
@@ -78,9 +93,11 @@ def check_same_tokenizer(path: str, key: str, tokenizer, other: str, trust_remot
         return
     own = load_tokenizer(path, trust_remote_code)
     if own.get_vocab() != tokenizer.get_vocab():
-        raise ConfigError(f"{key}={path}: its tokenizer ({len(own)} tokens) is not the one of {other} "
-                          f"({len(tokenizer)} tokens): it would read the policy's token ids as other tokens; "
-                          f"train it from the same base model")
+        raise ConfigError(
+            f"{key}={path}: its tokenizer ({len(own)} tokens) is not the one of {other} "
+            f"({len(tokenizer)} tokens): it would read the policy's token ids as other tokens; "
+            f"train it from the same base model"
+        )
 
 
 def _hub_id(path: str) -> bool:
@@ -89,6 +106,7 @@ def _hub_id(path: str) -> bool:
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) or path.startswith("."):
         return False
     from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     try:
         validate_repo_id(path)
     except HFValidationError:
@@ -104,8 +122,9 @@ def _load_error(path: str, what: str, e: Exception) -> ConfigError:
     """The error of loading ``what`` from ``path`` in one line (a missing path: as a hub id)."""
     if Path(os.path.expanduser(path)).exists():
         return ConfigError(f"model.path={path}: cannot load {what}: {_one_line(e)}")
-    return ConfigError(f"model.path={path}: no such directory, and no hub model {path} to load {what} from: "
-                       f"{_one_line(e)}")
+    return ConfigError(
+        f"model.path={path}: no such directory, and no hub model {path} to load {what} from: {_one_line(e)}"
+    )
 
 
 def check_model_family(config_file: Path, path: str) -> None:
@@ -119,8 +138,10 @@ def check_model_family(config_file: Path, path: str) -> None:
         raise ConfigError(f"model.path={path}: {config_file.name} does not hold a JSON object")
     family = spec.get("model_type")
     if family is not None and family not in CONFIG_MAPPING and "auto_map" not in spec:
-        raise ConfigError(f"model.path={path}: unknown model family model_type={family!r} in "
-                          f"{config_file.name} (not an architecture of this Transformers version)")
+        raise ConfigError(
+            f"model.path={path}: unknown model family model_type={family!r} in "
+            f"{config_file.name} (not an architecture of this Transformers version)"
+        )
 
 
 def load_model_config(path: str, trust_remote_code: bool):
@@ -133,16 +154,21 @@ def load_model_config(path: str, trust_remote_code: bool):
 
 
 # what AutoTokenizer reads: one of these in a model directory (else it fails with a cut-off message)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     local = Path(os.path.expanduser(path))
-    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) \
-            and not any(local.glob("*.tiktoken")):
-        raise ConfigError(f"model.path={path}: no tokenizer files ({' / '.join(TOKENIZER_FILES[:4])} / ...) "
-                          f"in {path}")
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) and not any(local.glob("*.tiktoken")):
+        raise ConfigError(f"model.path={path}: no tokenizer files ({' / '.join(TOKENIZER_FILES[:4])} / ...) in {path}")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -154,9 +180,19 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def build_model(model_cls, *, config=None, path: Optional[str] = None, on_meta: bool = False,
-                seed: int = 0, trust_remote_code: bool = False, tokenizer=None,
-                disable_dropout: Optional[bool] = None, role: str = "model", **kwargs) -> torch.nn.Module:
+def build_model(
+    model_cls,
+    *,
+    config=None,
+    path: Optional[str] = None,
+    on_meta: bool = False,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    tokenizer=None,
+    disable_dropout: Optional[bool] = None,
+    role: str = "model",
+    **kwargs,
+) -> torch.nn.Module:
     """``model_cls`` (an HF Auto class or model class) from ``path`` or from ``config`` (seeded init).
 
     ``on_meta``: build the architecture only (weights arrive later by broadcast).
@@ -194,13 +230,13 @@ def _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs) 
     if on_meta:
         cfg = config if config is not None else load_model_config(path, trust_remote_code)
         with torch.device("meta"):
-            return model_cls.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs) \
-                if hasattr(model_cls, "from_config") else model_cls(cfg)
+            if hasattr(model_cls, "from_config"):
+                return model_cls.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs)
+            return model_cls(cfg)
     if path is not None:
         if config is not None:
             kwargs["config"] = config
-        return model_cls.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32,
-                                         **kwargs)
+        return model_cls.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return model_cls.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
@@ -221,15 +257,29 @@ def resize_for_tokenizer(model, tokenizer) -> None:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=not rows.is_meta)
 
 
-def causal_lm(src: str, mesh, tokenizer, trust_remote_code: bool = False, disable_dropout: Optional[bool] = None,
-              role: str = "model") -> torch.nn.Module:
+def causal_lm(
+    src: str,
+    mesh,
+    tokenizer,
+    trust_remote_code: bool = False,
+    disable_dropout: Optional[bool] = None,
+    role: str = "model",
+) -> torch.nn.Module:
     """The causal LM at ``src`` (rank 0 reads it; the other ranks build it on meta and get the
     weights by broadcast when the engine wraps it), grown to the tokenizer's length; its dropout as
     ``build_model`` says."""
     model_cfg = load_model_config(src, trust_remote_code)
-    return build_model(AutoModelForCausalLM, config=model_cfg, path=src, on_meta=not mesh.is_main,
-                       trust_remote_code=trust_remote_code, tokenizer=tokenizer, disable_dropout=disable_dropout,
-                       role=role)
+    return build_model(
+        AutoModelForCausalLM,
+        config=model_cfg,
+        path=src,
+        on_meta=not mesh.is_main,
+        trust_remote_code=trust_remote_code,
+        tokenizer=tokenizer,
+        disable_dropout=disable_dropout,
+        role=role,
+    )
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of an HF model (``model.layers`` in Llama/Qwen2/Mistral, ``h`` in GPT-2)."""

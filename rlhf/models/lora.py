@@ -12,6 +12,7 @@ copy of our own. What PEFT does not do for us, and lives here:
   - ``adapters_disabled``: the base model, for PPO's and DPO's reference log-probs without a second
     copy of the weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from rlhf.errors import ConfigError
-from rlhf.models.loading import decoder_layers
-from rlhf.models.loading import BASE_VOCAB_ROWS
+from rlhf.models.loading import BASE_VOCAB_ROWS, decoder_layers
 
 log = logging.getLogger("rlhf")
 ADAPTER = "default"  # PEFT's name of the one adapter we train
@@ -70,24 +70,38 @@ def default_targets(model: nn.Module) -> List[str]:
     return sorted(names)
 
 
-def adapt(model: nn.Module, lcfg, seed: int, head: Optional[str] = None, what: str = "model",
-          embedded: bool = False) -> nn.Module:
+def adapt(
+    model: nn.Module, lcfg, seed: int, head: Optional[str] = None, what: str = "model", embedded: bool = False
+) -> nn.Module:
     """``model`` with LoRA adapters when ``model.lora.r > 0`` (logged with the trainable share), else as
     is. ``embedded``: the embedded default (random init, its own tokenizer), whose embeddings train
     fully unless model.lora.modules_to_save says otherwise."""
     if not lora_enabled(lcfg):
         return model
-    full = list(lcfg.modules_to_save) if lcfg.modules_to_save is not None else (["embed_tokens"] if embedded else [])
+    if lcfg.modules_to_save is not None:
+        full = list(lcfg.modules_to_save)
+    elif embedded:
+        full = ["embed_tokens"]
+    else:
+        full = []
     model = apply_lora(model, lcfg, seed, head, full)
     targets = model.peft_config[ADAPTER].target_modules
-    log.info("LoRA on the %s: r=%d alpha=%g on %s%s; %s", what, lcfg.r, lcfg.alpha,
-             ",".join(sorted(targets)),
-             f", fully trained: {','.join(full)}" if full else "", trainable_share(model))
+    fully_trained = f", fully trained: {','.join(full)}" if full else ""
+    log.info(
+        "LoRA on the %s: r=%d alpha=%g on %s%s; %s",
+        what,
+        lcfg.r,
+        lcfg.alpha,
+        ",".join(sorted(targets)),
+        fully_trained,
+        trainable_share(model),
+    )
     return model
 
 
-def apply_lora(model: nn.Module, lcfg, seed: int, head: Optional[str] = None,
-               full: Optional[List[str]] = None) -> nn.Module:
+def apply_lora(
+    model: nn.Module, lcfg, seed: int, head: Optional[str] = None, full: Optional[List[str]] = None
+) -> nn.Module:
     """``model`` with LoRA adapters (PEFT) on ``model.lora.target_modules`` (default: the attention and
     MLP projections); every other weight frozen. ``head``: a module that stays fully trainable (the
     score head of a reward model or critic), saved with the adapter (PEFT's modules_to_save), as are
@@ -100,16 +114,28 @@ def apply_lora(model: nn.Module, lcfg, seed: int, head: Optional[str] = None,
     present = {name.split(".")[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in present]
     if missing:
-        raise ConfigError(f"model.lora.target_modules={targets}: {', '.join(missing)} not a module of "
-                          f"{type(model).__name__} (its projections: {', '.join(default_targets(model))})")
-    saved = list(full or []) + ([head] if head else [])
+        raise ConfigError(
+            f"model.lora.target_modules={targets}: {', '.join(missing)} not a module of "
+            f"{type(model).__name__} (its projections: {', '.join(default_targets(model))})"
+        )
+    saved = list(full or [])
+    if head:
+        saved.append(head)
     missing = [t for t in saved if t not in present]
     if missing:
-        raise ConfigError(f"model.lora.modules_to_save={saved}: {', '.join(missing)} not a module of "
-                          f"{type(model).__name__}")
+        raise ConfigError(
+            f"model.lora.modules_to_save={saved}: {', '.join(missing)} not a module of {type(model).__name__}"
+        )
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    config = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, target_modules=targets,
-                        bias="none", modules_to_save=saved or None, ensure_weight_tying=tied and bool(saved))
+    config = LoraConfig(
+        r=lcfg.r,
+        lora_alpha=lcfg.alpha,
+        lora_dropout=lcfg.dropout,
+        target_modules=targets,
+        bias="none",
+        modules_to_save=saved or None,
+        ensure_weight_tying=tied and bool(saved),
+    )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # PEFT asks the model about gradient checkpointing through a name Transformers deprecated
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
@@ -136,8 +162,9 @@ def weight(module: nn.Module, what: str = "weight") -> torch.Tensor:
     """A linear layer's ``weight`` with its adapter merged in (W + B·A·α/r, out of place) when it is a
     LoRA layer with active adapters; its ``bias`` (or a plain layer's weight) as it is."""
     if is_saved_module(module):  # a module trained fully: its trained copy unless the adapters are off
-        inner = module.original_module if module.disable_adapters else module.modules_to_save[ADAPTER]
-        return getattr(inner, what)
+        if module.disable_adapters:
+            return getattr(module.original_module, what)
+        return getattr(module.modules_to_save[ADAPTER], what)
     if not is_lora_layer(module):
         return getattr(module, what)
     base = getattr(module.get_base_layer(), what)
@@ -150,8 +177,9 @@ def weight(module: nn.Module, what: str = "weight") -> torch.Tensor:
 _LORA_KEY = re.compile(r"^(?P<mod>.*)\.lora_(?P<emb>embedding_)?(?P<ab>[AB])\.(?P<name>[^.]+)(?(emb)|\.weight)$")
 
 
-def merged_state_dict(sd: Dict[str, torch.Tensor], scale: float, fan_in_fan_out: bool = False
-                      ) -> Dict[str, torch.Tensor]:
+def merged_state_dict(
+    sd: Dict[str, torch.Tensor], scale: float, fan_in_fan_out: bool = False
+) -> Dict[str, torch.Tensor]:
     """A PEFT model's full state dict (``base_model.model.`` names) as the plain HF model's: each LoRA
     layer's base weight + B·A·``scale`` (computed in fp32; an embedding's (B·A)ᵀ, as PEFT stores it),
     adapters dropped, a modules_to_save head taken from its trained copy."""
@@ -171,7 +199,9 @@ def merged_state_dict(sd: Dict[str, torch.Tensor], scale: float, fan_in_fan_out:
     for mod, ab in pairs.items():
         w = out[f"{mod}.weight"]
         delta = (ab["B"].float() @ ab["A"].float()) * scale
-        out[f"{mod}.weight"] = (w.float() + (delta.T if fan_in_fan_out or ab["embedding"] else delta)).to(w.dtype)
+        if fan_in_fan_out or ab["embedding"]:  # the weight is [in, out] (GPT-2's Conv1D, an embedding)
+            delta = delta.T
+        out[f"{mod}.weight"] = (w.float() + delta).to(w.dtype)
     return out
 
 

@@ -13,6 +13,7 @@ Anything the inference modules do not reproduce exactly (other activations, dyna
 frequencies, other layer types, MoE) has no policy: the caller falls back to HF generate with the
 one-line reason, never to wrong output.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ WINDOW_RULES = ("none", "every_layer", "layer_types")
 class Family:
     """What the injection policy reads of one model family (HF ``config.model_type``): its HF modeling
     code's rules. One row per family in FAMILY_TABLE; a family with no row has no policy."""
+
     model_type: str
     # one fused input projection per block, HF rows qkv_proj = [q; k; v] and gate_up_proj = [gate; up]
     # (Phi-3); else q/k/v_proj and gate/up_proj
@@ -70,6 +72,7 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at init
 class InjectionPolicy:
     """How one model family's weights are laid out for the inference modules and sliced for TP (an
     injection policy, as DeepSpeed calls it: not the actor policy being trained)."""
+
     family: str
     num_heads: int
     num_kv_heads: int
@@ -95,8 +98,11 @@ class InjectionPolicy:
 
     def check_tp(self, tp: int) -> Optional[str]:
         """Why ``tp`` cannot slice this model, or None."""
-        for name, n in (("attention heads", self.num_heads), ("key/value heads", self.num_kv_heads),
-                        ("intermediate size", self.intermediate_size)):
+        for name, n in (
+            ("attention heads", self.num_heads),
+            ("key/value heads", self.num_kv_heads),
+            ("intermediate size", self.intermediate_size),
+        ):
             if n % tp:
                 return f"{name} ({n}) not divisible by engine.inference_tp_size={tp}"
         return None
@@ -139,13 +145,13 @@ class InjectionPolicy:
         if self.fused:  # one fused projection, rows [q; k; v]
             t = weight(attn.qkv_proj, what)
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return t[:nq], t[nq:nq + nk], t[nq + nk:]
+            return t[:nq], t[nq : nq + nk], t[nq + nk :]
         return weight(attn.q_proj, what), weight(attn.k_proj, what), weight(attn.v_proj, what)
 
     def _gate_up(self, mlp, what: str):
         if self.fused:  # rows [gate; up] (HF: gate, up = gate_up_proj(x).chunk(2))
             t = weight(mlp.gate_up_proj, what)
-            return t[:self.intermediate_size], t[self.intermediate_size:]
+            return t[: self.intermediate_size], t[self.intermediate_size :]
         return weight(mlp.gate_proj, what), weight(mlp.up_proj, what)
 
     def _perm(self, device) -> torch.Tensor:
@@ -161,17 +167,26 @@ class InjectionPolicy:
     def root_weights(self, model) -> Dict[str, torch.Tensor]:
         base = model.model
         embed = weight(base.embed_tokens).detach().clone()  # LoRA-adapted where a user targets it
+        # tied embeddings: the LM head is the base embedding (an embedding adapter changes only the lookup, as in HF)
         if not self.tie_word_embeddings:
             head = weight(model.lm_head).detach().clone()
-        else:  # the LM head is the base embedding (an embedding adapter changes only the lookup, as in HF)
-            head = base.embed_tokens.weight.detach().clone() if is_lora_layer(base.embed_tokens) else embed
+        elif is_lora_layer(base.embed_tokens):
+            head = base.embed_tokens.weight.detach().clone()
+        else:
+            head = embed
         rot = base.rotary_emb
         if 2 * rot.inv_freq.numel() != self.rotary_dim:
-            raise ValueError(f"{self.family}: the rotary embedding has {2 * rot.inv_freq.numel()} dimensions, "
-                             f"the policy expects {self.rotary_dim}")
-        return {"embed": embed, "norm": base.norm.weight.detach().clone(), "lm_head": head,
-                "inv_freq": rot.inv_freq.detach().clone().float(),
-                "rope_scaling": torch.tensor(float(getattr(rot, "attention_scaling", 1.0)), device="cpu")}
+            raise ValueError(
+                f"{self.family}: the rotary embedding has {2 * rot.inv_freq.numel()} dimensions, "
+                f"the policy expects {self.rotary_dim}"
+            )
+        return {
+            "embed": embed,
+            "norm": base.norm.weight.detach().clone(),
+            "lm_head": head,
+            "inv_freq": rot.inv_freq.detach().clone().float(),
+            "rope_scaling": torch.tensor(float(getattr(rot, "attention_scaling", 1.0)), device="cpu"),
+        }
 
 
 def _rope(config) -> Tuple[str, float]:
@@ -181,7 +196,9 @@ def _rope(config) -> Tuple[str, float]:
         return "default", 1.0
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    return rope_type, 1.0 if factor is None else float(factor)
+    if factor is None:
+        return rope_type, 1.0
+    return rope_type, float(factor)
 
 
 def _layer_windows(config, family: Family) -> Tuple[Optional[Tuple[Optional[int], ...]], str]:
@@ -195,7 +212,8 @@ def _layer_windows(config, family: Family) -> Tuple[Optional[Tuple[Optional[int]
         # default for layer_types)
         types = getattr(config, "layer_types", None) or [
             "sliding_attention" if window is not None and i >= config.max_window_layers else "full_attention"
-            for i in range(n)]
+            for i in range(n)
+        ]
         out = []
         for t in types:
             if t == "full_attention":
@@ -231,14 +249,21 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         return None, why
     attention_bias = bool(getattr(config, "attention_bias", False)) and traits.attention_bias
     slides = [w for w in windows if w]
-    return InjectionPolicy(family=family, num_heads=heads,
-                           num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                           head_dim=head_dim, hidden_size=config.hidden_size,
-                           intermediate_size=config.intermediate_size,
-                           eps=config.rms_norm_eps, qkv_bias=traits.qkv_bias or attention_bias,
-                           sliding_window=slides[0] if slides else None,
-                           tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                           layer_windows=windows, rotary_dim=int(head_dim * partial), qk_norm=traits.qk_norm,
-                           o_bias=attention_bias,
-                           mlp_bias=traits.mlp_bias and bool(getattr(config, "mlp_bias", False)),
-                           fused=traits.fused), ""
+    return InjectionPolicy(
+        family=family,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        eps=config.rms_norm_eps,
+        qkv_bias=traits.qkv_bias or attention_bias,
+        sliding_window=slides[0] if slides else None,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        layer_windows=windows,
+        rotary_dim=int(head_dim * partial),
+        qk_norm=traits.qk_norm,
+        o_bias=attention_bias,
+        mlp_bias=traits.mlp_bias and bool(getattr(config, "mlp_bias", False)),
+        fused=traits.fused,
+    ), ""

@@ -5,6 +5,7 @@ is a plain Hugging Face artifact. Its head (``score``) runs on every position (t
 the score of a sequence is the value at its last non-pad token. Position ids come from the attention
 mask, so left and right padding score alike.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,6 @@ from torch import nn
 
 from rlhf.algorithms.tokens import last_index, position_ids
 from rlhf.models.lora import unwrap
-
 
 HEAD_NAMES = ("score", "classifier", "v_head")
 # beside an exported reward model: {mean, std, step, eval/*} of its held-out scores (PPO normalises by them)
@@ -56,8 +56,9 @@ class ScalarHeadModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hf = unwrap(self.hf)  # with LoRA: the HF model, its adapted layers in place
         backbone = getattr(hf, hf.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids(attention_mask)).last_hidden_state
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
+        ).last_hidden_state
         # sum over the size-1 head dimension: the same numbers as squeeze(-1), but a new tensor, not a
         # view (FSDP2 warns that a module returning a view can break backward)
         return head_module(hf)(hidden).sum(-1).float()

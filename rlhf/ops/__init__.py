@@ -2,6 +2,7 @@
 
 A device-specific fast path may replace any of them behind the same signature.
 """
+
 from rlhf.ops.attention import attend, attend_varlen, varlen_kernel_fits  # noqa: F401
 from rlhf.ops.norm import rms_norm  # noqa: F401
 from rlhf.ops.rotary import interleave_permutation, rotary_cos_sin  # noqa: F401

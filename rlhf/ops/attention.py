@@ -7,14 +7,17 @@ head become g·T query rows against that KV head ([B, KV, g·T, d]), which the m
 kernel takes with a mask and without copying K/V; with no mask needed (prefill of unpadded rows,
 no sliding window) the call is causal with no mask, which the flash kernel takes.
 """
+
+import itertools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           fold_groups: Optional[bool] = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], fold_groups: Optional[bool] = None
+) -> torch.Tensor:
     """SDPA over the cache. q [B, H, Tq, d]; k, v [B, KV, Tk, d] (grouped-query: H = g·KV, query head h
     uses KV head h // g); mask [B, 1, Tq, Tk] bool (True = attend) or additive in q's dtype (0 / -inf),
     or None for plain causal attention (Tq == Tk); every row must allow at least one key (the caller
@@ -29,8 +32,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     if not fold_groups or H == kv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != kv)
     g = H // kv
-    out = F.scaled_dot_product_attention(q.reshape(B, kv, g * T, d), k, v,
-                                         attn_mask=mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, g, 1))
+    out = F.scaled_dot_product_attention(
+        q.reshape(B, kv, g * T, d), k, v, attn_mask=mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, g, 1)
+    )
     return out.view(B, H, T, d)
 
 
@@ -41,12 +45,12 @@ def varlen_kernel_fits(dtype: torch.dtype, device: torch.device, head_dim: int) 
         from torch.nn.attention import varlen  # noqa: F401  (absent from older torch builds)
     except ImportError:
         return False
-    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0 and head_dim <= 256)
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
-def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                  window: Optional[int] = None) -> torch.Tensor:
+def attend_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, window: Optional[int] = None
+) -> torch.Tensor:
     """Causal attention of packed sequences with no padding anywhere: q [total, H, d], k, v
     [total, KV, d] (grouped-query as in ``attend``), sequence i = rows cu[i]:cu[i+1] (``cu`` int32
     [n+1], ``max_len`` the longest); ``window``: keys at most window − 1 positions back (the
@@ -56,13 +60,27 @@ def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     H, kv = q.shape[1], k.shape[1]
     if varlen_kernel_fits(q.dtype, q.device, q.shape[-1]):
         from torch.nn.attention.varlen import varlen_attn
+
+        left = -1  # window_size=(left, right) keys around the query; -1: no limit
+        if window:
+            left = window - 1
+
         # q, k, v arrive as column slices of the fused QKV output (row stride = its width): dense copies
         # for the kernel, a small cost beside the prefill's GEMMs
-        return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len,
-                           enable_gqa=H != kv, window_size=(window - 1 if window else -1, 0))
+        return varlen_attn(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            cu,
+            cu,
+            max_len,
+            max_len,
+            enable_gqa=H != kv,
+            window_size=(left, 0),
+        )
     out = torch.empty_like(q)
     bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in itertools.pairwise(bounds):
         qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
         if window and e - s > window:
             i = torch.arange(e - s, device=q.device)

@@ -12,6 +12,7 @@ Layouts:
   result does not depend on the other rows); results agree with the plain layout to fp32 rounding
   (bitwise on most shapes; not guaranteed).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,14 +31,22 @@ def _cpu_supports(dtype: torch.dtype, wanted: torch.dtype, device, probe) -> boo
 
 def can_pack(dtype: torch.dtype, device) -> bool:
     """Whether ``prepare_weight(..., packed=True)`` applies: bf16 weights on a CPU oneDNN supports."""
-    return _cpu_supports(dtype, torch.bfloat16, device, lambda: torch.backends.mkldnn.is_available()
-                         and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _cpu_supports(
+        dtype,
+        torch.bfloat16,
+        device,
+        lambda: torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    )
 
 
 def can_pack_rows(dtype: torch.dtype, device) -> bool:
     """Whether ``pack_rows`` applies: fp32 weights on a CPU, torch built with MKL (x86 builds)."""
-    return _cpu_supports(dtype, torch.float32, device, lambda: torch.backends.mkl.is_available()
-                         and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+    return _cpu_supports(
+        dtype,
+        torch.float32,
+        device,
+        lambda: torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"),
+    )
 
 
 def prepare_weight(w: torch.Tensor, packed: bool, for_rows: bool = False) -> torch.Tensor:
@@ -58,10 +67,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if x.dim() == 2:
-        return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
-    flat = x.reshape(-1, x.shape[-1])
-    y = torch.addmm(bias, flat, w) if bias is not None else torch.mm(flat, w)
+        return _matmul(x, w, bias)
+    y = _matmul(x.reshape(-1, x.shape[-1]), w, bias)
     return y.view(*x.shape[:-1], w.shape[1])
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [m, in] @ w [in, out] (+ bias): one GEMM."""
+    if bias is None:
+        return torch.mm(x, w)
+    return torch.addmm(bias, x, w)
 
 
 def pack_rows(wt: torch.Tensor, rows: int) -> torch.Tensor:
@@ -69,8 +84,9 @@ def pack_rows(wt: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(wt.t(), rows)
 
 
-def linear_rows(x: torch.Tensor, packed: torch.Tensor, wt: torch.Tensor, rows: int,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear_rows(
+    x: torch.Tensor, packed: torch.Tensor, wt: torch.Tensor, rows: int, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """x [m, in] with m <= rows → [m, out] on ``pack_rows(wt, rows)``."""
     m = x.shape[0]
     if m < rows:

@@ -5,6 +5,7 @@ permutes the rows of the q and k projections so that those pairs sit next to eac
 (2j, 2j+1): attention only uses q·k, which the same permutation of both leaves unchanged, and the
 rotation becomes q ⊙ e^{iθ} on complex pairs — one op instead of seven.
 """
+
 from typing import Optional
 
 import torch
@@ -25,13 +26,13 @@ def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: flo
 def apply_rotary_(x: torch.Tensor, rot: torch.Tensor, head_dim: Optional[int] = None) -> torch.Tensor:
     """In place, all heads at once: x [..., H·d] (interleaved layout, last dimension contiguous,
     e.g. the q and k columns of a fused QKV output); rot [..., 1, r/2] complex: each (even, odd) pair
-    of a head multiplied by its complex rotation (computed in fp32 for lower precisions). Partial rotary (``head_dim`` d > r,
-    Phi-3): the first r dimensions of each head rotate, the others pass through."""
+    of a head multiplied by its complex rotation (computed in fp32 for lower precisions). Partial rotary
+    (``head_dim`` d > r, Phi-3): the first r dimensions of each head rotate, the others pass through."""
     half = rot.shape[-1]
     d = head_dim or 2 * half
     xf = x if x.dtype == torch.float32 else x.float()
     heads = xf.unflatten(-1, (-1, d))
     if d != 2 * half:
-        heads = heads[..., :2 * half]
+        heads = heads[..., : 2 * half]
     torch.view_as_complex(heads.unflatten(-1, (half, 2))).mul_(rot)
     return x if xf is x else x.copy_(xf)

@@ -1,4 +1,5 @@
 """Fused sampling: temperature, top-k, top-p (nucleus), greedy; log-probs at the temperature."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,21 +42,31 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator] = None,
-           ban: Optional[int] = None):
+def sample(
+    logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator] = None, ban: Optional[int] = None
+):
     """Next tokens [B] and their log-probs [B] under softmax(logits / temperature) (the distribution
     PPO optimises; greedy reports the temperature-1 log-prob). ``ban``: a token that may not be
     drawn now (EOS before min_new_tokens); the log-probs stay those of the unmodified policy."""
+
     def draw(rows: int) -> torch.Tensor:
         # drawn on the generator's device (a CPU generator gives the same draws whatever the device
         # of the logits), then moved to the logits
-        return torch.rand((rows, 1), generator=generator,
-                          device=generator.device if generator is not None else logits.device)
+        device = logits.device
+        if generator is not None:
+            device = generator.device
+        return torch.rand((rows, 1), generator=generator, device=device)
+
     return _sample(logits, p, draw, ban, None)
 
 
-def sample_drawn(logits: torch.Tensor, p: SamplingParams, u: Optional[torch.Tensor], ban: Optional[int] = None,
-                 ban_now: Optional[torch.Tensor] = None):
+def sample_drawn(
+    logits: torch.Tensor,
+    p: SamplingParams,
+    u: Optional[torch.Tensor],
+    ban: Optional[int] = None,
+    ban_now: Optional[torch.Tensor] = None,
+):
     """``sample`` with its uniform draws given (``u`` [B, 1] in [0, 1) on the logits' device; None when
     greedy) and the ban applied where ``ban_now`` (a 0-dim bool tensor on the device) is true: static
     shapes and no host synchronisation (the static decode step, rlhf/engine/decode_static.py). The
@@ -85,8 +96,12 @@ def _sample(logits: torch.Tensor, p: SamplingParams, draw, ban: Optional[int], b
         tokens = allowed.argmax(-1)
     else:
         # x / 1 == x exactly: skip the division (and copy only when the ban must write)
-        scaled = logits / p.temperature if p.temperature != 1.0 else (
-            logits.clone() if ban is not None and not fresh else logits)
+        if p.temperature != 1.0:
+            scaled = logits / p.temperature
+        elif ban is not None and not fresh:
+            scaled = logits.clone()
+        else:
+            scaled = logits
         logp = torch.log_softmax(scaled, -1)
         _ban_column(scaled, ban, ban_now)  # after the log-probs; -inf / T = -inf: the same as banning before scaling
         probs = filter_logits(scaled, p.top_k, p.top_p).softmax(-1)

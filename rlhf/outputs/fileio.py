@@ -1,5 +1,6 @@
 """Atomic writes: a temporary name, then a rename. A crash never leaves a half-written file or
 directory in place of a good one."""
+
 from __future__ import annotations
 
 import json
@@ -58,7 +59,10 @@ def remove_stale_temps(directory: Path) -> None:
         for marker in (".tmp-", ".old-"):
             pid = name.rpartition(marker)[2] if marker in name else ""
             if pid.isdigit() and int(pid) != os.getpid() and not pid_running(int(pid)):
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
 
 
 def temp_dir_for(final: Path) -> Path:

@@ -1,4 +1,5 @@
 """metrics.jsonl (docs/contract.md), wandb, progress bars and the console log. Rank 0 writes; others no-op."""
+
 from __future__ import annotations
 
 import json
@@ -20,19 +21,22 @@ log = logging.getLogger("rlhf")
 
 def setup_console(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format="[%(asctime)s rlhf] %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr, force=True)
+    logging.basicConfig(
+        level=level, format="[%(asctime)s rlhf] %(message)s", datefmt="%H:%M:%S", stream=sys.stderr, force=True
+    )
     for noisy in ("httpx", "urllib3", "datasets", "torch.distributed", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def _clean(v):
     if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+        if math.isnan(v):
+            return None
+        return 1e308 if v > 0 else -1e308
     return v
 
 
-GIB = 2 ** 30  # mem/peak_gb is in GiB, as the benches' peak_rss_gb / peak_gpu_gb
+GIB = 2**30  # mem/peak_gb is in GiB, as the benches' peak_rss_gb / peak_gpu_gb
 
 # The largest peaks PeakMemory read before resetting the counters, in bytes ("rss"; on CUDA "gpu" and
 # "gpu_reserved"): a reader of the whole process's peak (bench/stage_peak.py) takes them into account,
@@ -72,9 +76,13 @@ class PeakMemory:
         kb = _status_kb("VmHWM")
         if kb is None:
             import resource
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.interval = False
-            return rss * (1 if sys.platform == "darwin" else 1024) / GIB
+            unit = 1024  # ru_maxrss is in KiB on Linux, in bytes on macOS
+            if sys.platform == "darwin":
+                unit = 1
+            return rss * unit / GIB
         _keep("rss", kb * 1024)
         if self.interval:
             try:
@@ -139,8 +147,11 @@ class MetricsWriter:
             return
         if self._file is None:
             self._open()
-        rec = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()},
-               "mem/peak_gb": round(self._memory.read(), 4)}
+        rec = {
+            "step": int(step),
+            **{k: _clean(v) for k, v in metrics.items()},
+            "mem/peak_gb": round(self._memory.read(), 4),
+        }
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         if self._wandb is not None:
@@ -158,11 +169,19 @@ class MetricsWriter:
 
 def _init_wandb(cfg, stage: str):
     import wandb  # lazy: 0.6-0.9 s to import (measured), only with logger.wandb
+
     os.environ.setdefault("WANDB_SILENT", "true")
     run_dir = Path(cfg.run.dir)
-    return wandb.init(project=cfg.logger.project, mode=cfg.logger.wandb, dir=str(run_dir),
-                      name=f"{run_dir.name}-{stage}", group=run_dir.name, job_type=stage,
-                      config=_as_dict(cfg), reinit="finish_previous")
+    return wandb.init(
+        project=cfg.logger.project,
+        mode=cfg.logger.wandb,
+        dir=str(run_dir),
+        name=f"{run_dir.name}-{stage}",
+        group=run_dir.name,
+        job_type=stage,
+        config=_as_dict(cfg),
+        reinit="finish_previous",
+    )
 
 
 def _as_dict(cfg) -> dict:
@@ -172,15 +191,23 @@ def _as_dict(cfg) -> dict:
         return {}
 
 
-def progress(total: int, initial: int, enabled: bool, desc: str, is_main: bool = True, unit: str = "step",
-             leave: bool = True):
+def progress(
+    total: int, initial: int, enabled: bool, desc: str, is_main: bool = True, unit: str = "step", leave: bool = True
+):
     """Step progress on rank 0: a tqdm bar in a terminal (``logger.progress``), else — in a log file,
     or with the bar turned off — a one-line status every 30 s; nothing on other ranks. ``unit``: what
     is counted (``step``, or e.g. ``response``); ``leave=False``: the bar vanishes when closed (an
     evaluation's, under the training bar)."""
     tty = sys.stderr.isatty()
-    return Progress(total, initial, desc, bar=enabled and tty and is_main, status=is_main and not (enabled and tty),
-                    unit=unit, leave=leave)
+    return Progress(
+        total,
+        initial,
+        desc,
+        bar=enabled and tty and is_main,
+        status=is_main and not (enabled and tty),
+        unit=unit,
+        leave=leave,
+    )
 
 
 class Progress:
@@ -189,8 +216,19 @@ class Progress:
     ``sft: step 120/1000 (12%) loss=0.532 3.10 steps/s eta 4m44s`` (another unit:
     ``gold: 512/1280 responses (40%) 3.10 responses/s eta 3m58s``)."""
 
-    def __init__(self, total: int, initial: int, desc: str, bar: bool, status: bool, interval: float = 30.0,
-                 clock=time.monotonic, log=None, unit: str = "step", leave: bool = True):
+    def __init__(
+        self,
+        total: int,
+        initial: int,
+        desc: str,
+        bar: bool,
+        status: bool,
+        interval: float = 30.0,
+        clock=time.monotonic,
+        log=None,
+        unit: str = "step",
+        leave: bool = True,
+    ):
         self.total, self.done, self.desc = total, initial, desc
         self.status, self.interval, self.clock = status, interval, clock
         self.unit = unit
@@ -200,8 +238,19 @@ class Progress:
         self.postfix: dict = {}
         self.bar = None
         if bar:
-            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr,
-                            mininterval=1.0, leave=leave, **({} if unit == "step" else {"unit": unit}))
+            unit_kw = {}  # tqdm's default unit is "it": steps keep it
+            if unit != "step":
+                unit_kw = {"unit": unit}
+            self.bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                dynamic_ncols=True,
+                file=sys.stderr,
+                mininterval=1.0,
+                leave=leave,
+                **unit_kw,
+            )
 
     def step(self, n: int = 1, **postfix) -> None:
         self.done += n
@@ -216,13 +265,19 @@ class Progress:
     def line(self) -> str:
         elapsed = max(self.clock() - self.t0, 1e-9)
         rate = (self.done - self.start) / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        post = " ".join(f"{k}={v}" for k, v in self.postfix.items())
-        eta_s = "?" if eta == float("inf") else f"{int(eta // 60)}m{int(eta % 60):02d}s"
-        count = (f"step {self.done}/{self.total}" if self.unit == "step"
-                 else f"{self.done}/{self.total} {self.unit}s")
-        return (f"{self.desc}: {count} ({100 * self.done / max(self.total, 1):.0f}%)"
-                f"{' ' + post if post else ''} {rate:.2f} {self.unit}s/s eta {eta_s}")
+        eta_s = "?"
+        if rate > 0:
+            eta = (self.total - self.done) / rate
+            eta_s = f"{int(eta // 60)}m{int(eta % 60):02d}s"
+        post = "".join(f" {k}={v}" for k, v in self.postfix.items())
+        if self.unit == "step":
+            count = f"step {self.done}/{self.total}"
+        else:
+            count = f"{self.done}/{self.total} {self.unit}s"
+        return (
+            f"{self.desc}: {count} ({100 * self.done / max(self.total, 1):.0f}%)"
+            f"{post} {rate:.2f} {self.unit}s/s eta {eta_s}"
+        )
 
     def close(self) -> None:
         if self.bar is not None:

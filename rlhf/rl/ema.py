@@ -1,5 +1,6 @@
 """Exponential moving average of the actor's (possibly sharded) parameters (``ppo.ema_decay``):
 updated after each PPO epoch, saved with checkpoints, exported as ``ppo/actor_ema/``."""
+
 from __future__ import annotations
 
 import torch
@@ -39,11 +40,11 @@ class EMA:
             return
         full = load_file(str(f))
         for n, t in self.shadow.items():
-            src = full[n].to(t.device if not hasattr(t, "to_local") else t.to_local().device)
-            if hasattr(t, "to_local"):
+            if hasattr(t, "to_local"):  # a DTensor: this rank's shard of the full tensor
+                src = full[n].to(t.to_local().device)
                 t.copy_(distribute_tensor(src, t.device_mesh, t.placements))
             else:
-                t.copy_(src)
+                t.copy_(full[n].to(t.device))
 
     def export(self, out_dir, tokenizer) -> None:
         full = self._full()

@@ -3,6 +3,7 @@
 log-probs, critic values, reward model and rule rewards, KL, advantages), every forward in
 micro-batches of a bounded number of rows.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,6 +36,7 @@ Model = Union[TrainEngine, FrozenModel]  # what scores: ``forward(**batch)`` in 
 class Experience:
     """This rank's rows of one step: a prompt's ``samples_per_prompt`` samples in consecutive rows,
     prompts left-padded to ``prompt_len``, responses right-padded (0 in ``mask`` after EOS)."""
+
     sequences: torch.Tensor  # [B, P + N]
     attention_mask: torch.Tensor  # [B, P + N]
     mask: torch.Tensor  # [B, N] float, 1 on response tokens (EOS included)
@@ -63,7 +65,7 @@ class Experience:
 
     @property
     def responses(self) -> torch.Tensor:
-        return self.sequences[:, self.prompt_len:]
+        return self.sequences[:, self.prompt_len :]
 
 
 class RewardNormaliser:
@@ -94,6 +96,7 @@ class RewardNormaliser:
 class Scorers:
     """What scores a rollout: the models (reference, critic, reward model: None when not used), the
     reward model's normalisation and the rule reward."""
+
     ref: Optional[Model]
     critic: Optional[TrainEngine]
     reward_model: Optional[Model]
@@ -122,6 +125,7 @@ def in_micro_batches(fn: Callable[[slice], torch.Tensor], rows: int, micro: int)
 @dataclass
 class Rollouts:
     """Generated rows and their sequence rewards, before the model scoring."""
+
     gen: Generation
     examples: List[Example]  # one per row
     scores: torch.Tensor  # [B]
@@ -153,9 +157,20 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
         golds.append(None if b.gold is None else b.gold[rows])
         for k in parts_keys:
             parts[k].append(b.parts[k][rows])
-    gen = Generation(sequences=torch.cat(seqs), attention_mask=torch.cat(atts), response_mask=torch.cat(masks),
-                     logprobs=None if any(x is None for x in logps) else torch.cat(logps), prompt_len=prompt_len)
-    gold = None if any(part is None for part in golds) else torch.cat(golds)
+    sequences, attention_mask, response_mask = torch.cat(seqs), torch.cat(atts), torch.cat(masks)
+    logprobs = None  # the rollout's log-probs when every batch has them
+    if not any(x is None for x in logps):
+        logprobs = torch.cat(logps)
+    gen = Generation(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        logprobs=logprobs,
+        prompt_len=prompt_len,
+    )
+    gold = None
+    if not any(part is None for part in golds):
+        gold = torch.cat(golds)
     return Rollouts(gen, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()}, gold)
 
 
@@ -164,17 +179,32 @@ class Collector:
     inference mode (dynamic sampling's extra rounds included), rewarded, then scored in training mode
     (log-probs of the actor and the reference, critic values, KL, advantages)."""
 
-    def __init__(self, hybrid: HybridEngine, actor: TrainEngine, scorers: Scorers, prompts: PromptSource,
-                 alg: AlgorithmConfig, ppo: PPOConfig, tokenizer, mesh: Mesh, seed: int):
+    def __init__(
+        self,
+        hybrid: HybridEngine,
+        actor: TrainEngine,
+        scorers: Scorers,
+        prompts: PromptSource,
+        alg: AlgorithmConfig,
+        ppo: PPOConfig,
+        tokenizer,
+        mesh: Mesh,
+        seed: int,
+    ):
         self.hybrid, self.actor, self.scorers, self.prompts = hybrid, actor, scorers, prompts
         self.alg, self.ppo, self.tokenizer, self.mesh, self.seed = alg, ppo, tokenizer, mesh, seed
 
     def sampling(self, step: int) -> SamplingParams:
         ppo = self.ppo
-        return SamplingParams(temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p,
-                              max_new_tokens=ppo.max_new_tokens, min_new_tokens=ppo.min_new_tokens,
-                              samples_per_prompt=ppo.samples_per_prompt,
-                              seed=seeding.nested(self.seed, step, seeding.ROLLOUT))
+        return SamplingParams(
+            temperature=ppo.temperature,
+            top_k=ppo.top_k,
+            top_p=ppo.top_p,
+            max_new_tokens=ppo.max_new_tokens,
+            min_new_tokens=ppo.min_new_tokens,
+            samples_per_prompt=ppo.samples_per_prompt,
+            seed=seeding.nested(self.seed, step, seeding.ROLLOUT),
+        )
 
     @torch.no_grad()
     def collect(self, step: int, kl_beta: float) -> Experience:
@@ -191,23 +221,38 @@ class Collector:
         mask = gen.response_mask.float()
         rows, n_resp = seq.shape[0], seq.shape[1] - prompt_len
         keep = keeps_logits(unwrap(self.actor.module))
-        micro = micro_rows(self.actor, rows, (n_resp + 1) if keep else seq.shape[1], ppo.micro_batch_per_rank)
+        if keep:  # the model computes logits for the response (and the token before it) only
+            logits_len = n_resp + 1
+        else:
+            logits_len = seq.shape[1]
+        micro = micro_rows(self.actor, rows, logits_len, ppo.micro_batch_per_rank)
 
         def logprobs(model: Model) -> torch.Tensor:
-            return in_micro_batches(lambda r: response_logprobs(model.forward, seq[r], att[r], prompt_len,
-                                                                 sp.temperature, keep_logits=keep), rows, micro)
+            return in_micro_batches(
+                lambda r: response_logprobs(
+                    model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
+                ),
+                rows,
+                micro,
+            )
 
         old_logp = logprobs(self.actor)
         # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
-        ref_logp = old_logp if self.scorers.ref is None else logprobs(self.scorers.ref)
+        ref_logp = old_logp
+        if self.scorers.ref is not None:
+            ref_logp = logprobs(self.scorers.ref)
         values = None
         if self.scorers.critic is not None:
-            values = in_micro_batches(lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len),
-                                      rows, micro) * mask
+            values = (
+                in_micro_batches(lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len), rows, micro)
+                * mask
+            )
         kind = kl_kind(alg)
         kl = ppo_math.kl_penalty(old_logp, ref_logp, kind) * mask
         # what the adaptive KL controller reads: the k1 estimate per sequence, whatever the penalty uses
-        k1 = kl if kind == "k1" else ppo_math.kl_penalty(old_logp, ref_logp, "k1") * mask
+        k1 = kl
+        if kind != "k1":
+            k1 = ppo_math.kl_penalty(old_logp, ref_logp, "k1") * mask
         kl_mean = mesh.sum(float(k1.sum(1).sum())) / mesh.sum(rows)
         all_reduce = mesh.all_reduce if mesh.distributed else None
         adv, returns = advantages(alg, ro.scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce)
@@ -215,16 +260,33 @@ class Collector:
         if ppo.overlong_filter:  # truncated responses (no EOS) carry no loss
             loss_mask = mask * (gen.responses == self.tokenizer.eos_token_id).any(1, keepdim=True).float()
         waited = timings.get("generate_s", 0.0) + timings.get("switch_s", 0.0)
-        return Experience(sequences=seq, attention_mask=att, mask=mask, prompt_len=prompt_len,
-                          samples_per_prompt=sp.samples_per_prompt,
-                          rollout_logprobs=gen.logprobs, old_logprobs=old_logp, ref_logprobs=ref_logp, values=values,
-                          scores=ro.scores, score_parts=ro.parts, kl=kl, kl_mean=kl_mean,
-                          global_rows=rows * mesh.world_size, advantages=adv, returns=returns,
-                          loss_mask=loss_mask, gold=ro.gold, timings=timings, extra_metrics=dyn,
-                          score_s=time.perf_counter() - t0 - waited)
+        return Experience(
+            sequences=seq,
+            attention_mask=att,
+            mask=mask,
+            prompt_len=prompt_len,
+            samples_per_prompt=sp.samples_per_prompt,
+            rollout_logprobs=gen.logprobs,
+            old_logprobs=old_logp,
+            ref_logprobs=ref_logp,
+            values=values,
+            scores=ro.scores,
+            score_parts=ro.parts,
+            kl=kl,
+            kl_mean=kl_mean,
+            global_rows=rows * mesh.world_size,
+            advantages=adv,
+            returns=returns,
+            loss_mask=loss_mask,
+            gold=ro.gold,
+            timings=timings,
+            extra_metrics=dyn,
+            score_s=time.perf_counter() - t0 - waited,
+        )
 
-    def dynamic_sampling(self, first: Rollouts, step: int, sp: SamplingParams, timings: Dict[str, float]
-                         ) -> Tuple[Rollouts, Dict[str, float]]:
+    def dynamic_sampling(
+        self, first: Rollouts, step: int, sp: SamplingParams, timings: Dict[str, float]
+    ) -> Tuple[Rollouts, Dict[str, float]]:
         """DAPO's dynamic sampling: keep the prompt groups whose rewards differ; while a rank has fewer
         than its share of prompts with a signal, generate for the prompt source's refills (each round
         sampling with a seed of its own), at most ``ppo.dynamic_sampling_max_rounds`` times, adding
@@ -250,8 +312,11 @@ class Collector:
                 timings[k] = timings.get(k, 0.0) + v
         topped = max(quota - len(kept), 0)
         chosen = (kept + dropped)[:quota]
-        stats = {"dynamic/dropped_groups": mesh.sum(n_dropped), "dynamic/rounds": float(rounds),
-                 "dynamic/topped_up_groups": mesh.sum(topped)}
+        stats = {
+            "dynamic/dropped_groups": mesh.sum(n_dropped),
+            "dynamic/rounds": float(rounds),
+            "dynamic/topped_up_groups": mesh.sum(topped),
+        }
         return concat_groups(chosen, samples, self.tokenizer.pad_token_id), stats
 
     def rollout(self, batch: PromptBatch, sp: SamplingParams) -> Rollouts:
@@ -267,17 +332,24 @@ class Collector:
         parts = {}
         if scorers.reward_model is not None:
             micro = ppo.micro_batch_per_rank or rows  # a scalar head: no vocabulary-sized logits
-            raw = in_micro_batches(lambda r: sequence_scores(scorers.reward_model.forward(
-                input_ids=seq[r], attention_mask=att[r]), att[r]), rows, micro)
+            raw = in_micro_batches(
+                lambda r: sequence_scores(
+                    scorers.reward_model.forward(input_ids=seq[r], attention_mask=att[r]), att[r]
+                ),
+                rows,
+                micro,
+            )
             parts["model"] = scorers.normalise(raw, self.mesh)
             score = score + parts["model"]
         texts = None
         if scorers.rule is not None or scorers.gold is not None:
-            texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(gen.responses, mask)],
-                                           skip_special_tokens=True)
+            texts = tokenizer.batch_decode(
+                [r[m.bool()].tolist() for r, m in zip(gen.responses, mask)], skip_special_tokens=True
+            )
         if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it
-            rule = torch.tensor(rewards.call(scorers.rule, texts, examples, scorers.data_format),
-                                dtype=torch.float32, device=seq.device)
+            rule = torch.tensor(
+                rewards.call(scorers.rule, texts, examples, scorers.data_format), dtype=torch.float32, device=seq.device
+            )
             parts["rule"] = scorers.rule_weight * rule
             score = score + parts["rule"]
         if alg.no_eos_penalty:
@@ -285,16 +357,18 @@ class Collector:
             parts["penalty"] = alg.no_eos_penalty * (~ended).float()
             score = score + parts["penalty"]
         if ppo.overlong_buffer:
-            parts["overlong"] = ppo_math.overlong_penalty(mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer,
-                                                          ppo.overlong_penalty)
+            parts["overlong"] = ppo_math.overlong_penalty(
+                mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
+            )
             score = score + parts["overlong"]
         gold = None
         if scorers.gold is not None and all(e.reference is not None for e in examples):
-            gold = torch.tensor([scorers.gold(t, e.reference) for t, e in zip(texts, examples)],
-                                dtype=torch.float32, device=seq.device)
+            gold = torch.tensor(
+                [scorers.gold(t, e.reference) for t, e in zip(texts, examples)], dtype=torch.float32, device=seq.device
+            )
         return Rollouts(gen, examples, score, parts, gold)
 
 
 def critic_values(critic: TrainEngine, seq: torch.Tensor, att: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """V(s_t) for each response token t: the value at the position just before it."""
-    return critic.forward(input_ids=seq, attention_mask=att)[:, prompt_len - 1:-1]
+    return critic.forward(input_ids=seq, attention_mask=att)[:, prompt_len - 1 : -1]

@@ -1,4 +1,5 @@
 """A PPO step's metrics.jsonl line from its experience (global means over ranks)."""
+
 from __future__ import annotations
 
 from typing import Dict
@@ -15,10 +16,16 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
     timings = exp.timings
     gen_s = timings.get("generate_s", 0.0)
     gen_tokens = mesh.sum(float(exp.mask.sum()))
-    row = {"reward/mean": mesh.sum(float(exp.scores.sum())) / rows, "kl/mean": exp.kl_mean,
-           "response/length": gen_tokens / rows, "time/generate_s": gen_s,
-           "time/switch_s": timings.get("switch_s", 0.0), "time/score_s": exp.score_s,
-           "time/train_s": train_s, "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9)}
+    row = {
+        "reward/mean": mesh.sum(float(exp.scores.sum())) / rows,
+        "kl/mean": exp.kl_mean,
+        "response/length": gen_tokens / rows,
+        "time/generate_s": gen_s,
+        "time/switch_s": timings.get("switch_s", 0.0),
+        "time/score_s": exp.score_s,
+        "time/train_s": train_s,
+        "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+    }
     for name, part in exp.score_parts.items():
         row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
     row.update(exp.extra_metrics)

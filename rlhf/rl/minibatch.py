@@ -4,6 +4,7 @@ one process would, and each rank's share runs in micro-batches of a bounded numb
 Row layout (one helper, ``global_rows``): rank r holds prompts r, r+W, r+2W, … of the step's
 global prompt list, each prompt's ``samples_per_prompt`` samples in consecutive rows.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, List, NamedTuple
@@ -29,8 +30,14 @@ class Minibatch(NamedTuple):
     global_size: int  # rows over all ranks
 
 
-def minibatches(global_ids: torch.Tensor, total_rows: int, count: int, samples_per_prompt: int, world: int,
-                generator: torch.Generator) -> Iterator[Minibatch]:
+def minibatches(
+    global_ids: torch.Tensor,
+    total_rows: int,
+    count: int,
+    samples_per_prompt: int,
+    world: int,
+    generator: torch.Generator,
+) -> Iterator[Minibatch]:
     """This rank's share of each of ``count`` global minibatches of a seeded shuffle of all rows. A
     rank with no row in a minibatch gets one zero-weight row (the forwards are collective)."""
     perm = torch.randperm(total_rows, generator=generator, device="cpu")

@@ -1,16 +1,17 @@
 """PPO-ptx (Ouyang et al. 2022): a language-model loss on the SFT share of the data, added to the
 policy loss (``algorithm.ptx_coef``) so that RL does not erase what SFT taught."""
+
 from __future__ import annotations
 
 import torch
 
 from rlhf import seeding
 from rlhf.algorithms.tokens import shifted_nll_sum
+from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
-from rlhf.config import Config
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError
@@ -30,23 +31,38 @@ class PtxTerm:
         """The SFT share of the data, tokenized as the SFT stage does (chat template included, hence its cache)."""
         sft_data = load_stage_data(cfg.data, "sft", cfg.run.seed)
         if sft_data.train[0].response is None:
-            raise ConfigError(f"algorithm.ptx_coef needs SFT responses, and data.format="
-                              f"{cfg.data.source_list()[0].format} has none")
-        lens = dict(max_prompt=cfg.data.max_prompt_len, max_response=cfg.data.max_response_len,
-                    chat=resolve_template(tokenizer, cfg.data.chat_template))
-        cols = cached("sft", sft_data.train, tokenizer, lens, ctx.cache_dir, ctx.mesh,
-                      lambda: tokenize_sft(sft_data.train, tokenizer, **lens))
+            raise ConfigError(
+                f"algorithm.ptx_coef needs SFT responses, and data.format={cfg.data.source_list()[0].format} has none"
+            )
+        lens = dict(
+            max_prompt=cfg.data.max_prompt_len,
+            max_response=cfg.data.max_response_len,
+            chat=resolve_template(tokenizer, cfg.data.chat_template),
+        )
+        cols = cached(
+            "sft",
+            sft_data.train,
+            tokenizer,
+            lens,
+            ctx.cache_dir,
+            ctx.mesh,
+            lambda: tokenize_sft(sft_data.train, tokenizer, **lens),
+        )
         return cls(cols, cfg.run.seed, tokenizer, ctx.mesh)
 
     def loss(self, actor: TrainEngine, update: int, batch: int) -> torch.Tensor:
         """``actor``'s loss on update ``update``'s ``batch`` records (a forward with gradients)."""
         cols, mesh = self.cols, self.mesh
         batches = GlobalBatches(len(cols["ids"]), batch, seeding.offset(self.seed, 1, seeding.PTX))
-        ix = batches.global_indices(update)[mesh.rank::mesh.world_size]
-        b = collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix],
-                        self.tokenizer.pad_token_id, True, [cols["mask"][i] for i in ix] if "mask" in cols else None)
+        ix = batches.global_indices(update)[mesh.rank :: mesh.world_size]
+        ids, prompt_lens = [cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix]
+        masks = None
+        if "mask" in cols:
+            masks = [cols["mask"][i] for i in ix]
+        b = collate_sft(ids, prompt_lens, self.tokenizer.pad_token_id, True, masks)
         n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))
-        logits = actor.forward(input_ids=b["input_ids"].to(mesh.device),
-                               attention_mask=b["attention_mask"].to(mesh.device)).logits
+        logits = actor.forward(
+            input_ids=b["input_ids"].to(mesh.device), attention_mask=b["attention_mask"].to(mesh.device)
+        ).logits
         nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
         return nll / max(n_tokens, 1) * mesh.world_size

@@ -6,6 +6,7 @@ global minibatch (over ranks, before splitting), so the update does not depend o
 size or the world size. A rank with fewer rows runs zero-weight rows so that every rank makes the
 same number of (collective) forwards.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,17 @@ class Updater:
     row that were skipped for a non-finite loss or gradient (``Diverged`` past
     ``ppo.max_nonfinite_in_a_row``)."""
 
-    def __init__(self, actor: TrainEngine, critic: Optional[TrainEngine], alg: AlgorithmConfig, ppo: PPOConfig,
-                 mesh: Mesh, seed: int, ptx: Optional[PtxTerm] = None, ema: Optional[EMA] = None):
+    def __init__(
+        self,
+        actor: TrainEngine,
+        critic: Optional[TrainEngine],
+        alg: AlgorithmConfig,
+        ppo: PPOConfig,
+        mesh: Mesh,
+        seed: int,
+        ptx: Optional[PtxTerm] = None,
+        ema: Optional[EMA] = None,
+    ):
         self.actor, self.critic, self.alg, self.ppo, self.mesh = actor, critic, alg, ppo, mesh
         self.seed, self.ptx, self.ema = seed, ptx, ema
         self.kl_in_loss = estimator(alg).kl_in_loss
@@ -77,10 +87,15 @@ class Updater:
         update = step * self.updates_per_step
         skipped = 0
         for _ in range(ppo.ppo_epochs):
-            for mb in minibatches(ids, total_rows, ppo.minibatches_per_epoch, exp.samples_per_prompt,
-                                  mesh.world_size, order):
-                parts = [(r, mb.weight) if len(r) else (mb.rows[:1], 0.0)
-                         for r in micro_batches(mb.rows, micro, mb.most)]
+            for mb in minibatches(
+                ids, total_rows, ppo.minibatches_per_epoch, exp.samples_per_prompt, mesh.world_size, order
+            ):
+                parts = []  # (rows, weight); a rank out of rows runs one at weight 0, as many passes as the others
+                for r in micro_batches(mb.rows, micro, mb.most):
+                    if len(r):
+                        parts.append((r, mb.weight))
+                    else:
+                        parts.append((mb.rows[:1], 0.0))
                 normalizer, token_normalizer = _normalizer(exp, mb, self.alg, ppo, mesh)
                 ok = self._actor_step(exp, parts, normalizer, kl_beta, stats, update, mb.global_size)
                 update += 1
@@ -100,8 +115,16 @@ class Updater:
             means["nonfinite_skipped"] = skipped
         return means
 
-    def _actor_step(self, exp: Experience, parts: List[Part], normalizer: float, kl_beta: float, stats: Stats,
-                    update: int, global_size: int) -> bool:
+    def _actor_step(
+        self,
+        exp: Experience,
+        parts: List[Part],
+        normalizer: float,
+        kl_beta: float,
+        stats: Stats,
+        update: int,
+        global_size: int,
+    ) -> bool:
         """Forward/backward of each micro-batch, then one optimizer step; False when skipped (non-finite)."""
         actor, alg, mesh = self.actor, self.alg, self.mesh
         seq, att, prompt_len = exp.sequences, exp.attention_mask, exp.prompt_len
@@ -115,16 +138,26 @@ class Updater:
             weights = ppo_math.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
             pg_weights = weights
             if alg.mismatch_correction != "none" and exp.rollout_logprobs is not None:
-                correction = ppo_math.mismatch_weights(exp.old_logprobs[r], exp.rollout_logprobs[r], mask,
-                                                       alg.mismatch_correction, alg.tis_cap)
+                correction = ppo_math.mismatch_weights(
+                    exp.old_logprobs[r], exp.rollout_logprobs[r], mask, alg.mismatch_correction, alg.tis_cap
+                )
                 pg_weights = weights * correction
                 stats.add("rollout/correction_mean", float((correction * mask).sum()), float(mask.sum()))
             entropy = "loss" if alg.entropy_coef else "metric"
-            logp, ent = response_stats(actor.forward, seq[r], att[r], prompt_len, self.ppo.temperature,
-                                       keep_logits=keep, entropy=entropy)
-            pl, st = ppo_math.policy_loss(logp, exp.old_logprobs[r], exp.advantages[r], mask, clip_low(alg),
-                                          alg.dual_clip, normalizer=normalizer, clip_high=alg.clip_ratio_high,
-                                          weights=pg_weights)
+            logp, ent = response_stats(
+                actor.forward, seq[r], att[r], prompt_len, self.ppo.temperature, keep_logits=keep, entropy=entropy
+            )
+            pl, st = ppo_math.policy_loss(
+                logp,
+                exp.old_logprobs[r],
+                exp.advantages[r],
+                mask,
+                clip_low(alg),
+                alg.dual_clip,
+                normalizer=normalizer,
+                clip_high=alg.clip_ratio_high,
+                weights=pg_weights,
+            )
             loss = pl
             if self.kl_in_loss and kl_beta:  # (GRPO) the KL as a loss term, not in the reward
                 kl_term = ppo_math.kl_penalty(logp, exp.ref_logprobs[r], kl_kind(alg))
@@ -160,8 +193,9 @@ class Updater:
         total, ok = 0.0, True
         for i, (r, w) in enumerate(parts):  # the value loss is a token mean (algorithm.loss_agg is the actor's)
             v = critic_values(critic, seq[r], att[r], prompt_len)
-            vl = ppo_math.value_loss(v, exp.values[r], exp.returns[r], exp.loss_mask[r] * w, alg.value_clip,
-                                     normalizer=normalizer)
+            vl = ppo_math.value_loss(
+                v, exp.values[r], exp.returns[r], exp.loss_mask[r] * w, alg.value_clip, normalizer=normalizer
+            )
             total += float(vl.detach())
             if ok:
                 ok = _all_finite(vl, mesh)
@@ -174,17 +208,22 @@ class Updater:
         stats.add("critic/loss", total)
 
 
-def _normalizer(exp: Experience, mb: Minibatch, alg: AlgorithmConfig, ppo: PPOConfig, mesh: Mesh
-                ) -> Tuple[float, float]:
+def _normalizer(
+    exp: Experience, mb: Minibatch, alg: AlgorithmConfig, ppo: PPOConfig, mesh: Mesh
+) -> Tuple[float, float]:
     """The global minibatch's loss denominators over the world size (data-parallel ranks average their
     gradients), computed before the minibatch is split into micro-batches: the actor's
     (algorithm.loss_agg) and the critic's (a token mean)."""
     lm = exp.loss_mask[mb.rows] * mb.weight
     tokens = mesh.sum(float(lm.sum()))
-    seqs = mesh.sum(float((lm.sum(1) > 0).sum())) if alg.loss_agg != "token_mean" else 0.0
+    seqs = 0.0  # token_mean counts tokens only
+    if alg.loss_agg != "token_mean":
+        seqs = mesh.sum(float((lm.sum(1) > 0).sum()))
     norm_tokens = alg.loss_norm_tokens or ppo.max_new_tokens
-    return (ppo_math.loss_denominator(alg.loss_agg, tokens, seqs, norm_tokens) / mesh.world_size,
-            tokens / mesh.world_size)
+    return (
+        ppo_math.loss_denominator(alg.loss_agg, tokens, seqs, norm_tokens) / mesh.world_size,
+        tokens / mesh.world_size,
+    )
 
 
 def clip_low(alg: AlgorithmConfig) -> float:

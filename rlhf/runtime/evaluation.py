@@ -8,6 +8,7 @@ It can be long (256 prompts × 4 samples of a real model's full responses), so i
 generate before it starts and shows its progress on rank 0 (``logger.progress``, as training does);
 ``eval.gold_prompts=0`` turns it off.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,11 +27,19 @@ _said: set = set()  # lines said once per process
 
 
 def gold_prompts(held_out: List[Example], ecfg: EvalConfig) -> List[Example]:
-    return [e for e in held_out if e.reference is not None][:ecfg.gold_prompts]
+    return [e for e in held_out if e.reference is not None][: ecfg.gold_prompts]
 
 
-def evaluate_gold(generate, tokenizer, held_out: List[Example], scorer: Callable[[str, str], float],
-               ecfg: EvalConfig, mesh: Mesh, chat: Optional[str] = None, show_progress: bool = True) -> dict:
+def evaluate_gold(
+    generate,
+    tokenizer,
+    held_out: List[Example],
+    scorer: Callable[[str, str], float],
+    ecfg: EvalConfig,
+    mesh: Mesh,
+    chat: Optional[str] = None,
+    show_progress: bool = True,
+) -> dict:
     """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params)``
     is a hybrid engine's (every rank calls it with its share of the prompts); means are global.
     ``chat``: the chat template the prompts go through (``chat.resolve_template``), as in training.
@@ -52,19 +61,35 @@ def evaluate_gold(generate, tokenizer, held_out: List[Example], scorer: Callable
         modes.append(("gold/score_greedy", 0.0, 1))
     sizes = global_batch_sizes(len(examples), ecfg.batch_size, mesh.world_size)  # prompts per generate call
     responses = len(examples) * sum(samples for _, _, samples in modes)
-    log.info("gold: %d held-out prompts × %d sampled (temperature %g)%s = %d responses of at most %d new tokens, "
-             "in %d generate calls (eval.gold_prompts, eval.gold_samples, eval.greedy_too make it smaller; "
-             "eval.gold_prompts=0 skips it)", len(examples), ecfg.gold_samples, ecfg.temperature,
-             " + 1 greedy" if len(modes) > 1 else "", responses, max_new, len(modes) * len(sizes))
+    greedy = ""
+    if len(modes) > 1:
+        greedy = " + 1 greedy"
+    log.info(
+        "gold: %d held-out prompts × %d sampled (temperature %g)%s = %d responses of at most %d new tokens, "
+        "in %d generate calls (eval.gold_prompts, eval.gold_samples, eval.greedy_too make it smaller; "
+        "eval.gold_prompts=0 skips it)",
+        len(examples),
+        ecfg.gold_samples,
+        ecfg.temperature,
+        greedy,
+        responses,
+        max_new,
+        len(modes) * len(sizes),
+    )
     bar = progress(responses, 0, show_progress, "gold", mesh.is_main, unit="response", leave=False)
     for key, temperature, samples in modes:
         total, count = 0.0, 0
         for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):  # collective calls
-            sp = SamplingParams(temperature=temperature, max_new_tokens=max_new, samples_per_prompt=samples,
-                                seed=ecfg.seed + b * ecfg.batch_size)
+            sp = SamplingParams(
+                temperature=temperature,
+                max_new_tokens=max_new,
+                samples_per_prompt=samples,
+                seed=ecfg.seed + b * ecfg.batch_size,
+            )
             gen = generate([encoded[i] for i in ix], sp)
             texts = tokenizer.batch_decode(
-                [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)], skip_special_tokens=True)
+                [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)], skip_special_tokens=True
+            )
             refs = [examples[i].reference for i in ix for _ in range(samples)]
             total += sum(scorer(t, r) for t, r in zip(texts, refs))
             count += len(texts)

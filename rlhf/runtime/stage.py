@@ -1,5 +1,6 @@
 """What every stage does around its loop: process group, console, seeds, finding its inputs, resuming
 (or finding the stage already done), and the end of each step (evaluate, checkpoint, stop on a signal)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,13 +55,22 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
     torch.manual_seed(cfg.run.seed + mesh.rank)
     run_dir = Path(cfg.run.dir)
     cache = Path(cfg.run.cache_dir) if cfg.run.cache_dir else run_dir / "cache"
-    log.info("stage=%s run.dir=%s world_size=%d device=%s zero_stage=%d precision=%s", stage, run_dir,
-             mesh.world_size, mesh.device, cfg.engine.zero_stage, cfg.engine.precision)
+    log.info(
+        "stage=%s run.dir=%s world_size=%d device=%s zero_stage=%d precision=%s",
+        stage,
+        run_dir,
+        mesh.world_size,
+        mesh.device,
+        cfg.engine.zero_stage,
+        cfg.engine.precision,
+    )
     log.info("recipe=%s (%s)", cfg.recipe, cfg.recipe_why)
     placed = cfg.engine.placements(cfg.roles())
     if len(set(placed.values())) > 1:  # engine.<role>.* differ: say where each model lives
-        log.info("placement (zero_stage, offload, precision, activation_checkpointing): %s",
-                 ", ".join(f"{role} {p}" for role, p in placed.items()))
+        log.info(
+            "placement (zero_stage, offload, precision, activation_checkpointing): %s",
+            ", ".join(f"{role} {p}" for role, p in placed.items()),
+        )
     unused = [r for r in ROLES if r not in placed and any(v is not None for v in vars(getattr(cfg.engine, r)).values())]
     if unused:  # set (e.g. by scripts/run_all.sh for every stage) but this stage builds no such model
         log.info("engine.%s.* not used: stage=%s places no %s model here", "/".join(unused), stage, " or ".join(unused))
@@ -78,8 +88,12 @@ def resolve_steps(ctx: StageContext, items: int, per_step: int, what: str, updat
     if said:
         log.info("%s", said)
     if train.warmup_steps > train.max_steps * updates_per_step:
-        log.warning("train.warmup_steps=%d is more than the stage's %d optimizer steps: the learning rate never "
-                    "reaches train.lr", train.warmup_steps, train.max_steps * updates_per_step)
+        log.warning(
+            "train.warmup_steps=%d is more than the stage's %d optimizer steps: the learning rate never "
+            "reaches train.lr",
+            train.warmup_steps,
+            train.max_steps * updates_per_step,
+        )
 
 
 def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
@@ -94,8 +108,10 @@ def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
     if not path.is_absolute() and not path.exists():
         path = ctx.ckpt_dir / path
     if not (path / STATE_FILE).is_file():
-        raise ConfigError(f"run.resume={choice}: not a complete checkpoint (no {STATE_FILE} in {path}); "
-                          f"the stage's checkpoints are in {ctx.ckpt_dir}")
+        raise ConfigError(
+            f"run.resume={choice}: not a complete checkpoint (no {STATE_FILE} in {path}); "
+            f"the stage's checkpoints are in {ctx.ckpt_dir}"
+        )
     return path
 
 
@@ -103,15 +119,23 @@ def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config,
     """What a run's checkpoints depend on: the model's architecture (dropout aside: model.disable_dropout
     sets it), the tokenizer, the data, the lengths, and ``inputs``: the models the stage starts from
     (a short digest of each, and the data's description and the inputs, for the message on a mismatch)."""
+
     def digest(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
-    arch = {k: v for k, v in model_config.to_dict().items()
-            if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
-            and not any(w in k for w in ("dropout", "pdrop", "layerdrop"))}
+    arch = {
+        k: v
+        for k, v in model_config.to_dict().items()
+        if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
+        and not any(w in k for w in ("dropout", "pdrop", "layerdrop"))
+    }
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    out = {"model": digest(arch), "tokenizer": digest(sorted(vocab.items())), "data": data_description,
-           "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}"}
+    out = {
+        "model": digest(arch),
+        "tokenizer": digest(sorted(vocab.items())),
+        "data": data_description,
+        "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}",
+    }
     if inputs:
         out["inputs"] = inputs
     lcfg = cfg.model.lora
@@ -129,8 +153,10 @@ def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
         if before is not None and before != now:
             raise ConfigError(f"{ckpt} was written with another {key} ({before} → now {now}): {how}")
     if state.get("step", 0) > ctx.cfg.train.max_steps:
-        raise ConfigError(f"{ckpt} is at step {state['step']}, past train.max_steps={ctx.cfg.train.max_steps}: "
-                          f"raise train.max_steps to continue it, or {how}")
+        raise ConfigError(
+            f"{ckpt} is at step {state['step']}, past train.max_steps={ctx.cfg.train.max_steps}: "
+            f"raise train.max_steps to continue it, or {how}"
+        )
 
 
 def finished(ctx: StageContext) -> bool:
@@ -155,15 +181,23 @@ def _done_line(ctx: StageContext) -> Optional[str]:
     except (OSError, ValueError):
         return None
     outputs = done.get("outputs") or []
-    if (done.get("step") != ctx.cfg.train.max_steps or done.get("fingerprint") != ctx.fingerprint or not outputs
-            or not all(_exported(ctx.out / name) for name in outputs)):
+    if (
+        done.get("step") != ctx.cfg.train.max_steps
+        or done.get("fingerprint") != ctx.fingerprint
+        or not outputs
+        or not all(_exported(ctx.out / name) for name in outputs)
+    ):
         return None
     last = latest_checkpoint(ctx.ckpt_dir)
-    more = (f"a larger train.max_steps continues it from {last}" if last is not None
-            else "a larger train.max_steps trains it again from the start (no checkpoint kept)")
-    return (f"{ctx.out.name}: already done (step {done['step']} = train.max_steps, exported to "
-            f"{', '.join(str(ctx.out / name) for name in outputs)}; {marker}): nothing to do. {more[0].upper()}"
-            f"{more[1:]}; run.resume=false trains it again")
+    if last is not None:
+        more = f"a larger train.max_steps continues it from {last}"
+    else:
+        more = "a larger train.max_steps trains it again from the start (no checkpoint kept)"
+    return (
+        f"{ctx.out.name}: already done (step {done['step']} = train.max_steps, exported to "
+        f"{', '.join(str(ctx.out / name) for name in outputs)}; {marker}): nothing to do. {more[0].upper()}"
+        f"{more[1:]}; run.resume=false trains it again"
+    )
 
 
 def mark_finished(ctx: StageContext, step: int) -> None:
@@ -185,30 +219,41 @@ def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
     metrics.jsonl, keeping only the lines up to the checkpoint. Returns (start step, trainer state,
     metrics writer). From here the run writes: rank 0 drops ``done.json`` and saves the configuration
     the stage runs with to ``<stage>/config.yaml`` (``rlhf.eval --run-dir`` reads it)."""
+    state, start, resume_step = {}, 0, None
     if ckpt is not None:
         check_resumable(ctx, ckpt, json.loads((ckpt / STATE_FILE).read_text()))
-    state = load_checkpoint(ckpt, engines, ctx.mesh) if ckpt is not None else {}
-    start = state.get("step", 0)
-    if ckpt is not None:
+        state = load_checkpoint(ckpt, engines, ctx.mesh)
+        start = resume_step = state.get("step", 0)
         log.info("resumed from %s (step %d)", ckpt, start)
     if ctx.mesh.is_main:  # the run starts writing: not finished any more, and what it runs with
         (ctx.out / DONE_FILE).unlink(missing_ok=True)
         atomic_write_text(ctx.out / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.structured(ctx.cfg)))
-    metrics = MetricsWriter(ctx.out / "metrics.jsonl", is_main=ctx.mesh.is_main,
-                            resume_step=start if ckpt is not None else None, cfg=ctx.cfg, stage=ctx.out.name)
+    metrics = MetricsWriter(
+        ctx.out / "metrics.jsonl",
+        is_main=ctx.mesh.is_main,
+        resume_step=resume_step,
+        cfg=ctx.cfg,
+        stage=ctx.out.name,
+    )
     return start, state, metrics
 
 
 def rank_batches(n: int, micro: int, mesh: Mesh):
     """This rank's share of range(n) in micro-batches, the same number of batches on every rank
     (FSDP forwards are collective); an empty list is a turn with nothing of its own to do."""
-    idx = list(range(n))[mesh.rank::mesh.world_size]
+    idx = list(range(n))[mesh.rank :: mesh.world_size]
     for s in range(0, -(-n // mesh.world_size), micro):
-        yield idx[s:s + micro]
+        yield idx[s : s + micro]
 
 
-def end_of_step(done: int, train: TrainConfig, stop: interrupt.StopRequest, mesh: Mesh,
-                checkpoint: Callable[[int], object], evaluate: Optional[Callable[[int], object]] = None) -> None:
+def end_of_step(
+    done: int,
+    train: TrainConfig,
+    stop: interrupt.StopRequest,
+    mesh: Mesh,
+    checkpoint: Callable[[int], object],
+    evaluate: Optional[Callable[[int], object]] = None,
+) -> None:
     """What every stage's loop does after its step ``done``: evaluate every ``train.eval_every`` steps
     (the last step's evaluation is the export's), checkpoint every ``train.save_every``, and after a
     first SIGINT/SIGTERM checkpoint (unless just done) and stop (``rlhf.launcher.interrupt``)."""
@@ -217,7 +262,13 @@ def end_of_step(done: int, train: TrainConfig, stop: interrupt.StopRequest, mesh
     saved = train.save_every and done % train.save_every == 0
     if saved:
         checkpoint(done)
-    interrupt.stop_here(stop, mesh, done, lambda step: None if saved else checkpoint(step))
+
+    def save_on_stop(step: int):
+        if saved:  # saved above, at this very step
+            return None
+        return checkpoint(step)
+
+    interrupt.stop_here(stop, mesh, done, save_on_stop)
 
 
 def log_evaluation(metrics: MetricsWriter, step: int, results: dict, engine) -> dict:
@@ -232,8 +283,14 @@ def log_evaluation(metrics: MetricsWriter, step: int, results: dict, engine) -> 
 def export_policy(engine, ctx: StageContext, mesh: Mesh, tokenizer, results: dict, step: int) -> None:
     """A policy stage's export (SFT, DPO): ``<stage>/model`` (merged HF model, with its final evaluation
     in rlhf_eval.json) and, with LoRA, ``<stage>/adapter``."""
-    export_hf(engine, ctx.out / "model", mesh, tokenizer=tokenizer,
-              extra_files={"rlhf_eval.json": {"step": step, **results}}, adapter_dir=ctx.out / "adapter")
+    export_hf(
+        engine,
+        ctx.out / "model",
+        mesh,
+        tokenizer=tokenizer,
+        extra_files={"rlhf_eval.json": {"step": step, **results}},
+        adapter_dir=ctx.out / "adapter",
+    )
 
 
 def check_writable(path: Path) -> None:
@@ -257,14 +314,17 @@ def require_pairs(data, data_format: str, stage: str) -> None:
     """Exit 2 unless the stage's records are preference pairs (reward, DPO)."""
     for e in data.train[:1] + data.eval[:1]:
         if e.chosen is None or e.rejected is None:
-            raise ConfigError(f"data.format={data_format} has no preference pairs (stage={stage} needs pairs: use "
-                              f"prompt_chosen_rejected, hh, messages with chosen/rejected, or synthetic)")
+            raise ConfigError(
+                f"data.format={data_format} has no preference pairs (stage={stage} needs pairs: use "
+                f"prompt_chosen_rejected, hh, messages with chosen/rejected, or synthetic)"
+            )
 
 
 def require_batches(n_records: int, global_batch: int, what: str) -> None:
     if n_records < global_batch:
-        raise DataError(f"{what}: {n_records} training records, fewer than one batch "
-                        f"(train.global_batch={global_batch})")
+        raise DataError(
+            f"{what}: {n_records} training records, fewer than one batch (train.global_batch={global_batch})"
+        )
 
 
 def text_corpus(examples: List[Example], limit: int = 20000) -> List[str]:
@@ -291,7 +351,6 @@ def stage_input(cfg: Config, explicit: Optional[str], key: str, stage: str) -> s
     elif cfg.model.path:
         source, why = cfg.model.path, "model.path (no SFT output in run.dir)"
     else:
-        raise ConfigError(f"no SFT model in {cfg.run.dir}/sft/model: run stage=sft first or set model.path "
-                          f"(or {key})")
+        raise ConfigError(f"no SFT model in {cfg.run.dir}/sft/model: run stage=sft first or set model.path (or {key})")
     log.info("%s: starting from %s (%s)", stage, source, why)
     return source

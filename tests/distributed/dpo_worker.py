@@ -3,6 +3,7 @@
 Run under torchrun (the distributed side) or imported (the single-process reference):
     torchrun --nproc-per-node=2 tests/distributed/dpo_worker.py OUT_DIR
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,7 @@ def pairs(n: int = 48, seed: int = 0) -> dict:
     for seq, plen in records(n, seed):
         response = seq[plen:] + [2]  # EOS
         cols["chosen"].append(seq[:plen] + response)
-        cols["rejected"].append(seq[:plen] + rng.sample(response, len(response))[:rng.randint(1, len(response))])
+        cols["rejected"].append(seq[:plen] + rng.sample(response, len(response))[: rng.randint(1, len(response))])
         cols["prompt_len"].append(plen)
     return cols
 
@@ -46,8 +47,7 @@ def dpo_run(mesh, zero_stage: int, micro: int) -> tuple[list[float], dict]:
     """([loss, gradient norm] per step, final full weights on rank 0). The gradient norm (before
     clipping) catches a wrong scale of the gradient, which AdamW's weights alone would hide."""
     cols = pairs()
-    tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2,
-                       warmup_steps=1)
+    tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2, warmup_steps=1)
     ecfg = EngineConfig(zero_stage=zero_stage, precision="fp32")
     engine = TrainEngine(tiny_model(on_meta=not mesh.is_main), mesh, ecfg, tcfg)
     reference = FrozenModel(tiny_model(on_meta=not mesh.is_main), mesh, ecfg)
@@ -63,6 +63,7 @@ def dpo_run(mesh, zero_stage: int, micro: int) -> tuple[list[float], dict]:
 
 def main(out: str) -> None:
     from safetensors.torch import save_file
+
     mesh = init_mesh(EngineConfig(timeout_s=120, precision="fp32"))
     results = {"world_size": mesh.world_size}
     for name, zero, micro in CASES:

@@ -3,6 +3,7 @@ training-mode recompute, and training after generate, for inference_tp_size 1 an
 
     torchrun --nproc-per-node=2 tests/distributed/hybrid_worker.py OUT.json
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,9 @@ from tests.infer_helpers import Tok, hf_greedy, mixed_prompts, tiny_model  # noq
 def step_loss(eng, batch):
     batch = {k: v.to(eng.mesh.device) for k, v in batch.items()}
     logits = eng.forward(**batch).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                             batch["input_ids"][:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1)
+    )
     eng.backward(loss)
     eng.step()
     return loss.item()
@@ -61,13 +63,19 @@ def check(mesh, family: str, tp: int, hybrid: bool = True, **kw) -> dict:
         lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
     # HF generate keeps no logits (memory), so it returns no rollout log-probs
     lp_diff = None if gen.logprobs is None else ((lp - gen.logprobs) * gen.response_mask).abs().max().item()
-    return {"greedy_equal": greedy_equal, "logprob_diff": lp_diff, "inject": hy.inject,
-            "rows": gen.sequences.shape[0], "switch_s": gen.timings.get("switch_s")}
+    return {
+        "greedy_equal": greedy_equal,
+        "logprob_diff": lp_diff,
+        "inject": hy.inject,
+        "rows": gen.sequences.shape[0],
+        "switch_s": gen.timings.get("switch_s"),
+    }
 
 
 def no_corruption(mesh) -> list:
-    batch = {"input_ids": torch.randint(3, 97, (4, 12), generator=torch.Generator().manual_seed(mesh.rank),
-                                        device="cpu")}
+    batch = {
+        "input_ids": torch.randint(3, 97, (4, 12), generator=torch.Generator().manual_seed(mesh.rank), device="cpu")
+    }
     out = []
     for do_generate in (False, True):
         ecfg = EngineConfig(zero_stage=3, inference_tp_size=2, precision="fp32")

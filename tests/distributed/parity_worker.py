@@ -3,6 +3,7 @@
 Run under torchrun (the distributed side) or imported (the single-process reference):
     torchrun --nproc-per-node=2 tests/distributed/parity_worker.py OUT.json
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,20 @@ LORA = dict(r=4, alpha=8.0)
 
 def tiny_model(seed: int = 0, on_meta: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+
+    cfg = LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if on_meta:
         with torch.device("meta"):
             return LlamaForCausalLM(cfg)
@@ -57,21 +69,23 @@ def with_lora(model, lora: bool, head=None):
         return model
     from rlhf.config import LoraConfig
     from rlhf.models.lora import apply_lora
+
     return apply_lora(model, LoraConfig(**LORA), seed=3, head=head)
 
 
 def loss_curve(mesh, zero_stage: int, micro: int, precision: str = "fp32", lora: bool = False) -> list[float]:
     recs = records()
     model = with_lora(tiny_model(on_meta=not mesh.is_main), lora)
-    tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2,
-                       warmup_steps=1)
+    tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2, warmup_steps=1)
     engine = TrainEngine(model, mesh, EngineConfig(zero_stage=zero_stage, precision=precision), tcfg)
     micro = micro or GLOBAL_BATCH // mesh.world_size
     batches = GlobalBatches(len(recs), GLOBAL_BATCH, seed=1)
     losses = []
     for step in range(STEPS):
-        mbs = [collate_sft([recs[i][0] for i in ix], [recs[i][1] for i in ix], PAD, True)
-               for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
+        mbs = [
+            collate_sft([recs[i][0] for i in ix], [recs[i][1] for i in ix], PAD, True)
+            for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)
+        ]
         losses.append(train_step(engine, mbs)[0])
     return losses
 
@@ -84,8 +98,17 @@ def reward_curve(mesh, zero_stage: int = 3, lora: bool = False) -> list[float]:
     from rlhf.data.tokenize import collate_pairs
     from rlhf.models.value import ScalarHeadModel, init_head
     from stages.reward import train_step as reward_step
-    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=PAD)
+
+    cfg = LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=PAD,
+    )
     if mesh.is_main:
         torch.manual_seed(0)
         model = LlamaForSequenceClassification(cfg)
@@ -102,8 +125,10 @@ def reward_curve(mesh, zero_stage: int = 3, lora: bool = False) -> list[float]:
     batches = GlobalBatches(len(recs), GLOBAL_BATCH, seed=1)
     losses = []
     for step in range(STEPS):
-        mbs = [collate_pairs([recs[i][0] for i in ix], [rejected[i] for i in ix], PAD)
-               for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size)]
+        mbs = [
+            collate_pairs([recs[i][0] for i in ix], [rejected[i] for i in ix], PAD)
+            for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size)
+        ]
         losses.append(reward_step(engine, mbs)[0])
     return losses
 

@@ -1,4 +1,5 @@
 """The hybrid engine on 2 ranks (gloo) with a ZeRO-3 actor, inference_tp_size 1 and 2."""
+
 import json
 import subprocess
 import sys
@@ -15,15 +16,23 @@ WORKER = Path(__file__).with_name("hybrid_worker.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("hybrid") / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKER), str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), str(out)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", [f"{f}_tp{tp}" for f in ("llama", "qwen2", "qwen3", "mistral", "phi3")
-                                  for tp in (1, 2)]
-                         + ["llama_biases_tp2", "qwen2_window_tp2", "phi3_partial_rotary_tp2", "llama_hf_fsdp"])
+@pytest.mark.parametrize(
+    "case",
+    [f"{f}_tp{tp}" for f in ("llama", "qwen2", "qwen3", "mistral", "phi3") for tp in (1, 2)]
+    + ["llama_biases_tp2", "qwen2_window_tp2", "phi3_partial_rotary_tp2", "llama_hf_fsdp"],
+)
 def test_greedy_tokens_and_logprobs(results, case):
     for rank, res in enumerate(results):
         r = res[case]

@@ -1,4 +1,5 @@
 """2 processes (torchrun, gloo) ≡ 1 process for ZeRO 0/1/2/3 and with accumulation (fp32)."""
+
 import json
 import subprocess
 import sys
@@ -16,9 +17,22 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def two_rank_curves(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity") / "curves.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(Path(w.__file__)), str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(Path(w.__file__)),
+            str(out),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -1,5 +1,6 @@
 """First PPO step: 2 ranks (ZeRO-3, inference TP 1 and 2, micro-batched with uneven rows per rank)
 ≡ 1 process, and any micro-batch size ≡ all rows at once (fp32, greedy, same seeds)."""
+
 import json
 import shutil
 
@@ -14,14 +15,30 @@ KEYS = ("actor/loss", "critic/loss", "reward/mean", "kl/mean", "response/length"
 
 def first_step(src, dst, nproc, tp, *extra):
     shutil.copytree(src, dst)
-    proc = run_cli("stage=ppo", f"run.dir={dst}", "ppo.min_rm_accuracy=0", "train.max_steps=1", "ppo.prompts_per_step=8",
-                   "ppo.samples_per_prompt=2", "ppo.ppo_epochs=2", "ppo.minibatches_per_epoch=2",
-                   "ppo.temperature=0", "logger.progress=false", "eval.gold_prompts=8", "eval.gold_samples=1",
-                   "train.eval_every=0", "train.save_every=0", "data.synthetic.num_records=2000",
-                   "engine.zero_stage=3", "engine.precision=fp32", f"engine.inference_tp_size={tp}", *extra,
-                   nproc=nproc)
+    proc = run_cli(
+        "stage=ppo",
+        f"run.dir={dst}",
+        "ppo.min_rm_accuracy=0",
+        "train.max_steps=1",
+        "ppo.prompts_per_step=8",
+        "ppo.samples_per_prompt=2",
+        "ppo.ppo_epochs=2",
+        "ppo.minibatches_per_epoch=2",
+        "ppo.temperature=0",
+        "logger.progress=false",
+        "eval.gold_prompts=8",
+        "eval.gold_samples=1",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "data.synthetic.num_records=2000",
+        "engine.zero_stage=3",
+        "engine.precision=fp32",
+        f"engine.inference_tp_size={tp}",
+        *extra,
+        nproc=nproc,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = [json.loads(x) for x in (dst / "ppo" / "metrics.jsonl").read_text().splitlines() if "actor/loss" in x][0]
+    metrics = next(json.loads(x) for x in (dst / "ppo" / "metrics.jsonl").read_text().splitlines() if "actor/loss" in x)
     weights = {name: load_file(str(dst / "ppo" / name / "model.safetensors")) for name in ("actor", "critic")}
     return metrics, weights
 
@@ -37,11 +54,15 @@ def assert_same_update(got, ref, what):
 
 def test_micro_batches_and_two_ranks_match_one_process(small_pipeline, tmp_path):
     ref = first_step(small_pipeline, tmp_path / "one", 1, 1)  # micro-batch: all rows (auto)
-    assert_same_update(first_step(small_pipeline, tmp_path / "one_micro1", 1, 1, "ppo.micro_batch_per_rank=1"),
-                       ref, "micro-batch 1")
+    assert_same_update(
+        first_step(small_pipeline, tmp_path / "one_micro1", 1, 1, "ppo.micro_batch_per_rank=1"), ref, "micro-batch 1"
+    )
     for tp in (1, 2):  # ranks hold 3..5 rows of a minibatch: micro-batch 2 pads the shorter share
-        assert_same_update(first_step(small_pipeline, tmp_path / f"two_tp{tp}", 2, tp, "ppo.micro_batch_per_rank=2"),
-                           ref, f"2 ranks, tp {tp}")
+        assert_same_update(
+            first_step(small_pipeline, tmp_path / f"two_tp{tp}", 2, tp, "ppo.micro_batch_per_rank=2"),
+            ref,
+            f"2 ranks, tp {tp}",
+        )
     # the update did something: the weights moved
     before = load_file(str(small_pipeline / "sft" / "model" / "model.safetensors"))
     after = ref[1]["actor"]
@@ -53,8 +74,11 @@ def test_lora_two_ranks_match_one_process(small_pipeline, tmp_path):
     weights gathered for TP 2, the reference as the actor with its adapters off."""
     lora = ("model.lora.r=8", "model.lora.critic=true", "train.lr=1e-3", "ppo.critic_lr=1e-3")
     ref = first_step(small_pipeline, tmp_path / "one", 1, 1, *lora)
-    assert_same_update(first_step(small_pipeline, tmp_path / "two", 2, 2, *lora, "ppo.micro_batch_per_rank=2"),
-                       ref, "LoRA, 2 ranks, tp 2")
+    assert_same_update(
+        first_step(small_pipeline, tmp_path / "two", 2, 2, *lora, "ppo.micro_batch_per_rank=2"),
+        ref,
+        "LoRA, 2 ranks, tp 2",
+    )
     before = load_file(str(small_pipeline / "sft" / "model" / "model.safetensors"))
     after = ref[1]["actor"]
     assert max(float((after[k] - before[k]).abs().max()) for k in before if k in after) > 1e-5
@@ -64,6 +88,11 @@ def test_mixed_placements_two_ranks_match_one_process(small_pipeline, tmp_path):
     """Each model placed on its own (DeepSpeed-Chat's --actor_zero_stage 3 --critic_zero_stage 2, a
     replicated reference and reward model): the first step equals the 1-process run's."""
     ref = first_step(small_pipeline, tmp_path / "one", 1, 1)
-    mixed = ("engine.actor.zero_stage=3", "engine.critic.zero_stage=2", "engine.reference.zero_stage=1",
-             "engine.reward_model.zero_stage=0", "ppo.micro_batch_per_rank=2")
+    mixed = (
+        "engine.actor.zero_stage=3",
+        "engine.critic.zero_stage=2",
+        "engine.reference.zero_stage=1",
+        "engine.reward_model.zero_stage=0",
+        "ppo.micro_batch_per_rank=2",
+    )
     assert_same_update(first_step(small_pipeline, tmp_path / "two", 2, 1, *mixed), ref, "mixed placements, 2 ranks")

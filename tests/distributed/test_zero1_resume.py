@@ -1,6 +1,7 @@
 """ZeRO-1 (DDP + ZeroRedundancyOptimizer) through the CLI on 2 ranks: a run resumed from its
 checkpoint (optimizer state gathered on rank 0, re-partitioned at load) ends with the weights of
 the uninterrupted run, and the optimizer-state file loads on one process too."""
+
 import pytest
 import torch
 from safetensors.torch import load_file

@@ -6,6 +6,7 @@ runs the real CLI against the run directory of an earlier good SFT run (or a fre
 one when the case is about a missing previous stage or an unusable directory); afterwards that
 good run's files must be byte-identical and the fresh directory must not exist.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,90 +79,187 @@ def in_good(c: Ctx, *overrides: str) -> list:
 
 CASES = [
     # ---- data files: syntax ----
-    ("broken_line", lambda c: c.data("bad.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": \n',
-                                     "prompt_response"),
-     "bad.jsonl:2: malformed JSON"),
-    ("non_utf8_bytes", lambda c: c.data("latin1.jsonl", b'{"prompt": "a", "response": "b"}\n'
-                                                        b'{"prompt": "caf\xe9", "response": "b"}\n', "prompt_response"),
-     "latin1.jsonl:2: not valid UTF-8"),
-    ("malformed_json_array", lambda c: c.data("broken.json", '[{"prompt": "a", "response": "b"},\n {"prompt": }]',
-                                              "prompt_response"),
-     "broken.json:2: malformed JSON"),
-    ("record_not_an_object", lambda c: c.data("array.json", json.dumps([OK, 7]), "prompt_response"),
-     "array.json[1]: expected a JSON object, got int"),
-    ("corrupt_gzip", lambda c: c.data("corrupt.jsonl.gz", b"not gzip at all", "prompt_response"),
-     "corrupt.jsonl.gz: cannot read"),
+    (
+        "broken_line",
+        lambda c: c.data(
+            "bad.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": \n', "prompt_response"
+        ),
+        "bad.jsonl:2: malformed JSON",
+    ),
+    (
+        "non_utf8_bytes",
+        lambda c: c.data(
+            "latin1.jsonl",
+            b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n',
+            "prompt_response",
+        ),
+        "latin1.jsonl:2: not valid UTF-8",
+    ),
+    (
+        "malformed_json_array",
+        lambda c: c.data("broken.json", '[{"prompt": "a", "response": "b"},\n {"prompt": }]', "prompt_response"),
+        "broken.json:2: malformed JSON",
+    ),
+    (
+        "record_not_an_object",
+        lambda c: c.data("array.json", json.dumps([OK, 7]), "prompt_response"),
+        "array.json[1]: expected a JSON object, got int",
+    ),
+    (
+        "corrupt_gzip",
+        lambda c: c.data("corrupt.jsonl.gz", b"not gzip at all", "prompt_response"),
+        "corrupt.jsonl.gz: cannot read",
+    ),
     ("empty_file", lambda c: c.data("empty.jsonl", "", "prompt_response"), "empty.jsonl: no records"),
-    ("dir_without_data_files", lambda c: in_good(c, f"data.path={c.file('empty_dir/notes.txt', 'x').parent}",
-                                                 "data.format=prompt_response"),
-     "empty_dir: directory holds no .jsonl"),
+    (
+        "dir_without_data_files",
+        lambda c: in_good(c, f"data.path={c.file('empty_dir/notes.txt', 'x').parent}", "data.format=prompt_response"),
+        "empty_dir: directory holds no .jsonl",
+    ),
     # ---- data files: records ----
-    ("missing_field", lambda c: c.data("missing.jsonl", [OK, {"prompt": "a"}], "prompt_response"),
-     "missing.jsonl:2: record has no field 'response'"),
-    ("prompt_is_number", lambda c: c.data("num.jsonl", [OK, {"prompt": 3, "response": "b"}], "prompt_response"),
-     "num.jsonl:2: field 'prompt' must be a string, got int"),
-    ("prompt_is_list", lambda c: c.data("list.jsonl", [OK, {"prompt": ["a"], "response": "b"}], "prompt_response"),
-     "list.jsonl:2: field 'prompt' must be a string, got list"),
-    ("empty_prompt", lambda c: c.data("blank.jsonl", [OK, {"prompt": "  ", "response": "b"}], "prompt_response"),
-     "blank.jsonl:2: field 'prompt' is empty"),
-    ("gsm8k_answer_without_marker", lambda c: c.data("gsm.jsonl", [{"question": "1+1?", "answer": "2"}], "gsm8k"),
-     "gsm.jsonl:1: field 'answer' does not end in '#### <number>'"),
-    ("hh_without_assistant_turn", lambda c: c.data(
-        "hh.jsonl", [{"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi\n\nAssistant: no"}], "hh"),
-     "hh.jsonl:1: field 'chosen' has no '\\n\\nAssistant:' turn"),
+    (
+        "missing_field",
+        lambda c: c.data("missing.jsonl", [OK, {"prompt": "a"}], "prompt_response"),
+        "missing.jsonl:2: record has no field 'response'",
+    ),
+    (
+        "prompt_is_number",
+        lambda c: c.data("num.jsonl", [OK, {"prompt": 3, "response": "b"}], "prompt_response"),
+        "num.jsonl:2: field 'prompt' must be a string, got int",
+    ),
+    (
+        "prompt_is_list",
+        lambda c: c.data("list.jsonl", [OK, {"prompt": ["a"], "response": "b"}], "prompt_response"),
+        "list.jsonl:2: field 'prompt' must be a string, got list",
+    ),
+    (
+        "empty_prompt",
+        lambda c: c.data("blank.jsonl", [OK, {"prompt": "  ", "response": "b"}], "prompt_response"),
+        "blank.jsonl:2: field 'prompt' is empty",
+    ),
+    (
+        "gsm8k_answer_without_marker",
+        lambda c: c.data("gsm.jsonl", [{"question": "1+1?", "answer": "2"}], "gsm8k"),
+        "gsm.jsonl:1: field 'answer' does not end in '#### <number>'",
+    ),
+    (
+        "hh_without_assistant_turn",
+        lambda c: c.data("hh.jsonl", [{"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi\n\nAssistant: no"}], "hh"),
+        "hh.jsonl:1: field 'chosen' has no '\\n\\nAssistant:' turn",
+    ),
     # Prompts are truncated from the left by design (README); what truncation cannot fix is a
     # preference pair whose response alone exceeds data.max_response_len: every pair is dropped.
-    ("response_longer_than_max", lambda c: c.data(
-        "long.jsonl", [{"prompt": "x " * 300, "chosen": "yes " * 40, "rejected": "no " * 40}] * 20,
-        "prompt_chosen_rejected", "stage=reward", "data.max_response_len=4"),
-     "longer than data.max_response_len=4"),
-    ("smaller_than_one_batch", lambda c: c.data("small.jsonl", [{"prompt": f"p{i}", "response": "r"} for i in range(3)],
-                                                "prompt_response"),
-     "small.jsonl): 3 training records, fewer than one batch (train.global_batch=64)"),
-    ("pairs_format_needed", lambda c: c.data("sft_only.jsonl", [OK] * 40, "prompt_response", "stage=reward"),
-     "data.format=prompt_response has no preference pairs"),
+    (
+        "response_longer_than_max",
+        lambda c: c.data(
+            "long.jsonl",
+            [{"prompt": "x " * 300, "chosen": "yes " * 40, "rejected": "no " * 40}] * 20,
+            "prompt_chosen_rejected",
+            "stage=reward",
+            "data.max_response_len=4",
+        ),
+        "longer than data.max_response_len=4",
+    ),
+    (
+        "smaller_than_one_batch",
+        lambda c: c.data("small.jsonl", [{"prompt": f"p{i}", "response": "r"} for i in range(3)], "prompt_response"),
+        "small.jsonl): 3 training records, fewer than one batch (train.global_batch=64)",
+    ),
+    (
+        "pairs_format_needed",
+        lambda c: c.data("sft_only.jsonl", [OK] * 40, "prompt_response", "stage=reward"),
+        "data.format=prompt_response has no preference pairs",
+    ),
     # ---- data configuration ----
     ("unknown_format", lambda c: c.data("bad.jsonl", [OK], "csv"), "data.format='csv' is invalid"),
     ("bad_split", lambda c: in_good(c, "data.split='1,2'"), "data.split='1,2' is invalid"),
-    ("bad_blend_weight", lambda c: in_good(c, f"data.sources=[{{path: {c.file('w.jsonl', [OK])}, "
-                                              f"format: prompt_response, weight: -1}}]"),
-     "data.sources[].weight=-1.0 is invalid"),
+    (
+        "bad_blend_weight",
+        lambda c: in_good(
+            c, f"data.sources=[{{path: {c.file('w.jsonl', [OK])}, format: prompt_response, weight: -1}}]"
+        ),
+        "data.sources[].weight=-1.0 is invalid",
+    ),
     ("bad_on_bad_record", lambda c: in_good(c, "data.on_bad_record=ignore"), "data.on_bad_record='ignore' is invalid"),
     # ---- engine and model ----
     ("zero_stage_7", lambda c: in_good(c, "engine.zero_stage=7"), "engine.zero_stage=7 is invalid"),
-    ("tp_not_dividing_world", lambda c: in_good(c, "engine.inference_tp_size=2"),
-     "engine.inference_tp_size=2 does not divide the world size 1"),
-    ("heads_not_divisible_by_tp", lambda c: in_good(c, "engine.inference_tp_size=2", "model.num_heads=3",
-                                                    "model.hidden_size=96", "model.num_kv_heads=1"),
-     "model.num_heads=3 is invalid: expected a multiple of engine.inference_tp_size=2"),
-    ("model_path_missing", lambda c: in_good(c, "model.path=/nonexistent/model"), "model.path=/nonexistent/model: no such"),
-    ("model_dir_without_config", lambda c: in_good(c, f"model.path={c.model_dir(None)}"),
-     "model: directory has no config.json"),
-    ("model_config_not_json", lambda c: in_good(c, f"model.path={c.model_dir(TRUNCATED_CONFIG)}"),
-     "model: config.json is not valid JSON"),
-    ("unknown_model_family", lambda c: in_good(c, f"model.path={c.model_dir(json.dumps({'model_type': 'nosuchfamily'}))}"),
-     "unknown model family model_type='nosuchfamily'"),
+    (
+        "tp_not_dividing_world",
+        lambda c: in_good(c, "engine.inference_tp_size=2"),
+        "engine.inference_tp_size=2 does not divide the world size 1",
+    ),
+    (
+        "heads_not_divisible_by_tp",
+        lambda c: in_good(
+            c, "engine.inference_tp_size=2", "model.num_heads=3", "model.hidden_size=96", "model.num_kv_heads=1"
+        ),
+        "model.num_heads=3 is invalid: expected a multiple of engine.inference_tp_size=2",
+    ),
+    (
+        "model_path_missing",
+        lambda c: in_good(c, "model.path=/nonexistent/model"),
+        "model.path=/nonexistent/model: no such",
+    ),
+    (
+        "model_dir_without_config",
+        lambda c: in_good(c, f"model.path={c.model_dir(None)}"),
+        "model: directory has no config.json",
+    ),
+    (
+        "model_config_not_json",
+        lambda c: in_good(c, f"model.path={c.model_dir(TRUNCATED_CONFIG)}"),
+        "model: config.json is not valid JSON",
+    ),
+    (
+        "unknown_model_family",
+        lambda c: in_good(c, f"model.path={c.model_dir(json.dumps({'model_type': 'nosuchfamily'}))}"),
+        "unknown model family model_type='nosuchfamily'",
+    ),
     # ---- stages and run directory ----
     ("reward_without_sft", lambda c: ["stage=reward", f"run.dir={c.fresh}"], "sft/model: run stage=sft first"),
     ("ppo_without_sft", lambda c: ["stage=ppo", f"run.dir={c.fresh}"], "sft/model: run stage=sft first"),
     ("ppo_without_reward", lambda c: in_good(c, "stage=ppo"), "reward/model: run stage=reward first"),
-    ("run_dir_below_a_file", lambda c: [f"run.dir={c.file('plain_file', 'x') / 'run'}"],
-     "plain_file/run: not a writable directory ("),
-    ("run_dir_is_a_file", lambda c: [f"run.dir={c.file('plain_file', 'x')}"],
-     "plain_file: not a writable directory (it exists and is not a directory)"),
+    (
+        "run_dir_below_a_file",
+        lambda c: [f"run.dir={c.file('plain_file', 'x') / 'run'}"],
+        "plain_file/run: not a writable directory (",
+    ),
+    (
+        "run_dir_is_a_file",
+        lambda c: [f"run.dir={c.file('plain_file', 'x')}"],
+        "plain_file: not a writable directory (it exists and is not a directory)",
+    ),
     # ---- contradictory settings ----
-    ("not_divisible", lambda c: in_good(c, "train.global_batch=10", "train.micro_batch_per_rank=4"),
-     "train.global_batch=10 is not divisible by train.micro_batch_per_rank=4"),
-    ("min_above_max_new_tokens", lambda c: in_good(c, "ppo.min_new_tokens=20", "ppo.max_new_tokens=4"),
-     "ppo.min_new_tokens=20 is invalid: expected 0..ppo.max_new_tokens=4"),
-    ("data_path_with_synthetic_format", lambda c: in_good(c, f"data.path={c.file('d.jsonl', [OK])}"),
-     "is set but data.format=synthetic"),
-    ("data_path_and_sources", lambda c: in_good(c, f"data.path={c.file('d.jsonl', [OK])}", "data.format=prompt_response",
-                                                f"data.sources=[{{path: {c.tmp / 'd.jsonl'}, format: prompt_response}}]"),
-     "data.sources are both set"),
-    ("no_reward_model_and_no_rule", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo",
-                                                      "ppo.use_reward_model=false"),
-     "ppo.use_reward_model=false needs a rule reward"),
+    (
+        "not_divisible",
+        lambda c: in_good(c, "train.global_batch=10", "train.micro_batch_per_rank=4"),
+        "train.global_batch=10 is not divisible by train.micro_batch_per_rank=4",
+    ),
+    (
+        "min_above_max_new_tokens",
+        lambda c: in_good(c, "ppo.min_new_tokens=20", "ppo.max_new_tokens=4"),
+        "ppo.min_new_tokens=20 is invalid: expected 0..ppo.max_new_tokens=4",
+    ),
+    (
+        "data_path_with_synthetic_format",
+        lambda c: in_good(c, f"data.path={c.file('d.jsonl', [OK])}"),
+        "is set but data.format=synthetic",
+    ),
+    (
+        "data_path_and_sources",
+        lambda c: in_good(
+            c,
+            f"data.path={c.file('d.jsonl', [OK])}",
+            "data.format=prompt_response",
+            f"data.sources=[{{path: {c.tmp / 'd.jsonl'}, format: prompt_response}}]",
+        ),
+        "data.sources are both set",
+    ),
+    (
+        "no_reward_model_and_no_rule",
+        lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false"),
+        "ppo.use_reward_model=false needs a rule reward",
+    ),
     # ---- keys, types, values ----
     ("unknown_key", lambda c: in_good(c, "train.nonexistent=1"), "'train.nonexistent'"),
     ("wrong_type", lambda c: in_good(c, "train.max_steps=abc"), "train.max_steps=abc"),
@@ -169,20 +267,46 @@ CASES = [
     ("negative_max_steps", lambda c: in_good(c, "train.max_steps=-3"), "train.max_steps=-3 is invalid"),
     ("unknown_stage", lambda c: in_good(c, "stage=foo"), "unknown stage 'foo'"),
     ("unknown_estimator", lambda c: in_good(c, "algorithm.estimator=foo"), "algorithm.estimator='foo' is invalid"),
-    ("unknown_reward_fn", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
-                                            "ppo.reward_fn=rlhf.rewards.nope"),
-     "ppo.reward_fn=rlhf.rewards.nope: cannot import"),
+    (
+        "unknown_reward_fn",
+        lambda c: in_good(
+            c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.nope"
+        ),
+        "ppo.reward_fn=rlhf.rewards.nope: cannot import",
+    ),
     # a reward function with the wrong signature or return: refused before any model is loaded
-    ("reward_fn_signature", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
-                                              "ppo.reward_fn=rlhf.rewards.resolve"),
-     "ppo.reward_fn=rlhf.rewards.resolve: it must take (responses, examples, fmt)"),
-    ("reward_fn_raises", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false",
-                                           "ppo.reward_fn=tests.e2e.nan_reward.raises"),
-     "ppo.reward_fn=tests.e2e.nan_reward.raises: calling it on one record failed: KeyError"),
-    ("weak_reward_model", weak_reward_model,
-     "held-out accuracy 0.700 (reward_stats.json) is below ppo.min_rm_accuracy=0.9"),
-    ("grpo_one_sample", lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.samples_per_prompt=1"),
-     "ppo.samples_per_prompt=1 is invalid for algorithm.estimator=grpo"),
+    (
+        "reward_fn_signature",
+        lambda c: in_good(
+            c,
+            "stage=ppo",
+            "algorithm.estimator=grpo",
+            "ppo.use_reward_model=false",
+            "ppo.reward_fn=rlhf.rewards.resolve",
+        ),
+        "ppo.reward_fn=rlhf.rewards.resolve: it must take (responses, examples, fmt)",
+    ),
+    (
+        "reward_fn_raises",
+        lambda c: in_good(
+            c,
+            "stage=ppo",
+            "algorithm.estimator=grpo",
+            "ppo.use_reward_model=false",
+            "ppo.reward_fn=tests.e2e.nan_reward.raises",
+        ),
+        "ppo.reward_fn=tests.e2e.nan_reward.raises: calling it on one record failed: KeyError",
+    ),
+    (
+        "weak_reward_model",
+        weak_reward_model,
+        "held-out accuracy 0.700 (reward_stats.json) is below ppo.min_rm_accuracy=0.9",
+    ),
+    (
+        "grpo_one_sample",
+        lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.samples_per_prompt=1"),
+        "ppo.samples_per_prompt=1 is invalid for algorithm.estimator=grpo",
+    ),
 ]
 
 
@@ -219,7 +343,8 @@ def test_offload_on_the_cpu_is_refused_not_ignored(stage, key, tmp_path):
 def test_a_placement_for_a_model_the_stage_does_not_build_is_said_not_refused(tmp_path):
     """scripts/run_all.sh passes every override to every stage: SFT builds no critic, so
     engine.critic.offload=cpu (which the CPU would refuse for a critic) is reported unused."""
-    proc = run_cli(*quick_sft_args(tmp_path / "run", steps=1), "engine.critic.offload=cpu", "train.save_every=0",
-                   timeout=300)
+    proc = run_cli(
+        *quick_sft_args(tmp_path / "run", steps=1), "engine.critic.offload=cpu", "train.save_every=0", timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "engine.critic.* not used: stage=sft places no critic model here" in proc.stderr

@@ -1,4 +1,5 @@
 """DPO stage through the CLI: a short run on the embedded task from a short SFT run, resume, bad input."""
+
 import json
 
 import pytest
@@ -13,9 +14,17 @@ def read_metrics(path):
 
 
 def dpo_args(run_dir, *extra):
-    return ["stage=dpo", f"run.dir={run_dir}", f"train.max_steps={DPO_STEPS}", "train.save_every=60",
-            "logger.progress=false", "engine.precision=fp32", "eval.gold_prompts=16",
-            "data.synthetic.num_records=2000", *extra]
+    return [
+        "stage=dpo",
+        f"run.dir={run_dir}",
+        f"train.max_steps={DPO_STEPS}",
+        "train.save_every=60",
+        "logger.progress=false",
+        "engine.precision=fp32",
+        "eval.gold_prompts=16",
+        "data.synthetic.num_records=2000",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +47,23 @@ def dpo_run(sft_run):
 
 def test_outputs_and_metrics(dpo_run):
     from transformers import AutoModelForCausalLM
+
     out = dpo_run / "dpo"
     assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
     AutoModelForCausalLM.from_pretrained(out / "model")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000060", "step_00000120"]
     rows = read_metrics(out / "metrics.jsonl")
     train = [r for r in rows if "loss" in r]
-    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "lr",
-                "grad_norm", "samples_per_s"):
+    for key in (
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracy",
+        "rewards/margin",
+        "lr",
+        "grad_norm",
+        "samples_per_s",
+    ):
         assert all(key in r for r in train), key
     evals = [r for r in rows if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, DPO_STEPS]
@@ -70,6 +88,7 @@ def test_held_out_preferences_are_learnt(dpo_run):
 def test_rerun_of_the_finished_run_keeps_the_policy(dpo_run):
     """A rerun finds the stage done at step 120: nothing to train, the same exported weights."""
     from safetensors.torch import load_file
+
     before = load_file(str(dpo_run / "dpo" / "model" / "model.safetensors"))
     proc = run_cli(*dpo_args(dpo_run))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -85,9 +104,18 @@ def test_lora_dpo_trains_adapters_against_the_base(sft_run, tmp_path):
     step 0), only the adapted projections move (norms equal the SFT model's in the merged export), the
     adapter is saved in PEFT format, and the held-out pairs are learnt past 0.6."""
     from safetensors.torch import load_file
+
     # dpo.model_path alone would pick the pretrained recipe: this SFT model is the embedded task's
-    proc = run_cli(*dpo_args(tmp_path / "run", "recipe=embedded", f"dpo.model_path={sft_run / 'sft' / 'model'}", "model.lora.r=8",
-                             "model.lora.alpha=16", "train.save_every=0"))
+    proc = run_cli(
+        *dpo_args(
+            tmp_path / "run",
+            "recipe=embedded",
+            f"dpo.model_path={sft_run / 'sft' / 'model'}",
+            "model.lora.r=8",
+            "model.lora.alpha=16",
+            "train.save_every=0",
+        )
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "run" / "dpo"
     assert (out / "adapter" / "adapter_config.json").is_file()
@@ -104,8 +132,14 @@ def test_lora_dpo_trains_adapters_against_the_base(sft_run, tmp_path):
 def test_data_without_pairs_exits_2(sft_run, tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "response": f" A{i}."}) + "\n" for i in range(40)))
-    proc = run_cli("stage=dpo", f"run.dir={tmp_path / 'run'}", f"dpo.model_path={sft_run / 'sft' / 'model'}",
-                   f"data.path={data}", "data.format=prompt_response", timeout=120)
+    proc = run_cli(
+        "stage=dpo",
+        f"run.dir={tmp_path / 'run'}",
+        f"dpo.model_path={sft_run / 'sft' / 'model'}",
+        f"data.path={data}",
+        "data.format=prompt_response",
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: error:")]
     assert len(errors) == 1 and "no preference pairs" in errors[0] and "Traceback" not in proc.stderr, proc.stderr
@@ -121,8 +155,15 @@ def _run_all(*args, timeout=600):
     import subprocess
 
     from tests.conftest import ENV, ROOT
-    return subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_all.sh"), *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_run_all_refuses_an_unknown_stage(tmp_path):
@@ -134,8 +175,15 @@ def test_run_all_refuses_an_unknown_stage(tmp_path):
 @pytest.mark.slow  # ~40 s on an idle machine, minutes under load
 def test_run_all_dpo_path(tmp_path):
     """`scripts/run_all.sh stages=sft,dpo`: the leading stages= is the script's, the rest go to Hydra."""
-    proc = _run_all("stages=sft,dpo", f"run.dir={tmp_path}", "train.max_steps=30", "logger.progress=false",
-                    "data.synthetic.num_records=2000", "eval.gold_prompts=16", "train.save_every=0")
+    proc = _run_all(
+        "stages=sft,dpo",
+        f"run.dir={tmp_path}",
+        "train.max_steps=30",
+        "logger.progress=false",
+        "data.synthetic.num_records=2000",
+        "eval.gold_prompts=16",
+        "train.save_every=0",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) == {"sft", "dpo", "seconds", "run"}

@@ -1,4 +1,5 @@
 """python -m rlhf.generate and python -m rlhf.eval on a tiny SFT run's exported policy."""
+
 import json
 import subprocess
 import sys
@@ -9,14 +10,25 @@ from tests.conftest import ENV, ROOT, quick_sft_args, run_cli
 
 
 def cli(module, *args, stdin=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=ENV, input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=ROOT,
+        env=ENV,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def one_error_line(proc, prog):
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    return proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"python -m {prog}: error: ") \
+    return (
+        proc.returncode == 2
+        and len(lines) == 1
+        and lines[0].startswith(f"python -m {prog}: error: ")
         and "Traceback" not in proc.stderr
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +41,32 @@ def sft_run(tmp_path_factory):
 
 def test_generate_prompts_file_and_chat(sft_run, tmp_path):
     model = sft_run / "sft" / "model"
-    proc = cli("rlhf.generate", model, "--prompt", "What is 03 + 45?", "--prompt", "What is 10 + 20?",
-               "--n", "2", "--max-new-tokens", "12", "--seed", "3", "--top-k", "50", "--top-p", "0.95")
+    proc = cli(
+        "rlhf.generate",
+        model,
+        "--prompt",
+        "What is 03 + 45?",
+        "--prompt",
+        "What is 10 + 20?",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "3",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.95",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = [json.loads(x) for x in proc.stdout.splitlines()]
-    assert [(o["prompt"], o["sample"]) for o in out] == [("What is 03 + 45?", 0), ("What is 03 + 45?", 1),
-                                                         ("What is 10 + 20?", 0), ("What is 10 + 20?", 1)]
+    assert [(o["prompt"], o["sample"]) for o in out] == [
+        ("What is 03 + 45?", 0),
+        ("What is 03 + 45?", 1),
+        ("What is 10 + 20?", 0),
+        ("What is 10 + 20?", 1),
+    ]
     assert all(set(o) == {"prompt", "sample", "response", "tokens", "finished"} for o in out)
     assert all(0 < o["tokens"] <= 12 for o in out)
     # the embedded template makes the user turn the task's own prompt: the policy answers in its form
@@ -43,8 +75,14 @@ def test_generate_prompts_file_and_chat(sft_run, tmp_path):
     # greedy: a file of prompts (JSONL with a text prompt and a conversation; a text file) and the
     # interactive chat all give the same answer to the same question
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text(json.dumps({"prompt": "What is 03 + 45?"}) + "\n" + json.dumps(
-        {"messages": [{"role": "user", "content": "What is 03 + 45?"}, {"role": "assistant", "content": "x"}]}) + "\n")
+    jsonl.write_text(
+        json.dumps({"prompt": "What is 03 + 45?"})
+        + "\n"
+        + json.dumps(
+            {"messages": [{"role": "user", "content": "What is 03 + 45?"}, {"role": "assistant", "content": "x"}]}
+        )
+        + "\n"
+    )
     txt = tmp_path / "p.txt"
     txt.write_text("What is 03 + 45?\n\n")
     greedy = ("--temperature", "0", "--max-new-tokens", "12")
@@ -54,8 +92,13 @@ def test_generate_prompts_file_and_chat(sft_run, tmp_path):
     assert b["prompt"] == [{"role": "user", "content": "What is 03 + 45?"}] and a["response"] == b["response"]
     proc = cli("rlhf.generate", model, "--file", txt, "--text", *greedy)
     assert proc.returncode == 0 and proc.stdout.splitlines() == [a["response"]], proc.stderr[-2000:]
-    proc = cli("rlhf.generate", model, "--chat", *greedy,
-               stdin="What is 03 + 45?\n/reset\nWhat is 03 + 45?\nWhat is 10 + 20?\n/exit\nnever read\n")
+    proc = cli(
+        "rlhf.generate",
+        model,
+        "--chat",
+        *greedy,
+        stdin="What is 03 + 45?\n/reset\nWhat is 03 + 45?\nWhat is 10 + 20?\n/exit\nnever read\n",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     replies = proc.stdout.splitlines()
     assert len(replies) == 3 and replies[0] == replies[1] == a["response"].strip()
@@ -66,34 +109,46 @@ def test_generate_bad_input_exits_2(sft_run, tmp_path):
     model = sft_run / "sft" / "model"
     critic = tmp_path / "critic"
     critic.mkdir()
-    (critic / "config.json").write_text(json.dumps({"model_type": "llama",
-                                                     "architectures": ["LlamaForSequenceClassification"]}))
-    for args, fragment in (((tmp_path / "nope", "--prompt", "x"), "no such directory"),
-                           ((sft_run, "--prompt", "x"), "no config.json"),
-                           ((critic, "--prompt", "x"), "(a reward model or critic), not a policy"),
-                           ((model, "--file", tmp_path / "none.jsonl"), "--file"),
-                           ((model, "--prompt", "x", "--top-p", "0"), "--top-p=0.0 is invalid"),
-                           ((model, "--prompt", "x", "--chat-template", tmp_path / "t.jinja"),
-                            "--chat-template=")):
+    (critic / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]})
+    )
+    for args, fragment in (
+        ((tmp_path / "nope", "--prompt", "x"), "no such directory"),
+        ((sft_run, "--prompt", "x"), "no config.json"),
+        ((critic, "--prompt", "x"), "(a reward model or critic), not a policy"),
+        ((model, "--file", tmp_path / "none.jsonl"), "--file"),
+        ((model, "--prompt", "x", "--top-p", "0"), "--top-p=0.0 is invalid"),
+        ((model, "--prompt", "x", "--chat-template", tmp_path / "t.jinja"), "--chat-template="),
+    ):
         proc = cli("rlhf.generate", *args)
         assert one_error_line(proc, "rlhf.generate") and fragment in proc.stderr, (args, proc.stderr[-2000:])
 
 
 def test_eval_reproduces_the_stage_gold_score(sft_run, tmp_path):
     final = [json.loads(x) for x in (sft_run / "sft" / "metrics.jsonl").read_text().splitlines()][-1]
-    proc = cli("rlhf.eval", sft_run / "sft" / "model", "--run-dir", sft_run, "eval.gold_prompts=16",
-               "eval.gold_samples=1", "engine.precision=fp32")
+    proc = cli(
+        "rlhf.eval",
+        sft_run / "sft" / "model",
+        "--run-dir",
+        sft_run,
+        "eval.gold_prompts=16",
+        "eval.gold_samples=1",
+        "engine.precision=fp32",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout)
     # the same held-out prompts, decoding and seeds as the stage: the same numbers
     assert res["gold/score"] == final["gold/score"] and res["gold/score_greedy"] == final["gold/score_greedy"]
     assert (res["prompts"], res["samples"], res["max_new_tokens"]) == (16, 1, 16)
     hh = tmp_path / "hh.jsonl"
-    hh.write_text(json.dumps({"chosen": "\n\nHuman: hi\n\nAssistant: yo", "rejected": "\n\nHuman: hi\n\nAssistant: no"})
-                  + "\n")
-    for args, fragment in (((sft_run,), "no config.json"),
-                           ((sft_run / "sft" / "model", f"data.path={hh}", "data.format=hh"), "has no gold scorer"),
-                           ((sft_run / "sft" / "model", "--run-dir", tmp_path / "nope"), "--run-dir"),
-                           ((sft_run / "sft" / "model", "data.max_step=3"), "data.max_step")):
+    hh.write_text(
+        json.dumps({"chosen": "\n\nHuman: hi\n\nAssistant: yo", "rejected": "\n\nHuman: hi\n\nAssistant: no"}) + "\n"
+    )
+    for args, fragment in (
+        ((sft_run,), "no config.json"),
+        ((sft_run / "sft" / "model", f"data.path={hh}", "data.format=hh"), "has no gold scorer"),
+        ((sft_run / "sft" / "model", "--run-dir", tmp_path / "nope"), "--run-dir"),
+        ((sft_run / "sft" / "model", "data.max_step=3"), "data.max_step"),
+    ):
         proc = cli("rlhf.eval", *args)
         assert one_error_line(proc, "rlhf.eval") and fragment in proc.stderr, (args, proc.stderr[-2000:])

@@ -1,6 +1,7 @@
 """LoRA through the CLI: resume is exact, PPO runs with the adapters-off reference and exports the
 merged actor and the adapter, and a family without an injection policy (GPT-2, Conv1D layers) falls
 back to HF generate and still exports correctly."""
+
 import json
 import shutil
 
@@ -12,6 +13,7 @@ from tests.e2e.test_ppo import quick_ppo, rows
 
 def _weights(model_dir):
     from safetensors.torch import load_file
+
     return load_file(str(model_dir / "model.safetensors"))
 
 
@@ -57,7 +59,9 @@ def test_lora_ppo_uses_the_base_as_reference_and_exports(small_pipeline, tmp_pat
     # the frozen base weights of the merged actor equal the SFT model's where no adapter applies
     sft, actor = _weights(tmp_path / "run" / "sft" / "model"), _weights(ppo / "actor")
     assert torch.equal(sft["model.embed_tokens.weight"], actor["model.embed_tokens.weight"])
-    assert not torch.equal(sft["model.layers.0.self_attn.q_proj.weight"], actor["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        sft["model.layers.0.self_attn.q_proj.weight"], actor["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def tiny_gpt2(path):
@@ -68,17 +72,38 @@ def tiny_gpt2(path):
 
     from rlhf.config import SyntheticConfig
     from rlhf.data import synthetic
+
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     corpus = synthetic.tokenizer_corpus(SyntheticConfig()) + ["Human: hello Assistant: hi, how can I help?"]
-    bpe.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<pad>", "<unk>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                  unk_token="<unk>", pad_token="<pad>", model_max_length=256)
-    cfg = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    bpe.train_from_iterator(
+        corpus,
+        trainer=trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|endoftext|>", "<pad>", "<unk>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=256,
+    )
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     GPT2LMHeadModel(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -88,19 +113,32 @@ def tiny_gpt2(path):
 def test_lora_on_a_family_without_policy_falls_back_and_exports(tmp_path, real_data):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     base_dir = tiny_gpt2(tmp_path / "gpt2")
     run = tmp_path / "run"
-    proc = run_cli("stage=sft", f"run.dir={run}", f"model.path={base_dir}", "data.format=hh",
-                   f"data.path={real_data / 'hh-rlhf' / 'harmless-base-test.jsonl.gz'}", "data.max_prompt_len=96",
-                   "data.max_response_len=64", "train.max_steps=3", "train.global_batch=8", "train.lr=1e-2",
-                   "train.warmup_steps=0", "model.lora.r=4", "eval.gold_prompts=4", "data.eval_size=8",
-                   "logger.progress=false", "engine.precision=fp32")
+    proc = run_cli(
+        "stage=sft",
+        f"run.dir={run}",
+        f"model.path={base_dir}",
+        "data.format=hh",
+        f"data.path={real_data / 'hh-rlhf' / 'harmless-base-test.jsonl.gz'}",
+        "data.max_prompt_len=96",
+        "data.max_response_len=64",
+        "train.max_steps=3",
+        "train.global_batch=8",
+        "train.lr=1e-2",
+        "train.warmup_steps=0",
+        "model.lora.r=4",
+        "eval.gold_prompts=4",
+        "data.eval_size=8",
+        "logger.progress=false",
+        "engine.precision=fp32",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generating with HF generate instead" in proc.stderr
     assert "LoRA on the model: r=4 alpha=16 on c_attn,c_fc,c_proj" in proc.stderr
     merged = AutoModelForCausalLM.from_pretrained(run / "sft" / "model").eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
-                                        run / "sft" / "adapter").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), run / "sft" / "adapter").eval()
     base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
     ids = torch.arange(3, 40)[None]
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """A LoRA adapter trained on a model whose tokenizer has no pad token (the pad ``load_tokenizer`` adds
 grows the embeddings by one row) loads with plain PEFT onto the user's original base model and gives
 the merged export's logits on text without the pad (before: size mismatch, 276 rows vs 275)."""
+
 import pytest
 import torch
 
@@ -8,17 +9,32 @@ from tests.conftest import run_cli
 from tests.e2e.test_tokenizer_pad import raw_model
 
 
-@pytest.mark.parametrize("extra", [(), ("model.lora.modules_to_save=[embed_tokens,lm_head]",)],
-                         ids=["adapters", "with_trained_embeddings"])
+@pytest.mark.parametrize(
+    "extra", [(), ("model.lora.modules_to_save=[embed_tokens,lm_head]",)], ids=["adapters", "with_trained_embeddings"]
+)
 def test_adapter_loads_onto_the_original_base_and_matches_the_merged_export(tmp_path, extra):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     raw = raw_model(tmp_path / "raw")
     run = tmp_path / "run"
-    proc = run_cli("stage=sft", f"run.dir={run}", f"model.path={raw}", "model.lora.r=4", *extra, "train.max_steps=2",
-                   "train.global_batch=8", "train.warmup_steps=0", "train.lr=1e-2", "train.save_every=0",
-                   "eval.gold_prompts=0", "data.eval_size=8", "data.synthetic.num_records=300",
-                   "logger.progress=false", "engine.precision=fp32")
+    proc = run_cli(
+        "stage=sft",
+        f"run.dir={run}",
+        f"model.path={raw}",
+        "model.lora.r=4",
+        *extra,
+        "train.max_steps=2",
+        "train.global_batch=8",
+        "train.warmup_steps=0",
+        "train.lr=1e-2",
+        "train.save_every=0",
+        "eval.gold_prompts=0",
+        "data.eval_size=8",
+        "data.synthetic.num_records=300",
+        "logger.progress=false",
+        "engine.precision=fp32",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     vocab = len(AutoTokenizer.from_pretrained(raw))
     merged = AutoModelForCausalLM.from_pretrained(run / "sft" / "model").eval()

@@ -1,17 +1,18 @@
 """Reward stage through the CLI, on top of the default SFT run."""
+
 import json
 
 import pytest
 import torch
 
-from tests.conftest import quick_sft_args, run_cli  # noqa: F401
+from tests.conftest import quick_sft_args, run_cli
 
 
 def test_default_reward_run(default_reward_run):
     out = default_reward_run / "reward"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if "eval/accuracy" in r][-1]
-    assert final["eval/accuracy"] >= 0.95, final  # the recipe's target (README "Learning over seeds")
+    assert final["eval/accuracy"] >= 0.95, final  # the recipe's target (docs/stages.md "Learning over seeds")
     assert final["eval/chosen_score"] > final["eval/rejected_score"]
     assert all(k in rows[0] for k in ("loss", "accuracy"))
     stats = json.loads((out / "model" / "reward_stats.json").read_text())
@@ -25,6 +26,7 @@ def test_hf_model_reproduces_stage_scores(default_reward_run):
     from rlhf.config import SyntheticConfig
     from rlhf.data import synthetic
     from rlhf.score import RewardScorer
+
     model_dir = default_reward_run / "reward" / "model"
     hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     assert hf.config.num_labels == 1
@@ -51,32 +53,59 @@ def test_score_cli(default_reward_run, tmp_path):
     import sys
 
     from tests.conftest import ENV, ROOT
+
     model_dir = default_reward_run / "reward" / "model"
-    proc = subprocess.run([sys.executable, "-m", "rlhf.score", str(model_dir), "--prompt",
-                           "Q: What is 03 + 45?\nA:", "--response", " The answer is 48."],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf.score",
+            str(model_dir),
+            "--prompt",
+            "Q: What is 03 + 45?\nA:",
+            "--response",
+            " The answer is 48.",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout.splitlines()[0])) == {"score", "normalized"}
 
     def score_cli(*args):
-        return subprocess.run([sys.executable, "-m", "rlhf.score", *map(str, args)], cwd=ROOT, env=ENV,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "rlhf.score", *map(str, args)],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     # preference pairs: one line per pair, then the accuracy (the default RM ranks them well)
     from rlhf.config import SyntheticConfig
     from rlhf.data import synthetic
+
     _, held_out = synthetic.generate(SyntheticConfig(), 256, seed=1234)
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": e.prompt, "chosen": e.chosen, "rejected": e.rejected}) + "\n"
-                             for e in held_out[:64]))
+    pairs.write_text(
+        "".join(
+            json.dumps({"prompt": e.prompt, "chosen": e.chosen, "rejected": e.rejected}) + "\n" for e in held_out[:64]
+        )
+    )
     proc = score_cli(model_dir, "--jsonl", pairs)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert len(lines) == 65 and set(lines[0]) == {"chosen", "rejected", "correct"}
     assert lines[-1]["pairs"] == 64 and lines[-1]["accuracy"] >= 0.8
     # not a reward model / no such directory: exit 2, one line
-    for bad, fragment in ((default_reward_run / "sft" / "model", "not a reward model"),
-                          (tmp_path / "nope", "no such directory")):
+    for bad, fragment in (
+        (default_reward_run / "sft" / "model", "not a reward model"),
+        (tmp_path / "nope", "no such directory"),
+    ):
         proc = score_cli(bad, "--prompt", "x", "--response", "y")
         assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -86,15 +115,27 @@ def test_reward_on_hh(default_sft_run, real_data, tmp_path):
     wrong position, swapping chosen and rejected or cutting the responses apart would leave it near
     chance; a tiny arithmetic model cannot generalise on HH, so held-out accuracy would say nothing."""
     import gzip
+
     pairs = tmp_path / "hh32.jsonl"
     with gzip.open(real_data / "hh-rlhf/harmless-base-test.jsonl.gz", "rt") as f:
         lines = [x for x in f if len(x) < 1200][:32]  # short conversations: nothing is truncated away
     pairs.write_text("".join(lines))
-    proc = run_cli("stage=reward", f"run.dir={tmp_path}", f"model.path={default_sft_run / 'sft' / 'model'}",
-                   f"data.path={pairs}", "data.format=hh", f"data.eval_path={pairs}",
-                   "train.max_steps=40", "train.global_batch=8", "train.lr=1e-3", "train.warmup_steps=4",
-                   "train.save_every=0", "logger.progress=false",
-                   "data.max_prompt_len=256", "data.max_response_len=192")
+    proc = run_cli(
+        "stage=reward",
+        f"run.dir={tmp_path}",
+        f"model.path={default_sft_run / 'sft' / 'model'}",
+        f"data.path={pairs}",
+        "data.format=hh",
+        f"data.eval_path={pairs}",
+        "train.max_steps=40",
+        "train.global_batch=8",
+        "train.lr=1e-3",
+        "train.warmup_steps=4",
+        "train.save_every=0",
+        "logger.progress=false",
+        "data.max_prompt_len=256",
+        "data.max_response_len=192",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "reward" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["eval/accuracy"] >= 0.9, rows[-1]
@@ -109,8 +150,15 @@ def test_reward_without_sft_exits_2(tmp_path):
 def test_reward_resume_after_checkpoint(tmp_path):
     """A rerun with a larger train.max_steps resumes from the last checkpoint instead of starting over."""
     assert run_cli(*quick_sft_args(tmp_path, steps=10)).returncode == 0
-    args = ["stage=reward", f"run.dir={tmp_path}", "train.max_steps=6", "train.save_every=3",
-            "logger.progress=false", "train.global_batch=16", "data.synthetic.num_records=500"]
+    args = [
+        "stage=reward",
+        f"run.dir={tmp_path}",
+        "train.max_steps=6",
+        "train.save_every=3",
+        "logger.progress=false",
+        "train.global_batch=16",
+        "data.synthetic.num_records=500",
+    ]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-2000:]
     again = run_cli(*args, "train.max_steps=9")
@@ -126,8 +174,16 @@ def test_later_stages_start_from_the_previous_output(tmp_path):
     user_model = base / "sft" / "model"
     proc = run_cli(*quick_sft_args(run, steps=2), f"model.path={user_model}", "train.save_every=0")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    args = ["stage=reward", f"run.dir={run}", f"model.path={user_model}", "train.max_steps=1", "train.save_every=0",
-            "logger.progress=false", "train.global_batch=16", "data.synthetic.num_records=500"]
+    args = [
+        "stage=reward",
+        f"run.dir={run}",
+        f"model.path={user_model}",
+        "train.max_steps=1",
+        "train.save_every=0",
+        "logger.progress=false",
+        "train.global_batch=16",
+        "data.synthetic.num_records=500",
+    ]
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"reward: starting from {run / 'sft' / 'model'} (the SFT output" in proc.stderr

@@ -1,6 +1,7 @@
 """A run's first hour without surprises (issue 28), through the CLI: a finished stage reruns as done, the
 gold evaluation says its size and can be turned off, every metrics line has the peak memory, and
 rlhf.eval scores a policy with the run's own saved data and eval settings."""
+
 import json
 import subprocess
 import sys
@@ -15,8 +16,14 @@ def rows(path):
 
 
 def eval_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "rlhf.eval", *map(str, args)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf.eval", *map(str, args)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def error_lines(proc, prog="python -m rlhf.eval"):
@@ -25,13 +32,19 @@ def error_lines(proc, prog="python -m rlhf.eval"):
 
 def snapshot(path):
     """{relative path: (mtime_ns, bytes)} of every file under ``path``."""
-    return {str(p.relative_to(path)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(path.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(path)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(path.rglob("*")) if p.is_file()
+    }
 
 
 def test_a_finished_stage_reruns_as_done_and_a_larger_max_steps_continues_it(tmp_path):
     run = tmp_path / "run"
-    args = [*quick_sft_args(run, steps=2), "train.save_every=2", "eval.gold_prompts=4", "data.synthetic.num_records=500"]
+    args = [
+        *quick_sft_args(run, steps=2),
+        "train.save_every=2",
+        "eval.gold_prompts=4",
+        "data.synthetic.num_records=500",
+    ]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-3000:]
     sft = run / "sft"
@@ -41,8 +54,12 @@ def test_a_finished_stage_reruns_as_done_and_a_larger_max_steps_continues_it(tmp
     lines = rows(sft / "metrics.jsonl")
     assert len(lines) == 3 and all(r["mem/peak_gb"] > 0.05 for r in lines), lines  # every line, eval's too
     saved = OmegaConf.load(sft / "config.yaml")
-    assert (saved.stage, saved.train.max_steps, saved.eval.gold_prompts, saved.data.synthetic.num_records) == \
-        ("sft", 2, 4, 500)
+    assert (saved.stage, saved.train.max_steps, saved.eval.gold_prompts, saved.data.synthetic.num_records) == (
+        "sft",
+        2,
+        4,
+        500,
+    )
     done = json.loads((sft / "done.json").read_text())
     assert done["step"] == 2 and done["outputs"] == ["model"] and set(done["fingerprint"]) >= {"model", "data"}
 
@@ -83,8 +100,14 @@ def test_gold_evaluation_can_be_turned_off(tmp_path):
     assert proc.stderr.count("no gold evaluation") == 1 and "gold: " not in proc.stderr
     lines = rows(tmp_path / "sft" / "metrics.jsonl")
     assert not any(k.startswith("gold/") for r in lines for k in r) and "eval/loss" in lines[-1]
-    summ = subprocess.run([sys.executable, "-m", "rlhf.summary", str(tmp_path)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    summ = subprocess.run(
+        [sys.executable, "-m", "rlhf.summary", str(tmp_path)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert summ.returncode == 0, summ.stderr[-3000:]
     sft = json.loads((tmp_path / "summary.json").read_text())["sft"]
     assert set(sft) == {"eval/loss", "mem/peak_gb"}
@@ -101,11 +124,24 @@ def test_eval_scores_with_the_runs_own_data_and_eval_settings(tmp_path):
     """The GSM8K run's held-out prompts, eval sizes and lengths, not the built-in arithmetic task; no
     saved configuration and no data.* given: exit 2 rather than score the wrong task."""
     run = tmp_path / "run"
-    proc = run_cli("stage=sft", f"run.dir={run}", f"data.path={REAL_DATA / 'gsm8k' / 'train.jsonl.gz'}",
-                   "data.format=gsm8k", "train.max_steps=2", "train.global_batch=8", "train.save_every=0",
-                   "train.warmup_steps=1", "logger.progress=false", "engine.precision=fp32", "data.eval_size=16",
-                   "data.max_prompt_len=96", "data.max_response_len=64", "eval.gold_prompts=4",
-                   "eval.gold_samples=1", "eval.max_new_tokens=8")
+    proc = run_cli(
+        "stage=sft",
+        f"run.dir={run}",
+        f"data.path={REAL_DATA / 'gsm8k' / 'train.jsonl.gz'}",
+        "data.format=gsm8k",
+        "train.max_steps=2",
+        "train.global_batch=8",
+        "train.save_every=0",
+        "train.warmup_steps=1",
+        "logger.progress=false",
+        "engine.precision=fp32",
+        "data.eval_size=16",
+        "data.max_prompt_len=96",
+        "data.max_response_len=64",
+        "eval.gold_prompts=4",
+        "eval.gold_samples=1",
+        "eval.max_new_tokens=8",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = rows(run / "sft" / "metrics.jsonl")[-1]
     model, saved = run / "sft" / "model", run / "sft" / "config.yaml"

@@ -1,6 +1,7 @@
 """Learning that holds for seeds other than the default: the embedded pipeline (SFT → reward → PPO with
 the reward model, and GRPO with the rule reward from the same SFT policy) through bench/seeds.py, with
-the recipe's per-seed targets (README, "Learning over seeds")."""
+the recipe's per-seed targets (docs/stages.md, "Learning over seeds")."""
+
 import json
 import subprocess
 import sys
@@ -24,9 +25,23 @@ def figures(stdout: str) -> dict:
 
 @pytest.mark.slow  # two whole pipelines (≈ 15 minutes on 2 cores)
 def test_two_other_seeds_meet_the_targets(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "seeds.py"), "--seeds", *map(str, SEEDS),
-                           "--parallel", "2", "--out", str(tmp_path)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "seeds.py"),
+            "--seeds",
+            *map(str, SEEDS),
+            "--parallel",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     figs = figures(proc.stdout)
     assert sorted(figs) == list(SEEDS), proc.stdout

@@ -1,4 +1,5 @@
 """SFT through the CLI: the embedded default, resume after SIGKILL, real data."""
+
 import json
 import signal
 import subprocess
@@ -17,6 +18,7 @@ def read_metrics(path):
 
 def test_default_sft_run(default_sft_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     out = default_sft_run / "sft"
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     tok = AutoTokenizer.from_pretrained(out / "model")
@@ -30,7 +32,7 @@ def test_default_sft_run(default_sft_run):
     assert losses[-1] <= 0.5 * losses[0], losses
     assert all(k in rows[0] for k in ("loss", "lr", "samples_per_s"))
     final = [r for r in rows if "gold/score" in r][-1]
-    # the recipe's targets (README "Learning over seeds"): the arithmetic learnt (greedy), the data's
+    # the recipe's targets (docs/stages.md "Learning over seeds"): the arithmetic learnt (greedy), the data's
     # own errors still sampled (room for RL)
     assert final["gold/score_greedy"] >= 0.8 and 0.25 <= final["gold/score"] <= 0.7, final
     assert "eval/loss" in final
@@ -39,6 +41,7 @@ def test_default_sft_run(default_sft_run):
 
 def _weights(model_dir):
     from safetensors.torch import load_file
+
     return load_file(str(model_dir / "model.safetensors"))
 
 
@@ -52,7 +55,9 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
     cmd = [sys.executable, "-m", "rlhf", *quick_sft_args(run, steps=45), *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while time.time() < deadline and not (run / "sft" / "checkpoints" / "step_00000015" / "trainer_state.json").exists():
+    while (
+        time.time() < deadline and not (run / "sft" / "checkpoints" / "step_00000015" / "trainer_state.json").exists()
+    ):
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
@@ -68,13 +73,25 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
     assert steps == sorted(set(steps)), "metrics.jsonl holds each step once after resume"
 
 
-@pytest.mark.parametrize("fmt, rel", [("gsm8k", "gsm8k/train.jsonl.gz"),
-                                      ("hh", "hh-rlhf/harmless-base-test.jsonl.gz")])
+@pytest.mark.parametrize("fmt, rel", [("gsm8k", "gsm8k/train.jsonl.gz"), ("hh", "hh-rlhf/harmless-base-test.jsonl.gz")])
 def test_real_data_sft(real_data, tmp_path, fmt, rel):
-    proc = run_cli("stage=sft", f"run.dir={tmp_path}", f"data.path={real_data / rel}", f"data.format={fmt}",
-                   "train.max_steps=30", "train.global_batch=8", "train.save_every=0", "logger.progress=false",
-                   "train.log_every=1", "train.warmup_steps=5", "data.max_prompt_len=96", "data.max_response_len=64",
-                   "eval.gold_prompts=8", "eval.max_new_tokens=8", "data.eval_size=16")
+    proc = run_cli(
+        "stage=sft",
+        f"run.dir={tmp_path}",
+        f"data.path={real_data / rel}",
+        f"data.format={fmt}",
+        "train.max_steps=30",
+        "train.global_batch=8",
+        "train.save_every=0",
+        "logger.progress=false",
+        "train.log_every=1",
+        "train.warmup_steps=5",
+        "data.max_prompt_len=96",
+        "data.max_response_len=64",
+        "eval.gold_prompts=8",
+        "eval.max_new_tokens=8",
+        "data.eval_size=16",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "sft" / "metrics.jsonl")
     losses = [r["loss"] for r in rows if "loss" in r]
@@ -87,8 +104,9 @@ def test_real_data_sft(real_data, tmp_path, fmt, rel):
 
 
 def test_wandb_offline_logging(tmp_path):
-    proc = run_cli(*quick_sft_args(tmp_path, steps=3), "train.save_every=0", "logger.wandb=offline",
-                   env={"WANDB_MODE": "offline"})
+    proc = run_cli(
+        *quick_sft_args(tmp_path, steps=3), "train.save_every=0", "logger.wandb=offline", env={"WANDB_MODE": "offline"}
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs, "wandb wrote no offline run folder"
@@ -101,9 +119,11 @@ def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-2000:]
     before = tree_digest(tmp_path / "sft")
-    for extra, fragment in ((["data.max_response_len=32"], "another lengths"),
-                            (["model.hidden_size=64"], "another model"),
-                            (["train.max_steps=3"], "past train.max_steps=3")):
+    for extra, fragment in (
+        (["data.max_response_len=32"], "another lengths"),
+        (["model.hidden_size=64"], "another model"),
+        (["train.max_steps=3"], "past train.max_steps=3"),
+    ):
         proc = run_cli(*args, *extra)
         assert proc.returncode == 2, (extra, proc.stderr[-2000:])
         lines = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
@@ -131,13 +151,15 @@ def _stop_when_logging(cmd, metrics, sig, lines=3, timeout=300):
 
 def test_sigint_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path):
     args = [*quick_sft_args(tmp_path, steps=5000), "train.save_every=0", "train.log_every=1"]
-    code, err = _stop_when_logging([sys.executable, "-m", "rlhf", *args], tmp_path / "sft" / "metrics.jsonl",
-                                   signal.SIGINT)
+    code, err = _stop_when_logging(
+        [sys.executable, "-m", "rlhf", *args], tmp_path / "sft" / "metrics.jsonl", signal.SIGINT
+    )
     assert code == 130, err[-2000:]
     line = [x for x in err.splitlines() if x.startswith("rlhf: error:")][-1]
     assert "stopped by SIGINT after step" in line and "rerun the same command to resume" in line
     step = int(line.split("after step ")[1].split(";")[0])
     assert (tmp_path / "sft" / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").is_file()
     proc = run_cli(*quick_sft_args(tmp_path, steps=step + 2), "train.save_every=0")
-    assert proc.returncode == 0 and f"(step {step})" in proc.stderr and "resumed from" in proc.stderr, \
-        proc.stderr[-2000:]
+    assert proc.returncode == 0 and f"(step {step})" in proc.stderr and "resumed from" in proc.stderr, proc.stderr[
+        -2000:
+    ]

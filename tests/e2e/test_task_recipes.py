@@ -2,6 +2,7 @@
 as a Hugging Face directory): recipe=hh through SFT → reward → PPO → DPO, recipe=gsm8k_grpo through
 SFT → GRPO with the answer rule. Only the sizes are cut (steps, batches, lengths); everything else is
 the recipe's. Later stages are not told the recipe: they take it from the run's earlier stages."""
+
 import json
 from pathlib import Path
 
@@ -10,8 +11,16 @@ import torch
 
 from tests.conftest import run_cli
 
-CUT = ["train.max_steps=2", "train.global_batch=8", "logger.progress=false", "engine.precision=fp32",
-       "data.max_prompt_len=96", "data.max_response_len=32", "data.eval_size=16", "eval.gold_prompts=4"]
+CUT = [
+    "train.max_steps=2",
+    "train.global_batch=8",
+    "logger.progress=false",
+    "engine.precision=fp32",
+    "data.max_prompt_len=96",
+    "data.max_response_len=32",
+    "data.eval_size=16",
+    "eval.gold_prompts=4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +29,23 @@ def user_model(tmp_path_factory, real_data) -> Path:
 
     from rlhf.data.records import read_examples
     from rlhf.data.tokenizer import train_tokenizer
+
     hh, _ = read_examples(str(real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz"), "hh")
     gsm, _ = read_examples(str(real_data / "gsm8k" / "train.jsonl.gz"), "gsm8k")
     texts = [t for e in hh[:300] + gsm[:300] for t in (e.prompt, e.response, e.chosen, e.rejected) if t]
     tok = train_tokenizer(texts, vocab_size=1200, model_max_length=1024)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("user") / "model"
     LlamaForCausalLM(cfg).save_pretrained(path)
@@ -44,8 +63,7 @@ def test_hh_recipe_end_to_end(user_model, real_data, tmp_path):
     run, data = tmp_path / "run", f"data.path={real_data / 'hh-rlhf' / 'harmless-base-test.jsonl.gz'}"
     log = stage("sft", run, "recipe=hh", f"model.path={user_model}", data)
     assert "recipe=hh (recipe=hh on the command line)" in log
-    for name, extra in (("reward", ()), ("ppo", ("ppo.prompts_per_step=4", "ppo.min_rm_accuracy=0")),
-                        ("dpo", ())):
+    for name, extra in (("reward", ()), ("ppo", ("ppo.prompts_per_step=4", "ppo.min_rm_accuracy=0")), ("dpo", ())):
         log = stage(name, run, data, *extra)
         assert f"recipe=hh (the recipe of this run's earlier stages ({run}/" in log, name
     saved = (run / "ppo" / "config.yaml").read_text()
@@ -58,8 +76,15 @@ def test_hh_recipe_end_to_end(user_model, real_data, tmp_path):
 def test_gsm8k_grpo_recipe_end_to_end(user_model, real_data, tmp_path):
     run, data = tmp_path / "run", f"data.path={real_data / 'gsm8k' / 'train.jsonl.gz'}"
     stage("sft", run, "recipe=gsm8k_grpo", f"model.path={user_model}", data, "data.max_response_len=160")
-    log = stage("ppo", run, data, "ppo.prompts_per_step=2", "ppo.samples_per_prompt=4", "data.max_response_len=160",
-                "ppo.max_new_tokens=40")
+    log = stage(
+        "ppo",
+        run,
+        data,
+        "ppo.prompts_per_step=2",
+        "ppo.samples_per_prompt=4",
+        "data.max_response_len=160",
+        "ppo.max_new_tokens=40",
+    )
     assert "recipe=gsm8k_grpo" in log and "ppo (grpo)" in log
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert any("reward/rule" in r for r in rows) and not any("critic/loss" in r for r in rows)

@@ -1,5 +1,6 @@
 """The reliability suite's runs. The PPO jobs of the selected tests start together (the CI has two
 cores and one 2-worker job keeps about one busy); each test waits for its own."""
+
 from __future__ import annotations
 
 import os
@@ -18,24 +19,49 @@ OVERLAPPED = ("ppo_reference", "ppo_two_nodes", "ppo_restarted")
 def ppo_args(run_dir, *extra: str) -> list[str]:
     """A bounded PPO (GAE: actor and critic) run, checkpointing every 2 of its 4 steps, one thread
     per rank (so one node × 2 workers and two nodes × 1 worker do the same arithmetic)."""
-    return ["stage=ppo", f"run.dir={run_dir}", f"train.max_steps={PPO_STEPS}", "ppo.prompts_per_step=8",
-            "ppo.samples_per_prompt=2", "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=2", "logger.progress=false",
-            "eval.gold_prompts=8", "eval.gold_samples=1", "train.eval_every=0",
-            f"train.save_every={PPO_SAVE_EVERY}", "data.synthetic.num_records=2000", "engine.threads_per_rank=1",
-            "ppo.min_rm_accuracy=0", *extra]
+    return [
+        "stage=ppo",
+        f"run.dir={run_dir}",
+        f"train.max_steps={PPO_STEPS}",
+        "ppo.prompts_per_step=8",
+        "ppo.samples_per_prompt=2",
+        "ppo.ppo_epochs=1",
+        "ppo.minibatches_per_epoch=2",
+        "logger.progress=false",
+        "eval.gold_prompts=8",
+        "eval.gold_samples=1",
+        "train.eval_every=0",
+        f"train.save_every={PPO_SAVE_EVERY}",
+        "data.synthetic.num_records=2000",
+        "engine.threads_per_rank=1",
+        "ppo.min_rm_accuracy=0",
+        *extra,
+    ]
 
 
 def one_node(nproc: int = 2, **kw) -> list[str]:
-    return [f"launcher.nproc_per_node={nproc}", f"launcher.rdzv_endpoint=127.0.0.1:{free_port()}",
-            *[f"launcher.{k}={v}" for k, v in kw.items()]]
+    return [
+        f"launcher.nproc_per_node={nproc}",
+        f"launcher.rdzv_endpoint=127.0.0.1:{free_port()}",
+        *[f"launcher.{k}={v}" for k, v in kw.items()],
+    ]
 
 
 def two_nodes(args, log_dir, name) -> list[Job]:
     """The same job as two launchers (launcher.nnodes=2, one worker each) on loopback."""
     port = free_port()
-    return [Job(*args, "launcher.nnodes=2", "launcher.nproc_per_node=1", f"launcher.node_rank={i}",
-                f"launcher.rdzv_endpoint=127.0.0.1:{port}", f"launcher.rdzv_id={name}",
-                log=log_dir / f"{name}_node{i}.txt") for i in (0, 1)]
+    return [
+        Job(
+            *args,
+            "launcher.nnodes=2",
+            "launcher.nproc_per_node=1",
+            f"launcher.node_rank={i}",
+            f"launcher.rdzv_endpoint=127.0.0.1:{port}",
+            f"launcher.rdzv_id={name}",
+            log=log_dir / f"{name}_node{i}.txt",
+        )
+        for i in (0, 1)
+    ]
 
 
 class Pending:
@@ -95,6 +121,7 @@ def ppo_restarted(small_pipeline, tmp_path_factory):
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[0], signal.SIGKILL)
         return ranks
+
     p = Pending(run, job, kill=When(ckpt.exists, kill_rank0, job, 400, "the first checkpoint"))
     yield p
     p.stop()

@@ -1,5 +1,6 @@
 """Launching ``python -m rlhf`` jobs in the background, finding their worker processes through
 /proc, and comparing what they wrote."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,13 @@ class Job:
         self.log = Path(log)
         self.t0 = time.monotonic()
         with open(self.log, "w") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "rlhf", *overrides], cwd=ROOT,
-                                         env={**ENV, **(env or {})}, stdout=f, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rlhf", *overrides],
+                cwd=ROOT,
+                env={**ENV, **(env or {})},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
 
     @property
     def pid(self) -> int:
@@ -41,9 +47,9 @@ class Job:
     def wait(self, timeout: float = 600) -> int:
         try:
             return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             self.kill_tree()
-            raise AssertionError(f"job still running after {timeout} s:\n{self.tail()}")
+            raise AssertionError(f"job still running after {timeout} s:\n{self.tail()}") from e
 
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
@@ -123,9 +129,9 @@ class When:
     """Runs ``action()`` in a thread once ``cond()`` holds (polled every 20 ms, ``timeout`` s at
     most, given up when ``job`` ends first). ``result()`` joins it and re-raises its error."""
 
-    def __init__(self, cond: Callable[[], bool], action: Callable[[], object], job: "Job", timeout: float,
-                 what: str):
+    def __init__(self, cond: Callable[[], bool], action: Callable[[], object], job: "Job", timeout: float, what: str):
         import threading
+
         self.value, self.error, self.at = None, None, None
 
         def run():
@@ -134,6 +140,7 @@ class When:
                 self.value, self.at = action(), time.monotonic()
             except BaseException as e:  # reported by result()
                 self.error = e
+
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
 
@@ -146,6 +153,7 @@ class When:
 
 def weights(model_dir: Path) -> dict:
     from safetensors.torch import load_file
+
     return load_file(str(Path(model_dir) / "model.safetensors"))
 
 

@@ -1,5 +1,6 @@
 """Two simulated nodes on loopback (two launchers, launcher.nnodes=2, one worker each) ≡ one node
 with two workers: the same world, so the same numbers (fp32, one thread per rank)."""
+
 import pytest
 
 from tests.conftest import quick_sft_args
@@ -31,8 +32,13 @@ def test_ppo_two_nodes_match_one_node(ppo_reference, ppo_two_nodes):
 
 def test_sft_two_nodes_match_one_node(tmp_path):
     def args(run_dir):
-        return [*quick_sft_args(run_dir, steps=8), "train.save_every=0", "engine.threads_per_rank=1",
-                "train.log_every=1"]
+        return [
+            *quick_sft_args(run_dir, steps=8),
+            "train.save_every=0",
+            "engine.threads_per_rank=1",
+            "train.log_every=1",
+        ]
+
     ref_dir, two_dir = tmp_path / "one_node", tmp_path / "two_nodes"
     ref = Job(*args(ref_dir), *one_node(2), log=tmp_path / "sft1n.txt")
     nodes = two_nodes(args(two_dir), tmp_path, "sft2n")

@@ -1,6 +1,7 @@
 """SIGKILL of a worker mid-PPO under ``launcher.max_restarts=1``: the elastic agent restarts the
 workers, they resume from the last checkpoint, and the job ends (exit 0) with the weights, metrics
 and checkpoints of a run that was never interrupted."""
+
 import pytest
 
 from tests.reliability.conftest import PPO_SAVE_EVERY, PPO_STEPS

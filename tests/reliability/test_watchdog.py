@@ -1,5 +1,6 @@
 """The pieces behind the failure tests, without launching jobs: which exceptions are a lost peer,
 how the silent peer is named, and which failed rank the launcher reports (and with which code)."""
+
 import datetime
 import signal
 
@@ -8,11 +9,17 @@ import pytest
 from rlhf.launcher import launch, watchdog
 from tests.reliability.helpers import free_port
 
-GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
-                "Timed out waiting 20000ms for send operation to complete")
-GLOO_CLOSED = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4567"
-GLOO_CONNECT = ("Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] "
-                "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:35227")
+GLOO_TIMEOUT = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
+    "Timed out waiting 20000ms for send operation to complete"
+)
+GLOO_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4567"
+)
+GLOO_CONNECT = (
+    "Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] "
+    "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:35227"
+)
 
 
 @pytest.fixture
@@ -38,8 +45,7 @@ def test_collective_failures_are_recognised(two_ranks):
         assert watchdog.collective_failure(e, 600) is not None
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("CUDA out of memory"), ValueError("request timed out"),
-                                 KeyError("peer")])
+@pytest.mark.parametrize("exc", [RuntimeError("CUDA out of memory"), ValueError("request timed out"), KeyError("peer")])
 def test_other_errors_are_bugs(two_ranks, exc):
     assert watchdog.collective_failure(exc, 600) is None
 
@@ -51,9 +57,15 @@ def test_single_process_has_no_peers(monkeypatch):
 
 def test_heartbeat_names_the_silent_rank(monkeypatch):
     import torch.distributed as dist
+
     port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
-                           timeout=datetime.timedelta(seconds=10))
+    _server = dist.TCPStore(  # held for the test: the store serves while it lives
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
     monkeypatch.setenv(watchdog.HEARTBEAT_STORE_ENV, f"127.0.0.1:{port}")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "unit")
     beats = [watchdog.Heartbeat(r, 3).start() for r in range(3)]
@@ -69,35 +81,54 @@ def test_heartbeat_names_the_silent_rank(monkeypatch):
 
 def _failure(rank, pid, exitcode, tmp_path, message=None, printed=False):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
     path = tmp_path / f"error{rank}_{pid}.json"
     if message is not None:
         import json
+
         path.write_text(json.dumps({"message": message, "timestamp": 1, "rlhf": {"printed": printed}}))
     return ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file=str(path))
 
 
 def _child_failure(failures):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     return launch.child_failure(ChildFailedError("rlhf", failures))
 
 
 def test_launcher_reports_the_root_cause(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "_terminated_by_agent", {102})
     # rank 1 found bad input (exit 2) and printed nothing; rank 0 was terminated by the agent
-    code, line, _ = _child_failure({0: _failure(0, 102, -signal.SIGTERM, tmp_path),
-                                    1: _failure(1, 101, 2, tmp_path, "f.jsonl:3: record has no field 'x'")})
+    code, line, _ = _child_failure(
+        {
+            0: _failure(0, 102, -signal.SIGTERM, tmp_path),
+            1: _failure(1, 101, 2, tmp_path, "f.jsonl:3: record has no field 'x'"),
+        }
+    )
     assert (code, line) == (2, "f.jsonl:3: record has no field 'x'")
     # a rank timed out (exit 3, printed its line) and the agent SIGKILLed the stopped one
-    code, line, cause = _child_failure({0: _failure(0, 101, 3, tmp_path, "collective timed out", printed=True),
-                                        1: _failure(1, 102, -signal.SIGKILL, tmp_path)})
+    code, line, cause = _child_failure(
+        {
+            0: _failure(0, 101, 3, tmp_path, "collective timed out", printed=True),
+            1: _failure(1, 102, -signal.SIGKILL, tmp_path),
+        }
+    )
     assert (code, line, cause) == (3, None, "collective timed out")
     # killed from outside (OOM killer): 128 + 9, named beside the survivor's own line
-    code, line, _ = _child_failure({1: _failure(1, 103, -signal.SIGKILL, tmp_path),
-                                    0: _failure(0, 104, 3, tmp_path, "lost the connection", printed=True)})
+    code, line, _ = _child_failure(
+        {
+            1: _failure(1, 103, -signal.SIGKILL, tmp_path),
+            0: _failure(0, 104, 3, tmp_path, "lost the connection", printed=True),
+        }
+    )
     assert (code, line) == (137, "worker rank 1 (pid 103) was killed by SIGKILL")
     # bad input seen by rank 1 only (ranks > 0 do not print it): the launcher does, once
-    code, line, _ = _child_failure({1: _failure(1, 107, 2, tmp_path, "bad record"),
-                                    0: _failure(0, 108, 3, tmp_path, "lost the connection", printed=True)})
+    code, line, _ = _child_failure(
+        {
+            1: _failure(1, 107, 2, tmp_path, "bad record"),
+            0: _failure(0, 108, 3, tmp_path, "lost the connection", printed=True),
+        }
+    )
     assert (code, line) == (2, "bad record")
     # a bug: its own exit code, its traceback is above
     code, line, _ = _child_failure({0: _failure(0, 105, 1, tmp_path)})
@@ -127,7 +158,17 @@ def test_exit_code_survives_a_heartbeat_inside_a_store_call():
     import sys
 
     from tests.conftest import ENV, ROOT
-    procs = [subprocess.Popen([sys.executable, "-c", EXIT_WITH_A_BUSY_HEARTBEAT], cwd=ROOT, env=ENV,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(6)]
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", EXIT_WITH_A_BUSY_HEARTBEAT],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
     results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
     assert [code for code, _ in results] == [2] * 6, [err[-300:] for _, err in results]

@@ -1,4 +1,5 @@
 """The messages format and chat templates: parsing, rendering, the assistant-token mask."""
+
 import json
 import re
 
@@ -14,14 +15,18 @@ from rlhf.data.tokenizer import train_tokenizer
 from rlhf.errors import ConfigError, DataError
 
 # A ChatML template (Qwen's form) for a tokenizer that has <|im_start|>/<|im_end|> as special tokens.
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-MULTI = [{"role": "system", "content": "Be brief."},
-         {"role": "user", "content": "What is 03 + 45?"},
-         {"role": "assistant", "content": "The answer is 48."},
-         {"role": "user", "content": "And 10 + 20?"},
-         {"role": "assistant", "content": "The answer is 30."}]
+MULTI = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 03 + 45?"},
+    {"role": "assistant", "content": "The answer is 48."},
+    {"role": "user", "content": "And 10 + 20?"},
+    {"role": "assistant", "content": "The answer is 30."},
+]
 
 
 def write_jsonl(path, records):
@@ -59,14 +64,22 @@ def assistant_runs(tok, ids, mask):
 
 
 def test_messages_records_parse(tmp_path):
-    f = write_jsonl(tmp_path / "m.jsonl", [
-        {"messages": MULTI},
-        {"chosen": MULTI[:4] + [{"role": "assistant", "content": "30."}],
-         "rejected": MULTI[:4] + [{"role": "assistant", "content": "31."}]},
-        {"prompt": "Hi?", "chosen": [{"role": "assistant", "content": "Hello."}],
-         "rejected": [{"role": "assistant", "content": "Go away."}]},
-        {"messages": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]},
-    ][:3])
+    f = write_jsonl(
+        tmp_path / "m.jsonl",
+        [
+            {"messages": MULTI},
+            {
+                "chosen": MULTI[:4] + [{"role": "assistant", "content": "30."}],
+                "rejected": MULTI[:4] + [{"role": "assistant", "content": "31."}],
+            },
+            {
+                "prompt": "Hi?",
+                "chosen": [{"role": "assistant", "content": "Hello."}],
+                "rejected": [{"role": "assistant", "content": "Go away."}],
+            },
+            {"messages": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]},
+        ][:3],
+    )
     sft, pair, trl = read_examples(str(f), "messages")[0]
     assert sft.chat.prompt == MULTI[:4] and sft.chat.response == "The answer is 30."
     assert sft.prompt == plain_text(MULTI[:4]) and sft.response == " The answer is 30."
@@ -75,30 +88,49 @@ def test_messages_records_parse(tmp_path):
     assert (pair.chosen, pair.rejected, pair.response) == (" 30.", " 31.", " 30.")
     assert trl.chat.prompt == [{"role": "user", "content": "Hi?"}] and trl.chat.rejected == "Go away."
     # ShareGPT's keys and role names through data.columns
-    g = write_jsonl(tmp_path / "g.jsonl", [{"conversations": [{"from": "human", "value": "Hi?"},
-                                                              {"from": "gpt", "value": "Hello."}]}])
-    (ex,), _ = read_examples(str(g), "messages", columns={"messages": "conversations", "role": "from",
-                                                          "content": "value"})
+    g = write_jsonl(
+        tmp_path / "g.jsonl",
+        [{"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}],
+    )
+    (ex,), _ = read_examples(
+        str(g), "messages", columns={"messages": "conversations", "role": "from", "content": "value"}
+    )
     assert ex.chat.prompt == [{"role": "user", "content": "Hi?"}] and ex.chat.response == "Hello."
 
 
-@pytest.mark.parametrize("record, fragment", [
-    ({"messages": "hi"}, "field 'messages' must be a non-empty list"),
-    ({"messages": [{"role": "user"}]}, "field 'messages'[0] has no string 'content'"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot': expected system, user or assistant"),
-    ({"messages": [{"role": "assistant", "content": "x"}]}, "no user turn"),
-    # an empty answer is a record (tests/unit/test_empty_turns.py); a dropped last turn is not
-    ({"chosen": [{"role": "user", "content": "q"}],
-      "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
-     "field 'chosen' has no last assistant turn"),
-    ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-      "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "b"}]},
-     "must differ only in their last turn"),
-    ({"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
-     "share no turns and the record has no field 'prompt'"),
-    ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "but no field 'rejected'"),
-    ({"text": "x"}, "record has no field 'messages'"),
-])
+@pytest.mark.parametrize(
+    "record, fragment",
+    [
+        ({"messages": "hi"}, "field 'messages' must be a non-empty list"),
+        ({"messages": [{"role": "user"}]}, "field 'messages'[0] has no string 'content'"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot': expected system, user or assistant"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "no user turn"),
+        # an empty answer is a record (tests/unit/test_empty_turns.py); a dropped last turn is not
+        (
+            {
+                "chosen": [{"role": "user", "content": "q"}],
+                "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
+            },
+            "field 'chosen' has no last assistant turn",
+        ),
+        (
+            {
+                "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "b"}],
+            },
+            "must differ only in their last turn",
+        ),
+        (
+            {"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
+            "share no turns and the record has no field 'prompt'",
+        ),
+        (
+            {"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            "but no field 'rejected'",
+        ),
+        ({"text": "x"}, "record has no field 'messages'"),
+    ],
+)
 def test_bad_messages_name_file_line_and_field(tmp_path, record, fragment):
     f = write_jsonl(tmp_path / "x.jsonl", [{"messages": MULTI}, record])
     with pytest.raises(DataError) as e:
@@ -128,15 +160,19 @@ def test_synthetic_task_through_the_embedded_template_is_token_identical(tok):
     assert ids == encode_prompts(data.eval, tok, None) == tok([e.prompt for e in data.eval])["input_ids"]
     sft = tokenize_sft(data.train[:1], tok, 64, 64, chat=template)
     assert sft["ids"][0][-1] == tok.eos_token_id and sft["mask"][0] == [0] * sft["prompt_len"][0] + [1] * (
-        len(sft["ids"][0]) - sft["prompt_len"][0])
+        len(sft["ids"][0]) - sft["prompt_len"][0]
+    )
 
 
 @pytest.mark.parametrize("which", ["embedded", "chatml", "fallback"])
 def test_multi_turn_mask_covers_exactly_the_assistant_turns(tok, chatml_tok, which):
-    t, template = {"embedded": (tok, tok.chat_template), "chatml": (chatml_tok, CHATML),
-                   "fallback": (tok, None)}[which]
-    ex = Example(prompt=plain_text(MULTI[:4]), response=" " + MULTI[4]["content"], where="m:1",
-                 chat=read_examples.__globals__["Chat"](prompt=MULTI[:4], response=MULTI[4]["content"]))
+    t, template = {"embedded": (tok, tok.chat_template), "chatml": (chatml_tok, CHATML), "fallback": (tok, None)}[which]
+    ex = Example(
+        prompt=plain_text(MULTI[:4]),
+        response=" " + MULTI[4]["content"],
+        where="m:1",
+        chat=read_examples.__globals__["Chat"](prompt=MULTI[:4], response=MULTI[4]["content"]),
+    )
     cols = tokenize_sft([ex], t, 512, 512, chat=template)
     ids, mask = cols["ids"][0], cols["mask"][0]
     assert assistant_runs(t, ids, mask) == ["The answer is 48.", "The answer is 30."]
@@ -148,26 +184,38 @@ def test_multi_turn_mask_covers_exactly_the_assistant_turns(tok, chatml_tok, whi
     elif which == "fallback":
         assert text == t.bos_token + plain_text(MULTI, generation_prompt=False) + t.eos_token
     else:
-        assert text == t.bos_token + "Be brief.\nQ: What is 03 + 45?\nA: The answer is 48.</s>Q: And 10 + 20?\nA: The answer is 30.</s>"
+        assert (
+            text
+            == t.bos_token
+            + "Be brief.\nQ: What is 03 + 45?\nA: The answer is 48.</s>Q: And 10 + 20?\nA: The answer is 30.</s>"
+        )
     # the masked-out tokens are exactly the rest: system, user turns, markup
     # and the last turn ends with EOS (ChatML: <|im_end|> then a newline), learnt
-    last = ids[cols["prompt_len"][0]:]
-    assert t.eos_token_id in last and mask[-len(last):] == [1] * len(last)
+    last = ids[cols["prompt_len"][0] :]
+    assert t.eos_token_id in last and mask[-len(last) :] == [1] * len(last)
     # the prompt part is the PPO/gold prompt: the same tokens with the generation prompt
     prompt = encode_prompts([ex], t, template)[0]
-    assert ids[:cols["prompt_len"][0]] == prompt
+    assert ids[: cols["prompt_len"][0]] == prompt
     # collate: labels only where the mask is 1
     from rlhf.data.tokenize import collate_sft
+
     b = collate_sft(cols["ids"], cols["prompt_len"], t.pad_token_id, True, cols["mask"])
     learnt = [i for i, lab in zip(ids, b["labels"][0].tolist()) if lab != -100]
     assert learnt == [i for i, m in zip(ids, mask) if m]
-    assert (collate_sft(cols["ids"], cols["prompt_len"], t.pad_token_id, False, cols["mask"])["labels"][0] != -100).all()
+    assert (
+        collate_sft(cols["ids"], cols["prompt_len"], t.pad_token_id, False, cols["mask"])["labels"][0] != -100
+    ).all()
 
 
 def test_pairs_and_prompts_through_a_template(chatml_tok):
     ex = read_examples.__globals__["_message_pair"](
-        {"chosen": MULTI[:4] + [{"role": "assistant", "content": "30."}],
-         "rejected": MULTI[:4] + [{"role": "assistant", "content": "It is 31."}]}, "p:1", ("role", "content"))
+        {
+            "chosen": MULTI[:4] + [{"role": "assistant", "content": "30."}],
+            "rejected": MULTI[:4] + [{"role": "assistant", "content": "It is 31."}],
+        },
+        "p:1",
+        ("role", "content"),
+    )
     cols = tokenize_pairs([ex], chatml_tok, 512, 512, chat=CHATML)
     p = cols["prompt_len"][0]
     assert cols["chosen"][0][:p] == cols["rejected"][0][:p] == encode_prompts([ex], chatml_tok, CHATML)[0]
@@ -179,12 +227,14 @@ def test_pairs_and_prompts_through_a_template(chatml_tok):
 
 def test_fallback_template_is_the_plain_text(tok):
     for turns in (MULTI[:2], MULTI[:4], MULTI[1:2]):
-        assert tok.apply_chat_template(turns, chat_template=FALLBACK_TEMPLATE, tokenize=False,
-                                       add_generation_prompt=True) == plain_text(turns)
+        assert tok.apply_chat_template(
+            turns, chat_template=FALLBACK_TEMPLATE, tokenize=False, add_generation_prompt=True
+        ) == plain_text(turns)
 
 
 def test_template_setting(tok, tmp_path):
     import copy
+
     t = copy.deepcopy(tok)
     assert resolve_template(t, "none") is None and resolve_template(t, "auto") == t.chat_template
     f = tmp_path / "chatml.jinja"
@@ -200,8 +250,10 @@ def test_template_setting(tok, tmp_path):
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
     # drops every assistant turn but the last one (as reasoning templates drop old thinking)
-    rewriting = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
-                 "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}")
+    rewriting = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    )
     with pytest.raises(DataError, match="m:1: the chat template does not render this conversation turn by turn"):
         Renderer(tok, rewriting).encode([MULTI], ["m:1"])
 

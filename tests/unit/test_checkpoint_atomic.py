@@ -1,5 +1,6 @@
 """A checkpoint is whole or absent: everything it holds (the tokenizer included) is written before
 its ``trainer_state.json`` marks it complete and it takes its final name."""
+
 import json
 
 from rlhf.config import EngineConfig, TrainConfig
@@ -18,8 +19,13 @@ class RecordingTokenizer:
     def save_pretrained(self, path):
         path.mkdir(parents=True)
         (path / "tokenizer.json").write_text("{}")
-        self.seen.append({"dir": path.parent.name, "state_written": (path.parent / STATE_FILE).exists(),
-                          "complete": latest_checkpoint(self.ckpt_dir)})
+        self.seen.append(
+            {
+                "dir": path.parent.name,
+                "state_written": (path.parent / STATE_FILE).exists(),
+                "complete": latest_checkpoint(self.ckpt_dir),
+            }
+        )
 
 
 def test_the_tokenizer_is_inside_the_checkpoint_before_it_is_complete(tmp_path):
@@ -31,8 +37,9 @@ def test_the_tokenizer_is_inside_the_checkpoint_before_it_is_complete(tmp_path):
 
     def extra(d):  # as the EMA actor is saved
         (d / "ema.bin").write_bytes(b"x")
-        extras.append({"dir": d.name, "state_written": (d / STATE_FILE).exists(),
-                       "complete": latest_checkpoint(ckpt_dir)})
+        extras.append(
+            {"dir": d.name, "state_written": (d / STATE_FILE).exists(), "complete": latest_checkpoint(ckpt_dir)}
+        )
 
     first = save_checkpoint(ckpt_dir, 5, {"actor": eng}, {"stage": "sft"}, mesh, tokenizer=tok, extra=extra)
     second = save_checkpoint(ckpt_dir, 10, {"actor": eng}, {"stage": "sft"}, mesh, tokenizer=tok, extra=extra)

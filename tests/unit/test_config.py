@@ -1,8 +1,8 @@
 import pytest
 
+from rlhf.compose import compose_config
 from rlhf.config import Config
 from rlhf.errors import ConfigError
-from rlhf.compose import compose_config
 
 
 def test_defaults_compose_per_stage():
@@ -14,18 +14,21 @@ def test_defaults_compose_per_stage():
     assert (cfg.run.dir, cfg.train.max_steps, cfg.engine.zero_stage) == ("x", 7, 2)
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("engine.zero_stage=7", "engine.zero_stage=7"),
-    ("engine.zero_stage=abc", "engine.zero_stage"),
-    ("stage=nope", "unknown stage 'nope'"),
-    ("data.format=csv", "data.format='csv'"),
-    ("engine.offload=disk", "engine.offload"),
-    ("train.global_batch=0", "train.global_batch"),
-    ("data.split=1,2", "data.split"),
-    ("no.such_key=1", "no"),
-    ("data.format=hh", "data.path is required"),
-    ("model.num_heads=3", "model.num_heads"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("engine.zero_stage=7", "engine.zero_stage=7"),
+        ("engine.zero_stage=abc", "engine.zero_stage"),
+        ("stage=nope", "unknown stage 'nope'"),
+        ("data.format=csv", "data.format='csv'"),
+        ("engine.offload=disk", "engine.offload"),
+        ("train.global_batch=0", "train.global_batch"),
+        ("data.split=1,2", "data.split"),
+        ("no.such_key=1", "no"),
+        ("data.format=hh", "data.path is required"),
+        ("model.num_heads=3", "model.num_heads"),
+    ],
+)
 def test_bad_config_is_one_clear_error(override, fragment):
     with pytest.raises(ConfigError) as e:
         compose_config(["stage=sft", override])
@@ -40,28 +43,47 @@ def test_world_size_checks(monkeypatch):
     cfg.validate_world(4)
     # the parallel degrees: checked once, where the mesh is built (before any process group starts)
     from rlhf.engine.mesh import init_mesh
+
     for key, value in (("WORLD_SIZE", "3"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "3")):
         monkeypatch.setenv(key, value)
-    with pytest.raises(ConfigError, match="engine.inference_tp_size=2 does not divide the world size 3"):
+    with pytest.raises(ConfigError, match=r"engine.inference_tp_size=2 does not divide the world size 3"):
         init_mesh(cfg.engine)
 
 
 def test_self_launch_arguments():
     from rlhf.launcher.launch import launcher_args
-    cfg, _ = compose_config(["launcher.nproc_per_node=2", "launcher.nnodes=2", "launcher.node_rank=1",
-                          "launcher.rdzv_endpoint=127.0.0.1:29511", "launcher.max_restarts=1"])
+
+    cfg, _ = compose_config(
+        [
+            "launcher.nproc_per_node=2",
+            "launcher.nnodes=2",
+            "launcher.node_rank=1",
+            "launcher.rdzv_endpoint=127.0.0.1:29511",
+            "launcher.max_restarts=1",
+        ]
+    )
     args = launcher_args(cfg, ["stage=sft", "run.dir=x"])
-    assert args[:7] == ["--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--rdzv-backend=c10d",
-                        "--rdzv-endpoint=127.0.0.1:29511", "--rdzv-id=rlhf", "--max-restarts=1"]
+    assert args[:7] == [
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--node-rank=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29511",
+        "--rdzv-id=rlhf",
+        "--max-restarts=1",
+    ]
     assert args[7:] == ["-m", "rlhf", "stage=sft", "run.dir=x"]
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("dpo.beta=0", "dpo.beta=0"),
-    ("dpo.loss=hinge", "dpo.loss='hinge'"),
-    ("dpo.label_smoothing=0.5", "dpo.label_smoothing"),
-    ("dpo.sft_coef=-1", "dpo.sft_coef"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("dpo.beta=0", "dpo.beta=0"),
+        ("dpo.loss=hinge", "dpo.loss='hinge'"),
+        ("dpo.label_smoothing=0.5", "dpo.label_smoothing"),
+        ("dpo.sft_coef=-1", "dpo.sft_coef"),
+    ],
+)
 def test_bad_dpo_config(override, fragment):
     with pytest.raises(ConfigError) as e:
         compose_config(["stage=dpo", override])
@@ -70,15 +92,17 @@ def test_bad_dpo_config(override, fragment):
 
 def test_dpo_config_and_its_data_split():
     from rlhf.data.pipeline import split_share_of
+
     cfg, _ = compose_config(["stage=dpo"])
     assert cfg.dpo.loss == "sigmoid" and cfg.dpo.label_smoothing == 0.0 and cfg.dpo.model_path is None
-    with pytest.raises(ConfigError, match="applies to dpo.loss=sigmoid"):
+    with pytest.raises(ConfigError, match=r"applies to dpo.loss=sigmoid"):
         compose_config(["stage=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
     compose_config(["stage=dpo", "dpo.loss=ipo"])
     # data.split keeps three weights (sft, reward, ppo); dpo reads pairs: the reward share
     assert [split_share_of(s) for s in ("sft", "reward", "ppo", "dpo")] == [0, 1, 2, 1]
     cfg, _ = compose_config(["stage=dpo", 'data.split="2,4,4"', "data.synthetic.num_records=100"])
     from rlhf.data.pipeline import load_stage_data
+
     dpo, reward = (load_stage_data(cfg.data, stage, 0).train for stage in ("dpo", "reward"))
     assert len(dpo) == 40 and [e.chosen for e in dpo] == [e.chosen for e in reward]
     with pytest.raises(ConfigError, match="dpo takes the reward share"):

@@ -24,8 +24,7 @@ def write_jsonl(path, records, raw_lines=()):
 
 @pytest.fixture(scope="module")
 def tok():
-    return train_tokenizer(synthetic.tokenizer_corpus(SyntheticConfig()) + ["Question: hello\nAnswer: 42"],
-                           400, 128)
+    return train_tokenizer(synthetic.tokenizer_corpus(SyntheticConfig()) + ["Question: hello\nAnswer: 42"], 400, 128)
 
 
 def test_formats_parse(tmp_path):
@@ -36,8 +35,10 @@ def test_formats_parse(tmp_path):
     f = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "x"}])
     (ex,), _ = read_examples(str(f), "prompt_chosen_rejected")
     assert (ex.prompt, ex.chosen, ex.rejected, ex.response) == ("p", "c", "x", "c")
-    hh = {"chosen": "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: ok?\n\nAssistant: sure",
-          "rejected": "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: ok?\n\nAssistant: no"}
+    hh = {
+        "chosen": "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: ok?\n\nAssistant: sure",
+        "rejected": "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: ok?\n\nAssistant: no",
+    }
     f = write_jsonl(tmp_path / "c.jsonl", [hh])
     (ex,), _ = read_examples(str(f), "hh")
     assert ex.prompt == "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: ok?\n\nAssistant:"
@@ -59,21 +60,25 @@ def test_gzip_and_json_array_and_directory(tmp_path):
 
 def test_parquet(tmp_path):
     import datasets
+
     datasets.Dataset.from_list([{"prompt": "p", "response": "r"}] * 3).to_parquet(str(tmp_path / "x.parquet"))
     exs, _ = read_examples(str(tmp_path / "x.parquet"), "prompt_response")
     assert len(exs) == 3 and exs[2].where.endswith("[row 2]")
 
 
-@pytest.mark.parametrize("lines, fmt, fragment", [
-    (['{"prompt": "a", "response": "b"}', '{"prompt": "a", "resp'], "prompt_response", "x.jsonl:2: malformed JSON"),
-    (['{"prompt": "a"}'], "prompt_response", "x.jsonl:1: record has no field 'response'"),
-    (['{"prompt": "a", "response": 3}'], "prompt_response", "field 'response' must be a string"),
-    (['{"prompt": "  ", "response": "b"}'], "prompt_response", "field 'prompt' is empty"),
-    (['[1, 2]'], "prompt_response", "expected a JSON object"),
-    (['{"question": "q", "answer": "no number"}'], "gsm8k", "does not end in '#### <number>'"),
-    (['{"chosen": "no turns", "rejected": "x"}'], "hh", "no '\\n\\nAssistant:' turn"),
-    ([], "prompt_response", "no records"),
-])
+@pytest.mark.parametrize(
+    "lines, fmt, fragment",
+    [
+        (['{"prompt": "a", "response": "b"}', '{"prompt": "a", "resp'], "prompt_response", "x.jsonl:2: malformed JSON"),
+        (['{"prompt": "a"}'], "prompt_response", "x.jsonl:1: record has no field 'response'"),
+        (['{"prompt": "a", "response": 3}'], "prompt_response", "field 'response' must be a string"),
+        (['{"prompt": "  ", "response": "b"}'], "prompt_response", "field 'prompt' is empty"),
+        (["[1, 2]"], "prompt_response", "expected a JSON object"),
+        (['{"question": "q", "answer": "no number"}'], "gsm8k", "does not end in '#### <number>'"),
+        (['{"chosen": "no turns", "rejected": "x"}'], "hh", "no '\\n\\nAssistant:' turn"),
+        ([], "prompt_response", "no records"),
+    ],
+)
 def test_bad_records_name_file_and_line(tmp_path, lines, fmt, fragment):
     f = write_jsonl(tmp_path / "x.jsonl", [], lines)
     with pytest.raises(DataError) as e:
@@ -83,8 +88,10 @@ def test_bad_records_name_file_and_line(tmp_path, lines, fmt, fragment):
 
 def test_non_utf8_and_skip_mode(tmp_path):
     f = tmp_path / "x.jsonl"
-    f.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "\xff", "response": "b"}\nnot json\n'
-                  b'{"prompt": "c", "response": "d"}\n')
+    f.write_bytes(
+        b'{"prompt": "a", "response": "b"}\n{"prompt": "\xff", "response": "b"}\nnot json\n'
+        b'{"prompt": "c", "response": "d"}\n'
+    )
     with pytest.raises(DataError, match=r"x.jsonl:2: not valid UTF-8"):
         read_examples(str(f), "prompt_response")
     exs, skipped = read_examples(str(f), "prompt_response", on_bad_record="skip")
@@ -124,8 +131,13 @@ def test_blend_weights():
 def test_blend_via_config(tmp_path):
     fa = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "response": "r"} for i in range(40)])
     fb = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "chosen": "c", "rejected": "x"} for i in range(40)])
-    dc = DataConfig(sources=[SourceConfig(path=str(fa), format="prompt_response", weight=1),
-                             SourceConfig(path=str(fb), format="prompt_chosen_rejected", weight=3)], eval_size=4)
+    dc = DataConfig(
+        sources=[
+            SourceConfig(path=str(fa), format="prompt_response", weight=1),
+            SourceConfig(path=str(fb), format="prompt_chosen_rejected", weight=3),
+        ],
+        eval_size=4,
+    )
     sd = load_stage_data(dc, "sft", seed=0)
     assert len(sd.train) == 72 and sum(e.prompt.startswith("b") for e in sd.train) == 54
     assert sd.gold is None and len(sd.eval) == 8
@@ -134,7 +146,7 @@ def test_blend_via_config(tmp_path):
 def test_synthetic_task_is_deterministic_with_disjoint_held_out():
     cfg = SyntheticConfig(num_records=3000)
     tr1, ev1 = synthetic.generate(cfg, 256, seed=5)
-    tr2, ev2 = synthetic.generate(cfg, 256, seed=5)
+    tr2, _ev2 = synthetic.generate(cfg, 256, seed=5)
     assert [(e.prompt, e.response) for e in tr1] == [(e.prompt, e.response) for e in tr2]
     assert len(ev1) == 256 and len({e.prompt for e in ev1}) == 256
     assert not ({e.prompt for e in ev1} & {e.prompt for e in tr1})
@@ -165,8 +177,7 @@ def test_synthetic_rejected_answers_cover_near_misses_digit_errors_and_far_misse
     share = {k: v / len(tr) for k, v in kinds.items()}
     # a digit error within ±3 or a far miss that changes one digit counts once, in the first kind
     assert share["near"] > 0.33 and share["digit"] > 0.2 and share["far"] > 0.1, share
-    tens = sum(abs(int(synthetic.ANSWER.match(e.rejected).group(1)) - int(e.reference)) % 10 == 0
-               for e in tr) / len(tr)
+    tens = sum(abs(int(synthetic.ANSWER.match(e.rejected).group(1)) - int(e.reference)) % 10 == 0 for e in tr) / len(tr)
     assert tens > 0.1, tens  # n ± 10, 20, …: the carry mistakes (0.19 here; 0.04 without digit errors)
 
 
@@ -197,11 +208,11 @@ def test_truncation_and_prompt_masking(tok):
     ids, plen = full["ids"][0], full["prompt_len"][0]
     assert ids[-1] == tok.eos_token_id and ids[0] == tok.bos_token_id
     cut = tokenize_sft([ex], tok, max_prompt=4, max_response=3)
-    assert cut["prompt_len"][0] == 4 and cut["ids"][0][:4] == ids[plen - 4:plen]  # the prompt's end survives
-    assert cut["ids"][0][4:] == ids[plen:plen + 3]
-    b = collate_sft([ids, ids[:plen + 2]], [plen, plen], tok.pad_token_id, mask_prompt=True)
+    assert cut["prompt_len"][0] == 4 and cut["ids"][0][:4] == ids[plen - 4 : plen]  # the prompt's end survives
+    assert cut["ids"][0][4:] == ids[plen : plen + 3]
+    b = collate_sft([ids, ids[: plen + 2]], [plen, plen], tok.pad_token_id, mask_prompt=True)
     assert (b["labels"][0, :plen] == -100).all() and (b["labels"][0, plen:] == b["input_ids"][0, plen:]).all()
-    assert (b["labels"][1, plen + 2:] == -100).all() and b["attention_mask"][1].sum() == plen + 2
+    assert (b["labels"][1, plen + 2 :] == -100).all() and b["attention_mask"][1].sum() == plen + 2
     nomask = collate_sft([ids], [plen], tok.pad_token_id, mask_prompt=False)
     assert (nomask["labels"][0] == nomask["input_ids"][0]).all()
 
@@ -213,6 +224,7 @@ def test_cache_round_trip_and_key(tok, tmp_path):
     def build():
         calls.append(1)
         return tokenize_sft(exs, tok, 64, 64)
+
     a = cached("sft", exs, tok, {"n": 1}, tmp_path, Mesh(), build)
     b = cached("sft", exs, tok, {"n": 1}, tmp_path, Mesh(), build)
     assert a == b == tokenize_sft(exs, tok, 64, 64) and len(calls) == 1
@@ -225,6 +237,7 @@ def test_a_byte_order_mark_is_not_data(tmp_path):
     """Files saved by Windows editors start with a UTF-8 BOM: the first record must still parse (and,
     with data.on_bad_record=skip, must not be silently lost)."""
     import json as _json
+
     recs = [{"prompt": "p1", "response": "r1"}, {"prompt": "p2", "response": "r2"}]
     jsonl = tmp_path / "bom.jsonl"
     jsonl.write_bytes(b"\xef\xbb\xbf" + "\n".join(_json.dumps(r) for r in recs).encode())
@@ -238,16 +251,22 @@ def test_a_byte_order_mark_is_not_data(tmp_path):
 
 # ---- issue 19: columns, save_to_disk folders, hub config/split, data.eval_path, lengths ----
 
+
 def test_columns_map_a_dataset_onto_a_format(tmp_path):
-    f = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": f"i{k}", "output": f"o{k}", "input": ""}
-                                                for k in range(3)])
+    f = write_jsonl(
+        tmp_path / "alpaca.jsonl", [{"instruction": f"i{k}", "output": f"o{k}", "input": ""} for k in range(3)]
+    )
     exs, _ = read_examples(str(f), "prompt_response", columns={"prompt": "instruction", "response": "output"})
     assert [(e.prompt, e.response) for e in exs] == [("i0", "o0"), ("i1", "o1"), ("i2", "o2")]
     with pytest.raises(DataError, match=r"alpaca.jsonl:1: record has no field 'text' \(data.columns.response\)"):
         read_examples(str(f), "prompt_response", columns={"prompt": "instruction", "response": "text"})
     from rlhf.config import ConfigError
-    with pytest.raises(ConfigError, match=r"data.columns.question='instruction' is invalid: 'question' is not a "
-                                          r"field of data.format=prompt_response"):
+
+    with pytest.raises(
+        ConfigError,
+        match=r"data.columns.question='instruction' is invalid: 'question' is not a "
+        r"field of data.format=prompt_response",
+    ):
         DataConfig(path=str(f), format="prompt_response", columns={"question": "instruction"})
     with pytest.raises(ConfigError, match=r"data.sources\[\].columns.x="):
         DataConfig(sources=[SourceConfig(path=str(f), format="hh", columns={"x": "y"})])
@@ -257,21 +276,27 @@ def test_columns_map_a_dataset_onto_a_format(tmp_path):
 
 def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
     import datasets
+
     rows = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(5)]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     exs, _ = read_examples(str(tmp_path / "ds"), "prompt_response")
     assert [e.prompt for e in exs] == [f"p{i}" for i in range(5)] and exs[4].where.endswith("ds[row 4]")
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
-                          "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:2])}
+    ).save_to_disk(str(tmp_path / "dd"))
     assert len(read_examples(str(tmp_path / "dd"), "prompt_response")[0]) == 5
     exs, _ = read_examples(str(tmp_path / "dd"), "prompt_response", split="test")
     assert [e.prompt for e in exs] == ["p0", "p1"] and exs[1].where.endswith("dd[test][row 1]")
-    with pytest.raises(DataError, match=r"data.path=.*dd: the DatasetDict has no split 'validation' \(it has "
-                                        r"test, train\): set data.hf_split"):
+    with pytest.raises(
+        DataError,
+        match=r"data.path=.*dd: the DatasetDict has no split 'validation' \(it has "
+        r"test, train\): set data.hf_split",
+    ):
         read_examples(str(tmp_path / "dd"), "prompt_response", split="validation")
     # as a run sees them: the DatasetDict's test split as the held-out set
-    dc = DataConfig(path=str(tmp_path / "dd"), format="prompt_response", eval_path=str(tmp_path / "dd"),
-                    eval_hf_split="test")
+    dc = DataConfig(
+        path=str(tmp_path / "dd"), format="prompt_response", eval_path=str(tmp_path / "dd"), eval_hf_split="test"
+    )
     sd = load_stage_data(dc, "sft", seed=0)
     assert len(sd.train) == 5 and sorted(e.prompt for e in sd.eval) == ["p0", "p1"]
     assert "held out" in sd.description
@@ -279,25 +304,32 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
 
 def test_hub_ids_take_a_config_and_a_split(monkeypatch):
     import datasets
+
     calls = []
 
     def fake_load_dataset(name, config=None, split=None):
         calls.append((name, config, split))
         return datasets.Dataset.from_list([{"question": "q", "answer": "a\n#### 3"}])
+
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     exs, _ = read_examples("openai/gsm8k", "gsm8k", config="main", split="test")
     assert calls == [("openai/gsm8k", "main", "test")] and exs[0].reference == "3"
     assert exs[0].where == "openai/gsm8k[test][row 0]"
-    dc = DataConfig(path="openai/gsm8k", format="gsm8k", hf_config="main", eval_path="openai/gsm8k",
-                    eval_hf_split="test")
+    dc = DataConfig(
+        path="openai/gsm8k", format="gsm8k", hf_config="main", eval_path="openai/gsm8k", eval_hf_split="test"
+    )
     load_stage_data(dc, "sft", seed=0)
     assert calls[1:] == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
 
     def offline(name, config=None, split=None):
         raise ConnectionError("no network\nmore")
+
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(DataError, match=r"^data.path=org/x \(data.hf_config=c\): not a local file or directory, "
-                                        r"and loading it as a hub dataset \(split 'train'\) failed: no network$"):
+    with pytest.raises(
+        DataError,
+        match=r"^data.path=org/x \(data.hf_config=c\): not a local file or directory, "
+        r"and loading it as a hub dataset \(split 'train'\) failed: no network$",
+    ):
         read_examples("org/x", "gsm8k", config="c")
 
 
@@ -310,23 +342,27 @@ def test_eval_path_gives_the_held_out_set(tmp_path):
     assert all(e.prompt.startswith("Question: t") for e in sd.eval) and sd.gold is not None
     assert [e.prompt for e in load_stage_data(dc, "ppo", seed=1).eval] == [e.prompt for e in sd.eval]
     from rlhf.config import ConfigError
-    with pytest.raises(ConfigError, match="data.eval_path=.* needs data.eval_format"):
+
+    with pytest.raises(ConfigError, match=r"data.eval_path=.* needs data.eval_format"):
         DataConfig(eval_path=str(test))
-    with pytest.raises(ConfigError, match="data.eval_hf_split=test is set but data.eval_path is not"):
+    with pytest.raises(ConfigError, match=r"data.eval_hf_split=test is set but data.eval_path is not"):
         DataConfig(path=str(train), format="gsm8k", eval_hf_split="test")
     with pytest.raises(DataError, match=r"data.eval_path=.*nope.jsonl: no such file"):
-        load_stage_data(DataConfig(path=str(train), format="gsm8k", eval_path=str(tmp_path / "nope.jsonl")),
-                        "sft", seed=1)
+        load_stage_data(
+            DataConfig(path=str(train), format="gsm8k", eval_path=str(tmp_path / "nope.jsonl")), "sft", seed=1
+        )
     # a held-out file of another format: no shared gold scorer
     pairs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "response": "r"}] * 3)
-    sd = load_stage_data(DataConfig(path=str(train), format="gsm8k", eval_path=str(pairs),
-                                    eval_format="prompt_response"), "sft", seed=1)
+    sd = load_stage_data(
+        DataConfig(path=str(train), format="gsm8k", eval_path=str(pairs), eval_format="prompt_response"), "sft", seed=1
+    )
     assert sd.gold is None and len(sd.eval) == 3
 
 
 def test_default_lengths_per_format(tmp_path):
-    from rlhf.data.formats import FORMATS
     from rlhf.compose import compose_config
+    from rlhf.data.formats import FORMATS
+
     assert (DataConfig().resolve().max_prompt_len, DataConfig().resolve().max_response_len) == (64, 64)
     f = str(tmp_path / "x.jsonl")
     gsm = DataConfig(path=f, format="gsm8k").resolve()
@@ -348,8 +384,16 @@ def test_length_warnings_and_nothing_to_learn(tok, tmp_path, caplog):
 
     from rlhf.config import ConfigError
     from rlhf.data.tokenize import check_answer_budget, report_lengths, tokenize_pairs
-    answers = [Example(prompt=f"Question: {'long ' * 10}{i}?\nAnswer:", response=f" so {i} + {i} is {2 * i}\n#### {2 * i}",
-                       answer=f"#### {2 * i}", reference=str(2 * i)) for i in range(10)]
+
+    answers = [
+        Example(
+            prompt=f"Question: {'long ' * 10}{i}?\nAnswer:",
+            response=f" so {i} + {i} is {2 * i}\n#### {2 * i}",
+            answer=f"#### {2 * i}",
+            reference=str(2 * i),
+        )
+        for i in range(10)
+    ]
     params = {"max_prompt": 8, "max_response": 64}
     cols = tokenize_sft(answers, tok, 8, 64)
     n, prompt_cut, response_cut, with_answer, lost, p_p95, _ = cols["stats"]
@@ -359,15 +403,25 @@ def test_length_warnings_and_nothing_to_learn(tok, tmp_path, caplog):
     assert "of 10 records, 100% have their prompt cut to data.max_prompt_len=8 (95% fit in" in caplog.text
     short = tokenize_sft(answers, tok, 64, 6)
     assert short["stats"][2:5] == [10, 10, 10]
-    with pytest.raises(DataError, match=r"data.max_response_len=6 cuts the answer \('#### <number>'\) off every one "
-                                        r"of the 10 responses that have one"):
+    with pytest.raises(
+        DataError,
+        match=r"data.max_response_len=6 cuts the answer \('#### <number>'\) off every one "
+        r"of the 10 responses that have one",
+    ):
         report_lengths("sft", short, {"max_prompt": 64, "max_response": 6})
-    with pytest.raises(ConfigError, match=r"ppo.max_new_tokens=4 is too short to reach an answer: the shortest of "
-                                          r"the 10 reference responses needs \d+ tokens"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ppo.max_new_tokens=4 is too short to reach an answer: the shortest of "
+        r"the 10 reference responses needs \d+ tokens",
+    ):
         check_answer_budget(answers, tok, 4, "ppo.max_new_tokens")
     check_answer_budget(answers, tok, 64, "ppo.max_new_tokens")
-    pairs = tokenize_pairs([Example(prompt="Q: 1", chosen=" a" * 10, rejected=" b"), Example(prompt="Q: 2", chosen=" a", rejected=" b")],
-                           tok, 64, 5)
+    pairs = tokenize_pairs(
+        [Example(prompt="Q: 1", chosen=" a" * 10, rejected=" b"), Example(prompt="Q: 2", chosen=" a", rejected=" b")],
+        tok,
+        64,
+        5,
+    )
     assert pairs["stats"][:3] == [2, 0, 1] and len(pairs["chosen"]) == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rlhf"):

@@ -1,5 +1,6 @@
 """Device choice (engine.device, engine.precision=auto) and the CPU-side guard against device mixing:
 sampling on fake CUDA logits, one PPO iteration in-process under ``DeviceDiscipline``."""
+
 import shutil
 
 import pytest
@@ -24,9 +25,9 @@ def test_device_choice(monkeypatch):
     monkeypatch.setenv("RLHF_DEVICE", "tpu")
     with pytest.raises(ConfigError, match="RLHF_DEVICE"):
         choose_device("auto", 0, 1)
-    with pytest.raises(ConfigError, match="engine.device=cuda"):  # never two ranks on one GPU
+    with pytest.raises(ConfigError, match=r"engine.device=cuda"):  # never two ranks on one GPU
         choose_device("cuda", 0, gpus + 1)
-    with pytest.raises(ConfigError, match="engine.device"):
+    with pytest.raises(ConfigError, match=r"engine.device"):
         EngineConfig(device="gpu")
 
 
@@ -38,8 +39,9 @@ def test_precision_auto_is_fp32_on_cpu_and_explicit_values_stay():
     assert precision_of(EngineConfig(precision="fp32"), torch.device("cuda", 0)) == "fp32"
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9),
-                                    dict(temperature=0.0)])
+@pytest.mark.parametrize(
+    "params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=0.0)]
+)
 def test_sampling_on_device_logits_with_a_cpu_generator(params):
     """The first GPU run died here: a CPU generator drawing into a CUDA tensor. Logits on a second
     device type (``meta``: no data, but device checks as strict as CUDA's — a CPU tensor meeting a
@@ -61,6 +63,7 @@ def test_the_guard_catches_a_cross_device_draw_and_an_implicit_device():
         with pytest.raises(DeviceError, match="generator"):  # and on (fake) CUDA tensors
             torch.rand((4, 1), generator=gen, device=torch.device("cuda"))
     import rlhf.algorithms.ppo as A
+
     with DeviceDiscipline() as guard:  # project code that names no device fails at its own line
         A.whiten(torch.ones(2, 3, device="cpu"), torch.ones(2, 3, device="cpu"))
         assert guard.calls >= 2
@@ -75,8 +78,13 @@ def test_pure_rl_functions_keep_the_device_of_their_inputs():
     import rlhf.algorithms.ppo as A
     from rlhf.algorithms.estimators import advantages
     from rlhf.config import AlgorithmConfig
+
     m = torch.ones(8, 5, device="meta")
-    scores, kl, values = torch.empty(8, device="meta"), torch.empty(8, 5, device="meta"), torch.empty(8, 5, device="meta")
+    scores, kl, values = (
+        torch.empty(8, device="meta"),
+        torch.empty(8, 5, device="meta"),
+        torch.empty(8, 5, device="meta"),
+    )
     with DeviceDiscipline():
         for est in ("gae", "rloo", "grpo"):  # (whitening reads its statistics back: checked on CPU below)
             alg = AlgorithmConfig(estimator=est, whiten_advantages=False)
@@ -97,27 +105,49 @@ def test_gqa_folded_attention_equals_enable_gqa():
     ref = attend(q, k, v, mask, fold_groups=False)
     assert torch.allclose(attend(q, k, v, mask, fold_groups=True), ref, atol=1e-6)
     one = mask[:, :, -1:]  # a decode step: one query row
-    assert torch.allclose(attend(q[:, :, -1:], k, v, one, fold_groups=True),
-                          attend(q[:, :, -1:], k, v, one, fold_groups=False), atol=1e-6)
+    assert torch.allclose(
+        attend(q[:, :, -1:], k, v, one, fold_groups=True), attend(q[:, :, -1:], k, v, one, fold_groups=False), atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("variant", [
-    [],  # hybrid engine, GAE with the reward model and a rule reward, running normalisation
-    ["engine.hybrid=false", "algorithm.ptx_coef=0.1", "ppo.ema_decay=0.9", "algorithm.entropy_coef=0.01"]])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        [],  # hybrid engine, GAE with the reward model and a rule reward, running normalisation
+        ["engine.hybrid=false", "algorithm.ptx_coef=0.1", "ppo.ema_decay=0.9", "algorithm.entropy_coef=0.01"],
+    ],
+)
 def test_one_ppo_iteration_names_every_device(small_pipeline, tmp_path, variant):
     """SFT/reward outputs from the CLI, then PPO in this process under the guard: generation
     (sampled and greedy gold), scoring, rewards, GAE, whitening, micro-batched updates, PPO-ptx,
     the EMA actor, a checkpoint, export."""
     from rlhf.compose import compose_config
     from stages import ppo
+
     run = tmp_path / "run"
     shutil.copytree(small_pipeline, run)
-    cfg, _ = compose_config(["stage=ppo", f"run.dir={run}", "ppo.min_rm_accuracy=0", "train.max_steps=1", "ppo.prompts_per_step=4",
-                          "ppo.samples_per_prompt=2", "ppo.ppo_epochs=1", "ppo.minibatches_per_epoch=2",
-                          "ppo.micro_batch_per_rank=3", "ppo.reward_fn=rlhf.rewards.gold",
-                          "algorithm.reward_norm=running", "logger.progress=false", "eval.gold_prompts=4",
-                          "eval.gold_samples=2", "train.save_every=1", "data.synthetic.num_records=2000",
-                          "engine.device=cpu", *variant])
+    cfg, _ = compose_config(
+        [
+            "stage=ppo",
+            f"run.dir={run}",
+            "ppo.min_rm_accuracy=0",
+            "train.max_steps=1",
+            "ppo.prompts_per_step=4",
+            "ppo.samples_per_prompt=2",
+            "ppo.ppo_epochs=1",
+            "ppo.minibatches_per_epoch=2",
+            "ppo.micro_batch_per_rank=3",
+            "ppo.reward_fn=rlhf.rewards.gold",
+            "algorithm.reward_norm=running",
+            "logger.progress=false",
+            "eval.gold_prompts=4",
+            "eval.gold_samples=2",
+            "train.save_every=1",
+            "data.synthetic.num_records=2000",
+            "engine.device=cpu",
+            *variant,
+        ]
+    )
     with DeviceDiscipline() as guard:
         ppo.run(cfg)
     assert guard.calls > 10  # the guard saw the project's tensor factories

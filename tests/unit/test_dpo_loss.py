@@ -1,4 +1,5 @@
 """DPO / cDPO / IPO against numbers worked out by hand, and which tokens the log-probs sum over."""
+
 import math
 
 import pytest
@@ -21,24 +22,37 @@ REWARDS = (0.5, -0.25)
 
 
 def _loss(kind, smoothing=0.0, sft_coef=0.0, **pair):
-    t = {k: torch.tensor([v], dtype=torch.float64, requires_grad=k == "policy_chosen")
-         for k, v in {**PAIR, **pair}.items()}
-    losses, chosen, rejected = dpo_loss(t["policy_chosen"], t["policy_rejected"], t["ref_chosen"],
-                                        t["ref_rejected"], BETA, kind, smoothing, sft_coef,
-                                        chosen_tokens=torch.tensor([4]))  # y_w: 4 tokens
+    t = {
+        k: torch.tensor([v], dtype=torch.float64, requires_grad=k == "policy_chosen")
+        for k, v in {**PAIR, **pair}.items()
+    }
+    losses, chosen, rejected = dpo_loss(
+        t["policy_chosen"],
+        t["policy_rejected"],
+        t["ref_chosen"],
+        t["ref_rejected"],
+        BETA,
+        kind,
+        smoothing,
+        sft_coef,
+        chosen_tokens=torch.tensor([4]),
+    )  # y_w: 4 tokens
     losses.sum().backward()
     return losses.item(), chosen.item(), rejected.item(), t["policy_chosen"].grad.item()
 
 
-@pytest.mark.parametrize("kind, smoothing, want, grad", [
-    # d/dπ_w of −log σ(β h) = −β σ(−β h) = −0.5 × 0.3208213008 = −0.1604106504
-    ("sigmoid", 0.0, SIGMOID, -0.1604106504),
-    # −(1 − ε) β σ(−β h) + ε β σ(β h)
-    #   = −0.9 × 0.5 × 0.3208213008 + 0.1 × 0.5 × 0.6791786992 = −0.1104106504
-    ("sigmoid", 0.1, CDPO, -0.1104106504),
-    # 2 (h − 1/(2β)) = 2 × 0.5 = 1.0
-    ("ipo", 0.0, IPO, 1.0),
-])
+@pytest.mark.parametrize(
+    "kind, smoothing, want, grad",
+    [
+        # d/dπ_w of −log σ(β h) = −β σ(−β h) = −0.5 × 0.3208213008 = −0.1604106504
+        ("sigmoid", 0.0, SIGMOID, -0.1604106504),
+        # −(1 − ε) β σ(−β h) + ε β σ(β h)
+        #   = −0.9 × 0.5 × 0.3208213008 + 0.1 × 0.5 × 0.6791786992 = −0.1104106504
+        ("sigmoid", 0.1, CDPO, -0.1104106504),
+        # 2 (h − 1/(2β)) = 2 × 0.5 = 1.0
+        ("ipo", 0.0, IPO, 1.0),
+    ],
+)
 def test_golden_values(kind, smoothing, want, grad):
     loss, chosen, rejected, g = _loss(kind, smoothing)
     assert loss == pytest.approx(want, abs=1e-9)
@@ -93,6 +107,7 @@ def test_response_mask_skips_prompt_and_padding_and_keeps_eos():
 def test_pair_logprobs_sum_response_tokens_only():
     """The stage's log-probs of a collated pair: prompt tokens, and padding, change nothing; the EOS counts."""
     from stages.dpo import chosen_tokens, collate, pair_logprobs
+
     # prompt [1, 5]; chosen response [6, EOS=2]; rejected response [7, 8, EOS]; pad 0; vocabulary 10
     cols = {"chosen": [[1, 5, 6, 2]], "rejected": [[1, 5, 7, 8, 2]], "prompt_len": [2]}
     batch = collate(cols, [0], pad=0)

@@ -2,6 +2,7 @@
 response is empty reads as it is — a pair compares the empty answer, as HH-RLHF's harmless-base does
 (its record 87 prefers saying nothing to giving a home address) —, SFT skips it and counts it
 whatever data.on_bad_record; a malformed record still stops the run, naming the way to skip it."""
+
 import gzip
 import json
 import logging
@@ -25,8 +26,7 @@ def turns(dialogue: str) -> list:
     """An HH dialogue as messages turns (the inverse of records.plain_text)."""
     parts = TURN.split(dialogue)
     assert parts[0] == ""
-    return [{"role": "user" if r == "Human" else "assistant", "content": c}
-            for r, c in zip(parts[1::2], parts[2::2])]
+    return [{"role": "user" if r == "Human" else "assistant", "content": c} for r, c in zip(parts[1::2], parts[2::2])]
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +80,30 @@ def write(path, records):
     return str(path)
 
 
-@pytest.mark.parametrize("fmt, empty", [
-    ("prompt_response", {"prompt": "q", "response": ""}),
-    ("prompt_chosen_rejected", {"prompt": "q", "chosen": " ", "rejected": "no"}),
-    ("messages", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}),
-    ("messages", {"prompt": "q", "chosen": [{"role": "assistant", "content": ""}],
-                  "rejected": [{"role": "assistant", "content": "no"}]}),
-])
+@pytest.mark.parametrize(
+    "fmt, empty",
+    [
+        ("prompt_response", {"prompt": "q", "response": ""}),
+        ("prompt_chosen_rejected", {"prompt": "q", "chosen": " ", "rejected": "no"}),
+        ("messages", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}),
+        (
+            "messages",
+            {
+                "prompt": "q",
+                "chosen": [{"role": "assistant", "content": ""}],
+                "rejected": [{"role": "assistant", "content": "no"}],
+            },
+        ),
+    ],
+)
 def test_every_format_reads_an_empty_answer_and_sft_skips_it(tmp_path, fmt, empty):
-    good = ({"prompt": "q", "response": "a"} if fmt == "prompt_response" else
-            {"prompt": "q", "chosen": "a", "rejected": "b"} if fmt == "prompt_chosen_rejected" else
-            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    good = (
+        {"prompt": "q", "response": "a"}
+        if fmt == "prompt_response"
+        else {"prompt": "q", "chosen": "a", "rejected": "b"}
+        if fmt == "prompt_chosen_rejected"
+        else {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    )
     path = write(tmp_path / "x.jsonl", [good, empty] * 10)
     exs, skipped = read_examples(path, fmt)  # before: 'is empty' / 'an empty last assistant turn'
     assert len(exs) == 20 and skipped == 0
@@ -103,18 +116,32 @@ def test_every_format_reads_an_empty_answer_and_sft_skips_it(tmp_path, fmt, empt
         load_stage_data(DataConfig(path=only, format=fmt, eval_size=1), "sft", seed=0)
 
 
-@pytest.mark.parametrize("fmt, bad, fragment", [
-    ("messages", {"chosen": "not turns", "rejected": [{"role": "assistant", "content": "b"}]},
-     "x.jsonl:2: field 'chosen' must be a non-empty list"),
-    ("prompt_chosen_rejected", {"prompt": "q", "chosen": "a"}, "x.jsonl:2: record has no field 'rejected'"),
-    ("hh", {"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi\n\nAssistant: no"},
-     "x.jsonl:2: field 'chosen' has no '\\n\\nAssistant:' turn"),
-])
+@pytest.mark.parametrize(
+    "fmt, bad, fragment",
+    [
+        (
+            "messages",
+            {"chosen": "not turns", "rejected": [{"role": "assistant", "content": "b"}]},
+            "x.jsonl:2: field 'chosen' must be a non-empty list",
+        ),
+        ("prompt_chosen_rejected", {"prompt": "q", "chosen": "a"}, "x.jsonl:2: record has no field 'rejected'"),
+        (
+            "hh",
+            {"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi\n\nAssistant: no"},
+            "x.jsonl:2: field 'chosen' has no '\\n\\nAssistant:' turn",
+        ),
+    ],
+)
 def test_a_malformed_record_still_stops_and_names_the_way_out(tmp_path, fmt, bad, fragment):
-    good = {"hh": {"chosen": "\n\nHuman: hi\n\nAssistant: yes", "rejected": "\n\nHuman: hi\n\nAssistant: no"},
-            "messages": {"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}],
-                         "rejected": [{"role": "assistant", "content": "b"}]},
-            "prompt_chosen_rejected": {"prompt": "q", "chosen": "a", "rejected": "b"}}[fmt]
+    good = {
+        "hh": {"chosen": "\n\nHuman: hi\n\nAssistant: yes", "rejected": "\n\nHuman: hi\n\nAssistant: no"},
+        "messages": {
+            "prompt": "q",
+            "chosen": [{"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "assistant", "content": "b"}],
+        },
+        "prompt_chosen_rejected": {"prompt": "q", "chosen": "a", "rejected": "b"},
+    }[fmt]
     path = write(tmp_path / "x.jsonl", [good, bad, good])
     with pytest.raises(DataError) as e:
         read_examples(path, fmt)

@@ -1,4 +1,5 @@
 """Atomic writes and the cleanup of a killed writer's leftovers."""
+
 import os
 import subprocess
 import sys

@@ -4,6 +4,7 @@ The toy format below (records ``{"q": ..., "a": ...}``) is added with nothing bu
 gold scorer and a row in ``FORMATS``; configuration, default lengths, reading, the stage pipeline and
 ``rlhf.rewards.gold`` all take it from there.
 """
+
 import json
 
 import pytest
@@ -30,8 +31,9 @@ def toy_gold(response: str, reference: str) -> float:
 
 @pytest.fixture
 def toy(monkeypatch, tmp_path):
-    monkeypatch.setitem(FORMATS, "toy", Format("toy", fields=("q", "a"), lengths=(32, 16), parse=parse_toy,
-                                               gold=toy_gold))
+    monkeypatch.setitem(
+        FORMATS, "toy", Format("toy", fields=("q", "a"), lengths=(32, 16), parse=parse_toy, gold=toy_gold)
+    )
     path = tmp_path / "toy.jsonl"
     path.write_text("".join(json.dumps({"q": f"{i} twice?", "a": str(2 * i)}) + "\n" for i in range(40)))
     return str(path)
@@ -43,9 +45,12 @@ def test_a_new_format_is_one_row_and_one_parser(toy, tmp_path):
     assert (dc.max_prompt_len, dc.max_response_len) == (None, None)
     assert (dc.resolve().max_prompt_len, dc.max_response_len) == (32, 16)
     assert dc.default_new_tokens() == 16  # no number of its own: data.max_response_len
-    with pytest.raises(ConfigError, match=r"^data.columns.question='x' is invalid: 'question' is not a field of "
-                                          r"data.format=toy \(keys of data.columns are the format's fields: "
-                                          r"one of q, a\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.columns.question='x' is invalid: 'question' is not a field of "
+        r"data.format=toy \(keys of data.columns are the format's fields: "
+        r"one of q, a\)$",
+    ):
         DataConfig(format="toy", path=toy, columns={"question": "x"})
     with pytest.raises(ConfigError, match=r"expected a file, directory or hub id for data.format=toy"):
         SourceConfig(format="toy")

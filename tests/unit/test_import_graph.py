@@ -6,6 +6,7 @@ lazy import is still a dependency — and mapped to its unit: the folder it live
 package root (``rlhf/generate.py`` → ``rlhf.generate``); each recipe is its own unit
 (``stages.ppo``). The graph of units must have no cycle, and the bottom folders stay at the bottom.
 """
+
 from __future__ import annotations
 
 import ast
@@ -54,8 +55,9 @@ def imported_modules(path: Path, module: str) -> set[str]:
 
 def folder_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """unit → the units it imports (itself and the bare package left out)."""
-    modules = {module_name(p, root): p
-               for top in SCANNED if (root / top).is_dir() for p in sorted((root / top).rglob("*.py"))}
+    modules = {
+        module_name(p, root): p for top in SCANNED if (root / top).is_dir() for p in sorted((root / top).rglob("*.py"))
+    }
     graph: dict[str, set[str]] = {unit_of(m): set() for m in modules}
     for module, path in modules.items():
         src = unit_of(module)
@@ -80,7 +82,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -124,5 +126,4 @@ def test_bottom_folders_import_nothing_of_the_project_and_nothing_imports_stages
     graph = folder_graph()
     assert graph["rlhf.algorithms"] == set() and graph["rlhf.ops"] == set()
     # rlhf/__main__.py runs a stage through importlib (by name), the one way in
-    assert not [u for u, deps in graph.items()
-                if u.startswith(PACKAGE) and any(d.startswith("stages") for d in deps)]
+    assert not [u for u, deps in graph.items() if u.startswith(PACKAGE) and any(d.startswith("stages") for d in deps)]

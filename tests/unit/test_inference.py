@@ -1,5 +1,6 @@
 """The injected inference mode in one process: exactness against HF, log-probs, no weight
 corruption, memory release, sampling."""
+
 import weakref
 
 import pytest
@@ -57,9 +58,15 @@ CONFIGS = {
     "qwen3_attention_bias": ("qwen3", dict(attention_bias=True)),
     # a window on the layers from max_window_layers on only (HF's rule), and from layer_types
     "qwen2_window_upper_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "qwen2_window_layer_types": ("qwen2", dict(use_sliding_window=True, sliding_window=4, layers=3,
-                                               layer_types=["sliding_attention", "full_attention",
-                                                            "sliding_attention"])),
+    "qwen2_window_layer_types": (
+        "qwen2",
+        dict(
+            use_sliding_window=True,
+            sliding_window=4,
+            layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
     "qwen3_window_upper_layers": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5)),
     "phi3_window": ("phi3", dict(sliding_window=5)),
@@ -106,7 +113,9 @@ def test_bf16_logprob_gap_is_small():
 
 def _train_loss(eng, batch):
     out = eng.forward(**batch).logits
-    loss = torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), batch["input_ids"][:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        out[:, :-1].reshape(-1, out.shape[-1]), batch["input_ids"][:, 1:].reshape(-1)
+    )
     eng.backward(loss)
     eng.step()
     return loss.item()
@@ -141,6 +150,7 @@ def test_inference_weights_and_cache_are_released():
 def _live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process (what the CPU allocator must hold)."""
     import gc
+
     gc.collect()
     seen, total = set(), 0
     for o in gc.get_objects():
@@ -232,5 +242,5 @@ def test_kept_inference_weights_are_reused_until_the_weights_change():
     eng.step()
     after = hy.generate(prompts, greedy)
     assert hy._model is not kept  # rebuilt from the new weights
-    fresh_eng, fresh = hybrid(eng.model)  # a fresh engine on the updated weights generates the same
+    _fresh_eng, fresh = hybrid(eng.model)  # a fresh engine on the updated weights generates the same
     assert torch.equal(after.sequences, fresh.generate(prompts, greedy).sequences)

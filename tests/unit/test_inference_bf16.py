@@ -5,6 +5,7 @@ log-probs within BF16_MAX_GAP (max) / BF16_MEAN_GAP (mean) of the fp32 training-
 about what HF's own bf16 model shows (measured max ≈ 0.02, mean ≈ 0.003–0.005 on these models) —
 and greedy tokens equal HF bf16's argmax wherever HF's top-2 logit margin exceeds bf16's resolution.
 """
+
 import copy
 import weakref
 
@@ -32,7 +33,7 @@ def hybrid(model, **ecfg):
 
 
 def test_config_key_and_resolution():
-    with pytest.raises(ConfigError, match="engine.inference_dtype"):
+    with pytest.raises(ConfigError, match=r"engine.inference_dtype"):
         EngineConfig(inference_dtype="fp16")
     model = tiny_model("llama")
     assert hybrid(model)[1].dtype == torch.float32  # default: auto = engine.precision = fp32
@@ -78,7 +79,7 @@ def test_bf16_greedy_agrees_with_hf_bf16(family):
     # teacher-forced: HF bf16's next-token logits on our own greedy prefixes
     with torch.no_grad():
         logits = hf16(input_ids=gen.sequences, attention_mask=gen.attention_mask).logits.float()
-    step = logits[:, gen.prompt_len - 1:-1]
+    step = logits[:, gen.prompt_len - 1 : -1]
     step[..., EOS] = float("-inf")  # banned before min_new_tokens
     top2 = step.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) > MARGIN
@@ -93,7 +94,9 @@ def test_bf16_fixed_seed_reproduces_and_eos_leaves_batch():
     with torch.no_grad():
         model.lm_head.weight[2] += 2.0 * model.lm_head.weight.abs().max()  # EOS (id 2) likely: rows end early
     _, hy = hybrid(model, inference_dtype="bf16")
-    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, min_new_tokens=2, samples_per_prompt=3, seed=11)
+    sp = SamplingParams(
+        temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, min_new_tokens=2, samples_per_prompt=3, seed=11
+    )
     a, b = hy.generate(mixed_prompts(), sp), hy.generate(mixed_prompts(), sp)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.logprobs, b.logprobs)
     lengths = a.response_mask.sum(1)
@@ -111,7 +114,9 @@ def test_bf16_sliding_window_matches_hf_bf16_where_clear():
     _, hy = hybrid(model, inference_dtype="bf16")
     gen = hy.generate(mixed_prompts(), SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=10))
     with torch.no_grad():
-        step = hf16(input_ids=gen.sequences, attention_mask=gen.attention_mask).logits.float()[:, gen.prompt_len - 1:-1]
+        step = hf16(input_ids=gen.sequences, attention_mask=gen.attention_mask).logits.float()[
+            :, gen.prompt_len - 1 : -1
+        ]
     step[..., EOS] = float("-inf")  # banned before min_new_tokens
     top2 = step.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) > MARGIN
@@ -145,10 +150,11 @@ def test_packed_bf16_linear_matches_plain_bf16():
 
 def test_hydra_override():
     from rlhf.compose import compose_config
+
     cfg, _ = compose_config(["engine.inference_dtype=bf16"])
     assert cfg.engine.inference_dtype == "bf16"
     assert compose_config([])[0].engine.inference_dtype == "auto"
-    with pytest.raises(ConfigError, match="engine.inference_dtype"):
+    with pytest.raises(ConfigError, match=r"engine.inference_dtype"):
         compose_config(["engine.inference_dtype=fp16"])
 
 
@@ -158,6 +164,7 @@ def test_mismatch_correction_on_real_rollouts(dtype):
     min(π_train/π_rollout, C), which change the policy loss by exactly that weighting; on fp32
     rollouts (gaps ~1e-7) the correction is a no-op to 1e-5."""
     from rlhf.algorithms import ppo as A
+
     eng, hy = hybrid(tiny_model("llama"), inference_dtype=dtype)
     sp = SamplingParams(temperature=1.0, max_new_tokens=12, samples_per_prompt=2, seed=3)
     gen = hy.generate(mixed_prompts(), sp)

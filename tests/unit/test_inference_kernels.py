@@ -1,10 +1,12 @@
 """engine.inference_kernels: the fast GEMM paths of the inference mode against the reference
 (plain GEMMs) — MKL-packed fp32 decode GEMMs on this CPU (one process)."""
+
 import weakref
 
 import pytest
 import torch
 
+from rlhf.compose import compose_config
 from rlhf.config import EngineConfig
 from rlhf.engine.logprobs import response_logprobs
 from rlhf.errors import ConfigError
@@ -16,7 +18,6 @@ from rlhf.ops.linear import (
     pack_rows,
     prepare_weight,
 )
-from rlhf.compose import compose_config
 from tests.infer_helpers import Tok, mixed_prompts, tiny_model
 from tests.unit.test_inference import hybrid
 
@@ -27,7 +28,7 @@ needs_mkl = pytest.mark.skipif(not MKL, reason="torch without MKL (non-x86 build
 def test_config_values():
     assert EngineConfig().inference_kernels == "auto"
     assert compose_config(["engine.inference_kernels=reference"])[0].engine.inference_kernels == "reference"
-    with pytest.raises(ConfigError, match="engine.inference_kernels"):
+    with pytest.raises(ConfigError, match=r"engine.inference_kernels"):
         EngineConfig(inference_kernels="fast")
 
 
@@ -44,7 +45,7 @@ def test_reference_kernels_pack_nothing():
 @pytest.mark.parametrize("in_f,out_f,bias", [(64, 96, False), (1344, 512, False), (64, 160, True)])
 def test_linear_rows_pads_and_matches_plain(in_f, out_f, bias):
     torch.manual_seed(0)
-    w = torch.randn(out_f, in_f) / in_f ** 0.5
+    w = torch.randn(out_f, in_f) / in_f**0.5
     b = torch.randn(out_f) if bias else None
     x = torch.randn(8, in_f)
     wt = prepare_weight(w, False, for_rows=True)
@@ -103,6 +104,10 @@ def test_packed_weights_live_only_while_decoding():
     model.release()
     assert all(r() is None for r in refs) and model._rows == 0
     # generate packs for its own batch and releases on the way out
-    out = model.generate(mixed_prompts(3), SamplingParams(temperature=0, max_new_tokens=3, samples_per_prompt=2),
-                         eos_id=Tok.eos_token_id, pad_id=Tok.pad_token_id)
+    out = model.generate(
+        mixed_prompts(3),
+        SamplingParams(temperature=0, max_new_tokens=3, samples_per_prompt=2),
+        eos_id=Tok.eos_token_id,
+        pad_id=Tok.pad_token_id,
+    )
     assert out.sequences.shape[0] == 6 and model._rows == 0 and model.cache is None

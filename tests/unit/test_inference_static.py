@@ -2,6 +2,7 @@
 not the default: the same tokens and log-probs as the row-removing loop and HF generate, no host
 synchronisation inside a step, a full graph under torch.compile, and the graph path's bookkeeping
 (capture before the state is set, replay per span, release) with the CUDA calls stood in for."""
+
 import logging
 import weakref
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from rlhf.compose import compose_config
 from rlhf.config import EngineConfig
 from rlhf.engine import decode_static
 from rlhf.engine.decode_static import StaticDecoder, bucket
@@ -16,7 +18,6 @@ from rlhf.engine.graphs import WARMUP_STEPS
 from rlhf.engine.hybrid import decode_loop
 from rlhf.errors import ConfigError
 from rlhf.ops import SamplingParams
-from rlhf.compose import compose_config
 from tests.device_guard import DeviceDiscipline
 from tests.infer_helpers import EOS, PAD, mixed_prompts, tiny_model
 from tests.sync_guard import HostSyncs
@@ -46,9 +47,11 @@ def generate(hy, decode: str, sp: SamplingParams, prompts, chunk: int = CHUNK, s
 def hf_greedy_until_eos(model, prompts, max_new: int) -> torch.Tensor:
     """HF generate, greedy, stopping rows at EOS (pad after it), padded to ``max_new`` columns."""
     from rlhf.engine.infer import left_pad
+
     ids, mask = left_pad(prompts, PAD)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                         pad_token_id=PAD, eos_token_id=EOS)[:, ids.shape[1]:]
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, pad_token_id=PAD, eos_token_id=EOS
+    )[:, ids.shape[1] :]
     return torch.cat([out, out.new_full((out.shape[0], max_new - out.shape[1]), PAD)], 1)
 
 
@@ -63,9 +66,9 @@ def test_config_keys_and_the_loop_each_device_gets():
     assert EngineConfig().cuda_graphs == "auto" and EngineConfig().decode_sync_every == 8
     cfg = compose_config(["engine.cuda_graphs=off", "engine.decode_sync_every=4"])[0].engine
     assert (cfg.cuda_graphs, cfg.decode_sync_every) == ("off", 4)
-    with pytest.raises(ConfigError, match="engine.cuda_graphs"):
+    with pytest.raises(ConfigError, match=r"engine.cuda_graphs"):
         EngineConfig(cuda_graphs="on")
-    with pytest.raises(ConfigError, match="engine.decode_sync_every"):
+    with pytest.raises(ConfigError, match=r"engine.decode_sync_every"):
         EngineConfig(decode_sync_every=0)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert decode_loop(EngineConfig(), cpu, 1) == "dynamic"  # the CPU keeps the row-removing loop
@@ -85,9 +88,12 @@ def test_buckets_and_spans():
 
 
 # greedy rows of each end at 3-6 different steps (the EOS boost chosen per model for that)
-FAMILIES = {"llama": ("llama", dict(boost=1.8)), "qwen3": ("qwen3", {}),
-            "mistral_window": ("mistral", dict(sliding_window=5)),  # a window shorter than the prompts
-            "phi3_partial_rotary": ("phi3", dict(boost=0.6, partial_rotary_factor=0.5))}
+FAMILIES = {
+    "llama": ("llama", dict(boost=1.8)),
+    "qwen3": ("qwen3", {}),
+    "mistral_window": ("mistral", dict(sliding_window=5)),  # a window shorter than the prompts
+    "phi3_partial_rotary": ("phi3", dict(boost=0.6, partial_rotary_factor=0.5)),
+}
 
 
 @pytest.mark.parametrize("case", sorted(FAMILIES))
@@ -114,7 +120,9 @@ def test_static_sampling_draws_what_the_row_removing_loop_draws(family):
     """Same seed, same rollouts: each running row takes the draw the row-removing loop gives it,
     also across min_new_tokens (EOS banned), top-k/top-p, several samples per prompt."""
     _, hy = hybrid(eos_prone(family))
-    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW, min_new_tokens=2, samples_per_prompt=2, seed=4)
+    sp = SamplingParams(
+        temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW, min_new_tokens=2, samples_per_prompt=2, seed=4
+    )
     _, ref = generate(hy, "dynamic", sp, mixed_prompts(5))
     _, out = generate(hy, "static", sp, mixed_prompts(5))
     assert len(set(ref.response_mask.sum(1).tolist())) >= 3 and (ref.response_mask.sum(1) >= 3).all()
@@ -136,16 +144,30 @@ def test_same_shapes_give_the_same_bits():
 
 def test_the_sync_guard_sees_each_kind_of_synchronisation():
     x = torch.arange(6, device="cpu")
-    reads = [lambda: x[0].item(), lambda: bool(x.any()), lambda: int(x[1]), lambda: x.tolist(), lambda: x.nonzero(),
-             lambda: x[x > 2], lambda: x.clone().masked_fill_(x > 2, 0).unique(), lambda: x[x[1]:],
-             lambda: x.masked_select(x > 2), lambda: 1 if x[2] > 1 else 0]
+    reads = [
+        lambda: x[0].item(),
+        lambda: bool(x.any()),
+        lambda: int(x[1]),
+        lambda: x.tolist(),
+        lambda: x.nonzero(),
+        lambda: x[x > 2],
+        lambda: x.clone().masked_fill_(x > 2, 0).unique(),
+        lambda: x[x[1] :],
+        lambda: x.masked_select(x > 2),
+        lambda: 1 if x[2] > 1 else 0,
+    ]
     for read in reads:
         with HostSyncs() as syncs:
             read()
         assert len(syncs.log) == 1 and "test_inference_static.py" in syncs.log[0], syncs.log
     with HostSyncs() as syncs:  # what the static step does instead
         a = x > 2
-        x[torch.tensor([1, 2], device="cpu")], torch.where(a, x, 0), a.long().cumsum(0), x.clone().index_fill_(0, x[:1], 7)
+        (
+            x[torch.tensor([1, 2], device="cpu")],
+            torch.where(a, x, 0),
+            a.long().cumsum(0),
+            x.clone().index_fill_(0, x[:1], 7),
+        )
     assert syncs.log == []
 
 
@@ -217,6 +239,7 @@ def test_the_static_step_compiles_with_inductor():
 class EagerGraphs:
     """StepGraphs with the CUDA calls stood in for: the warm-up steps run for real (as on a GPU),
     a "capture" keeps the step, a replay runs it."""
+
     fail = False
 
     def __init__(self, device):
@@ -246,8 +269,10 @@ def test_graph_path_bookkeeping(monkeypatch, caplog):
     monkeypatch.setattr(decode_static, "StepGraphs", EagerGraphs)
     _, hy = hybrid(eos_prone("llama"))
     prompts = mixed_prompts(6)
-    for sp in (SamplingParams(temperature=0, max_new_tokens=NEW),
-               SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=3, samples_per_prompt=2, seed=3)):
+    for sp in (
+        SamplingParams(temperature=0, max_new_tokens=NEW),
+        SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=3, samples_per_prompt=2, seed=3),
+    ):
         _, ref = generate(hy, "dynamic", sp, prompts, sync_every=100)
         model, out = generate(hy, "graphs", sp, prompts, sync_every=100)
         assert torch.equal(out.sequences, ref.sequences)

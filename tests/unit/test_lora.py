@@ -1,5 +1,6 @@
 """LoRA (PEFT) in one process: the hybrid engine generates with the merged weights, the reference is
 the base model, the export merges, training touches the adapters only."""
+
 import copy
 
 import pytest
@@ -22,8 +23,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 def adapted(family: str, r: int = 4, full=None, **kw):
     """A tiny model of ``family`` with adapters whose B is random (PEFT starts B at zero, where a
     dropped adapter would change nothing); ``full``: modules trained fully (their copies perturbed)."""
-    model = lora.apply_lora(tiny_model(family, perturb=True, **kw), LoraConfig(r=r, alpha=2.0 * r), seed=0,
-                            full=full)
+    model = lora.apply_lora(tiny_model(family, perturb=True, **kw), LoraConfig(r=r, alpha=2.0 * r), seed=0, full=full)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -49,7 +49,7 @@ def test_hybrid_greedy_equals_hf_generate_on_the_merged_model(family):
     model = adapted(family)
     prompts = mixed_prompts()
     ref = hf_greedy(merged_copy(model), prompts, 12)
-    eng, hy = engine_of(model)
+    _eng, hy = engine_of(model)
     assert hy.inject
     gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
     assert torch.equal(gen.responses, ref)
@@ -60,10 +60,11 @@ def test_hybrid_greedy_equals_hf_generate_on_the_merged_model(family):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # tied and untied embeddings
 def test_fully_trained_embeddings_are_served_and_exported(family, tmp_path):
     from transformers import AutoModelForCausalLM
+
     model = adapted(family, full=["embed_tokens"])
     prompts = mixed_prompts()
     ref = hf_greedy(merged_copy(model), prompts, 12)
-    eng, hy = engine_of(model)
+    _eng, hy = engine_of(model)
     gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
     assert torch.equal(gen.responses, ref)
     x = torch.tensor([prompts[0]])
@@ -128,12 +129,17 @@ def test_only_adapters_train():
 def test_export_merges_and_adapter_reloads_with_peft(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     model = adapted("llama")
     x = torch.tensor([mixed_prompts(1)[0]])
     with torch.no_grad():
         want = model(input_ids=x).logits
-    write_hf(model, {k: v.detach().clone() for k, v in model.state_dict().items()}, tmp_path / "model",
-             adapter_dir=tmp_path / "adapter")
+    write_hf(
+        model,
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        tmp_path / "model",
+        adapter_dir=tmp_path / "adapter",
+    )
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     assert not any("lora" in k for k in merged.state_dict())
     with torch.no_grad():
@@ -146,6 +152,7 @@ def test_export_merges_and_adapter_reloads_with_peft(tmp_path):
 def merged_base(base):
     """``base`` (the HF model with LoRA layers inside) back to a plain model with the base weights."""
     from transformers import AutoModelForCausalLM
+
     plain = AutoModelForCausalLM.from_config(base.config)
     sd = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
     plain.load_state_dict(sd)
@@ -154,11 +161,13 @@ def merged_base(base):
 
 def test_merged_state_dict_golden():
     """W + B·A·α/r by hand on one 2×2 layer, the adapter keys dropped, a saved head renamed."""
-    sd = {"base_model.model.l.base_layer.weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
-          "base_model.model.l.lora_A.default.weight": torch.tensor([[1.0, 2.0]]),  # r=1
-          "base_model.model.l.lora_B.default.weight": torch.tensor([[3.0], [4.0]]),
-          "base_model.model.score.original_module.weight": torch.tensor([[9.0, 9.0]]),
-          "base_model.model.score.modules_to_save.default.weight": torch.tensor([[5.0, 6.0]])}
+    sd = {
+        "base_model.model.l.base_layer.weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
+        "base_model.model.l.lora_A.default.weight": torch.tensor([[1.0, 2.0]]),  # r=1
+        "base_model.model.l.lora_B.default.weight": torch.tensor([[3.0], [4.0]]),
+        "base_model.model.score.original_module.weight": torch.tensor([[9.0, 9.0]]),
+        "base_model.model.score.modules_to_save.default.weight": torch.tensor([[5.0, 6.0]]),
+    }
     out = lora.merged_state_dict(sd, scale=0.5)
     assert set(out) == {"l.weight", "score.weight"}
     # B·A = [[3, 6], [4, 8]]; × 0.5 = [[1.5, 3], [2, 4]]; + I
@@ -167,11 +176,12 @@ def test_merged_state_dict_golden():
 
 
 def test_unknown_target_module_is_a_config_error():
-    with pytest.raises(ConfigError, match="model.lora.target_modules.*nope_proj"):
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules.*nope_proj"):
         lora.apply_lora(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "nope_proj"]), seed=0)
 
 
 def test_default_targets_are_the_block_projections():
     assert lora.default_targets(tiny_model("llama")) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     assert lora.default_targets(tiny_model("phi3")) == sorted(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])

@@ -6,6 +6,7 @@ Biases and q/k norm weights are random (``perturb``), windows shorter than the p
 RoPE variants change the frequencies, so that a part the inference modules got wrong would show in
 the tokens.
 """
+
 import dataclasses
 import logging
 
@@ -16,16 +17,26 @@ from rlhf.ops import SamplingParams
 from tests.infer_helpers import BOS, EOS, PAD, hf_greedy, mixed_prompts, tiny_model
 from tests.unit.test_inference import hybrid
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8, "rope_theta": 10000.0}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "rope_theta": 10000.0,
+}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 
 
 def longrope(rotary_dim: int = 16):
     n = rotary_dim // 2
-    return {"rope_type": "longrope", "short_factor": [1.0 + i / n for i in range(n)],
-            "long_factor": [2.0 + i / n for i in range(n)], "original_max_position_embeddings": 128,
-            "rope_theta": 10000.0}
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + i / n for i in range(n)],
+        "long_factor": [2.0 + i / n for i in range(n)],
+        "original_max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+    }
 
 
 # name: (family, config fields, expected: None = injected, else a phrase of the fallback reason)
@@ -44,13 +55,19 @@ CASES = {
     "qwen3_window_some_layers": ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), None),
     "phi3_window": ("phi3", dict(sliding_window=4), None),
     # RoPE variants: static frequencies are served, frequencies that change with the length are not
-    "llama_rope_linear": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                         "rope_theta": 10000.0}), None),
+    "llama_rope_linear": (
+        "llama",
+        dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+        None,
+    ),
     "llama_rope_llama3": ("llama", dict(rope_parameters=LLAMA3), None),
     "llama_rope_yarn": ("llama", dict(rope_parameters=YARN), None),
     "qwen3_rope_yarn": ("qwen3", dict(rope_parameters=YARN), None),
-    "llama_rope_dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                          "rope_theta": 10000.0}), "RoPE type 'dynamic'"),
+    "llama_rope_dynamic": (
+        "llama",
+        dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        "RoPE type 'dynamic'",
+    ),
     "llama_rope_longrope": ("llama", dict(rope_parameters=longrope()), "RoPE type 'longrope'"),
     "phi3_rope_longrope": ("phi3", dict(rope_parameters=longrope()), "RoPE type 'longrope'"),
     "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5), None),
@@ -71,11 +88,23 @@ CASES = {
 def _other(family: str, **kw):
     """A tiny model of a family without a policy (built from its config class; random init)."""
     import transformers
-    cls = getattr(transformers, {"gemma2": "Gemma2Config", "mixtral": "MixtralConfig",
-                                 "qwen2_moe": "Qwen2MoeConfig"}[family])
-    cfg = cls(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=BOS,
-              eos_token_id=EOS, **kw)
+
+    cls = getattr(
+        transformers, {"gemma2": "Gemma2Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig"}[family]
+    )
+    cfg = cls(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        **kw,
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
@@ -83,8 +112,10 @@ def _other(family: str, **kw):
 OTHERS = {
     "gemma2_softcapping": ("gemma2", dict(head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
     "mixtral_moe": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=64)),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
 }
 
 NEW = 8
@@ -143,6 +174,7 @@ def test_a_family_row_is_all_a_new_family_needs(monkeypatch):
     """policy_for reads the family's row of FAMILY_TABLE, not its name: Llama's row under another
     model_type gives that type Llama's policy, and the injection serves it exactly."""
     from rlhf.models import policies
+
     model = tiny_model("llama", perturb=True, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
     llama_policy, _ = policies.policy_for(model.config)
     model.config.model_type = "llama_copy"

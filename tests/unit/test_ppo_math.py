@@ -1,5 +1,6 @@
 """Golden tests of the RL math: closed forms, DeepSpeed-Chat's formulas on fixed tensors,
 loop-vs-vectorised equivalence, masking."""
+
 import math
 
 import pytest
@@ -130,9 +131,13 @@ def test_whiten_and_adaptive_kl_and_running_moments():
 
     def fake_all_reduce(t):  # the other "rank" contributes its part of the same statistic
         calls.append(t.clone())
-        other = sums[1] if len(calls) == 1 else torch.tensor(
-            [float((((halves[1][0] - 2.0) ** 2) * halves[1][1]).sum())], dtype=torch.float64)
+        other = (
+            sums[1]
+            if len(calls) == 1
+            else torch.tensor([float((((halves[1][0] - 2.0) ** 2) * halves[1][1]).sum())], dtype=torch.float64)
+        )
         return t + other
+
     part = A.whiten(halves[0][0], halves[0][1], all_reduce=fake_all_reduce)
     assert torch.allclose(part, w[:, :2], atol=1e-6)
     kl = A.AdaptiveKL(0.1, target=6.0, horizon=100)

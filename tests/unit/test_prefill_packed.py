@@ -4,6 +4,7 @@ attending within itself. The CPU stands in for the flash varlen kernel with one 
 sequence (``rlhf.ops.attention.attend_varlen``); what is checked here is everything around the kernel:
 the packing, the rotations by position, the cache slots written, the last token per row, windows,
 biases, q/k norms, partial rotary heads, both decode loops."""
+
 import pytest
 import torch
 
@@ -13,7 +14,11 @@ from tests.infer_helpers import mixed_prompts, tiny_model
 from tests.unit.test_inference import hybrid
 from tests.unit.test_inference_static import FAMILIES, NEW, eos_prone, hf_greedy_until_eos
 
-CASES = {**FAMILIES, "qwen2_bias": ("qwen2", {}), "qwen2_window_3": ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1))}
+CASES = {
+    **FAMILIES,
+    "qwen2_bias": ("qwen2", {}),
+    "qwen2_window_3": ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
+}
 
 
 def assert_logprobs_close(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
 """Step progress: a status line every interval in a log file (never a redraw per step), and the
 bar's postfix never forcing a redraw."""
+
 import logging
 
 from rlhf.outputs.log import Progress
@@ -15,8 +16,16 @@ class Clock:
 
 def test_status_line_every_interval_and_at_the_end(caplog):
     clock = Clock()
-    p = Progress(total=100, initial=0, desc="sft", bar=False, status=True, interval=30.0, clock=clock,
-                 log=logging.getLogger("test-progress"))
+    p = Progress(
+        total=100,
+        initial=0,
+        desc="sft",
+        bar=False,
+        status=True,
+        interval=30.0,
+        clock=clock,
+        log=logging.getLogger("test-progress"),
+    )
     with caplog.at_level(logging.INFO, logger="test-progress"):
         for i in range(100):
             clock.t += 1.0  # one step per second
@@ -29,8 +38,9 @@ def test_status_line_every_interval_and_at_the_end(caplog):
 
 def test_no_status_off_rank_zero(caplog):
     clock = Clock()
-    p = Progress(total=10, initial=0, desc="ppo", bar=False, status=False, clock=clock,
-                 log=logging.getLogger("test-progress"))
+    p = Progress(
+        total=10, initial=0, desc="ppo", bar=False, status=False, clock=clock, log=logging.getLogger("test-progress")
+    )
     with caplog.at_level(logging.INFO, logger="test-progress"):
         for _ in range(10):
             clock.t += 100.0

@@ -1,5 +1,6 @@
 """Recipes (conf/recipe, conf/recipe_stage): which one a command line gets, and that a user's
 pretrained model gets none of the embedded task's tuning."""
+
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,12 @@ from rlhf.errors import ConfigError
 
 # the dataclass defaults tuned on the embedded task (beside its recipe files' keys) that a pretrained
 # model must not inherit, per stage
-TUNED = {"sft": ("train.lr", "train.max_steps", "train.warmup_steps", "train.global_batch"),
-         "reward": (), "ppo": ("ppo.critic_lr",), "dpo": ()}
+TUNED = {
+    "sft": ("train.lr", "train.max_steps", "train.warmup_steps", "train.global_batch"),
+    "reward": (),
+    "ppo": ("ppo.critic_lr",),
+    "dpo": (),
+}
 
 
 def value(cfg, key):
@@ -47,22 +52,28 @@ def test_model_path_alone_gets_the_pretrained_recipe(stage, tmp_path):
 def test_lengths_follow_the_data():
     cfg, _ = compose_config(["stage=ppo", "model.path=org/m", "data.path=x.jsonl", "data.format=hh"])
     assert cfg.ppo.max_new_tokens == cfg.data.max_response_len == 192
-    cfg, _ = compose_config(["stage=ppo", "model.path=org/m", "data.path=x.jsonl", "data.format=hh",
-                             "data.max_response_len=300"])
+    cfg, _ = compose_config(
+        ["stage=ppo", "model.path=org/m", "data.path=x.jsonl", "data.format=hh", "data.max_response_len=300"]
+    )
     assert cfg.ppo.max_new_tokens == cfg.eval.max_new_tokens == 300
     embedded, _ = compose_config(["stage=ppo"])
     assert embedded.ppo.max_new_tokens == 16  # the synthetic task's answers
 
 
 def test_an_explicit_override_wins_and_the_embedded_numbers_stand():
-    cfg, _ = compose_config(["stage=sft", "model.path=org/m", "train.lr=0.5", "train.max_steps=7",
-                             "train.warmup_steps=2"])
+    cfg, _ = compose_config(
+        ["stage=sft", "model.path=org/m", "train.lr=0.5", "train.max_steps=7", "train.warmup_steps=2"]
+    )
     assert (cfg.train.lr, cfg.train.max_steps, cfg.train.warmup_steps) == (0.5, 7, 2)
     cfg, _ = compose_config(["stage=sft", "model.path=org/m", "recipe=embedded"])
     assert cfg.recipe == "embedded" and cfg.train.weight_decay == 1.0 and cfg.train.max_steps == 2000
     # today's embedded values, stage by stage (a recipe split that changes them changes every number)
-    expect = {"sft": (3e-3, 2000, 1.0, 50), "reward": (5e-4, 1800, 0.0, 30), "ppo": (5e-5, 80, 0.0, 0),
-              "dpo": (1e-3, 600, 0.0, 20)}
+    expect = {
+        "sft": (3e-3, 2000, 1.0, 50),
+        "reward": (5e-4, 1800, 0.0, 30),
+        "ppo": (5e-5, 80, 0.0, 0),
+        "dpo": (1e-3, 600, 0.0, 20),
+    }
     for stage, numbers in expect.items():
         c, _ = compose_config([f"stage={stage}"])
         assert (c.train.lr, c.train.max_steps, c.train.weight_decay, c.train.warmup_steps) == numbers, stage
@@ -85,11 +96,18 @@ def test_task_recipes_and_their_stages():
     assert (hh.data.format, hh.data.split, hh.train.lr) == ("hh", "2,4,4", 9e-6)
     g, _ = compose_config(["stage=ppo", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     assert (g.algorithm.estimator, g.ppo.use_reward_model, g.ppo.reward_fn, g.ppo.samples_per_prompt) == (
-        "grpo", False, "rlhf.rewards.gold", 8)
-    with pytest.raises(ConfigError, match="recipe=gsm8k_grpo .recipe=gsm8k_grpo on the command line. has no reward "
-                                          "stage .its stages: sft, ppo."):
+        "grpo",
+        False,
+        "rlhf.rewards.gold",
+        8,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"recipe=gsm8k_grpo .recipe=gsm8k_grpo on the command line. has no reward "
+        "stage .its stages: sft, ppo.",
+    ):
         compose_config(["stage=reward", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
-    with pytest.raises(ConfigError, match="unknown recipe 'nope' .expected embedded, gsm8k_grpo, hh, pretrained."):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'nope' .expected embedded, gsm8k_grpo, hh, pretrained."):
         compose_config(["recipe=nope"])
 
 
@@ -105,7 +123,7 @@ def test_steps_and_warmup_from_epochs():
     assert (t.max_steps, t.warmup_steps) == (5, 1)
     assert "train.epochs=3 does not apply" in said and "train.warmup_ratio=0.5 does not apply" in said
     assert TrainConfig().resolve_steps(1000, 10, "records") is None  # the embedded recipe: nothing to say
-    with pytest.raises(ConfigError, match="train.max_steps and train.epochs are both null"):
+    with pytest.raises(ConfigError, match=r"train.max_steps and train.epochs are both null"):
         TrainConfig(max_steps=None, epochs=None)
 
 
@@ -123,15 +141,39 @@ def test_recipe_files_say_where_their_numbers_come_from():
 
 def test_each_stage_places_the_models_it_builds():
     roles = {}
-    for args in (["stage=sft"], ["stage=reward"], ["stage=dpo"], ["stage=dpo", "model.lora.r=4"], ["stage=ppo"],
-                 ["stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=x.y",
-                  "algorithm.kl_coef=0"]):
+    for args in (
+        ["stage=sft"],
+        ["stage=reward"],
+        ["stage=dpo"],
+        ["stage=dpo", "model.lora.r=4"],
+        ["stage=ppo"],
+        [
+            "stage=ppo",
+            "algorithm.estimator=grpo",
+            "ppo.use_reward_model=false",
+            "ppo.reward_fn=x.y",
+            "algorithm.kl_coef=0",
+        ],
+    ):
         cfg, _ = compose_config(args)
         roles[" ".join(args)] = cfg.roles()
-    assert list(roles.values()) == [("actor",), ("reward_model",), ("actor", "reference"), ("actor",),
-                                    ("actor", "critic", "reference", "reward_model"), ("actor",)]
-    cfg, _ = compose_config(["stage=ppo", "engine.zero_stage=2", "engine.critic.zero_stage=3",
-                             "engine.reference.offload=cpu", "engine.reward_model.precision=bf16"])
+    assert list(roles.values()) == [
+        ("actor",),
+        ("reward_model",),
+        ("actor", "reference"),
+        ("actor",),
+        ("actor", "critic", "reference", "reward_model"),
+        ("actor",),
+    ]
+    cfg, _ = compose_config(
+        [
+            "stage=ppo",
+            "engine.zero_stage=2",
+            "engine.critic.zero_stage=3",
+            "engine.reference.offload=cpu",
+            "engine.reward_model.precision=bf16",
+        ]
+    )
     placed = cfg.engine.placements()
     assert placed["actor"][:3] == (2, "none", "auto") and placed["critic"][0] == 3
     assert placed["reference"][:2] == (2, "cpu") and placed["reward_model"][2] == "bf16"
@@ -150,6 +192,7 @@ def test_the_fingerprint_names_the_inputs_and_not_the_dropout():
     class Tok:
         def get_vocab(self):
             return {"a": 0}
+
     cfg, _ = compose_config(["stage=ppo"])
     a = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.1), Tok(), "d", cfg, "reward_model=/x")
     b = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), "d", cfg, "reward_model=/x")

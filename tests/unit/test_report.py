@@ -1,4 +1,5 @@
 """summary.json (docs/contract.md keys) and report.png from a run directory's metrics."""
+
 import json
 import struct
 
@@ -16,21 +17,33 @@ def _png_size(data: bytes):
 
 
 def _run(tmp_path):
-    _write(tmp_path / "sft/metrics.jsonl", [{"step": s, "loss": 5.0 / (s + 1)} for s in range(1, 50)]
-           + [{"step": 50, "eval/loss": 0.3, "gold/score": 0.4, "gold/score_greedy": 0.8}])
-    _write(tmp_path / "reward/metrics.jsonl", [{"step": s, "loss": 0.7 - s / 100, "accuracy": 0.5} for s in range(1, 30)]
-           + [{"step": 30, "eval/accuracy": 0.95, "eval/loss": 0.2}])
-    _write(tmp_path / "ppo/metrics.jsonl",
-           [{"step": 0, "gold/score": 0.4}]
-           + [{"step": s, "reward/mean": s / 20, "kl/mean": s / 40, "time/train_s": 1.0, "time/generate_s": 0.1}
-              for s in range(1, 21)]
-           + [{"step": 20, "gold/score": 0.75, "gold/score_greedy": 0.9}])
+    _write(
+        tmp_path / "sft/metrics.jsonl",
+        [{"step": s, "loss": 5.0 / (s + 1)} for s in range(1, 50)]
+        + [{"step": 50, "eval/loss": 0.3, "gold/score": 0.4, "gold/score_greedy": 0.8}],
+    )
+    _write(
+        tmp_path / "reward/metrics.jsonl",
+        [{"step": s, "loss": 0.7 - s / 100, "accuracy": 0.5} for s in range(1, 30)]
+        + [{"step": 30, "eval/accuracy": 0.95, "eval/loss": 0.2}],
+    )
+    _write(
+        tmp_path / "ppo/metrics.jsonl",
+        [{"step": 0, "gold/score": 0.4}]
+        + [
+            {"step": s, "reward/mean": s / 20, "kl/mean": s / 40, "time/train_s": 1.0, "time/generate_s": 0.1}
+            for s in range(1, 21)
+        ]
+        + [{"step": 20, "gold/score": 0.75, "gold/score_greedy": 0.9}],
+    )
     return tmp_path
 
 
 def test_summary_has_the_contract_keys_and_last_values(tmp_path, capsys):
     run = _run(tmp_path)
-    summary.main([str(run), "--seconds", "sft=1.5", "--seconds", "reward=2", "--seconds", "ppo=3", "--seconds", "total=6.5"])
+    summary.main(
+        [str(run), "--seconds", "sft=1.5", "--seconds", "reward=2", "--seconds", "ppo=3", "--seconds", "total=6.5"]
+    )
     s = json.loads((run / "summary.json").read_text())
     assert s["sft"]["gold/score"] == 0.4 and s["sft"]["eval/loss"] == 0.3
     assert s["reward"]["eval/accuracy"] == 0.95
@@ -54,15 +67,40 @@ def test_report_draws_the_curves(tmp_path):
 
 def test_dpo_stage_in_summary_and_report(tmp_path, capsys):
     run = _run(tmp_path)
-    _write(run / "dpo/metrics.jsonl",
-           [{"step": 0, "eval/loss": 0.69, "eval/rewards/accuracy": 0.0, "eval/rewards/margin": 0.0, "gold/score": 0.4}]
-           + [{"step": s, "loss": 0.7 - s / 100, "rewards/accuracy": 0.5 + s / 100, "rewards/margin": s / 10,
-               "logps/chosen": -2.0, "logps/rejected": -2.0 - s} for s in range(1, 30)]
-           + [{"step": 30, "eval/loss": 0.3, "eval/rewards/accuracy": 0.95, "eval/rewards/margin": 2.0,
-               "eval/logps/chosen": -1.5, "eval/logps/rejected": -20.0, "gold/score": 0.7, "gold/score_greedy": 0.9}])
+    _write(
+        run / "dpo/metrics.jsonl",
+        [{"step": 0, "eval/loss": 0.69, "eval/rewards/accuracy": 0.0, "eval/rewards/margin": 0.0, "gold/score": 0.4}]
+        + [
+            {
+                "step": s,
+                "loss": 0.7 - s / 100,
+                "rewards/accuracy": 0.5 + s / 100,
+                "rewards/margin": s / 10,
+                "logps/chosen": -2.0,
+                "logps/rejected": -2.0 - s,
+            }
+            for s in range(1, 30)
+        ]
+        + [
+            {
+                "step": 30,
+                "eval/loss": 0.3,
+                "eval/rewards/accuracy": 0.95,
+                "eval/rewards/margin": 2.0,
+                "eval/logps/chosen": -1.5,
+                "eval/logps/rejected": -20.0,
+                "gold/score": 0.7,
+                "gold/score_greedy": 0.9,
+            }
+        ],
+    )
     summary.main([str(run), "--seconds", "sft=1", "--seconds", "dpo=2"])
     s = json.loads((run / "summary.json").read_text())
-    assert s["dpo"] == {"gold/score": 0.7, "gold/score_greedy": 0.9, "eval/rewards/accuracy": 0.95,
-                        "eval/rewards/margin": 2.0}
+    assert s["dpo"] == {
+        "gold/score": 0.7,
+        "gold/score_greedy": 0.9,
+        "eval/rewards/accuracy": 0.95,
+        "eval/rewards/margin": 2.0,
+    }
     assert "dpo" in capsys.readouterr().out
     assert _png_size((run / "report.png").read_bytes()) == (1600, 960)  # a third row: the DPO curves

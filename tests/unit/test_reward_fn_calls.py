@@ -1,6 +1,7 @@
 """A user's rule reward (ppo.reward_fn) is checked on every call, not only once before the run: one
 number per response or exit 2 with one line naming the function (rlhf/rewards.py ``call``, used by
 the pre-run ``check`` and by the rollouts in rlhf/rl/experience.py)."""
+
 import logging
 import math
 
@@ -8,7 +9,6 @@ import pytest
 import torch
 
 from rlhf import rewards
-from rlhf.algorithms import ppo as ppo_math
 from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.data.records import Example
 from rlhf.engine.infer import Generation
@@ -46,13 +46,25 @@ class Hybrid:
     def generate(self, prompts, sp):
         seq = torch.tensor([[5, 6, 7, 8, EOS], [5, 6, 9, EOS, 0], [5, 7, 7, 7, EOS], [5, 7, 8, 8, 8]])
         resp = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
-        return Generation(sequences=seq, attention_mask=torch.cat([torch.ones(4, 2, dtype=torch.long), resp], 1),
-                          response_mask=resp, logprobs=None, prompt_len=2)
+        return Generation(
+            sequences=seq,
+            attention_mask=torch.cat([torch.ones(4, 2, dtype=torch.long), resp], 1),
+            response_mask=resp,
+            logprobs=None,
+            prompt_len=2,
+        )
 
 
 def rollout_with(rule):
-    scorers = Scorers(ref=None, critic=None, reward_model=None, normalise=RewardNormaliser("none", {}), rule=rule,
-                      rule_weight=1.0, data_format="prompt_response")
+    scorers = Scorers(
+        ref=None,
+        critic=None,
+        reward_model=None,
+        normalise=RewardNormaliser("none", {}),
+        rule=rule,
+        rule_weight=1.0,
+        data_format="prompt_response",
+    )
     collector = Collector(Hybrid(), None, scorers, None, AlgorithmConfig(), PPOConfig(), Tok(), None, seed=0)
     batch = PromptBatch([[5, 6], [5, 7]], [Example(prompt="a"), Example(prompt="b")])
     return collector.rollout(batch, SamplingParams(samples_per_prompt=2))
@@ -73,8 +85,10 @@ def test_an_error_inside_the_function_during_the_run_is_named_with_where_it_rais
     with pytest.raises(ConfigError) as e:
         rollout_with(fails_on_text)
     msg = str(e.value)
-    assert msg.startswith("ppo.reward_fn=tests.e2e.batch_reward.fails_on_text: calling it on a batch of 4 "
-                          "responses failed: KeyError: '7 8' at "), msg
+    assert msg.startswith(
+        "ppo.reward_fn=tests.e2e.batch_reward.fails_on_text: calling it on a batch of 4 "
+        "responses failed: KeyError: '7 8' at "
+    ), msg
     assert "tests/e2e/batch_reward.py:" in msg  # where it raised
 
 
@@ -83,15 +97,18 @@ def test_nan_is_a_number_the_update_handles():
     assert all(math.isnan(x) for x in ro.parts["rule"].tolist())
 
 
-@pytest.mark.parametrize("fn, fragment", [
-    (lambda r, e, f: 0.5, "it returned a float for 2 responses"),
-    (lambda r, e, f: "1", "it returned a str for 2 responses"),
-    (lambda r, e, f: [1.0, 2.0, 3.0], "it returned 3 values for 2 responses"),
-    (some_none, "value 1 of the 2 it returned is not a number (NoneType None"),
-    (lambda r, e, f: ["1.0", "2.0"], "value 0 of the 2 it returned is not a number (str"),
-])
+@pytest.mark.parametrize(
+    "fn, fragment",
+    [
+        (lambda r, e, f: 0.5, "it returned a float for 2 responses"),
+        (lambda r, e, f: "1", "it returned a str for 2 responses"),
+        (lambda r, e, f: [1.0, 2.0, 3.0], "it returned 3 values for 2 responses"),
+        (some_none, "value 1 of the 2 it returned is not a number (NoneType None"),
+        (lambda r, e, f: ["1.0", "2.0"], "value 0 of the 2 it returned is not a number (str"),
+    ],
+)
 def test_call_refuses_anything_but_one_number_per_response(fn, fragment):
-    with pytest.raises(ConfigError, match="^ppo.reward_fn=my.fn: ") as e:
+    with pytest.raises(ConfigError, match=r"^ppo.reward_fn=my.fn: ") as e:
         rewards.call(fn, ["a", "b"], [Example(prompt="p")] * 2, "prompt_response", path="my.fn")
     assert fragment in str(e.value), str(e.value)
     out = rewards.call(lambda r, e, f: torch.tensor([1.0, 2.0]), ["a", "b"], [Example(prompt="p")] * 2, "x")
@@ -110,7 +127,7 @@ def test_the_pre_run_check_catches_a_batch_level_function():
 def test_an_unimportable_reward_function_logs_nothing_besides_its_error(caplog):
     """Hydra's get_method logs the error it raises (three lines on stderr before ours): silenced."""
     with caplog.at_level(logging.DEBUG):
-        with pytest.raises(ConfigError, match="^ppo.reward_fn=nosuchmodule.fn: cannot import it: ") as e:
+        with pytest.raises(ConfigError, match=r"^ppo.reward_fn=nosuchmodule.fn: cannot import it: ") as e:
             rewards.resolve("nosuchmodule.fn")
     assert "\n" not in str(e.value) and "nosuchmodule" in str(e.value)
     assert caplog.records == [], [r.getMessage() for r in caplog.records]

@@ -1,6 +1,7 @@
 """Golden tests of the 2025–26 RL options: loss aggregation (and its invariance to how rows are split
 over micro-batches and ranks), clip-higher, Dr.GRPO, dynamic sampling's group test, DAPO's overlong
 penalty, rollout/training mismatch correction, and the settings that must be refused."""
+
 import math
 
 import pytest
@@ -16,12 +17,15 @@ LOSS = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("token_mean", (1 + 2 + 3 + 4) / 4),  # over the 4 tokens
-    ("seq_mean_token_mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),  # each sequence's mean, then their mean
-    ("seq_mean_token_sum", ((1 + 2 + 3) + 4) / 2),  # each sequence's sum, then their mean
-    ("token_sum_norm", (1 + 2 + 3 + 4) / (2 * 8)),  # Dr.GRPO: sum / (sequences × 8 tokens)
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token_mean", (1 + 2 + 3 + 4) / 4),  # over the 4 tokens
+        ("seq_mean_token_mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),  # each sequence's mean, then their mean
+        ("seq_mean_token_sum", ((1 + 2 + 3) + 4) / 2),  # each sequence's sum, then their mean
+        ("token_sum_norm", (1 + 2 + 3 + 4) / (2 * 8)),  # Dr.GRPO: sum / (sequences × 8 tokens)
+    ],
+)
 def test_loss_aggregation_golden(mode, expected):
     w = A.loss_weights(MASK, mode)
     denom = A.loss_denominator(mode, tokens=float(MASK.sum()), rows=2.0, norm_tokens=8)
@@ -101,11 +105,11 @@ def test_mismatch_correction_golden_and_a_noop_when_log_probs_agree():
 
 def test_group_estimators_refuse_one_sample_per_prompt():
     for est in ("grpo", "rloo"):
-        with pytest.raises(ConfigError, match="ppo.samples_per_prompt=1"):
+        with pytest.raises(ConfigError, match=r"ppo.samples_per_prompt=1"):
             Config(stage="ppo", algorithm=AlgorithmConfig(estimator=est), ppo=PPOConfig(samples_per_prompt=1))
-    with pytest.raises(ConfigError, match="ppo.dynamic_sampling"):
+    with pytest.raises(ConfigError, match=r"ppo.dynamic_sampling"):
         Config(stage="ppo", ppo=PPOConfig(dynamic_sampling=True))  # GAE has no groups
-    with pytest.raises(ConfigError, match="algorithm.loss_agg"):
+    with pytest.raises(ConfigError, match=r"algorithm.loss_agg"):
         AlgorithmConfig(loss_agg="mean")
     Config(stage="ppo", ppo=PPOConfig(samples_per_prompt=1))  # GAE needs no group
 

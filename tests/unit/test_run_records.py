@@ -1,5 +1,6 @@
 """What a run records about itself (issue 28): peak memory on every metrics line (summary.json, report.png),
 gold evaluation that says its size and can be turned off, and the saved configuration rlhf.eval reads."""
+
 import importlib.util
 import json
 import logging
@@ -39,6 +40,7 @@ def test_whole_process_peaks_survive_the_per_line_resets(monkeypatch):
     """bench/stage_peak.py (the benches' peak_rss_gb) reads the process's peak at its end: the resets
     behind mem/peak_gb must not hide a peak from it."""
     from rlhf.outputs import log
+
     spec = importlib.util.spec_from_file_location("stage_peak", ROOT / "bench" / "stage_peak.py")
     stage_peak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stage_peak)
@@ -56,10 +58,15 @@ def test_whole_process_peaks_survive_the_per_line_resets(monkeypatch):
 def test_peak_memory_on_cuda_is_the_device_allocation_reset_per_line(monkeypatch):
     """The device branch (no GPU here): max_memory_allocated in GiB, then a reset for the next line."""
     from rlhf.outputs import log
+
     resets = []
-    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
-                                 max_memory_allocated=lambda: 3 * 2**30, max_memory_reserved=lambda: 4 * 2**30,
-                                 reset_peak_memory_stats=lambda: resets.append(1))
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        max_memory_allocated=lambda: 3 * 2**30,
+        max_memory_reserved=lambda: 4 * 2**30,
+        reset_peak_memory_stats=lambda: resets.append(1),
+    )
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
     monkeypatch.setattr(log, "_before_resets", {})
     assert PeakMemory().read() == 3.0 and resets == [1]
@@ -72,8 +79,10 @@ def _write(path, rows):
 
 
 def _run_with_memory(run):
-    _write(run / "sft/metrics.jsonl", [{"step": s, "loss": 1.0 / s, "mem/peak_gb": m}
-                                       for s, m in ((1, 1.5), (2, 2.5), (3, 2.0))])
+    _write(
+        run / "sft/metrics.jsonl",
+        [{"step": s, "loss": 1.0 / s, "mem/peak_gb": m} for s, m in ((1, 1.5), (2, 2.5), (3, 2.0))],
+    )
     _write(run / "ppo/metrics.jsonl", [{"step": s, "reward/mean": 0.1 * s, "mem/peak_gb": 4.0 + s} for s in (1, 2)])
     return run
 
@@ -87,6 +96,7 @@ def test_summary_holds_each_stage_peak_memory_and_copes_without_gold(tmp_path):
 
 def test_report_draws_every_stage_peak_memory(tmp_path):
     import matplotlib.pyplot as plt
+
     fig = report.figure(_run_with_memory(tmp_path))
     panels = {ax.get_title(): ax for ax in fig.axes}
     mem = next(ax for title, ax in panels.items() if title.startswith("Peak memory"))
@@ -96,37 +106,50 @@ def test_report_draws_every_stage_peak_memory(tmp_path):
 
 
 def test_progress_counts_other_units(caplog):
-    p = Progress(total=32, initial=0, desc="gold", bar=False, status=True, interval=1e9, unit="response",
-                 log=logging.getLogger("test-progress"))
+    p = Progress(
+        total=32,
+        initial=0,
+        desc="gold",
+        bar=False,
+        status=True,
+        interval=1e9,
+        unit="response",
+        log=logging.getLogger("test-progress"),
+    )
     with caplog.at_level(logging.INFO, logger="test-progress"):
         p.step(n=16)
         p.step(n=16)
-    assert [r.getMessage().split(" eta")[0].rsplit(" ", 2)[0] for r in caplog.records] == \
-        ["gold: 32/32 responses (100%)"]
+    assert [r.getMessage().split(" eta")[0].rsplit(" ", 2)[0] for r in caplog.records] == [
+        "gold: 32/32 responses (100%)"
+    ]
     assert caplog.records[0].getMessage().split(" eta")[0].endswith("responses/s")
 
 
 def test_gold_prompts_zero_turns_the_gold_evaluation_off(monkeypatch, caplog):
     from rlhf.runtime import evaluation
+
     cfg, _ = compose_config(["stage=sft", "eval.gold_prompts=0"])
     assert cfg.eval.gold_prompts == 0
-    with pytest.raises(ConfigError, match="eval.gold_prompts=-1"):
+    with pytest.raises(ConfigError, match=r"eval.gold_prompts=-1"):
         compose_config(["stage=sft", "eval.gold_prompts=-1"])
 
     def never(*a, **k):
         raise AssertionError("no generation with eval.gold_prompts=0")
+
     monkeypatch.setattr(evaluation, "_said", set())
     with caplog.at_level(logging.INFO, logger="rlhf"):
         for _ in range(3):
             assert evaluation.evaluate_gold(never, None, [], None, cfg.eval, mesh=None) == {}
-    assert [r.getMessage() for r in caplog.records if "gold_prompts=0" in r.getMessage()] == \
-        ["eval.gold_prompts=0: no gold evaluation (no gold/score in metrics.jsonl or summary.json)"]
+    assert [r.getMessage() for r in caplog.records if "gold_prompts=0" in r.getMessage()] == [
+        "eval.gold_prompts=0: no gold evaluation (no gold/score in metrics.jsonl or summary.json)"
+    ]
 
 
 @pytest.mark.parametrize("n, micro, world", [(16, 256, 1), (10, 3, 1), (10, 3, 4), (7, 2, 3), (3, 8, 4), (0, 4, 2)])
 def test_global_batch_sizes_count_every_rank(n, micro, world):
     from rlhf.runtime.evaluation import global_batch_sizes
     from rlhf.runtime.stage import rank_batches
+
     per_rank = [list(rank_batches(n, micro, types.SimpleNamespace(rank=r, world_size=world))) for r in range(world)]
     assert global_batch_sizes(n, micro, world) == [sum(len(b[t]) for b in per_rank) for t in range(len(per_rank[0]))]
 
@@ -149,6 +172,7 @@ def test_eval_reads_the_configuration_of_the_policy_stage_else_the_newest(tmp_pa
     import os
 
     from rlhf.eval import run_config
+
     run = tmp_path / "run"
     for i, stage in enumerate(("sft", "ppo")):
         (run / stage).mkdir(parents=True)

@@ -8,6 +8,7 @@
   passes it on (known exceptions, all with remote code off, listed in KNOWN_UNTHREADED);
 - the tokenized-data cache is safetensors + JSON.
 """
+
 from __future__ import annotations
 
 import ast
@@ -42,12 +43,14 @@ def _rel(path: Path) -> str:
 
 def _calls(tree: ast.AST) -> Iterator[Tuple[ast.Call, Optional[str]]]:
     """Every call with the name of the function (def) it sits in."""
+
     def walk(node, func):
         for child in ast.iter_child_nodes(node):
             inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
             if isinstance(child, ast.Call):
                 yield child, func
             yield from walk(child, inner)
+
     yield from walk(tree, None)
 
 
@@ -79,7 +82,11 @@ def test_torch_load_is_weights_only():
     seen, bad = 0, []
     for path, tree in _parsed():
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "load" for a in node.names):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "torch"
+                and any(a.name == "load" for a in node.names)
+            ):
                 bad.append(f"{_rel(path)}:{node.lineno} from torch import load (call torch.load)")
             if isinstance(node, ast.Call) and _dotted(node.func) == "torch.load":
                 seen += 1
@@ -129,18 +136,27 @@ def test_trust_remote_code_only_from_the_config_key():
                 v = _kw(node, "trust_remote_code")
                 if v is not None and not _trust_ok(v):
                     bad.append(f"{_rel(path)}:{node.lineno} trust_remote_code={_dotted(v)}")
-                if _callee(node) in HELPERS and HELPERS[_callee(node)] is not None \
-                        and len(node.args) > HELPERS[_callee(node)]:
+                if (
+                    _callee(node) in HELPERS
+                    and HELPERS[_callee(node)] is not None
+                    and len(node.args) > HELPERS[_callee(node)]
+                ):
                     v = node.args[HELPERS[_callee(node)]]
                     if not _trust_ok(v):
                         bad.append(f"{_rel(path)}:{node.lineno} {_callee(node)}(..., {_dotted(v)})")
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args.args + node.args.kwonlyargs
-                defaults = ([None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults
-                            + node.args.kw_defaults)
+                defaults = (
+                    [None] * (len(node.args.args) - len(node.args.defaults))
+                    + node.args.defaults
+                    + node.args.kw_defaults
+                )
                 for a, d in zip(args, defaults):
-                    if a.arg == "trust_remote_code" and d is not None and not (
-                            isinstance(d, ast.Constant) and d.value is False):
+                    if (
+                        a.arg == "trust_remote_code"
+                        and d is not None
+                        and not (isinstance(d, ast.Constant) and d.value is False)
+                    ):
                         bad.append(f"{_rel(path)}:{node.lineno} {node.name}(trust_remote_code={_dotted(d)})")
     assert not bad, bad
 
@@ -173,7 +189,8 @@ def test_every_hf_load_passes_trust_remote_code():
             is_hf = name in HF_LOADERS or (name == "from_config" and rel == "rlhf/models/loading.py")
             is_helper = name in HELPERS and (
                 (isinstance(call.func, ast.Attribute) and _dotted(call.func.value) == "loading")
-                or (isinstance(call.func, ast.Name) and name in imported))
+                or (isinstance(call.func, ast.Name) and name in imported)
+            )
             if (is_hf or is_helper) and not _passes_trust(call):
                 missing[(rel, func, name)] = f"{rel}:{call.lineno}"
     unexpected = {k: v for k, v in missing.items() if k not in KNOWN_UNTHREADED}
@@ -191,8 +208,9 @@ def test_loading_helpers_thread_their_parameter():
 
 
 def test_trust_remote_code_key_exists_and_is_off():
-    from rlhf.config import ModelConfig
     from rlhf.compose import compose_config
+    from rlhf.config import ModelConfig
+
     assert ModelConfig().trust_remote_code is False
     assert compose_config(["stage=sft"])[0].model.trust_remote_code is False
     assert compose_config(["stage=sft", "model.trust_remote_code=true"])[0].model.trust_remote_code is True
@@ -211,8 +229,9 @@ def test_data_cache_is_safetensors_and_json(tmp_path):
             return {"a": 3}
 
     examples = [Example(prompt="p", response="r")]
-    cols = cached("sft", examples, Tok(), {"max_prompt": 4}, tmp_path, Mesh(),
-                  lambda: {"ids": [[1, 3, 2]], "prompt_len": [1]})
+    cols = cached(
+        "sft", examples, Tok(), {"max_prompt": 4}, tmp_path, Mesh(), lambda: {"ids": [[1, 3, 2]], "prompt_len": [1]}
+    )
     assert cols == {"ids": [[1, 3, 2]], "prompt_len": [1]}
     suffixes = sorted(p.suffix for p in tmp_path.iterdir())
     assert suffixes == [".json", ".safetensors"], suffixes

@@ -1,5 +1,6 @@
 """``python -m rlhf.score --jsonl`` reads pairs (and responses) in every format the stages read,
 turns rendered through the model's chat template as the reward stage renders them."""
+
 import json
 
 import pytest
@@ -20,14 +21,22 @@ def assistant(a):
 
 FORMS = {  # the same pairs in each pair format
     "messages": [{"chosen": [user(q), assistant(c)], "rejected": [user(q), assistant(r)]} for q, c, r in QUESTIONS],
-    "messages_trl": [{"prompt": f"What is {q}?", "chosen": [assistant(c)], "rejected": [assistant(r)]}
-                     for q, c, r in QUESTIONS],
+    "messages_trl": [
+        {"prompt": f"What is {q}?", "chosen": [assistant(c)], "rejected": [assistant(r)]} for q, c, r in QUESTIONS
+    ],
     # the embedded template renders a user turn as the synthetic task's prompt ...
-    "synthetic_text": [{"prompt": f"Q: What is {q}?\nA:", "chosen": f" The answer is {c}.",
-                        "rejected": f" The answer is {r}."} for q, c, r in QUESTIONS],
+    "synthetic_text": [
+        {"prompt": f"Q: What is {q}?\nA:", "chosen": f" The answer is {c}.", "rejected": f" The answer is {r}."}
+        for q, c, r in QUESTIONS
+    ],
     # ... and no template as HH-RLHF's text
-    "hh": [{"chosen": f"\n\nHuman: What is {q}?\n\nAssistant: The answer is {c}.",
-            "rejected": f"\n\nHuman: What is {q}?\n\nAssistant: The answer is {r}."} for q, c, r in QUESTIONS],
+    "hh": [
+        {
+            "chosen": f"\n\nHuman: What is {q}?\n\nAssistant: The answer is {c}.",
+            "rejected": f"\n\nHuman: What is {q}?\n\nAssistant: The answer is {r}.",
+        }
+        for q, c, r in QUESTIONS
+    ],
 }
 
 
@@ -38,11 +47,22 @@ def reward_model(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from rlhf.data.tokenizer import train_tokenizer
+
     d = tmp_path_factory.mktemp("rm")
     tok = train_tokenizer([json.dumps(FORMS)] * 4, 300, 128)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, num_labels=1,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        num_labels=1,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForSequenceClassification(cfg).save_pretrained(d)
     tok.save_pretrained(d)
@@ -74,12 +94,17 @@ def test_responses_as_messages(reward_model, tmp_path, capsys):
     assert len(got) == 3 and got == run(capsys, reward_model, text, tmp_path)
 
 
-@pytest.mark.parametrize("records, fragment", [
-    ([FORMS["messages"][0], {"messages": [user("1 + 1"), assistant("2")]}], "in.jsonl:2: not a preference pair"),
-    ([{"messages": [user("1 + 1")]}], "in.jsonl:1: no response to score"),
-    ([{"chosen": [user("1 + 1"), assistant("2")], "rejected": "x"}],
-     "in.jsonl:1: field 'rejected' must be a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "records, fragment",
+    [
+        ([FORMS["messages"][0], {"messages": [user("1 + 1"), assistant("2")]}], "in.jsonl:2: not a preference pair"),
+        ([{"messages": [user("1 + 1")]}], "in.jsonl:1: no response to score"),
+        (
+            [{"chosen": [user("1 + 1"), assistant("2")], "rejected": "x"}],
+            "in.jsonl:1: field 'rejected' must be a non-empty list",
+        ),
+    ],
+)
 def test_bad_files_exit_2_with_one_line(reward_model, tmp_path, capsys, records, fragment):
     with pytest.raises(SystemExit) as e:
         run(capsys, reward_model, records, tmp_path)

@@ -1,5 +1,6 @@
 """rlhf.seeding: the two forms of a derived seed, bit for bit as the streams were seeded before the
 helper existed (fixed-seed numbers are a contract)."""
+
 from rlhf import seeding
 
 

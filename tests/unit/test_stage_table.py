@@ -1,5 +1,6 @@
 """rlhf.config.STAGE_TABLE is the one list of stages: a row added there is what the usage text,
 config validation, compose, summary.json, report.png and scripts/run_all.sh's pipeline see."""
+
 import json
 
 import pytest
@@ -40,11 +41,16 @@ def test_a_row_is_what_every_list_of_stages_reads(kto, tmp_path, capsys):
     overrides, why = choose_recipe([f"run.dir={run}"])  # an earlier stage's saved config picks the recipe
     assert overrides[-1] == "recipe=pretrained" and "kto" in why
     (run / "kto" / "metrics.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in ({"step": 1, "loss": 1.0, "mem/peak_gb": 2.0},
-                                                 {"step": 2, "eval/loss": 0.5, "mem/peak_gb": 1.0})), encoding="utf-8")
+        "".join(
+            json.dumps(r) + "\n"
+            for r in ({"step": 1, "loss": 1.0, "mem/peak_gb": 2.0}, {"step": 2, "eval/loss": 0.5, "mem/peak_gb": 1.0})
+        ),
+        encoding="utf-8",
+    )
     assert summary.build_summary(run, {})["kto"] == {"eval/loss": 0.5, "mem/peak_gb": 2.0}
     fig = figure(run)
     panel = next(ax for ax in fig.axes if ax.get_title().startswith("Peak memory"))
     assert [ln.get_label() for ln in panel.lines] == ["kto"]
     import matplotlib.pyplot as plt
+
     plt.close(fig)

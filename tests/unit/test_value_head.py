@@ -1,4 +1,5 @@
 """Reward/critic head: padding invariance, head init, pairwise loss."""
+
 import math
 
 import torch
@@ -10,8 +11,17 @@ from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
 
 def tiny_rm():
     from transformers import LlamaConfig, LlamaForSequenceClassification
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     m = LlamaForSequenceClassification(cfg).eval()
     init_head(m)
