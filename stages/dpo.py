@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable, List
 
 import torch
 
@@ -26,8 +27,8 @@ from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
 from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
-from rlhf.engine.mesh import shutdown
-from rlhf.engine.train import TrainEngine, reference_for
+from rlhf.engine.mesh import Mesh, shutdown
+from rlhf.engine.train import AdaptersOff, FrozenModel, TrainEngine, reference_for
 from rlhf.errors import DataError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
@@ -87,7 +88,7 @@ def run(cfg: Config) -> None:
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
-    def build(role="reference"):
+    def build(role: str = "reference"):
         return loading.causal_lm(source, mesh, tokenizer, cfg.model.trust_remote_code, cfg.model.disable_dropout, role)
 
     # model.lora.r > 0: adapters on the policy, whose base (adapters off) is the reference; else the
@@ -113,7 +114,7 @@ def run(cfg: Config) -> None:
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
     pad = tokenizer.pad_token_id
 
-    def evaluate(step):
+    def evaluate(step: int):
         results = evaluate_pairs(actor, reference, eval_cols, pad, micro, mesh, cfg.dpo)
         if data.gold is not None:
             results.update(
@@ -123,7 +124,7 @@ def run(cfg: Config) -> None:
             )
         return log_evaluation(metrics, step, results, actor)
 
-    def checkpoint(step):
+    def checkpoint(step: int):
         return save_checkpoint(
             ctx.ckpt_dir,
             step,
@@ -181,14 +182,14 @@ def run(cfg: Config) -> None:
     shutdown(mesh)
 
 
-def collate(cols, indices, pad) -> dict:
+def collate(cols: dict, indices: List[int], pad: int) -> dict:
     """A ``collate_pairs`` batch (chosen rows, then rejected rows) with each row's prompt length."""
     batch = collate_pairs([cols["chosen"][i] for i in indices], [cols["rejected"][i] for i in indices], pad)
     batch["prompt_len"] = torch.tensor([cols["prompt_len"][i] for i in indices] * 2, device="cpu")
     return batch
 
 
-def pair_logprobs(forward, batch, device):
+def pair_logprobs(forward: Callable[..., Any], batch: dict, device: torch.device):
     """(chosen, rejected) [n] summed log-probs of the response tokens (EOS included, prompt and padding
     excluded) under ``forward`` (an engine's or the reference's)."""
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
@@ -199,7 +200,9 @@ def pair_logprobs(forward, batch, device):
     return seq[:pairs], seq[pairs:]
 
 
-def train_step(actor, reference, micro_batches, dcfg: DPOConfig) -> tuple[dict, float]:
+def train_step(
+    actor: TrainEngine, reference: AdaptersOff | FrozenModel, micro_batches: List[dict], dcfg: DPOConfig
+) -> tuple[dict, float]:
     """One optimizer step of the DPO loss, averaged over the global batch's pairs.
 
     Each micro-batch contributes sum(loss) / (pairs in the whole global batch) × world size (FSDP/DDP
@@ -220,13 +223,15 @@ def train_step(actor, reference, micro_batches, dcfg: DPOConfig) -> tuple[dict, 
     return dict(zip(SUMS, means)), grad_norm
 
 
-def loss_of(pol_c, pol_r, ref_c, ref_r, batch, dcfg: DPOConfig):
+def loss_of(
+    pol_c: torch.Tensor, pol_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor, batch: dict, dcfg: DPOConfig
+):
     """``dpo_loss`` with the stage's settings (the chosen token counts for dpo.sft_coef)."""
     tokens = chosen_tokens(batch).to(pol_c.device) if dcfg.sft_coef else None
     return dpo_loss(pol_c, pol_r, ref_c, ref_r, dcfg.beta, dcfg.loss, dcfg.label_smoothing, dcfg.sft_coef, tokens)
 
 
-def chosen_tokens(batch) -> torch.Tensor:
+def chosen_tokens(batch: dict) -> torch.Tensor:
     """[n] response tokens (EOS included) of each chosen sequence of a ``collate`` batch."""
     pairs = batch["input_ids"].shape[0] // 2
     return response_mask(batch["attention_mask"][:pairs], batch["prompt_len"][:pairs]).sum(-1)
@@ -244,7 +249,13 @@ SUMS = (
 )
 
 
-def pair_sums(losses, chosen, rejected, logp_chosen, logp_rejected) -> torch.Tensor:
+def pair_sums(
+    losses: torch.Tensor,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    logp_chosen: torch.Tensor,
+    logp_rejected: torch.Tensor,
+) -> torch.Tensor:
     """The sums over a micro-batch's pairs of each of ``SUMS`` (float64, CPU); accuracy counts the pairs
     whose chosen reward is strictly higher (0 for the starting policy, whose rewards are all 0)."""
     c, r = chosen.double().cpu(), rejected.double().cpu()
@@ -261,7 +272,15 @@ def pair_sums(losses, chosen, rejected, logp_chosen, logp_rejected) -> torch.Ten
     )
 
 
-def evaluate_pairs(actor, reference, cols, pad, micro, mesh, dcfg: DPOConfig) -> dict:
+def evaluate_pairs(
+    actor: TrainEngine,
+    reference: AdaptersOff | FrozenModel,
+    cols: dict,
+    pad: int,
+    micro: int,
+    mesh: Mesh,
+    dcfg: DPOConfig,
+) -> dict:
     """``SUMS`` over the held-out pairs as eval/<key>: loss, implicit-reward accuracy, margin, ..."""
     sums = torch.zeros(len(SUMS) + 1, dtype=torch.float64, device="cpu")  # and the pair count
     actor.eval()

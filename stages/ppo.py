@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from rlhf.algorithms.estimators import estimator
 from rlhf.algorithms.ppo import AdaptiveKL
@@ -339,7 +339,7 @@ def scalar_model(
     cfg: Config,
     src: Path,
     mesh: Mesh,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     scale: float = 1.0,
     lcfg: Optional[LoraConfig] = None,
     role: str = "reward model",

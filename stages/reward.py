@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import List
 
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -22,7 +23,7 @@ from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
-from rlhf.engine.mesh import shutdown
+from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import DataError
 from rlhf.launcher import interrupt
@@ -121,12 +122,12 @@ def run(cfg: Config) -> None:
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
     pad = tokenizer.pad_token_id
 
-    def collate(indices):
+    def collate(indices: List[int]):
         return collate_pairs(
             [train_cols["chosen"][i] for i in indices], [train_cols["rejected"][i] for i in indices], pad
         )
 
-    def evaluate(step):
+    def evaluate(step: int):
         res = evaluate_pairs(reward_model, eval_cols, pad, micro, mesh, cfg.reward.margin)
         log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model)
         return res
@@ -142,7 +143,7 @@ def run(cfg: Config) -> None:
     )
     reward_model.train()
 
-    def checkpoint(step):
+    def checkpoint(step: int):
         return save_checkpoint(
             ctx.ckpt_dir,
             step,
@@ -197,14 +198,14 @@ def run(cfg: Config) -> None:
     shutdown(mesh)
 
 
-def _pair_scores(reward_model, batch, device):
+def _pair_scores(reward_model: TrainEngine, batch: dict, device: torch.device):
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     scores = sequence_scores(reward_model.forward(input_ids=ids, attention_mask=mask), mask)
     n = ids.shape[0] // 2
     return scores[:n], scores[n:]
 
 
-def train_step(reward_model, micro_batches, margin: float = 0.0) -> tuple[float, float, float]:
+def train_step(reward_model: TrainEngine, micro_batches: List[dict], margin: float = 0.0) -> tuple[float, float, float]:
     """One optimizer step of the pairwise loss, averaged over the global batch's pairs."""
     mesh = reward_model.mesh
     n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
@@ -219,7 +220,9 @@ def train_step(reward_model, micro_batches, margin: float = 0.0) -> tuple[float,
     return mesh.sum(loss_sum) / n_pairs, mesh.sum(correct) / n_pairs, grad_norm
 
 
-def evaluate_pairs(reward_model, cols, pad, micro, mesh, margin: float = 0.0) -> dict:
+def evaluate_pairs(
+    reward_model: TrainEngine, cols: dict, pad: int, micro: int, mesh: Mesh, margin: float = 0.0
+) -> dict:
     """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std of all scores."""
     sums = torch.zeros(6, dtype=torch.float64, device="cpu")  # pairs, correct, loss, chosen, rejected, sq
     reward_model.eval()

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import List
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlhf.algorithms.tokens import shifted_nll_sum
 from rlhf.config import Config
@@ -25,13 +26,14 @@ from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.data.tokenizer import train_embedded_tokenizer
 from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
-from rlhf.engine.mesh import shutdown
+from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.outputs.log import progress
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
+    StageContext,
     check_writable,
     checkpoint_to_resume,
     end_of_step,
@@ -121,7 +123,7 @@ def run(cfg: Config) -> None:
     batches = GlobalBatches(len(train_cols["ids"]), train.global_batch, cfg.run.seed)
     pad = tokenizer.pad_token_id
 
-    def collate(indices):
+    def collate(indices: List[int]):
         return collate_sft(
             [train_cols["ids"][i] for i in indices],
             [train_cols["prompt_len"][i] for i in indices],
@@ -130,7 +132,7 @@ def run(cfg: Config) -> None:
             [train_cols["mask"][i] for i in indices],
         )
 
-    def evaluate(step):
+    def evaluate(step: int):
         results = {}
         if eval_cols is not None:
             results["eval/loss"] = eval_loss(actor, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
@@ -187,7 +189,7 @@ def run(cfg: Config) -> None:
     shutdown(mesh)
 
 
-def train_step(actor, micro_batches) -> tuple[float, float]:
+def train_step(actor: TrainEngine, micro_batches: List[dict]) -> tuple[float, float]:
     """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global batch.
 
     Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
@@ -207,7 +209,7 @@ def train_step(actor, micro_batches) -> tuple[float, float]:
     return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm
 
 
-def save(ctx, actor, tokenizer, step, mesh, keep):
+def save(ctx: StageContext, actor: TrainEngine, tokenizer: PreTrainedTokenizerBase, step: int, mesh: Mesh, keep: int):
     return save_checkpoint(
         ctx.ckpt_dir,
         step,
@@ -219,7 +221,7 @@ def save(ctx, actor, tokenizer, step, mesh, keep):
     )
 
 
-def eval_loss(actor, cols, pad, mask_prompt, micro, mesh) -> float:
+def eval_loss(actor: TrainEngine, cols: dict, pad: int, mask_prompt: bool, micro: int, mesh: Mesh) -> float:
     """Token-weighted NLL over the held-out records (split over ranks)."""
     total, count = 0.0, 0
     actor.eval()
