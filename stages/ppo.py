@@ -115,7 +115,9 @@ def run(cfg: Config) -> None:
     prompt_ids = tokenize_prompts(
         data.train, tokenizer, cfg.data.max_prompt_len, chat, max_new_tokens=ppo.max_new_tokens
     )["prompt"]
-    ptx = PtxTerm.load(cfg, tokenizer, ctx) if alg.ptx_coef > 0 else None  # PPO-ptx: SFT records and their loss
+    ptx = None  # PPO-ptx: the SFT records and their loss
+    if alg.ptx_coef > 0:
+        ptx = PtxTerm.load(cfg, tokenizer, ctx.cache_dir, mesh)
     stats = {"mean": 0.0, "std": 1.0}
     if rm_src is not None and (rm_src / REWARD_STATS_FILE).is_file():
         stats = json.loads((rm_src / REWARD_STATS_FILE).read_text())

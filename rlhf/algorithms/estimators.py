@@ -4,11 +4,8 @@ critic, whether the baseline compares a prompt's samples, where the KL to the re
 KL estimator is the default — is read from its row; adding an estimator is one row, one function
 and one test.
 
-An advantage function takes ``(alg, scores, kl, values, mask, group_size, beta, all_reduce)``:
-``alg`` the AlgorithmConfig, ``scores`` [B] per sequence, ``kl`` [B, N] per token (masked),
-``values`` [B, N] (critic estimators; else None), ``mask`` [B, N], ``group_size`` a prompt's samples
-(consecutive rows), ``beta`` the KL coefficient, ``all_reduce`` the global sum for whitening (None in
-one process). It returns (advantages [B, N], value targets [B, N] or None).
+An advantage function takes the AlgorithmConfig and the step's ``Scored`` rows and returns
+(advantages [B, N], value targets [B, N] or None).
 
 The KL estimators (``algorithm.kl_estimator``) and loss aggregations (``algorithm.loss_agg``) are
 tables here too. This module imports no torch (the tensor math is ``rlhf.algorithms.ppo``, imported
@@ -19,7 +16,7 @@ tables, stays quick to import: a bad command line fails before torch loads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 Tensor = "torch.Tensor"
 AllReduce = Optional[Callable[[Tensor], Tensor]]
@@ -31,80 +28,63 @@ def _math():
     return ppo
 
 
-def _gae(
-    alg,
-    scores: Tensor,
-    kl: Tensor,
-    values: Optional[Tensor],
-    mask: Tensor,
-    group_size: int,
-    beta: float,
-    all_reduce: AllReduce,
-) -> Tuple[Tensor, Optional[Tensor]]:
+@dataclass
+class Scored:
+    """What an advantage function reads: ``scores`` [B] per sequence, ``kl`` [B, N] per token (masked),
+    ``values`` [B, N] (critic estimators; else None), ``mask`` [B, N], ``group_size`` a prompt's samples
+    (consecutive rows), ``beta`` the KL coefficient, ``all_reduce`` the global sum for whitening (None
+    in one process)."""
+
+    scores: Tensor
+    kl: Tensor
+    values: Optional[Tensor]
+    mask: Tensor
+    group_size: int
+    beta: float
+    all_reduce: AllReduce = None
+
+
+Advantages = Tuple[Tensor, Optional[Tensor]]  # (advantages [B, N], value targets [B, N] or None)
+
+
+def _gae(alg, s: Scored) -> Advantages:
     """PPO: per-token rewards −β·KL plus the score at the last token, GAE over the critic's values."""
     m = _math()
-    rewards = m.token_rewards(scores, kl, mask, beta, alg.reward_clip)
-    adv, returns = m.gae(rewards, values, mask, alg.gamma, alg.lam)
+    rewards = m.token_rewards(s.scores, s.kl, s.mask, s.beta, alg.reward_clip)
+    adv, returns = m.gae(rewards, s.values, s.mask, alg.gamma, alg.lam)
     if alg.whiten_advantages:
-        adv = m.whiten(adv, mask, all_reduce=all_reduce)
+        adv = m.whiten(adv, s.mask, all_reduce=s.all_reduce)
     return adv, returns
 
 
-def _grpo(
-    alg,
-    scores: Tensor,
-    kl: Tensor,
-    values: Optional[Tensor],
-    mask: Tensor,
-    group_size: int,
-    beta: float,
-    all_reduce: AllReduce,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def _grpo(alg, s: Scored) -> Advantages:
     """GRPO: the score against its group's mean (and std); already normalised, so no batch whitening."""
-    clip = alg.reward_clip
+    scores, clip = s.scores, alg.reward_clip
     if clip:
         scores = scores.clamp(-clip, clip)
-    return _math().grpo_advantages(scores, group_size, mask, std_normalize=alg.std_normalize), None
+    return _math().grpo_advantages(scores, s.group_size, s.mask, std_normalize=alg.std_normalize), None
 
 
-def _rloo(
-    alg,
-    scores: Tensor,
-    kl: Tensor,
-    values: Optional[Tensor],
-    mask: Tensor,
-    group_size: int,
-    beta: float,
-    all_reduce: AllReduce,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def _rloo(alg, s: Scored) -> Advantages:
     """RLOO: the KL-shaped score against the mean of the prompt's other samples."""
     m = _math()
-    adv = m.rloo_advantages(scores - beta * kl.sum(1), group_size, mask)
+    adv = m.rloo_advantages(s.scores - s.beta * s.kl.sum(1), s.group_size, s.mask)
     if alg.whiten_advantages:
-        adv = m.whiten(adv, mask, all_reduce=all_reduce)
+        adv = m.whiten(adv, s.mask, all_reduce=s.all_reduce)
     return adv, None
 
 
-def _reinforce_pp(
-    alg,
-    scores: Tensor,
-    kl: Tensor,
-    values: Optional[Tensor],
-    mask: Tensor,
-    group_size: int,
-    beta: float,
-    all_reduce: AllReduce,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def _reinforce_pp(alg, s: Scored) -> Advantages:
     """REINFORCE++: token-level KL-shaped returns, whitened over the global batch."""
     m = _math()
-    rewards = m.token_rewards(scores, kl, mask, beta, alg.reward_clip)
-    return m.whiten(m.discounted_returns(rewards, mask, alg.gamma), mask, all_reduce=all_reduce), None
+    rewards = m.token_rewards(s.scores, s.kl, s.mask, s.beta, alg.reward_clip)
+    return m.whiten(m.discounted_returns(rewards, s.mask, alg.gamma), s.mask, all_reduce=s.all_reduce), None
 
 
 @dataclass(frozen=True)
 class Estimator:
     name: str
-    advantages: Callable[..., Tuple[Tensor, Optional[Tensor]]]
+    advantages: Callable[[Any, Scored], Advantages]  # (AlgorithmConfig, Scored) -> Advantages
     critic: bool = False  # learns a value function: the PPO stage builds and trains a critic
     grouped: bool = False  # its baseline compares a prompt's samples: ≥ 2 per prompt; dynamic sampling applies
     kl_in_loss: bool = False  # the KL to the reference is a loss term (× β), not a per-token reward
@@ -155,6 +135,6 @@ def advantages(
     group_size: int,
     beta: float,
     all_reduce: AllReduce = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """(advantages, value targets or None) of ``alg.estimator``; see the module's docstring."""
-    return estimator(alg).advantages(alg, scores, kl, values, mask, group_size, beta, all_reduce)
+) -> Advantages:
+    """(advantages, value targets or None) of ``alg.estimator`` (the arguments: ``Scored``)."""
+    return estimator(alg).advantages(alg, Scored(scores, kl, values, mask, group_size, beta, all_reduce))

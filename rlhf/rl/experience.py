@@ -253,7 +253,8 @@ class Collector:
         k1 = kl
         if kind != "k1":
             k1 = ppo_math.kl_penalty(old_logp, ref_logp, "k1") * mask
-        kl_mean = mesh.sum(float(k1.sum(1).sum())) / mesh.sum(rows)
+        global_rows = rows * mesh.world_size  # every rank holds as many rows
+        kl_mean = mesh.sum(float(k1.sum(1).sum())) / global_rows
         all_reduce = mesh.all_reduce if mesh.distributed else None
         adv, returns = advantages(alg, ro.scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce)
         loss_mask = mask
@@ -274,7 +275,7 @@ class Collector:
             score_parts=ro.parts,
             kl=kl,
             kl_mean=kl_mean,
-            global_rows=rows * mesh.world_size,
+            global_rows=global_rows,
             advantages=adv,
             returns=returns,
             loss_mask=loss_mask,

@@ -12,7 +12,7 @@ from rlhf.rl.experience import Experience
 def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float]:
     """Rewards, KL, lengths, times and the rollout/training agreement of the step, before the KL
     controller's β and the update's statistics."""
-    rows = mesh.sum(exp.rows)
+    rows = exp.global_rows
     timings = exp.timings
     gen_s = timings.get("generate_s", 0.0)
     gen_tokens = mesh.sum(float(exp.mask.sum()))

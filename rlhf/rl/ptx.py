@@ -3,6 +3,8 @@ policy loss (``algorithm.ptx_coef``) so that RL does not erase what SFT taught."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from rlhf import seeding
@@ -15,7 +17,6 @@ from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError
-from rlhf.runtime.stage import StageContext
 
 
 class PtxTerm:
@@ -27,7 +28,7 @@ class PtxTerm:
         self.cols, self.seed, self.tokenizer, self.mesh = cols, seed, tokenizer, mesh
 
     @classmethod
-    def load(cls, cfg: Config, tokenizer, ctx: StageContext) -> PtxTerm:
+    def load(cls, cfg: Config, tokenizer, cache_dir: Path, mesh: Mesh) -> PtxTerm:
         """The SFT share of the data, tokenized as the SFT stage does (chat template included, hence its cache)."""
         sft_data = load_stage_data(cfg.data, "sft", cfg.run.seed)
         if sft_data.train[0].response is None:
@@ -44,11 +45,11 @@ class PtxTerm:
             sft_data.train,
             tokenizer,
             lens,
-            ctx.cache_dir,
-            ctx.mesh,
+            cache_dir,
+            mesh,
             lambda: tokenize_sft(sft_data.train, tokenizer, **lens),
         )
-        return cls(cols, cfg.run.seed, tokenizer, ctx.mesh)
+        return cls(cols, cfg.run.seed, tokenizer, mesh)
 
     def loss(self, actor: TrainEngine, update: int, batch: int) -> torch.Tensor:
         """``actor``'s loss on update ``update``'s ``batch`` records (a forward with gradients)."""
