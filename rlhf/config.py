@@ -369,6 +369,9 @@ class TrainConfig:
     epochs: Optional[float] = None  # passes over the stage's data when train.max_steps is null
     global_batch: int = 64  # samples per optimizer step, summed over ranks and accumulation
     micro_batch_per_rank: int = 0  # 0 = global_batch / world_size (no accumulation)
+    # SFT, reward, DPO: a rank's rows of the step in micro-batches of at most this many real tokens (a
+    # pair: chosen + rejected; a longer row alone), as many on every rank; 0 = micro_batch_per_rank rows
+    max_tokens_per_micro_batch: int = 0
     lr: float = 3e-3
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0  # never applied to norms and biases
@@ -401,6 +404,12 @@ class TrainConfig:
             "train.micro_batch_per_rank",
             self.micro_batch_per_rank,
             "a non-negative integer",
+        )
+        _check(
+            self.max_tokens_per_micro_batch >= 0,
+            "train.max_tokens_per_micro_batch",
+            self.max_tokens_per_micro_batch,
+            "a non-negative integer (0 = off)",
         )
         _check(self.lr > 0, "train.lr", self.lr, "a positive number")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
@@ -480,6 +489,10 @@ class EngineConfig:
     # that supports it, fp32 elsewhere (resolved when the device is known; the log states it)
     precision: str = "auto"
     activation_checkpointing: bool = False
+    # training forwards padding-free: a micro-batch's real tokens run as one packed sequence (positions
+    # per sequence, no attention across sequences; rlhf/engine/packing.py); false = padded to the
+    # longest row (the reference path; also what a family or attention kernel that cannot pack runs)
+    packing: bool = True
     backend: Optional[str] = None  # None = nccl on CUDA, else gloo
     timeout_s: int = 600  # collective timeout: a dead peer ends the job instead of hanging it
     threads_per_rank: int = 0  # torch intra-op threads; 0 = cores / local ranks
@@ -748,6 +761,9 @@ class PPOConfig:
     # minibatch; results do not depend on it); 0 = auto: as many rows as keep one micro-batch's fp32
     # logits within 256 MiB (all rows for a small vocabulary, a few for a 152k one)
     micro_batch_per_rank: int = 0
+    # > 0: those forwards group rows by real tokens instead, at most this many a micro-batch (a longer
+    # row alone), as many on every rank; 0 = off (rows as above)
+    max_tokens_per_micro_batch: int = 0
     # None = per data format (DataConfig.default_new_tokens): 16 for the synthetic task, else
     # data.max_response_len; resolved when the whole config is built
     max_new_tokens: Optional[int] = None
@@ -799,6 +815,12 @@ class PPOConfig:
             "ppo.micro_batch_per_rank",
             self.micro_batch_per_rank,
             "a non-negative integer (0 = auto)",
+        )
+        _check(
+            self.max_tokens_per_micro_batch >= 0,
+            "ppo.max_tokens_per_micro_batch",
+            self.max_tokens_per_micro_batch,
+            "a non-negative integer (0 = off)",
         )
         _check(self.temperature >= 0, "ppo.temperature", self.temperature, "a non-negative number (0 = greedy)")
         _check(self.top_k >= 0, "ppo.top_k", self.top_k, "a non-negative integer (0 = off)")

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from rlhf.config import EngineConfig, TrainConfig
+from rlhf.engine import packing
 from rlhf.engine.mesh import Mesh, precision_of
 from rlhf.engine.schedule import make_scheduler
 from rlhf.errors import ConfigError
@@ -173,6 +174,14 @@ def param_groups(model: nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def run_forward(model: nn.Module, packs: bool, batch: dict):
+    """``model(**batch)``, packed (padding-free, rlhf/engine/packing.py) when ``packs`` and the batch
+    has an attention mask; the output in the padded layout either way."""
+    if packs and batch.get("attention_mask") is not None:
+        return packing.forward(model, **batch)
+    return model(**batch)
+
+
 class FrozenModel:
     """A model that only runs forward (reference policy, reward model), sharded like the trainee."""
 
@@ -180,6 +189,7 @@ class FrozenModel:
         for p in model.parameters():
             p.requires_grad_(False)
         self.mesh, self.ecfg = mesh, ecfg
+        self.packs = ecfg.packing and packing.install(model)
         self.model = wrap_model(model, mesh, ecfg, trainable=False).eval()
         self.is_fsdp = isinstance(self.model, FSDPModule)
 
@@ -192,7 +202,7 @@ class FrozenModel:
     @torch.no_grad()
     def forward(self, **batch):
         with autocast(self.mesh, self.ecfg, self.is_fsdp):
-            return self.model(**batch)
+            return run_forward(self.model, self.packs, batch)
 
 
 class AdaptersOff:
@@ -233,6 +243,7 @@ class TrainEngine:
         lr: Optional[float] = None,
     ):
         self.mesh, self.ecfg, self.tcfg = mesh, ecfg, tcfg
+        self.packs = ecfg.packing and packing.install(model)
         self.model = wrap_model(model, mesh, ecfg)
         self.is_fsdp = isinstance(self.model, FSDPModule)
         self.is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
@@ -253,7 +264,7 @@ class TrainEngine:
 
     def forward(self, **batch):
         with autocast(self.mesh, self.ecfg, self.is_fsdp):
-            return self.model(**batch)
+            return run_forward(self.model, self.packs, batch)
 
     def train(self):
         self.model.train()

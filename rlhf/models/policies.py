@@ -44,6 +44,9 @@ class Family:
     mlp_bias: bool = False  # config.mlp_bias honoured: gate/up/down biases (Llama)
     qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
     partial_rotary: bool = False  # partial_rotary_factor honoured (Phi-3); the others rotate whole heads
+    # training forwards may run packed (rlhf/engine/packing.py): its HF attention goes through
+    # Transformers' attention interface with the keyword arguments (sequence bounds, sliding window)
+    packs: bool = False
 
     def __post_init__(self):
         if self.windows not in WINDOW_RULES:
@@ -51,11 +54,11 @@ class Family:
 
 
 FAMILY_TABLE = (
-    Family("llama", attention_bias=True, mlp_bias=True),
-    Family("qwen2", windows="layer_types", qkv_bias=True),
-    Family("qwen3", windows="layer_types", attention_bias=True, qk_norm=True),
-    Family("mistral", windows="every_layer"),
-    Family("phi3", fused=True, windows="every_layer", partial_rotary=True),
+    Family("llama", attention_bias=True, mlp_bias=True, packs=True),
+    Family("qwen2", windows="layer_types", qkv_bias=True, packs=True),
+    Family("qwen3", windows="layer_types", attention_bias=True, qk_norm=True, packs=True),
+    Family("mistral", windows="every_layer", packs=True),
+    Family("phi3", fused=True, windows="every_layer", partial_rotary=True, packs=True),
 )
 FAMILIES = tuple(f.model_type for f in FAMILY_TABLE)
 

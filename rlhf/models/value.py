@@ -9,11 +9,13 @@ mask, so left and right padding score alike.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
-from rlhf.algorithms.tokens import last_index, position_ids
+from rlhf.algorithms.tokens import last_index
+from rlhf.algorithms.tokens import position_ids as _positions
 from rlhf.models.lora import unwrap
 
 HEAD_NAMES = ("score", "classifier", "v_head")
@@ -53,11 +55,20 @@ class ScalarHeadModel(nn.Module):
         self.hf = hf_model
         self.config = hf_model.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """``kwargs``: a packed batch's sequence bounds (rlhf/engine/packing.py), passed to the backbone."""
         hf = unwrap(self.hf)  # with LoRA: the HF model, its adapted layers in place
         backbone = getattr(hf, hf.base_model_prefix)
+        if position_ids is None:
+            position_ids = _positions(attention_mask)
         hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         ).last_hidden_state
         # sum over the size-1 head dimension: the same numbers as squeeze(-1), but a new tensor, not a
         # view (FSDP2 warns that a module returning a view can break backward)

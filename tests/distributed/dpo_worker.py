@@ -24,8 +24,8 @@ from stages.dpo import collate, train_step  # noqa: E402
 from tests.distributed.parity_worker import PAD, records, tiny_model  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 8, 4
-# (name, zero_stage, micro_batch_per_rank at world size 2 — 0 means no accumulation)
-CASES = [("zero0", 0, 0), ("zero3", 3, 0), ("zero3_accum", 3, 1)]
+# (name, zero_stage, micro_batch_per_rank at world size 2 — 0 means no accumulation, packed forwards)
+CASES = [("zero0", 0, 0), ("zero3", 3, 0), ("zero3_accum", 3, 1), ("zero3_padded", 3, 0, False)]
 # RPO's NLL term too: its per-token mean must not depend on the split either
 DPO = DPOConfig(beta=0.5, sft_coef=0.5)
 
@@ -43,12 +43,12 @@ def pairs(n: int = 48, seed: int = 0) -> dict:
     return cols
 
 
-def dpo_run(mesh, zero_stage: int, micro: int) -> tuple[list[float], dict]:
+def dpo_run(mesh, zero_stage: int, micro: int, packing: bool = True) -> tuple[list[float], dict]:
     """([loss, gradient norm] per step, final full weights on rank 0). The gradient norm (before
     clipping) catches a wrong scale of the gradient, which AdamW's weights alone would hide."""
     cols = pairs()
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2, warmup_steps=1)
-    ecfg = EngineConfig(zero_stage=zero_stage, precision="fp32")
+    ecfg = EngineConfig(zero_stage=zero_stage, precision="fp32", packing=packing)
     engine = TrainEngine(tiny_model(on_meta=not mesh.is_main), mesh, ecfg, tcfg)
     reference = FrozenModel(tiny_model(on_meta=not mesh.is_main), mesh, ecfg)
     micro = micro or GLOBAL_BATCH // mesh.world_size
@@ -66,8 +66,8 @@ def main(out: str) -> None:
 
     mesh = init_mesh(EngineConfig(timeout_s=120, precision="fp32"))
     results = {"world_size": mesh.world_size}
-    for name, zero, micro in CASES:
-        losses, weights = dpo_run(mesh, zero, micro)
+    for name, *case in CASES:
+        losses, weights = dpo_run(mesh, *case)
         results[name] = losses
         if mesh.is_main:
             tensors = {k: v.detach().clone().contiguous() for k, v in weights.items()}  # tied: own copies

@@ -73,11 +73,13 @@ def with_lora(model, lora: bool, head=None):
     return apply_lora(model, LoraConfig(**LORA), seed=3, head=head)
 
 
-def loss_curve(mesh, zero_stage: int, micro: int, precision: str = "fp32", lora: bool = False) -> list[float]:
+def loss_curve(
+    mesh, zero_stage: int, micro: int, precision: str = "fp32", lora: bool = False, packing: bool = True
+) -> list[float]:
     recs = records()
     model = with_lora(tiny_model(on_meta=not mesh.is_main), lora)
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2, warmup_steps=1)
-    engine = TrainEngine(model, mesh, EngineConfig(zero_stage=zero_stage, precision=precision), tcfg)
+    engine = TrainEngine(model, mesh, EngineConfig(zero_stage=zero_stage, precision=precision, packing=packing), tcfg)
     micro = micro or GLOBAL_BATCH // mesh.world_size
     batches = GlobalBatches(len(recs), GLOBAL_BATCH, seed=1)
     losses = []
@@ -90,7 +92,7 @@ def loss_curve(mesh, zero_stage: int, micro: int, precision: str = "fp32", lora:
     return losses
 
 
-def reward_curve(mesh, zero_stage: int = 3, lora: bool = False) -> list[float]:
+def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = True) -> list[float]:
     """The reward stage's real step on a tiny sequence-classification Llama (pairs: a counting
     sequence is chosen over a shuffled one)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -118,7 +120,8 @@ def reward_curve(mesh, zero_stage: int = 3, lora: bool = False) -> list[float]:
             model = LlamaForSequenceClassification(cfg)
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
     model = with_lora(model, lora, head="score")
-    engine = TrainEngine(ScalarHeadModel(model), mesh, EngineConfig(zero_stage=zero_stage, precision="fp32"), tcfg)
+    ecfg = EngineConfig(zero_stage=zero_stage, precision="fp32", packing=packing)
+    engine = TrainEngine(ScalarHeadModel(model), mesh, ecfg, tcfg)
     recs = records()
     rng = random.Random(5)
     rejected = [rng.sample(seq, len(seq)) for seq, _ in recs]
@@ -137,6 +140,9 @@ def main(out: str) -> None:
     mesh = init_mesh(EngineConfig(timeout_s=120, precision="fp32"))
     results = {name: loss_curve(mesh, z, m) for name, z, m in CASES}
     results["reward_zero3"] = reward_curve(mesh)
+    # the padded reference path on 2 ranks (test_parity compares it with the packed single process)
+    results["zero3_padded"] = loss_curve(mesh, 3, 0, packing=False)
+    results["reward_zero3_padded"] = reward_curve(mesh, packing=False)
     results.update({name: loss_curve(mesh, z, m, lora=True) for name, z, m in LORA_CASES})
     results["reward_lora_zero3"] = reward_curve(mesh, lora=True)
     results["world_size"] = mesh.world_size

@@ -40,7 +40,7 @@ def two_ranks(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = json.loads((out / "losses.json").read_text())
-    return losses, {name: load_file(str(out / f"{name}.safetensors")) for name, _, _ in w.CASES}
+    return losses, {name: load_file(str(out / f"{name}.safetensors")) for name, *_ in w.CASES}
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +73,8 @@ def test_two_ranks_match_one_process(two_ranks, reference, case):
 def test_accumulation_matches_full_batch_single_process(reference):
     # 8 pairs ≡ 4 micro-batches of 2 (the 2-rank zero3_accum case accumulates 4 of 1 per rank)
     _close(w.dpo_run(Mesh(), zero_stage=3, micro=2), reference, "micro=2")
+
+
+def test_padded_matches_packed_single_process(reference):
+    """The padded reference path ≡ the packed default (its 2-rank run: the zero3_padded case above)."""
+    _close(w.dpo_run(Mesh(), zero_stage=3, micro=0, packing=False), reference, "padded")

@@ -1,4 +1,5 @@
-"""2 processes (torchrun, gloo) ≡ 1 process for ZeRO 0/1/2/3 and with accumulation (fp32)."""
+"""2 processes (torchrun, gloo) ≡ 1 process for ZeRO 0/1/2/3 and with accumulation (fp32); packed
+(the default) ≡ padded forwards on 1 process and 2 ranks."""
 
 import json
 import subprocess
@@ -66,6 +67,18 @@ def test_reward_two_ranks_match_one_process(two_rank_curves):
     assert ref[-1] < ref[0]
     for a, b in zip(two_rank_curves["reward_zero3"], ref):
         assert abs(a - b) <= 1e-4 * abs(b), (two_rank_curves["reward_zero3"], ref)
+
+
+def test_packed_equals_padded_one_process_and_two_ranks(two_rank_curves, reference):
+    """SFT and reward curves: the padded path (1 process, 2 ranks) ≡ the packed default."""
+    padded = w.loss_curve(Mesh(), zero_stage=3, micro=0, packing=False)
+    for a, b in zip(padded, reference):
+        assert abs(a - b) <= 1e-5 * abs(b), (padded, reference)
+    for a, b in zip(two_rank_curves["zero3_padded"], reference):
+        assert abs(a - b) <= 1e-4 * abs(b), (two_rank_curves["zero3_padded"], reference)
+    reward = w.reward_curve(Mesh())
+    for a, b in zip(two_rank_curves["reward_zero3_padded"], reward):
+        assert abs(a - b) <= 1e-4 * abs(b), (two_rank_curves["reward_zero3_padded"], reward)
 
 
 @pytest.fixture(scope="module")

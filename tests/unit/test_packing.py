@@ -1,0 +1,266 @@
+"""Packed (padding-free) training forwards ≡ the padded reference path (fp32, 1e-5): logits, losses and
+gradients, for every stage's step, on several families (a sliding window among them), with left- and
+right-padded rows. The 2-rank side: tests/distributed/test_parity.py (zero3_padded) and
+test_dpo_parity.py."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from rlhf.algorithms.tokens import position_ids
+from rlhf.config import DPOConfig, EngineConfig, TrainConfig
+from rlhf.engine import packing
+from rlhf.engine.mesh import Mesh
+from rlhf.engine.train import FrozenModel, TrainEngine
+
+TOL = 1e-5
+PAD = 0
+
+
+def _config(family: str, num_labels: int = 0):
+    from transformers import AutoConfig
+
+    kw = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "mistral":
+        kw["sliding_window"] = 5  # shorter than most rows: the window is exercised
+    if family == "qwen2":
+        kw.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    if family == "phi3":
+        kw.update(sliding_window=6, pad_token_id=PAD)
+    if num_labels:
+        kw["num_labels"] = num_labels
+    return AutoConfig.for_model(family, **kw)
+
+
+def _model(family: str, seed: int = 0, head: bool = False):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    if head:
+        from rlhf.models.value import ScalarHeadModel, init_head
+
+        model = AutoModelForSequenceClassification.from_config(_config(family, num_labels=1))
+        init_head(model)
+        return ScalarHeadModel(model)
+    return AutoModelForCausalLM.from_config(_config(family))
+
+
+def _batch(B: int = 6, L: int = 18, seed: int = 0):
+    """Rows of different lengths, odd rows left-padded and even rows right-padded, one row full length
+    and one of a single token."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 61, (B, L), generator=g)
+    lens = [L, 1] + torch.randint(2, L, (B - 2,), generator=g).tolist()
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for b, n in enumerate(lens):
+        if b % 2:
+            mask[b, L - n :] = 1
+        else:
+            mask[b, :n] = 1
+    ids = ids.masked_fill(mask == 0, PAD)
+    return ids, mask
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys() and a, what
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=TOL, atol=TOL), (what, k, (a[k] - b[k]).abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
+def test_logits_and_gradients_equal_the_padded_forward(family):
+    padded = _model(family)
+    packed = copy.deepcopy(padded)
+    assert packing.install(packed), packing.why_not(packed)
+    ids, mask = _batch()
+    weights = torch.randn(*ids.shape, 61, generator=torch.Generator().manual_seed(1))
+    real = mask.bool()
+
+    ref = padded(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    out = packing.forward(packed, ids, mask, position_ids=position_ids(mask)).logits
+    assert out.shape == ref.shape
+    assert (out - ref)[real].abs().max() <= TOL
+    assert (out[~real] == 0).all()  # the padding holds zeros, not the padded forward's garbage
+    ((ref * weights)[real].sum()).backward()
+    ((out * weights)[real].sum()).backward()
+    _assert_close(_grads(packed), _grads(padded), family)
+
+    # logits of the last k columns only (PPO's response positions): the same numbers
+    k = 7
+    kept = packing.forward(packed, ids, mask, logits_to_keep=k).logits
+    assert kept.shape == (ids.shape[0], k, 61)
+    assert (kept - ref[:, -k:])[real[:, -k:]].abs().max() <= TOL
+
+
+def test_the_padded_path_is_unchanged_by_the_installed_attention():
+    """A padded batch through a model that packs runs Transformers' SDPA attention: bit for bit."""
+    plain = _model("mistral")
+    installed = copy.deepcopy(plain)
+    packing.install(installed)
+    ids, mask = _batch()
+    a = plain(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    b = installed(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    assert torch.equal(a, b)
+
+
+def test_pack_layout():
+    ids, mask = _batch()
+    p = packing.pack(ids, mask)
+    lens = mask.sum(1)
+    assert p.input_ids.shape == (1, int(lens.sum()))
+    assert p.cu_seqlens.tolist() == [0, *lens.cumsum(0).tolist()]
+    assert torch.equal(p.input_ids[0], ids[mask.bool()])
+    assert torch.equal(p.position_ids[0], position_ids(mask)[mask.bool()])  # positions restart per row
+    assert torch.equal(p.unpack(p.input_ids[..., None])[..., 0], ids * mask)
+
+
+def test_a_mask_with_holes_runs_padded():
+    ids, mask = _batch()
+    mask[0, 3] = 0  # not one contiguous run
+    assert packing.pack(ids, mask) is None
+    model = _model("llama")
+    packing.install(model)
+    ref = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    assert torch.equal(packing.forward(model, ids, mask, position_ids=position_ids(mask)).logits, ref)
+
+
+def test_a_model_that_cannot_pack_runs_padded_and_says_so(caplog):
+    model = _model("llama")
+    model.config._attn_implementation = "eager"
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        engine = FrozenModel(model, Mesh(), EngineConfig(precision="fp32"))
+    assert not engine.packs
+    assert sum("engine.packing: padded forwards" in r.message for r in caplog.records) == 1
+    assert "'eager'" in caplog.text
+
+
+# ---- every stage's real step, packed vs padded: loss and gradients ----
+
+
+def _engines(family: str, head: bool = False):
+    """(padded, packed) TrainEngines on the same starting weights; each engine's ``step`` records the
+    gradients instead of stepping."""
+    tcfg = TrainConfig(max_steps=2, global_batch=4, lr=1e-2, warmup_steps=1)
+    model = _model(family, head=head)
+    out = []
+    for packs in (False, True):
+        engine = TrainEngine(copy.deepcopy(model), Mesh(), EngineConfig(precision="fp32", packing=packs), tcfg)
+        assert engine.packs == packs
+
+        def step(engine=engine):
+            engine.grads = _grads(engine.model)
+            engine.optimizer.zero_grad(set_to_none=True)
+            return 0.0
+
+        engine.step = step
+        out.append(engine)
+    return out
+
+
+def _records(n: int = 8, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    return [([rng.randint(3, 60) for _ in range(rng.randint(4, 20))], rng.randint(1, 4)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sft_step(family):
+    from rlhf.data.tokenize import collate_sft
+    from stages.sft import train_step
+
+    recs = _records()
+    mbs = [collate_sft([r[0] for r in recs[i : i + 4]], [r[1] for r in recs[i : i + 4]], PAD, True) for i in (0, 4)]
+    padded, packed = _engines(family)
+    loss_a, _ = train_step(padded, mbs)
+    loss_b, _ = train_step(packed, mbs)
+    assert abs(loss_a - loss_b) <= TOL * abs(loss_a)
+    _assert_close(packed.grads, padded.grads, f"sft {family}")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_reward_step(family):
+    import random
+
+    from rlhf.data.tokenize import collate_pairs
+    from stages.reward import train_step
+
+    recs = _records()
+    rng = random.Random(1)
+    rejected = [rng.sample(r[0], len(r[0]))[: rng.randint(2, len(r[0]))] for r in recs]
+    mbs = [collate_pairs([r[0] for r in recs[i : i + 4]], rejected[i : i + 4], PAD) for i in (0, 4)]
+    padded, packed = _engines(family, head=True)
+    a = train_step(padded, mbs)
+    b = train_step(packed, mbs)
+    assert abs(a[0] - b[0]) <= TOL * abs(a[0]) and a[1] == b[1]
+    _assert_close(packed.grads, padded.grads, f"reward {family}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dpo_step(family):
+    from stages.dpo import collate, train_step
+    from tests.distributed.dpo_worker import pairs
+
+    cols = pairs(8)
+    mbs = [collate(cols, list(range(i, i + 4)), PAD) for i in (0, 4)]
+    padded, packed = _engines(family)
+    ref = FrozenModel(_model(family, seed=1), Mesh(), EngineConfig(precision="fp32", packing=False))
+    ref_packed = FrozenModel(_model(family, seed=1), Mesh(), EngineConfig(precision="fp32"))
+    a, _ = train_step(padded, ref, mbs, DPOConfig(beta=0.5, sft_coef=0.5))
+    b, _ = train_step(packed, ref_packed, mbs, DPOConfig(beta=0.5, sft_coef=0.5))
+    for k in a:
+        assert abs(a[k] - b[k]) <= TOL * max(abs(a[k]), 1.0), k
+    _assert_close(packed.grads, padded.grads, f"dpo {family}")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_ppo_scoring_and_update_forwards(family):
+    """PPO's sequences: left-padded prompts, right-padded responses; the response log-probs (only the
+    response positions through the LM head), the entropy and the critic's values, and their gradients."""
+    from rlhf.engine.logprobs import response_stats
+    from rlhf.rl.experience import critic_values
+
+    B, P, N = 6, 7, 9
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(3, 61, (B, P + N), generator=g)
+    att = torch.ones(B, P + N, dtype=torch.long)
+    for b in range(B):
+        att[b, : b % 4] = 0  # prompt padding
+        att[b, P + N - (b * 2) % N :] = 0 if b else 1  # response padding after "EOS"
+    seq = seq.masked_fill(att == 0, PAD)
+    resp = att[:, P:].bool()
+    for head in (False, True):
+        padded, packed = _engines(family, head=head)
+        outs = []
+        for engine in (padded, packed):
+            if head:
+                v = critic_values(engine, seq, att, P)
+                loss = (v * resp).pow(2).sum()
+                outs.append(v.detach())
+            else:
+                lp, ent = response_stats(engine.forward, seq, att, P, 0.7, entropy="loss", keep_logits=True)
+                loss = (lp * resp).sum() + (ent * resp).sum()
+                outs.append(torch.stack([lp, ent]).detach())
+            engine.backward(loss)
+            engine.step()
+        assert (outs[0] - outs[1])[..., resp].abs().max() <= TOL, (family, head)
+        _assert_close(packed.grads, padded.grads, f"ppo {family} head={head}")
