@@ -7,16 +7,15 @@ restarting at 0 for every sequence, and attention that never crosses a sequence 
 forward's, and the numbers are the padded path's up to float order (docs/performance.md says how much).
 
 Attention: ``ATTENTION`` is registered with Transformers' attention interface and installed on a model
-by ``install``. Given the packed sequences' boundaries (the ``cu_seq_lens_q`` keyword Transformers
-carries to every attention call) it runs ``scaled_dot_product_attention`` per sequence, causal, with
-the layer's sliding window where it has one; without them it is Transformers' own SDPA attention (the
-padded path, unchanged). Sequences are contiguous runs of real tokens (left- or right-padded rows);
-a mask with holes is not packed (the padded path runs).
+by ``install``. Given the packed sequences' bounds (the ``cu_seq_lens_q`` keyword Transformers carries
+to every attention call) it lays the rotated q, k, v out one sequence per row and runs one causal SDPA
+call (with the layer's sliding window); without them it is Transformers' own SDPA attention (the padded
+path, unchanged). Sequences are contiguous runs of real tokens (left- or right-padded rows); a mask
+with holes is not packed (the padded path runs).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -99,13 +98,21 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[Pack
     )
 
 
-def _sequence_mask(n: int, window: Optional[int], device) -> Optional[torch.Tensor]:
-    """Causal mask of one sequence under a sliding window (None: plain causal, SDPA's is_causal)."""
+def _window_mask(n: int, window: Optional[int], device) -> Optional[torch.Tensor]:
+    """Causal mask under a sliding window of ``window`` keys (None: plain causal, SDPA's is_causal)."""
     if not window or n <= window:
         return None
     i = torch.arange(n, device=device)
     d = i[:, None] - i[None, :]
     return ((d >= 0) & (d < window))[None, None]
+
+
+def aligned_index(cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[T] index of each packed token in a [B * max_len] layout whose rows start at column 0."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    starts = cu_seqlens[:-1].long()[row]
+    return torch.arange(row.numel(), device=row.device) - starts + row * max_len
 
 
 def packed_attention(
@@ -118,32 +125,34 @@ def packed_attention(
     scaling: Optional[float] = None,
     **kwargs,
 ):
-    """Transformers' attention-function signature: q/k/v [1, heads, T, d] → ([1, T, heads, d], None)."""
+    """Transformers' attention-function signature: q/k/v [1, heads, T, d] → ([1, T, heads, d], None).
+
+    A packed batch: q, k and v (already rotated at their own positions) are laid out one sequence per
+    row from column 0, and one batched causal SDPA call runs over them (with the layer's sliding window):
+    a row's real queries see only its own keys, which come first, so no padding mask is needed and no
+    attention crosses a sequence. Only the attention runs on that layout (on this CPU one batched call
+    beat one SDPA call per sequence for every batch measured, docs/performance.md); every projection
+    runs packed."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
     kwargs.pop("cu_seq_lens_k", None)
     if cu is None:  # a padded batch: Transformers' SDPA attention as it is
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    window = kwargs.pop("sliding_window", None)
-    bounds = cu.tolist()
-    outs = []
-    for s, e in itertools.pairwise(bounds):
-        if e == s:
-            continue
-        mask = _sequence_mask(e - s, window, query.device)
-        out, _ = sdpa_attention_forward(
-            module,
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            mask,
-            dropout,
-            scaling,
-            is_causal=mask is None,
-        )
-        outs.append(out)
-    return torch.cat(outs, dim=1), None
+    n_max = int(kwargs.pop("max_length_q"))
+    rows = cu.numel() - 1
+    index = aligned_index(cu, n_max)
+
+    def aligned(x: torch.Tensor) -> torch.Tensor:  # [1, h, T, d] -> [B, h, n_max, d]
+        h, d = x.shape[1], x.shape[3]
+        out = x.new_zeros(h, rows * n_max, d).index_copy(1, index, x[0])
+        return out.view(h, rows, n_max, d).transpose(0, 1)
+
+    mask = _window_mask(n_max, kwargs.pop("sliding_window", None), query.device)
+    out, _ = sdpa_attention_forward(
+        module, aligned(query), aligned(key), aligned(value), mask, dropout, scaling, is_causal=mask is None
+    )  # [B, n_max, h, d]
+    return out.reshape(rows * n_max, *out.shape[2:])[index][None], None
 
 
 def _register() -> None:
