@@ -6,6 +6,7 @@ weights). A refactor that should not change results runs it before and after:
     python scripts/fixed_seed.py run /tmp/base --out /tmp/fs_base [--nproc 2]
     python scripts/fixed_seed.py run .          --out /tmp/fs_now  [--nproc 2]
     python scripts/fixed_seed.py compare /tmp/fs_base /tmp/fs_now
+    python scripts/fixed_seed.py run . --out /tmp/fs_padded --set engine.packing=false   # a setting's effect
 
 ``compare`` prints the number of identical metric values, every differing one (with its largest
 difference), and whether every exported safetensors file is byte-identical; it exits 1 on any
@@ -63,7 +64,7 @@ STEPS = [
 ]
 
 
-def run(tree: Path, out: Path, nproc: int) -> None:
+def run(tree: Path, out: Path, nproc: int, overrides: tuple = ()) -> None:
     import shutil
 
     base = out / "base"
@@ -83,7 +84,7 @@ def run(tree: Path, out: Path, nproc: int) -> None:
             if not run_dir.exists():
                 shutil.copytree(base, run_dir, ignore=shutil.ignore_patterns("ppo", "dpo"))
         launch = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [py]
-        cmd = launch + ["-m", "rlhf", f"stage={stage}", f"run.dir={run_dir}", *COMMON, *extra]
+        cmd = launch + ["-m", "rlhf", f"stage={stage}", f"run.dir={run_dir}", *COMMON, *extra, *overrides]
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr[-3000:])
@@ -113,6 +114,10 @@ def compare(a: Path, b: Path) -> int:
     print(f"metric values: {len(same)} identical, {len(diff)} differ, {len(only)} in one run only")
     for k in diff[:40]:
         print("  differs:", k, ma[k], mb[k])
+    gaps = [abs(ma[k] - mb[k]) for k in diff if isinstance(ma[k], (int, float)) and isinstance(mb[k], (int, float))]
+    if gaps:
+        rel = [g / max(abs(ma[k]), 1e-12) for g, k in zip(gaps, diff)]
+        print(f"largest difference: {max(gaps):.3g} absolute, {max(rel):.3g} relative")
     for k in only[:10]:
         print("  one run only:", k)
     bad = [f for f in fa if fb.get(f) != fa[f]] + [f for f in fb if f not in fa]
@@ -130,12 +135,13 @@ def main() -> None:
     r.add_argument("tree", type=Path)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--nproc", type=int, default=1)
+    r.add_argument("--set", nargs="*", default=[], help="extra overrides for every stage (e.g. engine.packing=false)")
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
     args = ap.parse_args()
     if args.cmd == "run":
-        run(args.tree.resolve(), args.out.resolve(), args.nproc)
+        run(args.tree.resolve(), args.out.resolve(), args.nproc, tuple(args.set))
     else:
         sys.exit(compare(args.a, args.b))
 
