@@ -23,8 +23,8 @@ from rlhf.algorithms.tokens import chunked_logprobs
 from rlhf.config import Config, DPOConfig
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
-from rlhf.data.sampler import GlobalBatches
-from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
+from rlhf.data.sampler import GlobalBatches, micro_batching, step_micro_batches
+from rlhf.data.tokenize import cached, collate_pairs, pair_tokens, tokenize_pairs
 from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh, shutdown
@@ -112,6 +112,7 @@ def run(cfg: Config) -> None:
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
+    tokens = pair_tokens(train_cols)  # what train.max_tokens_per_micro_batch counts
     pad = tokenizer.pad_token_id
 
     def evaluate(step: int):
@@ -136,7 +137,7 @@ def run(cfg: Config) -> None:
 
     # ---- loop ----
     log.info(
-        "dpo (%s, beta=%g, label_smoothing=%g, sft_coef=%g): %d pairs (%s) from %s, %d steps of %d pairs",
+        "dpo (%s, beta=%g, label_smoothing=%g, sft_coef=%g): %d pairs (%s) from %s, %d steps of %d pairs, %s",
         cfg.dpo.loss,
         cfg.dpo.beta,
         cfg.dpo.label_smoothing,
@@ -146,6 +147,7 @@ def run(cfg: Config) -> None:
         source,
         train.max_steps,
         train.global_batch,
+        micro_batching(micro, train.max_tokens_per_micro_batch, train.global_batch, mesh.world_size),
     )
     if start == 0:  # the starting policy's numbers (rewards 0 by definition; its gold score)
         evaluate(0)
@@ -154,7 +156,8 @@ def run(cfg: Config) -> None:
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
-        mbs = [collate(train_cols, ix, pad) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
+        ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
+        mbs = [collate(train_cols, ix, pad) for ix in ixs]
         lr = actor.lr
         stats, grad_norm = train_step(actor, reference, mbs, cfg.dpo)
         seen += train.global_batch

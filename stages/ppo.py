@@ -212,8 +212,11 @@ def run(cfg: Config) -> None:
         metrics.log(step, **res)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items()))
 
+    tokens_note = ""  # ppo.max_tokens_per_micro_batch: forwards grouped by real tokens
+    if ppo.max_tokens_per_micro_batch:
+        tokens_note = f", micro-batches of at most {ppo.max_tokens_per_micro_batch} tokens (as many on every rank)"
     log.info(
-        "ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d minibatches",
+        "ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d minibatches%s",
         alg.estimator,
         len(prompt_ids),
         data.description,
@@ -222,6 +225,7 @@ def run(cfg: Config) -> None:
         ppo.samples_per_prompt,
         ppo.ppo_epochs,
         ppo.minibatches_per_epoch,
+        tokens_note,
     )
     if start == 0:
         evaluate(0)

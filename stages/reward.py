@@ -20,8 +20,8 @@ from rlhf.algorithms.preference import pairwise_loss
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
-from rlhf.data.sampler import GlobalBatches
-from rlhf.data.tokenize import cached, collate_pairs, tokenize_pairs
+from rlhf.data.sampler import GlobalBatches, micro_batching, step_micro_batches
+from rlhf.data.tokenize import cached, collate_pairs, pair_tokens, tokenize_pairs
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
@@ -120,6 +120,7 @@ def run(cfg: Config) -> None:
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
+    tokens = pair_tokens(train_cols)  # what train.max_tokens_per_micro_batch counts
     pad = tokenizer.pad_token_id
 
     def collate(indices: List[int]):
@@ -134,12 +135,13 @@ def run(cfg: Config) -> None:
 
     # ---- loop ----
     log.info(
-        "reward: %d pairs (%s) from %s, %d steps of %d pairs",
+        "reward: %d pairs (%s) from %s, %d steps of %d pairs, %s",
         len(train_cols["chosen"]),
         data.description,
         source,
         train.max_steps,
         train.global_batch,
+        micro_batching(micro, train.max_tokens_per_micro_batch, train.global_batch, mesh.world_size),
     )
     reward_model.train()
 
@@ -157,7 +159,8 @@ def run(cfg: Config) -> None:
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
-        mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
+        ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
+        mbs = [collate(ix) for ix in ixs]
         lr = reward_model.lr
         loss, acc, grad_norm = train_step(reward_model, mbs, cfg.reward.margin)
         seen += train.global_batch

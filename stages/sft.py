@@ -21,7 +21,7 @@ from rlhf.data import synthetic
 from rlhf.data.chat import resolve_template
 from rlhf.data.formats import FORMATS
 from rlhf.data.pipeline import load_stage_data
-from rlhf.data.sampler import GlobalBatches
+from rlhf.data.sampler import GlobalBatches, micro_batching, step_micro_batches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.data.tokenizer import train_embedded_tokenizer
 from rlhf.engine.checkpoint import save_checkpoint
@@ -121,6 +121,7 @@ def run(cfg: Config) -> None:
 
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["ids"]), train.global_batch, cfg.run.seed)
+    tokens = [len(x) for x in train_cols["ids"]]  # what train.max_tokens_per_micro_batch counts
     pad = tokenizer.pad_token_id
 
     def collate(indices: List[int]):
@@ -146,20 +147,20 @@ def run(cfg: Config) -> None:
 
     # ---- loop ----
     log.info(
-        "sft: %d records (%s), %d steps of %d samples, %d per micro-batch, %d accumulation",
+        "sft: %d records (%s), %d steps of %d samples, %s",
         len(train_cols["ids"]),
         data.description,
         train.max_steps,
         train.global_batch,
-        micro,
-        train.global_batch // (micro * mesh.world_size),
+        micro_batching(micro, train.max_tokens_per_micro_batch, train.global_batch, mesh.world_size),
     )
     actor.train()
     bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
-        mbs = [collate(ix) for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, micro)]
+        ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
+        mbs = [collate(ix) for ix in ixs]
         lr = actor.lr
         loss, grad_norm = train_step(actor, mbs)
         seen += train.global_batch

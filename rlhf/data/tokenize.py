@@ -408,6 +408,12 @@ def check_answer_budget(examples: List[Example], tok, max_new_tokens: int, key: 
         )
 
 
+def pair_tokens(cols: Columns) -> List[int]:
+    """Each pair's real tokens of ``tokenize_pairs`` columns, chosen + rejected (one micro-batch holds
+    both: what train.max_tokens_per_micro_batch counts)."""
+    return [len(c) + len(r) for c, r in zip(cols["chosen"], cols["rejected"])]
+
+
 def collate_pairs(chosen: List[List[int]], rejected: List[List[int]], pad_id: int) -> dict:
     """One right-padded batch: the chosen sequences first, then the rejected ones."""
     seqs = list(chosen) + list(rejected)

@@ -111,6 +111,13 @@ class Mesh:
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
         return float(self.all_reduce(t).item())
 
+    def max(self, x: int) -> int:
+        """Max of a Python integer over ranks (e.g. a count every rank must agree on)."""
+        if not self.distributed:
+            return int(x)
+        t = torch.tensor([int(x)], dtype=torch.int64, device=self.device)
+        return int(self.all_reduce(t, op=dist.ReduceOp.MAX).item())
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
             return obj

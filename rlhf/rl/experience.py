@@ -1,7 +1,7 @@
 """Experience: one step's rollouts, scored. ``Collector.collect`` pulls the step's prompts from the
 ``PromptSource``, generates in inference mode and scores in training mode (actor and reference
 log-probs, critic values, reward model and rule rewards, KL, advantages), every forward in
-micro-batches of a bounded number of rows.
+micro-batches of a bounded number of rows (or real tokens: ppo.max_tokens_per_micro_batch).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rlhf.algorithms import ppo as ppo_math
 from rlhf.algorithms.estimators import advantages, kl_kind
 from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.data.records import Example
+from rlhf.data.sampler import token_micro_batches
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.infer import Generation
 from rlhf.engine.logprobs import keeps_logits, response_logprobs
@@ -116,10 +117,28 @@ def micro_rows(engine: Model, rows: int, tokens: int, micro: int) -> int:
     return min(rows, auto_micro_batch(tokens, vocab))
 
 
-def in_micro_batches(fn: Callable[[slice], torch.Tensor], rows: int, micro: int) -> torch.Tensor:
-    """``fn(slice)`` over consecutive row slices of at most ``micro`` rows, concatenated (every rank
-    has the same number of rows, hence the same number of collective forwards)."""
-    return torch.cat([fn(slice(s, s + micro)) for s in range(0, rows, micro)])
+Rows = Union[slice, torch.Tensor]  # a micro-batch's rows: consecutive ones, or row indices
+
+
+def row_groups(att: torch.Tensor, micro: int, max_tokens: int, mesh: Mesh) -> List[Rows]:
+    """The rows of the scoring forwards: consecutive slices of at most ``micro`` rows, or with
+    ``max_tokens`` (ppo.max_tokens_per_micro_batch) the rows grouped within that many real tokens
+    (``att``'s ones) by ``token_micro_batches``, as many groups on every rank (agreed: a collective)."""
+    rows = att.shape[0]
+    if not max_tokens:
+        return [slice(s, s + micro) for s in range(0, rows, micro)]
+    groups = token_micro_batches(list(range(rows)), att.sum(1).tolist(), max_tokens, mesh.max)
+    return [torch.tensor(g, dtype=torch.long, device=att.device) for g in groups]
+
+
+def in_micro_batches(fn: Callable[[Rows], torch.Tensor], groups: List[Rows]) -> torch.Tensor:
+    """``fn(rows)`` over each of ``groups`` (``row_groups``), concatenated in row order (every rank
+    has as many groups, hence the same number of collective forwards)."""
+    outs = [fn(g) for g in groups]
+    if all(isinstance(g, slice) for g in groups):
+        return torch.cat(outs)
+    order = torch.cat(groups)
+    return torch.cat(outs)[torch.argsort(order)]
 
 
 @dataclass
@@ -226,14 +245,14 @@ class Collector:
         else:
             logits_len = seq.shape[1]
         micro = micro_rows(self.actor, rows, logits_len, ppo.micro_batch_per_rank)
+        groups = row_groups(att, micro, ppo.max_tokens_per_micro_batch, mesh)
 
         def logprobs(model: Model) -> torch.Tensor:
             return in_micro_batches(
                 lambda r: response_logprobs(
                     model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
                 ),
-                rows,
-                micro,
+                groups,
             )
 
         old_logp = logprobs(self.actor)
@@ -244,7 +263,7 @@ class Collector:
         values = None
         if self.scorers.critic is not None:
             values = (
-                in_micro_batches(lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len), rows, micro)
+                in_micro_batches(lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len), groups)
                 * mask
             )
         kind = kl_kind(alg)
@@ -337,8 +356,7 @@ class Collector:
                 lambda r: sequence_scores(
                     scorers.reward_model.forward(input_ids=seq[r], attention_mask=att[r]), att[r]
                 ),
-                rows,
-                micro,
+                row_groups(att, micro, ppo.max_tokens_per_micro_batch, self.mesh),
             )
             parts["model"] = scorers.normalise(raw, self.mesh)
             score = score + parts["model"]

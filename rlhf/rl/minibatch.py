@@ -1,5 +1,6 @@
 """Which experience rows each rank updates on, so that N ranks update on exactly the minibatches
-one process would, and each rank's share runs in micro-batches of a bounded number of rows.
+one process would, and each rank's share runs in micro-batches of a bounded number of rows (or of
+real tokens).
 
 Row layout (one helper, ``global_rows``): rank r holds prompts r, r+W, r+2W, … of the step's
 global prompt list, each prompt's ``samples_per_prompt`` samples in consecutive rows.
@@ -7,9 +8,11 @@ global prompt list, each prompt's ``samples_per_prompt`` samples in consecutive 
 
 from __future__ import annotations
 
-from typing import Iterator, List, NamedTuple
+from typing import Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
+
+from rlhf.data.sampler import token_micro_batches
 
 
 def global_rows(rows: int, samples_per_prompt: int, rank: int, world: int) -> torch.Tensor:
@@ -51,10 +54,23 @@ def minibatches(
             yield Minibatch(torch.tensor([0], device="cpu"), 0.0, most, len(chunk))
 
 
-def micro_batches(rows: torch.Tensor, micro: int, most: int) -> List[torch.Tensor]:
+def micro_batches(
+    rows: torch.Tensor,
+    micro: int,
+    most: int,
+    tokens: Optional[Sequence[int]] = None,
+    max_tokens: int = 0,
+    mesh=None,
+) -> List[torch.Tensor]:
     """``rows`` split into micro-batches of at most ``micro`` rows, as many on every rank (``most``:
     the largest share any rank holds, so the count is ceil(most / micro)); a rank that runs out
-    repeats an empty selection, which the caller runs as a zero-weight row."""
+    repeats an empty selection, which the caller runs as a zero-weight row. With ``max_tokens``
+    (ppo.max_tokens_per_micro_batch): grouped within that many real tokens (``tokens[i]``: local row
+    i's) by ``token_micro_batches``, the count agreed over ``mesh``'s ranks (a collective)."""
+    if max_tokens:
+        ids = rows.tolist()
+        groups = token_micro_batches(ids, [tokens[i] for i in ids], max_tokens, mesh.max)
+        return [torch.tensor(g, dtype=rows.dtype, device=rows.device) for g in groups]
     count = max(1, -(-most // micro))
     parts = list(rows.split(micro))
     return parts + [rows[:0]] * (count - len(parts))

@@ -3,8 +3,8 @@ rank's rows in micro-batches with gradient accumulation, one optimizer step per 
 
 Every loss term is a sum over the micro-batch's tokens divided by the token count of the whole
 global minibatch (over ranks, before splitting), so the update does not depend on the micro-batch
-size or the world size. A rank with fewer rows runs zero-weight rows so that every rank makes the
-same number of (collective) forwards.
+size (rows, or real tokens: ppo.max_tokens_per_micro_batch) or the world size. A rank with fewer
+rows runs zero-weight rows so that every rank makes the same number of (collective) forwards.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class Updater:
         ids = global_rows(exp.rows, exp.samples_per_prompt, mesh.rank, mesh.world_size)
         total_rows = exp.rows * mesh.world_size
         micro = micro_rows(actor, exp.rows, exp.sequences.shape[1], ppo.micro_batch_per_rank)
+        tokens = exp.attention_mask.sum(1).tolist()  # each row's real tokens (ppo.max_tokens_per_micro_batch)
         update = step * self.updates_per_step
         skipped = 0
         for _ in range(ppo.ppo_epochs):
@@ -91,7 +92,7 @@ class Updater:
                 ids, total_rows, ppo.minibatches_per_epoch, exp.samples_per_prompt, mesh.world_size, order
             ):
                 parts = []  # (rows, weight); a rank out of rows runs one at weight 0, as many passes as the others
-                for r in micro_batches(mb.rows, micro, mb.most):
+                for r in micro_batches(mb.rows, micro, mb.most, tokens, ppo.max_tokens_per_micro_batch, mesh):
                     if len(r):
                         parts.append((r, mb.weight))
                     else:

@@ -303,6 +303,11 @@ CASES = [
         "held-out accuracy 0.700 (reward_stats.json) is below ppo.min_rm_accuracy=0.9",
     ),
     (
+        "negative_token_budget",
+        lambda c: in_good(c, "stage=reward", "train.max_tokens_per_micro_batch=-1"),
+        "train.max_tokens_per_micro_batch=-1 is invalid: expected a non-negative integer (0 = off)",
+    ),
+    (
         "grpo_one_sample",
         lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.samples_per_prompt=1"),
         "ppo.samples_per_prompt=1 is invalid for algorithm.estimator=grpo",

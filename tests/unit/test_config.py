@@ -27,6 +27,8 @@ def test_defaults_compose_per_stage():
         ("no.such_key=1", "no"),
         ("data.format=hh", "data.path is required"),
         ("model.num_heads=3", "model.num_heads"),
+        ("train.max_tokens_per_micro_batch=-1", "train.max_tokens_per_micro_batch=-1 is invalid: expected a non-neg"),
+        ("ppo.max_tokens_per_micro_batch=-8", "ppo.max_tokens_per_micro_batch=-8 is invalid: expected a non-neg"),
     ],
 )
 def test_bad_config_is_one_clear_error(override, fragment):
