@@ -4,7 +4,8 @@ The weights arrive as plain tensors laid out by an injection policy (``rlhf.mode
 fused QKV and gate/up projections, this TP rank's slices when ``tp > 1`` (one all-reduce after the
 attention output and one after the MLP), in the inference dtype (``engine.inference_dtype``); the
 GEMM operands are laid out once here (``rlhf.ops.linear``: pre-transposed, or oneDNN-packed bf16) and,
-for fp32 on an MKL CPU, packed again for the decode batch when a generation starts
+for fp32 on an MKL CPU, packed again when a generation starts: the large matrices in oneDNN's layout
+(any rows: the prefill's and the decode steps'), the small ones by MKL for the decode batch
 (``engine.inference_kernels``: auto = those fast paths where they apply, reference = plain GEMMs).
 The cache [layers, batch, max_len, 2 · kv_heads · head_dim] is allocated once and written in place;
 rows whose sequence has ended leave the batch. Per decode step the loop only looks things up and
@@ -27,7 +28,17 @@ import torch.nn.functional as F
 from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
 from rlhf.models.policies import InjectionPolicy
 from rlhf.ops import SamplingParams, attend, attend_varlen, rms_norm, rotary_cos_sin, sample, varlen_kernel_fits
-from rlhf.ops.linear import can_pack, can_pack_rows, linear, linear_rows, pack_rows, prepare_weight
+from rlhf.ops.linear import (
+    can_pack,
+    can_pack_onednn_fp32,
+    can_pack_rows,
+    linear,
+    linear_rows,
+    onednn_pays,
+    pack_onednn,
+    pack_rows,
+    prepare_weight,
+)
 from rlhf.ops.rotary import apply_rotary_
 from rlhf.ops.sampling import prompt_major
 
@@ -117,6 +128,9 @@ class InferenceModel:
         fast = kernels == "auto"
         self.packed = fast and can_pack(dtype, root["embed"].device)
         self.pack_rows = fast and can_pack_rows(dtype, root["embed"].device)
+        # a generation's large matrices packed by oneDNN (any number of rows; about twice MKL's packed
+        # sgemm at decode sizes on the CPU machine) where it exists, the others by MKL for the decode batch
+        self.onednn_rows = self.pack_rows and can_pack_onednn_fp32(dtype, root["embed"].device)
         try:
             self.root, self.layers = self._prepare(root), [self._prepare(w) for w in layers]
         except RuntimeError as e:  # a oneDNN that cannot reorder: the plain layout gives the same numbers
@@ -186,13 +200,22 @@ class InferenceModel:
             return
         try:
             self._rw = [
-                {k: pack_rows(v, rows) for k, v in d.items() if k in MATRICES} for d in self.layers + [self.root]
+                {k: self._pack(v, rows) for k, v in d.items() if k in MATRICES} for d in self.layers + [self.root]
             ]
             self._rows = rows
-        except RuntimeError as e:  # an MKL that cannot pack: the plain layout computes the same thing
+        except RuntimeError as e:  # a library that cannot pack: MKL's packing, or the plain layout, instead
+            self._drop_packs()
+            if self.onednn_rows:
+                log.warning("inference mode: oneDNN fp32 weights unavailable (%s); using MKL's packing", e)
+                self.onednn_rows = False
+                return self.pack_for_rows(rows)
             log.warning("inference mode: packed fp32 weights unavailable (%s); using plain GEMMs", e)
             self.pack_rows = False
-            self._drop_packs()
+
+    def _pack(self, wt: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.onednn_rows and onednn_pays(wt):
+            return pack_onednn(wt)
+        return pack_rows(wt, rows)
 
     def _linear(
         self,
@@ -202,6 +225,8 @@ class InferenceModel:
         name: str,
         bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if rw is not None and self.onednn_rows and onednn_pays(w[name]):  # any number of rows (prefills too)
+            return linear(x, rw[name], bias, packed=True)
         if rw is not None and x.shape[0] <= self._rows:
             return linear_rows(x, rw[name], w[name], self._rows, bias)
         return linear(x, w[name], bias, self.packed)
