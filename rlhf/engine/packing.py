@@ -28,6 +28,10 @@ log = logging.getLogger("rlhf")
 ATTENTION = "rlhf_packed"  # the attention implementation name a packable model runs under
 _REGISTERED = False
 _SAID: set = set()  # the reasons already logged
+_ALIGNED = None  # (the bounds tensor of the forward running, its aligned_index)
+# a batch with less padding than this share runs padded: packing's own cost (the layout moves in every
+# layer, the output scattered back) outweighs what it saves (measured, docs/performance.md)
+MIN_PADDING = 0.02
 
 
 @dataclass
@@ -141,7 +145,10 @@ def packed_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     n_max = int(kwargs.pop("max_length_q"))
     rows = cu.numel() - 1
-    index = aligned_index(cu, n_max)
+    global _ALIGNED
+    if _ALIGNED is None or _ALIGNED[0] is not cu:  # once per forward: every layer gets the same bounds
+        _ALIGNED = (cu, aligned_index(cu, n_max))
+    index = _ALIGNED[1]
 
     def aligned(x: torch.Tensor) -> torch.Tensor:  # [1, h, T, d] -> [B, h, n_max, d]
         h, d = x.shape[1], x.shape[3]
@@ -213,9 +220,12 @@ def install(model: nn.Module) -> bool:
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
     """``model(input_ids=..., attention_mask=..., **kwargs)`` run packed, its output in the padded layout:
     a tensor of per-token values [B, L], or a model output whose ``logits`` are [B, L, V] (or
-    [B, k, V] for ``logits_to_keep=k``: the last k columns). Falls back to the padded forward when the
-    mask is not packable (``pack`` returns None)."""
-    packed = pack(input_ids, attention_mask)
+    [B, k, V] for ``logits_to_keep=k``: the last k columns). The padded forward runs instead when the
+    batch has less than ``MIN_PADDING`` padding or its mask is not packable (``pack`` returns None)."""
+    real = int(attention_mask.sum())
+    packed = None
+    if real <= (1.0 - MIN_PADDING) * attention_mask.numel():
+        packed = pack(input_ids, attention_mask)
     if packed is None:
         return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     kwargs.pop("position_ids", None)  # the packed positions are the mask's (a contiguous run per row)

@@ -264,3 +264,16 @@ def test_ppo_scoring_and_update_forwards(family):
             engine.step()
         assert (outs[0] - outs[1])[..., resp].abs().max() <= TOL, (family, head)
         _assert_close(packed.grads, padded.grads, f"ppo {family} head={head}")
+
+
+def test_a_batch_without_padding_runs_padded(monkeypatch):
+    """Below packing.MIN_PADDING the padded forward runs (packing would only cost): bit for bit."""
+    model = _model("llama")
+    packing.install(model)
+    ids = torch.randint(3, 61, (4, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    calls = []
+    monkeypatch.setattr(packing, "pack", lambda *a: calls.append(a) or None)
+    out = packing.forward(model, ids, mask).logits
+    assert not calls
+    assert torch.equal(out, model(input_ids=ids, attention_mask=mask).logits)

@@ -1,0 +1,249 @@
+"""Seconds per optimizer step of the SFT, reward-model and DPO stages (JSON lines, docs/contract.md).
+
+    python bench/stages.py [--stages sft reward dpo] [--workloads hh tiny small] [--steps 5]
+                           [--warmup 1] [--threads N] [--rows 8] [--device auto|cpu|cuda] [--seed 0]
+                           [--variants padded packed rlhf]
+
+Each stage's own step, called directly: ``stages.sft.train_step(actor, micro_batches)``,
+``stages.reward.train_step(reward_model, micro_batches, margin)`` and
+``stages.dpo.train_step(actor, reference, micro_batches, dcfg)``, on engines built as the recipes
+build them (one process: ``rlhf.engine.mesh.init_mesh``, ``TrainEngine``; the reward model is the
+causal LM's checkpoint as ``AutoModelForSequenceClassification`` with ``init_head`` in a
+``ScalarHeadModel``; DPO's reference is ``reference_for``'s ``FrozenModel``), from batches made by the
+real collators (``collate_sft``, ``collate_pairs``, ``stages.dpo.collate``) of rows tokenized by the
+stages' own ``tokenize_sft`` / ``tokenize_pairs``. One micro-batch of ``--rows`` rows (pairs for the
+reward model and DPO) per step, no accumulation; AdamW at lr 1e-5, constant, clip 1.0, fp32 on the CPU
+(``engine.precision=auto``).
+
+Workloads:
+
+- ``hh``: the HH-RLHF sample in tests/data/hh-rlhf (``data.format=hh`` through ``read_examples``): SFT
+  on the chosen conversations (prompt + chosen answer; records with an empty answer skipped as the
+  pipeline skips them), the reward model and DPO on the pairs. Tokenized with the project's byte-level
+  BPE (``rlhf.data.tokenizer.train_tokenizer``, as ``train_embedded_tokenizer`` trains it, on the
+  records' text with the ``small`` workload's 8,000 tokens) at the real lengths, capped at
+  ``HH_MAX_PROMPT`` + ``HH_MAX_RESPONSE`` = 512 tokens (prompts cut from the left, pairs whose
+  answer is longer than 192 tokens dropped, as the stages do). Model: the ``small`` workload's Llama
+  shape with the tokenizer's vocabulary. Each step draws ``--rows`` records at random with a fixed
+  seed; every variant runs the same batches. Variants ``padded`` (``engine.packing=false``: the padded
+  reference forward) and ``packed`` (``engine.packing=true``: padding-free packed forwards).
+- ``tiny``, ``small`` (bench/common.py): rows of exactly the workload's prompt_len + new tokens (a
+  BOS + digits prompt, a digits answer + EOS, one token per digit; pairs differ in their answers), so
+  no padding; variant ``rlhf`` (``engine.packing`` at its default). bench/trl_stages.py runs TRL's
+  trainers on the same models, tokenizer, rows and batches.
+
+``--variants`` picks others on any workload: ``padded`` (``engine.packing=false``), ``packed`` (true),
+``rlhf`` (the default).
+
+Metrics per (stage, workload, variant), the steps after ``--warmup`` warm-up ones: ``s_per_step`` (the
+median step: ``train_step`` wall time, collation excluded), ``tokens_per_s`` (median over steps of the
+step's real (non-pad) tokens / its seconds; DPO and the reward model count chosen + rejected tokens),
+``samples_per_s`` (rows / ``s_per_step``) and ``padding_share`` (pad tokens / all tokens of the
+padded batches the steps ran: the same for every variant). Lines carry ``stage``, ``rows``, ``steps``,
+``packing``, ``tokens_per_step`` (mean), ``params``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import device_label  # noqa: E402
+
+# stage_data puts the repository root first on the path: ``import stages`` is then the recipes, not this file
+from stage_data import ALL_WORKLOADS, STAGES, batch_indices, collate, prepare, rows_of, save_model  # noqa: E402
+
+LR = 1e-5
+
+
+def has_packing() -> bool:
+    from rlhf.config import EngineConfig
+
+    return "packing" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def engine_config(device: str, threads: int, packing):
+    """``engine.*`` for one process; ``packing`` None = the key's default."""
+    from rlhf.config import EngineConfig
+
+    kw = dict(device=device, threads_per_rank=threads)
+    if packing is not None:
+        kw["packing"] = packing
+    return EngineConfig(**kw)
+
+
+def build(stage: str, model_dir: Path, ecfg, tcfg, mesh, tokenizer):
+    """The stage's engines, as its recipe builds them: (a callable running one step on micro-batches,
+    the engines to release)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf.config import DPOConfig, RewardConfig
+    from rlhf.engine.train import TrainEngine, reference_for
+    from rlhf.models import loading
+    from rlhf.models.value import ScalarHeadModel, init_head
+    from stages import dpo, reward, sft
+
+    src = str(model_dir)
+    if stage == "sft":
+        model = loading.build_model(AutoModelForCausalLM, path=src, tokenizer=tokenizer, trust_remote_code=False)
+        actor = TrainEngine(model, mesh, ecfg.placement("actor"), tcfg)
+        actor.train()
+        return (lambda mbs: sft.train_step(actor, mbs)), [actor]
+    if stage == "reward":
+        model_cfg = loading.load_model_config(src, False)
+        model_cfg.num_labels, model_cfg.pad_token_id = 1, tokenizer.pad_token_id
+        model = loading.build_model(
+            AutoModelForSequenceClassification, path=src, config=model_cfg, tokenizer=tokenizer, trust_remote_code=False
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            init_head(model)
+        rm = TrainEngine(ScalarHeadModel(model), mesh, ecfg.placement("reward_model"), tcfg)
+        rm.train()
+        margin = RewardConfig().margin
+        return (lambda mbs: reward.train_step(rm, mbs, margin)), [rm]
+
+    def load(role: str = "reference"):
+        return loading.causal_lm(src, mesh, tokenizer, False, True, role)
+
+    actor = TrainEngine(load("policy"), mesh, ecfg.placement("actor"), tcfg)
+    reference = reference_for(actor, load, mesh, ecfg.placement("reference"))
+    actor.train()
+    dcfg = DPOConfig()
+    return (lambda mbs: dpo.train_step(actor, reference, mbs, dcfg)), [actor, reference]
+
+
+def real_tokens(batch: dict) -> int:
+    return int(batch["attention_mask"].sum())
+
+
+def time_steps(step_fn, batches: list, device) -> list:
+    """Wall seconds of ``step_fn([batch])`` for each batch."""
+    import torch
+
+    times = []
+    for b in batches:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step_fn([b])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+VARIANTS = {"padded": False, "packed": True, "rlhf": None}  # variant -> engine.packing (None: its default)
+
+
+def variants_of(workload: str, requested=None) -> list:
+    """(variant name, engine.packing) pairs to run on a workload: ``requested`` (--variants), else
+    padded and packed on hh and rlhf on the fixed-length workloads."""
+    if requested:
+        names = requested
+    elif workload == "hh":
+        names = ["padded", "packed"]
+    else:
+        names = ["rlhf"]
+    return [(name, VARIANTS[name]) for name in names]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+    ap.add_argument("--workloads", nargs="+", default=list(ALL_WORKLOADS), choices=ALL_WORKLOADS)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (one process)")
+    ap.add_argument("--rows", type=int, default=8, help="rows (pairs) per micro-batch")
+    ap.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="as engine.device")
+    ap.add_argument("--seed", type=int, default=0, help="the batches' draw")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        choices=sorted(VARIANTS),
+        help="default: padded packed on hh, rlhf on tiny and small",
+    )
+    args = ap.parse_args()
+    if args.steps < 1:
+        sys.exit("bench/stages.py: --steps must be at least 1")
+
+    import torch
+
+    from rlhf.config import TrainConfig
+    from rlhf.engine.mesh import init_mesh
+
+    mesh = init_mesh(engine_config(args.device, args.threads, None))
+    for workload in args.workloads:
+        data = prepare(workload)
+        with tempfile.TemporaryDirectory(prefix="bench_stages_") as tmp:
+            model_dir = Path(tmp) / "model"
+            params = save_model(data, model_dir)
+            for stage in args.stages:
+                draws = batch_indices(rows_of(stage, data), args.rows, args.warmup + args.steps, args.seed)
+                batches = [collate(stage, data, ix) for ix in draws]
+                timed = batches[args.warmup :]
+                tokens = [real_tokens(b) for b in timed]
+                area = sum(b["attention_mask"].numel() for b in timed)
+                padding = 1.0 - sum(tokens) / area
+                for variant, packing in variants_of(workload, args.variants):
+                    if packing is not None and not has_packing():
+                        print(
+                            f"bench/stages.py: no engine.packing in rlhf/config.py: {variant} skipped", file=sys.stderr
+                        )
+                        continue
+                    ecfg = engine_config(args.device, args.threads, packing)
+                    tcfg = TrainConfig(
+                        max_steps=len(batches),
+                        global_batch=args.rows,
+                        lr=LR,
+                        scheduler="constant",
+                        warmup_steps=0,
+                    )
+                    step_fn, engines = build(stage, model_dir, ecfg, tcfg, mesh, data.tokenizer)
+                    times = time_steps(step_fn, batches, mesh.device)[args.warmup :]
+                    del step_fn, engines
+                    gc.collect()
+                    step = statistics.median(times)
+                    tps = statistics.median(n / t for n, t in zip(tokens, times))
+                    base = {
+                        "bench": "stages",
+                        "workload": workload,
+                        "variant": variant,
+                        "stage": stage,
+                        "world_size": 1,
+                        "threads_per_rank": torch.get_num_threads(),
+                        "torch": torch.__version__,
+                        "device": device_label(mesh.device),
+                        "rows": args.rows,
+                        "steps": len(times),
+                        "packing": ecfg.packing if has_packing() else False,
+                        "tokens_per_step": round(sum(tokens) / len(tokens), 1),
+                        "params": params,
+                    }
+                    for metric, value, unit in (
+                        ("s_per_step", step, "s"),
+                        ("tokens_per_s", tps, "tokens/s"),
+                        ("samples_per_s", args.rows / step, "samples/s"),
+                        ("padding_share", padding, "share"),
+                    ):
+                        print(
+                            json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True
+                        )
+
+
+if __name__ == "__main__":
+    main()
