@@ -16,6 +16,7 @@ with holes is not packed (the padded path runs).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -28,7 +29,10 @@ log = logging.getLogger("rlhf")
 ATTENTION = "rlhf_packed"  # the attention implementation name a packable model runs under
 _REGISTERED = False
 _SAID: set = set()  # the reasons already logged
-_ALIGNED = None  # (the bounds tensor of the forward running, its aligned_index)
+_LAYOUT = None  # (the bounds tensor of the forward running, its _Layout)
+# what one attention call costs beyond its work, in query × key pairs (``length_groups``): measured on
+# the CPU machine (an SDPA call forward + backward ≈ 1 ms ≈ 16K pairs at 8 heads of 64)
+CALL_COST = 16384
 # a batch with less padding than this share runs padded: packing's own cost (the layout moves in every
 # layer, the output scattered back) outweighs what it saves (measured, docs/performance.md)
 MIN_PADDING = 0.02
@@ -111,12 +115,53 @@ def _window_mask(n: int, window: Optional[int], device) -> Optional[torch.Tensor
     return ((d >= 0) & (d < window))[None, None]
 
 
-def aligned_index(cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[T] index of each packed token in a [B * max_len] layout whose rows start at column 0."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-    starts = cu_seqlens[:-1].long()[row]
-    return torch.arange(row.numel(), device=row.device) - starts + row * max_len
+def length_groups(lengths: list, call_cost: int) -> list:
+    """Sequence indices in groups of similar length, each group one batched attention call: the
+    grouping of the length-sorted sequences that minimises sum over groups of (rows × longest²) +
+    ``call_cost`` (dynamic programming; one call for many short rows, about one per row for a few
+    long ones)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cost of grouping the j shortest
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]] ** 2
+        for i in range(j):
+            c = best[i] + (j - i) * longest + call_cost
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+@dataclass
+class _Layout:
+    """How a forward's packed tokens are laid out for attention (computed once per forward)."""
+
+    perm: torch.Tensor  # [T] packed positions, group by group
+    inverse: torch.Tensor  # [T] position in ``perm`` of each packed token
+    groups: list  # per group: (rows, longest, tokens, index into its [rows * longest] layout)
+
+
+def _layout(cu: torch.Tensor) -> _Layout:
+    bounds = cu.tolist()
+    lengths = [e - s for s, e in itertools.pairwise(bounds)]
+    device = cu.device
+    parts, groups = [], []
+    for group in length_groups(lengths, CALL_COST):
+        group = [i for i in group if lengths[i]]
+        if not group:
+            continue
+        lens = [lengths[i] for i in group]
+        longest = max(lens)
+        parts.append(torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in group]))
+        index = torch.cat([torch.arange(n) + r * longest for r, n in enumerate(lens)])
+        groups.append((len(group), longest, sum(lens), index.to(device)))
+    perm = torch.cat(parts).to(device)
+    return _Layout(perm, torch.argsort(perm), groups)
 
 
 def packed_attention(
@@ -131,35 +176,47 @@ def packed_attention(
 ):
     """Transformers' attention-function signature: q/k/v [1, heads, T, d] → ([1, T, heads, d], None).
 
-    A packed batch: q, k and v (already rotated at their own positions) are laid out one sequence per
-    row from column 0, and one batched causal SDPA call runs over them (with the layer's sliding window):
-    a row's real queries see only its own keys, which come first, so no padding mask is needed and no
-    attention crosses a sequence. Only the attention runs on that layout (on this CPU one batched call
-    beat one SDPA call per sequence for every batch measured, docs/performance.md); every projection
-    runs packed."""
+    A packed batch: the sequences are grouped by length (``length_groups``); within a group q, k and v
+    (already rotated at their own positions) are laid out one sequence per row from column 0 and one
+    batched causal SDPA call runs over them (with the layer's sliding window): a row's real queries see
+    only its own keys, which come first, so no padding mask is needed and no attention crosses a
+    sequence. Only the attention runs on that layout; every projection runs packed."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
     kwargs.pop("cu_seq_lens_k", None)
     if cu is None:  # a padded batch: Transformers' SDPA attention as it is
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    n_max = int(kwargs.pop("max_length_q"))
-    rows = cu.numel() - 1
-    global _ALIGNED
-    if _ALIGNED is None or _ALIGNED[0] is not cu:  # once per forward: every layer gets the same bounds
-        _ALIGNED = (cu, aligned_index(cu, n_max))
-    index = _ALIGNED[1]
+    kwargs.pop("max_length_q", None)
+    window = kwargs.pop("sliding_window", None)
+    global _LAYOUT
+    if _LAYOUT is None or _LAYOUT[0] is not cu:  # once per forward: every layer gets the same bounds
+        _LAYOUT = (cu, _layout(cu))
+    layout = _LAYOUT[1]
+    q, k, v = (x[0][:, layout.perm] for x in (query, key, value))  # [h, T, d], group by group
+    outs, start = [], 0
+    for rows, longest, tokens, index in layout.groups:
 
-    def aligned(x: torch.Tensor) -> torch.Tensor:  # [1, h, T, d] -> [B, h, n_max, d]
-        h, d = x.shape[1], x.shape[3]
-        out = x.new_zeros(h, rows * n_max, d).index_copy(1, index, x[0])
-        return out.view(h, rows, n_max, d).transpose(0, 1)
+        def aligned(x: torch.Tensor, rows=rows, longest=longest, index=index) -> torch.Tensor:
+            h, d = x.shape[0], x.shape[2]  # [h, tokens, d] -> [rows, h, longest, d]
+            out = x.new_zeros(h, rows * longest, d).index_copy(1, index, x)
+            return out.view(h, rows, longest, d).transpose(0, 1)
 
-    mask = _window_mask(n_max, kwargs.pop("sliding_window", None), query.device)
-    out, _ = sdpa_attention_forward(
-        module, aligned(query), aligned(key), aligned(value), mask, dropout, scaling, is_causal=mask is None
-    )  # [B, n_max, h, d]
-    return out.reshape(rows * n_max, *out.shape[2:])[index][None], None
+        part = slice(start, start + tokens)
+        mask = _window_mask(longest, window, query.device)
+        out, _ = sdpa_attention_forward(
+            module,
+            aligned(q[:, part]),
+            aligned(k[:, part]),
+            aligned(v[:, part]),
+            mask,
+            dropout,
+            scaling,
+            is_causal=mask is None,
+        )  # [rows, longest, h, d]
+        outs.append(out.reshape(rows * longest, *out.shape[2:])[index])
+        start += tokens
+    return torch.cat(outs)[layout.inverse][None], None
 
 
 def _register() -> None:

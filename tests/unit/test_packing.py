@@ -6,6 +6,7 @@ test_dpo_parity.py."""
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 
 import pytest
@@ -86,8 +87,15 @@ def _assert_close(a: dict, b: dict, what: str):
         assert torch.allclose(a[k], b[k], rtol=TOL, atol=TOL), (what, k, (a[k] - b[k]).abs().max().item())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
-def test_logits_and_gradients_equal_the_padded_forward(family):
+@pytest.mark.parametrize(
+    "family,call_cost",
+    [("llama", None), ("qwen2", None), ("mistral", None), ("phi3", None), ("llama", 0), ("mistral", 40)],
+)
+def test_logits_and_gradients_equal_the_padded_forward(family, call_cost, monkeypatch):
+    """``call_cost`` 0: one attention call per sequence; 40: groups of similar length; None: the
+    default (one group at these lengths)."""
+    if call_cost is not None:
+        monkeypatch.setattr(packing, "CALL_COST", call_cost)
     padded = _model(family)
     packed = copy.deepcopy(padded)
     assert packing.install(packed), packing.why_not(packed)
@@ -277,3 +285,15 @@ def test_a_batch_without_padding_runs_padded(monkeypatch):
     out = packing.forward(model, ids, mask).logits
     assert not calls
     assert torch.equal(out, model(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_length_groups():
+    lengths = [5, 300, 7, 290, 6, 40]
+    for cost in (0, 100, 10**9):
+        groups = packing.length_groups(lengths, cost)
+        assert sorted(i for g in groups for i in g) == list(range(6))
+        assert all(lengths[a] <= lengths[b] for g in groups for a, b in itertools.pairwise(g))
+    assert len(packing.length_groups(lengths, 0)) == 6  # calls are free: every sequence alone
+    assert len(packing.length_groups(lengths, 10**9)) == 1  # calls are dear: one call
+    # the short ones together (3 × 7² + 100 < 3 singles), the long ones alone (2 × 300² > 300² + 290² + 100)
+    assert packing.length_groups(lengths, 100) == [[0, 4, 2], [5], [3], [1]]
