@@ -157,8 +157,9 @@ def _layout(cu: torch.Tensor) -> _Layout:
             continue
         lens = [lengths[i] for i in group]
         longest = max(lens)
-        parts.append(torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in group]))
-        index = torch.cat([torch.arange(n) + r * longest for r, n in enumerate(lens)])
+        # built on the host from the bounds (Python integers), moved once
+        parts.append(torch.cat([torch.arange(bounds[i], bounds[i + 1], device="cpu") for i in group]))
+        index = torch.cat([torch.arange(n, device="cpu") + r * longest for r, n in enumerate(lens)])
         groups.append((len(group), longest, sum(lens), index.to(device)))
     perm = torch.cat(parts).to(device)
     return _Layout(perm, torch.argsort(perm), groups)
