@@ -75,3 +75,23 @@ def digit_share(responses, examples, fmt):
     """A rule reward for the GRPO bench (``ppo.reward_fn=bench.common.digit_share``): the share of
     digits in each response, so rewards vary within a prompt's group."""
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+def step_timer():
+    """A Transformers ``TrainerCallback`` that records each optimizer step's wall time (``on_step_begin``
+    → ``on_step_end``) in ``.times``: how the TRL benches time a trainer's step."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter() - self.t0)
+
+    return StepTimer()

@@ -23,14 +23,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import WORKLOADS, digit_share  # noqa: E402
+from common import WORKLOADS, digit_share, step_timer  # noqa: E402
 from ppo import GRPO_SAMPLES, prepare  # noqa: E402
 
 from rlhf.config import AlgorithmConfig  # noqa: E402
@@ -55,19 +54,9 @@ def main() -> None:
         sys.exit("bench/trl_grpo.py: needs TRL (pip install trl); rlhf itself does not depend on it")
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], 0.0
-
-        def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self.t0)
 
     for workload in args.workload:
         w = WORKLOADS[workload]
@@ -109,7 +98,7 @@ def main() -> None:
                 dataloader_num_workers=0,
                 disable_tqdm=True,
             )
-            timer = StepTimer()
+            timer = step_timer()
             trainer = GRPOTrainer(
                 model=model,
                 reward_funcs=reward,

@@ -49,13 +49,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 # stage_data puts the repository root first on the path (``import stages`` is the recipes)
+from common import step_timer  # noqa: E402
 from stage_data import ALL_WORKLOADS, SEQ_WORKLOADS, STAGES, batch_indices, prepare, rows_of, save_model  # noqa: E402
 
 LR = 1e-5
@@ -79,21 +79,11 @@ def main() -> None:
         sys.exit("bench/trl_stages.py: needs TRL (pip install trl); rlhf itself does not depend on it")
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rlhf.config import DPOConfig as RlhfDPO
 
     torch.set_num_threads(args.threads)
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], 0.0
-
-        def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self.t0)
 
     n_steps = args.warmup + args.steps
     common = dict(
@@ -133,7 +123,7 @@ def main() -> None:
                 draws = batch_indices(rows_of(stage, data), args.rows, n_steps, args.seed)
                 order = [i for ix in draws for i in ix]
                 out = str(Path(tmp) / f"trl_{stage}")
-                timer = StepTimer()
+                timer = step_timer()
                 padding_free = False
                 if stage == "sft":
                     padding_free = args.sft_padding_free == "on"

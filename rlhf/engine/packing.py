@@ -8,9 +8,9 @@ forward's, and the numbers are the padded path's up to float order (docs/perform
 
 Attention: ``ATTENTION`` is registered with Transformers' attention interface and installed on a model
 by ``install``. Given the packed sequences' bounds (the ``cu_seq_lens_q`` keyword Transformers carries
-to every attention call) it lays the rotated q, k, v out one sequence per row and runs one causal SDPA
-call (with the layer's sliding window); without them it is Transformers' own SDPA attention (the padded
-path, unchanged). Sequences are contiguous runs of real tokens (left- or right-padded rows); a mask
+to every attention call) it groups the sequences by length and, per group, lays the rotated q, k, v
+out one sequence per row and runs one causal SDPA call (with the layer's sliding window); without them
+it is Transformers' own SDPA attention (the padded path, unchanged). Sequences are contiguous runs of real tokens (left- or right-padded rows); a mask
 with holes is not packed (the padded path runs).
 """
 
