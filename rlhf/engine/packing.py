@@ -10,8 +10,8 @@ Attention: ``ATTENTION`` is registered with Transformers' attention interface an
 by ``install``. Given the packed sequences' bounds (the ``cu_seq_lens_q`` keyword Transformers carries
 to every attention call) it groups the sequences by length and, per group, lays the rotated q, k, v
 out one sequence per row and runs one causal SDPA call (with the layer's sliding window); without them
-it is Transformers' own SDPA attention (the padded path, unchanged). Sequences are contiguous runs of real tokens (left- or right-padded rows); a mask
-with holes is not packed (the padded path runs).
+it is Transformers' own SDPA attention (the padded path, unchanged). Sequences are contiguous runs of
+real tokens (left- or right-padded rows); a mask with holes is not packed (the padded path runs).
 """
 
 from __future__ import annotations

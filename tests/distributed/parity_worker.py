@@ -92,14 +92,12 @@ def loss_curve(
     return losses
 
 
-def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = True) -> list[float]:
-    """The reward stage's real step on a tiny sequence-classification Llama (pairs: a counting
-    sequence is chosen over a shuffled one)."""
+def tiny_reward_model(mesh):
+    """The sequence-classification twin of ``tiny_model`` (head initialised as the reward stage does;
+    on the meta device on ranks > 0)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from rlhf.data.tokenize import collate_pairs
-    from rlhf.models.value import ScalarHeadModel, init_head
-    from stages.reward import train_step as reward_step
+    from rlhf.models.value import init_head
 
     cfg = LlamaConfig(
         vocab_size=61,
@@ -118,6 +116,17 @@ def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = 
     else:
         with torch.device("meta"):
             model = LlamaForSequenceClassification(cfg)
+    return model
+
+
+def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = True) -> list[float]:
+    """The reward stage's real step on a tiny sequence-classification Llama (pairs: a counting
+    sequence is chosen over a shuffled one)."""
+    from rlhf.data.tokenize import collate_pairs
+    from rlhf.models.value import ScalarHeadModel
+    from stages.reward import train_step as reward_step
+
+    model = tiny_reward_model(mesh)
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
     model = with_lora(model, lora, head="score")
     ecfg = EngineConfig(zero_stage=zero_stage, precision="fp32", packing=packing)

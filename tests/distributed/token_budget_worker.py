@@ -23,7 +23,7 @@ from rlhf.data.tokenize import collate_pairs, collate_sft, pair_tokens  # noqa: 
 from rlhf.engine.mesh import init_mesh  # noqa: E402
 from rlhf.engine.train import FrozenModel, TrainEngine  # noqa: E402
 from tests.distributed.dpo_worker import pairs  # noqa: E402
-from tests.distributed.parity_worker import PAD, records, tiny_model  # noqa: E402
+from tests.distributed.parity_worker import PAD, records, tiny_model, tiny_reward_model  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 8, 3
 STAGES = ("sft", "reward", "dpo")
@@ -34,28 +34,9 @@ DPO = DPOConfig(beta=0.5, sft_coef=0.5)
 
 
 def reward_model(mesh):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from rlhf.models.value import ScalarHeadModel
 
-    from rlhf.models.value import ScalarHeadModel, init_head
-
-    cfg = LlamaConfig(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=PAD,
-    )
-    if mesh.is_main:
-        torch.manual_seed(0)
-        model = LlamaForSequenceClassification(cfg)
-        init_head(model)
-    else:
-        with torch.device("meta"):
-            model = LlamaForSequenceClassification(cfg)
-    return ScalarHeadModel(model)
+    return ScalarHeadModel(tiny_reward_model(mesh))
 
 
 def capture_grads(engine: TrainEngine, into: list) -> None:
