@@ -37,6 +37,15 @@ for k, v in ENV.items():
         os.environ.setdefault(k, v)
 
 
+def run_worker(script, *args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A worker script under torchrun (``nproc`` ranks, standalone) with the test environment; fails the
+    test with the end of its stderr unless it exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
+    proc = subprocess.run([*cmd, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 def run_cli(
     *overrides: str, timeout: float = 600, nproc: int = 1, env: dict | None = None, **popen
 ) -> subprocess.CompletedProcess:

@@ -3,15 +3,12 @@ and the gradient are sums over the global batch's pairs divided by its pair coun
 
 import itertools
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf.engine.mesh import Mesh
-from tests.conftest import ENV, ROOT
+from tests.conftest import run_worker
 from tests.distributed import dpo_worker as w
 
 pytestmark = pytest.mark.distributed
@@ -22,23 +19,7 @@ def two_ranks(tmp_path_factory):
     from safetensors.torch import load_file
 
     out = tmp_path_factory.mktemp("dpo_parity")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(Path(w.__file__)),
-            str(out),
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(w.__file__, str(out))
     losses = json.loads((out / "losses.json").read_text())
     return losses, {name: load_file(str(out / f"{name}.safetensors")) for name, *_ in w.CASES}
 

@@ -1,13 +1,11 @@
 """The hybrid engine on 2 ranks (gloo) with a ZeRO-3 actor, inference_tp_size 1 and 2."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ENV, ROOT
+from tests.conftest import run_worker
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("hybrid_worker.py")
@@ -16,15 +14,7 @@ WORKER = Path(__file__).with_name("hybrid_worker.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("hybrid") / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), str(out)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(WORKER, str(out))
     return json.loads(out.read_text())
 
 

@@ -2,14 +2,11 @@
 (the default) ≡ padded forwards on 1 process and 2 ranks."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from rlhf.engine.mesh import Mesh
-from tests.conftest import ENV, ROOT
+from tests.conftest import run_worker
 from tests.distributed import parity_worker as w
 
 pytestmark = pytest.mark.distributed
@@ -18,23 +15,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def two_rank_curves(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity") / "curves.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(Path(w.__file__)),
-            str(out),
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(w.__file__, str(out))
     return json.loads(out.read_text())
 
 

@@ -4,14 +4,12 @@ SFT's, the reward stage's and DPO's real train_step, fp32, in one process and ov
 the global batch's token or pair count, so only the float summation order differs."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from rlhf.engine.mesh import Mesh
-from tests.conftest import ENV, ROOT
+from tests.conftest import run_worker
 from tests.distributed import token_budget_worker as w
 
 TOL = 1e-6  # relative: the whole gradient (every parameter as one vector) and the loss
@@ -50,15 +48,7 @@ def two_ranks(tmp_path_factory):
     from safetensors.torch import load_file
 
     out = tmp_path_factory.mktemp("token_budget")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", w.__file__, str(out)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(w.__file__, str(out))
     results = json.loads((out / "results.json").read_text())
     grads = {}
     for name in results:
@@ -94,9 +84,7 @@ def test_ppo_two_ranks_budgets_match_row_count_micro_batches(tmp_path):
     from tests.distributed import ppo_token_budget_worker as pw
 
     out = tmp_path / "ppo.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", pw.__file__, str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(pw.__file__, str(out))
     results = torch.load(out)
     ref = results[0]
     for budget in pw.BUDGETS[1:]:
