@@ -223,16 +223,21 @@ def check_columns(columns, fmt: str, key: str) -> None:
 
 @dataclass
 class SyntheticConfig:
-    """The embedded default task: 'What is 03 + 45?' -> ' The answer is 48.' (gold = exact sum)."""
+    """The embedded default task: 'What is 03 + 45?' -> ' The answer is 48.' (gold = exact sum); and the
+    generated tool-use task (data.format=tool_arith: num_records and p_tool)."""
 
     num_records: int = 20000
     max_operand: int = 49
     p_correct: float = 0.65  # share of SFT responses that are right; the rest are off by 1..3
+    # tool_arith: share of SFT records that call the calculator (the rest answer at once): the SFT policy
+    # calls in about this share of its samples, leaving RL the rest (conf/recipe_stage/agentic/sft.yaml)
+    p_tool: float = 0.3
 
     def __post_init__(self):
         _check(self.num_records > 0, "data.synthetic.num_records", self.num_records, "a positive integer")
         _check(0 < self.max_operand < 1000, "data.synthetic.max_operand", self.max_operand, "1..999")
         _check(0.0 <= self.p_correct <= 1.0, "data.synthetic.p_correct", self.p_correct, "a probability")
+        _check(0.0 <= self.p_tool <= 1.0, "data.synthetic.p_tool", self.p_tool, "a probability")
 
 
 @dataclass
@@ -750,6 +755,26 @@ class AlgorithmConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """The limits of the Python tool's sandbox, per call (rlhf/envs/sandbox.py, docs/agents.md)."""
+
+    cpu_s: float = 2.0
+    wall_s: float = 5.0
+    memory_mb: int = 256
+    processes: int = 0  # processes the code may start besides itself
+    output_bytes: int = 10_000  # stdout + stderr kept (the rest cut, the run stopped)
+    file_bytes: int = 1_000_000  # the largest file it may write (in its own temporary directory)
+
+    def __post_init__(self):
+        for key in ("cpu_s", "wall_s", "memory_mb", "output_bytes", "file_bytes"):
+            _check(getattr(self, key) > 0, f"ppo.sandbox.{key}", getattr(self, key), "a positive number")
+        _check(self.processes >= 0, "ppo.sandbox.processes", self.processes, "a non-negative integer")
+
+
+ENV_BUILTINS = ("auto", "single_turn", "tools")  # ppo.env: these, or a dotted path module.Class (rlhf/envs/builtin.py)
+
+
+@dataclass
 class PPOConfig:
     """Experience and update sizes (units in the names: docs/architecture.md, habit 6)."""
 
@@ -800,6 +825,23 @@ class PPOConfig:
     # −overlong_penalty at max_new_tokens (0 = off)
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # ---- multi-turn episodes (docs/agents.md) ----
+    # the environment of each trajectory: single_turn (one response, today's PPO), tools (ppo.tools'
+    # calls answered turn after turn until the policy answers without one), or module.Class of the
+    # user's; auto = tools when ppo.tools is set, else single_turn
+    env: str = "auto"
+    env_args: Any = None  # keyword arguments of the environment's constructor (a user's class)
+    # the tools offered: calculator, python (sandboxed: ppo.sandbox), or module.attr of a Tool
+    tools: List[str] = field(default_factory=list)
+    tool_parser: str = "hermes"  # <tool_call>{json}</tool_call>; or module.function(text) -> Parsed
+    max_turns: Optional[int] = None  # policy turns per episode; None = 1 for single_turn, else 4
+    # tokens after the prompt (the policy's and the observations'); None = max_new_tokens for one turn,
+    # else 2 × max_turns × max_new_tokens
+    max_trajectory_tokens: Optional[int] = None
+    env_timeout_s: float = 30.0  # a reset or step that takes longer fails its trajectory
+    # stop the run (exit 2) when more than this share of a generation's episodes fail
+    env_max_failed_share: float = 0.1
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self):
         for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch"):
@@ -838,9 +880,20 @@ class PPOConfig:
             self.min_rm_accuracy,
             "0..1, or null for the default",
         )
+        _check(
+            self.env in ENV_BUILTINS or "." in self.env,
+            "ppo.env",
+            self.env,
+            f"{one_of(ENV_BUILTINS)} or a dotted path module.Class",
+        )
+        _check(self.max_turns is None or self.max_turns > 0, "ppo.max_turns", self.max_turns, "a positive integer")
+        _check(self.env_timeout_s > 0, "ppo.env_timeout_s", self.env_timeout_s, "a positive number of seconds")
+        _check(0 <= self.env_max_failed_share <= 1, "ppo.env_max_failed_share", self.env_max_failed_share, "0..1")
 
     def resolve(self, data: "DataConfig") -> None:
-        """ppo.max_new_tokens=None: per data format; then the checks that depend on it."""
+        """ppo.max_new_tokens=None: per data format; ppo.env=auto, ppo.max_turns and
+        ppo.max_trajectory_tokens=None: from the environment and the tools; then the checks that depend
+        on them."""
         if self.max_new_tokens is None:
             self.max_new_tokens = data.default_new_tokens()
         _check(
@@ -854,6 +907,27 @@ class PPOConfig:
             "ppo.overlong_buffer",
             self.overlong_buffer,
             f"0..ppo.max_new_tokens-1={self.max_new_tokens - 1}",
+        )
+        if self.env == "auto":
+            self.env = "tools" if self.tools else "single_turn"
+        if self.tools and self.env == "single_turn":
+            raise ConfigError(
+                f"ppo.tools={list(self.tools)} is set but ppo.env=single_turn never answers a tool call: "
+                f"use ppo.env=tools (or leave ppo.env=auto)"
+            )
+        if self.env == "tools" and not self.tools:
+            raise ConfigError("ppo.env=tools needs tools: set ppo.tools, e.g. ppo.tools=[calculator]")
+        if self.max_turns is None:
+            self.max_turns = 1 if self.env == "single_turn" else 4
+        if self.max_trajectory_tokens is None:
+            self.max_trajectory_tokens = self.max_new_tokens
+            if self.max_turns > 1:
+                self.max_trajectory_tokens = 2 * self.max_turns * self.max_new_tokens
+        _check(
+            self.max_trajectory_tokens >= self.max_new_tokens,
+            "ppo.max_trajectory_tokens",
+            self.max_trajectory_tokens,
+            f"at least ppo.max_new_tokens={self.max_new_tokens}",
         )
 
 

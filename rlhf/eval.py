@@ -13,6 +13,14 @@ task) and any other exits 2. Prints one JSON object: ``{"model", "gold/score", "
 "prompts", "samples", "max_new_tokens", "temperature", "data", "config"}`` (``config``: the file read,
 or null). Runs on the GPU when there is one (``engine.device``). A path that is not an exported
 policy, or data without a gold scorer, exits 2 with one line.
+
+An agentic policy is scored by episodes, as the PPO stage scores it: when the saved run played them
+(``ppo.tools`` set, or a ``ppo.env`` other than ``single_turn``) its environment settings come with it
+(``ENV_KEYS``), and overrides such as ``ppo.tools=[calculator]`` or ``ppo.env=module.Class`` ask for them
+on any run. Each held-out prompt is rendered with the tools and played by the stage's
+``EpisodeRunner`` (tool calls run, results appended, up to ``ppo.max_turns``), and the final answer is
+scored; the JSON object then also has ``gold/tool_use`` (and ``gold/tool_use_greedy``: the share of
+episodes that called a tool), ``env``, ``tools`` and ``max_turns``.
 """
 
 from __future__ import annotations
@@ -37,8 +45,14 @@ def main(argv=None) -> None:
     ap.add_argument("path", help="an exported policy (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)")
     ap.add_argument("--run-dir", help="the run's directory (run.dir): its saved data and eval settings")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run: data.*, eval.*, run.seed, engine.device")
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides of the run: data.*, eval.*, run.seed, engine.device, ppo.tools, ppo.env, ...",
+    )
     args = ap.parse_intermixed_args(argv)  # options before or after the overrides
+
+    from omegaconf import OmegaConf
 
     from rlhf.errors import ConfigError, UserError, one_line
     from rlhf.generate import quiet_console
@@ -69,12 +83,46 @@ def main(argv=None) -> None:
         print(f"{PROG}: error: {one_line(e)}{read}", file=sys.stderr)
         sys.exit(2)
     if saved is not None:
-        print(f"{PROG}: the run's data and eval settings from {saved}", file=sys.stderr, flush=True)
+        what = "data and eval settings"
+        if env_of(OmegaConf.load(saved)):
+            what = "data, eval and environment settings"
+        print(f"{PROG}: the run's {what} from {saved}", file=sys.stderr, flush=True)
     print(json.dumps({**result, "config": None if saved is None else str(saved)}), flush=True)
 
 
 # what rlhf.eval takes from a run's saved configuration, with run.seed (engine.* stays this machine's)
 RUN_KEYS = ("data", "eval")
+# and of its ppo group, when the run played episodes (env_of): the environment, its tools and budgets
+ENV_KEYS = (
+    "env",
+    "env_args",
+    "tools",
+    "tool_parser",
+    "max_turns",
+    "max_new_tokens",  # (what max_trajectory_tokens is checked against)
+    "max_trajectory_tokens",
+    "env_timeout_s",
+    "sandbox",
+)
+
+
+def env_of(run) -> dict:
+    """The saved run's ``ppo`` environment keys (ENV_KEYS) when its policy played episodes (``ppo.tools``
+    set, or an environment other than ``single_turn``); {} for a single-turn run (the defaults stay, and
+    ``ppo.tools=[...]`` on the command line makes one agentic). ``env: tools`` is carried as ``auto``
+    (the same while tools are set), so that ``ppo.tools=[]`` alone scores the policy without them."""
+    ppo = run.get("ppo")
+    if ppo is None or (not ppo.get("tools") and ppo.get("env", "single_turn") in ("single_turn", "auto")):
+        return {}
+    out = {k: ppo[k] for k in ENV_KEYS if k in ppo}
+    if out.get("env") == "tools":
+        out["env"] = "auto"
+    return out
+
+
+def plays_episodes(ppo) -> bool:
+    """Whether gold is scored by episodes: tools, or an environment of more than the one turn."""
+    return bool(ppo.tools) or ppo.env != "single_turn"
 
 
 def run_config(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
@@ -95,7 +143,7 @@ def run_config(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
 
 def compose_for(saved: Optional[Path], run_dir: Optional[str], overrides: list):
     """The configuration to evaluate with: the defaults, under the saved run's ``data``, ``eval`` and
-    ``run.seed`` (when ``saved``), under the command line's overrides."""
+    ``run.seed`` (when ``saved``) and its environment (``env_of``), under the command line's overrides."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -111,6 +159,7 @@ def compose_for(saved: Optional[Path], run_dir: Optional[str], overrides: list):
     try:
         run = OmegaConf.load(saved)
         base = {**{k: run[k] for k in RUN_KEYS}, "run": {"seed": run.run.seed}}
+        base["ppo"] = env_of(run)
     except (OSError, OmegaConfBaseException, ValueError, KeyError, AttributeError) as e:
         raise ConfigError(f"{saved}: not a configuration saved by a stage ({one_line(e)})") from None
     try:
@@ -124,13 +173,13 @@ def check_embedded_task(path: str, run_dir: Optional[str], cfg, trust_remote_cod
     """Without a saved configuration and without data.* on the command line the embedded task is what
     would be scored: exit 2 unless the policy was trained on it (its tokenizer is the one stage=sft
     trains on the embedded task's text), rather than score another task's policy on arithmetic."""
-    from rlhf.data import synthetic
+    from rlhf.data.formats import FORMATS
     from rlhf.data.tokenizer import train_tokenizer
     from rlhf.errors import ConfigError
     from rlhf.models.loading import load_tokenizer
 
     embedded = train_tokenizer(
-        synthetic.tokenizer_corpus(cfg.data.synthetic), cfg.model.vocab_size, cfg.model.max_position_embeddings
+        FORMATS[cfg.data.format].corpus(cfg.data.synthetic), cfg.model.vocab_size, cfg.model.max_position_embeddings
     )
     if load_tokenizer(path, trust_remote_code).get_vocab() == embedded.get_vocab():
         return
@@ -148,10 +197,16 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     from rlhf.data.pipeline import load_stage_data
     from rlhf.errors import ConfigError, one_of
     from rlhf.generate import load_policy
+    from rlhf.rl.episodes import EpisodeRunner
     from rlhf.runtime.evaluation import evaluate_gold, gold_prompts
 
     if cfg.eval.gold_prompts == 0:
         raise ConfigError("eval.gold_prompts=0: nothing to evaluate (set a positive eval.gold_prompts)")
+    env = None  # episodes: the stage's environment, its tools and parser built before anything loads
+    if plays_episodes(cfg.ppo):
+        from rlhf.envs.builtin import environment
+
+        env = environment(cfg.ppo)
     data = load_stage_data(cfg.data, "sft", cfg.run.seed)  # the held-out records are every stage's
     if data.gold is None:
         raise ConfigError(
@@ -160,9 +215,20 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
         )
     if not gold_prompts(data.eval, cfg.eval):
         raise ConfigError(f"data ({data.description}): no held-out records with a reference answer")
+    if env is not None:  # it resets on a held-out record
+        from rlhf.envs.base import check as check_env
+
+        check_env(env[0], data.eval[0], cfg.ppo.env)
     hybrid, tokenizer, mesh = load_policy(path, trust_remote_code=trust_remote_code, ecfg=cfg.engine)
     chat = resolve_template(tokenizer, cfg.data.chat_template)
-    res = evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat)
+    held_out, play, played = data.eval, None, {}
+    if env is not None:  # as the PPO stage evaluates: prompts with the tools, episodes when they have turns
+        runner = EpisodeRunner.of(cfg.ppo, env, tokenizer, chat, mesh)
+        held_out = runner.with_tools(data.eval)
+        if runner.multi_turn:
+            play = runner.player(hybrid)
+        played = {"env": cfg.ppo.env, "tools": list(cfg.ppo.tools), "max_turns": cfg.ppo.max_turns}
+    res = evaluate_gold(hybrid.generate, tokenizer, held_out, data.gold, cfg.eval, mesh, chat, play=play)
     return {
         "model": str(path),
         **res,
@@ -171,6 +237,7 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
         "max_new_tokens": cfg.eval.max_new_tokens,
         "temperature": cfg.eval.temperature,
         "data": data.description,
+        **played,
     }
 
 

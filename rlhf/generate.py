@@ -16,6 +16,17 @@ Runs on the GPU when there is one (``--device``), in the hybrid engine's injecte
 (HF ``generate`` for a model family it has no policy for). Prints one JSON object per sample:
 ``{"prompt", "sample", "response", "tokens", "finished"}`` (``--text``: the responses only).
 Bad input exits 2 with one line.
+
+    python -m rlhf.generate RUN_DIR/ppo/actor --prompt "What is 347 * 86?" --tools calculator,python
+
+``--tools`` (``--max-turns``, ``--tool-parser``) plays each sample as the PPO stage's episodes do
+(``rlhf.rl.episodes.EpisodeRunner`` with the environment ``rlhf.envs.builtin.environment`` builds from
+``ppo.tools``): the prompt rendered with the tools by the chat template, the policy's tool calls run and
+their results appended, turn after turn, until it answers without a call. Each JSON object then also
+has the conversation after the prompt, ``"turns": [{"role": "assistant", "content"}, {"role": "tool",
+"name", "content"}, ...]``, and ``"tool_calls"``; ``"response"`` is the final answer and ``"tokens"``
+the policy's tokens over all turns (``--text``: the turns as ``assistant: ...`` / ``tool[name]: ...``
+lines, a blank line between samples). ``--chat`` plays an episode per message and shows its turns.
 """
 
 from __future__ import annotations
@@ -185,7 +196,88 @@ def generate(hybrid, tokenizer, prompts: List[List[int]], sp, batch_size: int = 
     return out
 
 
-def _chat_loop(hybrid, tokenizer, template, sp, args) -> None:
+# the ppo.* keys --tools, --tool-parser and --max-turns set, and the template's: named as options in errors
+_OPTION_OF = {
+    "ppo.tools": "--tools",
+    "ppo.tool_parser": "--tool-parser",
+    "ppo.max_turns": "--max-turns",
+    "data.chat_template": "--chat-template",
+}
+
+
+def _as_options(e: Exception) -> str:
+    msg = str(e)
+    for key, option in _OPTION_OF.items():
+        msg = msg.replace(key, option)
+    return msg
+
+
+def tool_environment(tools: str, max_turns: Optional[int], tool_parser: Optional[str], max_new_tokens: int):
+    """(the PPO group, ``environment(ppo)``: the maker of its environments and their class) for
+    ``--tools`` (comma-separated), ``--max-turns``, ``--tool-parser``: the stage's own construction
+    (``rlhf.envs.builtin.environment``), before any model loads. A bad name is a ConfigError naming
+    the option."""
+    from rlhf.config import DataConfig, PPOConfig
+    from rlhf.envs.builtin import environment
+    from rlhf.errors import ConfigError
+
+    names = [n.strip() for n in tools.split(",") if n.strip()]
+    if not names:
+        raise ConfigError(f"--tools={tools!r}: give tool names, e.g. --tools calculator,python")
+    try:
+        parser = tool_parser or "hermes"
+        ppo = PPOConfig(tools=names, tool_parser=parser, max_turns=max_turns, max_new_tokens=max_new_tokens)
+        ppo.resolve(DataConfig())  # ppo.max_trajectory_tokens: 2 × turns × tokens a turn
+        return ppo, environment(ppo)
+    except ConfigError as e:
+        raise ConfigError(_as_options(e)) from None
+
+
+def play_episodes(hybrid, runner, tokenizer, examples, sp, batch_size: int = 32) -> List[dict]:
+    """Each prompt's samples played as episodes (prompt-major, as ``generate``'s rows): per row
+    ``{"response", "tokens", "finished", "turns", "tool_calls"}`` (and ``"error"`` when its environment
+    failed). The prompts are rendered with the runner's tools."""
+    from dataclasses import replace
+
+    from rlhf.data.tokenize import encode_prompts
+
+    examples = runner.with_tools(examples)
+    ids = encode_prompts(examples, tokenizer, runner.template)
+    out: List[dict] = []
+    with hybrid.holding():  # the inference model kept across the turns
+        for b in range(0, len(ids), batch_size):
+            ep = runner.run(
+                hybrid.generate, ids[b : b + batch_size], examples[b : b + batch_size], replace(sp, seed=sp.seed + b)
+            )
+            errors = iter(ep.errors)
+            for i, text in enumerate(ep.texts):
+                counts = ep.row_counts[i]
+                row = {
+                    "response": text,
+                    "tokens": int(ep.gen.response_mask[i].sum()),
+                    "finished": not (bool(ep.failed[i]) or counts.get("truncated", 0.0)),
+                    "turns": [_turn(m) for m in ep.conversations[i]],
+                    "tool_calls": int(counts.get("tool_calls", 0.0)),
+                }
+                if bool(ep.failed[i]):
+                    row["error"] = next(errors, "failed")
+                out.append(row)
+    return out
+
+
+def _turn(m: dict) -> dict:
+    return {k: m[k] for k in ("role", "name", "content") if k in m}
+
+
+def turn_line(m: dict) -> str:
+    """One turn, readably: ``assistant: ...``, ``tool[calculator]: 42``."""
+    role = m["role"]
+    if m.get("name"):
+        role = f"{role}[{m['name']}]"
+    return f"{role}: {m['content']}"
+
+
+def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
     from dataclasses import replace
 
     from rlhf.data.tokenize import encode_prompts
@@ -210,6 +302,18 @@ def _chat_loop(hybrid, tokenizer, template, sp, args) -> None:
         if not text.strip():
             continue
         history.append({"role": "user", "content": text})
+        if runner is not None:  # an episode: its tool turns shown and kept in the conversation
+            spt = replace(sp, samples_per_prompt=1, seed=sp.seed + turn)
+            (row,) = play_episodes(hybrid, runner, tokenizer, [as_example(history, args.system)], spt)
+            turn += 1
+            for m in row["turns"]:
+                print(turn_line(m), flush=True)
+                if m["role"] == "assistant":
+                    m = {**m, "content": m["content"].strip()}
+                history.append(m)
+            if "error" in row:
+                print(f"{PROG}: the episode failed: {row['error']}", file=sys.stderr, flush=True)
+            continue
         ids = encode_prompts([as_example(history, args.system)], tokenizer, template)
         ((reply, _, _),) = generate(hybrid, tokenizer, ids, replace(sp, samples_per_prompt=1, seed=sp.seed + turn))
         turn += 1
@@ -246,11 +350,16 @@ def main(argv=None) -> None:
         choices=("auto", "fp32", "bf16"),
         help="of the inference mode; auto = bf16 on a GPU that has it, else fp32",
     )
+    ap.add_argument("--tools", help="play episodes with these tools, comma-separated: calculator, python, module.attr")
+    ap.add_argument("--max-turns", type=int, help="with --tools: policy turns per episode (4)")
+    ap.add_argument("--tool-parser", help="with --tools: hermes (<tool_call>{json}</tool_call>) or module.function")
     ap.add_argument("--text", action="store_true", help="print the responses only, not JSON")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
     args = ap.parse_args(argv)
     if not (args.prompt or args.file or args.chat):
         ap.error("give --prompt, --file or --chat")
+    if args.tools is None and (args.max_turns is not None or args.tool_parser is not None):
+        ap.error("--max-turns and --tool-parser go with --tools")
 
     from rlhf.errors import ConfigError, UserError, one_line
 
@@ -263,16 +372,28 @@ def main(argv=None) -> None:
             ("--max-new-tokens", args.max_new_tokens > 0, "a positive integer"),
             ("--n", args.n > 0, "a positive integer"),
             ("--batch-size", args.batch_size > 0, "a positive integer"),
+            ("--max-turns", args.max_turns is None or args.max_turns > 0, "a positive integer"),
         ):
             if not ok:
                 raise ConfigError(f"{key}={getattr(args, key[2:].replace('-', '_'))} is invalid: expected {expected}")
         prompts: List[object] = list(args.prompt)
         if args.file:
             prompts += read_prompts(args.file)
-        hybrid, tokenizer, _ = load_policy(args.path, args.device, args.dtype, args.trust_remote_code)
+        ppo, env = None, None
+        if args.tools is not None:  # the tools resolved before any model loads
+            ppo, env = tool_environment(args.tools, args.max_turns, args.tool_parser, args.max_new_tokens)
+        hybrid, tokenizer, mesh = load_policy(args.path, args.device, args.dtype, args.trust_remote_code)
         from rlhf.data.chat import resolve_template
 
         template = resolve_template(tokenizer, args.chat_template, key="--chat-template")
+        runner = None
+        if env is not None:
+            from rlhf.rl.episodes import EpisodeRunner
+
+            try:
+                runner = EpisodeRunner.of(ppo, env, tokenizer, template, mesh)
+            except ConfigError as e:
+                raise ConfigError(_as_options(e)) from None
         from rlhf.ops import SamplingParams
 
         sp = SamplingParams(
@@ -284,15 +405,22 @@ def main(argv=None) -> None:
             seed=args.seed,
         )
         if args.chat:
-            _chat_loop(hybrid, tokenizer, template, sp, args)
+            _chat_loop(hybrid, tokenizer, template, sp, args, runner)
             return
         from rlhf.data.tokenize import encode_prompts
 
-        ids = encode_prompts([as_example(p, args.system) for p in prompts], tokenizer, template)
-        results = generate(hybrid, tokenizer, ids, sp, args.batch_size)
+        examples = [as_example(p, args.system) for p in prompts]
+        if runner is not None:
+            episodes = play_episodes(hybrid, runner, tokenizer, examples, sp, args.batch_size)
+        else:
+            ids = encode_prompts(examples, tokenizer, template)
+            results = generate(hybrid, tokenizer, ids, sp, args.batch_size)
     except (UserError, OSError) as e:
         print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
+    if runner is not None:
+        print_episodes(prompts, episodes, args)
+        return
     for i, (text, tokens, finished) in enumerate(results):
         prompt_ix, sample = divmod(i, args.n)  # rows are prompt-major (rlhf.ops.sampling.prompt_major)
         if args.text:
@@ -309,6 +437,22 @@ def main(argv=None) -> None:
                     },
                     ensure_ascii=False,
                 ),
+                flush=True,
+            )
+
+
+def print_episodes(prompts: List[object], episodes: List[dict], args) -> None:
+    """--tools' output: a JSON object per sample with its turns, or (--text) its turns as lines."""
+    for i, row in enumerate(episodes):
+        prompt_ix, sample = divmod(i, args.n)  # prompt-major rows
+        if args.text:
+            if i:
+                print(flush=True)
+            for m in row["turns"]:
+                print(turn_line(m), flush=True)
+        else:
+            print(
+                json.dumps({"prompt": prompts[prompt_ix], "sample": sample, **row}, ensure_ascii=False),
                 flush=True,
             )
 

@@ -3,7 +3,8 @@
     python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png
 
 Panels: SFT loss (train and eval); reward-model loss and held-out accuracy; gold score (sampled, and
-greedy dashed) per PPO (and DPO) step with the SFT policy's gold score as the baseline; peak memory of
+greedy dashed) per PPO (and DPO) step with the SFT policy's gold score as the baseline, and agentic
+runs' tool-use rate (rollouts and held-out episodes) on the same axis; peak memory of
 every stage (``mem/peak_gb``); PPO reward/mean, kl/mean and seconds per PPO step. A run with a DPO
 stage gets a third row: DPO loss, implicit-reward accuracy and margin, and the summed log-probs of
 chosen and rejected responses (falling chosen log-probs are DPO's known failure). scripts/run_all.sh
@@ -109,6 +110,9 @@ def figure(run_dir: Path):
     if "gold/score_greedy" in sft:
         greedy = sft["gold/score_greedy"][1][-1]
         a_gold.axhline(greedy, color="gray", linestyle="-.", label=f"SFT, greedy ({greedy:.3f})")
+    # agentic runs: how often the episodes call a tool (the rollouts', and the held-out episodes')
+    _plot(a_gold, ppo, "env/tool_use", "tool use, rollouts", color="tab:cyan", alpha=0.8)
+    _plot(a_gold, ppo, "gold/tool_use", "tool use, held-out", color="tab:cyan", marker="^", linestyle="none")
     a_gold.set_ylim(0, 1.03)  # a greedy gold of 1.0 stays visible above the frame line
 
     a_rew.set_title("PPO reward/mean, and how it tracks the gold rule")
@@ -131,6 +135,7 @@ def figure(run_dir: Path):
         ("time/score_s", "score"),
         ("time/train_s", "train"),
         ("time/switch_s", "switch"),
+        ("time/env_s", "environment"),
     ):
         _plot(a_time, ppo, key, label)
     a_mem.set_title("Peak memory of rank 0 since the previous logged step (GiB)")

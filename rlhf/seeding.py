@@ -18,6 +18,7 @@ ROLLOUT = 7919  # nested: the PPO rollouts of step i (stages/ppo.py)
 MINIBATCH = 31  # offset: the minibatch order of PPO step i (stages/ppo.py)
 PTX = 17  # offset by 1: the PPO-ptx batches (rlhf/rl/ptx.py)
 REFILL = 104_729  # offset: dynamic sampling's extra round i (rlhf/rl/experience.py)
+TURN = 15_485_863  # offset: turn i (≥ 1) of a multi-turn rollout (rlhf/rl/episodes.py)
 
 
 def offset(seed: int, index: int, stride: int) -> int:

@@ -32,6 +32,8 @@ from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
+from rlhf.envs.base import check as check_env
+from rlhf.envs.builtin import environment
 from rlhf.errors import ConfigError, UserError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
@@ -40,6 +42,7 @@ from rlhf.outputs.log import progress
 from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
 from rlhf.rl.ema import EMA
+from rlhf.rl.episodes import EpisodeRunner
 from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.prompts import PromptSource
@@ -87,6 +90,7 @@ def check_reward_model(stats: dict, rm_src: Optional[Path], threshold: Optional[
 def run(cfg: Config) -> None:
     # the user's reward function imports before anything else: an import error is the run's one line
     rule = resolve(cfg.ppo.reward_fn) if cfg.ppo.reward_fn else None
+    env = environment(cfg.ppo)  # (a maker of the environment, its class): imported, tools and parser built
     ctx = start_stage(cfg, "ppo")
     mesh, train, ppo, alg = ctx.mesh, cfg.train, cfg.ppo, cfg.algorithm
     check_writable(cfg.run.dir)
@@ -98,6 +102,7 @@ def run(cfg: Config) -> None:
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
         check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)
+    check_env(env[0], data.train[0], ppo.env)
     if len(data.train) < ppo.prompts_per_step:
         raise UserError(
             f"data ({data.description}): {len(data.train)} prompts, fewer than one step "
@@ -112,6 +117,8 @@ def run(cfg: Config) -> None:
         if src is not None:  # the reward model and critic read the actor's token ids
             loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, cfg.data.chat_template)  # as in SFT: prompts through the chat template
+    runner = EpisodeRunner.of(ppo, env, tokenizer, chat, mesh)  # (refuses a template that drops observations)
+    data.train, data.eval = runner.with_tools(data.train), runner.with_tools(data.eval)
     prompt_ids = tokenize_prompts(
         data.train, tokenizer, cfg.data.max_prompt_len, chat, max_new_tokens=ppo.max_new_tokens
     )["prompt"]
@@ -180,7 +187,7 @@ def run(cfg: Config) -> None:
     prompts = PromptSource(
         prompt_ids, data.train, ppo.prompts_per_step, cfg.run.seed, mesh, ppo.dynamic_sampling_max_rounds
     )
-    collector = Collector(hybrid, actor, scorers, prompts, alg, ppo, tokenizer, mesh, cfg.run.seed)
+    collector = Collector(hybrid, actor, scorers, prompts, alg, ppo, tokenizer, mesh, cfg.run.seed, runner)
     updater = Updater(actor, critic, alg, ppo, mesh, cfg.run.seed, ptx=ptx, ema=ema)
 
     ckpt = checkpoint_to_resume(ctx)
@@ -206,7 +213,10 @@ def run(cfg: Config) -> None:
     def evaluate(step: int) -> None:
         if data.gold is None:
             return
-        res = evaluate_gold(hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress)
+        play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
+        res = evaluate_gold(
+            hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress, play
+        )
         if not res:  # eval.gold_prompts=0
             return
         metrics.log(step, **res)

@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlhf.algorithms.tokens import shifted_nll_sum
 from rlhf.config import Config
-from rlhf.data import synthetic
 from rlhf.data.chat import resolve_template
 from rlhf.data.formats import FORMATS
 from rlhf.data.pipeline import load_stage_data
@@ -75,7 +74,7 @@ def run(cfg: Config) -> None:
     else:  # the embedded default: a tokenizer trained on the task's text and a tiny Llama
         embedded_task = FORMATS[data_cfg.format].generated and not data_cfg.sources
         if embedded_task:
-            corpus = synthetic.tokenizer_corpus(data_cfg.synthetic)
+            corpus = FORMATS[data_cfg.format].corpus(data_cfg.synthetic)  # the generated task's own texts
         else:
             corpus = text_corpus(data.train)
         tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)

@@ -42,6 +42,18 @@ class Scored:
     group_size: int
     beta: float
     all_reduce: AllReduce = None
+    # [B, N] an environment's turn rewards at their turns' last tokens (multi-turn episodes), already in
+    # ``scores``; None: none. Token-level estimators place them where they were earned.
+    turn_rewards: Optional[Tensor] = None
+
+    def token_rewards(self, clip: Optional[float]) -> Tensor:
+        """Per-token rewards: −β·KL, the score at the last token — less the turn rewards, which sit
+        at their own turns' last tokens."""
+        m = _math()
+        if self.turn_rewards is None:
+            return m.token_rewards(self.scores, self.kl, self.mask, self.beta, clip)
+        final = self.scores - self.turn_rewards.sum(1)
+        return m.token_rewards(final, self.kl, self.mask, self.beta, clip) + self.turn_rewards
 
 
 Advantages = Tuple[Tensor, Optional[Tensor]]  # (advantages [B, N], value targets [B, N] or None)
@@ -50,7 +62,7 @@ Advantages = Tuple[Tensor, Optional[Tensor]]  # (advantages [B, N], value target
 def _gae(alg, s: Scored) -> Advantages:
     """PPO: per-token rewards −β·KL plus the score at the last token, GAE over the critic's values."""
     m = _math()
-    rewards = m.token_rewards(s.scores, s.kl, s.mask, s.beta, alg.reward_clip)
+    rewards = s.token_rewards(alg.reward_clip)
     adv, returns = m.gae(rewards, s.values, s.mask, alg.gamma, alg.lam)
     if alg.whiten_advantages:
         adv = m.whiten(adv, s.mask, all_reduce=s.all_reduce)
@@ -77,7 +89,7 @@ def _rloo(alg, s: Scored) -> Advantages:
 def _reinforce_pp(alg, s: Scored) -> Advantages:
     """REINFORCE++: token-level KL-shaped returns, whitened over the global batch."""
     m = _math()
-    rewards = m.token_rewards(s.scores, s.kl, s.mask, s.beta, alg.reward_clip)
+    rewards = s.token_rewards(alg.reward_clip)
     return m.whiten(m.discounted_returns(rewards, s.mask, alg.gamma), s.mask, all_reduce=s.all_reduce), None
 
 
@@ -135,6 +147,8 @@ def advantages(
     group_size: int,
     beta: float,
     all_reduce: AllReduce = None,
+    turn_rewards: Optional[Tensor] = None,
 ) -> Advantages:
     """(advantages, value targets or None) of ``alg.estimator`` (the arguments: ``Scored``)."""
-    return estimator(alg).advantages(alg, Scored(scores, kl, values, mask, group_size, beta, all_reduce))
+    scored = Scored(scores, kl, values, mask, group_size, beta, all_reduce, turn_rewards)
+    return estimator(alg).advantages(alg, scored)

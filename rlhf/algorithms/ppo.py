@@ -62,28 +62,35 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float, clip: O
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> Tuple[Tensor, Tensor]:
-    """Generalised advantage estimation. δ_t = r_t + γ V_{t+1} − V_t (V = 0 after the last token);
-    A_t = δ_t + γλ A_{t+1}. Returns (advantages, returns = A + V), zero outside ``mask``."""
+    """Generalised advantage estimation over the tokens of ``mask``. δ_t = r_t + γ V_{t'} − V_t, with t'
+    the next token of the mask (V = 0 after the last); A_t = δ_t + γλ A_{t'}. Positions outside the
+    mask (an observation between two turns) are skipped, not ends: the recursion runs through them.
+    Returns (advantages, returns = A + V), zero outside ``mask``."""
     values = values * mask
     rewards = rewards * mask
     adv = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])
-    n = rewards.shape[1]
-    for t in reversed(range(n)):
-        next_v = values[:, t + 1] if t + 1 < n else torch.zeros_like(last)
+    next_v = torch.zeros_like(last)
+    on = mask > 0
+    for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_v - values[:, t]
-        last = (delta + gamma * lam * last) * mask[:, t]
-        adv[:, t] = last
+        step = (delta + gamma * lam * last) * mask[:, t]
+        last = torch.where(on[:, t], step, last)
+        next_v = torch.where(on[:, t], values[:, t], next_v)
+        adv[:, t] = step
     return adv, (adv + values) * mask
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """G_t = Σ_{k≥t} γ^{k−t} r_k over the response (REINFORCE++'s token-level return)."""
+    """G_t = Σ_{k≥t} γ^{k−t} r_k over the tokens of ``mask`` (REINFORCE++'s token-level return);
+    positions outside it are skipped, as in ``gae``."""
     out = torch.zeros_like(rewards)
     run = torch.zeros_like(rewards[:, 0])
+    on = mask > 0
     for t in reversed(range(rewards.shape[1])):
-        run = (rewards[:, t] + gamma * run) * mask[:, t]
-        out[:, t] = run
+        step = (rewards[:, t] + gamma * run) * mask[:, t]
+        run = torch.where(on[:, t], step, run)
+        out[:, t] = step
     return out
 
 

@@ -13,6 +13,12 @@ template's end-of-turn markup). Each piece is tokenized on its own, the first wi
 special prefix (BOS) unless the template writes it, so that training sequences, PPO prompts and
 gold prompts split into tokens exactly as generation sees them. A final assistant span without EOS
 gets one (the policy must learn to stop).
+
+Records with tools (``Chat.tools``, the tool_arith task) render every piece with
+``apply_chat_template(..., tools=)``; their tool results (role ``tool``) are rendered and never
+trained on. ``Renderer.prompt_ids(turns, tools)`` is the opening a rollout starts from, the very
+prefix of the SFT rendering. The plain fallback cannot render tools: such a record without a
+template is a DataError.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlhf.data.records import Turn
 from rlhf.errors import ConfigError, DataError, first_line
+
+Tools = Optional[List[dict]]  # JSON-schema function dicts for apply_chat_template(tools=), or None
 
 # HH-RLHF's plain form (records.plain_text writes the same text). The newlines are string literals:
 # Transformers renders with trim_blocks, which would eat a newline right after a block tag.
@@ -76,9 +84,10 @@ def resolve_template(tokenizer, setting: str, key: str = "data.chat_template") -
     return text
 
 
-def render(tokenizer, template: str, turns: Sequence[Turn], add_generation_prompt: bool) -> str:
+def render(tokenizer, template: str, turns: Sequence[Turn], add_generation_prompt: bool, tools: Tools = None) -> str:
+    extra = {"tools": list(tools)} if tools else {}  # none: the call of before, byte for byte
     return tokenizer.apply_chat_template(
-        list(turns), chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+        list(turns), chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
 
 
@@ -99,30 +108,36 @@ class Renderer:
         self.template = template or FALLBACK_TEMPLATE
         self.prefix = special_prefix(tokenizer)
         self.eos = tokenizer.eos_token_id
-        self._texts: Dict[Tuple[str, bool], str] = {}
+        self._texts: Dict[Tuple[str, bool, Optional[str]], str] = {}
 
-    def _render(self, turns: Sequence[Turn], gen: bool, where: str) -> str:
-        key = (json.dumps(list(turns), ensure_ascii=False), gen)
+    def _render(self, turns: Sequence[Turn], gen: bool, where: str, tools: Tools = None) -> str:
+        key = (json.dumps(list(turns), ensure_ascii=False), gen, json.dumps(tools) if tools else None)
         text = self._texts.get(key)
         if text is None:
+            if self.template is FALLBACK_TEMPLATE and (tools or any(t["role"] == "tool" for t in turns)):
+                raise DataError(
+                    f"{where}: this conversation has tools or tool results, which the plain fallback "
+                    f"(no chat template) cannot render: use data.chat_template=auto with a tokenizer whose "
+                    f"template has tools (the embedded one has), or a template file"
+                )
             try:
-                text = render(self.tok, self.template, turns, gen)
+                text = render(self.tok, self.template, turns, gen, tools)
             except Exception as e:  # the template refuses this conversation (roles, order)
                 msg = first_line(e)
                 raise DataError(f"{where}: the chat template cannot render this conversation: {msg}") from None
             self._texts[key] = text
         return text
 
-    def pieces(self, turns: Sequence[Turn], where: str) -> List[Tuple[str, bool]]:
+    def pieces(self, turns: Sequence[Turn], where: str, tools: Tools = None) -> List[Tuple[str, bool]]:
         """The conversation as (text, is_assistant) pieces; when the last turn is not the
-        assistant's, it ends with the generation prompt."""
+        assistant's, it ends with the generation prompt. ``tools``: rendered with every piece."""
         out: List[Tuple[str, bool]] = []
         done = ""
         for i, turn in enumerate(turns):
             if turn["role"] != "assistant":
                 continue
-            before = self._render(turns[:i], True, where) if i else ""
-            after = self._render(turns[: i + 1], False, where)
+            before = self._render(turns[:i], True, where, tools) if i or tools else ""
+            after = self._render(turns[: i + 1], False, where, tools)
             if not before.startswith(done) or not after.startswith(before):
                 raise DataError(
                     f"{where}: the chat template does not render this conversation turn by turn "
@@ -132,7 +147,7 @@ class Renderer:
             out += [(before[len(done) :], False), (after[len(before) :], True)]
             done = after
         if turns and turns[-1]["role"] != "assistant":
-            before = self._render(turns, True, where)
+            before = self._render(turns, True, where, tools)
             if not before.startswith(done):
                 raise DataError(
                     f"{where}: the chat template does not render this conversation turn by turn; "
@@ -142,11 +157,17 @@ class Renderer:
         return out
 
     def encode(
-        self, conversations: Sequence[Sequence[Turn]], wheres: Sequence[str], final_eos: bool = True
+        self,
+        conversations: Sequence[Sequence[Turn]],
+        wheres: Sequence[str],
+        final_eos: bool = True,
+        tools: Optional[Sequence[Tools]] = None,
     ) -> List[Tuple[List[int], List[int], int]]:
         """(ids, assistant mask, start of the last piece) of each conversation. ``final_eos``: a
-        conversation that ends with an assistant turn gets EOS after it when its span has none."""
-        all_pieces = [self.pieces(c, w) for c, w in zip(conversations, wheres)]
+        conversation that ends with an assistant turn gets EOS after it when its span has none.
+        ``tools``: each conversation's tools (None: none)."""
+        tools = tools if tools is not None else [None] * len(conversations)
+        all_pieces = [self.pieces(c, w, t) for c, w, t in zip(conversations, wheres, tools)]
         ids_flat = encode_unique(self.tok, [text for ps in all_pieces for text, _ in ps], False)
         out, k = [], 0
         for ps in all_pieces:
@@ -167,6 +188,12 @@ class Renderer:
                 mask += [int(is_assistant)] * len(piece)
             out.append((ids, mask, last))
         return out
+
+    def prompt_ids(self, turns: Sequence[Turn], tools: Tools = None, where: str = "prompt") -> List[int]:
+        """The ids a rollout of ``turns`` starts from: rendered with ``tools`` and the generation
+        prompt, BOS first — exactly the prefix of the SFT sequence of the same record. (A later turn's
+        ids: ``encode([turns], [where], tools=[tools])``'s last piece, ``ids[last:]``.)"""
+        return self.encode([turns], [where], tools=[tools])[0][0]
 
 
 def encode_unique(tokenizer, texts: Sequence[str], add_special_tokens: bool) -> List[List[int]]:

@@ -13,13 +13,16 @@ functions that take a ``DataConfig`` or ``SyntheticConfig`` name it in a string 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from rlhf.data import records, synthetic
+from rlhf.data import records, synthetic, tool_arith
 from rlhf.data.records import TURN_KEYS, Example
 
 Parser = Callable[[dict, str], Example]  # (record under the format's field names, 'file:line') -> Example
 Scorer = Callable[[str, str], float]  # (response, reference) -> gold score in [0, 1]
+# (data.synthetic: a SyntheticConfig, data.eval_size, seed) -> (training records, held-out records)
+Generator = Callable[[Any, int, int], Tuple[List[Example], List[Example]]]
+Corpus = Callable[[Any], List[str]]  # data.synthetic -> the texts the embedded tokenizer learns
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,10 @@ class Format:
     parse_turns: Optional[Callable[[str, str], Parser]] = None
     # eval.max_new_tokens=None: this many new tokens (short answers); None: data.max_response_len
     new_tokens: Optional[int] = None
+    # generated formats (parse=None): the generator of their records, and the texts the embedded
+    # tokenizer is trained on when a run builds one for the task
+    generate: Optional[Generator] = None
+    corpus: Optional[Corpus] = None
 
     @property
     def generated(self) -> bool:
@@ -59,10 +66,20 @@ class Format:
 # of a 32k byte-level BPE, rounded up to a multiple of 64 (hh: prompt p95 337, longer response of a
 # pair p95 159; gsm8k: question p95 97, answer p95 169). Formats without a sample of their own take
 # the chat numbers (hh's); messages adds room for the chat template's markup. The synthetic task:
-# 64/64.
+# 64/64. tool_arith (rendered by the embedded template, its tokenizer): an SFT prompt with its tool
+# turns is at most 62 tokens, a tool call 30 with EOS, the final answer 11: 96/64, 48 new tokens a turn.
 # fields: messages also reads the keys of each turn: role and content.
 _ROWS = (
-    Format("synthetic", fields=(), lengths=(64, 64), parse=None, gold=synthetic.gold_score, new_tokens=16),
+    Format(
+        "synthetic",
+        fields=(),
+        lengths=(64, 64),
+        parse=None,
+        gold=synthetic.gold_score,
+        new_tokens=16,
+        generate=synthetic.generate,
+        corpus=synthetic.tokenizer_corpus,
+    ),
     Format("prompt_response", fields=("prompt", "response"), lengths=(384, 192), parse=records.parse_prompt_response),
     Format(
         "prompt_chosen_rejected",
@@ -80,6 +97,17 @@ _ROWS = (
         lengths=(448, 192),
         parse=records.messages_parser(),
         parse_turns=records.messages_parser,
+    ),
+    # the tool-use task (rlhf/data/tool_arith.py): SFT and PPO only (no preference pairs)
+    Format(
+        "tool_arith",
+        fields=(),
+        lengths=(96, 64),
+        parse=None,
+        gold=synthetic.gold_score,
+        new_tokens=48,
+        generate=tool_arith.generate,
+        corpus=tool_arith.tokenizer_corpus,
     ),
 )
 FORMATS: Dict[str, Format] = {f.name: f for f in _ROWS}  # in this order in messages ("one of ...")

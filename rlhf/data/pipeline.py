@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from rlhf import seeding
-from rlhf.data import synthetic
 from rlhf.data.formats import FORMATS
 from rlhf.data.records import Example, empty_response, read_examples
 from rlhf.errors import ConfigError, DataError
@@ -96,8 +95,8 @@ def _trainable(records: List[Example], stage: str, empty: List[Example]) -> List
 
 def _load_source(src: "SourceConfig", dcfg: "DataConfig", seed: int, stage: str, empty: List[Example]):
     path, fmt = src.path, src.format
-    if FORMATS[fmt].generated:
-        train, held_out = synthetic.generate(dcfg.synthetic, dcfg.eval_size, seed)
+    if FORMATS[fmt].generated:  # the format's own generator (the synthetic task, tool_arith)
+        train, held_out = FORMATS[fmt].generate(dcfg.synthetic, dcfg.eval_size, seed)
         skipped = 0
     else:
         records, skipped = _read(src, dcfg)

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from rlhf.errors import DataError, first_line
 
-Turn = Dict[str, str]  # {"role": system|user|assistant, "content": text}
+Turn = Dict[str, str]  # {"role": system|user|assistant (tool: tool_arith records), "content": text}
 TURN_KEYS = ("role", "content")  # a turn's keys; data.columns.role / .content name a dataset's own
 
 
@@ -37,13 +37,22 @@ class Chat:
     trains on those too); ``response``/``chosen``/``rejected``: the final assistant turn's content.
     ``needs_template``: true for data that only exists as turns (``messages``): without a chat
     template it renders with the plain fallback; false where the text fields are the same record
-    already (the synthetic task: its template-free text is the prompt as it always was)."""
+    already (the synthetic task: its template-free text is the prompt as it always was).
+
+    Tool use (the ``tool_arith`` task, rlhf/data/tool_arith.py): ``tools`` are the JSON-schema function
+    dicts (``{"type": "function", "function": {...}}``) the template is given with every rendering of
+    the record (``apply_chat_template(..., tools=)``); ``tool_turns`` are the turns between the prompt
+    and the final response that a rollout produces — assistant tool calls and the ``tool`` role's
+    results. SFT trains on their assistant turns (never on a tool result); PPO and gold prompts stop at
+    ``prompt``, the opening a rollout starts from (it must not already hold the tool's answer)."""
 
     prompt: List[Turn]
     response: Optional[str] = None
     chosen: Optional[str] = None
     rejected: Optional[str] = None
     needs_template: bool = True
+    tools: Optional[List[dict]] = None
+    tool_turns: Optional[List[Turn]] = None
 
 
 @dataclass

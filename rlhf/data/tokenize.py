@@ -70,7 +70,12 @@ def _split_by_path(examples: List[Example], chat: Optional[str]) -> Tuple[List[i
 
 
 def _conversation(e: Example, content: str):
-    return list(e.chat.prompt) + [{"role": "assistant", "content": content}]
+    """The record's turns up to its final assistant turn ``content`` (tool calls and results first)."""
+    return list(e.chat.prompt) + list(e.chat.tool_turns or []) + [{"role": "assistant", "content": content}]
+
+
+def _tools(examples: List[Example], ix: List[int]) -> list:
+    return [examples[i].chat.tools for i in ix]
 
 
 def _full_sft_rows(examples: List[Example], tok, chat: Optional[str]):
@@ -92,6 +97,7 @@ def _full_sft_rows(examples: List[Example], tok, chat: Optional[str]):
         enc = Renderer(tok, chat).encode(
             [_conversation(examples[i], examples[i].chat.response) for i in chat_ix],
             [examples[i].where for i in chat_ix],
+            tools=_tools(examples, chat_ix),
         )
         for i, (ids, mask, last) in zip(chat_ix, enc):
             rows[i] = (ids[:last], mask[:last], ids[last:])
@@ -172,6 +178,8 @@ def cached(
         h.update(json.dumps([e.prompt, e.response, e.chosen, e.rejected]).encode())
         if e.chat is not None:
             h.update(json.dumps([e.chat.prompt, e.chat.response, e.chat.chosen, e.chat.rejected]).encode())
+            if e.chat.tools or e.chat.tool_turns:  # only then: the keys of records without them stand
+                h.update(json.dumps([e.chat.tools, e.chat.tool_turns]).encode())
     path = Path(cache_dir) / f"{kind}-{h.hexdigest()[:24]}.safetensors"
     if mesh.is_main and not path.is_file():
         cols = build()
@@ -288,9 +296,13 @@ def _full_pair_rows(examples: List[Example], tok, chat: Optional[str]):
             rows[i] = (p, c + [tok.eos_token_id], r + [tok.eos_token_id])
     if chat_ix:
         render = Renderer(tok, chat)
-        wheres = [examples[i].where for i in chat_ix]
-        c_enc = render.encode([_conversation(examples[i], examples[i].chat.chosen) for i in chat_ix], wheres)
-        r_enc = render.encode([_conversation(examples[i], examples[i].chat.rejected) for i in chat_ix], wheres)
+        wheres, tools = [examples[i].where for i in chat_ix], _tools(examples, chat_ix)
+        c_enc = render.encode(
+            [_conversation(examples[i], examples[i].chat.chosen) for i in chat_ix], wheres, tools=tools
+        )
+        r_enc = render.encode(
+            [_conversation(examples[i], examples[i].chat.rejected) for i in chat_ix], wheres, tools=tools
+        )
         for i, (c_ids, _, c_last), (r_ids, _, r_last) in zip(chat_ix, c_enc, r_enc):
             rows[i] = (c_ids[:c_last], c_ids[c_last:], r_ids[r_last:])
     return rows
@@ -333,14 +345,17 @@ def tokenize_pairs(
 
 def encode_prompts(examples: List[Example], tok, chat: Optional[str] = None) -> List[List[int]]:
     """Prompt ids, untruncated: plain text with the tokenizer's special prefix, or turns rendered
-    with the generation prompt (exactly the prompt part of the SFT and pair sequences)."""
+    with the generation prompt (exactly the prompt part of the SFT and pair sequences; for a record
+    with tool turns, the opening before them, with its tools)."""
     out: List[List[int]] = [None] * len(examples)  # type: ignore[list-item]
     chat_ix, text_ix = _split_by_path(examples, chat)
     for i, ids in zip(text_ix, _encode(tok, [examples[i].prompt for i in text_ix], True)):
         out[i] = ids
     if chat_ix:
         enc = Renderer(tok, chat).encode(
-            [examples[i].chat.prompt for i in chat_ix], [examples[i].where for i in chat_ix]
+            [examples[i].chat.prompt for i in chat_ix],
+            [examples[i].where for i in chat_ix],
+            tools=_tools(examples, chat_ix),
         )
         for i, (ids, _, _) in zip(chat_ix, enc):
             out[i] = ids

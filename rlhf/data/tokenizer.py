@@ -17,12 +17,20 @@ PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # A user turn renders as the synthetic prompt ("Q: ...\nA:"), so that the embedded default task
 # goes through the chat-template path with the very same tokens; an assistant turn as " <text></s>";
 # a system turn as its text and a newline. The user turn ends with the generation prompt ("A:")
-# already, so add_generation_prompt adds nothing.
+# already, so add_generation_prompt adds nothing. Tool use (the tool_arith task): a tool turn (the
+# result of an assistant's <tool_call>) renders as "R: <result>\nA:", so the assistant goes on after
+# it as after a question; with apply_chat_template(tools=[...]) the conversation opens with one line
+# naming the tools ("Tools: calculator\n": names only, a JSON schema would make the tiny model's
+# prompts long). Without tools and tool turns the rendering is what it always was.
 CHAT_TEMPLATE = (
+    "{% if tools %}Tools: {% for t in tools %}"
+    "{{ t['function']['name'] if t['function'] is defined else t['name'] }}{{ ', ' if not loop.last else '\\n' }}"
+    "{% endfor %}{% endif %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
     "{% elif m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
     "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
+    "{% elif m['role'] == 'tool' %}R: {{ m['content'] }}\nA:"
     "{% endif %}{% endfor %}"
 )
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -50,6 +51,7 @@ class HybridEngine:
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # of the inference mode
         self._model: Optional[InferenceModel] = None  # kept when engine.release_inference_cache=false
         self._model_version = -1  # the engine's weights_version when _model was built
+        self._hold = 0  # > 0 inside ``holding()``: the inference model is kept between calls
         self.decode = decode_loop(ecfg, self.mesh.device, self.tp)  # (tests set it to "static" on the CPU)
 
     # ---- the one call the trainer makes ----
@@ -66,6 +68,20 @@ class HybridEngine:
             return self._generate_hf(prompts, sp)
         finally:
             self.engine.model.train(was_training)
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Keeps the inference model (weights in the inference layout) between the ``generate`` calls
+        inside — the turns of a multi-turn rollout, between which the weights do not change — and
+        releases it at the end as ``engine.release_inference_cache`` says."""
+        self._hold += 1
+        try:
+            yield
+        finally:
+            self._hold -= 1
+            if not self._hold and self.ecfg.release_inference_cache and self._model is not None:
+                self._model.release()
+                self._model = None
 
     # ---- inference mode ----
     @torch.no_grad()
@@ -123,7 +139,7 @@ class HybridEngine:
             device=self.mesh.device,
         )
         t2 = time.perf_counter()
-        if self.ecfg.release_inference_cache:
+        if self.ecfg.release_inference_cache and not self._hold:
             model.release()
             del model
         else:

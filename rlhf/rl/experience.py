@@ -7,7 +7,7 @@ micro-batches of a bounded number of rows (or real tokens: ppo.max_tokens_per_mi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from rlhf import rewards, seeding
 from rlhf.algorithms import ppo as ppo_math
 from rlhf.algorithms.estimators import advantages, kl_kind
+from rlhf.algorithms.tokens import last_index
 from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.data.records import Example
 from rlhf.data.sampler import token_micro_batches
@@ -23,10 +24,12 @@ from rlhf.engine.infer import Generation
 from rlhf.engine.logprobs import keeps_logits, response_logprobs
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import FrozenModel, TrainEngine
+from rlhf.errors import UserError
 from rlhf.models.lora import unwrap
 from rlhf.models.value import sequence_scores
 from rlhf.ops import SamplingParams
 from rlhf.ops.sampling import prompt_major
+from rlhf.rl.episodes import EpisodeRunner, Episodes, merge_stats
 from rlhf.rl.minibatch import auto_micro_batch
 from rlhf.rl.prompts import PromptBatch, PromptSource
 
@@ -54,11 +57,15 @@ class Experience:
     global_rows: int  # rows over every rank
     advantages: torch.Tensor  # [B, N]
     returns: Optional[torch.Tensor]  # [B, N] value targets (GAE only)
-    loss_mask: torch.Tensor  # [B, N] tokens that carry loss (mask less overlong-filtered rows)
+    loss_mask: torch.Tensor  # [B, N] tokens that carry loss (mask less overlong-filtered and failed rows)
     gold: Optional[torch.Tensor]  # [B] gold score of each rollout (a metric, never a reward)
     timings: Dict[str, float]  # generate_s, switch_s, ... summed over the step's generations
     extra_metrics: Dict[str, float]  # e.g. dynamic sampling's counts
     score_s: float  # seconds spent scoring (after generation)
+    env_stats: Dict[str, float] = field(
+        default_factory=dict
+    )  # the episodes' sums on this rank (episodes.STAT_KEYS, ...)
+    turn_rewards: Optional[torch.Tensor] = None  # [B, N] the environment's turn rewards at their turns' last tokens
 
     @property
     def rows(self) -> int:
@@ -143,22 +150,27 @@ def in_micro_batches(fn: Callable[[Rows], torch.Tensor], groups: List[Rows]) -> 
 
 @dataclass
 class Rollouts:
-    """Generated rows and their sequence rewards, before the model scoring."""
+    """Generated rows (their episodes) and their sequence rewards, before the model scoring."""
 
-    gen: Generation
+    ep: Episodes
     examples: List[Example]  # one per row
     scores: torch.Tensor  # [B]
     parts: Dict[str, torch.Tensor]  # name -> [B]
     gold: Optional[torch.Tensor] = None  # [B] the gold rule's score of each row, when the data has one
 
+    @property
+    def gen(self) -> Generation:
+        return self.ep.gen
+
 
 def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, pad_id: int) -> Rollouts:
     """One ``Rollouts`` of the (rollouts, prompt index) pairs in ``chosen`` (a prompt's
     ``samples_per_prompt`` rows are consecutive: ``prompt_major``), prompts re-padded on the left
-    to the longest prompt length among them."""
+    to the longest prompt length among them. The episodes' statistics are those of every round."""
     prompt_len = max(b.gen.prompt_len for b, _ in chosen)
     parts_keys = chosen[0][0].parts.keys()
     seqs, atts, masks, logps, examples, scores, golds = [], [], [], [], [], [], []
+    texts, env_rewards, turn_rewards, failed = [], [], [], []
     parts = {k: [] for k in parts_keys}
     for b, prompt_ix in chosen:
         rows = slice(prompt_ix * samples_per_prompt, (prompt_ix + 1) * samples_per_prompt)
@@ -176,6 +188,11 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
         golds.append(None if b.gold is None else b.gold[rows])
         for k in parts_keys:
             parts[k].append(b.parts[k][rows])
+        texts += b.ep.texts[rows]
+        env_rewards.append(b.ep.env_rewards[rows])
+        failed.append(b.ep.failed[rows])
+        tr = b.ep.turn_rewards
+        turn_rewards.append(torch.zeros_like(masks[-1], dtype=torch.float32) if tr is None else tr[rows])
     sequences, attention_mask, response_mask = torch.cat(seqs), torch.cat(atts), torch.cat(masks)
     logprobs = None  # the rollout's log-probs when every batch has them
     if not any(x is None for x in logps):
@@ -190,7 +207,16 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
     gold = None
     if not any(part is None for part in golds):
         gold = torch.cat(golds)
-    return Rollouts(gen, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()}, gold)
+    seen = {id(b): b for b, _ in chosen}.values()
+    ep = Episodes(
+        gen,
+        texts,
+        torch.cat(env_rewards),
+        None if all(b.ep.turn_rewards is None for b in seen) else torch.cat(turn_rewards),
+        torch.cat(failed),
+        {},
+    )
+    return Rollouts(ep, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()}, gold)
 
 
 class Collector:
@@ -209,9 +235,12 @@ class Collector:
         tokenizer,
         mesh: Mesh,
         seed: int,
+        runner: EpisodeRunner,
     ):
         self.hybrid, self.actor, self.scorers, self.prompts = hybrid, actor, scorers, prompts
         self.alg, self.ppo, self.tokenizer, self.mesh, self.seed = alg, ppo, tokenizer, mesh, seed
+        self.runner = runner
+        self._env_stats: List[Dict[str, float]] = []  # the step's episodes' statistics, every round
 
     def sampling(self, step: int) -> SamplingParams:
         ppo = self.ppo
@@ -230,6 +259,7 @@ class Collector:
         """The experience of step ``step`` with KL coefficient ``kl_beta``."""
         alg, ppo, mesh, sp = self.alg, self.ppo, self.mesh, self.sampling(step)
         t0 = time.perf_counter()
+        self._env_stats = []
         ro = self.rollout(self.prompts.step(step), sp)
         timings = dict(ro.gen.timings)
         dyn = {}
@@ -275,10 +305,14 @@ class Collector:
         global_rows = rows * mesh.world_size  # every rank holds as many rows
         kl_mean = mesh.sum(float(k1.sum(1).sum())) / global_rows
         all_reduce = mesh.all_reduce if mesh.distributed else None
-        adv, returns = advantages(alg, ro.scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce)
+        adv, returns = advantages(
+            alg, ro.scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce, ro.ep.turn_rewards
+        )
         loss_mask = mask
         if ppo.overlong_filter:  # truncated responses (no EOS) carry no loss
-            loss_mask = mask * (gen.responses == self.tokenizer.eos_token_id).any(1, keepdim=True).float()
+            loss_mask = mask * ended(gen, self.tokenizer.eos_token_id)[:, None].float()
+        if ro.ep.failed.any():  # the environment raised or timed out: no loss on the trajectory
+            loss_mask = loss_mask * (~ro.ep.failed)[:, None].float()
         waited = timings.get("generate_s", 0.0) + timings.get("switch_s", 0.0)
         return Experience(
             sequences=seq,
@@ -302,6 +336,8 @@ class Collector:
             timings=timings,
             extra_metrics=dyn,
             score_s=time.perf_counter() - t0 - waited,
+            env_stats=merge_stats(self._env_stats),
+            turn_rewards=ro.ep.turn_rewards,
         )
 
     def dynamic_sampling(
@@ -340,16 +376,25 @@ class Collector:
         return concat_groups(chosen, samples, self.tokenizer.pad_token_id), stats
 
     def rollout(self, batch: PromptBatch, sp: SamplingParams) -> Rollouts:
-        """Generate ``sp.samples_per_prompt`` samples of each prompt (inference mode) and reward them:
-        reward model (normalised), rule reward, no-EOS penalty, soft overlong penalty."""
+        """Play ``sp.samples_per_prompt`` episodes of each prompt (inference mode; one turn each with
+        the single-turn environment) and reward them: the environment's turn rewards, reward model
+        (normalised), rule reward on the final turn, no-EOS penalty, soft overlong penalty."""
         scorers, alg, ppo, tokenizer = self.scorers, self.alg, self.ppo, self.tokenizer
-        gen = self.hybrid.generate(batch.ids, sp)
+        with self.hybrid.holding():  # the turns of a rollout share one inference model
+            ep = self.runner.run(self.hybrid.generate, batch.ids, batch.examples, sp)
+        if self.runner.multi_turn:
+            self._env_stats.append(ep.stats)
+        self.check_failures(ep)
+        gen = ep.gen
         seq, att = gen.sequences, gen.attention_mask
         mask = gen.response_mask.float()
         examples = prompt_major(batch.examples, sp.samples_per_prompt)
         rows = seq.shape[0]
         score = torch.zeros(rows, device=seq.device)
         parts = {}
+        if not self.runner.single_turn:  # an environment with rewards of its own
+            parts["env"] = ep.env_rewards
+            score = score + parts["env"]
         if scorers.reward_model is not None:
             micro = ppo.micro_batch_per_rank or rows  # a scalar head: no vocabulary-sized logits
             raw = in_micro_batches(
@@ -360,11 +405,7 @@ class Collector:
             )
             parts["model"] = scorers.normalise(raw, self.mesh)
             score = score + parts["model"]
-        texts = None
-        if scorers.rule is not None or scorers.gold is not None:
-            texts = tokenizer.batch_decode(
-                [r[m.bool()].tolist() for r, m in zip(gen.responses, mask)], skip_special_tokens=True
-            )
+        texts = ep.texts  # the final turn of each episode
         if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it
             rule = torch.tensor(
                 rewards.call(scorers.rule, texts, examples, scorers.data_format), dtype=torch.float32, device=seq.device
@@ -372,20 +413,48 @@ class Collector:
             parts["rule"] = scorers.rule_weight * rule
             score = score + parts["rule"]
         if alg.no_eos_penalty:
-            ended = (gen.responses == tokenizer.eos_token_id).any(1)
-            parts["penalty"] = alg.no_eos_penalty * (~ended).float()
+            parts["penalty"] = alg.no_eos_penalty * (~ended(gen, tokenizer.eos_token_id)).float()
             score = score + parts["penalty"]
         if ppo.overlong_buffer:
             parts["overlong"] = ppo_math.overlong_penalty(
                 mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
             )
             score = score + parts["overlong"]
+        if ep.failed.any():  # a failed episode: its group's mean (no signal, no shift of the baseline)
+            score = fill_failed(score, ep.failed, sp.samples_per_prompt)
         gold = None
         if scorers.gold is not None and all(e.reference is not None for e in examples):
             gold = torch.tensor(
                 [scorers.gold(t, e.reference) for t, e in zip(texts, examples)], dtype=torch.float32, device=seq.device
             )
-        return Rollouts(gen, examples, score, parts, gold)
+        return Rollouts(ep, examples, score, parts, gold)
+
+    def check_failures(self, ep: Episodes) -> None:
+        """Exit 2, naming the environment and an error, when more than ``ppo.env_max_failed_share`` of
+        a generation's episodes (every rank's) failed. Collective."""
+        failed, rows = self.mesh.sum(float(ep.failed.sum())), self.mesh.sum(float(ep.failed.numel()))
+        if not failed or failed <= self.ppo.env_max_failed_share * rows:
+            return
+        errors = [e for errs in self.mesh.all_gather_object(ep.errors[:1]) for e in errs]
+        raise UserError(
+            f"ppo.env={self.ppo.env}: {failed:.0f} of {rows:.0f} episodes failed in one generation "
+            f"(more than ppo.env_max_failed_share={self.ppo.env_max_failed_share:g}); first: {errors[0]}"
+        )
+
+
+def ended(gen: Generation, eos_id: int) -> torch.Tensor:
+    """[B] bool: the episode's last policy token is EOS (it ended, rather than being cut)."""
+    mask = gen.response_mask
+    last = last_index(mask)
+    return gen.responses.gather(1, last[:, None])[:, 0].eq(eos_id) & mask.any(1)
+
+
+def fill_failed(score: torch.Tensor, failed: torch.Tensor, group: int) -> torch.Tensor:
+    """``score`` with each failed row replaced by the mean of its group's other rows (0 if none)."""
+    s, f = score.view(-1, group), failed.view(-1, group).float()
+    ok = 1.0 - f
+    mean = (s * ok).sum(1, keepdim=True) / ok.sum(1, keepdim=True).clamp(min=1.0)
+    return torch.where(f.bool(), mean.expand_as(s), s).reshape(-1)
 
 
 def critic_values(critic: TrainEngine, seq: torch.Tensor, att: torch.Tensor, prompt_len: int) -> torch.Tensor:

@@ -40,9 +40,26 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
         row["rollout/logprob_abs_diff_max"] = max(mesh.all_gather_object(float(diff.max())))
         k3 = ppo_math.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * exp.mask  # KL(rollout ‖ train)
         row["rollout/kl"] = mesh.sum(float(k3.sum())) / tokens
+    if exp.env_stats:  # multi-turn episodes (every generation of the step, dynamic sampling's too)
+        row.update(episode_metrics(exp.env_stats, mesh))
     if exp.values is not None:
         row["values/explained_var"] = float(ppo_math.explained_variance(exp.values, exp.returns, exp.mask))
     return row
+
+
+def episode_metrics(stats: Dict[str, float], mesh: Mesh) -> Dict[str, float]:
+    """Per episode, over every rank: turns, tool calls and their errors / timeouts / limits, the
+    share that used a tool, failed or were cut, tokens by source; and the environment's seconds."""
+    total = {k: mesh.sum(v) for k, v in sorted(stats.items())}
+    n = max(total["rows"], 1.0)
+    out = {f"env/{k}": total[k] / n for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_limits")}
+    out["env/tool_use"] = total["used_tools"] / n
+    out["env/failed"] = total["failed"] / n
+    out["env/truncated"] = total["truncated"] / n
+    out["tokens/policy"] = total["tokens_policy"] / n
+    out["tokens/observation"] = total["tokens_observation"] / n
+    out["time/env_s"] = max(mesh.all_gather_object(stats["env_s"]))
+    return out
 
 
 def global_corr(x, y, mesh: Mesh) -> float:

@@ -12,7 +12,7 @@ generate before it starts and shows its progress on rank 0 (``logger.progress``,
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from rlhf.config import EvalConfig
 from rlhf.data.records import Example
@@ -39,9 +39,13 @@ def evaluate_gold(
     mesh: Mesh,
     chat: Optional[str] = None,
     show_progress: bool = True,
+    play: Optional[Callable] = None,
 ) -> dict:
     """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params)``
     is a hybrid engine's (every rank calls it with its share of the prompts); means are global.
+    ``play(prompts, examples, params) -> (final texts, episode stats)``: multi-turn episodes instead
+    of one generation (rlhf/rl/episodes.py); then ``gold/tool_use`` (and ``gold/tool_use_greedy``) is
+    the share of episodes that called a tool.
     ``chat``: the chat template the prompts go through (``chat.resolve_template``), as in training.
     ``show_progress``: ``logger.progress`` (a bar in a terminal, else a status line every 30 s).
     ``eval.gold_prompts=0``: nothing (said once), ``{}``."""
@@ -77,8 +81,11 @@ def evaluate_gold(
         len(modes) * len(sizes),
     )
     bar = progress(responses, 0, show_progress, "gold", mesh.is_main, unit="response", leave=False)
+    tool_use = play is not None  # episodes: how often they call a tool
+    if play is None:
+        play = decoded(generate, tokenizer)
     for key, temperature, samples in modes:
-        total, count = 0.0, 0
+        total, count, used = 0.0, 0, 0.0
         for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):  # collective calls
             sp = SamplingParams(
                 temperature=temperature,
@@ -86,17 +93,30 @@ def evaluate_gold(
                 samples_per_prompt=samples,
                 seed=ecfg.seed + b * ecfg.batch_size,
             )
-            gen = generate([encoded[i] for i in ix], sp)
-            texts = tokenizer.batch_decode(
-                [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)], skip_special_tokens=True
-            )
+            texts, stats = play([encoded[i] for i in ix], [examples[i] for i in ix], sp)
             refs = [examples[i].reference for i in ix for _ in range(samples)]
             total += sum(scorer(t, r) for t, r in zip(texts, refs))
             count += len(texts)
+            used += stats.get("used_tools", 0.0)
             bar.step(n=sizes[b] * samples)
         results[key] = mesh.sum(total) / max(mesh.sum(count), 1)
+        if tool_use:
+            results[key.replace("score", "tool_use")] = mesh.sum(used) / max(mesh.sum(count), 1)
     bar.close()
     return results
+
+
+def decoded(generate, tokenizer) -> Callable:
+    """``play`` of one generation: each row's response decoded, no episode statistics."""
+
+    def play(ids: List[List[int]], examples: List[Example], sp: SamplingParams) -> Tuple[List[str], Dict[str, float]]:
+        gen = generate(ids, sp)
+        texts = tokenizer.batch_decode(
+            [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)], skip_special_tokens=True
+        )
+        return texts, {}
+
+    return play
 
 
 def global_batch_sizes(n: int, micro: int, world_size: int) -> List[int]:

@@ -175,13 +175,18 @@ def test_hybrid_and_hf_give_identical_greedy_experience(small_pipeline, tmp_path
         assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
 
 
-def test_ppo_resume_after_sigkill(small_pipeline, tmp_path):
+@pytest.mark.parametrize(
+    "episodes",
+    [(), ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3")],  # 3-turn episodes, rewarded per turn
+    ids=["single_turn", "multi_turn"],
+)
+def test_ppo_resume_after_sigkill(small_pipeline, tmp_path, episodes):
     import shutil
 
     ref, run = tmp_path / "ref", tmp_path / "run"
     shutil.copytree(small_pipeline, ref)
     shutil.copytree(small_pipeline, run)
-    args = ["train.max_steps=6", "train.save_every=2", "ppo.ema_decay=0.5"]  # the EMA resumes too
+    args = ["train.max_steps=6", "train.save_every=2", "ppo.ema_decay=0.5", *episodes]  # the EMA resumes too
     assert run_cli(*quick_ppo(ref, *args)).returncode == 0
     p = subprocess.Popen(
         [sys.executable, "-m", "rlhf", *quick_ppo(run, *args)],

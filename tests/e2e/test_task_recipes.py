@@ -91,3 +91,25 @@ def test_gsm8k_grpo_recipe_end_to_end(user_model, real_data, tmp_path):
     refused = run_cli("stage=reward", f"run.dir={run}", data, timeout=120)
     assert refused.returncode == 2 and "has no reward stage (its stages: sft, ppo)" in refused.stderr
     assert "recipe=gsm8k_grpo (the recipe of this run's earlier stages" in refused.stderr
+
+
+def test_gsm8k_tools_recipe_end_to_end(user_model, real_data, tmp_path):
+    """GSM8K with the sandboxed Python tool: prompts rendered with the tool, episodes of up to 4 turns
+    (a random policy rarely calls it: the path runs, learning is not expected)."""
+    run, data = tmp_path / "run", f"data.path={real_data / 'gsm8k' / 'train.jsonl.gz'}"
+    stage("sft", run, "recipe=gsm8k_tools", f"model.path={user_model}", data, "data.max_response_len=160")
+    log = stage(
+        "ppo",
+        run,
+        data,
+        "ppo.prompts_per_step=2",
+        "ppo.samples_per_prompt=4",
+        "data.max_response_len=160",
+        "ppo.max_new_tokens=40",
+    )
+    assert "recipe=gsm8k_tools" in log and "ppo (grpo)" in log
+    saved = (run / "ppo" / "config.yaml").read_text()
+    assert "- python" in saved and "max_turns: 4" in saved
+    rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert any("env/turns" in r and "env/tool_use" in r for r in rows)
+    assert any("gold/tool_use" in r for r in rows)

@@ -74,10 +74,20 @@ def test_a_new_format_is_one_row_and_one_parser(toy, tmp_path):
 
 
 def test_the_table_is_the_one_list_of_formats():
-    assert list(FORMATS) == ["synthetic", "prompt_response", "prompt_chosen_rejected", "hh", "gsm8k", "messages"]
-    assert [n for n, f in FORMATS.items() if f.generated] == ["synthetic"]
-    assert [n for n, f in FORMATS.items() if f.gold is not None] == ["synthetic", "gsm8k"]
-    with pytest.raises(ConfigError, match=r"no rule for data.format=hh \(synthetic, gsm8k\)$"):
+    assert list(FORMATS) == [
+        "synthetic",
+        "prompt_response",
+        "prompt_chosen_rejected",
+        "hh",
+        "gsm8k",
+        "messages",
+        "tool_arith",
+    ]
+    assert [n for n, f in FORMATS.items() if f.generated] == ["synthetic", "tool_arith"]
+    # a generated format brings its generator and its tokenizer corpus; a read one neither
+    assert all((f.generate is not None and f.corpus is not None) == f.generated for f in FORMATS.values())
+    assert [n for n, f in FORMATS.items() if f.gold is not None] == ["synthetic", "gsm8k", "tool_arith"]
+    with pytest.raises(ConfigError, match=r"no rule for data.format=hh \(synthetic, gsm8k, tool_arith\)$"):
         rewards.gold([" a"], [Example(prompt="p")], "hh")
     # messages: data.columns.role/content name the keys inside each turn (its parser built from them)
     assert FORMATS["messages"].parser({}) is FORMATS["messages"].parse

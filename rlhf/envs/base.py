@@ -1,0 +1,145 @@
+"""The environment API: what a multi-turn rollout talks to (docs/agents.md).
+
+An environment is a class; the PPO stage makes one instance per trajectory (``ppo.env_args`` as
+keyword arguments) and calls
+
+- ``reset(example) -> list of messages or None``: the opening conversation of the trajectory, from
+  the record it is given (``Example``: ``.prompt``, ``.reference``, ``.chat``, ...). None opens with
+  the record's own prompt as every stage renders it (chat template, and the environment's tools).
+- ``step(text) -> StepResult``: the policy's turn as text (special tokens removed); the answer is the
+  observation (messages: a tool's result ``{"role": "tool", ...}``, a user's reply), this turn's
+  reward, and whether the episode is over. The episode also ends at ``ppo.max_turns``, at the
+  trajectory's token budget, or when the policy stops without EOS.
+- ``tools``: the ``Tool``s (rlhf/envs/tools.py) rendered into the prompt by the chat template.
+- ``close()``: called once the trajectory is over (release what ``reset`` took).
+
+Its steps run in a thread pool, several trajectories at a time, each bounded by ``ppo.env_timeout_s``;
+an exception or a timeout drops the trajectory (no loss on it), counted in ``env/failed``, and a step
+in which more than ``ppo.env_max_failed_share`` of the trajectories fail stops the run (exit 2)
+naming the environment and the error. The class is checked before any model loads
+(``check``): it must import, construct, and reset on a record.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from rlhf.data.records import Example, Turn
+from rlhf.errors import ConfigError, first_line
+
+
+@dataclass
+class StepResult:
+    """An environment's answer to one policy turn."""
+
+    messages: List[Turn] = field(default_factory=list)  # the observation, appended to the conversation
+    reward: float = 0.0  # this turn's reward (at the turn's last token; the episode's return adds them up)
+    done: bool = False  # the episode is over: no observation is appended
+    info: Dict[str, float] = field(default_factory=dict)  # counts summed into the step's metrics (env/<key>)
+
+
+class Environment:
+    """The base class (subclassing it is optional: any class with ``reset`` and ``step`` works)."""
+
+    tools: Sequence = ()
+
+    def reset(self, example: Example) -> Optional[List[Turn]]:
+        return None
+
+    def step(self, text: str) -> StepResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _import(path: str, key: str):
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ConfigError(f"{key}={path}: not a built-in name and not a dotted path module.Class")
+    try:
+        obj = importlib.import_module(module)
+    except Exception as e:  # ImportError, or the user's module raising on import
+        raise ConfigError(f"{key}={path}: cannot import {module}: {type(e).__name__}: {first_line(e)}") from None
+    if not hasattr(obj, name):
+        raise ConfigError(f"{key}={path}: module {module} has no attribute {name}")
+    return getattr(obj, name)
+
+
+def resolve(spec: str, table: Dict[str, type], key: str = "ppo.env") -> type:
+    """The environment class ``spec`` names: a row of ``table`` (the built-ins) or a dotted path."""
+    cls = table.get(spec) or _import(spec, key)
+    if not callable(cls):
+        raise ConfigError(f"{key}={spec}: {type(cls).__name__} is not a class")
+    for method in ("reset", "step"):
+        if not callable(getattr(cls, method, None)):
+            raise ConfigError(f"{key}={spec}: it has no {method}() method (docs/agents.md: reset(example), step(text))")
+    return cls
+
+
+def make(cls: type, args: Optional[dict], key: str = "ppo.env"):
+    """One instance of ``cls`` with ``args`` (ppo.env_args) as keyword arguments."""
+    args = dict(args or {})
+    try:
+        inspect.signature(cls).bind(**args)
+    except TypeError as e:
+        raise ConfigError(
+            f"{key}={name_of(cls)}: ppo.env_args {sorted(args)} do not fit its constructor: {e}"
+        ) from None
+    except ValueError:  # no signature to inspect
+        pass
+    return cls(**args)
+
+
+def name_of(cls) -> str:
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
+
+
+def check_opening(turns, where: str) -> None:
+    """What ``reset`` returns: None or a non-empty list of {"role", "content"} messages."""
+    if turns is None:
+        return
+    if not isinstance(turns, list) or not turns:
+        raise TypeError(
+            f"{where}: reset() must return None or a non-empty list of messages, got {type(turns).__name__}"
+        )
+    check_messages(turns, where)
+
+
+def check_messages(messages, where: str) -> None:
+    if not isinstance(messages, list):
+        raise TypeError(f"{where}: messages must be a list, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TypeError(f"{where}: message {i} must be a dict with string 'role' and 'content', got {m!r:.80}")
+
+
+def check_step(result, where: str) -> StepResult:
+    """A ``step`` return checked: a StepResult (or anything with its fields) with a finite reward."""
+    if not all(hasattr(result, k) for k in ("messages", "reward", "done")):
+        raise TypeError(
+            f"{where}: step() must return a StepResult (messages, reward, done), got {type(result).__name__}"
+        )
+    check_messages(result.messages, where)
+    try:
+        float(result.reward)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: step() reward must be a number, got {result.reward!r:.40}") from None
+    return result
+
+
+def check(make_env, example: Example, spec: str, key: str = "ppo.env") -> None:
+    """Before any model loads: an environment made by ``make_env`` resets on a record (one line, exit 2,
+    if not)."""
+    try:
+        env = make_env()
+        check_opening(env.reset(example), "reset")
+        env.close()
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's code: named
+        where = example.where or "a record"
+        raise ConfigError(f"{key}={spec}: checking it on {where} failed: {type(e).__name__}: {first_line(e)}") from None

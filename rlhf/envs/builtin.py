@@ -1,0 +1,75 @@
+"""The built-in environments (``ppo.env``): one table, ``ENVS``.
+
+- ``single_turn``: one response to the record's prompt, nothing answered: PPO as it always was (the
+  reward comes from the reward model and ``ppo.reward_fn``).
+- ``tools``: the policy may call the tools of ``ppo.tools`` (rendered into the prompt by the chat
+  template); each turn's calls (Hermes ``<tool_call>{json}</tool_call>`` by default, ``ppo.tool_parser``)
+  run and their results come back as ``tool`` messages; a malformed call, an unknown tool or bad
+  arguments come back as an error message the policy reads. A turn without a call is the answer: the
+  episode ends, and ``ppo.reward_fn`` / the reward model score that final answer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+from rlhf.envs.base import Environment, StepResult, make, resolve
+from rlhf.envs.toolcalls import execute
+
+
+class SingleTurn(Environment):
+    """One turn: the record's prompt, the policy's response, done."""
+
+    def step(self, text: str) -> StepResult:
+        return StepResult(done=True)
+
+
+class ToolEnv(Environment):
+    """Tool calls answered until the policy answers without one (``tools``: Tool objects; ``parser``:
+    text -> Parsed, rlhf/envs/toolcalls.py)."""
+
+    def __init__(self, tools: Sequence = (), parser: Optional[Callable] = None):
+        from rlhf.envs.toolcalls import PARSERS
+
+        self.tools = list(tools)
+        self.by_name: Dict[str, object] = {t.name: t for t in self.tools}
+        self.parser = parser or PARSERS["hermes"]
+
+    def step(self, text: str) -> StepResult:
+        messages, counts = execute(text, self.by_name, self.parser)
+        return StepResult(messages=messages, done=not messages, info=dict(counts))
+
+
+ENVS: Dict[str, type] = {"single_turn": SingleTurn, "tools": ToolEnv}
+
+
+def environment(ppo) -> Tuple[Callable[[], object], type]:
+    """(a maker of one environment per trajectory, its class) from the PPO group (``ppo.env``,
+    ``env_args``, ``tools``, ``tool_parser``, ``sandbox``). Everything is resolved here, before any
+    model loads: a name or path that does not import, a tool or parser that is not one, arguments
+    that do not fit the constructor are a ConfigError naming the key."""
+    from rlhf.envs.sandbox import Limits
+    from rlhf.envs.toolcalls import resolve_parser
+    from rlhf.envs.tools import resolve_tools
+
+    cls = resolve(ppo.env, ENVS)
+    tools = []
+    if ppo.tools:
+        sb = ppo.sandbox
+        limits = Limits(
+            cpu_s=sb.cpu_s,
+            wall_s=sb.wall_s,
+            memory_mb=sb.memory_mb,
+            processes=sb.processes,
+            output_bytes=sb.output_bytes,
+            file_bytes=sb.file_bytes,
+        )
+        tools = resolve_tools(list(ppo.tools), limits)
+    if cls is ToolEnv:
+        parser = resolve_parser(ppo.tool_parser)
+        return (lambda: ToolEnv(tools, parser)), cls
+    args = dict(ppo.env_args or {})
+    if tools:  # a class of the user's that takes the tools
+        args["tools"] = tools
+    make(cls, args)  # constructs once: arguments that do not fit fail here
+    return (lambda: make(cls, args)), cls

@@ -1,0 +1,26 @@
+"""Environments for the agentic tests, used by dotted path (``ppo.env=tests.e2e.agent_envs.Echo``)."""
+
+from rlhf.envs.base import Environment, StepResult
+
+
+class Echo(Environment):
+    """Answers every turn with a tool message (never ends by itself: ppo.max_turns does), rewarding
+    each turn by its length (a per-turn reward)."""
+
+    def __init__(self, reply: str = "ok 7"):
+        self.reply = reply
+
+    def step(self, text):
+        return StepResult(messages=[{"role": "tool", "content": self.reply}], reward=0.01 * len(text))
+
+
+class Flaky(Environment):
+    """Raises on every step."""
+
+    def step(self, text):
+        raise RuntimeError("the tool server is down")
+
+
+class NoStep:
+    def reset(self, example):
+        return None

@@ -1,0 +1,73 @@
+"""Agentic PPO through the CLI: a user's environment by dotted path plays multi-turn episodes (metrics
+by turn and by token source); a broken environment is one line before any model loads, and one that
+fails during the run stops it with exit 2 naming it."""
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.e2e.test_reward_fn_errors import actor, error_lines, grpo  # noqa: F401 (fixture)
+
+# the embedded task's turns, and tool results as 'R: ...' (the fixture's tokenizer has no template)
+TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
+    "{% elif m['role'] == 'tool' %}R: {{ m['content'] }}\nA:"
+    "{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture
+def template(tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    return f"data.chat_template={path}"
+
+
+def metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "ppo" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # noqa: F811
+    env = ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3", "ppo.reward_fn=rlhf.rewards.gold", template)
+    proc = run_cli(
+        *grpo(tmp_path, actor, *env),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [m for m in metrics(tmp_path / "run") if "env/turns" in m]
+    # a random model rarely stops within 4 tokens: turns end at max_new_tokens (cut) or go on for 3
+    assert 1 <= row["env/turns"] <= 3 and row["tokens/policy"] > 0
+    assert row["env/failed"] == 0 and "reward/env" in row
+    if row["env/turns"] > 1:
+        assert row["tokens/observation"] > 0
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ("nosuch.Env", "ppo.env=nosuch.Env: cannot import nosuch"),
+        ("tests.e2e.agent_envs.NoStep", "it has no step() method"),
+        ("single", "ppo.env='single' is invalid: expected auto, single_turn or tools or a dotted path"),
+    ],
+)
+def test_a_broken_environment_is_one_line_before_any_model_loads(tmp_path, actor, env, says):  # noqa: F811
+    proc = run_cli(*grpo(tmp_path, actor, f"ppo.env={env}", "ppo.reward_fn=rlhf.rewards.gold"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = error_lines(proc.stderr)
+    assert says in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, actor, template):  # noqa: F811
+    env = ("ppo.env=tests.e2e.agent_envs.Flaky", "ppo.max_turns=2", "ppo.reward_fn=rlhf.rewards.gold", template)
+    proc = run_cli(
+        *grpo(tmp_path, actor, *env),
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]  # (after the loading bars)
+    assert "ppo.env=tests.e2e.agent_envs.Flaky:" in line and "episodes failed" in line, line
+    assert "RuntimeError: the tool server is down" in line, line

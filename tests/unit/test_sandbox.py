@@ -1,0 +1,248 @@
+"""The Python tool's sandbox (rlhf/envs/sandbox.py): output and tracebacks, every limit, the guard
+(files, network, processes, environment), nothing left running, concurrent runs. Every run is bounded
+by the sandbox's own wall limit (1–2 s here)."""
+
+import os
+import subprocess
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rlhf.envs import sandbox
+from rlhf.envs.sandbox import Limits, Result, Sandbox
+
+FAST = Limits(cpu_s=1, wall_s=2)
+# the line of the child's setup that picks the namespaces to try (replaced to test the guard alone)
+NAMESPACES_LINE = "for flags in (NEWUSER | NEWNS | NEWNET, NEWNS | NEWNET, NEWNET, 0):"
+
+
+@pytest.fixture(scope="module")
+def box():
+    return Sandbox(FAST)
+
+
+@pytest.fixture
+def sessions(monkeypatch):
+    """The pids of the sandboxes' children started during the test: each leads its own session."""
+    started = []
+
+    class Recording(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self.pid)
+
+    monkeypatch.setattr(sandbox.subprocess, "Popen", Recording)
+    return started
+
+
+def alive_in_sessions(sids):
+    """Pids of live processes (zombies included) whose session is one of ``sids``, from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session
+        if int(fields[3]) in sids:
+            found.append(int(name))
+    return found
+
+
+def test_prints_and_exits(box):
+    r = box.run("print('hi é')\nprint(6 * 7)")
+    assert (r.stdout, r.exit_code, r.limit) == ("hi é\n42\n", 0, None)
+    assert r.observation() == "hi é\n42"
+    assert box.run("x = 1").observation() == "(no output)"
+    r = box.run("import sys\nprint('a')\nsys.exit(3)")
+    assert (r.exit_code, r.limit, r.observation()) == (3, None, "a\nexit code 3")
+
+
+def test_a_failure_shows_the_end_of_its_traceback_without_paths(box):
+    r = box.run("def f():\n    return 1 / 0\n\nprint('before')\nf()")
+    assert r.exit_code == 1 and r.limit is None
+    obs = r.observation()
+    assert obs.startswith("before\n") and obs.endswith("ZeroDivisionError: division by zero")
+    assert 'File "main.py", line 2, in f' in obs
+    assert "/tmp" not in obs and "<string>" not in obs  # the same text on every run
+    assert box.run("print(").observation().endswith("SyntaxError: '(' was never closed")
+
+
+def test_an_endless_loop_is_stopped_by_a_time_limit(box):
+    r = box.run("while True:\n    pass")
+    assert r.limit in ("cpu_time", "wall_time")
+    assert r.seconds < FAST.wall_s + 1.5
+    assert r.observation() in ("CPU time limit (1 s) exceeded", "timed out after 2 s")
+
+
+def test_sleeping_is_stopped_by_the_wall_limit():
+    r = Sandbox(Limits(wall_s=1)).run("import time\nprint('start', flush=True)\ntime.sleep(100)")
+    assert (r.limit, r.exit_code) == ("wall_time", None)
+    assert 0.9 <= r.seconds < 2.5
+    assert r.observation() == "timed out after 1 s"
+
+
+def test_a_fork_bomb_is_stopped_and_leaves_nothing_running(box, sessions):
+    r = box.run("import os\nwhile True:\n    os.fork()")
+    assert r.limit in ("blocked", "processes")
+    assert r.seconds < FAST.wall_s + 1.5
+    assert sessions and alive_in_sessions(set(sessions)) == []
+    for sid in sessions:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(sid, 0)
+    # other ways to a process are refused too, and the sandbox still works afterwards
+    for code in ("import subprocess\nsubprocess.run(['true'])", "import os\nos.system('true')"):
+        assert box.run(code).observation() == "sandbox: starting processes is not allowed"
+    assert box.run("print('alive')").observation() == "alive"
+    assert alive_in_sessions(set(sessions)) == []
+
+
+def test_a_memory_hog_hits_the_memory_limit():
+    r = Sandbox(Limits(cpu_s=1, wall_s=2)).run("x = bytearray(2**31)\nprint('allocated')")
+    assert r.limit == "memory"
+    assert r.observation() == "memory limit (256 MB) exceeded"
+    # the interpreter itself fits well inside the default
+    assert Sandbox(Limits(memory_mb=64)).run("import json, math, re, fractions\nprint(1)").observation() == "1"
+
+
+def test_a_flood_of_output_is_cut_and_stopped(box):
+    r = box.run("import sys\nsys.stdout.write('x' * 10_000_000)\nprint('never')")
+    assert (r.limit, r.exit_code) == ("output", None)
+    assert len(r.stdout) + len(r.stderr) <= FAST.output_bytes
+    assert r.observation() == "output truncated at 10000 bytes"
+    assert r.seconds < FAST.wall_s  # stopped once over, not at the deadline
+
+
+def test_files_are_written_inside_the_directory_only(box):
+    target = f"/tmp/escape_test_{uuid.uuid4().hex}"
+    try:
+        r = box.run(f"open({target!r}, 'w').write('x')")
+        assert r.limit == "blocked"
+        assert r.observation() == "sandbox: writing outside the working directory is not allowed"
+        assert not os.path.exists(target)
+        # through a symlink made inside the directory: resolved, refused
+        r = box.run(f"import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('x')")
+        assert r.limit == "blocked" and not os.path.exists(target)
+    finally:
+        if os.path.exists(target):
+            os.remove(target)
+    r = box.run("with open('out.txt', 'w') as f:\n    f.write('kept')\nprint(open('out.txt').read())")
+    assert r.observation() == "kept"
+    r = box.run("import tempfile\nwith tempfile.NamedTemporaryFile() as f:\n    f.write(b'x')\nprint('ok')")
+    assert r.observation() == "ok"  # TMPDIR is the run's directory
+
+
+def test_a_file_over_the_size_limit_is_refused():
+    r = Sandbox(Limits(file_bytes=1000, wall_s=2)).run("with open('big', 'wb') as f:\n    f.write(b'x' * 5000)")
+    assert r.limit == "file_size"
+    assert r.observation() == "file size limit (1000 bytes) exceeded"
+
+
+def test_the_network_is_refused(box):
+    r = box.run("import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))\nprint('connected')")
+    assert r.limit == "blocked"
+    assert r.observation() == "sandbox: network access is not allowed"
+
+
+def test_the_parents_environment_is_not_inherited(box, monkeypatch):
+    monkeypatch.setenv("RLHF_SANDBOX_MARKER", "secret-value")
+    r = box.run("import os\nprint(dict(os.environ))")
+    assert r.exit_code == 0
+    assert "RLHF_SANDBOX_MARKER" not in r.stdout and "secret-value" not in r.stdout
+    assert "PATH" not in r.stdout and "HOME" not in r.stdout
+
+
+def test_the_guard_survives_patching_of_what_it_uses(box):
+    target = f"/tmp/escape_test_{uuid.uuid4().hex}"
+    code = (
+        "import builtins, os, os.path\n"
+        "os.path.realpath = lambda p: os.getcwd() + '/x'\n"
+        "os.stat_result.__getitem__ = lambda self, i: 0\n"
+        "builtins.isinstance = lambda *a: False\n"
+        "builtins.len = lambda x: 0\n"
+        f"open({target!r}, 'w')\n"
+    )
+    try:
+        assert box.run(code).limit == "blocked"
+        assert not os.path.exists(target)
+    finally:
+        if os.path.exists(target):
+            os.remove(target)
+    assert box.run("import ctypes").observation() == "sandbox: native code (ctypes) is not allowed"
+    assert box.run("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))").limit == "blocked"
+    assert box.run("import os\nos.kill(1, 0)").limit == "blocked"
+
+
+def test_without_namespaces_the_guard_alone_refuses(monkeypatch):
+    assert NAMESPACES_LINE in sandbox._BOOTSTRAP
+    monkeypatch.setattr(sandbox, "_BOOTSTRAP", sandbox._BOOTSTRAP.replace(NAMESPACES_LINE, "for flags in (0,):"))
+    target = f"/tmp/escape_test_{uuid.uuid4().hex}"
+    box = Sandbox(FAST)
+    try:
+        assert box.run(f"open({target!r}, 'w')").limit == "blocked"
+        assert not os.path.exists(target)
+    finally:
+        if os.path.exists(target):
+            os.remove(target)
+    assert box.run("import socket\nsocket.socket()").limit == "blocked"
+    assert box.run("open('a', 'w').write('ok')\nprint(open('a').read())").observation() == "ok"
+    # a hard link inside the directory to a file outside it would write through
+    victim = f"/tmp/escape_test_{uuid.uuid4().hex}"
+    try:
+        with open(victim, "w") as f:
+            f.write("kept")
+        assert box.run(f"import os\nos.link({victim!r}, 'l')\nopen('l', 'w').write('x')").limit == "blocked"
+        with open(victim) as f:
+            assert f.read() == "kept"
+    finally:
+        os.remove(victim)
+
+
+def test_where_namespaces_work_the_mounts_are_read_only(box):
+    if box.run("import os\nprint(os.getuid())").stdout.strip() != "65534":  # unmapped in a new user namespace
+        pytest.skip("no user namespace on this machine: the guard alone protects the files")
+    target = f"/tmp/escape_dirfd_{uuid.uuid4().hex}"
+    # a dir_fd argument is not in the audit event: the read-only mount refuses it
+    name = os.path.basename(target)
+    code = f"import os\nd = os.open('/tmp', os.O_RDONLY)\nos.open({name!r}, os.O_WRONLY | os.O_CREAT, dir_fd=d)"
+    try:
+        r = box.run(code)
+        assert r.exit_code == 1 and "Read-only file system" in r.stderr
+        assert not os.path.exists(target)
+    finally:
+        if os.path.exists(target):
+            os.remove(target)
+
+
+def test_concurrent_runs_from_a_thread_pool(box):
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: box.run(f"print({i} * {i})"), range(8)))
+    assert [r.observation() for r in results] == [str(i * i) for i in range(8)]
+
+
+def test_without_a_pidfd_the_exit_is_polled(monkeypatch):
+    monkeypatch.setattr(sandbox, "_pidfd", lambda pid: None)  # Linux < 5.3, or refused
+    box = Sandbox(FAST)
+    r = box.run("import os\nprint(1, flush=True)\nos.close(1)\nos.close(2)")  # the pipes close before the exit
+    assert (r.observation(), r.exit_code) == ("1", 0)
+    r = box.run("import sys\nsys.stdout.write('x' * 10_000_000)")
+    assert r.limit == "output" and r.seconds < FAST.wall_s
+
+
+def test_a_broken_setup_is_the_sandboxs_error_not_the_codes(monkeypatch):
+    monkeypatch.setattr(sandbox, "_BOOTSTRAP", "import sys\nsys.exit('setup failed')")
+    with pytest.raises(RuntimeError, match=r"failed before the code ran.*setup failed"):
+        Sandbox(FAST).run("print(1)")
+
+
+def test_observations_of_results_from_any_executor():
+    assert Result("", "", None, "wall_time").observation() == "timed out"
+    assert Result("", "", -11, None).observation() == "killed by signal SIGSEGV"
+    err = "Traceback (most recent call last):\nPermissionError: sandbox: network access is not allowed\n"
+    assert Result("", err, 1, "blocked").observation() == "sandbox: network access is not allowed"
+    limited = Result("", "", None, "processes", limits=Limits(processes=2))
+    assert limited.observation() == "process limit exceeded: at most 2 new processes or threads allowed"
