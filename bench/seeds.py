@@ -8,8 +8,10 @@ median / max (docs/contract.md, `bench: "seeds"`).
 Per seed (run.seed=N, run.dir=<out>/seed<N>): SFT → reward → PPO (GAE with the reward model), and
 GRPO with the rule reward from the same SFT model (<out>/seed<N>/grpo[_<label>]/ppo). Figures: sft_gold,
 sft_gold_greedy (held-out gold of the SFT policy, sampled and greedy), rm_accuracy, ppo_gold,
-ppo_gold_greedy, ppo_gain (ppo_gold − sft_gold), grpo_gold, grpo_gain, seconds (wall time of the
-seed's stages) and the seconds of each stage. A PPO run that refuses the seed's reward model
+ppo_gold_greedy, ppo_gain (ppo_gold − sft_gold), ppo_greedy_change, grpo_gold, grpo_gain, seconds
+(wall time of the seed's stages) and the seconds of each stage; agentic runs (``--set recipe=agentic
+--stages sft,ppo``: the PPO stage is the recipe's GRPO with the calculator) add sft_tool_use and
+ppo_tool_use (the held-out episodes' share that called a tool, sampled). A PPO run that refuses the seed's reward model
 (ppo.min_rm_accuracy, exit 2) is reported as ``ppo_refused: 1`` and the bench goes on with the next
 stage. A stage whose output already exists in --out is not run again (point --out at an earlier run
 to add stages or GRPO variants to it). ``--set`` passes overrides to every stage, ``--stage-set
@@ -110,12 +112,15 @@ def figures(seed_dir: Path, stages: list, seconds: dict, label=None) -> dict:
     if (seed_dir / "sft/metrics.jsonl").is_file():
         out["sft_gold"] = last(seed_dir / "sft/metrics.jsonl", "gold/score")
         out["sft_gold_greedy"] = last(seed_dir / "sft/metrics.jsonl", "gold/score_greedy")
+        out["sft_tool_use"] = last(seed_dir / "sft/metrics.jsonl", "gold/tool_use")  # agentic runs only
     if (seed_dir / "reward/metrics.jsonl").is_file():
         out["rm_accuracy"] = last(seed_dir / "reward/metrics.jsonl", "eval/accuracy")
     if (seed_dir / "ppo/metrics.jsonl").is_file():
         out["ppo_gold"] = last(seed_dir / "ppo/metrics.jsonl", "gold/score")
         out["ppo_gold_greedy"] = last(seed_dir / "ppo/metrics.jsonl", "gold/score_greedy")
         out["ppo_gain"] = gain(out["ppo_gold"], out.get("sft_gold"))
+        out["ppo_greedy_change"] = gain(out["ppo_gold_greedy"], out.get("sft_gold_greedy"))
+        out["ppo_tool_use"] = last(seed_dir / "ppo/metrics.jsonl", "gold/tool_use")
     grpo_metrics = seed_dir / grpo_dir(label) / "ppo/metrics.jsonl"
     if grpo_metrics.is_file():
         out["grpo_gold"] = last(grpo_metrics, "gold/score")
@@ -169,7 +174,7 @@ def main() -> None:
         results = dict(zip(args.seeds, pool.map(one, args.seeds)))
     base = {
         "bench": "seeds",
-        "workload": "embedded",
+        "workload": "agentic" if "recipe=agentic" in args.set else "embedded",
         "world_size": 1,
         "threads_per_rank": threads,
         "torch": torch.__version__,

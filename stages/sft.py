@@ -27,9 +27,11 @@ from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
+from rlhf.envs.builtin import environment
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.outputs.log import progress
+from rlhf.rl.episodes import EpisodeRunner
 from rlhf.runtime.evaluation import evaluate_gold
 from rlhf.runtime.stage import (
     StageContext,
@@ -62,6 +64,7 @@ def run(cfg: Config) -> None:
     # ---- setup: everything is validated before anything is written ----
     if cfg.model.path:
         loading.check_model_path(cfg.model.path)
+    env = environment(cfg.ppo)  # the gold evaluation plays the run's episodes (ppo.tools, ppo.env)
     data = load_stage_data(data_cfg, "sft", cfg.run.seed)
     require_batches(len(data.train), train.global_batch, f"data ({data.description})")
     ckpt = checkpoint_to_resume(ctx)
@@ -80,6 +83,7 @@ def run(cfg: Config) -> None:
         tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
     chat = resolve_template(tokenizer, data_cfg.chat_template)  # data.chat_template (a file's is exported too)
+    runner = EpisodeRunner.of(cfg.ppo, env, tokenizer, chat, mesh)
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
     train_cols = cached(
         "sft", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_sft(data.train, tokenizer, **lens)
@@ -137,9 +141,11 @@ def run(cfg: Config) -> None:
         if eval_cols is not None:
             results["eval/loss"] = eval_loss(actor, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
         if data.gold is not None:
+            play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
+            held_out = runner.with_tools(data.eval)
             results.update(
                 evaluate_gold(
-                    hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress
+                    hybrid.generate, tokenizer, held_out, data.gold, cfg.eval, mesh, chat, cfg.logger.progress, play
                 )
             )
         return log_evaluation(metrics, step, results, actor)

@@ -20,8 +20,8 @@ so an SFT policy calls the tool in about ``p_tool`` of its samples and RL has ro
 pays. The tool turns are ``Chat.tool_turns``: SFT trains on the assistant's call and answer, never on the
 tool's result; PPO and gold prompts are the opening (``Chat.prompt``: the question alone). Gold = exact
 final answer (``synthetic.gold_score``: ' The answer is 29842.'), ``reference`` the product. Operands:
-3 digits × 2 digits (``A_RANGE``, ``B_RANGE``); held-out records use operand pairs no training record
-contains. Deterministic per seed. It has no preference pairs: the reward stage and DPO refuse it.
+3 digits × 2 digits whose product has 5 (``A_RANGE``, ``B_RANGE``); held-out records use operand pairs no
+training record contains. Deterministic per seed. It has no preference pairs: the reward stage and DPO refuse it.
 
 ``SyntheticConfig`` (``data.synthetic``, rlhf/config.py) appears in string annotations only.
 """
@@ -35,11 +35,14 @@ from typing import List, Optional, Tuple
 from rlhf.data.records import Chat, Example, Turn
 from rlhf.data.synthetic import answer_text
 
-# 3-digit × 2-digit products: the model cannot learn them in its head within the SFT budget (measured:
-# greedy direct answers right on 0 of 256 held-out prompts), while the call copies 5 digits and the
-# answer 4–5 (docs/recipes.md, conf/recipe_stage/agentic/sft.yaml)
-A_RANGE = (100, 999)
-B_RANGE = (10, 99)
+# 3-digit × 2-digit products, every one of 5 digits (300 × 34 = 10200 to 999 × 99 = 98901): the model
+# cannot learn them in its head within the SFT budget (greedy answers after a forced " The answer is"
+# right on 0-3 of 256 held-out prompts after the agentic recipe's SFT), while it learns to copy 5 digits
+# into the call and 5 from the result. With 100..999 × 10..99 the 19% of 4-digit results were copied
+# wrong (0 of 48 on one seed: the policy had learnt to copy 5 digits by position) while the 5-digit
+# ones were right (208 of 208); conf/recipe_stage/agentic/sft.yaml has the numbers.
+A_RANGE = (300, 999)
+B_RANGE = (34, 99)
 
 # the calculator's JSON schema (the form apply_chat_template's tools= takes); rlhf/envs/tools.py's tool
 CALCULATOR = {

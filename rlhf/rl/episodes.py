@@ -12,7 +12,7 @@ a turn: docs/agents.md). Collective: every rank runs as many turns (a rank with 
 each generation with no rows).
 
 The result is one ``Generation`` in the layout every PPO step uses — prompts left-padded, then the
-trajectory right-padded to the token budget — whose ``response_mask`` marks the policy's tokens only:
+trajectories right-padded to the longest — whose ``response_mask`` marks the policy's tokens only:
 observation tokens carry no loss, KL, entropy or value. A row whose environment raised or timed out
 is ``failed`` (the collector takes it out of the loss) and its error is kept for the run's one line.
 """
@@ -85,21 +85,27 @@ class ObservationEncoder:
 
         self.tok, self.template = tokenizer, template or FALLBACK_TEMPLATE
         self.eos_text = tokenizer.eos_token or ""
+        self._before: Optional[str] = None
+        self._tail = ""
+
+    MARKER = "\u2063ASSISTANT\u2063"  # an assistant content no template rewrites
+    BASE = ({"role": "user", "content": "?"}, {"role": "assistant", "content": MARKER})
 
     def text(self, messages: Sequence[Turn]) -> str:
-        marker = "\u2063ASSISTANT\u2063"  # an assistant content no template rewrites
-        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
-        before = render(self.tok, self.template, base, False)
-        after = render(self.tok, self.template, base + list(messages), True)
+        if self._before is None:  # the conversation before any observation, and what follows its EOS
+            self._before = render(self.tok, self.template, list(self.BASE), False)
+            tail = self._before[self._before.rindex(self.MARKER) + len(self.MARKER) :]
+            if self.eos_text and self.eos_text in tail:  # the policy sampled up to its EOS: the rest follows it
+                tail = tail[tail.index(self.eos_text) + len(self.eos_text) :]
+            self._tail = tail
+        before = self._before
+        after = render(self.tok, self.template, list(self.BASE) + list(messages), True)
         if not after.startswith(before):
             raise ConfigError(
                 "the chat template does not render an observation after an assistant turn without "
                 "rewriting the turn (docs/agents.md: templates); set data.chat_template to one that does"
             )
-        tail = before[before.rindex(marker) + len(marker) :]  # what the template writes after the content
-        if self.eos_text and self.eos_text in tail:  # the policy sampled up to its EOS: the rest follows it
-            tail = tail[tail.index(self.eos_text) + len(self.eos_text) :]
-        return tail + after[len(before) :]
+        return self._tail + after[len(before) :]
 
     def ids(self, messages: Sequence[Turn]) -> List[int]:
         return self.tok(self.text(messages), add_special_tokens=False)["input_ids"]
@@ -248,7 +254,7 @@ class EpisodeRunner:
             self._take(rows, gen, going)
             turn += 1
         # one turn each with nothing appended, at the single-turn length: the first generation itself
-        single = openings is None and self.max_tokens == sp.max_new_tokens and all(0 not in r.policy for r in rows)
+        single = openings is None and self.max_tokens >= sp.max_new_tokens and all(0 not in r.policy for r in rows)
         out = self._assemble(rows, first, t_env, single)
         out.gen.timings = timings
         return out
@@ -343,7 +349,7 @@ class EpisodeRunner:
             gen = first
         else:
             ids, pmask = left_pad([r.prompt for r in rows] or [[self.eos_id]], self.pad_id, device)
-            n = self.max_tokens
+            n = max([len(r.tokens) for r in rows] + [1])  # the longest trajectory (within the budget)
             B = len(rows)
             tokens = torch.full((B, n), self.pad_id, dtype=torch.long)
             policy = torch.zeros((B, n), dtype=torch.long)

@@ -168,6 +168,7 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
     ``samples_per_prompt`` rows are consecutive: ``prompt_major``), prompts re-padded on the left
     to the longest prompt length among them. The episodes' statistics are those of every round."""
     prompt_len = max(b.gen.prompt_len for b, _ in chosen)
+    n_resp = max(b.gen.response_mask.shape[1] for b, _ in chosen)  # episodes' rounds differ in length
     parts_keys = chosen[0][0].parts.keys()
     seqs, atts, masks, logps, examples, scores, golds = [], [], [], [], [], [], []
     texts, env_rewards, turn_rewards, failed = [], [], [], []
@@ -179,10 +180,19 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
         if pad:
             seq = torch.cat([seq.new_full((samples_per_prompt, pad), pad_id), seq], 1)
             att = torch.cat([att.new_zeros((samples_per_prompt, pad)), att], 1)
+        mask, logp = b.gen.response_mask[rows], None if b.gen.logprobs is None else b.gen.logprobs[rows]
+        tr = b.ep.turn_rewards
+        tr = torch.zeros_like(mask, dtype=torch.float32) if tr is None else tr[rows]
+        right = n_resp - mask.shape[1]
+        if right:  # right-padded to the longest round's responses
+            seq = torch.cat([seq, seq.new_full((samples_per_prompt, right), pad_id)], 1)
+            att, mask, tr = (torch.cat([x, x.new_zeros((samples_per_prompt, right))], 1) for x in (att, mask, tr))
+            if logp is not None:
+                logp = torch.cat([logp, logp.new_zeros((samples_per_prompt, right))], 1)
         seqs.append(seq)
         atts.append(att)
-        masks.append(b.gen.response_mask[rows])
-        logps.append(None if b.gen.logprobs is None else b.gen.logprobs[rows])
+        masks.append(mask)
+        logps.append(logp)
         examples += b.examples[rows]
         scores.append(b.scores[rows])
         golds.append(None if b.gold is None else b.gold[rows])
@@ -191,8 +201,7 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
         texts += b.ep.texts[rows]
         env_rewards.append(b.ep.env_rewards[rows])
         failed.append(b.ep.failed[rows])
-        tr = b.ep.turn_rewards
-        turn_rewards.append(torch.zeros_like(masks[-1], dtype=torch.float32) if tr is None else tr[rows])
+        turn_rewards.append(tr)
     sequences, attention_mask, response_mask = torch.cat(seqs), torch.cat(atts), torch.cat(masks)
     logprobs = None  # the rollout's log-probs when every batch has them
     if not any(x is None for x in logps):

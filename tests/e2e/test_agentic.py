@@ -71,3 +71,31 @@ def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, actor, tem
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]  # (after the loading bars)
     assert "ppo.env=tests.e2e.agent_envs.Flaky:" in line and "episodes failed" in line, line
     assert "RuntimeError: the tool server is down" in line, line
+
+
+def test_the_agentic_recipe_runs_sft_then_grpo_with_the_calculator(tmp_path):
+    """recipe=agentic, sizes cut: SFT on tool_arith (its gold evaluation plays episodes with the
+    calculator), then GRPO episodes; the learning itself is measured by bench/seeds.py."""
+    run = tmp_path / "run"
+    cut = ["logger.progress=false", "eval.gold_prompts=8", "eval.gold_samples=2", "data.synthetic.num_records=400"]
+    sft = run_cli("stage=sft", "recipe=agentic", f"run.dir={run}", "train.max_steps=20", "train.eval_every=0", *cut)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    assert any("gold/tool_use" in m for m in metrics_of(run / "sft"))
+    ppo = run_cli(
+        "stage=ppo",
+        f"run.dir={run}",
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "ppo.prompts_per_step=4",
+        *cut,
+    )
+    assert ppo.returncode == 0, ppo.stderr[-3000:]
+    assert "recipe=agentic" in ppo.stderr and "ppo (grpo)" in ppo.stderr
+    rows = metrics_of(run / "ppo")
+    assert all(r["env/turns"] >= 1 for r in rows if "env/turns" in r) and any("env/tool_use" in r for r in rows)
+    assert any("gold/tool_use" in r for r in rows)
+
+
+def metrics_of(stage_dir):
+    return [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]

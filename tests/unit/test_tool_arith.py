@@ -53,7 +53,7 @@ def test_generation_is_deterministic_per_seed_and_held_out_pairs_are_disjoint():
     assert {e.chat.prompt[0]["content"] for e in held}.isdisjoint(e.chat.prompt[0]["content"] for e in train)
     for e in train + held:  # 3 digits × 2 digits, the reference the product
         x, y = map(int, re.fullmatch(r"What is (\d+) \* (\d+)\?", e.chat.prompt[0]["content"]).groups())
-        assert 100 <= x <= 999 and 10 <= y <= 99 and e.reference == str(x * y)
+        assert 300 <= x <= 999 and 34 <= y <= 99 and e.reference == str(x * y) and len(e.reference) == 5
         assert e.response == f" The answer is {x * y}." and e.chat.response == e.response[1:]
         assert e.chat.tools == [tool_arith.CALCULATOR] and e.chosen is None and e.rejected is None
 
