@@ -177,7 +177,11 @@ def test_hybrid_and_hf_give_identical_greedy_experience(small_pipeline, tmp_path
 
 @pytest.mark.parametrize(
     "episodes",
-    [(), ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3")],  # 3-turn episodes, rewarded per turn
+    [
+        (),
+        # 3-turn episodes, rewarded per turn (slow: the single-turn case is the default run's representative)
+        pytest.param(("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3"), marks=pytest.mark.slow),
+    ],
     ids=["single_turn", "multi_turn"],
 )
 def test_ppo_resume_after_sigkill(small_pipeline, tmp_path, episodes):

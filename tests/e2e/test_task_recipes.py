@@ -93,6 +93,7 @@ def test_gsm8k_grpo_recipe_end_to_end(user_model, real_data, tmp_path):
     assert "recipe=gsm8k_grpo (the recipe of this run's earlier stages" in refused.stderr
 
 
+@pytest.mark.slow  # (the default run's representative of episodes with tools: tests/e2e/test_agentic.py)
 def test_gsm8k_tools_recipe_end_to_end(user_model, real_data, tmp_path):
     """GSM8K with the sandboxed Python tool: prompts rendered with the tool, episodes of up to 4 turns
     (a random policy rarely calls it: the path runs, learning is not expected)."""
