@@ -184,7 +184,7 @@ class EpisodeRunner:
             ppo.max_turns,
             ppo.max_trajectory_tokens,
             ppo.env_timeout_s,
-            single_turn=issubclass(env_cls, SingleTurn),
+            single_turn=env_cls is SingleTurn,
         )
         if runner.multi_turn:  # observations must reach the policy through the template
             runner.observations.check()
@@ -270,7 +270,7 @@ class EpisodeRunner:
             return turns
 
         own = False
-        for r, (turns, err) in zip(rows, parallel([lambda r=r: start(r) for r in rows], self.timeout_s)):
+        for r, (turns, err) in zip(rows, self._call([lambda r=r: start(r) for r in rows])):
             if err is not None:
                 self._fail(r, f"reset: {err}")
             elif turns is not None:
@@ -305,7 +305,7 @@ class EpisodeRunner:
     def _answer(self, rows: List[_Row], last_turn: bool) -> None:
         """Each going row's environment answers its last turn (in parallel); observations appended."""
         going = [r for r in rows if not r.done]
-        results = parallel([lambda r=r: check_step(r.env.step(r.text), "step") for r in going], self.timeout_s)
+        results = self._call([lambda r=r: check_step(r.env.step(r.text), "step") for r in going])
         for r, (res, err) in zip(going, results):
             if err is not None:
                 self._fail(r, f"step: {err}")
@@ -337,6 +337,13 @@ class EpisodeRunner:
                     env.close()
                 except Exception:  # closing is best effort: the trajectory is complete
                     pass
+
+    def _call(self, calls: List[Callable[[], object]]) -> List[Tuple[object, Optional[str]]]:
+        """The environment's calls: in threads, bounded by the timeout (``parallel``); the built-in
+        single-turn environment's (which neither waits nor fails) in this thread, at no thread's cost."""
+        if self.single_turn:
+            return [(fn(), None) for fn in calls]
+        return parallel(calls, self.timeout_s)
 
     def _fail(self, r: _Row, error: str) -> None:
         r.done, r.error = True, f"{self.env_name}: {error}"
