@@ -37,7 +37,7 @@ from rlhf.data.synthetic import answer_text
 
 # 3-digit × 2-digit products, every one of 5 digits (300 × 34 = 10200 to 999 × 99 = 98901): the model
 # cannot learn them in its head within the SFT budget (greedy answers after a forced " The answer is"
-# right on 0-3 of 256 held-out prompts after the agentic recipe's SFT), while it learns to copy 5 digits
+# right on 1-3 of 256 held-out prompts after the agentic recipe's SFT), while it learns to copy 5 digits
 # into the call and 5 from the result. With 100..999 × 10..99 the 19% of 4-digit results were copied
 # wrong (0 of 48 on one seed: the policy had learnt to copy 5 digits by position) while the 5-digit
 # ones were right (208 of 208); conf/recipe_stage/agentic/sft.yaml has the numbers.

@@ -84,7 +84,7 @@ class ObservationEncoder:
         from rlhf.data.chat import FALLBACK_TEMPLATE
 
         self.tok, self.template = tokenizer, template or FALLBACK_TEMPLATE
-        self.eos_text = tokenizer.eos_token or ""
+        self.eos_text = getattr(tokenizer, "eos_token", None) or ""
         self._before: Optional[str] = None
         self._tail = ""
 
@@ -155,12 +155,13 @@ class EpisodeRunner:
         template: Optional[str],
         mesh: Mesh,
         max_turns: int,
-        max_tokens: int,
+        max_tokens: Optional[int],
         timeout_s: float,
         single_turn: bool = False,
     ):
         self.make_env, self.env_name, self.tok, self.template, self.mesh = make_env, env_name, tokenizer, template, mesh
         self.max_turns, self.max_tokens, self.timeout_s = max_turns, max_tokens, timeout_s
+        self.budget = max_tokens or 0  # this generation's (``run``)
         self.single_turn = single_turn  # the built-in single-turn environment: no turn, no reward of its own
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.observations = ObservationEncoder(tokenizer, template)
@@ -189,6 +190,13 @@ class EpisodeRunner:
         if runner.multi_turn:  # observations must reach the policy through the template
             runner.observations.check()
         return runner
+
+    @classmethod
+    def single(cls, tokenizer, mesh: Mesh):
+        """The built-in single-turn environment's runner: one generation, PPO as it always was."""
+        from rlhf.envs.builtin import SingleTurn
+
+        return cls(SingleTurn, "single_turn", tokenizer, None, mesh, 1, None, 30.0, single_turn=True)
 
     @property
     def multi_turn(self) -> bool:
@@ -226,6 +234,7 @@ class EpisodeRunner:
         self, generate: Generate, prompts: List[List[int]], examples: List[Example], sp: SamplingParams
     ) -> Episodes:
         t_env = 0.0
+        self.budget = self.max_tokens or sp.max_new_tokens  # tokens after the prompt (None: one generation's)
         rows = [
             _Row(p, e)
             for p, e in zip(prompt_major(prompts, sp.samples_per_prompt), prompt_major(examples, sp.samples_per_prompt))
@@ -254,7 +263,7 @@ class EpisodeRunner:
             self._take(rows, gen, going)
             turn += 1
         # one turn each with nothing appended, at the single-turn length: the first generation itself
-        single = openings is None and self.max_tokens >= sp.max_new_tokens and all(0 not in r.policy for r in rows)
+        single = openings is None and self.budget >= sp.max_new_tokens and all(0 not in r.policy for r in rows)
         out = self._assemble(rows, first, t_env, single)
         out.gen.timings = timings
         return out
@@ -283,20 +292,22 @@ class EpisodeRunner:
         """Appends each generated row's sampled tokens (to its EOS) within the token budget."""
         resp, mask = gen.responses, gen.response_mask.bool()
         logp = gen.logprobs
+        turns = [resp[k][mask[k]].tolist() for k in range(len(which))]
+        texts = self.tok.batch_decode(turns, skip_special_tokens=True) if turns else []
         for k, i in enumerate(which):
             r = rows[i]
             if r.done:  # a failed row generated with the others: its tokens are not kept
                 continue
-            ids = resp[k][mask[k]].tolist()
+            ids = turns[k]
             lps = [0.0] * len(ids) if logp is None else logp[k][mask[k]].tolist()
-            room = self.max_tokens - len(r.tokens)
+            room = self.budget - len(r.tokens)
             ended = bool(ids) and ids[-1] == self.eos_id and len(ids) <= room
             ids, lps = ids[:room], lps[:room]
             r.counts["turns"] = r.counts.get("turns", 0.0) + 1
             r.tokens += ids
             r.policy += [1] * len(ids)
             r.logprobs += lps
-            r.text = self.tok.decode(ids, skip_special_tokens=True)
+            r.text = texts[k] if len(ids) == len(turns[k]) else self.tok.decode(ids, skip_special_tokens=True)
             r.turns.append({"role": "assistant", "content": r.text})
             if not ended:  # cut at max_new_tokens or at the budget: the episode ends unanswered
                 r.done = True
@@ -322,7 +333,7 @@ class EpisodeRunner:
             except Exception as e:  # the template refuses these messages
                 self._fail(r, f"step: its observation cannot be rendered: {type(e).__name__}: {first_line(e)}")
                 continue
-            if not obs or len(r.tokens) + len(obs) >= self.max_tokens:
+            if not obs or len(r.tokens) + len(obs) >= self.budget:
                 r.done = True
                 r.counts["truncated"] = 1.0
                 continue

@@ -1,7 +1,8 @@
 """Experience: one step's rollouts, scored. ``Collector.collect`` pulls the step's prompts from the
-``PromptSource``, generates in inference mode and scores in training mode (actor and reference
-log-probs, critic values, reward model and rule rewards, KL, advantages), every forward in
-micro-batches of a bounded number of rows (or real tokens: ppo.max_tokens_per_micro_batch).
+``PromptSource``, plays their episodes (rlhf/rl/episodes.py: one generation for single-turn PPO) in
+inference mode and scores in training mode (actor and reference log-probs, critic values, reward
+model and rule rewards, KL, advantages), every forward in micro-batches of a bounded number of rows
+(or real tokens: ppo.max_tokens_per_micro_batch).
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ class Experience:
     timings: Dict[str, float]  # generate_s, switch_s, ... summed over the step's generations
     extra_metrics: Dict[str, float]  # e.g. dynamic sampling's counts
     score_s: float  # seconds spent scoring (after generation)
-    env_stats: Dict[str, float] = field(
-        default_factory=dict
-    )  # the episodes' sums on this rank (episodes.STAT_KEYS, ...)
+    # multi-turn episodes: their statistics' sums on this rank (rlhf/rl/episodes.py, Episodes.stats)
+    env_stats: Dict[str, float] = field(default_factory=dict)
     turn_rewards: Optional[torch.Tensor] = None  # [B, N] the environment's turn rewards at their turns' last tokens
 
     @property
@@ -244,11 +244,11 @@ class Collector:
         tokenizer,
         mesh: Mesh,
         seed: int,
-        runner: EpisodeRunner,
+        runner: Optional[EpisodeRunner] = None,
     ):
         self.hybrid, self.actor, self.scorers, self.prompts = hybrid, actor, scorers, prompts
         self.alg, self.ppo, self.tokenizer, self.mesh, self.seed = alg, ppo, tokenizer, mesh, seed
-        self.runner = runner
+        self.runner = runner or EpisodeRunner.single(tokenizer, mesh)  # (None: single-turn PPO)
         self._env_stats: List[Dict[str, float]] = []  # the step's episodes' statistics, every round
 
     def sampling(self, step: int) -> SamplingParams:
@@ -441,6 +441,8 @@ class Collector:
     def check_failures(self, ep: Episodes) -> None:
         """Exit 2, naming the environment and an error, when more than ``ppo.env_max_failed_share`` of
         a generation's episodes (every rank's) failed. Collective."""
+        if self.runner.single_turn:  # the built-in single-turn environment never fails (no collective)
+            return
         failed, rows = self.mesh.sum(float(ep.failed.sum())), self.mesh.sum(float(ep.failed.numel()))
         if not failed or failed <= self.ppo.env_max_failed_share * rows:
             return

@@ -73,18 +73,17 @@ def test_hh_recipe_end_to_end(user_model, real_data, tmp_path):
     assert (run / "dpo" / "model" / "config.json").is_file()
 
 
+def gsm8k_sft_then_ppo(recipe, user_model, real_data, run):
+    """SFT then GRPO of ``recipe`` on GSM8K, sizes cut; the PPO stage's log and the data override."""
+    data = f"data.path={real_data / 'gsm8k' / 'train.jsonl.gz'}"
+    stage("sft", run, f"recipe={recipe}", f"model.path={user_model}", data, "data.max_response_len=160")
+    cut = ("ppo.prompts_per_step=2", "ppo.samples_per_prompt=4", "data.max_response_len=160", "ppo.max_new_tokens=40")
+    return stage("ppo", run, data, *cut), data
+
+
 def test_gsm8k_grpo_recipe_end_to_end(user_model, real_data, tmp_path):
-    run, data = tmp_path / "run", f"data.path={real_data / 'gsm8k' / 'train.jsonl.gz'}"
-    stage("sft", run, "recipe=gsm8k_grpo", f"model.path={user_model}", data, "data.max_response_len=160")
-    log = stage(
-        "ppo",
-        run,
-        data,
-        "ppo.prompts_per_step=2",
-        "ppo.samples_per_prompt=4",
-        "data.max_response_len=160",
-        "ppo.max_new_tokens=40",
-    )
+    run = tmp_path / "run"
+    log, data = gsm8k_sft_then_ppo("gsm8k_grpo", user_model, real_data, run)
     assert "recipe=gsm8k_grpo" in log and "ppo (grpo)" in log
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert any("reward/rule" in r for r in rows) and not any("critic/loss" in r for r in rows)
@@ -97,17 +96,8 @@ def test_gsm8k_grpo_recipe_end_to_end(user_model, real_data, tmp_path):
 def test_gsm8k_tools_recipe_end_to_end(user_model, real_data, tmp_path):
     """GSM8K with the sandboxed Python tool: prompts rendered with the tool, episodes of up to 4 turns
     (a random policy rarely calls it: the path runs, learning is not expected)."""
-    run, data = tmp_path / "run", f"data.path={real_data / 'gsm8k' / 'train.jsonl.gz'}"
-    stage("sft", run, "recipe=gsm8k_tools", f"model.path={user_model}", data, "data.max_response_len=160")
-    log = stage(
-        "ppo",
-        run,
-        data,
-        "ppo.prompts_per_step=2",
-        "ppo.samples_per_prompt=4",
-        "data.max_response_len=160",
-        "ppo.max_new_tokens=40",
-    )
+    run = tmp_path / "run"
+    log, _ = gsm8k_sft_then_ppo("gsm8k_tools", user_model, real_data, run)
     assert "recipe=gsm8k_tools" in log and "ppo (grpo)" in log
     saved = (run / "ppo" / "config.yaml").read_text()
     assert "- python" in saved and "max_turns: 4" in saved

@@ -2,6 +2,7 @@
 number per response or exit 2 with one line naming the function (rlhf/rewards.py ``call``, used by
 the pre-run ``check`` and by the rollouts in rlhf/rl/experience.py)."""
 
+import contextlib
 import logging
 import math
 
@@ -34,7 +35,10 @@ def some_none(responses, examples, fmt):
 
 
 class Tok:
-    eos_token_id = EOS
+    eos_token_id, pad_token_id, eos_token = EOS, 0, None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.batch_decode([ids])[0]
 
     def batch_decode(self, rows, skip_special_tokens=True):
         return [" ".join(str(t) for t in r if t != EOS) for r in rows]
@@ -42,6 +46,9 @@ class Tok:
 
 class Hybrid:
     """Two prompts × two samples, three response tokens each (the last row never ends)."""
+
+    def holding(self):  # (the hybrid engine keeps its inference model inside; nothing to keep here)
+        return contextlib.nullcontext()
 
     def generate(self, prompts, sp):
         seq = torch.tensor([[5, 6, 7, 8, EOS], [5, 6, 9, EOS, 0], [5, 7, 7, 7, EOS], [5, 7, 8, 8, 8]])

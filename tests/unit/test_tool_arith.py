@@ -16,6 +16,7 @@ from rlhf.data.tokenize import encode_prompts, tokenize_sft
 from rlhf.data.tokenizer import CHAT_TEMPLATE, train_tokenizer
 from rlhf.errors import ConfigError, DataError
 from rlhf.runtime.stage import require_pairs
+from tests.unit.test_chat_data import MULTI
 
 # the embedded template before tools and tool turns: every rendering without them must stay this one's
 OLD_TEMPLATE = (
@@ -25,13 +26,6 @@ OLD_TEMPLATE = (
     "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
     "{% endif %}{% endfor %}"
 )
-MULTI = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "What is 03 + 45?"},
-    {"role": "assistant", "content": "The answer is 48."},
-    {"role": "user", "content": "And 10 + 20?"},
-    {"role": "assistant", "content": "The answer is 30."},
-]
 
 
 @pytest.fixture(scope="module")
