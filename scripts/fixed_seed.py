@@ -67,6 +67,12 @@ STEPS = [
 def run(tree: Path, out: Path, nproc: int, overrides: tuple = ()) -> None:
     import shutil
 
+    if out.is_dir() and any(out.iterdir()):  # its finished stages would not run again: stale numbers
+        print(
+            f"fixed_seed: {out} already holds a run (a finished stage is not run again); use a new --out",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     base = out / "base"
     env = {
         **os.environ,
