@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from rlhf.envs.base import Environment, StepResult, make, resolve
@@ -55,15 +56,7 @@ def environment(ppo) -> Tuple[Callable[[], object], type]:
     cls = resolve(ppo.env, ENVS)
     tools = []
     if ppo.tools:
-        sb = ppo.sandbox
-        limits = Limits(
-            cpu_s=sb.cpu_s,
-            wall_s=sb.wall_s,
-            memory_mb=sb.memory_mb,
-            processes=sb.processes,
-            output_bytes=sb.output_bytes,
-            file_bytes=sb.file_bytes,
-        )
+        limits = Limits(**dataclasses.asdict(ppo.sandbox))  # ppo.sandbox.* are Limits' own fields
         tools = resolve_tools(list(ppo.tools), limits)
     if cls is ToolEnv:
         parser = resolve_parser(ppo.tool_parser)
