@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, List, Optional
 
+from rlhf.algorithms.ensemble import COMBINE
 from rlhf.algorithms.estimators import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG
 from rlhf.data.formats import FORMATS
 from rlhf.data.pipeline import parse_split
@@ -656,6 +657,14 @@ class RewardConfig:
     margin: float = 0.0  # pairwise loss -log σ(r_chosen - r_rejected - margin)
     # the model the reward model starts from: None = the SFT output in run.dir, else model.path
     model_path: Optional[str] = None
+    # members of a reward-model ensemble: k scalar heads on the one backbone, each with its own
+    # initialisation and (reward.bootstrap) its own half of the pairs; exported as one
+    # sequence classifier with k labels, member i = label i (docs/ppo.md, "Reward-model ensembles")
+    ensemble: int = 1
+    bootstrap: bool = True  # each member's pairs: a double-or-nothing bootstrap of the data
+
+    def __post_init__(self):
+        _check(self.ensemble >= 1, "reward.ensemble", self.ensemble, "a positive integer (1 = one reward model)")
 
 
 @dataclass
@@ -810,6 +819,18 @@ class PPOConfig:
     # hacked: gold falls), 0.55 on other data (just above chance: real preference data tops out
     # near 0.7); 0 = off
     min_rm_accuracy: Optional[float] = None
+    # a reward-model ensemble (reward.ensemble > 1; docs/ppo.md): its members, each normalised, combined
+    # into the reward by mean, lcb (mean − ppo.reward_lcb_coef × the members' std) or min (the worst)
+    reward_combine: str = "lcb"
+    reward_lcb_coef: float = 1.0
+    # each member's score clipped to the range of its held-out scores (reward_stats.json), where it was calibrated
+    reward_clip: bool = False
+    # the gate (docs/ppo.md, "The over-optimisation gate"): stop the run and export the actor of the best
+    # step by the reward (mean over 5 steps) once, over the last 5 steps, the ensemble's disagreement
+    # passes this multiple of its first 5 steps' (ppo.stop_disagreement) or the KL per sequence passes
+    # ppo.stop_kl; null = off
+    stop_disagreement: Optional[float] = None
+    stop_kl: Optional[float] = None
     reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
     reward_fn_weight: float = 1.0
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
@@ -886,6 +907,15 @@ class PPOConfig:
             self.env,
             f"{one_of(ENV_BUILTINS)} or a dotted path module.Class",
         )
+        _check(self.reward_combine in COMBINE, "ppo.reward_combine", self.reward_combine, one_of(COMBINE))
+        _check(self.reward_lcb_coef >= 0, "ppo.reward_lcb_coef", self.reward_lcb_coef, "a non-negative number")
+        _check(
+            self.stop_disagreement is None or self.stop_disagreement > 1,
+            "ppo.stop_disagreement",
+            self.stop_disagreement,
+            "a multiple of the first steps' disagreement above 1, or null (off)",
+        )
+        _check(self.stop_kl is None or self.stop_kl > 0, "ppo.stop_kl", self.stop_kl, "a positive number or null")
         _check(self.max_turns is None or self.max_turns > 0, "ppo.max_turns", self.max_turns, "a positive integer")
         _check(self.env_timeout_s > 0, "ppo.env_timeout_s", self.env_timeout_s, "a positive number of seconds")
         _check(0 <= self.env_max_failed_share <= 1, "ppo.env_max_failed_share", self.env_max_failed_share, "0..1")

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
@@ -37,13 +37,14 @@ from rlhf.envs.builtin import environment
 from rlhf.errors import ConfigError, UserError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name
+from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name, mean_head, members
 from rlhf.outputs.log import progress
 from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
 from rlhf.rl.ema import EMA
 from rlhf.rl.episodes import EpisodeRunner
 from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
+from rlhf.rl.gate import Gate
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.ptx import PtxTerm
@@ -85,6 +86,22 @@ def check_reward_model(stats: dict, rm_src: Optional[Path], threshold: Optional[
         f"ppo.min_rm_accuracy={threshold:g}; PPO would optimise its errors: train it better "
         f"(more reward steps or data), or set ppo.min_rm_accuracy=0 to go on anyway"
     )
+
+
+def check_ensemble_keys(ppo, stats: dict, n_members: int, rm_src: Optional[Path]) -> None:
+    """Exit 2 before any model loads when a key needs what the reward model lacks: the gate's
+    disagreement needs an ensemble (``n_members`` ≥ 2), ppo.reward_clip its held-out score range."""
+    if ppo.stop_disagreement is not None and n_members < 2:
+        what = f"reward model {rm_src} has {n_members} member" if n_members else "run scores with no reward model"
+        raise ConfigError(
+            f"ppo.stop_disagreement={ppo.stop_disagreement:g} reads a reward-model ensemble's disagreement, but the "
+            f"{what}: train one with reward.ensemble=k (k ≥ 2), or gate on ppo.stop_kl"
+        )
+    if ppo.reward_clip and n_members and any("min" not in m for m in stats.get("members") or [stats]):
+        raise ConfigError(
+            f"ppo.reward_clip=true needs the reward model's held-out score range (min, max in {rm_src}/"
+            f"{REWARD_STATS_FILE}, written by stage=reward): retrain it with this version, or set ppo.reward_clip=false"
+        )
 
 
 def run(cfg: Config) -> None:
@@ -130,6 +147,8 @@ def run(cfg: Config) -> None:
         stats = json.loads((rm_src / REWARD_STATS_FILE).read_text())
     if ppo.use_reward_model:
         check_reward_model(stats, rm_src, ppo.min_rm_accuracy, cfg.data.source_list()[0].format)
+    n_members = members(loading.load_model_config(str(rm_src), cfg.model.trust_remote_code)) if rm_src else 0
+    check_ensemble_keys(ppo, stats, n_members if ppo.use_reward_model else 0, rm_src)
 
     updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
     resolve_steps(ctx, len(prompt_ids), ppo.prompts_per_step, "prompts", updates_per_step)
@@ -155,7 +174,9 @@ def run(cfg: Config) -> None:
         # critic of its own, ppo.critic_path, is taken as it is).
         critic_scale = 1.0
         if alg.reward_norm == "stats" and not ppo.critic_path:
-            critic_scale = 1.0 / max(stats["std"], 1e-8)
+            critic_scale = [1.0 / max(m["std"], 1e-8) for m in stats.get("members") or [stats]]
+            if len(critic_scale) == 1:
+                critic_scale = critic_scale[0]
         critic_lora = None  # model.lora.critic: adapters on the critic too
         if lcfg.critic:
             critic_lora = lcfg
@@ -173,13 +194,14 @@ def run(cfg: Config) -> None:
         ref=ref,
         critic=critic,
         reward_model=reward_model,
-        normalise=RewardNormaliser(alg.reward_norm, stats),
+        normalise=RewardNormaliser(alg.reward_norm, stats, ppo.reward_clip),
         rule=rule,
         rule_weight=ppo.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format,
         gold=data.gold,
     )
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
+    gate = Gate(ppo.stop_disagreement, ppo.stop_kl, actor)  # the over-optimisation gate (and its warning)
     kl_ctl = AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
     engines = {"actor": actor}  # what checkpoints save and resume restores
     if critic is not None:
@@ -207,8 +229,11 @@ def run(cfg: Config) -> None:
     if ckpt is not None:
         kl_ctl.load_state_dict(state["kl"])
         scorers.normalise.load_state_dict(state["running"])
-        if ema is not None:
-            ema.load(ckpt)
+        if "gate" in state:  # (checkpoints written before the gate have none)
+            gate.load_state_dict(state["gate"])
+        for copy in (ema, gate.best):
+            if copy is not None:
+                copy.load(ckpt)
 
     def evaluate(step: int) -> None:
         if data.gold is None:
@@ -240,9 +265,11 @@ def run(cfg: Config) -> None:
     if start == 0:
         evaluate(0)
 
-    save_ema = None  # writes the EMA weights beside the checkpoint
-    if ema is not None:
-        save_ema = ema.save
+    copies = [c for c in (ema, gate.best) if c is not None]  # actor copies saved beside the checkpoint
+
+    def save_copies(path: Path) -> None:
+        for c in copies:
+            c.save(path)
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(
@@ -254,17 +281,29 @@ def run(cfg: Config) -> None:
                 "fingerprint": ctx.fingerprint,
                 "kl": kl_ctl.state_dict(),
                 "running": scorers.normalise.state_dict(),
+                "gate": gate.state_dict(),
             },
             mesh,
             keep=train.keep_checkpoints,
-            extra=save_ema,
+            extra=save_copies if copies else None,
         )
 
     bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
+    last = train.max_steps  # the step the exported actor comes from (earlier when the gate fires)
     for step in range(start, train.max_steps):
         # ---- experience: generate in inference mode, then score in training mode ----
         exp = collector.collect(step, kl_ctl.beta)
+        done = step + 1
+        row = step_metrics(exp, 0.0, mesh)  # (time/train_s once the update has run)
+        why = gate.observe(done, row["reward/mean"], row.get("reward/ensemble_std"), row["kl/mean"])
+        if why is not None:  # the gate: no update on these rollouts; the best step's actor is exported
+            last = gate.best_step
+            row.pop("time/train_s")
+            metrics.log(done, **row, **{"gate/stopped": 1.0, "gate/best_step": float(last)})
+            log.warning("ppo: step %d: the gate stops the run: %s; exporting the actor of step %d", done, why, last)
+            gate.best.restore()
+            break
 
         # ---- updates: PPO epochs over minibatches in training mode ----
         t1 = time.perf_counter()
@@ -272,12 +311,11 @@ def run(cfg: Config) -> None:
             train_stats = updater.update(exp, step, kl_ctl.beta)
         except Diverged as e:
             raise UserError(f"ppo: {e} at step {step + 1}; stopping (the last good checkpoint is kept)") from None
-        train_s = time.perf_counter() - t1
+        row["time/train_s"] = time.perf_counter() - t1
 
         # ---- log, evaluate, checkpoint ----
-        done = step + 1
         kl_ctl.update(exp.kl_mean, exp.global_rows)
-        row = {**step_metrics(exp, train_s, mesh), "kl/beta": kl_ctl.beta, **train_stats}
+        row.update({"kl/beta": kl_ctl.beta, **train_stats})
         if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, **row)
         bar.step(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
@@ -286,14 +324,14 @@ def run(cfg: Config) -> None:
     stop.close()
 
     # ---- export ----
-    evaluate(train.max_steps)
+    evaluate(last)
     export_hf(actor, ctx.out / "actor", mesh, tokenizer=tokenizer, adapter_dir=ctx.out / "adapter")
     if critic is not None:
         export_hf(critic, ctx.out / "critic", mesh, tokenizer=tokenizer, adapter_dir=ctx.out / "critic_adapter")
     if ema is not None:
         ema.export(ctx.out / "actor_ema", tokenizer)
     metrics.close()
-    mark_finished(ctx, train.max_steps)
+    mark_finished(ctx, last)
     log.info("ppo done: %s", ctx.out / "actor")
     shutdown(mesh)
 
@@ -356,11 +394,12 @@ def scalar_model(
     src: Path,
     mesh: Mesh,
     tokenizer: PreTrainedTokenizerBase,
-    scale: float = 1.0,
+    scale: Union[float, List[float]] = 1.0,
     lcfg: Optional[LoraConfig] = None,
     role: str = "reward model",
 ) -> ScalarHeadModel:
-    """The reward model's architecture and weights as a scalar-head model (the critic's head scaled;
+    """The reward model's architecture and weights as a scalar-head model (the critic's head scaled, per
+    member of an ensemble by ``scale[i]``, and the members averaged into one head;
     ``lcfg``: LoRA adapters on its backbone, the head fully trained; dropout per model.disable_dropout)."""
     model_cfg = loading.load_model_config(str(src), cfg.model.trust_remote_code)
     model = loading.build_model(
@@ -373,7 +412,10 @@ def scalar_model(
         disable_dropout=cfg.model.disable_dropout,
         role=role,
     )
-    if scale != 1.0 and mesh.is_main:
+    if role == "critic" and members(model.config) > 1:  # from an ensemble: its one head, the members' mean
+        scales = scale if isinstance(scale, list) else [scale] * members(model.config)
+        mean_head(model, scales)
+    elif scale != 1.0 and mesh.is_main:
         with torch.no_grad():
             head_module(model).weight.mul_(scale)
     if lcfg is not None:

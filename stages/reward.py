@@ -4,23 +4,26 @@
 
 Setup (pairs, SFT model + head, engine, resume) → loop (pairwise loss, chosen and rejected in one
 batch) → save (held-out accuracy and scores, score statistics for PPO, HF export as
-AutoModelForSequenceClassification with num_labels=1, which also initialises PPO's critic).
+AutoModelForSequenceClassification with num_labels=1, which also initialises PPO's critic). An
+ensemble (reward.ensemble=k): k heads on the backbone, each on its bootstrap half of the pairs, their
+losses averaged; exported with num_labels=k (member i = label i).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForSequenceClassification
 
 from rlhf.algorithms.preference import pairwise_loss
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
-from rlhf.data.sampler import GlobalBatches, micro_batching, step_micro_batches
+from rlhf.data.sampler import GlobalBatches, bootstrap_weights, micro_batching, step_micro_batches
 from rlhf.data.tokenize import cached, collate_pairs, pair_tokens, tokenize_pairs
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.mesh import Mesh, shutdown
@@ -28,7 +31,7 @@ from rlhf.engine.train import TrainEngine
 from rlhf.errors import DataError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, sequence_scores
+from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, members, sequence_scores
 from rlhf.outputs.log import progress
 from rlhf.runtime.stage import (
     check_writable,
@@ -86,7 +89,10 @@ def run(cfg: Config) -> None:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
 
     model_cfg = loading.load_model_config(source, cfg.model.trust_remote_code)
-    model_cfg.num_labels, model_cfg.pad_token_id = 1, tokenizer.pad_token_id
+    model_cfg.num_labels, model_cfg.pad_token_id = cfg.reward.ensemble, tokenizer.pad_token_id
+    if cfg.reward.ensemble > 1:  # member i = label i
+        model_cfg.id2label = {i: f"member{i}" for i in range(cfg.reward.ensemble)}
+        model_cfg.label2id = {v: k for k, v in model_cfg.id2label.items()}
     if mesh.is_main:
         model = loading.build_model(
             AutoModelForSequenceClassification,
@@ -128,20 +134,31 @@ def run(cfg: Config) -> None:
             [train_cols["chosen"][i] for i in indices], [train_cols["rejected"][i] for i in indices], pad
         )
 
+    k = cfg.reward.ensemble
+
+    def member_weights(indices: List[int]):  # an ensemble's bootstrap: each pair's weight per member
+        if k == 1 or not cfg.reward.bootstrap:
+            return None
+        return torch.tensor(bootstrap_weights(indices, k, cfg.run.seed), dtype=torch.float32).view(-1, k)
+
     def evaluate(step: int):
         res = evaluate_pairs(reward_model, eval_cols, pad, micro, mesh, cfg.reward.margin)
         log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model)
         return res
 
     # ---- loop ----
+    ensemble_note = ""
+    if k > 1:
+        ensemble_note = f", an ensemble of {k} heads" + (" (bootstrapped pairs)" if cfg.reward.bootstrap else "")
     log.info(
-        "reward: %d pairs (%s) from %s, %d steps of %d pairs, %s",
+        "reward: %d pairs (%s) from %s, %d steps of %d pairs, %s%s",
         len(train_cols["chosen"]),
         data.description,
         source,
         train.max_steps,
         train.global_batch,
         micro_batching(micro, train.max_tokens_per_micro_batch, train.global_batch, mesh.world_size),
+        ensemble_note,
     )
     reward_model.train()
 
@@ -162,7 +179,7 @@ def run(cfg: Config) -> None:
         ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
         mbs = [collate(ix) for ix in ixs]
         lr = reward_model.lr
-        loss, acc, grad_norm = train_step(reward_model, mbs, cfg.reward.margin)
+        loss, acc, grad_norm = train_step(reward_model, mbs, cfg.reward.margin, [member_weights(ix) for ix in ixs])
         seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}", acc=f"{acc:.2f}")
@@ -184,9 +201,13 @@ def run(cfg: Config) -> None:
     stats = {
         "mean": res["scores/mean"],
         "std": res["scores/std"],
+        "min": res["scores/min"],
+        "max": res["scores/max"],
         "step": train.max_steps,
-        **{k: v for k, v in res.items() if k.startswith("eval/")},
+        **{key: v for key, v in res.items() if key.startswith("eval/")},
     }
+    if k > 1:  # each member's held-out statistics: PPO normalises (and clips) each member by its own
+        stats["members"] = res["members"]
     export_hf(
         reward_model,
         ctx.out / "model",
@@ -202,20 +223,33 @@ def run(cfg: Config) -> None:
 
 
 def _pair_scores(reward_model: TrainEngine, batch: dict, device: torch.device):
+    """(chosen, rejected) scores of a collated batch of pairs: [n] each, [n, k] for an ensemble."""
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     scores = sequence_scores(reward_model.forward(input_ids=ids, attention_mask=mask), mask)
     n = ids.shape[0] // 2
     return scores[:n], scores[n:]
 
 
-def train_step(reward_model: TrainEngine, micro_batches: List[dict], margin: float = 0.0) -> tuple[float, float, float]:
-    """One optimizer step of the pairwise loss, averaged over the global batch's pairs."""
+def train_step(
+    reward_model: TrainEngine, micro_batches: List[dict], margin: float = 0.0, weights: Optional[list] = None
+) -> tuple[float, float, float]:
+    """One optimizer step of the pairwise loss, averaged over the global batch's pairs. An ensemble's
+    loss is the mean over its members of each member's loss, a pair weighted per member by
+    ``weights[i]`` ([n, k] for micro-batch i, the bootstrap; None = every pair in every member);
+    its accuracy is the members' mean score's."""
     mesh = reward_model.mesh
     n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
     loss_sum, correct = 0.0, 0.0
     for i, b in enumerate(micro_batches):
         chosen, rejected = _pair_scores(reward_model, b, mesh.device)
-        loss = pairwise_loss(chosen, rejected, margin).sum()
+        loss = pairwise_loss(chosen, rejected, margin)
+        if loss.dim() > 1:  # an ensemble: [n, k]
+            w = weights[i] if weights is not None and weights[i] is not None else None
+            if w is not None:
+                loss = loss * w.to(loss.device)
+            loss = loss.mean(1)
+            chosen, rejected = chosen.mean(1), rejected.mean(1)
+        loss = loss.sum()
         reward_model.backward(loss / n_pairs * mesh.world_size, sync=i == len(micro_batches) - 1)
         loss_sum += float(loss.detach())
         correct += float((chosen > rejected).sum())
@@ -226,8 +260,10 @@ def train_step(reward_model: TrainEngine, micro_batches: List[dict], margin: flo
 def evaluate_pairs(
     reward_model: TrainEngine, cols: dict, pad: int, micro: int, mesh: Mesh, margin: float = 0.0
 ) -> dict:
-    """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std of all scores."""
-    sums = torch.zeros(6, dtype=torch.float64, device="cpu")  # pairs, correct, loss, chosen, rejected, sq
+    """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std/min/max of all scores. An
+    ensemble: those of the members' mean score (the loss: the members' mean), and per member
+    (``members``: accuracy, mean, std, min, max) with the worst and best member's accuracy."""
+    sums, lo, hi = None, None, None  # per column (the mean score, then each member): see ``columns``
     reward_model.eval()
     with torch.no_grad():
         for ix in rank_batches(len(cols["chosen"]), micro, mesh):
@@ -236,25 +272,69 @@ def evaluate_pairs(
             if not ix:
                 continue
             c, r = c.double().cpu(), r.double().cpu()
-            n = torch.tensor(float(len(ix)), dtype=torch.float64, device="cpu")
-            sums += torch.stack(
+            if c.dim() == 1:  # one reward model: one column
+                c, r = c[:, None], r[:, None]
+            else:  # an ensemble: the members' mean first, then each member
+                c, r = torch.cat([c.mean(1, keepdim=True), c], 1), torch.cat([r.mean(1, keepdim=True), r], 1)
+            n = torch.full((c.shape[1],), float(len(ix)), dtype=torch.float64)
+            part = torch.stack(
                 [
                     n,
-                    (c > r).sum().double(),
-                    pairwise_loss(c, r, margin).sum().double(),
-                    c.sum(),
-                    r.sum(),
-                    (c * c).sum() + (r * r).sum(),
+                    (c > r).sum(0).double(),
+                    pairwise_loss(c, r, margin).sum(0).double(),
+                    c.sum(0),
+                    r.sum(0),
+                    (c * c).sum(0) + (r * r).sum(0),
                 ]
             )
+            sums = part if sums is None else sums + part
+            both = torch.cat([c, r])
+            lo = both.min(0).values if lo is None else torch.minimum(lo, both.min(0).values)
+            hi = both.max(0).values if hi is None else torch.maximum(hi, both.max(0).values)
+    columns = _members(reward_model)
+    columns += 1 if columns > 1 else 0
+    if sums is None:  # this rank held no pairs
+        sums = torch.zeros(6, columns, dtype=torch.float64)
+        lo = torch.full((columns,), float("inf"), dtype=torch.float64)
+        hi = torch.full((columns,), float("-inf"), dtype=torch.float64)
     sums = mesh.all_reduce(sums.to(mesh.device)).cpu()
-    pairs, correct, loss, cs, rs, sq = sums.tolist()
-    mean = (cs + rs) / (2 * pairs)
-    return {
-        "eval/accuracy": correct / pairs,
-        "eval/loss": loss / pairs,
-        "eval/chosen_score": cs / pairs,
-        "eval/rejected_score": rs / pairs,
-        "scores/mean": mean,
-        "scores/std": max(sq / (2 * pairs) - mean * mean, 0.0) ** 0.5,
+    lo = -mesh.all_reduce((-lo).to(mesh.device), op=dist.ReduceOp.MAX).cpu()
+    hi = mesh.all_reduce(hi.to(mesh.device), op=dist.ReduceOp.MAX).cpu()
+    cols_stats = []
+    for j in range(columns):
+        pairs, correct, loss, cs, rs, sq = sums[:, j].tolist()
+        mean = (cs + rs) / (2 * pairs)
+        cols_stats.append(
+            {
+                "accuracy": correct / pairs,
+                "loss": loss / pairs,
+                "chosen": cs / pairs,
+                "rejected": rs / pairs,
+                "mean": mean,
+                "std": max(sq / (2 * pairs) - mean * mean, 0.0) ** 0.5,
+                "min": float(lo[j]),
+                "max": float(hi[j]),
+            }
+        )
+    ens = cols_stats[0]
+    out = {
+        "eval/accuracy": ens["accuracy"],
+        "eval/loss": ens["loss"],
+        "eval/chosen_score": ens["chosen"],
+        "eval/rejected_score": ens["rejected"],
+        "scores/mean": ens["mean"],
+        "scores/std": ens["std"],
+        "scores/min": ens["min"],
+        "scores/max": ens["max"],
     }
+    if columns > 1:
+        members = [{key: m[key] for key in ("accuracy", "mean", "std", "min", "max")} for m in cols_stats[1:]]
+        out["eval/loss"] = sum(m["loss"] for m in cols_stats[1:]) / len(members)
+        out["eval/member_accuracy_min"] = min(m["accuracy"] for m in members)
+        out["eval/member_accuracy_max"] = max(m["accuracy"] for m in members)
+        out["members"] = members
+    return out
+
+
+def _members(reward_model: TrainEngine) -> int:
+    return members(reward_model.module.config)

@@ -54,6 +54,17 @@ def step_micro_batches(
     return token_micro_batches(rows, [tokens[i] for i in rows], max_tokens, mesh.max)
 
 
+def bootstrap_weights(rows: Sequence[int], members: int, seed: int) -> List[List[float]]:
+    """Each row's weight in each ensemble member's loss: 0 or 2 with equal odds (the double-or-nothing
+    bootstrap: mean 1, variance 1, as Poisson(1)'s), drawn from the record's index alone, so that a
+    member sees the same half of the data in every epoch, on any number of ranks and micro-batches."""
+    out = []
+    for i in rows:
+        rng = random.Random(seeding.nested(seed, i, seeding.BOOTSTRAP))
+        out.append([2.0 if rng.random() < 0.5 else 0.0 for _ in range(members)])
+    return out
+
+
 def micro_batching(micro: int, max_tokens: int, global_batch: int, world: int) -> str:
     """The micro-batching a stage uses, for its opening log line."""
     if max_tokens:

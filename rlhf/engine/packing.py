@@ -277,7 +277,7 @@ def install(model: nn.Module) -> bool:
 
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
     """``model(input_ids=..., attention_mask=..., **kwargs)`` run packed, its output in the padded layout:
-    a tensor of per-token values [B, L], or a model output whose ``logits`` are [B, L, V] (or
+    a tensor of per-token values [B, L] (or [B, L, k]), or a model output whose ``logits`` are [B, L, V] (or
     [B, k, V] for ``logits_to_keep=k``: the last k columns). The padded forward runs instead when the
     batch has less than ``MIN_PADDING`` padding or its mask is not packable (``pack`` returns None)."""
     real = int(attention_mask.sum())
@@ -294,7 +294,9 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         kwargs["logits_to_keep"] = positions
         last = keep
     out = model(**packed.model_kwargs(), **kwargs)
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor):  # per-token values [1, T] (or an ensemble's [1, T, k])
+        if out.dim() > 2:
+            return packed.unpack(out, last, index)
         return packed.unpack(out[..., None], last, index)[..., 0]
     out.logits = packed.unpack(out.logits, last, index)
     return out

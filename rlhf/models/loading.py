@@ -66,7 +66,8 @@ def check_model_path(path: str, key: str = "model.path") -> None:
 
 def check_scalar_model(path: str, key: str, hint: str = "") -> None:
     """Exit 2 unless ``path`` holds a saved reward model or critic: a local directory whose config.json
-    names a sequence classifier with one label (what ``stage=reward`` and PPO's critic export).
+    names a sequence classifier (what ``stage=reward`` and PPO's critic export; k labels: an ensemble's
+    k members, ``reward.ensemble``).
     ``key``: the setting that named it; ``hint``: what to pass instead, for the message."""
     p = Path(os.path.expanduser(path))
     if not p.is_dir():
@@ -77,10 +78,10 @@ def check_scalar_model(path: str, key: str, hint: str = "") -> None:
     except ValueError as e:
         raise ConfigError(f"{key}={path}: config.json is not JSON ({e})") from None
     archs = spec.get("architectures") or []
-    if not any(a.endswith("ForSequenceClassification") for a in archs) or spec.get("num_labels", 1) != 1:
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ConfigError(
             f"{key}={path}: not a reward model ({', '.join(archs) or 'no architecture'}, not a "
-            f"one-label sequence classifier){hint}"
+            f"sequence classifier){hint}"
         )
 
 

@@ -3,7 +3,8 @@
 The model is a standard ``AutoModelForSequenceClassification`` (num_labels=1), so the reward model
 is a plain Hugging Face artifact. Its head (``score``) runs on every position (the critic's values);
 the score of a sequence is the value at its last non-pad token. Position ids come from the attention
-mask, so left and right padding score alike.
+mask, so left and right padding score alike. A reward-model ensemble (``reward.ensemble=k``) is the
+same model with k labels: member i is the head's row i, over the one backbone (docs/ppo.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,31 @@ def head_module(model: nn.Module) -> nn.Module:
     return getattr(model, head_name(model))
 
 
+def members(config) -> int:
+    """The ensemble members of a sequence classifier (its labels: 1 for a plain reward model)."""
+    return int(getattr(config, "num_labels", 1) or 1)
+
+
+def mean_head(model: nn.Module, scales=None) -> None:
+    """Turns a k-member model into a one-label one whose score is the mean of the members' (each
+    first multiplied by ``scales[i]``): the critic's start from an ensemble. Linear, so exact. On the
+    meta device (ranks that receive their weights later) only the shape changes."""
+    head = head_module(model)
+    k = head.weight.shape[0]
+    if k == 1 and scales is None:
+        return
+    w = torch.as_tensor(scales if scales is not None else [1.0] * k, dtype=head.weight.dtype)
+    new = nn.Linear(head.weight.shape[1], 1, bias=head.bias is not None, device=head.weight.device)
+    new = new.to(head.weight.dtype)
+    if head.weight.device.type != "meta":
+        with torch.no_grad():
+            new.weight.copy_((head.weight * w.to(head.weight.device)[:, None]).mean(0, keepdim=True))
+            if head.bias is not None:
+                new.bias.copy_((head.bias * w.to(head.bias.device)).mean(0, keepdim=True))
+    setattr(model, head_name(model), new)
+    model.config.num_labels = 1
+
+
 def init_head(model: nn.Module) -> None:
     """normal(0, 1/sqrt(d+1)) weight, zero bias (the N-implementation-details study)."""
     head = head_module(model)
@@ -45,7 +71,8 @@ def init_head(model: nn.Module) -> None:
 
 
 class ScalarHeadModel(nn.Module):
-    """Per-token values [B, T] of a Hugging Face sequence-classification model: backbone, then head.
+    """Per-token values [B, T] of a Hugging Face sequence-classification model: backbone, then head
+    ([B, T, k] for an ensemble of k members).
 
     The values are this module's own output, so FSDP (which hooks module outputs to re-gather
     weights for backward) and DDP see them; the HF model inside is saved unchanged."""
@@ -70,10 +97,15 @@ class ScalarHeadModel(nn.Module):
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         ).last_hidden_state
+        out = head_module(hf)(hidden)
+        if out.shape[-1] > 1:  # an ensemble: [B, T, k]
+            return out.float()
         # sum over the size-1 head dimension: the same numbers as squeeze(-1), but a new tensor, not a
         # view (FSDP2 warns that a module returning a view can break backward)
-        return head_module(hf)(hidden).sum(-1).float()
+        return out.sum(-1).float()
 
 
 def sequence_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return values.gather(1, last_index(attention_mask)[:, None]).squeeze(1)
+    """The value at each row's last real token: [B] from [B, T] values, [B, k] from an ensemble's."""
+    rows = torch.arange(values.shape[0], device=values.device)
+    return values[rows, last_index(attention_mask)]

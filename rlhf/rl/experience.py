@@ -15,6 +15,7 @@ import torch
 
 from rlhf import rewards, seeding
 from rlhf.algorithms import ppo as ppo_math
+from rlhf.algorithms.ensemble import combine, disagreement
 from rlhf.algorithms.estimators import advantages, kl_kind
 from rlhf.algorithms.tokens import last_index
 from rlhf.config import AlgorithmConfig, PPOConfig
@@ -66,6 +67,9 @@ class Experience:
     # multi-turn episodes: their statistics' sums on this rank (rlhf/rl/episodes.py, Episodes.stats)
     env_stats: Dict[str, float] = field(default_factory=dict)
     turn_rewards: Optional[torch.Tensor] = None  # [B, N] the environment's turn rewards at their turns' last tokens
+    # name -> [B]: figures of each row logged beside the rewards, never part of them (a reward-model
+    # ensemble's members' mean and disagreement, the share of its members clipped)
+    watch: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -79,25 +83,48 @@ class Experience:
 class RewardNormaliser:
     """The reward model's score, normalised (``algorithm.reward_norm``): ``stats`` by the reward stage's
     held-out mean/std (its reward_stats.json), ``running`` by running moments over every rank's scores
-    so far (state it owns and checkpoints: ``state_dict``), ``none`` as is."""
+    so far (state it owns and checkpoints: ``state_dict``), ``none`` as is. An ensemble's scores
+    ([B, k]) are normalised member by member (each by its own statistics, ``stats["members"]``).
+    ``clip``: each score first clipped to the range of its member's held-out scores (``min``/``max``)."""
 
-    def __init__(self, how: str, stats: dict):
-        self.how, self.stats, self.running = how, stats, ppo_math.RunningMoments()
+    def __init__(self, how: str, stats: dict, clip: bool = False):
+        self.how, self.clip_on = how, clip
+        self.members = stats.get("members") or [stats]  # one reward model: its statistics alone
+        self.running = [ppo_math.RunningMoments() for _ in self.members]
+
+    def clip(self, raw: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(``raw`` clipped to each member's held-out range, [B] the share of the row's members clipped)."""
+        cols = raw if raw.dim() > 1 else raw[:, None]
+        if not self.clip_on:
+            return raw, cols.new_zeros(cols.shape[0])
+        lo = torch.tensor([m["min"] for m in self.members], dtype=cols.dtype, device=cols.device)
+        hi = torch.tensor([m["max"] for m in self.members], dtype=cols.dtype, device=cols.device)
+        clipped = torch.minimum(torch.maximum(cols, lo), hi)
+        share = (clipped != cols).float().mean(1)
+        return (clipped if raw.dim() > 1 else clipped[:, 0]), share
 
     def __call__(self, raw: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        if raw.dim() > 1:  # an ensemble: member by member
+            return torch.stack([self._one(raw[:, i], i, mesh) for i in range(raw.shape[1])], 1)
+        return self._one(raw, 0, mesh)
+
+    def _one(self, raw: torch.Tensor, i: int, mesh: Mesh) -> torch.Tensor:
         if self.how == "stats":
-            return (raw - self.stats["mean"]) / max(self.stats["std"], 1e-8)
+            return (raw - self.members[i]["mean"]) / max(self.members[i]["std"], 1e-8)
         if self.how == "running":
             every = torch.tensor(mesh.all_gather_object(raw.tolist()), device="cpu").flatten()
-            self.running.update(every)
-            return (raw - self.running.mean) / self.running.std
+            self.running[i].update(every)
+            return (raw - self.running[i].mean) / self.running[i].std
         return raw
 
     def state_dict(self) -> dict:
-        return self.running.state_dict()
+        if len(self.running) == 1:  # one reward model: the state as it has always been saved
+            return self.running[0].state_dict()
+        return {"members": [r.state_dict() for r in self.running]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.running.load_state_dict(state)
+        for r, s in zip(self.running, state.get("members", [state])):
+            r.load_state_dict(s)
 
 
 @dataclass
@@ -157,6 +184,7 @@ class Rollouts:
     scores: torch.Tensor  # [B]
     parts: Dict[str, torch.Tensor]  # name -> [B]
     gold: Optional[torch.Tensor] = None  # [B] the gold rule's score of each row, when the data has one
+    watch: Dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] (``Experience.watch``)
 
     @property
     def gen(self) -> Generation:
@@ -169,10 +197,10 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
     to the longest prompt length among them. The episodes' statistics are those of every round."""
     prompt_len = max(b.gen.prompt_len for b, _ in chosen)
     n_resp = max(b.gen.response_mask.shape[1] for b, _ in chosen)  # episodes' rounds differ in length
-    parts_keys = chosen[0][0].parts.keys()
+    parts_keys, watch_keys = chosen[0][0].parts.keys(), chosen[0][0].watch.keys()
     seqs, atts, masks, logps, examples, scores, golds = [], [], [], [], [], [], []
     texts, env_rewards, turn_rewards, failed = [], [], [], []
-    parts = {k: [] for k in parts_keys}
+    parts, watch = {k: [] for k in parts_keys}, {k: [] for k in watch_keys}
     for b, prompt_ix in chosen:
         rows = slice(prompt_ix * samples_per_prompt, (prompt_ix + 1) * samples_per_prompt)
         pad = prompt_len - b.gen.prompt_len
@@ -198,6 +226,8 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
         golds.append(None if b.gold is None else b.gold[rows])
         for k in parts_keys:
             parts[k].append(b.parts[k][rows])
+        for k in watch_keys:
+            watch[k].append(b.watch[k][rows])
         texts += b.ep.texts[rows]
         env_rewards.append(b.ep.env_rewards[rows])
         failed.append(b.ep.failed[rows])
@@ -225,7 +255,14 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
         torch.cat(failed),
         {},
     )
-    return Rollouts(ep, examples, torch.cat(scores), {k: torch.cat(v) for k, v in parts.items()}, gold)
+    return Rollouts(
+        ep,
+        examples,
+        torch.cat(scores),
+        {k: torch.cat(v) for k, v in parts.items()},
+        gold,
+        {k: torch.cat(v) for k, v in watch.items()},
+    )
 
 
 class Collector:
@@ -347,6 +384,7 @@ class Collector:
             score_s=time.perf_counter() - t0 - waited,
             env_stats=merge_stats(self._env_stats),
             turn_rewards=ro.ep.turn_rewards,
+            watch=ro.watch,
         )
 
     def dynamic_sampling(
@@ -400,7 +438,7 @@ class Collector:
         examples = prompt_major(batch.examples, sp.samples_per_prompt)
         rows = seq.shape[0]
         score = torch.zeros(rows, device=seq.device)
-        parts = {}
+        parts, watch = {}, {}
         if not self.runner.single_turn:  # an environment with rewards of its own
             parts["env"] = ep.env_rewards
             score = score + parts["env"]
@@ -412,7 +450,14 @@ class Collector:
                 ),
                 row_groups(att, micro, ppo.max_tokens_per_micro_batch, self.mesh),
             )
-            parts["model"] = scorers.normalise(raw, self.mesh)
+            raw, clipped = scorers.normalise.clip(raw)
+            if scorers.normalise.clip_on:
+                watch["clipped"] = clipped
+            norm = scorers.normalise(raw, self.mesh)
+            if norm.dim() > 1:  # an ensemble: its members combined (ppo.reward_combine), their disagreement watched
+                watch["ensemble_mean"], watch["ensemble_std"] = norm.mean(1), disagreement(norm)
+                norm = combine(norm, ppo.reward_combine, ppo.reward_lcb_coef)
+            parts["model"] = norm
             score = score + parts["model"]
         texts = ep.texts  # the final turn of each episode
         if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it
@@ -436,7 +481,7 @@ class Collector:
             gold = torch.tensor(
                 [scorers.gold(t, e.reference) for t, e in zip(texts, examples)], dtype=torch.float32, device=seq.device
             )
-        return Rollouts(ep, examples, score, parts, gold)
+        return Rollouts(ep, examples, score, parts, gold, watch)
 
     def check_failures(self, ep: Episodes) -> None:
         """Exit 2, naming the environment and an error, when more than ``ppo.env_max_failed_share`` of

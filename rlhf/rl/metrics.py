@@ -26,7 +26,7 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
         "time/train_s": train_s,
         "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9),
     }
-    for name, part in exp.score_parts.items():
+    for name, part in {**exp.score_parts, **exp.watch}.items():
         row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
     row.update(exp.extra_metrics)
     if exp.gold is not None:  # how the reward the policy optimises tracks the truth (reward hacking shows here)

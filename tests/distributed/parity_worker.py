@@ -92,7 +92,7 @@ def loss_curve(
     return losses
 
 
-def tiny_reward_model(mesh):
+def tiny_reward_model(mesh, members: int = 1):
     """The sequence-classification twin of ``tiny_model`` (head initialised as the reward stage does;
     on the meta device on ranks > 0)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -106,7 +106,7 @@ def tiny_reward_model(mesh):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_labels=1,
+        num_labels=members,
         pad_token_id=PAD,
     )
     if mesh.is_main:
@@ -119,14 +119,15 @@ def tiny_reward_model(mesh):
     return model
 
 
-def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = True) -> list[float]:
+def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = True, members: int = 1) -> list[float]:
     """The reward stage's real step on a tiny sequence-classification Llama (pairs: a counting
-    sequence is chosen over a shuffled one)."""
+    sequence is chosen over a shuffled one); ``members`` > 1: an ensemble with bootstrapped pairs."""
+    from rlhf.data.sampler import bootstrap_weights
     from rlhf.data.tokenize import collate_pairs
     from rlhf.models.value import ScalarHeadModel
     from stages.reward import train_step as reward_step
 
-    model = tiny_reward_model(mesh)
+    model = tiny_reward_model(mesh, members)
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
     model = with_lora(model, lora, head="score")
     ecfg = EngineConfig(zero_stage=zero_stage, precision="fp32", packing=packing)
@@ -137,11 +138,12 @@ def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = 
     batches = GlobalBatches(len(recs), GLOBAL_BATCH, seed=1)
     losses = []
     for step in range(STEPS):
-        mbs = [
-            collate_pairs([recs[i][0] for i in ix], [rejected[i] for i in ix], PAD)
-            for ix in batches.micro_batches(step, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size)
-        ]
-        losses.append(reward_step(engine, mbs)[0])
+        ixs = batches.micro_batches(step, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size)
+        mbs = [collate_pairs([recs[i][0] for i in ix], [rejected[i] for i in ix], PAD) for ix in ixs]
+        weights = None
+        if members > 1:
+            weights = [torch.tensor(bootstrap_weights(ix, members, 1)).view(-1, members) for ix in ixs]
+        losses.append(reward_step(engine, mbs, 0.0, weights)[0])
     return losses
 
 
@@ -154,6 +156,7 @@ def main(out: str) -> None:
     results["reward_zero3_padded"] = reward_curve(mesh, packing=False)
     results.update({name: loss_curve(mesh, z, m, lora=True) for name, z, m in LORA_CASES})
     results["reward_lora_zero3"] = reward_curve(mesh, lora=True)
+    results["reward_ensemble_zero3"] = reward_curve(mesh, members=3)
     results["world_size"] = mesh.world_size
     if mesh.is_main:
         Path(out).write_text(json.dumps(results))

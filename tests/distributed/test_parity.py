@@ -84,3 +84,12 @@ def test_lora_reward_two_ranks_match_one_process(two_rank_curves):
     assert ref[-1] < ref[0]
     for a, b in zip(two_rank_curves["reward_lora_zero3"], ref):
         assert abs(a - b) <= 1e-4 * abs(b), (two_rank_curves["reward_lora_zero3"], ref)
+
+
+def test_reward_ensemble_two_ranks_match_one_process(two_rank_curves):
+    """A 3-member reward ensemble (bootstrapped pairs) on 2 ranks (ZeRO-3) ≡ 1 process, and it learns."""
+    ref = w.reward_curve(Mesh(), members=3)
+    assert ref[-1] < ref[0], ref
+    assert ref != w.reward_curve(Mesh()), "the ensemble's curve is the single model's"
+    for a, b in zip(two_rank_curves["reward_ensemble_zero3"], ref):
+        assert abs(a - b) <= 1e-4 * abs(b), (two_rank_curves["reward_ensemble_zero3"], ref)
