@@ -1,9 +1,9 @@
 """Learning over seeds: the embedded pipeline per seed, JSON lines per seed and figure, then min /
 median / max (docs/contract.md, `bench: "seeds"`).
 
-    python bench/seeds.py [--seeds 0 1 2 3 4] [--parallel K] [--stages sft,reward,ppo,grpo]
-                          [--out DIR] [--set KEY=VAL ...] [--stage-set STAGE:KEY=VAL ...]
-                          [--grpo-set KEY=VAL ...] [--label NAME]
+    python bench/seeds.py [--seeds 0 1 2 3 4] [--unseen N [--unseen-key KEY]] [--parallel K]
+                          [--stages sft,reward,ppo,grpo] [--out DIR] [--set KEY=VAL ...]
+                          [--stage-set STAGE:KEY=VAL ...] [--grpo-set KEY=VAL ...] [--label NAME]
 
 Per seed (run.seed=N, run.dir=<out>/seed<N>): SFT → reward → PPO (GAE with the reward model), and
 GRPO with the rule reward from the same SFT model (<out>/seed<N>/grpo[_<label>]/ppo). Figures: sft_gold,
@@ -18,11 +18,18 @@ to add stages or GRPO variants to it). ``--set`` passes overrides to every stage
 sft:train.max_steps=500`` to one stage, ``--grpo-set`` to the GRPO run only (e.g. clip-higher,
 dynamic sampling);
 ``--label`` names the GRPO variant (its own run directory) and is carried by every line.
+
+Validation on seeds nobody tuned on: ``--unseen N`` adds N seeds the bench draws itself from
+``--unseen-key`` (default: the repository's HEAD commit), outside ``TUNED`` (the seeds the embedded
+recipe was tuned and studied on); every line says its ``set`` (tuned or unseen), and min / median /
+max come per set. A claim about unseen seeds is judged on the commit that makes it; a new commit
+draws new ones. (``--seeds`` alone keeps its default only when ``--unseen`` is not given.)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -40,8 +47,31 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import device_label  # noqa: E402
 
+# the seeds the embedded recipe was tuned and studied on (docs/performance.md; issue 32's table: 5–10)
+TUNED = frozenset(range(11)) | {1234}
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}
+
+
+def unseen_seeds(n: int, key: str) -> list:
+    """``n`` distinct seeds in [100, 10**6) drawn from ``key`` (sha256), none of them in ``TUNED``."""
+    out, i = [], 0
+    while len(out) < n:
+        h = int.from_bytes(hashlib.sha256(f"{key}:{i}".encode()).digest()[:8], "big")
+        seed = 100 + h % (10**6 - 100)
+        if seed not in TUNED and seed not in out:
+            out.append(seed)
+        i += 1
+    return out
+
+
+def head_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        raise SystemExit("seeds: --unseen needs --unseen-key (no git commit to draw seeds from)") from None
 
 
 def last(metrics: Path, key: str):
@@ -139,7 +169,9 @@ def main() -> None:
     import torch
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--seeds", type=int, nargs="*", default=None, help="default 0 1 2 3 4 (none with --unseen)")
+    ap.add_argument("--unseen", type=int, default=0, help="also N seeds drawn outside the tuned ones")
+    ap.add_argument("--unseen-key", default=None, help="what the unseen seeds are drawn from (default: HEAD)")
     ap.add_argument("--parallel", type=int, default=1, help="seeds run at once (threads split between them)")
     ap.add_argument("--stages", default="sft,reward,ppo,grpo")
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
@@ -148,6 +180,18 @@ def main() -> None:
     ap.add_argument("--grpo-set", nargs="*", default=[], help="overrides for the GRPO run only")
     ap.add_argument("--label", default=None)
     args = ap.parse_args()
+    if args.seeds is None:
+        args.seeds = [] if args.unseen else [0, 1, 2, 3, 4]
+    unseen = []
+    if args.unseen:
+        key = args.unseen_key or head_commit()
+        unseen = unseen_seeds(args.unseen, key)
+        print(f"[seeds] unseen seeds drawn from {key!r}: {unseen}", file=sys.stderr, flush=True)
+    sets = {s: "tuned" if s in TUNED else "unseen" for s in args.seeds}
+    sets.update({s: "unseen" for s in unseen})
+    all_seeds = list(dict.fromkeys(list(args.seeds) + unseen))
+    if not all_seeds:
+        ap.error("no seeds: give --seeds or --unseen N")
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = set(stages) - set(OUTPUT)
     if unknown:
@@ -171,7 +215,7 @@ def main() -> None:
         return figures(seed_dir, stages, seconds, args.label)
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        results = dict(zip(args.seeds, pool.map(one, args.seeds)))
+        results = dict(zip(all_seeds, pool.map(one, all_seeds)))
     base = {
         "bench": "seeds",
         "workload": "agentic" if "recipe=agentic" in args.set else "embedded",
@@ -185,14 +229,15 @@ def main() -> None:
         base["label"] = args.label
     for seed, figs in results.items():
         for metric, value in figs.items():
-            print(json.dumps({**base, "variant": f"seed{seed}", "metric": metric, "value": round(value, 4)}))
-    metrics = sorted({m for figs in results.values() for m in figs})
-    for metric in metrics:
-        vals = [figs[metric] for figs in results.values() if metric in figs]
-        for name, fn in (("min", min), ("median", statistics.median), ("max", max)):
-            print(
-                json.dumps({**base, "variant": name, "metric": metric, "value": round(fn(vals), 4), "seeds": len(vals)})
-            )
+            line = {**base, "set": sets[seed], "variant": f"seed{seed}", "metric": metric, "value": round(value, 4)}
+            print(json.dumps(line))
+    for which in ("tuned", "unseen"):  # min / median / max per set: tuned and unseen seeds are apart
+        group = {seed: figs for seed, figs in results.items() if sets[seed] == which}
+        for metric in sorted({m for figs in group.values() for m in figs}):
+            vals = [figs[metric] for figs in group.values() if metric in figs]
+            for name, fn in (("min", min), ("median", statistics.median), ("max", max)):
+                line = {**base, "set": which, "variant": name, "metric": metric, "value": round(fn(vals), 4)}
+                print(json.dumps({**line, "seeds": len(vals)}))
 
 
 if __name__ == "__main__":

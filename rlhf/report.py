@@ -5,7 +5,8 @@
 Panels: SFT loss (train and eval); reward-model loss and held-out accuracy; gold score (sampled, and
 greedy dashed) per PPO (and DPO) step with the SFT policy's gold score as the baseline, and agentic
 runs' tool-use rate (rollouts and held-out episodes) on the same axis; peak memory of
-every stage (``mem/peak_gb``); PPO reward/mean, kl/mean and seconds per PPO step. A run with a DPO
+every stage (``mem/peak_gb``); PPO reward/mean, kl/mean (with a reward-model ensemble's disagreement,
+and where the gate stopped the run) and seconds per PPO step. A run with a DPO
 stage gets a third row: DPO loss, implicit-reward accuracy and margin, and the summed log-probs of
 chosen and rejected responses (falling chosen log-probs are DPO's known failure). scripts/run_all.sh
 writes it after summary.json.
@@ -129,6 +130,14 @@ def figure(run_dir: Path):
         )
     a_kl.set_title("PPO kl/mean (nats per response)")
     _plot(a_kl, ppo, "kl/mean", "kl/mean", color="tab:purple")
+    if "reward/ensemble_std" in ppo:  # the reward models' disagreement: over-optimisation without gold
+        a_kl.set_title("PPO kl/mean, and the reward models' disagreement")
+        dis = a_kl.twinx()
+        _plot(dis, ppo, "reward/ensemble_std", "ensemble disagreement (std)", color="tab:orange")
+        dis.set_ylabel("members' std (normalised)", color="tab:orange")
+        dis.legend(fontsize=8, loc="center right")
+    if "gate/stopped" in ppo:
+        a_kl.axvline(ppo["gate/stopped"][0][0], color="red", linestyle=":", label="the gate stopped the run")
     a_time.set_title("PPO seconds per step")
     for key, label in (
         ("time/generate_s", "generate"),

@@ -6,7 +6,10 @@
 
 Prints one JSON object per response: {"score": float, "normalized": float}; for preference pairs one
 per pair ({"chosen": float, "rejected": float, "correct": bool}) and then {"pairs": n, "accuracy": a}.
-``normalized`` uses the mean/std of held-out scores saved by the reward stage (reward_stats.json).
+``normalized`` uses the mean/std of held-out scores saved by the reward stage (reward_stats.json). An
+ensemble (reward.ensemble=k): the members' mean as the score, their spread (the std of the normalised
+members' scores) as ``spread`` (pairs: ``chosen_spread``, ``rejected_spread``), and each member's score
+in ``members``.
 A file is read by the stages' readers in the format its first record has; turns (``messages``) are
 rendered through the model's chat template (``--chat-template``) exactly as the reward stage renders them.
 A prompt needs its real newlines: in bash write $'...\\n...' (in plain double quotes \\n stays a
@@ -30,16 +33,17 @@ UNCUT = sys.maxsize  # data.max_*_len for scoring: nothing is cut
 
 
 class RewardScorer:
-    """A reward model (AutoModelForSequenceClassification, num_labels=1) with its tokenizer.
+    """A reward model (AutoModelForSequenceClassification, num_labels=1; k labels: an ensemble's k
+    members) with its tokenizer.
 
     The score of (prompt, response) is the head's value at the last token of
-    prompt + response + EOS, exactly as the reward stage trains and evaluates it."""
+    prompt + response + EOS, exactly as the reward stage trains and evaluates it ([n, k] for an ensemble)."""
 
     def __init__(self, model_dir: str, device: str = "cpu", trust_remote_code: bool = False):
         from transformers import AutoModelForSequenceClassification
 
         from rlhf.models.loading import build_model, load_tokenizer
-        from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel
+        from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, members
 
         self.dir = Path(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir), trust_remote_code)
@@ -52,6 +56,7 @@ class RewardScorer:
         ).to(device)
         self.model.eval()
         self.values = ScalarHeadModel(self.model)
+        self.members = members(self.model.config)
         self.device = device
         stats_file = self.dir / REWARD_STATS_FILE
         self.stats = {"mean": 0.0, "std": 1.0}  # a reward model with no reward_stats.json: unnormalised
@@ -96,7 +101,19 @@ class RewardScorer:
         return tokenize_sft(list(examples), self.tokenizer, UNCUT, UNCUT, chat)["ids"]
 
     def normalize(self, scores: torch.Tensor) -> torch.Tensor:
+        """By the held-out statistics: an ensemble's scores ([n, k]) member by member."""
+        if scores.dim() > 1:
+            stats = self.stats.get("members") or [{"mean": 0.0, "std": 1.0}] * scores.shape[1]
+            mean = torch.tensor([m["mean"] for m in stats], dtype=scores.dtype)
+            std = torch.tensor([max(m["std"], 1e-8) for m in stats], dtype=scores.dtype)
+            return (scores - mean) / std
         return (scores - self.stats["mean"]) / max(self.stats["std"], 1e-8)
+
+    def spread(self, scores: torch.Tensor) -> torch.Tensor:
+        """[n]: an ensemble's disagreement, the std of its normalised members (what PPO watches)."""
+        from rlhf.algorithms.ensemble import disagreement
+
+        return disagreement(self.normalize(scores))
 
 
 def format_of(record) -> str:
@@ -184,13 +201,26 @@ def main(argv=None) -> None:
         print(f"rlhf.score: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
     if kind == "pairs":
-        chosen, rejected = (scorer.score_ids(ids).tolist() for ids in seqs)
-        for c, r in zip(chosen, rejected):
-            print(json.dumps({"chosen": c, "rejected": r, "correct": c > r}))
+        chosen, rejected = (scorer.score_ids(ids) for ids in seqs)
+        extra = [{}] * len(chosen)
+        if scorer.members > 1:  # an ensemble: the members' mean, and their spread
+            extra = [
+                {"chosen_spread": a, "rejected_spread": b}
+                for a, b in zip(scorer.spread(chosen).tolist(), scorer.spread(rejected).tolist())
+            ]
+            chosen, rejected = chosen.mean(1), rejected.mean(1)
+        chosen, rejected = chosen.tolist(), rejected.tolist()
+        for c, r, e in zip(chosen, rejected, extra):
+            print(json.dumps({"chosen": c, "rejected": r, "correct": c > r, **e}))
         correct = sum(c > r for c, r in zip(chosen, rejected))
         print(json.dumps({"pairs": len(chosen), "accuracy": correct / max(len(chosen), 1)}))
         return
     scores = scorer.score_ids(seqs)
+    if scorer.members > 1:
+        rows = zip(scores.mean(1).tolist(), scorer.normalize(scores).mean(1).tolist(), scorer.spread(scores).tolist())
+        for (s, n, sp), m in zip(rows, scores.tolist()):
+            print(json.dumps({"score": s, "normalized": n, "spread": sp, "members": m}))
+        return
     for s, n in zip(scores.tolist(), scorer.normalize(scores).tolist()):
         print(json.dumps({"score": s, "normalized": n}))
 

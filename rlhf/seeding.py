@@ -19,7 +19,7 @@ MINIBATCH = 31  # offset: the minibatch order of PPO step i (stages/ppo.py)
 PTX = 17  # offset by 1: the PPO-ptx batches (rlhf/rl/ptx.py)
 REFILL = 104_729  # offset: dynamic sampling's extra round i (rlhf/rl/experience.py)
 TURN = 15_485_863  # offset: turn i (≥ 1) of a multi-turn rollout (rlhf/rl/episodes.py)
-BOOTSTRAP = 2_750_159  # nested: the bootstrap draw of training record i for an ensemble's members (rlhf/data/sampler.py)
+BOOTSTRAP = 2_750_159  # nested: record i's bootstrap draw for an ensemble's members (rlhf/data/sampler.py)
 
 
 def offset(seed: int, index: int, stride: int) -> int:

@@ -104,3 +104,16 @@ def test_dpo_stage_in_summary_and_report(tmp_path, capsys):
     }
     assert "dpo" in capsys.readouterr().out
     assert _png_size((run / "report.png").read_bytes()) == (1600, 960)  # a third row: the DPO curves
+
+
+def test_report_draws_the_ensemble_disagreement_and_the_gate(tmp_path):
+    run = _run(tmp_path)
+    rows = [
+        {"step": s, "reward/mean": s / 20, "kl/mean": s / 40, "reward/ensemble_std": 0.2 + s / 50} for s in range(1, 13)
+    ]
+    _write(run / "ppo/metrics.jsonl", rows + [{"step": 12, "gate/stopped": 1.0, "gate/best_step": 8.0}])
+    fig = report.figure(run)
+    kl = [ax for ax in fig.axes if ax.get_title().startswith("PPO kl/mean, and the reward models' disagreement")]
+    assert len(kl) == 1
+    labels = [ln.get_label() for ax in fig.axes for ln in ax.lines]
+    assert "ensemble disagreement (std)" in labels and "the gate stopped the run" in labels

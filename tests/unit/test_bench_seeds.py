@@ -1,0 +1,57 @@
+"""bench/seeds.py's validation mode: the unseen seeds it draws itself (outside the tuned ones), and
+its lines per set (tuned / unseen) with min / median / max apart."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from tests.conftest import ROOT
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_seeds", ROOT / "bench" / "seeds.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_unseen_seeds_are_drawn_from_the_key_outside_the_tuned_set():
+    b = _bench()
+    a = b.unseen_seeds(10, "abc123")
+    assert a == b.unseen_seeds(10, "abc123")  # the same key draws the same seeds
+    assert len(set(a)) == 10 and not set(a) & b.TUNED
+    assert all(100 <= s < 10**6 for s in a)
+    assert set(a).isdisjoint(b.unseen_seeds(10, "abc124"))  # another commit, other seeds (overwhelmingly)
+    assert {0, 1, 2, 3, 4, 5, 10, 1234} <= b.TUNED
+
+
+def test_lines_carry_their_set_and_summaries_per_set(tmp_path, monkeypatch, capsys):
+    b = _bench()
+    figs = {0: {"sft_gold": 0.5}, 3: {"sft_gold": 0.7}, 777: {"sft_gold": 0.2}, 888: {"sft_gold": 0.4}}
+    monkeypatch.setattr(b, "run_stage", lambda stage, seed_dir, seed, *a, **k: 1.0)
+    monkeypatch.setattr(b, "figures", lambda seed_dir, *a, **k: dict(figs[int(seed_dir.name[4:])]))
+    monkeypatch.setattr(b, "unseen_seeds", lambda n, key: [777, 888][:n])
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "seeds.py",
+            "--seeds",
+            "0",
+            "3",
+            "--unseen",
+            "2",
+            "--unseen-key",
+            "k",
+            "--stages",
+            "sft",
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    b.main()
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    per_seed = {(x["variant"], x["set"]) for x in lines if x["variant"].startswith("seed")}
+    assert per_seed == {("seed0", "tuned"), ("seed3", "tuned"), ("seed777", "unseen"), ("seed888", "unseen")}
+    med = {x["set"]: x["value"] for x in lines if x["variant"] == "median" and x["metric"] == "sft_gold"}
+    assert med == {"tuned": 0.6, "unseen": 0.3}

@@ -1,0 +1,169 @@
+"""Reward-model ensembles: the members' combination, per-member normalisation and clipping, the
+bootstrap's draw, the critic's mean head, and the over-optimisation gate (golden values)."""
+
+import math
+import types
+
+import pytest
+import torch
+
+from rlhf.algorithms.ensemble import COMBINE, combine, disagreement
+from rlhf.data.sampler import bootstrap_weights
+from rlhf.engine.mesh import Mesh
+from rlhf.models.value import ScalarHeadModel, init_head, mean_head, sequence_scores
+from rlhf.rl.experience import RewardNormaliser
+from rlhf.rl.gate import WINDOW, Gate
+
+SCORES = torch.tensor([[1.0, 3.0], [0.0, 0.0], [-2.0, 4.0]])  # 3 rows × 2 members
+
+
+def test_combinations_golden():
+    assert disagreement(SCORES).tolist() == [1.0, 0.0, 3.0]  # population std: |a − b| / 2
+    assert combine(SCORES, "mean").tolist() == [2.0, 0.0, 1.0]
+    assert combine(SCORES, "lcb", 1.0).tolist() == [1.0, 0.0, -2.0]
+    assert combine(SCORES, "lcb", 0.5).tolist() == [1.5, 0.0, -0.5]
+    assert combine(SCORES, "min").tolist() == [1.0, 0.0, -2.0]
+    assert set(COMBINE) == {"mean", "lcb", "min"}
+    one = SCORES[:, :1]  # one member: every combination is the member itself
+    for how in COMBINE:
+        assert combine(one, how).tolist() == one[:, 0].tolist()
+
+
+def test_normaliser_member_by_member_and_clip():
+    stats = {
+        "mean": 0.0,
+        "std": 1.0,
+        "members": [
+            {"mean": 1.0, "std": 2.0, "min": -1.0, "max": 2.0},
+            {"mean": -1.0, "std": 0.5, "min": -3.0, "max": 5.0},
+        ],
+    }
+    norm = RewardNormaliser("stats", stats, clip=True)
+    raw, share = norm.clip(SCORES)
+    assert raw.tolist() == [[1.0, 3.0], [0.0, 0.0], [-1.0, 4.0]] and share.tolist() == [0.0, 0.0, 0.5]
+    out = norm(raw, Mesh())
+    assert out.tolist() == [[0.0, 8.0], [-0.5, 2.0], [-1.0, 10.0]]
+    # one reward model: its top-level statistics, as before ensembles existed
+    one = RewardNormaliser("stats", {"mean": 1.0, "std": 2.0})
+    assert one(torch.tensor([3.0, -1.0]), Mesh()).tolist() == [1.0, -1.0]
+    assert one.clip(torch.tensor([9.0]))[0].tolist() == [9.0]  # clip off: unchanged
+
+
+def test_running_state_keeps_its_single_model_format():
+    one = RewardNormaliser("running", {})
+    one(torch.tensor([1.0, 3.0]), Mesh())
+    assert set(one.state_dict()) == {"mean", "var", "count"}  # checkpoints of earlier versions load
+    ens = RewardNormaliser("running", {"members": [{}, {}]})
+    ens(SCORES, Mesh())
+    state = ens.state_dict()
+    assert len(state["members"]) == 2 and state["members"][0]["mean"] != state["members"][1]["mean"]
+    again = RewardNormaliser("running", {"members": [{}, {}]})
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+
+
+def test_bootstrap_is_per_record_and_about_half():
+    rows = list(range(2000))
+    w = bootstrap_weights(rows, 3, seed=7)
+    assert {x for r in w for x in r} == {0.0, 2.0}
+    for m in range(3):  # each member sees about half of the records
+        share = sum(r[m] > 0 for r in w) / len(rows)
+        assert 0.45 < share < 0.55, share
+    assert [r[0] for r in w] != [r[1] for r in w]  # members draw apart
+    # a record's draw does not depend on which rows share its micro-batch, nor on their order
+    assert bootstrap_weights([1500, 3], 3, seed=7) == [w[1500], w[3]]
+    assert bootstrap_weights([3], 3, seed=8) != [w[3]] or bootstrap_weights([4], 3, seed=8) != [w[4]]
+
+
+def _tiny_rm(k: int):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=k,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    m = LlamaForSequenceClassification(cfg).eval()
+    init_head(m)
+    return m
+
+
+def test_ensemble_values_and_critic_mean_head():
+    m = _tiny_rm(3)
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 10, 11]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        members = sequence_scores(ScalarHeadModel(m)(ids, mask), mask)
+        assert members.shape == (2, 3)
+        mean_head(m, [1.0, 2.0, 0.5])  # the critic's start: the mean of the scaled members
+        assert m.config.num_labels == 1
+        critic = sequence_scores(ScalarHeadModel(m)(ids, mask), mask)
+    expected = (members * torch.tensor([1.0, 2.0, 0.5])).mean(1)
+    assert critic.shape == (2,) and torch.allclose(critic, expected, atol=1e-6), (critic, expected)
+
+
+def _actor():
+    lin = torch.nn.Linear(2, 1, bias=False)
+    return types.SimpleNamespace(model=lin, module=lin, mesh=Mesh())
+
+
+def _feed(gate: Gate, actor, rewards, disagreements, kls):
+    for i, (r, d, k) in enumerate(zip(rewards, disagreements, kls), start=1):
+        with torch.no_grad():
+            actor.model.weight.fill_(float(i))  # the weights that generated step i's rollouts
+        why = gate.observe(i, r, d, k)
+        if why:
+            return i, why
+    return None, None
+
+
+def test_gate_fires_on_disagreement_and_keeps_the_best_step():
+    actor = _actor()
+    gate = Gate(stop_disagreement=1.5, stop_kl=None, actor=actor)
+    rewards = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.55, 0.5, 0.4, 0.3, 0.2]
+    dis = [1.0] * 6 + [1.4, 1.8, 2.2, 2.6, 3.0, 3.4]
+    step, why = _feed(gate, actor, rewards, dis, [0.0] * 12)
+    # windows of 5: mean(d[4:9]) = 1.48, mean(d[5:10]) = 1.8 > 1.5 at step 10
+    assert step == 10 and "ppo.stop_disagreement=1.5" in why, (step, why)
+    # trailing-5 rewards: 0.40 at step 7, 0.47 at 8, 0.51 at 9, 0.51 at 10 (not better): step 9
+    assert gate.best_step == 9 and math.isclose(gate.best_value, (0.4 + 0.5 + 0.6 + 0.55 + 0.5) / 5)
+    gate.best.restore()  # the weights that generated step 9's rollouts
+    assert actor.model.weight.flatten().tolist() == [9.0, 9.0]
+
+
+def test_gate_on_kl_and_state_round_trip():
+    actor = _actor()
+    kls = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    gate = Gate(stop_disagreement=None, stop_kl=0.55, actor=actor)
+    step, why = _feed(gate, actor, [0.0] * 8, [None] * 8, kls)
+    assert step == 8 and "ppo.stop_kl=0.55" in why  # trailing means 0.5 at step 7, 0.6 at step 8
+    # a gate restored from another's state after step 4 decides as the uninterrupted one
+    a, b = Gate(None, 0.55), Gate(None, 0.55)
+    for i in range(1, 5):
+        a.observe(i, 0.0, None, kls[i - 1])
+    b.load_state_dict(a.state_dict())
+    assert [a.observe(i, 0.0, None, kls[i - 1]) for i in range(5, 9)] == [
+        b.observe(i, 0.0, None, kls[i - 1]) for i in range(5, 9)
+    ]
+
+
+def test_gate_off_never_fires_and_warns_once(caplog):
+    gate = Gate(None, None)
+    assert not gate.on and gate.best is None
+    with caplog.at_level("WARNING", logger="rlhf"):
+        for i in range(1, 20):
+            assert gate.observe(i, 0.0, 1.0 if i <= WINDOW else 5.0, 9.0) is None
+    assert sum("disagree" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("how", sorted(COMBINE))
+def test_ppo_config_accepts_each_combination(how):
+    from rlhf.config import PPOConfig
+
+    PPOConfig(reward_combine=how)
