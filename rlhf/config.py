@@ -233,6 +233,10 @@ class SyntheticConfig:
     # tool_arith: share of SFT records that call the calculator (the rest answer at once): the SFT policy
     # calls in about this share of its samples, leaving RL the rest (conf/recipe_stage/agentic/sft.yaml)
     p_tool: float = 0.3
+    # the generated records' seed; null = the run's (run.seed, per data source). Set, it fixes the data
+    # while run.seed varies the rest (initialisation, order, dropout): e.g. separately trained members
+    # of a reward-model ensemble on the same pairs (docs/ppo.md)
+    seed: Optional[int] = None
 
     def __post_init__(self):
         _check(self.num_records > 0, "data.synthetic.num_records", self.num_records, "a positive integer")
@@ -1041,6 +1045,11 @@ class Config:
                 f"ppo.samples_per_prompt={p.samples_per_prompt} is invalid for "
                 f"algorithm.estimator={a.estimator}: its baseline compares a prompt's samples, "
                 f"so it needs at least 2"
+            )
+        if p.stop_kl is not None and a.kl_coef <= 0:
+            raise ConfigError(
+                f"ppo.stop_kl={p.stop_kl:g} reads the KL to the reference, which algorithm.kl_coef={a.kl_coef:g} "
+                f"does not compute (no reference model): set algorithm.kl_coef > 0, or gate on ppo.stop_disagreement"
             )
         if p.dynamic_sampling and not ESTIMATORS[a.estimator].grouped:
             raise ConfigError(

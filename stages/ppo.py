@@ -43,7 +43,7 @@ from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
 from rlhf.rl.ema import EMA
 from rlhf.rl.episodes import EpisodeRunner
-from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
+from rlhf.rl.experience import Collector, RewardModels, RewardNormaliser, Scorers
 from rlhf.rl.gate import Gate
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.prompts import PromptSource
@@ -88,7 +88,14 @@ def check_reward_model(stats: dict, rm_src: Optional[Path], threshold: Optional[
     )
 
 
-def check_ensemble_keys(ppo, stats: dict, n_members: int, rm_src: Optional[Path]) -> None:
+def reward_stats(src: Path) -> dict:
+    """A reward model's held-out statistics (its reward_stats.json; none: unnormalised)."""
+    if (src / REWARD_STATS_FILE).is_file():
+        return json.loads((src / REWARD_STATS_FILE).read_text())
+    return {"mean": 0.0, "std": 1.0}
+
+
+def check_ensemble_keys(ppo, stats: dict, n_members: int, rm_src: str) -> None:
     """Exit 2 before any model loads when a key needs what the reward model lacks: the gate's
     disagreement needs an ensemble (``n_members`` ≥ 2), ppo.reward_clip its held-out score range."""
     if ppo.stop_disagreement is not None and n_members < 2:
@@ -115,7 +122,7 @@ def run(cfg: Config) -> None:
     # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- setup: everything is validated before anything is written ----
-    actor_src, rm_src, critic_src = inputs(cfg)
+    actor_src, rm_srcs, critic_src = inputs(cfg)
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
         check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)
@@ -130,7 +137,7 @@ def run(cfg: Config) -> None:
             f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world size {mesh.world_size}"
         )
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
-    for key, src in (("ppo.reward_model_path", rm_src), ("ppo.critic_path", critic_src)):
+    for key, src in [("ppo.reward_model_path", r) for r in rm_srcs] + [("ppo.critic_path", critic_src)]:
         if src is not None:  # the reward model and critic read the actor's token ids
             loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, cfg.data.chat_template)  # as in SFT: prompts through the chat template
@@ -142,13 +149,18 @@ def run(cfg: Config) -> None:
     ptx = None  # PPO-ptx: the SFT records and their loss
     if alg.ptx_coef > 0:
         ptx = PtxTerm.load(cfg, tokenizer, ctx.cache_dir, mesh)
-    stats = {"mean": 0.0, "std": 1.0}
-    if rm_src is not None and (rm_src / REWARD_STATS_FILE).is_file():
-        stats = json.loads((rm_src / REWARD_STATS_FILE).read_text())
+    all_stats = [reward_stats(src) for src in rm_srcs]
+    stats = all_stats[0] if all_stats else {"mean": 0.0, "std": 1.0}  # the first's: the critic's scale
+    n_members = 0
     if ppo.use_reward_model:
-        check_reward_model(stats, rm_src, ppo.min_rm_accuracy, cfg.data.source_list()[0].format)
-    n_members = members(loading.load_model_config(str(rm_src), cfg.model.trust_remote_code)) if rm_src else 0
-    check_ensemble_keys(ppo, stats, n_members if ppo.use_reward_model else 0, rm_src)
+        for src, st in zip(rm_srcs, all_stats):
+            check_reward_model(st, src, ppo.min_rm_accuracy, cfg.data.source_list()[0].format)
+        n_members = sum(members(loading.load_model_config(str(src), cfg.model.trust_remote_code)) for src in rm_srcs)
+    # what normalises the scores: one reward model's statistics, or every member's of several
+    member_stats = (
+        stats if len(all_stats) <= 1 else {"members": [m for st in all_stats for m in st.get("members") or [st]]}
+    )
+    check_ensemble_keys(ppo, member_stats, n_members, ", ".join(map(str, rm_srcs)))
 
     updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
     resolve_steps(ctx, len(prompt_ids), ppo.prompts_per_step, "prompts", updates_per_step)
@@ -189,12 +201,13 @@ def run(cfg: Config) -> None:
         ref = reference_for(actor, lambda: policy_model("reference"), mesh, place("reference"))
     reward_model = None
     if ppo.use_reward_model:
-        reward_model = FrozenModel(scalar_model(cfg, rm_src, mesh, tokenizer), mesh, place("reward_model"))
+        models = [FrozenModel(scalar_model(cfg, src, mesh, tokenizer), mesh, place("reward_model")) for src in rm_srcs]
+        reward_model = models[0] if len(models) == 1 else RewardModels(models)
     scorers = Scorers(
         ref=ref,
         critic=critic,
         reward_model=reward_model,
-        normalise=RewardNormaliser(alg.reward_norm, stats, ppo.reward_clip),
+        normalise=RewardNormaliser(alg.reward_norm, member_stats, ppo.reward_clip),
         rule=rule,
         rule_weight=ppo.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format,
@@ -220,7 +233,7 @@ def run(cfg: Config) -> None:
             tokenizer,
             data.description,
             cfg,
-            f"actor={actor_src} reward_model={rm_src} critic={critic_src}",
+            f"actor={actor_src} reward_model={','.join(map(str, rm_srcs)) or None} critic={critic_src}",
         )
     )
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
@@ -337,9 +350,10 @@ def run(cfg: Config) -> None:
 
 
 def inputs(cfg: Config) -> Tuple[str, Optional[Path], Optional[Path]]:
-    """(actor source, reward-model dir or None, critic dir or None): the SFT output (or model.path or
-    ppo.actor_path), the reward model (ppo.reward_model_path or the reward stage's output) and the
-    critic's start (ppo.critic_path or the reward model)."""
+    """(actor source, reward-model dirs, critic dir or None): the SFT output (or model.path or
+    ppo.actor_path), the reward models (ppo.reward_model_path, comma-separated for several, or the
+    reward stage's output; none when unused) and the critic's start (ppo.critic_path or the first
+    reward model)."""
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
@@ -352,18 +366,19 @@ def inputs(cfg: Config) -> Tuple[str, Optional[Path], Optional[Path]]:
         )
     # GAE's critic starts as the reward model unless it has a start of its own
     needs_rm = ppo.use_reward_model or (gae and not ppo.critic_path)
-    rm_src = None
+    rm_srcs: List[Path] = []
     if ppo.reward_model_path and not needs_rm:
         raise ConfigError(
             f"ppo.reward_model_path={ppo.reward_model_path} is set but nothing uses it "
             f"(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or there is none)"
         )
-    if ppo.reward_model_path:
-        loading.check_scalar_model(ppo.reward_model_path, "ppo.reward_model_path")
-        rm_src = Path(ppo.reward_model_path).expanduser()
+    if ppo.reward_model_path:  # several, comma-separated: their members together are one ensemble
+        for path in [x.strip() for x in str(ppo.reward_model_path).split(",") if x.strip()]:
+            loading.check_scalar_model(path, "ppo.reward_model_path")
+            rm_srcs.append(Path(path).expanduser())
     elif needs_rm:
-        rm_src = previous_output(cfg.run.dir, "reward", "model")
-        if rm_src is None:
+        rm_srcs = [previous_output(cfg.run.dir, "reward", "model")]
+        if rm_srcs[0] is None:
             raise ConfigError(
                 f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first, set "
                 f"ppo.reward_model_path, or use algorithm.estimator=grpo ppo.use_reward_model=false "
@@ -374,7 +389,7 @@ def inputs(cfg: Config) -> Tuple[str, Optional[Path], Optional[Path]]:
         loading.check_scalar_model(ppo.critic_path, "ppo.critic_path")
         critic_src = Path(ppo.critic_path).expanduser()
     elif gae:
-        critic_src = rm_src
+        critic_src = rm_srcs[0]
     if ppo.actor_path:
         loading.check_model_path(str(actor_src), "ppo.actor_path")
     else:
@@ -383,10 +398,10 @@ def inputs(cfg: Config) -> Tuple[str, Optional[Path], Optional[Path]]:
         note = ""
         if not ppo.use_reward_model:
             note = " (ppo.use_reward_model=false: the critic's start only)"
-        log.info("ppo: reward model %s%s", rm_src, note)
+        log.info("ppo: reward model%s %s%s", "s" if len(rm_srcs) > 1 else "", ", ".join(map(str, rm_srcs)), note)
     if critic_src is not None:
         log.info("ppo: critic starts from %s", critic_src)
-    return str(actor_src), rm_src, critic_src
+    return str(actor_src), rm_srcs, critic_src
 
 
 def scalar_model(

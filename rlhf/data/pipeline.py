@@ -96,6 +96,8 @@ def _trainable(records: List[Example], stage: str, empty: List[Example]) -> List
 def _load_source(src: "SourceConfig", dcfg: "DataConfig", seed: int, stage: str, empty: List[Example]):
     path, fmt = src.path, src.format
     if FORMATS[fmt].generated:  # the format's own generator (the synthetic task, tool_arith)
+        if dcfg.synthetic.seed is not None:  # the data fixed whatever run.seed
+            seed = dcfg.synthetic.seed
         train, held_out = FORMATS[fmt].generate(dcfg.synthetic, dcfg.eval_size, seed)
         skipped = 0
     else:

@@ -127,6 +127,18 @@ class RewardNormaliser:
             r.load_state_dict(s)
 
 
+class RewardModels:
+    """Several reward models (``ppo.reward_model_path=a,b,...``) scored as one ensemble: their values
+    side by side, [B, T, K] with K their members in all (a model's own members in order)."""
+
+    def __init__(self, models: List[Model]):
+        self.models = models
+
+    def forward(self, **batch) -> torch.Tensor:
+        outs = [m.forward(**batch) for m in self.models]
+        return torch.cat([o if o.dim() > 2 else o[..., None] for o in outs], -1)
+
+
 @dataclass
 class Scorers:
     """What scores a rollout: the models (reference, critic, reward model: None when not used), the

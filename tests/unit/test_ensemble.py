@@ -167,3 +167,21 @@ def test_ppo_config_accepts_each_combination(how):
     from rlhf.config import PPOConfig
 
     PPOConfig(reward_combine=how)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["stage=reward", "reward.ensemble=0"], "reward.ensemble=0 is invalid"),
+        (["stage=ppo", "ppo.reward_combine=max"], "ppo.reward_combine='max' is invalid"),
+        (["stage=ppo", "ppo.stop_disagreement=0.5"], "ppo.stop_disagreement=0.5 is invalid"),
+        (["stage=ppo", "ppo.stop_kl=2", "algorithm.kl_coef=0"], "ppo.stop_kl=2 reads the KL to the reference"),
+    ],
+)
+def test_bad_ensemble_and_gate_keys_are_one_clear_error(overrides, fragment):
+    from rlhf.compose import compose_config
+    from rlhf.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        compose_config(overrides)
+    assert fragment in str(e.value), str(e.value)
