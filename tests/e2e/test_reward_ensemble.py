@@ -147,3 +147,16 @@ def test_disagreement_gate_needs_an_ensemble(small_pipeline, tmp_path):
     assert "ppo.stop_disagreement=2 reads a reward-model ensemble's disagreement" in proc.stderr
     assert "reward.ensemble=k" in proc.stderr and "Traceback" not in proc.stderr
     assert not (run / "ppo" / "metrics.jsonl").exists()
+
+
+def test_several_reward_models_are_one_ensemble(ensemble_pipeline, small_pipeline, tmp_path):
+    """ppo.reward_model_path=a,b: a one-head reward model and a 3-member one score as 4 members."""
+    run = tmp_path / "run"
+    shutil.copytree(ensemble_pipeline, run)
+    paths = f"{small_pipeline / 'reward' / 'model'},{ensemble_pipeline / 'reward' / 'model'}"
+    proc = run_cli(*quick_ppo(run, f"ppo.reward_model_path='{paths}'", "ppo.reward_combine=min"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ppo: reward models " in proc.stderr
+    steps = [r for r in _rows(run) if "reward/mean" in r]
+    assert steps and all(r["reward/ensemble_std"] > 0 for r in steps)
+    assert all(r["reward/model"] < r["reward/ensemble_mean"] for r in steps)  # the worst member, below the mean
