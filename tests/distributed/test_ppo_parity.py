@@ -109,3 +109,27 @@ def test_multi_turn_episodes_two_ranks_match_one_process(small_pipeline, tmp_pat
         ref,
         "multi-turn, 2 ranks",
     )
+
+
+def test_ensemble_reward_two_ranks_match_one_process(small_pipeline, tmp_path):
+    """A 3-member reward ensemble (its critic from the members' mean head), lcb-combined: the first
+    PPO step on 2 ranks ≡ 1 process, its disagreement included."""
+    base = tmp_path / "base"
+    shutil.copytree(small_pipeline, base)
+    shutil.rmtree(base / "reward")
+    proc = run_cli(
+        "stage=reward",
+        f"run.dir={base}",
+        "train.max_steps=30",
+        "train.save_every=0",
+        "logger.progress=false",
+        "data.synthetic.num_records=2000",
+        "engine.precision=fp32",
+        "reward.ensemble=3",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ref = first_step(base, tmp_path / "one", 1, 1)
+    got = first_step(base, tmp_path / "two", 2, 1)
+    assert ref[0]["reward/ensemble_std"] > 0
+    assert abs(got[0]["reward/ensemble_std"] - ref[0]["reward/ensemble_std"]) <= 1e-5
+    assert_same_update(got, ref, "ensemble, 2 ranks")
