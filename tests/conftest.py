@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,11 +118,8 @@ def default_reward_run(default_sft_run):
     return default_sft_run
 
 
-@pytest.fixture(scope="session")
-def small_pipeline(tmp_path_factory):
-    """A quick SFT + reward run (seconds) for the PPO mechanics tests."""
-    run_dir = tmp_path_factory.mktemp("ppo") / "run"
-    assert run_cli(*quick_sft_args(run_dir, steps=60), "train.save_every=0").returncode == 0
+def quick_reward(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A bounded reward run (30 steps) on top of a quick SFT run in ``run_dir``."""
     proc = run_cli(
         "stage=reward",
         f"run.dir={run_dir}",
@@ -128,6 +127,29 @@ def small_pipeline(tmp_path_factory):
         "train.save_every=0",
         "logger.progress=false",
         "data.synthetic.num_records=2000",
+        *extra,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def killed_at(args: list, marker: Path, timeout: float = 300) -> None:
+    """Runs ``python -m rlhf <args>`` and SIGKILLs it as soon as ``marker`` exists (e.g. a checkpoint's
+    trainer_state.json: the checkpoint is complete)."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "rlhf", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + timeout
+    while time.time() < deadline and not marker.exists():
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+
+
+@pytest.fixture(scope="session")
+def small_pipeline(tmp_path_factory):
+    """A quick SFT + reward run (seconds) for the PPO mechanics tests."""
+    run_dir = tmp_path_factory.mktemp("ppo") / "run"
+    assert run_cli(*quick_sft_args(run_dir, steps=60), "train.save_every=0").returncode == 0
+    quick_reward(run_dir)
     return run_dir

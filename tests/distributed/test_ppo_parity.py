@@ -7,7 +7,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli
+from tests.conftest import quick_reward, run_cli
 
 pytestmark = pytest.mark.distributed
 KEYS = ("actor/loss", "critic/loss", "reward/mean", "kl/mean", "response/length")
@@ -117,17 +117,7 @@ def test_ensemble_reward_two_ranks_match_one_process(small_pipeline, tmp_path):
     base = tmp_path / "base"
     shutil.copytree(small_pipeline, base)
     shutil.rmtree(base / "reward")
-    proc = run_cli(
-        "stage=reward",
-        f"run.dir={base}",
-        "train.max_steps=30",
-        "train.save_every=0",
-        "logger.progress=false",
-        "data.synthetic.num_records=2000",
-        "engine.precision=fp32",
-        "reward.ensemble=3",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    quick_reward(base, "engine.precision=fp32", "reward.ensemble=3")
     ref = first_step(base, tmp_path / "one", 1, 1)
     got = first_step(base, tmp_path / "two", 2, 1)
     assert ref[0]["reward/ensemble_std"] > 0

@@ -3,14 +3,12 @@ reward, hybrid vs HF experience, resume after SIGKILL, non-finite updates, real 
 
 import json
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from tests.conftest import ENV, ROOT, quick_sft_args, run_cli
+from tests.conftest import killed_at, quick_sft_args, run_cli
 
 
 def rows(path):
@@ -192,18 +190,7 @@ def test_ppo_resume_after_sigkill(small_pipeline, tmp_path, episodes):
     shutil.copytree(small_pipeline, run)
     args = ["train.max_steps=6", "train.save_every=2", "ppo.ema_decay=0.5", *episodes]  # the EMA resumes too
     assert run_cli(*quick_ppo(ref, *args)).returncode == 0
-    p = subprocess.Popen(
-        [sys.executable, "-m", "rlhf", *quick_ppo(run, *args)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and not (run / "ppo/checkpoints/step_00000002/trainer_state.json").exists():
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    killed_at(quick_ppo(run, *args), run / "ppo/checkpoints/step_00000002/trainer_state.json")
     proc = run_cli(*quick_ppo(run, *args))
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
     from safetensors.torch import load_file

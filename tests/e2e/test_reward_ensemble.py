@@ -5,15 +5,13 @@ actor, resumes bit for bit)."""
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from tests.conftest import ENV, ROOT, quick_sft_args, run_cli
+from tests.conftest import ENV, ROOT, killed_at, quick_reward, quick_sft_args, run_cli
 from tests.e2e.test_ppo import quick_ppo
 
 K = 3
@@ -23,17 +21,7 @@ K = 3
 def ensemble_pipeline(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ensemble") / "run"
     assert run_cli(*quick_sft_args(run_dir, steps=60), "train.save_every=0").returncode == 0
-    proc = run_cli(
-        "stage=reward",
-        f"run.dir={run_dir}",
-        "train.max_steps=30",
-        "train.save_every=0",
-        "logger.progress=false",
-        "data.synthetic.num_records=2000",
-        "engine.precision=fp32",
-        f"reward.ensemble={K}",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = quick_reward(run_dir, "engine.precision=fp32", f"reward.ensemble={K}")
     assert f"an ensemble of {K} heads (bootstrapped pairs)" in proc.stderr
     return run_dir
 
@@ -114,18 +102,7 @@ def test_gate_resumes_bit_exactly_after_sigkill(ensemble_pipeline, tmp_path):
     shutil.copytree(ensemble_pipeline, ref)
     shutil.copytree(ensemble_pipeline, run)
     assert run_cli(*quick_ppo(ref, *GATE)).returncode == 0
-    p = subprocess.Popen(
-        [sys.executable, "-m", "rlhf", *quick_ppo(run, *GATE)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and not (run / "ppo/checkpoints/step_00000003/trainer_state.json").exists():
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    killed_at(quick_ppo(run, *GATE), run / "ppo/checkpoints/step_00000003/trainer_state.json")
     proc = run_cli(*quick_ppo(run, *GATE))
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
 

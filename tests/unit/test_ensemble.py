@@ -10,9 +10,10 @@ import torch
 from rlhf.algorithms.ensemble import COMBINE, combine, disagreement
 from rlhf.data.sampler import bootstrap_weights
 from rlhf.engine.mesh import Mesh
-from rlhf.models.value import ScalarHeadModel, init_head, mean_head, sequence_scores
+from rlhf.models.value import ScalarHeadModel, mean_head, sequence_scores
 from rlhf.rl.experience import RewardNormaliser
 from rlhf.rl.gate import WINDOW, Gate
+from tests.unit.test_value_head import tiny_rm
 
 SCORES = torch.tensor([[1.0, 3.0], [0.0, 0.0], [-2.0, 4.0]])  # 3 rows × 2 members
 
@@ -75,27 +76,8 @@ def test_bootstrap_is_per_record_and_about_half():
     assert bootstrap_weights([3], 3, seed=8) != [w[3]] or bootstrap_weights([4], 3, seed=8) != [w[4]]
 
 
-def _tiny_rm(k: int):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=k,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    m = LlamaForSequenceClassification(cfg).eval()
-    init_head(m)
-    return m
-
-
 def test_ensemble_values_and_critic_mean_head():
-    m = _tiny_rm(3)
+    m = tiny_rm(3)
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 10, 11]])
     mask = (ids != 0).long()
     with torch.no_grad():

@@ -9,7 +9,9 @@ from rlhf.algorithms.tokens import last_index
 from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
 
 
-def tiny_rm():
+def tiny_rm(num_labels: int = 1):
+    """A tiny random Llama sequence classifier, head initialised as the reward stage does (k labels: an
+    ensemble of k members)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     cfg = LlamaConfig(
@@ -19,7 +21,7 @@ def tiny_rm():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_labels=1,
+        num_labels=num_labels,
         pad_token_id=0,
     )
     torch.manual_seed(0)
