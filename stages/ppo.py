@@ -303,7 +303,7 @@ def run(cfg: Config) -> None:
 
     bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
-    last = train.max_steps  # the step the exported actor comes from (earlier when the gate fires)
+    last, stopped = train.max_steps, None  # the exported actor's step; the gate's record when it fires
     for step in range(start, train.max_steps):
         # ---- experience: generate in inference mode, then score in training mode ----
         exp = collector.collect(step, kl_ctl.beta)
@@ -311,7 +311,7 @@ def run(cfg: Config) -> None:
         row = step_metrics(exp, 0.0, mesh)  # (time/train_s once the update has run)
         why = gate.observe(done, row["reward/mean"], row.get("reward/ensemble_std"), row["kl/mean"])
         if why is not None:  # the gate: no update on these rollouts; the best step's actor is exported
-            last = gate.best_step
+            last, stopped = gate.best_step, {"gate": {"stopped_at": done, "best_step": gate.best_step, "why": why}}
             row.pop("time/train_s")
             metrics.log(done, **row, **{"gate/stopped": 1.0, "gate/best_step": float(last)})
             log.warning("ppo: step %d: the gate stops the run: %s; exporting the actor of step %d", done, why, last)
@@ -344,12 +344,12 @@ def run(cfg: Config) -> None:
     if ema is not None:
         ema.export(ctx.out / "actor_ema", tokenizer)
     metrics.close()
-    mark_finished(ctx, last)
+    mark_finished(ctx, train.max_steps, stopped)  # (a stopped run is finished: a rerun leaves it so)
     log.info("ppo done: %s", ctx.out / "actor")
     shutdown(mesh)
 
 
-def inputs(cfg: Config) -> Tuple[str, Optional[Path], Optional[Path]]:
+def inputs(cfg: Config) -> Tuple[str, List[Path], Optional[Path]]:
     """(actor source, reward-model dirs, critic dir or None): the SFT output (or model.path or
     ppo.actor_path), the reward models (ppo.reward_model_path, comma-separated for several, or the
     reward stage's output; none when unused) and the critic's start (ppo.critic_path or the first

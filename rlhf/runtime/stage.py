@@ -200,13 +200,15 @@ def _done_line(ctx: StageContext) -> Optional[str]:
     )
 
 
-def mark_finished(ctx: StageContext, step: int) -> None:
+def mark_finished(ctx: StageContext, step: int, extra: Optional[dict] = None) -> None:
     """Records, after the stage's exports (rank 0, atomically), that it ran to ``step`` with this
-    fingerprint, and which exports it left: ``finished`` reads it on a rerun."""
+    fingerprint, and which exports it left: ``finished`` reads it on a rerun. ``extra``: more to record
+    (PPO: where its gate stopped it)."""
     if not ctx.mesh.is_main:
         return
     outputs = sorted(p.name for p in ctx.out.iterdir() if _exported(p))
-    atomic_write_json(ctx.out / DONE_FILE, {"step": step, "fingerprint": ctx.fingerprint, "outputs": outputs})
+    done = {"step": step, "fingerprint": ctx.fingerprint, "outputs": outputs, **(extra or {})}
+    atomic_write_json(ctx.out / DONE_FILE, done)
 
 
 def _exported(path: Path) -> bool:

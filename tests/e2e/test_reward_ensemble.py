@@ -89,7 +89,11 @@ def test_ppo_watches_disagreement_and_the_gate_stops(ensemble_pipeline, tmp_path
     best = int(stopped[0]["gate/best_step"])
     assert 5 <= best <= stopped[0]["step"] < 14
     assert "the gate stops the run" in proc.stderr and f"exporting the actor of step {best}" in proc.stderr
-    assert json.loads((run / "ppo" / "done.json").read_text())["step"] == best
+    done = json.loads((run / "ppo" / "done.json").read_text())
+    assert done["gate"]["best_step"] == best and done["gate"]["stopped_at"] == stopped[0]["step"]
+    assert "ppo.stop_disagreement=1.05" in done["gate"]["why"]
+    rerun = run_cli(*quick_ppo(run, *GATE))  # a stopped run is finished: its rerun touches nothing
+    assert rerun.returncode == 0 and "already" in rerun.stderr.lower(), rerun.stderr[-1000:]
     # the critic started from the members' mean: one head
     assert json.loads((run / "ppo" / "critic" / "config.json").read_text()).get("num_labels", 1) == 1
     assert (run / "ppo" / "actor" / "model.safetensors").is_file()
