@@ -207,7 +207,7 @@ def run(cfg: Config) -> None:
         ref=ref,
         critic=critic,
         reward_model=reward_model,
-        normalise=RewardNormaliser(alg.reward_norm, member_stats, ppo.reward_clip),
+        normalise=RewardNormaliser(alg.reward_norm, member_stats, ppo.reward_clip, n_members),
         rule=rule,
         rule_weight=ppo.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format,

@@ -85,11 +85,14 @@ class RewardNormaliser:
     held-out mean/std (its reward_stats.json), ``running`` by running moments over every rank's scores
     so far (state it owns and checkpoints: ``state_dict``), ``none`` as is. An ensemble's scores
     ([B, k]) are normalised member by member (each by its own statistics, ``stats["members"]``).
-    ``clip``: each score first clipped to the range of its member's held-out scores (``min``/``max``)."""
+    ``clip``: each score first clipped to the range of its member's held-out scores (``min``/``max``).
+    ``members``: how many the reward model has."""
 
-    def __init__(self, how: str, stats: dict, clip: bool = False):
+    def __init__(self, how: str, stats: dict, clip: bool = False, members: int = 1):
         self.how, self.clip_on = how, clip
-        self.members = stats.get("members") or [stats]  # one reward model: its statistics alone
+        # one reward model: its statistics alone; an ensemble without statistics of its members (not from
+        # stage=reward): the one set for each of them
+        self.members = stats.get("members") or [stats] * max(members, 1)
         self.running = [ppo_math.RunningMoments() for _ in self.members]
 
     def clip(self, raw: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

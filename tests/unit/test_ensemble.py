@@ -50,6 +50,11 @@ def test_normaliser_member_by_member_and_clip():
     assert one.clip(torch.tensor([9.0]))[0].tolist() == [9.0]  # clip off: unchanged
 
 
+def test_an_ensemble_without_member_statistics_normalises_each_member_alike():
+    norm = RewardNormaliser("stats", {"mean": 1.0, "std": 2.0}, members=2)  # e.g. a k-label model from elsewhere
+    assert norm(SCORES, Mesh()).tolist() == [[0.0, 1.0], [-0.5, -0.5], [-1.5, 1.5]]
+
+
 def test_running_state_keeps_its_single_model_format():
     one = RewardNormaliser("running", {})
     one(torch.tensor([1.0, 3.0]), Mesh())
