@@ -835,6 +835,10 @@ class PPOConfig:
     # ppo.stop_kl; null = off
     stop_disagreement: Optional[float] = None
     stop_kl: Optional[float] = None
+    # a warning once eval/reward_greedy (the reward model's reward of the policy's greedy answers to held-out
+    # prompts) falls this far below its value at step 0: the policy may be getting worse where it does not
+    # train (0.03 parts the embedded task's unseen seeds whose greedy gold PPO lowered; docs/ppo.md); null = off
+    warn_heldout_drop: Optional[float] = 0.03
     reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
     reward_fn_weight: float = 1.0
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
@@ -920,6 +924,12 @@ class PPOConfig:
             "a multiple of the first steps' disagreement above 1, or null (off)",
         )
         _check(self.stop_kl is None or self.stop_kl > 0, "ppo.stop_kl", self.stop_kl, "a positive number or null")
+        _check(
+            self.warn_heldout_drop is None or self.warn_heldout_drop >= 0,
+            "ppo.warn_heldout_drop",
+            self.warn_heldout_drop,
+            "a non-negative number or null",
+        )
         _check(self.max_turns is None or self.max_turns > 0, "ppo.max_turns", self.max_turns, "a positive integer")
         _check(self.env_timeout_s > 0, "ppo.env_timeout_s", self.env_timeout_s, "a positive number of seconds")
         _check(0 <= self.env_max_failed_share <= 1, "ppo.env_max_failed_share", self.env_max_failed_share, "0..1")

@@ -49,7 +49,7 @@ from rlhf.rl.metrics import step_metrics
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.ptx import PtxTerm
 from rlhf.rl.update import Diverged, Updater
-from rlhf.runtime.evaluation import evaluate_gold
+from rlhf.runtime.evaluation import evaluate_gold, evaluate_reward
 from rlhf.runtime.stage import (
     check_writable,
     checkpoint_to_resume,
@@ -214,7 +214,8 @@ def run(cfg: Config) -> None:
         gold=data.gold,
     )
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
-    gate = Gate(ppo.stop_disagreement, ppo.stop_kl, actor)  # the over-optimisation gate (and its warning)
+    # the over-optimisation gate (and its warnings)
+    gate = Gate(ppo.stop_disagreement, ppo.stop_kl, actor, ppo.warn_heldout_drop)
     kl_ctl = AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
     engines = {"actor": actor}  # what checkpoints save and resume restores
     if critic is not None:
@@ -249,16 +250,23 @@ def run(cfg: Config) -> None:
                 copy.load(ckpt)
 
     def evaluate(step: int) -> None:
-        if data.gold is None:
-            return
-        play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
-        res = evaluate_gold(
-            hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress, play
-        )
+        res = {}
+        if data.gold is not None:
+            play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
+            res = evaluate_gold(
+                hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress, play
+            )
+        if reward_model is not None and not runner.multi_turn:  # the reward model's view, no gold needed
+            res.update(evaluate_reward(hybrid.generate, tokenizer, data.eval, held_out_reward, cfg.eval, mesh, chat))
+            if "eval/reward_greedy" in res and (warning := gate.heldout(step, res["eval/reward_greedy"])):
+                log.warning("%s", warning)
         if not res:  # eval.gold_prompts=0
             return
         metrics.log(step, **res)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items()))
+
+    def held_out_reward(gen) -> torch.Tensor:  # the reward model's part of the reward, normalisation unmoved
+        return scorers.model_reward(gen.sequences, gen.attention_mask, ppo, mesh, update=False)[0]
 
     tokens_note = ""  # ppo.max_tokens_per_micro_batch: forwards grouped by real tokens
     if ppo.max_tokens_per_micro_batch:

@@ -106,17 +106,19 @@ class RewardNormaliser:
         share = (clipped != cols).float().mean(1)
         return (clipped if raw.dim() > 1 else clipped[:, 0]), share
 
-    def __call__(self, raw: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    def __call__(self, raw: torch.Tensor, mesh: Mesh, update: bool = True) -> torch.Tensor:
+        """``update=False``: the running moments as they are (an evaluation does not move them)."""
         if raw.dim() > 1:  # an ensemble: member by member
-            return torch.stack([self._one(raw[:, i], i, mesh) for i in range(raw.shape[1])], 1)
-        return self._one(raw, 0, mesh)
+            return torch.stack([self._one(raw[:, i], i, mesh, update) for i in range(raw.shape[1])], 1)
+        return self._one(raw, 0, mesh, update)
 
-    def _one(self, raw: torch.Tensor, i: int, mesh: Mesh) -> torch.Tensor:
+    def _one(self, raw: torch.Tensor, i: int, mesh: Mesh, update: bool) -> torch.Tensor:
         if self.how == "stats":
             return (raw - self.members[i]["mean"]) / max(self.members[i]["std"], 1e-8)
         if self.how == "running":
-            every = torch.tensor(mesh.all_gather_object(raw.tolist()), device="cpu").flatten()
-            self.running[i].update(every)
+            if update:
+                every = torch.tensor(mesh.all_gather_object(raw.tolist()), device="cpu").flatten()
+                self.running[i].update(every)
             return (raw - self.running[i].mean) / self.running[i].std
         return raw
 
@@ -155,6 +157,27 @@ class Scorers:
     rule_weight: float
     data_format: str
     gold: Optional[Callable[[str, str], float]] = None  # gold(response, reference): watches the reward, never is one
+
+    def model_reward(
+        self, seq: torch.Tensor, att: torch.Tensor, ppo: PPOConfig, mesh: Mesh, update: bool = True
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The reward model's part of each row's reward (clipped, normalised, an ensemble's members
+        combined) and what is watched beside it (``Experience.watch``). Collective (sharded forwards).
+        ``update=False``: the running normalisation is read, not moved (an evaluation)."""
+        rows, watch = seq.shape[0], {}
+        micro = ppo.micro_batch_per_rank or rows  # a scalar head: no vocabulary-sized logits
+        raw = in_micro_batches(
+            lambda r: sequence_scores(self.reward_model.forward(input_ids=seq[r], attention_mask=att[r]), att[r]),
+            row_groups(att, micro, ppo.max_tokens_per_micro_batch, mesh),
+        )
+        raw, clipped = self.normalise.clip(raw)
+        if self.normalise.clip_on:
+            watch["clipped"] = clipped
+        norm = self.normalise(raw, mesh, update)
+        if norm.dim() > 1:  # an ensemble: its members combined (ppo.reward_combine), their disagreement watched
+            watch["ensemble_mean"], watch["ensemble_std"] = norm.mean(1), disagreement(norm)
+            norm = combine(norm, ppo.reward_combine, ppo.reward_lcb_coef)
+        return norm, watch
 
 
 def micro_rows(engine: Model, rows: int, tokens: int, micro: int) -> int:
@@ -458,21 +481,7 @@ class Collector:
             parts["env"] = ep.env_rewards
             score = score + parts["env"]
         if scorers.reward_model is not None:
-            micro = ppo.micro_batch_per_rank or rows  # a scalar head: no vocabulary-sized logits
-            raw = in_micro_batches(
-                lambda r: sequence_scores(
-                    scorers.reward_model.forward(input_ids=seq[r], attention_mask=att[r]), att[r]
-                ),
-                row_groups(att, micro, ppo.max_tokens_per_micro_batch, self.mesh),
-            )
-            raw, clipped = scorers.normalise.clip(raw)
-            if scorers.normalise.clip_on:
-                watch["clipped"] = clipped
-            norm = scorers.normalise(raw, self.mesh)
-            if norm.dim() > 1:  # an ensemble: its members combined (ppo.reward_combine), their disagreement watched
-                watch["ensemble_mean"], watch["ensemble_std"] = norm.mean(1), disagreement(norm)
-                norm = combine(norm, ppo.reward_combine, ppo.reward_lcb_coef)
-            parts["model"] = norm
+            parts["model"], watch = scorers.model_reward(seq, att, ppo, self.mesh)
             score = score + parts["model"]
         texts = ep.texts  # the final turn of each episode
         if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it

@@ -8,8 +8,9 @@ over the run's first ``WINDOW`` steps (the SFT policy's own rollouts, where the 
 calibrated), or the KL passes ``ppo.stop_kl``. It keeps a copy of the actor at the step with the best
 windowed reward (the weights that generated that step's rollouts), which the stage exports when the
 gate fires. Without a gate, an ensemble's disagreement passing ``WARN_RATIO`` times its start is said
-once in the log. State it owns: ``state_dict`` (trainer state) and the copy (``actor_best.safetensors``
-in a checkpoint).
+once in the log; so is a fall of the reward model's reward of the policy's greedy held-out answers
+(``eval/reward_greedy``) by more than ``ppo.warn_heldout_drop`` from step 0. State it owns:
+``state_dict`` (trainer state) and the copy (``actor_best.safetensors`` in a checkpoint).
 """
 
 from __future__ import annotations
@@ -31,8 +32,16 @@ def _mean(xs: list) -> float:
 
 
 class Gate:
-    def __init__(self, stop_disagreement: Optional[float], stop_kl: Optional[float], actor=None):
-        self.max_ratio, self.max_kl = stop_disagreement, stop_kl
+    def __init__(
+        self,
+        stop_disagreement: Optional[float],
+        stop_kl: Optional[float],
+        actor=None,
+        warn_heldout_drop: Optional[float] = None,
+    ):
+        self.max_ratio, self.max_kl, self.max_drop = stop_disagreement, stop_kl, warn_heldout_drop
+        self.heldout_start: Optional[float] = None  # eval/reward_greedy at step 0
+        self.heldout_warned = False
         self.first: list = []  # the disagreement of the run's first WINDOW steps
         self.recent: dict = {"reward": [], "disagreement": [], "kl": []}  # the last WINDOW steps
         self.best_value, self.best_step, self.warned = -math.inf, None, False
@@ -81,8 +90,27 @@ class Gate:
             return f"the KL over the last {WINDOW} steps is {_mean(kls):.3f} per sequence (ppo.stop_kl={self.max_kl:g})"
         return None
 
+    def heldout(self, step: int, reward: float) -> Optional[str]:
+        """An evaluation's ``eval/reward_greedy``: the first is the reference; returns (once) the warning
+        when a later one falls more than ``warn_heldout_drop`` below it."""
+        if self.heldout_start is None:
+            self.heldout_start = reward
+            return None
+        drop = self.heldout_start - reward
+        if self.max_drop is None or self.heldout_warned or drop <= self.max_drop:
+            return None
+        self.heldout_warned = True
+        return (
+            f"ppo: step {step}: the reward model scores the policy's greedy answers to held-out prompts "
+            f"{drop:.3f} lower than at the start ({reward:.3f} against {self.heldout_start:.3f}, "
+            f"eval/reward_greedy; ppo.warn_heldout_drop={self.max_drop:g}): the policy may be getting worse where it "
+            f"does not train (a sign of an SFT policy unsure of its answers: docs/ppo.md)"
+        )
+
     def state_dict(self) -> dict:
         return {
+            "heldout_start": self.heldout_start,
+            "heldout_warned": self.heldout_warned,
             "first": self.first,
             "recent": self.recent,
             "best_value": self.best_value if self.best_step is not None else None,
@@ -93,4 +121,5 @@ class Gate:
     def load_state_dict(self, state: dict) -> None:
         self.first, self.recent = list(state["first"]), {k: list(v) for k, v in state["recent"].items()}
         self.best_step, self.warned = state["best_step"], state["warned"]
+        self.heldout_start, self.heldout_warned = state.get("heldout_start"), state.get("heldout_warned", False)
         self.best_value = state["best_value"] if state["best_value"] is not None else -math.inf

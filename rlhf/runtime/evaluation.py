@@ -106,6 +106,34 @@ def evaluate_gold(
     return results
 
 
+def evaluate_reward(
+    generate,
+    tokenizer,
+    held_out: List[Example],
+    score_rows: Callable,
+    ecfg: EvalConfig,
+    mesh: Mesh,
+    chat: Optional[str] = None,
+) -> dict:
+    """``eval/reward_greedy``: the mean reward the reward model gives (``score_rows(generation) -> [B]``,
+    its part of the training reward) to the policy's greedy answers to the first ``eval.gold_prompts``
+    held-out prompts — any data, no reference needed: how the policy does where it does not train, by
+    the reward model's own judgement. Collective (every rank generates and scores every turn)."""
+    examples = held_out[: ecfg.gold_prompts]
+    if not examples:
+        return {}
+    encoded = encode_prompts(examples, tokenizer, chat)
+    total, count = 0.0, 0
+    for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):
+        sp = SamplingParams(
+            temperature=0.0, max_new_tokens=ecfg.max_new_tokens or 16, samples_per_prompt=1, seed=ecfg.seed + b
+        )
+        rewards = score_rows(generate([encoded[i] for i in ix or [0]], sp))  # (a turn with no prompt: one, unused)
+        if ix:
+            total, count = total + float(rewards.sum()), count + len(ix)
+    return {"eval/reward_greedy": mesh.sum(total) / max(mesh.sum(count), 1)}
+
+
 def decoded(generate, tokenizer) -> Callable:
     """``play`` of one generation: each row's response decoded, no episode statistics."""
 

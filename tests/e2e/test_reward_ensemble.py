@@ -141,3 +141,33 @@ def test_several_reward_models_are_one_ensemble(ensemble_pipeline, small_pipelin
     steps = [r for r in _rows(run) if "reward/mean" in r]
     assert steps and all(r["reward/ensemble_std"] > 0 for r in steps)
     assert all(r["reward/model"] < r["reward/ensemble_mean"] for r in steps)  # the worst member, below the mean
+
+
+def test_held_out_reward_is_the_reward_models_view_of_greedy_answers(small_pipeline, tmp_path):
+    """eval/reward_greedy at step 0 = the reward model's normalised score of the SFT policy's greedy
+    answers to the first eval.gold_prompts held-out prompts (plain HF generate and rlhf.score)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.config import SyntheticConfig
+    from rlhf.data import synthetic
+    from rlhf.score import RewardScorer
+
+    run = tmp_path / "run"
+    shutil.copytree(small_pipeline, run)
+    proc = run_cli(*quick_ppo(run, "train.max_steps=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [r for r in _rows(run) if "eval/reward_greedy" in r]
+    assert [r["step"] for r in evals] == [0, 2], evals
+    _, held_out = synthetic.generate(SyntheticConfig(num_records=2000), 256, seed=1234)
+    prompts = [e.prompt for e in held_out[:8]]  # quick_ppo: eval.gold_prompts=8
+    scorer = RewardScorer(str(run / "reward" / "model"))
+    tok = scorer.tokenizer
+    policy = AutoModelForCausalLM.from_pretrained(run / "sft" / "model").eval()
+    answers = []
+    for p in prompts:  # one at a time: no padding
+        ids = torch.tensor([tok(p)["input_ids"]])
+        with torch.no_grad():
+            out = policy.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+        answers.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    expected = scorer.normalize(scorer.score(prompts, answers)).mean().item()
+    assert abs(evals[0]["eval/reward_greedy"] - expected) <= 1e-4, (evals[0], expected, answers)
