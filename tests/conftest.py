@@ -70,6 +70,18 @@ def run_cli(
     )
 
 
+def score_cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m rlhf.score <args>`` with the test environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf.score", *map(str, args)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def tree_digest(path: Path) -> dict:
     """{relative path: sha256} of every file under ``path``."""
     out = {}

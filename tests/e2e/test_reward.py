@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import quick_sft_args, run_cli
+from tests.conftest import quick_sft_args, run_cli, score_cli
 
 
 def test_default_reward_run(default_reward_run):
@@ -49,41 +49,10 @@ def test_hf_model_reproduces_stage_scores(default_reward_run):
 
 
 def test_score_cli(default_reward_run, tmp_path):
-    import subprocess
-    import sys
-
-    from tests.conftest import ENV, ROOT
-
     model_dir = default_reward_run / "reward" / "model"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlhf.score",
-            str(model_dir),
-            "--prompt",
-            "Q: What is 03 + 45?\nA:",
-            "--response",
-            " The answer is 48.",
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = score_cli(model_dir, "--prompt", "Q: What is 03 + 45?\nA:", "--response", " The answer is 48.")
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout.splitlines()[0])) == {"score", "normalized"}
-
-    def score_cli(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "rlhf.score", *map(str, args)],
-            cwd=ROOT,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
 
     # preference pairs: one line per pair, then the accuracy (the default RM ranks them well)
     from rlhf.config import SyntheticConfig

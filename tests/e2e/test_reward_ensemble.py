@@ -5,13 +5,11 @@ actor, resumes bit for bit)."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ENV, ROOT, killed_at, quick_reward, quick_sft_args, run_cli
+from tests.conftest import killed_at, quick_reward, quick_sft_args, run_cli, score_cli
 from tests.e2e.test_ppo import quick_ppo
 
 K = 3
@@ -55,14 +53,7 @@ def test_each_member_loads_in_hf_and_scores_like_rlhf_score(ensemble_pipeline, t
         assert abs(rows[:, i].mean().item() - m["mean"]) <= 1e-4, (i, m)
         assert rows[:, i].min().item() >= m["min"] - 1e-4 and rows[:, i].max().item() <= m["max"] + 1e-4
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.score", str(model_dir), "--prompt", exs[0].prompt, "--response", exs[0].chosen],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = score_cli(model_dir, "--prompt", exs[0].prompt, "--response", exs[0].chosen)
     assert proc.returncode == 0, proc.stderr
     line = json.loads(proc.stdout.splitlines()[0])
     assert set(line) == {"score", "normalized", "spread", "members"}
