@@ -835,9 +835,9 @@ class PPOConfig:
     # ppo.stop_kl; null = off
     stop_disagreement: Optional[float] = None
     stop_kl: Optional[float] = None
-    # a warning once eval/reward_greedy (the reward model's reward of the policy's greedy answers to held-out
-    # prompts) falls this far below its value at step 0: the policy may be getting worse where it does not
-    # train (0.03 parts the embedded task's unseen seeds whose greedy gold PPO lowered; docs/ppo.md); null = off
+    # a warning when the final eval/reward_greedy (the reward model's reward of the exported actor's greedy
+    # answers to held-out prompts) is this far below step 0's: the policy may have got worse where it does
+    # not train (0.03 parts the embedded task's unseen seeds whose greedy gold PPO lowered; docs/ppo.md); null = off
     warn_heldout_drop: Optional[float] = 0.03
     reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
     reward_fn_weight: float = 1.0

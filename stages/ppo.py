@@ -249,7 +249,7 @@ def run(cfg: Config) -> None:
             if copy is not None:
                 copy.load(ckpt)
 
-    def evaluate(step: int) -> None:
+    def evaluate(step: int, final: bool = False) -> None:
         res = {}
         if data.gold is not None:
             play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
@@ -258,7 +258,7 @@ def run(cfg: Config) -> None:
             )
         if reward_model is not None and not runner.multi_turn:  # the reward model's view, no gold needed
             res.update(evaluate_reward(hybrid.generate, tokenizer, data.eval, held_out_reward, cfg.eval, mesh, chat))
-            if "eval/reward_greedy" in res and (warning := gate.heldout(step, res["eval/reward_greedy"])):
+            if "eval/reward_greedy" in res and (warning := gate.heldout(step, res["eval/reward_greedy"], final)):
                 log.warning("%s", warning)
         if not res:  # eval.gold_prompts=0
             return
@@ -345,7 +345,7 @@ def run(cfg: Config) -> None:
     stop.close()
 
     # ---- export ----
-    evaluate(last)
+    evaluate(last, final=True)
     export_hf(actor, ctx.out / "actor", mesh, tokenizer=tokenizer, adapter_dir=ctx.out / "adapter")
     if critic is not None:
         export_hf(critic, ctx.out / "critic", mesh, tokenizer=tokenizer, adapter_dir=ctx.out / "critic_adapter")

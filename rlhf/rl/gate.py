@@ -8,8 +8,8 @@ over the run's first ``WINDOW`` steps (the SFT policy's own rollouts, where the 
 calibrated), or the KL passes ``ppo.stop_kl``. It keeps a copy of the actor at the step with the best
 windowed reward (the weights that generated that step's rollouts), which the stage exports when the
 gate fires. Without a gate, an ensemble's disagreement passing ``WARN_RATIO`` times its start is said
-once in the log; so is a fall of the reward model's reward of the policy's greedy held-out answers
-(``eval/reward_greedy``) by more than ``ppo.warn_heldout_drop`` from step 0. State it owns:
+once in the log; so is a final ``eval/reward_greedy`` (the reward model's reward of the policy's greedy
+held-out answers) more than ``ppo.warn_heldout_drop`` below step 0's. State it owns:
 ``state_dict`` (trainer state) and the copy (``actor_best.safetensors`` in a checkpoint).
 """
 
@@ -90,14 +90,16 @@ class Gate:
             return f"the KL over the last {WINDOW} steps is {_mean(kls):.3f} per sequence (ppo.stop_kl={self.max_kl:g})"
         return None
 
-    def heldout(self, step: int, reward: float) -> Optional[str]:
-        """An evaluation's ``eval/reward_greedy``: the first is the reference; returns (once) the warning
-        when a later one falls more than ``warn_heldout_drop`` below it."""
+    def heldout(self, step: int, reward: float, final: bool = False) -> Optional[str]:
+        """An evaluation's ``eval/reward_greedy``: the first is the reference; the final one returns
+        the warning when it is more than ``warn_heldout_drop`` below it. Mid-run ones are not judged:
+        on the embedded task they dip by 0.08–0.11 at 20–40 iterations on seeds that end within 0.02
+        of the start (the greedy dip of docs/performance.md), and by less on the seed that ends 0.065 down."""
         if self.heldout_start is None:
             self.heldout_start = reward
             return None
         drop = self.heldout_start - reward
-        if self.max_drop is None or self.heldout_warned or drop <= self.max_drop:
+        if not final or self.max_drop is None or self.heldout_warned or drop <= self.max_drop:
             return None
         self.heldout_warned = True
         return (
