@@ -94,7 +94,7 @@ class Gate:
         """An evaluation's ``eval/reward_greedy``: the first is the reference; the final one returns
         the warning when it is more than ``warn_heldout_drop`` below it. Mid-run ones are not judged:
         on the embedded task they dip by 0.08–0.11 at 20–40 iterations on seeds that end within 0.02
-        of the start (the greedy dip of docs/performance.md), and by less on the seed that ends 0.065 down."""
+        of the start (the greedy dip of docs/performance.md), as much as on the seed that ends 0.065 down."""
         if self.heldout_start is None:
             self.heldout_start = reward
             return None
