@@ -111,6 +111,7 @@ def test_multi_turn_episodes_two_ranks_match_one_process(small_pipeline, tmp_pat
     )
 
 
+@pytest.mark.slow  # fast representatives: the ensemble reward stage's 2-rank parity (test_parity) and the test above
 def test_ensemble_reward_two_ranks_match_one_process(small_pipeline, tmp_path):
     """A 3-member reward ensemble (its critic from the members' mean head), lcb-combined: the first
     PPO step on 2 ranks ≡ 1 process, its disagreement included."""

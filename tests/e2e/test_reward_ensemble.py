@@ -90,6 +90,7 @@ def test_ppo_watches_disagreement_and_the_gate_stops(ensemble_pipeline, tmp_path
     assert (run / "ppo" / "actor" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # three PPO runs; the copy's save/load is the EMA's (test_ppo), the gate's state a unit test's
 def test_gate_resumes_bit_exactly_after_sigkill(ensemble_pipeline, tmp_path):
     from safetensors.torch import load_file
 
