@@ -70,16 +70,20 @@ def run_cli(
     )
 
 
-def score_cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m rlhf.score <args>`` with the test environment."""
+def tool_cli(tool: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m rlhf.<tool> <args>`` (score, eval, generate, ...) with the test environment."""
     return subprocess.run(
-        [sys.executable, "-m", "rlhf.score", *map(str, args)],
+        [sys.executable, "-m", f"rlhf.{tool}", *map(str, args)],
         cwd=ROOT,
         env=ENV,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def score_cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    return tool_cli("score", *args, timeout=timeout)
 
 
 def tree_digest(path: Path) -> dict:

@@ -8,7 +8,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from tests.conftest import ENV, REAL_DATA, ROOT, quick_sft_args, run_cli
+from tests.conftest import ENV, REAL_DATA, ROOT, quick_sft_args, run_cli, tool_cli
 
 
 def rows(path):
@@ -16,14 +16,7 @@ def rows(path):
 
 
 def eval_cli(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "rlhf.eval", *map(str, args)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return tool_cli("eval", *args, timeout=timeout)
 
 
 def error_lines(proc, prog="python -m rlhf.eval"):
