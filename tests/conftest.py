@@ -48,6 +48,12 @@ def run_worker(script, *args: str, nproc: int = 2, timeout: float = 600) -> subp
     return proc
 
 
+def fault_env(name: str, arg: str = "") -> dict:
+    """``env=`` for ``run_cli``: the CLI with the test-only fault ``tests/faults/fault_<name>.py`` installed
+    (``install(arg)``; tests/faults/sitecustomize.py says how)."""
+    return {"PYTHONPATH": f"{ROOT / 'tests' / 'faults'}:{ROOT}", "RLHF_TEST_FAULT": f"{name}:{arg}"}
+
+
 def run_cli(
     *overrides: str, timeout: float = 600, nproc: int = 1, env: dict | None = None, **popen
 ) -> subprocess.CompletedProcess:
