@@ -26,22 +26,25 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_var(x: Tensor, mask: Tensor) -> Tensor:
-    mean = masked_mean(x, mask)
-    return masked_mean((x - mean) ** 2, mask)
-
-
 def whiten(
     x: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
 ) -> Tensor:
     """(x − mean) / std over the masked entries of the whole global batch: ``all_reduce`` sums a
     float64 tensor over data-parallel ranks (None = this batch alone), so N ranks ≡ 1 process."""
+    mean, var = global_moments(x, mask, all_reduce)
+    return ((x - mean.float()) * torch.rsqrt(var.float() + eps)) * mask
+
+
+def global_moments(
+    x: Tensor, mask: Tensor, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
+) -> Tuple[Tensor, Tensor]:
+    """Mean and variance (float64, two passes) of the masked entries of ``x`` over every rank
+    (``all_reduce`` as ``whiten``'s; None = this batch alone)."""
     reduce = all_reduce or (lambda t: t)
     s = reduce(torch.tensor([float((x * mask).sum()), float(mask.sum())], dtype=torch.float64, device=x.device))
     mean = s[0] / s[1].clamp(min=1)
     v = reduce(torch.tensor([float((((x - mean) ** 2) * mask).sum())], dtype=torch.float64, device=x.device))
-    var = v[0] / s[1].clamp(min=1)
-    return ((x - mean.float()) * torch.rsqrt(var.float() + eps)) * mask
+    return mean, v[0] / s[1].clamp(min=1)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
@@ -238,9 +241,12 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
-    var_r = masked_var(returns, mask)
-    return 1.0 - masked_var(returns - values, mask) / var_r.clamp(min=1e-8)
+def explained_variance(
+    values: Tensor, returns: Tensor, mask: Tensor, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
+) -> Tensor:
+    """1 − Var(returns − values) / Var(returns) over the masked tokens of every rank (``global_moments``)."""
+    var_r = global_moments(returns, mask, all_reduce)[1]
+    return 1.0 - global_moments(returns - values, mask, all_reduce)[1] / var_r.clamp(min=1e-8)
 
 
 class AdaptiveKL:

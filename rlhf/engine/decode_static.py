@@ -6,16 +6,15 @@ bytes, set the time. Here instead:
 
 - rows are padded to a bucket (``bucket``) and every row runs every step; a finished row is masked
   (its tokens are pad, its log-probs 0), never removed;
-- positions, the cache slot, the step counter and the draws' offset live on the device, and the
+- positions, the cache slot and the step counter live on the device, and the
   step writes only tensors allocated once per ``StaticDecoder`` (batch bucket, cache length,
   sampling): the step can be captured as a CUDA graph (``rlhf/engine/graphs.py``) and replayed;
 - keys span a fixed number of slots (the filled ones rounded up to a multiple of ``SPAN_CHUNK``, the
   rest masked): one graph per span;
 - the host asks "have all rows finished?" every ``sync_every`` steps only.
 
-Sampling draws its uniforms on the CPU generator before the loop (B·N, one stream) and each row
-takes the draw the row-removing loop would give it (the next one, in row order, among the rows still
-running): the same rollouts from the same seed on either path and any device. Greedy tokens and
+Sampling takes row i's draw of column t from the rows' draws (``row_draws``, made before the loop),
+as the row-removing loop does: the same rollouts from the same seed on either path and any device. Greedy tokens and
 log-probs equal the row-removing loop's to fp32 rounding (GEMMs over more rows, attention over more,
 masked keys), not bit for bit.
 """
@@ -30,7 +29,7 @@ import torch
 
 from rlhf.engine.graphs import StepGraphs
 from rlhf.ops import SamplingParams, rotary_cos_sin
-from rlhf.ops.sampling import sample_drawn
+from rlhf.ops.sampling import sample
 
 log = logging.getLogger("rlhf")
 
@@ -101,8 +100,7 @@ class StaticDecoder:
         self.slot = torch.zeros((1,), dtype=torch.long, device=device)  # its cache slot
         self.t = torch.zeros((), dtype=torch.long, device=device)  # the response column sampled next
         self.active = torch.zeros((R,), dtype=torch.bool, device=device)
-        self.offset = torch.zeros((), dtype=torch.long, device=device)  # draws used so far
-        self.draws = torch.zeros((R * L,), dtype=torch.float32, device=device)
+        self.draws = torch.zeros((R, L), dtype=torch.float32, device=device)  # row i's draw of column t
         self.out_tok = torch.full((R, L), key.pad_id, dtype=torch.long, device=device)
         self.out_logp = torch.zeros((R, L), dtype=torch.float32, device=device)
         self.graphs: Optional[StepGraphs] = StepGraphs(device) if graphs else None
@@ -122,14 +120,12 @@ class StaticDecoder:
         """Samples column ``t`` from ``logits`` [rows, V] for the running rows; pad and 0 elsewhere."""
         key, a = self.key, self.active
         u = None
-        if key.temperature > 0:  # running row i takes draw offset + (running rows before i)
-            idx = (self.offset + a.long().cumsum(0) - 1).clamp_(0, self.draws.numel() - 1)
-            u = self.draws[idx][:, None]
-            self.offset += a.long().sum()
+        if key.temperature > 0:
+            u = self.draws.index_select(1, self.t.view(1))
         ban = None  # EOS, while the step is under min_new_tokens (ban_now)
         if key.min_new_tokens:
             ban = key.eos_id
-        tok, logp = sample_drawn(logits, self.sp, u, ban=ban, ban_now=self.t < key.min_new_tokens)
+        tok, logp = sample(logits, self.sp, u, ban=ban, ban_now=self.t < key.min_new_tokens)
         col = self.t.view(1)
         self.out_tok.index_copy_(1, col, torch.where(a, tok, key.pad_id)[:, None])
         self.out_logp.index_copy_(1, col, torch.where(a, logp, 0.0)[:, None])
@@ -155,11 +151,11 @@ class StaticDecoder:
         """Counters at the start (a warm-up step before a capture then stays within the buffers)."""
         self.slot.zero_()
         self.t.zero_()
-        self.offset.zero_()
 
     # ---- one generation ----
-    def run(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, generator, sync_every: int):
-        """Tokens [B, N] and log-probs [B, N] (pad / 0 after a row's EOS) of ``ids`` [B, P] left-padded."""
+    def run(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, draws, sync_every: int):
+        """Tokens [B, N] and log-probs [B, N] (pad / 0 after a row's EOS) of ``ids`` [B, P] left-padded;
+        ``draws`` [B, N]: the rows' uniform draws (None when greedy)."""
         B, P = ids.shape
         N, R = sp.max_new_tokens, self.key.rows
         model._kv = list(self.cache.unbind(0))
@@ -170,7 +166,7 @@ class StaticDecoder:
             except RuntimeError as e:  # an op the capture refuses: the same step, eagerly
                 log.warning("CUDA graph capture failed (%s); decoding with the eager static step", e)
                 self.release()
-        self._start(model, ids, pmask, sp, generator)
+        self._start(model, ids, pmask, sp, draws)
         # the prefill: the real rows only, as the row-removing loop does it
         model._kv = list(self.cache[:, :B].unbind(0))
         logits = model.prefill(ids, pmask, self.rot)
@@ -188,7 +184,7 @@ class StaticDecoder:
                 break
         return self.out_tok[:B, :N].clone(), self.out_logp[:B, :N].clone()
 
-    def _start(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, generator) -> None:
+    def _start(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, draws) -> None:
         """The state for a new generation, written in place (the graphs read these very tensors)."""
         B, P = ids.shape
         N = sp.max_new_tokens
@@ -204,11 +200,9 @@ class StaticDecoder:
         self.pos[:B].copy_(pmask.sum(-1).clamp(min=1))  # the position after the prompt's last token
         self.slot.fill_(P)
         self.t.zero_()
-        self.offset.zero_()
         self.active.zero_()
         self.active[:B] = True
         self.out_tok.fill_(self.key.pad_id)
         self.out_logp.zero_()
-        if sp.temperature > 0:  # every draw the row-removing loop could take, in its order
-            dev = generator.device if generator is not None else self.device
-            self.draws[: B * N].copy_(torch.rand((B * N,), generator=generator, device=dev))
+        if draws is not None:
+            self.draws[:B, :N].copy_(draws)

@@ -27,7 +27,7 @@ from rlhf.models.loading import decoder_layers
 from rlhf.models.lora import unwrap
 from rlhf.models.policies import policy_for
 from rlhf.ops import SamplingParams
-from rlhf.ops.sampling import prompt_major
+from rlhf.ops.sampling import prompt_major, strided_keys
 
 log = logging.getLogger("rlhf")
 
@@ -55,16 +55,21 @@ class HybridEngine:
         self.decode = decode_loop(ecfg, self.mesh.device, self.tp)  # (tests set it to "static" on the CPU)
 
     # ---- the one call the trainer makes ----
-    def generate(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
+    def generate(self, prompts: List[List[int]], sp: SamplingParams, keys: Optional[List[int]] = None) -> Generation:
         """``sp.samples_per_prompt`` samples of each prompt. Collective: every rank calls it, the same number of
-        times; a rank with no prompts takes part with one stand-in row and gets none back."""
+        times; a rank with no prompts takes part with one stand-in row and gets none back. ``keys``: each
+        prompt's place in the global list of the call's prompts (default ``i·world + rank``: rank r holds
+        prompts r, r+W, … — ``PromptSource``'s layout); a sample's draws depend on its key alone
+        (``row_draws``), so the inference mode samples the same rollouts on any number of ranks."""
         if not prompts:
-            return self.generate([[self.eos_id]], sp).rows(0, 0)
+            return self.generate([[self.eos_id]], sp, [0]).rows(0, 0)
+        if keys is None:
+            keys = strided_keys(len(prompts), self.mesh.rank, self.mesh.world_size)
         was_training = self.engine.model.training
         self.engine.model.eval()
         try:
             if self.inject:
-                return self._generate_injected(prompts, sp)
+                return self._generate_injected(prompts, sp, keys)
             return self._generate_hf(prompts, sp)
         finally:
             self.engine.model.train(was_training)
@@ -82,6 +87,15 @@ class HybridEngine:
             if not self._hold and self.ecfg.release_inference_cache and self._model is not None:
                 self._model.release()
                 self._model = None
+
+    def rebuild_inference(self) -> None:
+        """Drops the inference model kept between calls (engine.release_inference_cache=false, or inside
+        ``holding()``): the next generation builds it afresh from the training weights (the rollout-parity
+        guard's ``ppo.rollout_guard=rebuild``). Local to this rank; call it on every rank."""
+        if self._model is not None:
+            self._model.release()
+            self._model = None
+        self._model_version = -1
 
     # ---- inference mode ----
     @torch.no_grad()
@@ -115,10 +129,11 @@ class HybridEngine:
             sync_every=self.ecfg.decode_sync_every,
         )
 
-    def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams) -> Generation:
+    def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams, keys: List[int]) -> Generation:
         t0 = time.perf_counter()
         # A TP group generates the prompts of all its ranks together, then each keeps its own.
-        per_rank = self.mesh.tp_all_gather_object(prompts)  # (a stand-in row stays in its group)
+        per_rank, per_rank_keys = zip(*self.mesh.tp_all_gather_object((prompts, list(keys))))
+        # (a stand-in row stays in its group)
         # engine.release_inference_cache=false keeps the inference weights between calls and reuses
         # them while the training weights have not changed (no optimizer step since they were built:
         # e.g. the gold evaluation right after a rollout, or its sampled and greedy passes)
@@ -128,14 +143,12 @@ class HybridEngine:
             self._model = None
         model = self._model if reuse else self.build_inference_model()
         t1 = time.perf_counter()
-        # a CPU generator whatever the device: the same draws on every device (sampling moves them)
-        gen = torch.Generator(device="cpu").manual_seed(seeding.offset(sp.seed, self.mesh.tp_index, seeding.RANK))
         out = model.generate(
             [p for ps in per_rank for p in ps],
             sp,
             eos_id=self.eos_id,
             pad_id=self.pad_id,
-            generator=gen,
+            keys=[k for ks in per_rank_keys for k in ks],
             device=self.mesh.device,
         )
         t2 = time.perf_counter()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from rlhf.ops.linear import (
     prepare_weight,
 )
 from rlhf.ops.rotary import apply_rotary_
-from rlhf.ops.sampling import prompt_major
+from rlhf.ops.sampling import prompt_major, row_draws, row_keys
 
 log = logging.getLogger("rlhf")
 
@@ -361,32 +361,37 @@ class InferenceModel:
         *,
         eos_id: int,
         pad_id: int,
-        generator: Optional[torch.Generator] = None,
+        keys: Optional[Sequence[int]] = None,
         device=None,
     ) -> Generation:
-        """``sp.samples_per_prompt`` samples of every prompt (prompt-major order)."""
+        """``sp.samples_per_prompt`` samples of every prompt (prompt-major order). ``keys``: each prompt's
+        key (default: its index), whose samples draw from streams of their own (``row_draws``)."""
         device = device or self.root["embed"].device
         rows = prompt_major(prompts, sp.samples_per_prompt)
         ids, pmask = left_pad(rows, pad_id, device)
+        draws = None  # [rows, max_new_tokens]; none when greedy
+        if sp.temperature > 0:
+            keys = range(len(prompts)) if keys is None else keys
+            draws = row_draws(row_keys(keys, sp.samples_per_prompt), sp.max_new_tokens, sp.seed, device)
         try:
             with torch.inference_mode():  # the loop's tensors never meet autograd; finish() copies out
                 if self.decode == "dynamic":
-                    tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, generator)
+                    tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, draws)
                 else:
-                    tokens, logprobs = self._decode_static(ids, pmask, sp, eos_id, pad_id, generator)
+                    tokens, logprobs = self._decode_static(ids, pmask, sp, eos_id, pad_id, draws)
         finally:
             self._end_call()
         return finish(ids, pmask, tokens, logprobs, eos_id, pad_id)
 
-    def _decode_static(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, generator):
+    def _decode_static(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, draws):
         key = StaticKey.of(ids.shape[0], ids.shape[1], sp, eos_id, pad_id, self.span_chunk)
         if self._static is None or self._static.key != key:
             self.release()  # the previous key's state and graphs first
             self._static = StaticDecoder(self, key, ids.device, graphs=self.decode == "graphs")
         self.pack_for_rows(key.rows)
-        return self._static.run(self, ids, pmask, sp, generator, self.sync_every)
+        return self._static.run(self, ids, pmask, sp, draws, self.sync_every)
 
-    def _decode(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, generator):
+    def _decode(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, draws):
         device = ids.device
         B, P = ids.shape
         N = sp.max_new_tokens
@@ -406,7 +411,8 @@ class InferenceModel:
         logits = self.prefill(ids, pmask, rot_table)
         for t in range(N):
             ban = eos_id if t < sp.min_new_tokens else None
-            tok, logp = sample(logits, sp, generator, ban=ban)
+            u = None if draws is None else (draws[:, t, None] if active is None else draws[active, t, None])
+            tok, logp = sample(logits, sp, u, ban=ban)
             if active is None:
                 out_tokens[:, t] = tok
                 out_logp[:, t] = logp

@@ -340,4 +340,18 @@ class TrainEngine:
                 return {}
             return {k: v.detach().cpu() for k, v in sd.items()}
         opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
-        return get_model_state_dict(self.model, options=opts)
+        return retie(self.model, get_model_state_dict(self.model, options=opts))
+
+
+def retie(module: torch.nn.Module, sd: dict) -> dict:
+    """``sd`` with each weight the module shares under several names (tied embeddings) as ONE tensor
+    under all of them, as ``module.state_dict()`` has it: gathered from shards, they come back as
+    separate copies, which ``save_pretrained`` would write twice (a 2-rank export with an
+    ``lm_head.weight`` the 1-process one does not have)."""
+    first: dict = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if name in sd:
+            owner = first.setdefault(id(param), name)
+            if owner != name:
+                sd[name] = sd[owner]
+    return sd

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
+
+from rlhf import seeding
 
 
 @dataclass
@@ -42,36 +44,29 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(
-    logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator] = None, ban: Optional[int] = None
-):
-    """Next tokens [B] and their log-probs [B] under softmax(logits / temperature) (the distribution
-    PPO optimises; greedy reports the temperature-1 log-prob). ``ban``: a token that may not be
-    drawn now (EOS before min_new_tokens); the log-probs stay those of the unmodified policy."""
-
-    def draw(rows: int) -> torch.Tensor:
-        # drawn on the generator's device (a CPU generator gives the same draws whatever the device
-        # of the logits), then moved to the logits
-        device = logits.device
-        if generator is not None:
-            device = generator.device
-        return torch.rand((rows, 1), generator=generator, device=device)
-
-    return _sample(logits, p, draw, ban, None)
+def strided_keys(n: int, rank: int, world: int) -> List[int]:
+    """The keys of a rank's ``n`` prompts when rank r holds prompts r, r+W, r+2W, … of a call's global list
+    (``PromptSource``'s layout): their places in that list."""
+    return [i * world + rank for i in range(n)]
 
 
-def sample_drawn(
-    logits: torch.Tensor,
-    p: SamplingParams,
-    u: Optional[torch.Tensor],
-    ban: Optional[int] = None,
-    ban_now: Optional[torch.Tensor] = None,
-):
-    """``sample`` with its uniform draws given (``u`` [B, 1] in [0, 1) on the logits' device; None when
-    greedy) and the ban applied where ``ban_now`` (a 0-dim bool tensor on the device) is true: static
-    shapes and no host synchronisation (the static decode step, rlhf/engine/decode_static.py). The
-    same numbers as ``sample`` given the same draws and ban."""
-    return _sample(logits, p, lambda rows: u, ban, ban_now)
+def row_keys(prompt_keys: Sequence[int], samples_per_prompt: int) -> List[int]:
+    """Each row's key in ``prompt_major`` order: sample ``s`` of the prompt keyed ``k`` is row ``k·samples + s``."""
+    return [k * samples_per_prompt + s for k in prompt_keys for s in range(samples_per_prompt)]
+
+
+def row_draws(keys: Sequence[int], n: int, seed: int, device) -> torch.Tensor:
+    """[len(keys), n] uniform draws in [0, 1): row ``i``'s ``n`` draws (one per response column) from its
+    own stream, seeded ``seeding.offset(seed, keys[i], seeding.SAMPLE)``. A row's draws depend on the seed
+    and its key only — not on the rows beside it, its rank, its batch or which rows have ended: a sample
+    keyed by its place in the step's global prompt list is the same on any number of ranks. Drawn on
+    the CPU (the same numbers on every device), then moved to ``device``."""
+    gen = torch.Generator(device="cpu")
+    out = torch.empty((len(keys), n), dtype=torch.float32, device="cpu")
+    for i, key in enumerate(keys):
+        gen.manual_seed(seeding.offset(seed, int(key), seeding.SAMPLE))
+        torch.rand((n,), generator=gen, device="cpu", out=out[i])
+    return out.to(device)
 
 
 def _ban_column(x: torch.Tensor, ban: Optional[int], ban_now: Optional[torch.Tensor]) -> None:
@@ -84,7 +79,19 @@ def _ban_column(x: torch.Tensor, ban: Optional[int], ban_now: Optional[torch.Ten
         x[:, ban].masked_fill_(ban_now, float("-inf"))
 
 
-def _sample(logits: torch.Tensor, p: SamplingParams, draw, ban: Optional[int], ban_now: Optional[torch.Tensor]):
+def sample(
+    logits: torch.Tensor,
+    p: SamplingParams,
+    u: Optional[torch.Tensor],
+    ban: Optional[int] = None,
+    ban_now: Optional[torch.Tensor] = None,
+):
+    """Next tokens [B] and their log-probs [B] under softmax(logits / temperature) (the distribution
+    PPO optimises; greedy reports the temperature-1 log-prob), by inverse CDF with the uniform draws
+    ``u`` ([B, 1] in [0, 1) on the logits' device, a column of ``row_draws``; None when greedy).
+    ``ban``: a token that may not be drawn now (EOS before min_new_tokens) — everywhere, or where
+    ``ban_now`` (a 0-dim bool tensor on the device: static shapes and no host synchronisation, the
+    static decode step) is true; the log-probs stay those of the unmodified policy."""
     fresh = logits.dtype != torch.float32  # .float() below copies: ours to write into
     logits = logits.float()
     if p.temperature <= 0:
@@ -107,6 +114,6 @@ def _sample(logits: torch.Tensor, p: SamplingParams, draw, ban: Optional[int], b
         probs = filter_logits(scaled, p.top_k, p.top_p).softmax(-1)
         # Inverse CDF: one uniform draw per row (torch.multinomial draws far more on CPU).
         cdf = probs.cumsum(-1)
-        u = draw(probs.shape[0]).to(probs.device) * cdf[:, -1:]
+        u = u.to(probs.device) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -36,9 +36,9 @@ from rlhf.engine.mesh import Mesh
 from rlhf.envs.base import check_opening, check_step
 from rlhf.errors import ConfigError, first_line
 from rlhf.ops import SamplingParams
-from rlhf.ops.sampling import prompt_major
+from rlhf.ops.sampling import prompt_major, row_keys, strided_keys
 
-Generate = Callable[[List[List[int]], SamplingParams], Generation]
+Generate = Callable[[List[List[int]], SamplingParams, Optional[List[int]]], Generation]  # HybridEngine.generate
 STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_limits", "used_tools", "failed", "truncated")
 
 
@@ -219,20 +219,27 @@ class EpisodeRunner:
         return out
 
     def player(self, hybrid) -> Callable:
-        """``play(prompts, examples, sp) -> (final texts, stats)`` of the gold evaluation: episodes on
+        """``play(prompts, examples, sp, keys) -> (final texts, stats)`` of the gold evaluation: episodes on
         the hybrid engine, the inference model kept across their turns."""
 
-        def play(ids, examples, sp):
+        def play(ids, examples, sp, keys):
             with hybrid.holding():
-                ep = self.run(hybrid.generate, ids, examples, sp)
+                ep = self.run(hybrid.generate, ids, examples, sp, keys)
             return ep.texts, ep.stats
 
         return play
 
     # ---- one generation's episodes ----
     def run(
-        self, generate: Generate, prompts: List[List[int]], examples: List[Example], sp: SamplingParams
+        self,
+        generate: Generate,
+        prompts: List[List[int]],
+        examples: List[Example],
+        sp: SamplingParams,
+        keys: Optional[List[int]] = None,
     ) -> Episodes:
+        """``keys``: the prompts' keys (``HybridEngine.generate``; default: the strided layout); every turn
+        of an episode samples under its first row's key, so the episodes are the same on any world size."""
         t_env = 0.0
         self.budget = self.max_tokens or sp.max_new_tokens  # tokens after the prompt (None: one generation's)
         rows = [
@@ -242,10 +249,14 @@ class EpisodeRunner:
         t0 = time.perf_counter()
         openings = self._start(rows)
         t_env += time.perf_counter() - t0
+        if keys is None:
+            rank, world = (self.mesh.rank, self.mesh.world_size) if self.mesh is not None else (0, 1)
+            keys = strided_keys(len(prompts), rank, world)
+        keyed = row_keys(keys, sp.samples_per_prompt)  # each trajectory's key
         if openings is None:  # every row opens with its record's prompt: the single-turn call
-            first = generate(prompts, sp)
+            first = generate(prompts, sp, keys)
         else:  # a row's environment chose its opening: one row per trajectory
-            first = generate([r.prompt for r in rows], replace(sp, samples_per_prompt=1))
+            first = generate([r.prompt for r in rows], replace(sp, samples_per_prompt=1), keyed)
         timings = dict(first.timings)
         self._take(rows, first, list(range(len(rows))))
         turn = 1
@@ -257,7 +268,7 @@ class EpisodeRunner:
             if turn >= self.max_turns or not self.mesh.sum(float(len(going))):
                 break
             spt = replace(sp, samples_per_prompt=1, seed=seeding.offset(sp.seed, turn, seeding.TURN))
-            gen = generate([rows[i].prompt + rows[i].tokens for i in going], spt)
+            gen = generate([rows[i].prompt + rows[i].tokens for i in going], spt, [keyed[i] for i in going])
             for k, v in gen.timings.items():
                 timings[k] = timings.get(k, 0.0) + v
             self._take(rows, gen, going)

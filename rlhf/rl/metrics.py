@@ -43,7 +43,9 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
     if exp.env_stats:  # multi-turn episodes (every generation of the step, dynamic sampling's too)
         row.update(episode_metrics(exp.env_stats, mesh))
     if exp.values is not None:
-        row["values/explained_var"] = float(ppo_math.explained_variance(exp.values, exp.returns, exp.mask))
+        row["values/explained_var"] = float(
+            ppo_math.explained_variance(exp.values, exp.returns, exp.mask, all_reduce=mesh.all_reduce)
+        )
     return row
 
 

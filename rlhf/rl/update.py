@@ -181,7 +181,9 @@ class Updater:
             ok = math.isfinite(actor.step())
         else:
             actor.optimizer.zero_grad(set_to_none=True)
-        clipped, akl, tokens, ent_sum = sums
+        # the update's token means over every rank's tokens (each rank adds the same: any world size
+        # logs what one process would)
+        clipped, akl, tokens, ent_sum = mesh.all_reduce(sums)
         stats.add("actor/loss", loss_sum)
         stats.add("clipfrac", float(clipped / tokens.clamp(min=1)))
         stats.add("approx_kl", float(akl / tokens.clamp(min=1)))

@@ -41,9 +41,10 @@ def evaluate_gold(
     show_progress: bool = True,
     play: Optional[Callable] = None,
 ) -> dict:
-    """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params)``
-    is a hybrid engine's (every rank calls it with its share of the prompts); means are global.
-    ``play(prompts, examples, params) -> (final texts, episode stats)``: multi-turn episodes instead
+    """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params, keys)``
+    is a hybrid engine's (every rank calls it with its share of the prompts, keyed by their indices:
+    the same samples on any number of ranks); means are global.
+    ``play(prompts, examples, params, keys) -> (final texts, episode stats)``: multi-turn episodes instead
     of one generation (rlhf/rl/episodes.py); then ``gold/tool_use`` (and ``gold/tool_use_greedy``) is
     the share of episodes that called a tool.
     ``chat``: the chat template the prompts go through (``chat.resolve_template``), as in training.
@@ -91,9 +92,9 @@ def evaluate_gold(
                 temperature=temperature,
                 max_new_tokens=max_new,
                 samples_per_prompt=samples,
-                seed=ecfg.seed + b * ecfg.batch_size,
+                seed=ecfg.seed,
             )
-            texts, stats = play([encoded[i] for i in ix], [examples[i] for i in ix], sp)
+            texts, stats = play([encoded[i] for i in ix], [examples[i] for i in ix], sp, ix)
             refs = [examples[i].reference for i in ix for _ in range(samples)]
             total += sum(scorer(t, r) for t, r in zip(texts, refs))
             count += len(texts)
@@ -137,8 +138,10 @@ def evaluate_reward(
 def decoded(generate, tokenizer) -> Callable:
     """``play`` of one generation: each row's response decoded, no episode statistics."""
 
-    def play(ids: List[List[int]], examples: List[Example], sp: SamplingParams) -> Tuple[List[str], Dict[str, float]]:
-        gen = generate(ids, sp)
+    def play(
+        ids: List[List[int]], examples: List[Example], sp: SamplingParams, keys: List[int]
+    ) -> Tuple[List[str], Dict[str, float]]:
+        gen = generate(ids, sp, keys)
         texts = tokenizer.batch_decode(
             [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)], skip_special_tokens=True
         )

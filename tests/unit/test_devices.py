@@ -12,6 +12,7 @@ from rlhf.engine.mesh import choose_device, precision_of
 from rlhf.errors import ConfigError
 from rlhf.ops import SamplingParams, sample
 from rlhf.ops.attention import attend
+from rlhf.ops.sampling import row_draws
 from tests.device_guard import DeviceDiscipline, DeviceError
 
 
@@ -45,12 +46,13 @@ def test_precision_auto_is_fp32_on_cpu_and_explicit_values_stay():
 def test_sampling_on_device_logits_with_a_cpu_generator(params):
     """The first GPU run died here: a CPU generator drawing into a CUDA tensor. Logits on a second
     device type (``meta``: no data, but device checks as strict as CUDA's — a CPU tensor meeting a
-    meta one raises) stand in for CUDA; the guard also names a draw whose generator is on another
-    device."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    meta one raises) stand in for CUDA; the rows' draws are made on the CPU and moved; the guard also
+    names a draw whose generator is on another device."""
+    sp = SamplingParams(**params)
     with DeviceDiscipline():
         logits = torch.empty(4, 50, device="meta")
-        tokens, logp = sample(logits, SamplingParams(**params), gen, ban=3)
+        u = row_draws(range(4), 3, 0, logits.device)[:, :1] if sp.temperature > 0 else None
+        tokens, logp = sample(logits, sp, u, ban=3)
         assert tokens.device.type == "meta" and logp.device.type == "meta"
 
 

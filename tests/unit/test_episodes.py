@@ -161,7 +161,7 @@ class FakeGen:
     def __init__(self, eos):
         self.eos, self.calls = eos, 0
 
-    def __call__(self, prompts, sp):
+    def __call__(self, prompts, sp, keys=None):
         from rlhf.engine.infer import finish, left_pad
 
         self.calls += 1

@@ -50,7 +50,7 @@ class Hybrid:
     def holding(self):  # (the hybrid engine keeps its inference model inside; nothing to keep here)
         return contextlib.nullcontext()
 
-    def generate(self, prompts, sp):
+    def generate(self, prompts, sp, keys=None):
         seq = torch.tensor([[5, 6, 7, 8, EOS], [5, 6, 9, EOS, 0], [5, 7, 7, 7, EOS], [5, 7, 8, 8, 8]])
         resp = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
         return Generation(
