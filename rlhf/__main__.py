@@ -6,7 +6,9 @@ folders: every rank of a torchrun job computes the same config and only rank 0 w
 and not already under a launcher, it starts torch.distributed.run itself (docs/contract.md).
 
 Exit codes: 0 success, 2 bad configuration or input, 3 a peer rank died or stopped answering
-(rlhf/launcher/watchdog.py; the job can be rerun and resumes from its last checkpoint), anything else a bug.
+(rlhf/launcher/watchdog.py; the job can be rerun and resumes from its last checkpoint), 4 a checkpoint or
+export could not be written (disk full, I/O error: rlhf.errors.SaveError; the earlier checkpoints are
+intact and a rerun resumes), anything else a bug.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--cfg"]
 
     from rlhf.compose import compose_config
-    from rlhf.errors import UserError
+    from rlhf.errors import SaveError, UserError
 
     try:
         cfg, yaml_text = compose_config(argv)
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         stage.run(cfg)
     except UserError as e:
         _fail(str(e), code=getattr(e, "exit_code", 2))  # rlhf.launcher.interrupt.Interrupted: 130 / 143
+    except SaveError as e:  # disk full or I/O error while saving: 4, the line says where a rerun resumes
+        _fail(str(e), code=e.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", code=130)
     except Exception as e:

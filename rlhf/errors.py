@@ -1,8 +1,11 @@
-"""User-facing errors: bad configuration or bad input.
+"""User-facing errors: bad configuration or bad input, and a save that could not be written.
 
-Anything raised as ``UserError`` ends the program with exit code 2 and one line on stderr
-(docs/contract.md, "Exit codes"). Every other exception is a bug and keeps its traceback.
+Anything raised as ``UserError`` ends the program with exit code 2 and one line on stderr, a
+``SaveError`` with exit code 4 (docs/contract.md, "Exit codes"). Every other exception is a bug and
+keeps its traceback.
 """
+
+EXIT_SAVE = 4
 
 
 class UserError(Exception):
@@ -15,6 +18,15 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A malformed data file or record."""
+
+
+class SaveError(Exception):
+    """A checkpoint or an export could not be written (disk full, quota, I/O error). Not a UserError:
+    the input was fine and a rerun, once there is room, resumes from the last complete checkpoint,
+    which the failed save left intact. The message names what was being saved, the error and that
+    checkpoint, in one line."""
+
+    exit_code = EXIT_SAVE
 
 
 def one_of(items, joined_by: str = "or") -> str:

@@ -5,39 +5,230 @@ optimizer, one ``rng_rank<r>.pt`` per rank (tensors only, loaded with ``weights_
 ``trainer_state.json`` (step, schedulers, data position, anything else the stage keeps), with what
 the stage adds (SFT's ``tokenizer/``, PPO's EMA actor). It is written under a temporary name, the
 state file last, and renamed when complete, so the newest complete one always wins.
+
+The state file also holds the checkpoint's ``manifest``: every other file's size and sha256, so a
+resume can prove the files are the ones written (a truncated shard or a flipped bit on the way back
+from storage is found before it is loaded, ``verify_checkpoint``). A save that cannot write (disk
+full, quota, I/O error) removes its temporary directory and raises ``SaveError`` (exit 4): the
+previous checkpoints and exports are untouched, since old checkpoints are rotated out only once the
+new one is complete.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from rlhf.engine.mesh import Mesh
+from rlhf.errors import SaveError, first_line
 from rlhf.models import lora
 from rlhf.outputs.fileio import atomic_write_json, remove_stale_temps, replace_dir, temp_dir_for
 
 log = logging.getLogger("rlhf")
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest"  # in the state file: {relative path: {"size": bytes, "sha256": hex}} of every other file
+DAMAGED = ".damaged"  # suffix of a checkpoint that failed verification, moved out of the step_<N> pattern
+CHUNK = 1 << 20  # files are hashed in 1 MiB reads: a shard of many GiB never sits in memory
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+def complete_checkpoints(ckpt_dir: Path) -> List[Path]:
+    """The complete checkpoints (``step_<N>/`` with its state file) of ``ckpt_dir``, oldest first."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
-        return None
+        return []
     done = [
         (int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
     ]
-    return max(done)[1] if done else None
+    return [p for _, p in sorted(done)]
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    done = complete_checkpoints(ckpt_dir)
+    return done[-1] if done else None
+
+
+# ---- integrity: the manifest written with each checkpoint, checked before a resume ----
+
+
+def file_digest(path: Path) -> Tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in ``CHUNK`` pieces."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _files(root: Path) -> List[str]:
+    """Every file under ``root`` but the state file, as sorted relative POSIX paths."""
+    root = Path(root)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p != root / STATE_FILE)
+
+
+def _gathered(mesh: Mesh, mine: dict) -> dict:
+    out: dict = {}
+    for part in mesh.all_gather_object(mine):
+        out.update(part)
+    return out
+
+
+def build_manifest(root: Path, mesh: Mesh) -> Dict[str, dict]:
+    """The manifest of the checkpoint being written in ``root`` (every rank's files are there: the run
+    directory is shared). Collective: rank 0 lists the files, each rank hashes its share of them (a big
+    sharded checkpoint is read in parallel, not by rank 0 alone) and every rank gets the whole."""
+    names = mesh.broadcast_object(_files(root) if mesh.is_main else None)
+    mine = {}
+    for name in names[mesh.rank :: mesh.world_size]:
+        size, sha = file_digest(Path(root) / name)
+        mine[name] = {"size": size, "sha256": sha}
+    return _gathered(mesh, mine)
+
+
+def _read_manifest(ckpt: Path) -> Tuple[Optional[dict], Optional[str]]:
+    """(manifest, None); (None, None) for a checkpoint written before manifests; (None, problem) when the
+    state file itself cannot be read."""
+    try:
+        state = json.loads((Path(ckpt) / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return None, f"{STATE_FILE}: unreadable ({first_line(e)})"
+    manifest = state.get(MANIFEST) if isinstance(state, dict) else None
+    return (manifest if isinstance(manifest, dict) else None), None
+
+
+def _check_file(path: Path, want: dict) -> Optional[str]:
+    """What is wrong with one file against its manifest entry (None: nothing). The size is compared
+    first, without reading the file."""
+    try:
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"size {size} bytes, expected {want['size']}"
+        if file_digest(path)[1] != want["sha256"]:
+            return "sha256 differs from the one recorded at save (same size: the content changed)"
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    return None
+
+
+def verify_checkpoint(ckpt: Path, mesh: Mesh) -> Optional[str]:
+    """None when the checkpoint's files are those its manifest recorded (or it predates manifests: it is
+    accepted as it always was), else the first problem as ``<file>: <check that failed>``. Collective:
+    each rank checks its share of the files, rank 0 decides and broadcasts the verdict."""
+    manifest, problem = mesh.broadcast_object(_read_manifest(ckpt) if mesh.is_main else None)
+    if manifest is None:
+        return problem
+    names = sorted(manifest)
+    found = _gathered(mesh, {n: _check_file(Path(ckpt) / n, manifest[n]) for n in names[mesh.rank :: mesh.world_size]})
+    verdict = next((f"{n}: {found[n]}" for n in names if found.get(n)), None)
+    return mesh.broadcast_object(verdict if mesh.is_main else None)
+
+
+def newest_intact_checkpoint(ckpt_dir: Path, mesh: Mesh) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """(the newest complete checkpoint that verifies or None, [(each newer one that did not, its
+    problem)], newest first). Reads only: the caller moves the damaged ones aside (``set_aside``) once
+    the run starts writing, so a rerun of a finished stage still touches nothing."""
+    candidates = mesh.broadcast_object(complete_checkpoints(ckpt_dir) if mesh.is_main else None)
+    damaged = []
+    for ckpt in reversed(candidates):
+        problem = verify_checkpoint(ckpt, mesh)
+        if problem is None:
+            return ckpt, damaged
+        damaged.append((ckpt, problem))
+    return None, damaged
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Renames a damaged checkpoint out of the ``step_<N>`` pattern (``step_<N>.damaged``, then
+    ``.damaged-2``, ...): neither rotation nor a later resume sees it, and nothing in it is deleted."""
+    ckpt = Path(ckpt)
+    aside, n = ckpt.with_name(ckpt.name + DAMAGED), 1
+    while aside.exists():
+        n += 1
+        aside = ckpt.with_name(f"{ckpt.name}{DAMAGED}-{n}")
+    os.replace(ckpt, aside)
+    return aside
+
+
+# ---- a save that cannot write ----
+
+_RUST_IO = re.compile(r"\(os error \d+\)")  # std::io::Error as safetensors and tokenizers print it
+_SHORT_WRITE = re.compile(r"inline_container\.cc.*unexpected pos|PytorchStreamWriter failed|file write failed")
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and what a DCP ``CheckpointException`` carries from each rank."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+        todo += [e.__cause__, e.__context__]
+
+
+def write_failure(exc: BaseException) -> Optional[str]:
+    """The storage error behind a failed write, as one line; None when ``exc`` is something else (a bug).
+    An ``OSError`` anywhere in the chain wins; then the forms a full disk takes where no OSError
+    reaches Python: safetensors' and tokenizers' Rust ``... (os error 28)``, and torch.save's C++ writer
+    that finds its file short (``unexpected pos``)."""
+    causes = list(_causes(exc))
+    if any(type(e).__name__.startswith("Dist") for e in causes):
+        return None  # a collective that failed (a peer died: exit 3, rlhf.launcher.watchdog), not storage
+    for e in causes:  # a lost connection or a timeout is an OSError too, and no storage error
+        if isinstance(e, OSError) and not isinstance(e, (ConnectionError, TimeoutError)):
+            return first_line(e)
+    for e in causes:
+        text = first_line(e)
+        if _RUST_IO.search(text):
+            return text
+        if _SHORT_WRITE.search(text):
+            return f"a file came out short ({text}): the disk is full or failing"
+    return None
+
+
+def _save_error(what: str, exc: BaseException, ckpt_dir: Path, mesh: Optional[Mesh] = None) -> Optional[SaveError]:
+    """``SaveError`` for a save of ``what`` that failed with ``exc`` (None when ``exc`` is no storage
+    error), naming the checkpoint a rerun resumes from."""
+    error = write_failure(exc)
+    if error is None:
+        return None
+    where = ""
+    if mesh is not None and mesh.world_size > 1:
+        where = f" on rank {_failed_rank(exc, mesh.rank)}"
+    last = latest_checkpoint(ckpt_dir)
+    rerun = f"it resumes from {last}" if last else "it starts the stage over (no complete checkpoint yet)"
+    return SaveError(
+        f"saving {what} failed{where}: {error}. The partial save is discarded; earlier checkpoints and exports "
+        f"are intact. Free space or fix the storage, then rerun: {rerun}"
+    )
+
+
+def _failed_rank(exc: BaseException, default: int) -> int:
+    """The rank whose write failed: the lowest one a DCP ``CheckpointException`` names (it reaches every
+    rank), else this rank."""
+    for e in _causes(exc):
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict) and failures:
+            return min(failures)
+    return default
 
 
 def _rng_state() -> Dict[str, torch.Tensor]:
@@ -69,10 +260,44 @@ def save_checkpoint(
     complete checkpoint without them."""
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / f"step_{step:08d}"
-    if mesh.is_main:
-        remove_stale_temps(ckpt_dir)
-    tmp = temp_dir_for(final) if mesh.is_main else None
-    tmp = Path(mesh.broadcast_object(str(tmp)))
+    full_state = dict(
+        state,
+        step=step,
+        schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
+        world_size=mesh.world_size,
+    )
+    tmp = None
+    try:
+        if mesh.is_main:
+            remove_stale_temps(ckpt_dir)
+            tmp = temp_dir_for(final)
+        tmp = Path(mesh.broadcast_object(str(tmp)))
+        _write_files(tmp, engines, mesh, extra)
+        mesh.barrier()
+        if mesh.is_main and tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "tokenizer")
+        manifest = build_manifest(tmp, mesh)  # after the barrier: every rank's files are complete
+        if mesh.is_main:
+            atomic_write_json(tmp / STATE_FILE, dict(full_state, **{MANIFEST: manifest}))
+            replace_dir(tmp, final)
+    except BaseException as e:
+        # No barrier from here on: a rank that failed alone leaves now (its peers then see it gone).
+        if mesh.is_main and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = _save_error(f"checkpoint {final.name}", e, ckpt_dir, mesh)
+        if error is None:
+            raise
+        raise error from e
+    if mesh.is_main:  # only now that the new one is complete: the oldest beyond ``keep`` go
+        olds = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)))
+        for _, p in olds[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+    mesh.barrier()
+    return final
+
+
+def _write_files(tmp: Path, engines: Dict[str, "object"], mesh: Mesh, extra: Optional[Callable[[Path], None]]) -> None:
+    """Every rank's part of a checkpoint: the DCP shards, ZeRO-1 optimizer state, its RNG, ``extra``."""
     sd = _state_dicts(engines)
     with _quiet_single_process():
         dcp.save(sd, checkpoint_id=str(tmp))
@@ -82,23 +307,6 @@ def save_checkpoint(
     torch.save(_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
     if extra is not None:
         extra(tmp)
-    full_state = dict(
-        state,
-        step=step,
-        schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
-        world_size=mesh.world_size,
-    )
-    mesh.barrier()
-    if mesh.is_main:
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "tokenizer")
-        atomic_write_json(tmp / STATE_FILE, full_state)
-        replace_dir(tmp, final)
-        olds = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)))
-        for _, p in olds[:-keep]:
-            shutil.rmtree(p, ignore_errors=True)
-    mesh.barrier()
-    return final
 
 
 @contextlib.contextmanager
@@ -116,6 +324,7 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
     """Restores every engine's model/optimizer/scheduler and this rank's RNG; returns trainer state."""
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
+    state.pop(MANIFEST, None)  # the files' record, not trainer state
     sd = _state_dicts(engines)
     with _quiet_single_process():
         dcp.load(sd, checkpoint_id=str(path))
@@ -143,11 +352,20 @@ def export_hf(
     adapter_dir: Optional[Path] = None,
 ) -> None:
     """Writes the unsharded model in Hugging Face format (safetensors) to ``out_dir``, atomically; a
-    LoRA model merged (W + B·A·α/r), and its adapter alone to ``adapter_dir`` (PEFT format) when given."""
+    LoRA model merged (W + B·A·α/r), and its adapter alone to ``adapter_dir`` (PEFT format) when given.
+    A write that fails raises ``SaveError`` on every rank (rank 0 says so in place of the barrier)."""
     sd = engine.full_state_dict()  # collective; full tensors on rank 0
+    error = None
     if mesh.is_main:
-        write_hf(engine.module, sd, out_dir, tokenizer, extra_files, adapter_dir)
-    mesh.barrier()
+        try:
+            write_hf(engine.module, sd, out_dir, tokenizer, extra_files, adapter_dir)
+        except SaveError as e:
+            error = e
+    message = mesh.broadcast_object(str(error) if error is not None else None)
+    if error is not None:
+        raise error
+    if message is not None:
+        raise SaveError(message)
 
 
 def write_hf(
@@ -158,22 +376,45 @@ def write_hf(
     extra_files: Optional[dict] = None,
     adapter_dir: Optional[Path] = None,
 ) -> None:
-    """``module``'s full state dict ``sd`` as a Hugging Face model directory (one process writes)."""
+    """``module``'s full state dict ``sd`` as a Hugging Face model directory (one process writes). A
+    write that fails removes what it was writing and raises ``SaveError``; the previous export (and
+    adapter) stays."""
     inner = getattr(module, "hf", None)  # ScalarHeadModel wraps the HF model it saves
     if inner is not None:
         module, sd = inner, {k.removeprefix("hf."): v for k, v in sd.items()}
-    if lora.is_peft(module):
-        if adapter_dir is not None:
-            tmp = temp_dir_for(Path(adapter_dir))
-            lora.save_adapter(module, sd, tmp)
-            replace_dir(tmp, Path(adapter_dir))
-        sd = lora.merged_state_dict(sd, lora.scaling(module), lora.fan_in_fan_out(module))
-        module = lora.plain_model(module)
-    out_dir = Path(out_dir)
-    tmp = temp_dir_for(out_dir)
-    module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    for name, obj in (extra_files or {}).items():
-        atomic_write_json(tmp / name, obj)
-    replace_dir(tmp, out_dir)
+    peft = lora.is_peft(module)
+    finals = [Path(out_dir)]
+    if peft and adapter_dir is not None:
+        finals.append(Path(adapter_dir))
+    with _export(finals) as tmps:
+        if peft:
+            if len(tmps) > 1:
+                lora.save_adapter(module, sd, tmps[1])
+            sd = lora.merged_state_dict(sd, lora.scaling(module), lora.fan_in_fan_out(module))
+            module = lora.plain_model(module)
+        module.save_pretrained(tmps[0], state_dict=sd, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmps[0])
+        for name, obj in (extra_files or {}).items():
+            atomic_write_json(tmps[0] / name, obj)
+
+
+@contextlib.contextmanager
+def _export(finals: List[Path]):
+    """Temporary directories to fill, put in place of ``finals`` when the block ends, together (a LoRA
+    model and its adapter are replaced as a pair); removed instead when it fails, a storage error then
+    raised as ``SaveError`` (the stage's checkpoints are in ``<stage>/checkpoints``, beside its exports)."""
+    tmps: List[Path] = []
+    try:
+        for final in finals:
+            tmps.append(temp_dir_for(final))
+        yield tmps
+        for tmp, final in zip(tmps, finals):
+            replace_dir(tmp, final)
+    except BaseException as e:
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = _save_error(f"the export {finals[0]}", e, finals[0].parent / "checkpoints")
+        if error is None:
+            raise
+        raise error from e

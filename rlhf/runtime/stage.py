@@ -10,14 +10,22 @@ import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
 
 from rlhf.config import ROLES, Config, TrainConfig
 from rlhf.data.records import Example
-from rlhf.engine.checkpoint import STATE_FILE, export_hf, latest_checkpoint, load_checkpoint
+from rlhf.engine.checkpoint import (
+    STATE_FILE,
+    complete_checkpoints,
+    export_hf,
+    load_checkpoint,
+    newest_intact_checkpoint,
+    set_aside,
+    verify_checkpoint,
+)
 from rlhf.engine.mesh import Mesh, init_mesh
 from rlhf.engine.train import check_offload
 from rlhf.errors import ConfigError, DataError
@@ -40,6 +48,9 @@ class StageContext:
     cache_dir: Path
     # what a checkpoint must have been written with to be resumed (run_fingerprint); saved with each
     fingerprint: dict = field(default_factory=dict)
+    # complete checkpoints newer than the one resumed that failed verification, with what failed
+    # (checkpoint_to_resume); ``resume`` moves them aside once the run starts writing
+    damaged: List[Tuple[Path, str]] = field(default_factory=list)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -97,11 +108,14 @@ def resolve_steps(ctx: StageContext, items: int, per_step: int, what: str, updat
 
 
 def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
-    """``run.resume``: true = the newest complete checkpoint of the stage (if any), false = none, or a
-    path: that checkpoint (a ``step_<N>`` directory, absolute or inside <stage>/checkpoints/)."""
+    """``run.resume``: true = the newest complete checkpoint of the stage that verifies against its
+    manifest (if any; newer damaged ones are kept in ``ctx.damaged``), false = none, or a path: that
+    checkpoint (a ``step_<N>`` directory, absolute or inside <stage>/checkpoints/), which must verify
+    (else exit 2). Every rank calls it: the files are checked by all, the verdict is rank 0's."""
     choice = ctx.cfg.run.resume
     if choice is True or choice is None:
-        return latest_checkpoint(ctx.ckpt_dir)
+        ckpt, ctx.damaged = newest_intact_checkpoint(ctx.ckpt_dir, ctx.mesh)
+        return ckpt
     if choice is False:
         return None
     path = Path(str(choice))
@@ -111,6 +125,12 @@ def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
         raise ConfigError(
             f"run.resume={choice}: not a complete checkpoint (no {STATE_FILE} in {path}); "
             f"the stage's checkpoints are in {ctx.ckpt_dir}"
+        )
+    problem = verify_checkpoint(path, ctx.mesh)
+    if problem is not None:
+        raise ConfigError(
+            f"run.resume={choice}: checkpoint {path} is damaged ({problem}); resume from another one in "
+            f"{ctx.ckpt_dir}, or run.resume=true to take the newest intact one"
         )
     return path
 
@@ -188,7 +208,8 @@ def _done_line(ctx: StageContext) -> Optional[str]:
         or not all(_exported(ctx.out / name) for name in outputs)
     ):
         return None
-    last = latest_checkpoint(ctx.ckpt_dir)
+    skip = {c for c, _ in ctx.damaged}  # failed verification: never what a larger train.max_steps continues
+    last = next((c for c in reversed(complete_checkpoints(ctx.ckpt_dir)) if c not in skip), None)
     if last is not None:
         more = f"a larger train.max_steps continues it from {last}"
     else:
@@ -226,10 +247,12 @@ def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
         check_resumable(ctx, ckpt, json.loads((ckpt / STATE_FILE).read_text()))
         state = load_checkpoint(ckpt, engines, ctx.mesh)
         start = resume_step = state.get("step", 0)
-        log.info("resumed from %s (step %d)", ckpt, start)
-    if ctx.mesh.is_main:  # the run starts writing: not finished any more, and what it runs with
+    if ctx.mesh.is_main:  # the run starts writing: damaged checkpoints aside, not finished any more, ...
+        set_aside_damaged(ctx, ckpt)
         (ctx.out / DONE_FILE).unlink(missing_ok=True)
         atomic_write_text(ctx.out / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.structured(ctx.cfg)))
+    if ckpt is not None:
+        log.info("resumed from %s (step %d)", ckpt, start)
     metrics = MetricsWriter(
         ctx.out / "metrics.jsonl",
         is_main=ctx.mesh.is_main,
@@ -238,6 +261,16 @@ def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
         stage=ctx.out.name,
     )
     return start, state, metrics
+
+
+def set_aside_damaged(ctx: StageContext, resumed: Optional[Path]) -> None:
+    """Moves the checkpoints that failed verification out of the ``step_<N>`` pattern (rank 0; kept,
+    never deleted) with one warning each naming the file and the check, and says where the run goes on."""
+    then = f"resuming from {resumed}" if resumed is not None else "no intact checkpoint left: the stage starts over"
+    for ckpt, problem in ctx.damaged:
+        aside = set_aside(ckpt)
+        log.warning("checkpoint %s is damaged (%s): moved aside to %s (kept); %s", ckpt, problem, aside.name, then)
+    ctx.damaged = []
 
 
 def rank_batches(n: int, micro: int, mesh: Mesh):
