@@ -19,6 +19,7 @@ import torch
 
 from rlhf import seeding
 from rlhf.config import EngineConfig
+from rlhf.engine.draws import strided_keys
 from rlhf.engine.infer import Generation, InferenceModel, finish, left_pad
 from rlhf.engine.mesh import precision_of
 from rlhf.engine.train import TrainEngine
@@ -27,7 +28,7 @@ from rlhf.models.loading import decoder_layers
 from rlhf.models.lora import unwrap
 from rlhf.models.policies import policy_for
 from rlhf.ops import SamplingParams
-from rlhf.ops.sampling import prompt_major, strided_keys
+from rlhf.ops.sampling import prompt_major
 
 log = logging.getLogger("rlhf")
 
@@ -60,7 +61,7 @@ class HybridEngine:
         times; a rank with no prompts takes part with one stand-in row and gets none back. ``keys``: each
         prompt's place in the global list of the call's prompts (default ``i·world + rank``: rank r holds
         prompts r, r+W, … — ``PromptSource``'s layout); a sample's draws depend on its key alone
-        (``row_draws``), so the inference mode samples the same rollouts on any number of ranks."""
+        (``engine.draws.row_draws``), so the inference mode samples the same rollouts on any number of ranks."""
         if not prompts:
             return self.generate([[self.eos_id]], sp, [0]).rows(0, 0)
         if keys is None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
+from rlhf.engine.draws import row_draws, row_keys
 from rlhf.models.policies import InjectionPolicy
 from rlhf.ops import SamplingParams, attend, attend_varlen, rms_norm, rotary_cos_sin, sample, varlen_kernel_fits
 from rlhf.ops.linear import (
@@ -40,7 +41,7 @@ from rlhf.ops.linear import (
     prepare_weight,
 )
 from rlhf.ops.rotary import apply_rotary_
-from rlhf.ops.sampling import prompt_major, row_draws, row_keys
+from rlhf.ops.sampling import prompt_major
 
 log = logging.getLogger("rlhf")
 
@@ -411,7 +412,9 @@ class InferenceModel:
         logits = self.prefill(ids, pmask, rot_table)
         for t in range(N):
             ban = eos_id if t < sp.min_new_tokens else None
-            u = None if draws is None else (draws[:, t, None] if active is None else draws[active, t, None])
+            u = None  # greedy
+            if draws is not None:
+                u = draws[:, t, None] if active is None else draws[active, t, None]
             tok, logp = sample(logits, sp, u, ban=ban)
             if active is None:
                 out_tokens[:, t] = tok

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import torch
-
-from rlhf import seeding
 
 
 @dataclass
@@ -44,31 +42,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def strided_keys(n: int, rank: int, world: int) -> List[int]:
-    """The keys of a rank's ``n`` prompts when rank r holds prompts r, r+W, r+2W, … of a call's global list
-    (``PromptSource``'s layout): their places in that list."""
-    return [i * world + rank for i in range(n)]
-
-
-def row_keys(prompt_keys: Sequence[int], samples_per_prompt: int) -> List[int]:
-    """Each row's key in ``prompt_major`` order: sample ``s`` of the prompt keyed ``k`` is row ``k·samples + s``."""
-    return [k * samples_per_prompt + s for k in prompt_keys for s in range(samples_per_prompt)]
-
-
-def row_draws(keys: Sequence[int], n: int, seed: int, device) -> torch.Tensor:
-    """[len(keys), n] uniform draws in [0, 1): row ``i``'s ``n`` draws (one per response column) from its
-    own stream, seeded ``seeding.offset(seed, keys[i], seeding.SAMPLE)``. A row's draws depend on the seed
-    and its key only — not on the rows beside it, its rank, its batch or which rows have ended: a sample
-    keyed by its place in the step's global prompt list is the same on any number of ranks. Drawn on
-    the CPU (the same numbers on every device), then moved to ``device``."""
-    gen = torch.Generator(device="cpu")
-    out = torch.empty((len(keys), n), dtype=torch.float32, device="cpu")
-    for i, key in enumerate(keys):
-        gen.manual_seed(seeding.offset(seed, int(key), seeding.SAMPLE))
-        torch.rand((n,), generator=gen, device="cpu", out=out[i])
-    return out.to(device)
-
-
 def _ban_column(x: torch.Tensor, ban: Optional[int], ban_now: Optional[torch.Tensor]) -> None:
     """In place: column ``ban`` of ``x`` to -inf (where ``ban_now``, when given)."""
     if ban is None:
@@ -88,7 +61,7 @@ def sample(
 ):
     """Next tokens [B] and their log-probs [B] under softmax(logits / temperature) (the distribution
     PPO optimises; greedy reports the temperature-1 log-prob), by inverse CDF with the uniform draws
-    ``u`` ([B, 1] in [0, 1) on the logits' device, a column of ``row_draws``; None when greedy).
+    ``u`` ([B, 1] in [0, 1) on the logits' device, a column of ``rlhf.engine.draws.row_draws``; None when greedy).
     ``ban``: a token that may not be drawn now (EOS before min_new_tokens) — everywhere, or where
     ``ban_now`` (a 0-dim bool tensor on the device: static shapes and no host synchronisation, the
     static decode step) is true; the log-probs stay those of the unmodified policy."""

@@ -31,12 +31,13 @@ from rlhf import seeding
 from rlhf.data.chat import render
 from rlhf.data.records import Chat, Example, Turn
 from rlhf.data.tokenize import encode_prompts
+from rlhf.engine.draws import row_keys, strided_keys
 from rlhf.engine.infer import Generation, left_pad
 from rlhf.engine.mesh import Mesh
 from rlhf.envs.base import check_opening, check_step
 from rlhf.errors import ConfigError, first_line
 from rlhf.ops import SamplingParams
-from rlhf.ops.sampling import prompt_major, row_keys, strided_keys
+from rlhf.ops.sampling import prompt_major
 
 Generate = Callable[[List[List[int]], SamplingParams, Optional[List[int]]], Generation]  # HybridEngine.generate
 STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_limits", "used_tools", "failed", "truncated")

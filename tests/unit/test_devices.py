@@ -8,11 +8,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rlhf.config import EngineConfig
+from rlhf.engine.draws import row_draws
 from rlhf.engine.mesh import choose_device, precision_of
 from rlhf.errors import ConfigError
 from rlhf.ops import SamplingParams, sample
 from rlhf.ops.attention import attend
-from rlhf.ops.sampling import row_draws
 from tests.device_guard import DeviceDiscipline, DeviceError
 
 
