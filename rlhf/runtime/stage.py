@@ -157,11 +157,19 @@ def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config,
         "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}",
     }
     if inputs:
-        out["inputs"] = inputs
+        out["inputs"] = portable(inputs, cfg.run.dir)
     lcfg = cfg.model.lora
     if lcfg.r:  # the adapters' shapes and targets (a full fine-tuning checkpoint has none)
         out["lora"] = f"r={lcfg.r} target_modules={lcfg.target_modules or 'default'} critic={lcfg.critic}"
     return out
+
+
+def portable(text: str, run_dir) -> str:
+    """``text`` with the run directory's paths written ``<run.dir>/…``: a run directory that moves (another
+    mount, another node's scratch, a copy) still resumes from its own checkpoints."""
+    for root in dict.fromkeys((str(Path(run_dir)), str(Path(run_dir).resolve()))):
+        text = text.replace(root.rstrip("/") + "/", "<run.dir>/")
+    return text
 
 
 def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
@@ -170,6 +178,8 @@ def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
     saved = state.get("fingerprint") or {}
     for key, now in ctx.fingerprint.items():
         before = saved.get(key)
+        if key == "inputs" and before is not None:  # (written before paths were portable: absolute)
+            before = portable(before, ctx.cfg.run.dir)
         if before is not None and before != now:
             raise ConfigError(f"{ckpt} was written with another {key} ({before} → now {now}): {how}")
     if state.get("step", 0) > ctx.cfg.train.max_steps:
@@ -237,6 +247,22 @@ def _exported(path: Path) -> bool:
     return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
 
 
+def log_world_change(saved: Optional[int], now: int) -> None:
+    """One line when a checkpoint resumes on another number of processes, saying what carries over."""
+    if saved is None or saved == now:
+        return
+    log.info(
+        "checkpoint written by %d process%s, resumed on %d: the model and optimizer state are resharded; the "
+        "data order, sampling (keyed per sample), schedulers, KL controller, reward statistics, EMA and gate "
+        "continue as a %d-process run would; only the float order of reductions differs "
+        "(docs/architecture.md, world-size invariance)",
+        saved,
+        "" if saved == 1 else "es",
+        now,
+        now,
+    )
+
+
 def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
     """Restores ``engines`` from ``ckpt`` (if any, after ``check_resumable``) and opens the stage's
     metrics.jsonl, keeping only the lines up to the checkpoint. Returns (start step, trainer state,
@@ -253,6 +279,7 @@ def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
         atomic_write_text(ctx.out / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.structured(ctx.cfg)))
     if ckpt is not None:
         log.info("resumed from %s (step %d)", ckpt, start)
+        log_world_change(state.get("world_size"), ctx.mesh.world_size)
     metrics = MetricsWriter(
         ctx.out / "metrics.jsonl",
         is_main=ctx.mesh.is_main,
