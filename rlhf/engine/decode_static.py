@@ -6,17 +6,17 @@ bytes, set the time. Here instead:
 
 - rows are padded to a bucket (``bucket``) and every row runs every step; a finished row is masked
   (its tokens are pad, its log-probs 0), never removed;
-- positions, the cache slot and the step counter live on the device, and the
-  step writes only tensors allocated once per ``StaticDecoder`` (batch bucket, cache length,
-  sampling): the step can be captured as a CUDA graph (``rlhf/engine/graphs.py``) and replayed;
+- positions, the cache slot and the step counter live on the device, and the step writes only
+  tensors allocated once per ``StaticDecoder`` (batch bucket, cache length, sampling): the step can
+  be captured as a CUDA graph (``rlhf/engine/graphs.py``) and replayed;
 - keys span a fixed number of slots (the filled ones rounded up to a multiple of ``SPAN_CHUNK``, the
   rest masked): one graph per span;
 - the host asks "have all rows finished?" every ``sync_every`` steps only.
 
-Sampling takes row i's draw of column t from the rows' draws (``row_draws``, made before the loop),
-as the row-removing loop does: the same rollouts from the same seed on either path and any device. Greedy tokens and
-log-probs equal the row-removing loop's to fp32 rounding (GEMMs over more rows, attention over more,
-masked keys), not bit for bit.
+Sampling takes row i's draw of column t from the rows' draws (``rlhf.engine.draws.row_draws``, made
+before the loop), as the row-removing loop does: the same rollouts from the same seed on either path
+and any device. Greedy tokens and log-probs equal the row-removing loop's to fp32 rounding (GEMMs
+over more rows, attention over more, masked keys), not bit for bit.
 """
 
 from __future__ import annotations
