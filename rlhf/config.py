@@ -785,6 +785,7 @@ class SandboxConfig:
 
 
 ENV_BUILTINS = ("auto", "single_turn", "tools")  # ppo.env: these, or a dotted path module.Class (rlhf/envs/builtin.py)
+ROLLOUT_GUARD = ("stop", "rebuild", "off")  # ppo.rollout_guard (rlhf/rl/rollout_guard.py)
 
 
 @dataclass
@@ -843,6 +844,14 @@ class PPOConfig:
     reward_fn_weight: float = 1.0
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
     max_nonfinite_in_a_row: int = 3
+    # the rollout-parity guard (docs/ppo.md): every step that generated in the inference mode compares its
+    # log-probs of the sampled tokens with the training recompute (rollout/logprob_abs_diff_mean) before
+    # the update; above ppo.rollout_guard_max: stop = exit 2 (the last checkpoint kept), rebuild = rebuild
+    # the inference weights and regenerate the step once, then exit 2 if still above; off = no check
+    rollout_guard: str = "stop"
+    # the threshold on the mean |log π_rollout − log π_old| per response token, in nats; 0 = the default of
+    # the compared precision (rlhf/rl/rollout_guard.py DEFAULT_MAX: fp32 1e-3, bf16 5e-2)
+    rollout_guard_max: float = 0.0
     # DAPO's dynamic sampling (group estimators): drop prompts whose samples all scored alike and
     # generate for further prompts until the step has prompts_per_step with a signal, at most
     # dynamic_sampling_max_rounds extra rounds (then the step keeps what it has, topped up with
@@ -929,6 +938,13 @@ class PPOConfig:
             "ppo.warn_heldout_drop",
             self.warn_heldout_drop,
             "a non-negative number or null",
+        )
+        _check(self.rollout_guard in ROLLOUT_GUARD, "ppo.rollout_guard", self.rollout_guard, one_of(ROLLOUT_GUARD))
+        _check(
+            0 <= self.rollout_guard_max < float("inf"),
+            "ppo.rollout_guard_max",
+            self.rollout_guard_max,
+            "a non-negative number of nats per token (0 = the inference dtype's default)",
         )
         _check(self.max_turns is None or self.max_turns > 0, "ppo.max_turns", self.max_turns, "a positive integer")
         _check(self.env_timeout_s > 0, "ppo.env_timeout_s", self.env_timeout_s, "a positive number of seconds")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from copy import deepcopy
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
@@ -30,7 +31,7 @@ from rlhf.data.pipeline import load_stage_data
 from rlhf.data.tokenize import tokenize_prompts
 from rlhf.engine.checkpoint import export_hf, save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
-from rlhf.engine.mesh import Mesh, shutdown
+from rlhf.engine.mesh import Mesh, precision_of, shutdown
 from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
 from rlhf.envs.base import check as check_env
 from rlhf.envs.builtin import environment
@@ -48,6 +49,7 @@ from rlhf.rl.gate import Gate
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.ptx import PtxTerm
+from rlhf.rl.rollout_guard import RolloutGuard
 from rlhf.rl.update import Diverged, Updater
 from rlhf.runtime.evaluation import evaluate_gold, evaluate_reward
 from rlhf.runtime.stage import (
@@ -217,6 +219,8 @@ def run(cfg: Config) -> None:
     # the over-optimisation gate (and its warnings)
     gate = Gate(ppo.stop_disagreement, ppo.stop_kl, actor, ppo.warn_heldout_drop)
     kl_ctl = AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
+    # the rollout-parity guard: the inference mode's log-probs against the training recompute, every step
+    guard = RolloutGuard.of(ppo, hybrid, precision_of(place("actor"), mesh.device))
     engines = {"actor": actor}  # what checkpoints save and resume restores
     if critic is not None:
         engines["critic"] = critic
@@ -283,10 +287,24 @@ def run(cfg: Config) -> None:
         ppo.minibatches_per_epoch,
         tokens_note,
     )
+    log.info("%s", guard.describe())
     if start == 0:
         evaluate(0)
 
     copies = [c for c in (ema, gate.best) if c is not None]  # actor copies saved beside the checkpoint
+
+    def experience(step: int):  # the step's experience and its metrics line (time/train_s once updated)
+        exp = collector.collect(step, kl_ctl.beta)
+        return exp, step_metrics(exp, 0.0, mesh)
+
+    def checked_experience(step: int):  # ... checked by the rollout guard before any update
+        moments = deepcopy(scorers.normalise.state_dict())  # (a few floats)
+
+        def rebuild() -> None:  # fresh inference weights; the regeneration starts from the same reward moments
+            hybrid.rebuild_inference()
+            scorers.normalise.load_state_dict(moments)
+
+        return guard.checked(step + 1, lambda: experience(step), rebuild)
 
     def save_copies(path: Path) -> None:
         for c in copies:
@@ -314,9 +332,8 @@ def run(cfg: Config) -> None:
     last, stopped = train.max_steps, None  # the exported actor's step; the gate's record when it fires
     for step in range(start, train.max_steps):
         # ---- experience: generate in inference mode, then score in training mode ----
-        exp = collector.collect(step, kl_ctl.beta)
+        exp, row = checked_experience(step)  # (the rollout guard stops the run here: exit 2)
         done = step + 1
-        row = step_metrics(exp, 0.0, mesh)  # (time/train_s once the update has run)
         why = gate.observe(done, row["reward/mean"], row.get("reward/ensemble_std"), row["kl/mean"])
         if why is not None:  # the gate: no update on these rollouts; the best step's actor is exported
             last, stopped = gate.best_step, {"gate": {"stopped_at": done, "best_step": gate.best_step, "why": why}}
