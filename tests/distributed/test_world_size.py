@@ -4,17 +4,17 @@ For each stage: the same run on 1 process and on 2 ranks (ZeRO-3) logs the same 
 exports the same files with the same weights (within float-order noise); then the 2-rank run, cut
 after its first checkpoint, resumes on 1 process and ends where the uninterrupted 1-process run
 does, its steps after the resume seeing the same samples (their per-step losses / rewards equal the
-uninterrupted run's step for step). PPO-GAE runs in the default suite; the other stages and 1 → 2 under
-``-m slow``.
+uninterrupted run's step for step). PPO-GAE runs in the default suite; the other stages, 1 → 2 and
+2 → 4 under ``-m slow``.
 """
 
-import json
 import shutil
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import run_cli
+from tests.reliability.helpers import numbers_by_step
 
 pytestmark = pytest.mark.distributed
 
@@ -49,13 +49,7 @@ STAGES = {
         ("actor",),
     ),
 }
-NOISE = (
-    "time/",
-    "gen/",
-    "mem/",
-    "perf/",
-    "rollout/logprob_abs_diff",
-)  # not the run's numbers: its timing and float noise
+NOISE = ("gen/", "perf/", "rollout/logprob_abs_diff")  # throughput and float noise (besides the timings)
 
 
 def out_dir(run, stage: str):
@@ -74,14 +68,7 @@ def run_stage(src, dst, stage: str, nproc: int, *extra):
 
 
 def metrics(run, stage: str) -> dict:
-    """step → {metric: value} of every line (training and evaluation lines merged)."""
-    rows: dict = {}
-    for line in (out_dir(run, stage) / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        rows.setdefault(r["step"], {}).update(
-            {k: v for k, v in r.items() if isinstance(v, float) and not k.startswith(NOISE) and "per_s" not in k}
-        )
-    return rows
+    return numbers_by_step(out_dir(run, stage) / "metrics.jsonl", NOISE)
 
 
 def exported(run, stage: str) -> dict:
@@ -162,3 +149,17 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(runs, stage, tmp_path, sm
     proc = run_stage(small_pipeline, cut, stage, 2)
     assert "written by 1 process, resumed on 2" in proc.stderr, proc.stderr[-3000:]
     assert_same_run(cut, two, stage, after=SAVE)
+
+
+@SLOW
+def test_a_two_rank_checkpoint_resumes_on_four_ranks(runs, tmp_path, small_pipeline):
+    """2 → 4 (PPO-GAE): against an uninterrupted 4-rank run."""
+    _, two = runs("gae")
+    four = tmp_path / "four"
+    run_stage(small_pipeline, four, "gae", 4)
+    assert_same_run(four, two, "gae")
+    cut = tmp_path / "cut"
+    cut_after_first_checkpoint(two, cut, "gae")
+    proc = run_stage(small_pipeline, cut, "gae", 4)
+    assert "written by 2 processes, resumed on 4" in proc.stderr, proc.stderr[-3000:]
+    assert_same_run(cut, four, "gae", after=SAVE)

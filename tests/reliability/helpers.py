@@ -173,3 +173,21 @@ TIMING_KEYS = ("time/", "samples_per_s", "gen/tokens_per_s", "mem/")
 def numbers(rows: List[dict]) -> List[dict]:
     """metrics.jsonl rows without the wall-clock and memory figures (those differ between any two runs)."""
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows]
+
+
+def numbers_by_step(path: Path, noise: tuple = ()) -> dict:
+    """step → every number a metrics.jsonl logged at it (training and evaluation lines merged), without
+    the wall-clock and memory figures (``TIMING_KEYS``, any ``*per_s``) and the keys starting with ``noise``."""
+    out: dict = {}
+    for r in metrics(path):
+        out.setdefault(r["step"], {}).update(
+            {
+                k: v
+                for k, v in r.items()
+                if isinstance(v, (int, float))
+                and k not in ("step", "time")
+                and not k.startswith(TIMING_KEYS + tuple(noise))
+                and "per_s" not in k
+            }
+        )
+    return out
