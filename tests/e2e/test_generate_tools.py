@@ -65,7 +65,7 @@ class ScriptedPolicy:
     def holding(self):
         yield
 
-    def generate(self, prompts, sp):
+    def generate(self, prompts, sp, keys=None):
         rows = [p for p in prompts for _ in range(sp.samples_per_prompt)]
         self.prompts += [self.tok.decode(p) for p in prompts]
         ids, mask = left_pad(rows, PAD)
