@@ -207,7 +207,7 @@ def test_sampling_distributions_match_reference():
     g = torch.Generator().manual_seed(0)
     for temp, k, p in [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8), (2.0, 4, 0.9)]:
         sp = SamplingParams(temperature=temp, top_k=k, top_p=p)
-        toks, _ = sample(logits.expand(n, -1), sp, g)
+        toks, _ = sample(logits.expand(n, -1), sp, torch.rand((n, 1), generator=g))
         freq = torch.bincount(toks, minlength=6).float() / n
         # reference: sort, keep top-k, keep the smallest prefix with mass >= p, renormalise
         probs = (logits[0] / temp).softmax(-1)
