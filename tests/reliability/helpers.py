@@ -191,3 +191,16 @@ def numbers_by_step(path: Path, noise: tuple = ()) -> dict:
             }
         )
     return out
+
+
+def truncate(path: Path) -> None:
+    """Cuts a file to half its length (a write that stopped midway)."""
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])
+
+
+def flip_byte(path: Path) -> None:
+    """Flips one bit in the middle of a file (storage corruption that keeps its size)."""
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // 2] ^= 0x10
+    Path(path).write_bytes(bytes(data))

@@ -14,7 +14,7 @@ import torch
 from rlhf.engine.checkpoint import verify_checkpoint
 from rlhf.engine.mesh import Mesh
 from tests.conftest import fault_env, quick_sft_args, run_cli
-from tests.reliability.helpers import weights
+from tests.reliability.helpers import flip_byte, truncate, weights
 
 STEPS, SAVE_EVERY = 6, 2  # checkpoints at steps 2, 4 and 6, all kept
 SHARD = "__0_0.distcp"
@@ -47,17 +47,6 @@ def assert_same_weights(run, reference_run):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-
-
-def truncate(path):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-
-
-def flip_byte(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
 
 
 def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_before_them(reference, tmp_path):

@@ -30,6 +30,7 @@ from rlhf.errors import ConfigError, SaveError
 from rlhf.runtime.stage import DONE_FILE, StageContext, checkpoint_to_resume, finished, set_aside_damaged
 from tests.conftest import tree_digest
 from tests.infer_helpers import tiny_model
+from tests.reliability.helpers import flip_byte, truncate
 
 SHARD = "__0_0.distcp"
 
@@ -57,17 +58,6 @@ def setup(tmp_path):
 
 def rlhf_lines(caplog, level=logging.WARNING):
     return [r.getMessage() for r in caplog.records if r.name == "rlhf" and r.levelno >= level]
-
-
-def truncate(path):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-
-
-def flip_byte(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def test_the_manifest_records_every_file_and_verifies(setup):
