@@ -175,3 +175,36 @@ def small_pipeline(tmp_path_factory):
     assert run_cli(*quick_sft_args(run_dir, steps=60), "train.save_every=0").returncode == 0
     quick_reward(run_dir)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def user_model(tmp_path_factory, real_data) -> Path:
+    """A user's pretrained model: a tiny random-init Llama with a tokenizer trained on the real-data
+    samples (HH-RLHF and GSM8K), saved as a Hugging Face directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf.data.records import read_examples
+    from rlhf.data.tokenizer import train_tokenizer
+
+    hh, _ = read_examples(str(real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz"), "hh")
+    gsm, _ = read_examples(str(real_data / "gsm8k" / "train.jsonl.gz"), "gsm8k")
+    texts = [t for e in hh[:300] + gsm[:300] for t in (e.prompt, e.response, e.chosen, e.rejected) if t]
+    tok = train_tokenizer(texts, vocab_size=1200, model_max_length=1024)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("user") / "model"
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
