@@ -109,7 +109,7 @@ def test_task_recipes_and_their_stages():
         compose_config(["stage=reward", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     with pytest.raises(
         ConfigError,
-        match=r"unknown recipe 'nope' .expected agentic, embedded, gsm8k_grpo, gsm8k_tools, hh, pretrained.",
+        match=r"unknown recipe 'nope' .expected agentic, dschat, embedded, gsm8k_grpo, gsm8k_tools, hh, pretrained.",
     ):
         compose_config(["recipe=nope"])
 
