@@ -105,6 +105,7 @@ def short_learning_run(sft_run, run_dir, *extra):
     return gold_of(run_dir / "ppo" / "metrics.jsonl")
 
 
+@pytest.mark.slow  # ~60 s; learning is bench/seeds.py's claim; the default run's representative: GRPO's above
 def test_gae_ppo_with_the_reward_model_raises_gold(default_reward_run, tmp_path):
     """PPO with a critic on the default reward model's scores (the pipeline's own path, no gold rule in
     the reward): 30 iterations must raise the held-out gold, and the reward must track the gold."""
@@ -114,6 +115,7 @@ def test_gae_ppo_with_the_reward_model_raises_gold(default_reward_run, tmp_path)
     assert sum(r["reward/gold_corr"] for r in steps) / len(steps) > 0.5, steps[-1]
 
 
+@pytest.mark.slow  # ~30 s each; their mechanics run by default (test_other_estimators_run), learning: GRPO's
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
 def test_critic_free_estimators_raise_gold(default_sft_run, tmp_path, estimator):
     """RLOO and REINFORCE++ with the gold rule as reward: 30 iterations must raise the held-out gold
