@@ -488,6 +488,54 @@ class PlacementConfig:
     activation_checkpointing: Optional[bool] = None
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")  # engine.precision and engine.inference_dtype, besides auto
+
+
+@dataclass
+class FP16Config:
+    """engine.fp16.*: the loss scaling of engine.precision=fp16 (rlhf/engine/loss_scale.py), DeepSpeed's
+    ``fp16`` keys and defaults. Dynamic (loss_scale=0): the first scale is 2**initial_scale_power; an
+    overflow (inf/NaN gradients) skips the step and, once ``hysteresis`` overflows have used up the
+    tolerance, halves the scale (not below min_loss_scale); after ``loss_scale_window`` steps without
+    overflow the next one doubles it."""
+
+    loss_scale: float = 0.0  # 0 = dynamic; > 0 = this static scale
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False  # true: every step without overflow restores the hysteresis
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self):
+        _check(
+            math.isfinite(self.loss_scale) and self.loss_scale >= 0,
+            "engine.fp16.loss_scale",
+            self.loss_scale,
+            "0 (dynamic) or a positive static scale",
+        )
+        _check(
+            0 <= self.initial_scale_power <= 64,
+            "engine.fp16.initial_scale_power",
+            self.initial_scale_power,
+            "an integer in [0, 64] (the first dynamic scale is 2**power)",
+        )
+        _check(
+            self.loss_scale_window > 0, "engine.fp16.loss_scale_window", self.loss_scale_window, "a positive integer"
+        )
+        _check(self.hysteresis > 0, "engine.fp16.hysteresis", self.hysteresis, "a positive integer")
+        _check(
+            math.isfinite(self.min_loss_scale) and self.min_loss_scale > 0,
+            "engine.fp16.min_loss_scale",
+            self.min_loss_scale,
+            "a positive number",
+        )
+        if self.loss_scale == 0 and self.min_loss_scale > 2.0**self.initial_scale_power:
+            raise ConfigError(
+                f"engine.fp16.min_loss_scale={self.min_loss_scale:g} is above the first dynamic scale "
+                f"2**engine.fp16.initial_scale_power={2.0**self.initial_scale_power:g}"
+            )
+
+
 @dataclass
 class EngineConfig:
     # auto = $RLHF_DEVICE if set, else cuda when there is a GPU for every process of this node, else
@@ -495,9 +543,11 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     zero_stage: int = 3
     offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy)
-    # fp32 | bf16 (bf16 compute, fp32 master weights and reductions) | auto = bf16 on a CUDA device
-    # that supports it, fp32 elsewhere (resolved when the device is known; the log states it)
+    # fp32 | bf16 (bf16 compute, fp32 master weights and reductions) | fp16 (the same in fp16, with loss
+    # scaling: engine.fp16.*) | auto = bf16 on a CUDA device with native bf16 (compute capability ≥ 8),
+    # fp16 on an older one (V100, T4), fp32 on the CPU (resolved when the device is known; the log states it)
     precision: str = "auto"
+    fp16: FP16Config = field(default_factory=FP16Config)
     activation_checkpointing: bool = False
     # training forwards padding-free: a micro-batch's real tokens run as one packed sequence (positions
     # per sequence, no attention across sequences; rlhf/engine/packing.py); false = padded to the
@@ -510,10 +560,11 @@ class EngineConfig:
     hybrid: bool = True
     release_inference_cache: bool = True
     # weights and activations of the hybrid engine's inference mode (log-softmax and sampling stay
-    # fp32); auto = engine.precision. bf16 with fp32 training: faster rollouts (oneDNN AMX / AVX-512
-    # BF16 GEMMs on CPU); rollout log-probs within ~2e-2 of the fp32 recompute (as HF's own bf16
-    # model) instead of ~1e-6; PPO recomputes its old log-probs in training mode either way.
-    inference_dtype: str = "auto"  # auto | fp32 | bf16
+    # fp32); auto = engine.precision (fp16 training on the CPU: fp32, the CPU has no fast fp16 GEMMs).
+    # bf16 with fp32 training: faster rollouts (oneDNN AMX / AVX-512 BF16 GEMMs on CPU); rollout
+    # log-probs within ~2e-2 of the fp32 recompute (as HF's own bf16 model) instead of ~1e-6; PPO
+    # recomputes its old log-probs in training mode either way.
+    inference_dtype: str = "auto"  # auto | fp32 | bf16 | fp16
     # GEMM kernels of the inference mode: auto = the fast paths where they apply (CPU: MKL-packed fp32
     # decode GEMMs, oneDNN-packed bf16), reference = plain GEMMs everywhere (fp32 results differ from
     # auto's at rounding level only)
@@ -538,16 +589,16 @@ class EngineConfig:
         _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
         _check(self.offload in ("none", "cpu"), "engine.offload", self.offload, "none or cpu")
         _check(self.device in ("auto", "cpu", "cuda"), "engine.device", self.device, "auto, cpu or cuda")
-        _check(self.precision in ("auto", "fp32", "bf16"), "engine.precision", self.precision, "auto, fp32 or bf16")
+        _check(self.precision in ("auto", *PRECISIONS), "engine.precision", self.precision, "auto, fp32, bf16 or fp16")
         _check(self.backend in (None, "gloo", "nccl"), "engine.backend", self.backend, "gloo or nccl")
         _check(self.timeout_s > 0, "engine.timeout_s", self.timeout_s, "a positive number of seconds")
         _check(self.threads_per_rank >= 0, "engine.threads_per_rank", self.threads_per_rank, "a non-negative integer")
         _check(self.inference_tp_size > 0, "engine.inference_tp_size", self.inference_tp_size, "a positive integer")
         _check(
-            self.inference_dtype in ("auto", "fp32", "bf16"),
+            self.inference_dtype in ("auto", *PRECISIONS),
             "engine.inference_dtype",
             self.inference_dtype,
-            "auto, fp32 or bf16",
+            "auto, fp32, bf16 or fp16",
         )
         _check(
             self.inference_kernels in ("auto", "reference"),
@@ -572,10 +623,10 @@ class EngineConfig:
                 "none or cpu (unset = engine.offload)",
             )
             _check(
-                p.precision in (None, "auto", "fp32", "bf16"),
+                p.precision in (None, "auto", *PRECISIONS),
                 f"engine.{role}.precision",
                 p.precision,
-                "auto, fp32 or bf16 (unset = engine.precision)",
+                "auto, fp32, bf16 or fp16 (unset = engine.precision)",
             )
 
     def placement(self, role: str) -> "EngineConfig":

@@ -171,6 +171,7 @@ def run(cfg: Config) -> None:
                 grad_norm=grad_norm,
                 samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
                 epoch=batches.epoch_of(done),
+                **actor.scale_metrics("train"),
             )
         end_of_step(done, train, stop, mesh, checkpoint, evaluate)
     bar.close()

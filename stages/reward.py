@@ -191,6 +191,7 @@ def run(cfg: Config) -> None:
                 lr=lr,
                 grad_norm=grad_norm,
                 samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
+                **reward_model.scale_metrics("train"),
             )
         end_of_step(done, train, stop, mesh, checkpoint, evaluate)
     bar.close()

@@ -266,6 +266,9 @@ def save_checkpoint(
         schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
         world_size=mesh.world_size,
     )
+    scalers = {n: e.scaler.state_dict() for n, e in engines.items() if getattr(e, "scaler", None) is not None}
+    if scalers:  # fp16's loss scales (none otherwise: an fp32/bf16 state file is as it was)
+        full_state["loss_scalers"] = scalers
     tmp = None
     try:
         if mesh.is_main:
@@ -333,6 +336,7 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
         if getattr(eng, "zero1", False):
             eng.load_zero1_optimizer(path / f"{name}.optim_zero1.pt")
         eng.scheduler.load_state_dict(state["schedulers"][name])
+        _load_loss_scale(name, eng, state.get("loss_scalers", {}).get(name))
         eng.weights_version += 1  # the weights changed: cached inference weights are stale
     rng_file = path / f"rng_rank{mesh.rank}.pt"
     if rng_file.is_file() and state.get("world_size") == mesh.world_size:
@@ -341,6 +345,20 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return state
+
+
+def _load_loss_scale(name: str, engine, saved: Optional[dict]) -> None:
+    """An fp16 engine's loss scale from the checkpoint; one written without fp16 has none: the scale then
+    starts afresh (said in the log). Saved state an engine without loss scaling does not use is ignored."""
+    scaler = getattr(engine, "scaler", None)
+    if scaler is None:
+        return
+    if saved is None:
+        log.info(
+            "%s: the checkpoint holds no fp16 loss scale (written without fp16): starting at %g", name, scaler.scale
+        )
+        return
+    scaler.load_state_dict(saved)
 
 
 def export_hf(

@@ -21,7 +21,7 @@ from rlhf import seeding
 from rlhf.config import EngineConfig
 from rlhf.engine.draws import strided_keys
 from rlhf.engine.infer import Generation, InferenceModel, finish, left_pad
-from rlhf.engine.mesh import precision_of
+from rlhf.engine.mesh import DTYPES, inference_dtype_of
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError
 from rlhf.models.loading import decoder_layers
@@ -46,10 +46,7 @@ class HybridEngine:
             why = self.policy.check_tp(self.tp)
             if why:
                 raise ConfigError(why)
-        dtype = ecfg.inference_dtype
-        if dtype == "auto":
-            dtype = precision_of(ecfg, self.mesh.device)
-        self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # of the inference mode
+        self.dtype = DTYPES[inference_dtype_of(ecfg, self.mesh.device)]  # of the inference mode
         self._model: Optional[InferenceModel] = None  # kept when engine.release_inference_cache=false
         self._model_version = -1  # the engine's weights_version when _model was built
         self._hold = 0  # > 0 inside ``holding()``: the inference model is kept between calls

@@ -167,13 +167,42 @@ def choose_device(requested: str, local_rank: int, local_world: int) -> torch.de
     return torch.device("cuda", local_rank) if gpus else torch.device("cpu")
 
 
+# the torch dtype of each engine.precision / engine.inference_dtype name
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def name_of(dtype: torch.dtype) -> str:
+    """The precision name of a torch dtype (``DTYPES`` reversed)."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether a CUDA device computes in bf16 natively (Ampere and later, ROCm): torch's
+    ``is_bf16_supported()`` also says yes where bf16 is only emulated (V100, T4), slowly."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def precision_of(ecfg: EngineConfig, device: torch.device) -> str:
-    """``engine.precision`` with auto resolved: bf16 on a CUDA device that supports it, else fp32."""
+    """``engine.precision`` with auto resolved: bf16 on a CUDA device with native bf16, fp16 (with loss
+    scaling) on an older CUDA device — what DeepSpeed-Chat's ``--dtype fp16`` default runs there —, fp32
+    on the CPU."""
     if ecfg.precision != "auto":
         return ecfg.precision
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16"
+    if device.type == "cuda":
+        return "bf16" if native_bf16(device) else "fp16"
     return "fp32"
+
+
+def inference_dtype_of(ecfg: EngineConfig, device: torch.device) -> str:
+    """``engine.inference_dtype`` with auto resolved: the training precision, except fp16 training on the
+    CPU, whose inference copy is fp32: x86 CPUs without AVX512-FP16 run fp16 GEMMs 10-60x slower than
+    fp32 (docs/architecture.md, measured), and the rollouts' log-probs are then exact."""
+    if ecfg.inference_dtype != "auto":
+        return ecfg.inference_dtype
+    precision = precision_of(ecfg, device)
+    if precision == "fp16" and device.type == "cpu":
+        return "fp32"
+    return precision
 
 
 def check_tp(tp: int, world_size: int) -> None:

@@ -6,8 +6,10 @@ ZeRO on FSDP2 (docs/architecture.md): ``fully_shard`` per decoder block and at t
   1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer). 0: DDP.
 ``engine.offload=cpu``: FSDP2's CPUOffloadPolicy (on a GPU; in one process over a one-rank process group;
 refused with exit 2 where it cannot apply: on the CPU, and with ZeRO-0/1 on several processes).
-``engine.precision=bf16``: bf16 compute with fp32 master weights and fp32 gradient reduction. A single
-process runs the bare model (bf16 via autocast).
+``engine.precision=bf16`` / ``fp16``: bf16 / fp16 compute with fp32 master weights and fp32 gradient
+reduction (FSDP2's MixedPrecisionPolicy; autocast for a bare or DDP model); fp16 with loss scaling
+(``rlhf/engine/loss_scale.py``: ``backward`` scales the loss, ``step`` unscales, skips an overflow and
+updates the scale).
 
 The stages never branch on any of this: they call ``forward``, ``backward``, ``step``.
 """
@@ -33,7 +35,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from rlhf.config import EngineConfig, TrainConfig
 from rlhf.engine import packing
-from rlhf.engine.mesh import Mesh, precision_of
+from rlhf.engine.loss_scale import LossScaler
+from rlhf.engine.mesh import DTYPES, Mesh, precision_of
 from rlhf.engine.schedule import make_scheduler
 from rlhf.errors import ConfigError
 from rlhf.models.loading import decoder_layers
@@ -116,14 +119,14 @@ def apply_ddp(model: nn.Module, mesh: Mesh, trainable: bool) -> nn.Module:
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
     """ZeRO-2/3: FSDP2 ``fully_shard`` per decoder block and at the root (ZeRO-3 reshards the
-    parameters after forward), bf16 through its mixed-precision policy, optional CPU offload."""
+    parameters after forward), bf16 / fp16 through its mixed-precision policy, optional CPU offload."""
     # Rank 0's full weights, by reference: fully_shard copies its shard out of each parameter and
     # leaves the original tensor alone, so no second full copy is needed (the originals are freed
     # once they are broadcast below). A new dict: set_model_state_dict replaces its entries.
     full_sd = {k: v.detach() for k, v in model.state_dict().items()} if mesh.is_main else {}
     kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3 or not mesh.distributed)
-    if precision_of(ecfg, mesh.device) == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision_of(ecfg, mesh.device) != "fp32":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype(ecfg, mesh), reduce_dtype=torch.float32)
     if ecfg.offload == "cpu":  # a GPU run (check_offload)
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
@@ -139,22 +142,45 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
     return model
 
 
+def compute_dtype(ecfg: EngineConfig, mesh: Mesh) -> torch.dtype:
+    """The dtype the model computes in: ``engine.precision`` (auto resolved) as a torch dtype."""
+    return DTYPES[precision_of(ecfg, mesh.device)]
+
+
 def autocast(mesh: Mesh, ecfg: EngineConfig, is_fsdp: bool):
-    """bf16 compute for a bare or DDP model (FSDP2 casts through its MixedPrecisionPolicy instead)."""
-    if precision_of(ecfg, mesh.device) == "bf16" and not is_fsdp:
-        return torch.autocast(mesh.device.type, dtype=torch.bfloat16)
+    """bf16 / fp16 compute for a bare or DDP model (FSDP2 casts through its MixedPrecisionPolicy instead)."""
+    dtype = compute_dtype(ecfg, mesh)
+    if dtype != torch.float32 and not is_fsdp:
+        return torch.autocast(mesh.device.type, dtype=dtype)
     return contextlib.nullcontext()
+
+
+def loss_scaler(ecfg: EngineConfig, mesh: Mesh) -> Optional[LossScaler]:
+    """The loss scaler of a model trained in fp16 (None otherwise), its settings said in the log."""
+    if compute_dtype(ecfg, mesh) != torch.float16:
+        return None
+    scaler = LossScaler(ecfg.fp16, ecfg.role, mesh.is_main)
+    log.info("%s", scaler.describe())
+    if mesh.device.type == "cpu":
+        _say_once(
+            "fp16_cpu", "fp16 on the CPU: correct but slow (no fp16 GEMM units on x86: 10-60x fp32's time, measured)"
+        )
+    return scaler
 
 
 _SAID: set = set()
 
 
+def _say_once(key: str, message: str, *args) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        log.info(message, *args)
+
+
 def _say_once_single_process(ecfg: EngineConfig, mesh: Mesh) -> None:
     """In one process there is nothing to shard: ZeRO stages and offload do not apply. Said once."""
-    if "single" in _SAID:
-        return
-    _SAID.add("single")
-    log.info(
+    _say_once(
+        "single",
         "one process: the model trains unwrapped on %s (engine.zero_stage=%d applies from 2 processes on)",
         mesh.device,
         ecfg.zero_stage,
@@ -256,6 +282,8 @@ class TrainEngine:
             self.optimizer = torch.optim.AdamW(param_groups(self.model, tcfg.weight_decay), **adam)
         self.scheduler = make_scheduler(self.optimizer, tcfg, total_steps or tcfg.max_steps)
         self.weights_version = 0  # bumped whenever the weights change (step, checkpoint load)
+        self.scaler = loss_scaler(ecfg, mesh)  # fp16: the loss scale (checkpointed)
+        self.overflowed = False  # the last step() was skipped for an fp16 overflow (the scaler's to handle)
 
     # ---- the model as HF code knows it ----
     @property
@@ -275,7 +303,10 @@ class TrainEngine:
         return self
 
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
-        """``sync=False`` on all but the last micro-batch of an accumulation window."""
+        """``sync=False`` on all but the last micro-batch of an accumulation window. fp16: the loss is
+        multiplied by the loss scale first."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
         if self.is_fsdp:
             self.model.set_requires_gradient_sync(sync)
             loss.backward()
@@ -287,13 +318,24 @@ class TrainEngine:
 
     def step(self) -> float:
         """Clips, steps optimizer and schedule; returns the gradient norm before clipping. A
-        non-finite norm skips the update (gradients dropped, weights and schedule unchanged)."""
+        non-finite norm skips the update (gradients dropped, weights and schedule unchanged). fp16: the
+        gradients are unscaled first, the ranks agree on whether any of them overflowed (the FSDP2
+        norm's all-reduce, or one of its own over DDP), and the loss scaler takes a skip as an overflow
+        (``overflowed``) and updates the scale."""
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale([p.grad for p in params])
         max_norm = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        if not torch.isfinite(norm):
+        finite = bool(torch.isfinite(norm))
+        if self.scaler is not None:
+            if self.mesh.distributed and not self.is_fsdp:  # (FSDP2's norm is all-reduced already)
+                finite = self.mesh.max(int(not finite)) == 0  # one rank's overflow skips the step on all
+            self.overflowed = not finite
+            self.scaler.update(overflow=not finite)  # (raises at the minimum scale)
+        if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             return float(norm)
         self.optimizer.step()
@@ -305,6 +347,10 @@ class TrainEngine:
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+    def scale_metrics(self, prefix: str) -> dict:
+        """fp16: ``<prefix>/loss_scale`` and ``<prefix>/skipped_steps`` for the step's line; else nothing."""
+        return self.scaler.metrics(prefix) if self.scaler is not None else {}
 
     # ---- state ----
     def state_dicts(self):

@@ -27,6 +27,7 @@ import logging
 import math
 from typing import Callable, Dict, Optional, Tuple, TypeVar
 
+from rlhf.engine.mesh import name_of
 from rlhf.errors import UserError
 
 log = logging.getLogger("rlhf")
@@ -38,7 +39,7 @@ MAX_METRIC = "rollout/logprob_abs_diff_max"  # named beside it
 # two computations (the inference copy's dtype, the actor's training precision), over the healthy values
 # measured on the embedded task (docs/ppo.md, "The rollout-parity guard"): fp32 ≤ 8.3e-8 (12 000×), bf16
 # ≤ 2.7e-3 (18×; larger models in bf16 are reported at 1e-2 to 4e-2 between separate inference engines)
-DEFAULT_MAX = {"fp32": 1e-3, "bf16": 5e-2}
+DEFAULT_MAX = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 
 Exp = TypeVar("Exp")
 
@@ -48,10 +49,12 @@ class RolloutMismatch(UserError):
 
 
 def compute_dtype(inference_dtype: str, train_precision: str) -> str:
-    """The precision the two log-probs are compared at: bf16 when either side computes in bf16 (a bf16
-    inference copy, or fp32 rollouts recomputed under bf16 autocast), else fp32."""
-    if "bf16" in (inference_dtype, train_precision):
-        return "bf16"
+    """The precision the two log-probs are compared at: the coarser side's — bf16 when either computes in
+    bf16 (a bf16 inference copy, or fp32 rollouts recomputed under bf16 autocast), else fp16 when either
+    does (7 and 10 mantissa bits), else fp32."""
+    for dtype in ("bf16", "fp16"):
+        if dtype in (inference_dtype, train_precision):
+            return dtype
     return "fp32"
 
 
@@ -70,7 +73,7 @@ def exceeds(mean: Optional[float], limit: float) -> bool:
 
 
 class RolloutGuard:
-    """``mode``: stop | rebuild | off; ``limit``: the threshold (``threshold``); ``dtype`` (fp32/bf16)
+    """``mode``: stop | rebuild | off; ``limit``: the threshold (``threshold``); ``dtype`` (fp32/bf16/fp16)
     and ``settings`` (the model family and inference settings, for the messages); ``active``: false
     when no rollout comes from the inference mode (HF generate), when nothing is checked; ``main``: this
     rank logs the warnings (every rank decides alike: one says it)."""
@@ -93,8 +96,8 @@ class RolloutGuard:
     @classmethod
     def of(cls, ppo, hybrid, train_precision: str) -> "RolloutGuard":
         """The guard of a PPO run: ``ppo`` its PPOConfig, ``hybrid`` the HybridEngine (its dtype, TP
-        size, kernels, decode loop and model family), ``train_precision`` the actor's (fp32/bf16)."""
-        inference = "bf16" if "bfloat16" in str(hybrid.dtype) else "fp32"
+        size, kernels, decode loop and model family), ``train_precision`` the actor's (fp32/bf16/fp16)."""
+        inference = name_of(hybrid.dtype)
         dtype = compute_dtype(inference, train_precision)
         family = hybrid.policy.family if hybrid.policy is not None else "?"
         settings = (

@@ -114,6 +114,9 @@ class Updater:
         means = stats.means(mesh)
         if skipped:  # a count, not a mean (the same on every rank)
             means["nonfinite_skipped"] = skipped
+        means.update(actor.scale_metrics("actor"))  # fp16: the loss scales and their skipped updates
+        if critic is not None:
+            means.update(critic.scale_metrics("critic"))
         return means
 
     def _actor_step(
@@ -177,8 +180,8 @@ class Updater:
                 ok = _all_finite(loss, mesh)
                 if ok:
                     actor.backward(loss, sync=last)
-        if ok:
-            ok = math.isfinite(actor.step())
+        if ok:  # (an fp16 overflow is the loss scaler's to handle: skipped there, not counted here)
+            ok = math.isfinite(actor.step()) or actor.overflowed
         else:
             actor.optimizer.zero_grad(set_to_none=True)
         # the update's token means over every rank's tokens (each rank adds the same: any world size

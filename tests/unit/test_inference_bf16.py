@@ -34,7 +34,7 @@ def hybrid(model, **ecfg):
 
 def test_config_key_and_resolution():
     with pytest.raises(ConfigError, match=r"engine.inference_dtype"):
-        EngineConfig(inference_dtype="fp16")
+        EngineConfig(inference_dtype="fp8")
     model = tiny_model("llama")
     assert hybrid(model)[1].dtype == torch.float32  # default: auto = engine.precision = fp32
     assert hybrid(model, precision="bf16")[1].dtype == torch.bfloat16
@@ -155,7 +155,7 @@ def test_hydra_override():
     assert cfg.engine.inference_dtype == "bf16"
     assert compose_config([])[0].engine.inference_dtype == "auto"
     with pytest.raises(ConfigError, match=r"engine.inference_dtype"):
-        compose_config(["engine.inference_dtype=fp16"])
+        compose_config(["engine.inference_dtype=fp8"])
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
