@@ -37,13 +37,14 @@ class RewardScorer:
     members) with its tokenizer.
 
     The score of (prompt, response) is the head's value at the last token of
-    prompt + response + EOS, exactly as the reward stage trains and evaluates it ([n, k] for an ensemble)."""
+    prompt + response + EOS, exactly as the reward stage trains and evaluates it ([n, k] for an ensemble);
+    for a model whose pad is its EOS (a converted DeepSpeed-Chat one) at the token before the EOS."""
 
     def __init__(self, model_dir: str, device: str = "cpu", trust_remote_code: bool = False):
         from transformers import AutoModelForSequenceClassification
 
         from rlhf.models.loading import build_model, load_tokenizer
-        from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, members
+        from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, end_pad, members
 
         self.dir = Path(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir), trust_remote_code)
@@ -56,6 +57,7 @@ class RewardScorer:
         ).to(device)
         self.model.eval()
         self.values = ScalarHeadModel(self.model)
+        self.end_pad = end_pad(self.model.config)  # a pad that is the EOS: scored before it (Transformers' pooling)
         self.members = members(self.model.config)
         self.device = device
         stats_file = self.dir / REWARD_STATS_FILE
@@ -80,7 +82,8 @@ class RewardScorer:
             ids = pad_right(chunk, self.tokenizer.pad_token_id).to(self.device)
             lengths = torch.tensor([len(x) for x in chunk], device=self.device)
             mask = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
-            out.append(sequence_scores(self.values(input_ids=ids, attention_mask=mask), mask).cpu())
+            scores = sequence_scores(self.values(input_ids=ids, attention_mask=mask), mask, ids, self.end_pad)
+            out.append(scores.cpu())
         return torch.cat(out) if out else torch.zeros(0, device="cpu")
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64) -> torch.Tensor:

@@ -37,7 +37,7 @@ from rlhf.envs.base import check as check_env
 from rlhf.envs.builtin import environment
 from rlhf.errors import ConfigError, UserError
 from rlhf.launcher import interrupt
-from rlhf.models import loading, lora
+from rlhf.models import dschat, loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name, mean_head, members
 from rlhf.outputs.log import progress
 from rlhf.rewards import check as check_reward_fn
@@ -124,7 +124,7 @@ def run(cfg: Config) -> None:
     # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- setup: everything is validated before anything is written ----
-    actor_src, rm_srcs, critic_src = inputs(cfg)
+    actor_src, rm_srcs, critic_src = inputs(cfg, mesh)
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
         check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)
@@ -374,11 +374,12 @@ def run(cfg: Config) -> None:
     shutdown(mesh)
 
 
-def inputs(cfg: Config) -> Tuple[str, List[Path], Optional[Path]]:
+def inputs(cfg: Config, mesh: Mesh) -> Tuple[str, List[Path], Optional[Path]]:
     """(actor source, reward-model dirs, critic dir or None): the SFT output (or model.path or
     ppo.actor_path), the reward models (ppo.reward_model_path, comma-separated for several, or the
     reward stage's output; none when unused) and the critic's start (ppo.critic_path or the first
-    reward model)."""
+    reward model). A DeepSpeed-Chat reward model (or critic) given by path is converted into
+    <run.dir>/converted/ first (rank 0; rlhf/models/dschat.py)."""
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
@@ -398,7 +399,8 @@ def inputs(cfg: Config) -> Tuple[str, List[Path], Optional[Path]]:
             f"(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or there is none)"
         )
     if ppo.reward_model_path:  # several, comma-separated: their members together are one ensemble
-        for path in [x.strip() for x in str(ppo.reward_model_path).split(",") if x.strip()]:
+        for given in [x.strip() for x in str(ppo.reward_model_path).split(",") if x.strip()]:
+            path = dschat.reward_model_input(given, "ppo.reward_model_path", cfg.run.dir, mesh)
             loading.check_scalar_model(path, "ppo.reward_model_path")
             rm_srcs.append(Path(path).expanduser())
     elif needs_rm:
@@ -411,8 +413,9 @@ def inputs(cfg: Config) -> Tuple[str, List[Path], Optional[Path]]:
             )
     critic_src = None
     if ppo.critic_path:
-        loading.check_scalar_model(ppo.critic_path, "ppo.critic_path")
-        critic_src = Path(ppo.critic_path).expanduser()
+        critic = dschat.reward_model_input(ppo.critic_path, "ppo.critic_path", cfg.run.dir, mesh)
+        loading.check_scalar_model(critic, "ppo.critic_path")
+        critic_src = Path(critic).expanduser()
     elif gae:
         critic_src = rm_srcs[0]
     if ppo.actor_path:

@@ -30,7 +30,7 @@ from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import DataError
 from rlhf.launcher import interrupt
-from rlhf.models import loading, lora
+from rlhf.models import dschat, loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, members, sequence_scores
 from rlhf.outputs.log import progress
 from rlhf.runtime.stage import (
@@ -62,6 +62,9 @@ def run(cfg: Config) -> None:
 
     # ---- setup: everything is validated before anything is written ----
     source = stage_input(cfg, cfg.reward.model_path, "reward.model_path", "reward")
+    # a DeepSpeed-Chat reward model: its conversion in <run.dir>/converted/ (rlhf/models/dschat.py)
+    key = "reward.model_path" if cfg.reward.model_path else "model.path"
+    source = dschat.reward_model_input(source, key, cfg.run.dir, mesh)
     loading.check_model_path(source)
     data = load_stage_data(data_cfg, "reward", cfg.run.seed)
     require_pairs(data, data_cfg.format, "reward")

@@ -2,9 +2,11 @@
 
 The model is a standard ``AutoModelForSequenceClassification`` (num_labels=1), so the reward model
 is a plain Hugging Face artifact. Its head (``score``) runs on every position (the critic's values);
-the score of a sequence is the value at its last non-pad token. Position ids come from the attention
-mask, so left and right padding score alike. A reward-model ensemble (``reward.ensemble=k``) is the
-same model with k labels: member i is the head's row i, over the one backbone (docs/ppo.md).
+the score of a sequence is the value at its last non-pad token (for a model whose pad is its EOS, the
+last before its trailing EOS, as Transformers' pooling reads it: ``end_pad``). Position ids come from
+the attention mask, so left and right padding score alike. A reward-model ensemble
+(``reward.ensemble=k``) is the same model with k labels: member i is the head's row i, over the one
+backbone (docs/ppo.md).
 """
 
 from __future__ import annotations
@@ -105,7 +107,27 @@ class ScalarHeadModel(nn.Module):
         return out.sum(-1).float()
 
 
-def sequence_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The value at each row's last real token: [B] from [B, T] values, [B, k] from an ensemble's."""
+def end_pad(config) -> Optional[int]:
+    """The token a reward model's score is read before when it ends a row: its pad where the pad is also
+    its EOS — Transformers' pooling reads the last token that is not the pad, and DeepSpeed-Chat's reward
+    models (every family but Llama: rlhf/models/dschat.py) were trained on that position —; None for any
+    other model (rlhf's own: pad and EOS differ), read at the last real token."""
+    pad = getattr(config, "pad_token_id", None)
+    eos = getattr(config, "eos_token_id", None)
+    if pad is None or pad not in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        return None
+    return pad
+
+
+def sequence_scores(
+    values: torch.Tensor,
+    attention_mask: torch.Tensor,
+    input_ids: Optional[torch.Tensor] = None,
+    end_pad: Optional[int] = None,
+) -> torch.Tensor:
+    """The value at each row's last real token: [B] from [B, T] values, [B, k] from an ensemble's.
+    ``end_pad`` (``end_pad(config)``): the last real token of ``input_ids`` that is not that id."""
     rows = torch.arange(values.shape[0], device=values.device)
+    if end_pad is not None:
+        attention_mask = attention_mask.bool() & input_ids.ne(end_pad)
     return values[rows, last_index(attention_mask)]

@@ -28,7 +28,7 @@ from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import FrozenModel, TrainEngine
 from rlhf.errors import UserError
 from rlhf.models.lora import unwrap
-from rlhf.models.value import sequence_scores
+from rlhf.models.value import end_pad, sequence_scores
 from rlhf.ops import SamplingParams
 from rlhf.ops.sampling import prompt_major
 from rlhf.rl.episodes import EpisodeRunner, Episodes, merge_stats
@@ -133,15 +133,21 @@ class RewardNormaliser:
 
 
 class RewardModels:
-    """Several reward models (``ppo.reward_model_path=a,b,...``) scored as one ensemble: their values
-    side by side, [B, T, K] with K their members in all (a model's own members in order)."""
+    """Several reward models (``ppo.reward_model_path=a,b,...``) scored as one ensemble: their scores
+    side by side, [B, K] with K their members in all (a model's own members in order)."""
 
     def __init__(self, models: List[Model]):
         self.models = models
 
-    def forward(self, **batch) -> torch.Tensor:
-        outs = [m.forward(**batch) for m in self.models]
-        return torch.cat([o if o.dim() > 2 else o[..., None] for o in outs], -1)
+
+def reward_scores(model: Union[Model, RewardModels], seq: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    """Each row's score by a reward model: its value at the row's last real token (before a trailing
+    EOS for a model whose pad is its EOS: ``end_pad``); several models' (``RewardModels``) side by side."""
+    if isinstance(model, RewardModels):
+        outs = [reward_scores(m, seq, att) for m in model.models]
+        return torch.cat([o if o.dim() > 1 else o[:, None] for o in outs], -1)
+    values = model.forward(input_ids=seq, attention_mask=att)
+    return sequence_scores(values, att, seq, end_pad(model.module.config))
 
 
 @dataclass
@@ -167,7 +173,7 @@ class Scorers:
         rows, watch = seq.shape[0], {}
         micro = ppo.micro_batch_per_rank or rows  # a scalar head: no vocabulary-sized logits
         raw = in_micro_batches(
-            lambda r: sequence_scores(self.reward_model.forward(input_ids=seq[r], attention_mask=att[r]), att[r]),
+            lambda r: reward_scores(self.reward_model, seq[r], att[r]),
             row_groups(att, micro, ppo.max_tokens_per_micro_batch, mesh),
         )
         raw, clipped = self.normalise.clip(raw)
