@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 PAD, BOS, EOS = 0, 1, 2
+LEARNED_POSITIONS = ("opt", "gpt2")  # LayerNorm, learned positions, plain MLPs
 
 
 def tiny_config(
@@ -17,8 +18,12 @@ def tiny_config(
     intermediate: int = 128,
     **kw,
 ):
-    """``kw``: further config fields (biases, windows, RoPE scaling...)."""
+    """``kw``: further config fields (biases, windows, RoPE scaling...). OPT and GPT-2: multi-head
+    attention (``kv`` unused), dropout off, tied embeddings (their defaults) unless ``kw`` says otherwise."""
     from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+
+    if family in LEARNED_POSITIONS:
+        return _learned_positions_config(family, vocab, hidden, layers, heads, intermediate, **kw)
 
     cls = {
         "llama": LlamaConfig,
@@ -46,13 +51,44 @@ def tiny_config(
     return cls(**{**fields, **kw})
 
 
+def _learned_positions_config(family: str, vocab: int, hidden: int, layers: int, heads: int, intermediate: int, **kw):
+    from transformers import GPT2Config, OPTConfig
+
+    ids = dict(vocab_size=vocab, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    if family == "opt":
+        fields = dict(
+            hidden_size=hidden,
+            ffn_dim=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            max_position_embeddings=256,
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+        return OPTConfig(**ids, **{**fields, **kw})
+    fields = dict(
+        n_embd=hidden,
+        n_inner=intermediate,
+        n_layer=layers,
+        n_head=heads,
+        n_positions=256,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+    )
+    return GPT2Config(**ids, **{**fields, **kw})
+
+
 def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
     """``perturb``: random biases and q/k norm weights (HF initialises them to 0 and 1, where a dropped
-    bias or a misplaced norm weight would change nothing)."""
+    bias or a misplaced norm weight would change nothing); OPT and GPT-2: their LayerNorm weights too."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(tiny_config(family, **kw))
+    if family in LEARNED_POSITIONS:
+        return _spread(m, seed, perturb).eval()
     with torch.no_grad():  # larger random weights: peaked distributions, fewer greedy ties
         for p in m.parameters():
             if p.ndim == 2:
@@ -64,6 +100,29 @@ def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.3)
     return m.eval()
+
+
+# OPT's and GPT-2's token and position tables (2-D, but not projections)
+TABLES = ("embed_tokens.weight", "embed_positions.weight", "wte.weight", "wpe.weight")
+
+
+@torch.no_grad()
+def _spread(m, seed: int, perturb: bool):
+    """OPT and GPT-2 weights whose every part shows in the greedy tokens: the residual stream is not a
+    LayerNorm'd copy of the last token (embeddings at std 0.3, projections at 10x HF's init) nor drowned in
+    biases (0.2); with ``perturb`` random biases and LayerNorm weights (HF: 0 and 1). At HF's scales a
+    tiny model repeats one token whatever its positions, biases or activation."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in m.named_parameters():
+        if name.endswith(TABLES):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        elif p.ndim == 2:
+            p.mul_(10.0)
+        elif perturb and name.endswith(".bias"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        elif perturb and name.endswith(".weight"):  # LayerNorms
+            p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.3)
+    return m
 
 
 def mixed_prompts(n: int = 6, seed: int = 0, vocab: int = 97):

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from rlhf.engine.graphs import StepGraphs
-from rlhf.ops import SamplingParams, rotary_cos_sin
+from rlhf.ops import SamplingParams
 from rlhf.ops.sampling import sample
 
 log = logging.getLogger("rlhf")
@@ -92,9 +92,8 @@ class StaticDecoder:
         self.cache = torch.zeros((len(model.layers), R, L, 2 * model.hk * model.d), dtype=model.dtype, device=device)
         self.bias = torch.full((R, L), float("-inf"), dtype=model.dtype, device=device)  # additive key mask
         self.slots = torch.arange(L, device=device)
-        self.scaling = float(model.root["rope_scaling"])  # read once, not per call
-        # rotations of every position, looked up per step (complex, as rotary_cos_sin gives them)
-        self.rot = rotary_cos_sin(model.root["inv_freq"], self.slots[None], self.scaling, model.dtype)[0]
+        # rotations (or learned table rows) of every position, looked up per step (model.position_table)
+        self.rot = model.position_table(L, device)
         self.tok = torch.full((R,), key.pad_id, dtype=torch.long, device=device)  # the last sampled token
         self.pos = torch.zeros((R,), dtype=torch.long, device=device)  # its position
         self.slot = torch.zeros((1,), dtype=torch.long, device=device)  # its cache slot
@@ -192,9 +191,7 @@ class StaticDecoder:
         self.bias.fill_(float("-inf"))
         self.bias[:B, :P].masked_fill_(pmask.bool(), 0.0)
         # the row-removing loop's table for P + N positions, bit for bit
-        self.rot[: P + N].copy_(
-            rotary_cos_sin(model.root["inv_freq"], self.slots[None, : P + N], self.scaling, model.dtype)[0]
-        )
+        self.rot[: P + N].copy_(model.position_table(P + N, self.device))
         self.tok.fill_(self.key.pad_id)
         self.pos.zero_()
         self.pos[:B].copy_(pmask.sum(-1).clamp(min=1))  # the position after the prompt's last token

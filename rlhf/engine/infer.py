@@ -2,7 +2,10 @@
 
 The weights arrive as plain tensors laid out by an injection policy (``rlhf.models.policies``):
 fused QKV and gate/up projections, this TP rank's slices when ``tp > 1`` (one all-reduce after the
-attention output and one after the MLP), in the inference dtype (``engine.inference_dtype``); the
+attention output and one after the MLP), in the inference dtype (``engine.inference_dtype``). The
+blocks are the policy's kinds: RMSNorm or LayerNorm (with bias), pre- or post-norm, rotary positions
+(rotated q/k) or a learned table (added to the embeddings; the root's ``wpe``), a SiLU-gated or plain
+MLP (``rlhf.ops.activation``), embedding-width projections in and out where the root has them; the
 GEMM operands are laid out once here (``rlhf.ops.linear``: pre-transposed, or oneDNN-packed bf16) and,
 for fp32 on an MKL CPU, packed again when a generation starts: the large matrices in oneDNN's layout
 (any rows: the prefill's and the decode steps'), the small ones by MKL for the decode batch
@@ -28,7 +31,17 @@ import torch.nn.functional as F
 from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
 from rlhf.engine.draws import row_draws, row_keys
 from rlhf.models.policies import InjectionPolicy
-from rlhf.ops import SamplingParams, attend, attend_varlen, rms_norm, rotary_cos_sin, sample, varlen_kernel_fits
+from rlhf.ops import (
+    ACTIVATIONS,
+    SamplingParams,
+    attend,
+    attend_varlen,
+    layer_norm,
+    rms_norm,
+    rotary_cos_sin,
+    sample,
+    varlen_kernel_fits,
+)
 from rlhf.ops.linear import (
     can_pack,
     can_pack_onednn_fp32,
@@ -110,7 +123,7 @@ def left_pad(prompts: List[List[int]], pad_id: int, device=None):
     return ids.to(device), mask.to(device)
 
 
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down", "lm_head", "proj_in", "proj_out")
 
 
 class InferenceModel:
@@ -141,6 +154,10 @@ class InferenceModel:
         self.p, self.tp, self.tp_group, self.dtype = policy, tp, tp_group, dtype
         self.hq, self.hk = policy.num_heads // tp, policy.num_kv_heads // tp
         self.d = policy.head_dim
+        self.learned = "wpe" in self.root  # learned positions (a table), else rotary
+        # rotary: the attention scaling of the rotations, read once (not a host read per call)
+        self.rope_scaling = 1.0 if self.learned else float(self.root["rope_scaling"])
+        self.act = ACTIVATIONS.get(policy.activation)  # a plain MLP's
         self.windows = tuple(policy.window(i) for i in range(len(self.layers)))  # per layer, None = full
         # the prefill of left-padded prompts: the real tokens packed into one sequence for the flash
         # kernel (varlen) where it fits, else every slot with an additive mask (the CPU's reference)
@@ -254,8 +271,15 @@ class InferenceModel:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [B, T, V] of ``ids`` [B, T] at cache slots [start, start+T); ``key_valid`` [B, >=start+T]."""
-        rot = rotary_cos_sin(self.root["inv_freq"], positions, float(self.root["rope_scaling"]), self.dtype)
-        return self._forward(ids, rot, self._masks(key_valid, start, start + ids.shape[1]), start)
+        masks = self._masks(key_valid, start, start + ids.shape[1])
+        return self._forward(ids, self.at_positions(positions), masks, start)
+
+    def at_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """What ``_forward`` takes for integer ``positions`` [B, T]: complex rotations [B, T, r/2]
+        (rotary), or the rows of the position table [B, T, hidden] (learned)."""
+        if self.learned:
+            return F.embedding(positions, self.root["wpe"])
+        return rotary_cos_sin(self.root["inv_freq"], positions, self.rope_scaling, self.dtype)
 
     def _masks(self, key_valid: torch.Tensor, start: int, end: int) -> Dict[Optional[int], torch.Tensor]:
         """``attention_bias`` for each window the layers use (None: full attention)."""
@@ -264,7 +288,7 @@ class InferenceModel:
     def _forward(
         self,
         ids: torch.Tensor,
-        rot: torch.Tensor,
+        pos: torch.Tensor,
         masks: Optional[Dict[Optional[int], torch.Tensor]],
         start: int,
         last_only: bool = False,
@@ -272,8 +296,9 @@ class InferenceModel:
         span: int = 0,
         packed: Optional["Packed"] = None,
     ) -> torch.Tensor:
-        """``rot`` [B, T, r/2] complex rotations (r = the rotated dimensions of a head); ``masks`` additive
-        [B, 1, T, start+T] per layer window (None: causal, from slot 0, no padding, no window);
+        """``pos``: the tokens' positions as ``at_positions`` gives them (rotary: [B, T, r/2] complex
+        rotations, r = the rotated dimensions of a head; learned: [B, T, hidden] table rows); ``masks``
+        additive [B, 1, T, start+T] per layer window (None: causal, from slot 0, no padding, no window);
         ``last_only``: logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden]
         between GEMMs. A row-parallel output's bias (``bo``, ``b_down``) is on TP rank 0 only.
         The static step (rlhf/engine/decode_static.py): ``slot`` a [1] device tensor, the cache slot of
@@ -283,16 +308,24 @@ class InferenceModel:
         B, T = ids.shape
         end = start + T if slot is None else span
         hq, hk, d, eps, lin = self.hq, self.hk, self.d, self.p.eps, self._linear
-        rot = rot.reshape(B * T, 1, -1)
+        pre, norm = self.p.prenorm, self._norm
         x = F.embedding(ids.reshape(-1), self.root["embed"]).to(self.dtype)
+        if "proj_in" in self.root:  # embedding width → hidden width (OPT-350m)
+            x = lin(x, self.root, self._rw[-1], "proj_in")
+        rot = None
+        if self.learned:  # HF: token embeddings + position embeddings
+            x.add_(pos.reshape(B * T, -1))
+        else:
+            rot = pos.reshape(B * T, 1, -1)
         for li, w in enumerate(self.layers):
             rw = self._rw[li]
-            h = rms_norm(x, w["ln1"], eps)
+            h = norm(x, w, "ln1") if pre else x
             qkv = lin(h, w, rw, "wqkv", w.get("bqkv"))
             if "qk_norm" in w:  # RMSNorm of each q and k head (Qwen3), in place, before the rotation
                 qk = qkv[:, : (hq + hk) * d].unflatten(-1, (hq + hk, d))
                 qk.copy_(F.rms_norm(qk, (d,), eps=eps).mul_(w["qk_norm"]))  # HF: weight · norm(x)
-            apply_rotary_(qkv[:, : (hq + hk) * d], rot, d)  # q and k heads in one op, in place
+            if rot is not None:
+                apply_rotary_(qkv[:, : (hq + hk) * d], rot, d)  # q and k heads in one op, in place
             kv = self._kv[li]
             if packed is not None:  # each token to its own slot; attention within its own row
                 kv.view(-1, kv.shape[-1]).index_copy_(0, packed.slots, qkv[:, hq * d :])
@@ -315,25 +348,51 @@ class InferenceModel:
                 a = attend(qkv[:, : hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
                 a = a.transpose(1, 2).reshape(B * T, hq * d)
             x.add_(self._all_reduce(lin(a, w, rw, "wo", w.get("bo"))))
-            h = rms_norm(x, w["ln2"], eps)
-            gate, up = lin(h, w, rw, "w_gate_up", w.get("b_gate_up")).chunk(2, dim=-1)
-            x.add_(self._all_reduce(lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down", w.get("b_down"))))
+            if not pre:  # post-norm (OPT-350m): the norm after the residual add
+                x = norm(x, w, "ln1")
+            h = norm(x, w, "ln2") if pre else x
+            x.add_(self._all_reduce(self._mlp(h, w, rw)))
+            if not pre:
+                x = norm(x, w, "ln2")
         if packed is not None:
             x, B, T = x[packed.last], packed.last.shape[0], 1
         elif last_only:
             x, T = x.view(B, T, -1)[:, -1], 1
-        x = rms_norm(x, self.root["norm"], eps)
+        if "norm" in self.root:  # (none in post-norm OPT)
+            x = norm(x, self.root, "norm")
+        if "proj_out" in self.root:
+            x = lin(x, self.root, self._rw[-1], "proj_out")
         return lin(x, self.root, self._rw[-1], "lm_head").view(B, T, -1)
 
-    def rotary_table(self, n: int, device) -> torch.Tensor:
-        """The rotations of positions 0..n−1 [n, r/2] (complex), looked up per step."""
-        return rotary_cos_sin(
-            self.root["inv_freq"], torch.arange(n, device=device)[None], float(self.root["rope_scaling"]), self.dtype
-        )[0]
+    def _norm(self, x: torch.Tensor, w: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """The norm ``name`` of ``w`` (a layer's or the root's): RMSNorm, or LayerNorm with ``<name>_b``."""
+        if self.p.norm == "rms":
+            return rms_norm(x, w[name], self.p.eps)
+        return layer_norm(x, w[name], w[name + "_b"], self.p.eps)
+
+    def _mlp(self, h: torch.Tensor, w: Dict[str, torch.Tensor], rw: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
+        """down(SiLU(gate) · up), or down(act(up)) for a plain MLP (before the all-reduce)."""
+        lin = self._linear
+        if self.p.mlp == "gated":
+            gate, up = lin(h, w, rw, "w_gate_up", w.get("b_gate_up")).chunk(2, dim=-1)
+            return lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down", w.get("b_down"))
+        return lin(self.act(lin(h, w, rw, "w_up", w.get("b_up"))), w, rw, "w_down", w.get("b_down"))
+
+    def position_table(self, n: int, device) -> torch.Tensor:
+        """What ``_forward`` takes for positions 0..n−1 (``at_positions``), looked up per step: [n, r/2]
+        rotations, or [n, hidden] rows of the learned table (a copy; zero rows past its end, which no
+        generation reaches: ``generate`` refuses one that would)."""
+        if not self.learned:
+            return self.at_positions(torch.arange(n, device=device)[None])[0]
+        wpe = self.root["wpe"]
+        out = wpe.new_zeros((n, wpe.shape[1]))
+        rows = min(n, wpe.shape[0])
+        out[:rows] = wpe[:rows]
+        return out
 
     def prefill(self, ids: torch.Tensor, pmask: torch.Tensor, rot_table: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] at the last token of each left-padded prompt (``ids``, ``pmask`` [B, P]), the
-        prompts' keys and values written to cache slots [0, P) (``rot_table``: rotations by position).
+        prompts' keys and values written to cache slots [0, P) (``rot_table``: ``position_table``).
         Unpadded rows with no sliding window on CUDA: plain causal attention (flash, no mask). Padded
         rows where ``packed_prefill``: the real tokens of every row packed back to back, so that no GEMM
         or attention computes padding and the flash kernel runs without a mask (varlen); the padding
@@ -369,6 +428,13 @@ class InferenceModel:
         key (default: its index), whose samples draw from streams of their own (``row_draws``)."""
         device = device or self.root["embed"].device
         rows = prompt_major(prompts, sp.samples_per_prompt)
+        reach = max(len(p) for p in prompts) + sp.max_new_tokens - 1  # positions fed: 0 .. reach - 1
+        if self.learned and reach > self.root["wpe"].shape[0]:
+            raise ValueError(
+                f"inference mode: prompts of up to {reach + 1 - sp.max_new_tokens} tokens and "
+                f"{sp.max_new_tokens} new ones reach position {reach - 1}; the model's position table "
+                f"holds {self.root['wpe'].shape[0]} (max_position_embeddings)"
+            )
         ids, pmask = left_pad(rows, pad_id, device)
         draws = None  # [rows, max_new_tokens]; none when greedy
         if sp.temperature > 0:
@@ -398,8 +464,8 @@ class InferenceModel:
         N = sp.max_new_tokens
         self.allocate(B, P + N, device)
         self.pack_for_rows(B)
-        # rotations of every position this call can reach, looked up per step
-        rot_table = self.rotary_table(P + N, device)
+        # the rotations (or table rows) of every position this call can reach, looked up per step
+        rot_table = self.position_table(P + N, device)
         # additive key mask over the cache slots, kept up to date in place: 0 = a token, -inf = padding / empty
         bias = torch.full((B, P + N), float("-inf"), dtype=self.dtype, device=device)
         bias[:, :P].masked_fill_(pmask.bool(), 0.0)

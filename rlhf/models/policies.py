@@ -9,22 +9,98 @@ differ in biases (Qwen2: q/k/v; Qwen3 and Llama: q/k/v/o with ``attention_bias``
 windows (Mistral and Phi-3: every layer; Qwen2/Qwen3: the layers ``layer_types`` names). Each family
 is one row of FAMILY_TABLE (a ``Family``: those traits, each the HF modeling code's rule); the policy
 reads the row, never the family's name, so a family whose traits are all in it needs only its row.
+OPT and GPT-2 (DeepSpeed-Chat's own families) differ in kind, each a trait too: LayerNorm with bias
+instead of RMSNorm, learned absolute positions (a table; OPT's rows offset by 2) instead of rotary, a
+plain MLP (ReLU, GELU) with biases instead of the SiLU-gated one, post-LayerNorm blocks (OPT's
+``do_layer_norm_before=False``), projections between the embedding and hidden widths (OPT-350m's
+``project_in``/``project_out``), Conv1D weights stored [in, out] (GPT-2). Where a family keeps each weight
+is its ``Modules`` row (paths relative to the causal LM and to a decoder layer).
 Anything the inference modules do not reproduce exactly (other activations, dynamic or LongRoPE
-frequencies, other layer types, MoE) has no policy: the caller falls back to HF generate with the
-one-line reason, never to wrong output.
+frequencies, other layer types, MoE, the config switches a family's ``refuse`` names) has no policy: the
+caller falls back to HF generate with the one-line reason, never to wrong output.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from rlhf.models.lora import is_lora_layer, weight
+from rlhf.ops.activation import ACTIVATIONS
 from rlhf.ops.rotary import interleave_permutation
 
 WINDOW_RULES = ("none", "every_layer", "layer_types")
+NORMS = ("rms", "layer")  # RMSNorm (weight only) | LayerNorm (weight and bias)
+POSITIONS = ("rotary", "learned")  # rotary embedding | a learned table added to the token embeddings
+MLPS = ("gated", "plain")  # down(SiLU(gate) · up) | down(act(up))
+
+
+@dataclass(frozen=True)
+class Modules:
+    """Where a family's HF model keeps the weights the policy reads: ``base`` (the decoder stack) and
+    the root's modules relative to the causal LM and to ``base``, a block's relative to one decoder
+    layer ("": the family has none; a module the model sets to None, such as OPT's ``project_in`` at
+    equal widths or its final norm in post-LayerNorm models, is absent too)."""
+
+    base: str = "model"
+    embed: str = "embed_tokens"
+    positions: str = ""  # the learned position table
+    norm: str = "norm"  # the final norm
+    project_in: str = ""  # embedding width → hidden width (after the lookup)
+    project_out: str = ""  # hidden width → embedding width (before the LM head)
+    q: str = "self_attn.q_proj"
+    k: str = "self_attn.k_proj"
+    v: str = "self_attn.v_proj"
+    qkv: str = "self_attn.qkv_proj"  # fused, rows [q; k; v] (Family.fused)
+    o: str = "self_attn.o_proj"
+    gate: str = "mlp.gate_proj"
+    up: str = "mlp.up_proj"
+    gate_up: str = "mlp.gate_up_proj"  # fused, rows [gate; up] (Family.fused, gated MLP)
+    down: str = "mlp.down_proj"
+    ln1: str = "input_layernorm"  # before attention (pre-norm) or after its residual add (post-norm)
+    ln2: str = "post_attention_layernorm"  # the same around the MLP
+    q_norm: str = "self_attn.q_norm"
+    k_norm: str = "self_attn.k_norm"
+
+
+LLAMA_MODULES = Modules()
+OPT_MODULES = Modules(
+    base="model.decoder",
+    positions="embed_positions",
+    norm="final_layer_norm",
+    project_in="project_in",
+    project_out="project_out",
+    o="self_attn.out_proj",
+    up="fc1",
+    down="fc2",
+    ln1="self_attn_layer_norm",
+    ln2="final_layer_norm",
+)
+GPT2_MODULES = Modules(
+    base="transformer",
+    embed="wte",
+    positions="wpe",
+    norm="ln_f",
+    qkv="attn.c_attn",
+    o="attn.c_proj",
+    up="mlp.c_fc",
+    down="mlp.c_proj",
+    ln1="ln_1",
+    ln2="ln_2",
+)
+
+
+def module_at(root, path: str):
+    """The submodule of ``root`` at the dotted ``path``, or None ("" or absent)."""
+    if not path:
+        return None
+    try:
+        return attrgetter(path)(root)
+    except AttributeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -34,7 +110,7 @@ class Family:
 
     model_type: str
     # one fused input projection per block, HF rows qkv_proj = [q; k; v] and gate_up_proj = [gate; up]
-    # (Phi-3); else q/k/v_proj and gate/up_proj
+    # (Phi-3; GPT-2's c_attn); else q/k/v_proj and gate/up_proj
     fused: bool = False
     # which layers slide: "every_layer" (one mask for all, windowed when sliding_window is set: Mistral,
     # Phi-3), "layer_types" (layer i's mask is config.layer_types[i]'s: Qwen2/Qwen3), "none" (Llama)
@@ -42,15 +118,38 @@ class Family:
     qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2)
     attention_bias: bool = False  # config.attention_bias honoured: q/k/v and o_proj biases (Llama, Qwen3)
     mlp_bias: bool = False  # config.mlp_bias honoured: gate/up/down biases (Llama)
+    # every projection's bias (q/k/v, o, up, down): "always" (GPT-2), or the config flag that switches
+    # them all (OPT: enable_bias); "" none beyond the three traits above
+    biases: str = ""
     qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
     partial_rotary: bool = False  # partial_rotary_factor honoured (Phi-3); the others rotate whole heads
     # training forwards may run packed (rlhf/engine/packing.py): its HF attention goes through
     # Transformers' attention interface with the keyword arguments (sequence bounds, sliding window)
     packs: bool = False
+    modules: Modules = LLAMA_MODULES
+    norm: str = "rms"  # NORMS
+    eps_key: str = "rms_norm_eps"  # the config field of the norms' epsilon ("": nn.LayerNorm's 1e-5, OPT)
+    # the config flag that says pre-norm blocks, false = post-norm (OPT: do_layer_norm_before); "": pre-norm
+    prenorm_key: str = ""
+    positions: str = "rotary"  # POSITIONS
+    position_offset: int = 0  # learned: the table row of position p is p + offset (OPT: 2)
+    mlp: str = "gated"  # MLPS
+    act_key: str = "hidden_act"  # the config field naming the MLP's activation
+    # the MLP's width: this config field; None there (GPT-2's n_inner) means 4 · hidden_size
+    intermediate_key: str = "intermediate_size"
+    conv1d: bool = False  # weights stored [in, out] (GPT-2's Conv1D), transposed to a Linear's [out, in]
+    # config switches the inference modules do not reproduce: (field, the only value served)
+    refuse: Tuple[Tuple[str, object], ...] = ()
 
     def __post_init__(self):
-        if self.windows not in WINDOW_RULES:
-            raise ValueError(f"{self.model_type}: windows={self.windows!r}, expected one of {WINDOW_RULES}")
+        for name, value, allowed in (
+            ("windows", self.windows, WINDOW_RULES),
+            ("norm", self.norm, NORMS),
+            ("positions", self.positions, POSITIONS),
+            ("mlp", self.mlp, MLPS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{self.model_type}: {name}={value!r}, expected one of {allowed}")
 
 
 FAMILY_TABLE = (
@@ -59,6 +158,41 @@ FAMILY_TABLE = (
     Family("qwen3", windows="layer_types", attention_bias=True, qk_norm=True, packs=True),
     Family("mistral", windows="every_layer", packs=True),
     Family("phi3", fused=True, windows="every_layer", partial_rotary=True, packs=True),
+    Family(
+        "opt",
+        biases="enable_bias",
+        packs=True,
+        modules=OPT_MODULES,
+        norm="layer",
+        eps_key="",
+        prenorm_key="do_layer_norm_before",
+        positions="learned",
+        position_offset=2,
+        mlp="plain",
+        act_key="activation_function",
+        intermediate_key="ffn_dim",
+        refuse=(("layer_norm_elementwise_affine", True),),
+    ),
+    Family(
+        "gpt2",
+        fused=True,
+        biases="always",
+        packs=True,
+        modules=GPT2_MODULES,
+        norm="layer",
+        eps_key="layer_norm_epsilon",
+        positions="learned",
+        mlp="plain",
+        act_key="activation_function",
+        intermediate_key="n_inner",
+        conv1d=True,
+        refuse=(
+            ("scale_attn_weights", True),
+            ("scale_attn_by_inverse_layer_idx", False),
+            ("reorder_and_upcast_attn", False),
+            ("add_cross_attention", False),
+        ),
+    ),
 )
 FAMILIES = tuple(f.model_type for f in FAMILY_TABLE)
 
@@ -90,8 +224,17 @@ class InjectionPolicy:
     rotary_dim: int = 0  # dimensions of a head that rotate (the first ones); 0 = head_dim
     qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
     o_bias: bool = False  # bias of the attention output projection
-    mlp_bias: bool = False  # biases of gate/up/down
+    mlp_bias: bool = False  # biases of gate/up/down (up/down of a plain MLP)
     fused: bool = False  # HF layout qkv_proj = [q; k; v], gate_up_proj = [gate; up] (Family.fused)
+    modules: Modules = LLAMA_MODULES
+    norm: str = "rms"  # NORMS
+    prenorm: bool = True  # False: each block's norms after its residual adds (OPT-350m)
+    positions: str = "rotary"  # POSITIONS
+    position_offset: int = 0  # learned: table row of position p
+    max_positions: int = 0  # learned: positions the table holds (after the offset)
+    mlp: str = "gated"  # MLPS
+    activation: str = "silu"  # a plain MLP's (rlhf.ops.activation.ACTIVATIONS)
+    conv1d: bool = False  # HF weights stored [in, out]
 
     def __post_init__(self):
         self.rotary_dim = self.rotary_dim or self.head_dim
@@ -112,50 +255,66 @@ class InjectionPolicy:
 
     # ---- weights of one decoder layer, full (unsharded) tensors in, this TP rank's fused slices out ----
     def layer_weights(self, layer, tp_rank: int, tp: int) -> Dict[str, torch.Tensor]:
-        a, m = layer.self_attn, layer.mlp
+        n = self.modules
         hq, hk = self.num_heads // tp, self.num_kv_heads // tp
         d = self.head_dim
         qs, ks = slice(tp_rank * hq * d, (tp_rank + 1) * hq * d), slice(tp_rank * hk * d, (tp_rank + 1) * hk * d)
         i = self.intermediate_size // tp
         ms = slice(tp_rank * i, (tp_rank + 1) * i)
-        (q, k, v), (gate, up) = self._qkv(a, "weight"), self._gate_up(m, "weight")
-        w = {
-            "wqkv": torch.cat([self._interleave(q[qs]), self._interleave(k[ks]), v[ks]]),
-            "wo": weight(a.o_proj)[:, qs].clone(memory_format=torch.contiguous_format),
-            "w_gate_up": torch.cat([gate[ms], up[ms]]),
-            "w_down": weight(m.down_proj)[:, ms].clone(memory_format=torch.contiguous_format),
-            "ln1": layer.input_layernorm.weight.detach().clone(),
-            "ln2": layer.post_attention_layernorm.weight.detach().clone(),
-        }
+        q, k, v = self._qkv(layer, "weight")
+        w = {"wqkv": torch.cat([self._interleave(q[qs]), self._interleave(k[ks]), v[ks]])}
+        w["wo"] = self._weight(layer, n.o)[:, qs].clone(memory_format=torch.contiguous_format)
+        if self.mlp == "gated":
+            gate, up = self._gate_up(layer, "weight")
+            w["w_gate_up"] = torch.cat([gate[ms], up[ms]])
+        else:
+            w["w_up"] = self._weight(layer, n.up)[ms].clone(memory_format=torch.contiguous_format)
+        w["w_down"] = self._weight(layer, n.down)[:, ms].clone(memory_format=torch.contiguous_format)
+        ln1, ln2 = module_at(layer, n.ln1), module_at(layer, n.ln2)
+        w["ln1"], w["ln2"] = ln1.weight.detach().clone(), ln2.weight.detach().clone()
+        if self.norm == "layer":
+            w["ln1_b"], w["ln2_b"] = ln1.bias.detach().clone(), ln2.bias.detach().clone()
         if self.qkv_bias:
-            q, k, v = self._qkv(a, "bias")
+            q, k, v = self._qkv(layer, "bias")
             w["bqkv"] = torch.cat([self._interleave(q[qs]), self._interleave(k[ks]), v[ks]])
         # a row-parallel output's bias is added once: by TP rank 0, before the all-reduce
         if self.o_bias and tp_rank == 0:
-            w["bo"] = weight(a.o_proj, "bias").detach().clone()
+            w["bo"] = self._weight(layer, n.o, "bias").detach().clone()
         if self.mlp_bias:
-            gate, up = self._gate_up(m, "bias")
-            w["b_gate_up"] = torch.cat([gate[ms], up[ms]])
+            if self.mlp == "gated":
+                gate, up = self._gate_up(layer, "bias")
+                w["b_gate_up"] = torch.cat([gate[ms], up[ms]])
+            else:
+                w["b_up"] = self._weight(layer, n.up, "bias")[ms].clone()
             if tp_rank == 0:
-                w["b_down"] = weight(m.down_proj, "bias").detach().clone()
+                w["b_down"] = self._weight(layer, n.down, "bias").detach().clone()
         if self.qk_norm:  # one weight row per q and k head of this rank, in the interleaved layout
-            perm = self._perm(a.q_norm.weight.device)
-            w["qk_norm"] = torch.cat([a.q_norm.weight[perm].expand(hq, d), a.k_norm.weight[perm].expand(hk, d)])
+            qn, kn = module_at(layer, n.q_norm).weight, module_at(layer, n.k_norm).weight
+            perm = self._perm(qn.device)
+            w["qk_norm"] = torch.cat([qn[perm].expand(hq, d), kn[perm].expand(hk, d)])
         return {k: v.detach() for k, v in w.items()}
 
-    def _qkv(self, attn, what: str):
+    def _weight(self, layer, path: str, what: str = "weight") -> torch.Tensor:
+        """The ``weight`` (as a Linear's [out, in], LoRA merged: ``lora.weight``) or ``bias`` of the
+        projection at ``path`` of ``layer`` (a full tensor, possibly a view of the module's)."""
+        t = weight(module_at(layer, path), what)
+        return t.t() if self.conv1d and what == "weight" else t
+
+    def _qkv(self, layer, what: str):
         """(q, k, v) rows of the attention input projections' ``weight`` or ``bias`` (full tensors)."""
+        n = self.modules
         if self.fused:  # one fused projection, rows [q; k; v]
-            t = weight(attn.qkv_proj, what)
+            t = self._weight(layer, n.qkv, what)
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return t[:nq], t[nq : nq + nk], t[nq + nk :]
-        return weight(attn.q_proj, what), weight(attn.k_proj, what), weight(attn.v_proj, what)
+        return self._weight(layer, n.q, what), self._weight(layer, n.k, what), self._weight(layer, n.v, what)
 
-    def _gate_up(self, mlp, what: str):
+    def _gate_up(self, layer, what: str):
+        n = self.modules
         if self.fused:  # rows [gate; up] (HF: gate, up = gate_up_proj(x).chunk(2))
-            t = weight(mlp.gate_up_proj, what)
+            t = self._weight(layer, n.gate_up, what)
             return t[: self.intermediate_size], t[self.intermediate_size :]
-        return weight(mlp.gate_proj, what), weight(mlp.up_proj, what)
+        return self._weight(layer, n.gate, what), self._weight(layer, n.up, what)
 
     def _perm(self, device) -> torch.Tensor:
         """Per head: the rotated dimensions interleaved (rlhf.ops.rotary), the rest where they were."""
@@ -163,33 +322,53 @@ class InjectionPolicy:
         return torch.cat([interleave_permutation(r, device), torch.arange(r, self.head_dim, device=device)])
 
     def _interleave(self, w: torch.Tensor) -> torch.Tensor:
-        """Rows of a q/k projection (per head) into the rotary-interleaved layout (rlhf.ops.rotary)."""
+        """Rows of a q/k projection (per head) into the rotary-interleaved layout (rlhf.ops.rotary);
+        as they are with learned positions (nothing rotates)."""
+        if self.positions != "rotary":
+            return w
         d = self.head_dim
         return w.reshape(-1, d, *w.shape[1:])[:, self._perm(w.device)].reshape(w.shape)
 
     def root_weights(self, model) -> Dict[str, torch.Tensor]:
-        base = model.model
-        embed = weight(base.embed_tokens).detach().clone()  # LoRA-adapted where a user targets it
+        """The weights outside the decoder layers: ``embed``, ``lm_head``, the final ``norm`` (and
+        ``norm_b``) where the model has one, ``proj_in``/``proj_out`` where it has them, and the
+        positions: ``inv_freq`` and ``rope_scaling`` (rotary) or the table ``wpe`` (learned: row p is
+        position p, the family's offset dropped)."""
+        n = self.modules
+        base = module_at(model, n.base)
+        embeddings = module_at(base, n.embed)
+        embed = weight(embeddings).detach().clone()  # LoRA-adapted where a user targets it
         # tied embeddings: the LM head is the base embedding (an embedding adapter changes only the lookup, as in HF)
         if not self.tie_word_embeddings:
             head = weight(model.lm_head).detach().clone()
-        elif is_lora_layer(base.embed_tokens):
-            head = base.embed_tokens.weight.detach().clone()
+        elif is_lora_layer(embeddings):
+            head = embeddings.weight.detach().clone()
         else:
             head = embed
+        out = {"embed": embed}
+        norm = module_at(base, n.norm)
+        if norm is not None:
+            out["norm"] = norm.weight.detach().clone()
+            if self.norm == "layer":
+                out["norm_b"] = norm.bias.detach().clone()
+        out["lm_head"] = head
+        for key, path in (("proj_in", n.project_in), ("proj_out", n.project_out)):
+            proj = module_at(base, path)
+            if proj is not None:
+                out[key] = weight(proj).detach().clone()
+        if self.positions == "learned":
+            table = weight(module_at(base, n.positions)).detach()
+            out["wpe"] = table[self.position_offset : self.position_offset + self.max_positions].clone()
+            return out
         rot = base.rotary_emb
         if 2 * rot.inv_freq.numel() != self.rotary_dim:
             raise ValueError(
                 f"{self.family}: the rotary embedding has {2 * rot.inv_freq.numel()} dimensions, "
                 f"the policy expects {self.rotary_dim}"
             )
-        return {
-            "embed": embed,
-            "norm": base.norm.weight.detach().clone(),
-            "lm_head": head,
-            "inv_freq": rot.inv_freq.detach().clone().float(),
-            "rope_scaling": torch.tensor(float(getattr(rot, "attention_scaling", 1.0)), device="cpu"),
-        }
+        out["inv_freq"] = rot.inv_freq.detach().clone().float()
+        out["rope_scaling"] = torch.tensor(float(getattr(rot, "attention_scaling", 1.0)), device="cpu")
+        return out
 
 
 def _rope(config) -> Tuple[str, float]:
@@ -238,19 +417,28 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     if traits is None:
         supported = ", ".join(f.model_type for f in FAMILY_TABLE)
         return None, f"model family '{family}' has no injection policy (supported: {supported})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return None, f"activation {config.hidden_act} is not supported by the inference modules"
-    rope_type, partial = _rope(config)
-    if rope_type not in STATIC_ROPE:
-        return None, f"RoPE type '{rope_type}' is not supported by the inference modules"
+    for field, served in traits.refuse:
+        value = getattr(config, field, served)
+        if value != served:
+            return None, f"{field}={value} is not supported by the inference modules"
+    act = getattr(config, traits.act_key, "silu")
+    if act not in (("silu",) if traits.mlp == "gated" else tuple(ACTIVATIONS)):
+        return None, f"activation {act} is not supported by the inference modules"
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if partial != 1.0 and not traits.partial_rotary:  # HF's other families rotate whole heads
-        return None, f"partial rotary (partial_rotary_factor={partial}) is not supported for {family}"
+    rotary_dim = 0
+    if traits.positions == "rotary":
+        rope_type, partial = _rope(config)
+        if rope_type not in STATIC_ROPE:
+            return None, f"RoPE type '{rope_type}' is not supported by the inference modules"
+        if partial != 1.0 and not traits.partial_rotary:  # HF's other families rotate whole heads
+            return None, f"partial rotary (partial_rotary_factor={partial}) is not supported for {family}"
+        rotary_dim = int(head_dim * partial)
     windows, why = _layer_windows(config, traits)
     if windows is None:
         return None, why
     attention_bias = bool(getattr(config, "attention_bias", False)) and traits.attention_bias
+    every_bias = traits.biases == "always" or bool(traits.biases and getattr(config, traits.biases, False))
     slides = [w for w in windows if w]
     return InjectionPolicy(
         family=family,
@@ -258,15 +446,24 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        eps=config.rms_norm_eps,
-        qkv_bias=traits.qkv_bias or attention_bias,
+        intermediate_size=getattr(config, traits.intermediate_key, None) or 4 * config.hidden_size,
+        eps=getattr(config, traits.eps_key) if traits.eps_key else 1e-5,
+        qkv_bias=traits.qkv_bias or attention_bias or every_bias,
         sliding_window=slides[0] if slides else None,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         layer_windows=windows,
-        rotary_dim=int(head_dim * partial),
+        rotary_dim=rotary_dim,
         qk_norm=traits.qk_norm,
-        o_bias=attention_bias,
-        mlp_bias=traits.mlp_bias and bool(getattr(config, "mlp_bias", False)),
+        o_bias=attention_bias or every_bias,
+        mlp_bias=(traits.mlp_bias and bool(getattr(config, "mlp_bias", False))) or every_bias,
         fused=traits.fused,
+        modules=traits.modules,
+        norm=traits.norm,
+        prenorm=bool(getattr(config, traits.prenorm_key, True)) if traits.prenorm_key else True,
+        positions=traits.positions,
+        position_offset=traits.position_offset,
+        max_positions=config.max_position_embeddings if traits.positions == "learned" else 0,
+        mlp=traits.mlp,
+        activation=act,
+        conv1d=traits.conv1d,
     ), ""

@@ -3,7 +3,8 @@
 A device-specific fast path may replace any of them behind the same signature.
 """
 
+from rlhf.ops.activation import ACTIVATIONS  # noqa: F401
 from rlhf.ops.attention import attend, attend_varlen, varlen_kernel_fits  # noqa: F401
-from rlhf.ops.norm import rms_norm  # noqa: F401
+from rlhf.ops.norm import layer_norm, rms_norm  # noqa: F401
 from rlhf.ops.rotary import interleave_permutation, rotary_cos_sin  # noqa: F401
 from rlhf.ops.sampling import SamplingParams, sample  # noqa: F401

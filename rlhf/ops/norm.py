@@ -1,3 +1,5 @@
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -7,3 +9,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # the weight inside: the same product (n·w = w·n), one op fewer
         return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)  # (computes in fp32 inside, rounds once)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """LayerNorm with its bias, as ``nn.LayerNorm`` computes it (OPT, GPT-2)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

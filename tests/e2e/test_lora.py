@@ -1,6 +1,7 @@
 """LoRA through the CLI: resume is exact, PPO runs with the adapters-off reference and exports the
-merged actor and the adapter, and a family without an injection policy (GPT-2, Conv1D layers) falls
-back to HF generate and still exports correctly."""
+merged actor and the adapter, and a model without an injection policy (a GPT-2 with Conv1D layers and
+attention scaled by layer, which the inference modules refuse) falls back to HF generate and still
+exports correctly."""
 
 import json
 import shutil
@@ -64,9 +65,9 @@ def test_lora_ppo_uses_the_base_as_reference_and_exports(small_pipeline, tmp_pat
     )
 
 
-def tiny_gpt2(path):
-    """A tiny GPT-2 (Conv1D projections; no injection policy) with a byte-level BPE tokenizer that has
-    a pad token, saved as a Hugging Face directory."""
+def tiny_gpt2(path, **config):
+    """A tiny GPT-2 (Conv1D projections) with a byte-level BPE tokenizer that has a pad token, saved as a
+    Hugging Face directory; ``config``: further GPT2Config fields."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -103,6 +104,7 @@ def tiny_gpt2(path):
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **config,
     )
     torch.manual_seed(0)
     GPT2LMHeadModel(cfg).save_pretrained(path)
@@ -110,11 +112,11 @@ def tiny_gpt2(path):
     return path
 
 
-def test_lora_on_a_family_without_policy_falls_back_and_exports(tmp_path, real_data):
+def test_lora_on_a_model_without_policy_falls_back_and_exports(tmp_path, real_data):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base_dir = tiny_gpt2(tmp_path / "gpt2")
+    base_dir = tiny_gpt2(tmp_path / "gpt2", scale_attn_by_inverse_layer_idx=True)
     run = tmp_path / "run"
     proc = run_cli(
         "stage=sft",
@@ -135,6 +137,7 @@ def test_lora_on_a_family_without_policy_falls_back_and_exports(tmp_path, real_d
         "engine.precision=fp32",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "scale_attn_by_inverse_layer_idx=True is not supported by the inference modules" in proc.stderr
     assert "generating with HF generate instead" in proc.stderr
     assert "LoRA on the model: r=4 alpha=16 on c_attn,c_fc,c_proj" in proc.stderr
     merged = AutoModelForCausalLM.from_pretrained(run / "sft" / "model").eval()

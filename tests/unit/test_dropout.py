@@ -35,7 +35,7 @@ class Tok:
 
 
 def tiny_gpt2(path):
-    """A tiny GPT-2 (no injection policy: HF generate) with dropout 0.1 everywhere, saved to ``path``."""
+    """A tiny GPT-2 with dropout 0.1 everywhere, saved to ``path``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(

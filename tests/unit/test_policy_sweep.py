@@ -4,7 +4,11 @@ says why — never an approximate injection.
 
 Biases and q/k norm weights are random (``perturb``), windows shorter than the prompts, and the
 RoPE variants change the frequencies, so that a part the inference modules got wrong would show in
-the tokens.
+the tokens. OPT and GPT-2 (learned positions, LayerNorm, plain MLPs): shrunk shapes of their real
+sizes, random biases and LayerNorm weights, weights spread so that positions, biases, norms and the
+activation all show in the tokens (``tests.infer_helpers._spread``); their sampled log-probs match
+the training recompute and LoRA adapters (GPT-2's Conv1D: fan_in_fan_out) are merged. TP 2:
+tests/distributed/test_hybrid_learned.py.
 """
 
 import dataclasses
@@ -13,9 +17,12 @@ import logging
 import pytest
 import torch
 
+from rlhf.engine.logprobs import response_logprobs
+from rlhf.models import lora
 from rlhf.ops import SamplingParams
-from tests.infer_helpers import BOS, EOS, PAD, hf_greedy, mixed_prompts, tiny_model
+from tests.infer_helpers import BOS, EOS, LEARNED_POSITIONS, PAD, hf_greedy, mixed_prompts, tiny_model
 from tests.unit.test_inference import hybrid
+from tests.unit.test_lora import adapted, engine_of, merged_copy
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -82,7 +89,32 @@ CASES = {
     "qwen3_head_dim": ("qwen3", dict(head_dim=32), None),
     # other activations
     "llama_gelu": ("llama", dict(hidden_act="gelu"), "activation gelu"),
+    # OPT (DeepSpeed-Chat's examples), shrunk: 125m-like (pre-LN, final LayerNorm, head_dim 16 as 12 heads
+    # of 64 shrink), 350m-like (post-LN, project_in/out to a narrower embedding, no final norm), 1.3b-like
+    "opt_125m_like": ("opt", {}, None),
+    "opt_350m_like": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32), None),
+    "opt_1.3b_like": ("opt", dict(hidden=128, heads=8, intermediate=512, layers=3), None),
+    "opt_untied_gelu": ("opt", dict(tie_word_embeddings=False, activation_function="gelu"), None),
+    "opt_no_biases": ("opt", dict(enable_bias=False), None),
+    "opt_final_norm_removed": ("opt", dict(_remove_final_layer_norm=True), None),
+    "opt_silu": ("opt", dict(activation_function="silu"), "activation silu"),
+    "opt_no_affine_norms": ("opt", dict(layer_norm_elementwise_affine=False), "layer_norm_elementwise_affine=False"),
+    # GPT-2: Conv1D weights, fused c_attn, gelu_new; n_inner unset = 4 · hidden
+    "gpt2_small_like": ("gpt2", {}, None),
+    "gpt2_medium_like": ("gpt2", dict(hidden=96, heads=6, layers=3, n_inner=None), None),
+    "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False), None),
+    "gpt2_inverse_layer_scaling": (
+        "gpt2",
+        dict(scale_attn_by_inverse_layer_idx=True),
+        "scale_attn_by_inverse_layer_idx=True",
+    ),
+    "gpt2_reorder_and_upcast": ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=True"),
+    "gpt2_unscaled_attention": ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights=False"),
+    "gpt2_cross_attention": ("gpt2", dict(add_cross_attention=True), "add_cross_attention=True"),
+    "gpt2_gelu_fast": ("gpt2", dict(activation_function="gelu_fast"), "activation gelu_fast"),
 }
+# the injected OPT and GPT-2 cases (learned positions)
+LEARNED = [c for c, (family, _, expected) in CASES.items() if family in LEARNED_POSITIONS and expected is None]
 
 
 def _other(family: str, **kw):
@@ -185,3 +217,48 @@ def test_a_family_row_is_all_a_new_family_needs(monkeypatch):
     assert why == "" and policy.family == "llama_copy"
     assert dataclasses.replace(policy, family="llama") == llama_policy
     _check(model, None)
+
+
+# a pre-LN OPT without its final LayerNorm feeds the unnormalised residual to the LM head: logits 5x
+# larger (std 11.5, up to 47, against 2.4 and 9 with the norm), and fp32 rounding with them (1.3e-5 seen)
+LOGPROB_TOL = {"opt_final_norm_removed": 3e-5}
+
+
+def _logprob_gap(eng, hy, prompts) -> float:
+    """The largest |rollout log-prob − training recompute| of sampled tokens (two samples per prompt)."""
+    sp = SamplingParams(temperature=0.7, max_new_tokens=10, samples_per_prompt=2, seed=3)
+    gen = hy.generate(prompts, sp)
+    with torch.no_grad():
+        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+    return ((lp - gen.logprobs) * gen.response_mask).abs().max().item()
+
+
+@pytest.mark.parametrize("case", LEARNED)
+def test_learned_position_families_logprobs_match_training(case):
+    """OPT and GPT-2: the sampled tokens' log-probs of left-padded mixed-length prompts within 1e-5 of the
+    training-mode recompute (fp32; measured up to 5.5e-6 on these spread weights)."""
+    family, kw, _ = CASES[case]
+    eng, hy = hybrid(tiny_model(family, perturb=True, **kw))
+    assert hy.inject and hy.policy.positions == "learned"
+    assert _logprob_gap(eng, hy, mixed_prompts()) <= LOGPROB_TOL.get(case, 1e-5)
+
+
+@pytest.mark.parametrize("case", ["opt_350m_like", "gpt2_small_like"])
+def test_learned_position_families_serve_lora_merged(case):
+    """LoRA on every block projection (OPT: q/k/v/out_proj, fc1/fc2; GPT-2: the Conv1D c_attn/c_proj/c_fc,
+    where PEFT stores B·A transposed, fan_in_fan_out): greedy tokens of PEFT's own merged model, and the
+    adapters matter."""
+    family, kw, _ = CASES[case]
+    model = adapted(family, **kw)
+    if family == "gpt2":
+        layers = [m for m in model.modules() if lora.is_lora_layer(m)]
+        assert layers and all(m.fan_in_fan_out for m in layers)
+    prompts = mixed_prompts()
+    ref = hf_greedy(merged_copy(model), prompts, 12)
+    eng, hy = engine_of(model)
+    assert hy.inject
+    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
+    assert torch.equal(gen.responses, ref)
+    with lora.adapters_disabled(model):
+        assert not torch.equal(hf_greedy(model, prompts, 12), ref)
+    assert _logprob_gap(eng, hy, prompts) <= 1e-5
