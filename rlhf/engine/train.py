@@ -39,15 +39,19 @@ from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.mesh import DTYPES, Mesh, precision_of
 from rlhf.engine.schedule import make_scheduler
 from rlhf.errors import ConfigError
+from rlhf.models import streaming
 from rlhf.models.loading import decoder_layers
 from rlhf.models.lora import adapters_disabled, is_peft
 
 log = logging.getLogger("rlhf")
 
 
-def _broadcast_buffers(model: nn.Module, device: torch.device) -> None:
+def _broadcast_buffers(model: nn.Module, device: torch.device, kept: Optional[list] = None) -> None:
     # Non-persistent buffers (rotary inv_freq) are in no state dict; after meta init they are garbage.
     # They live on the compute device (a rank > 0 under CPU offload materialised them on the host).
+    # ``kept``: rank 0's buffers from before its own to_empty (``_buffers_of``), put back first.
+    for module, name, buf in kept or []:
+        module._buffers[name] = buf
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is None:
@@ -55,6 +59,10 @@ def _broadcast_buffers(model: nn.Module, device: torch.device) -> None:
             if buf.device != device:
                 buf = module._buffers[name] = buf.to(device)
             dist.broadcast(buf.data, src=0)
+
+
+def _buffers_of(model: nn.Module) -> list:
+    return [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
 
 
 def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool = True) -> nn.Module:
@@ -100,21 +108,26 @@ def apply_ac(model: nn.Module, ecfg: EngineConfig) -> None:
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, trainable: bool) -> nn.Module:
-    """ZeRO-0/1: replicated weights, rank 0's everywhere; DDP reduces the gradients of a trained model."""
+    """ZeRO-0/1: replicated weights, rank 0's everywhere; DDP reduces the gradients of a trained model.
+    The weights rank 0 left unloaded (rlhf/models/streaming.py) every rank reads whole from the files."""
+    plan = streaming.plan(model, mesh)
     if not mesh.is_main:
         model = model.to_empty(device=mesh.device)
         if hasattr(model, "tie_weights"):  # to_empty unties shared parameters
             model.tie_weights()
+    streaming.fill(model, plan, mesh.device)
     model = model.to(mesh.device)
-    if not trainable:  # nothing to reduce: replicate rank 0's weights and stop there
-        for t in list(model.parameters()) + list(model.buffers()):
+    if not trainable or plan:  # replicate rank 0's weights (but those read from the files)
+        read = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in plan}
+        for t in [p for p in model.parameters() if id(p) not in read] + list(model.buffers()):
             dist.broadcast(t.data, src=0)
-        return model
-    # DDP broadcasts rank 0's parameters and buffers at construction.
+        if not trainable:  # nothing to reduce
+            return model
+    # DDP broadcasts rank 0's parameters and buffers at construction (done above with a plan).
     device_ids = None  # a CPU module
     if mesh.device.type == "cuda":
         device_ids = [mesh.device.index]
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, init_sync=not plan)
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
@@ -123,7 +136,11 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
     # Rank 0's full weights, by reference: fully_shard copies its shard out of each parameter and
     # leaves the original tensor alone, so no second full copy is needed (the originals are freed
     # once they are broadcast below). A new dict: set_model_state_dict replaces its entries.
-    full_sd = {k: v.detach() for k, v in model.state_dict().items()} if mesh.is_main else {}
+    # Those rank 0 left unloaded (rlhf/models/streaming.py) each rank reads its shard of from the files.
+    plan = streaming.plan(model, mesh)
+    full_sd = {k: v.detach() for k, v in model.state_dict().items() if k not in plan} if mesh.is_main else {}
+    kept = _buffers_of(model) if plan and mesh.is_main else None  # rank 0 empties its model too
+    streaming.unload(model)
     kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3 or not mesh.distributed)
     if precision_of(ecfg, mesh.device) != "fp32":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype(ecfg, mesh), reduce_dtype=torch.float32)
@@ -132,13 +149,15 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    if not mesh.is_main:
+    if plan or not mesh.is_main:
         if ecfg.offload == "cpu":
             model.to_empty(device="cpu")
         else:
             model.to_empty(device=mesh.device)
-    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    _broadcast_buffers(model, mesh.device)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not plan)
+    set_model_state_dict(model, full_sd, options=opts)
+    streaming.fill(model, plan)
+    _broadcast_buffers(model, mesh.device, kept)
     return model
 
 

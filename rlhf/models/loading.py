@@ -1,8 +1,10 @@
 """Building and loading models: the embedded tiny Llama, or a Hugging Face directory / hub id.
 
-Rank 0 materialises the weights (from disk, or a seeded random init); every other rank builds the
-same architecture on the meta device and receives the weights by broadcast when the engine wraps
-the model (``rlhf.engine.train``), so a large checkpoint is read once per job, not once per rank.
+Every rank but rank 0 builds the architecture on the meta device. Rank 0 builds the model: from a
+seeded random init, or from a checkpoint. In a job of several processes a safetensors checkpoint's
+bulk (decoder blocks, embeddings) is left unloaded there too, and each rank reads only the rows it
+holds when the engine wraps the model (rlhf/models/streaming.py, ``rlhf.engine.train``); everything
+else rank 0 holds reaches the other ranks by broadcast then. One process loads the checkpoint whole.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from rlhf.config import ModelConfig
 from rlhf.errors import ConfigError
-from rlhf.models import dropout
+from rlhf.models import dropout, streaming
 
 
 def embedded_llama_config(m: ModelConfig, tokenizer):
@@ -196,7 +198,9 @@ def build_model(
 ) -> torch.nn.Module:
     """``model_cls`` (an HF Auto class or model class) from ``path`` or from ``config`` (seeded init).
 
-    ``on_meta``: build the architecture only (weights arrive later by broadcast).
+    ``on_meta``: build the architecture only (weights arrive when the engine wraps it). In a job of
+    several processes a model from ``path`` may come with its bulk unloaded (rlhf/models/streaming.py):
+    the engine's wrapping loads it; a model used without it needs ``streaming.materialise``.
     ``tokenizer``: grow the embeddings to its length where it has more tokens than the model (the pad
     ``load_tokenizer`` adds), on every rank — a meta model too, so that FSDP wraps the same shapes and
     config as rank 0 and the broadcast fills them.
@@ -231,13 +235,19 @@ def _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs) 
     if on_meta:
         cfg = config if config is not None else load_model_config(path, trust_remote_code)
         with torch.device("meta"):
-            if hasattr(model_cls, "from_config"):
-                return model_cls.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs)
+            if hasattr(model_cls, "from_config"):  # fp32 as rank 0 loads it (not the config's bf16)
+                return model_cls.from_config(cfg, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs)
             return model_cls(cfg)
     if path is not None:
         if config is not None:
             kwargs["config"] = config
-        return model_cls.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs)
+
+        def load():
+            return model_cls.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs)
+
+        if streaming.wanted():  # several processes: the bulk is read where it is sharded, at wrapping
+            return streaming.load_deferred(load, f"model {path}")
+        return load()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return model_cls.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
@@ -251,11 +261,14 @@ BASE_VOCAB_ROWS = "rlhf_base_vocab_rows"
 def resize_for_tokenizer(model, tokenizer) -> None:
     """Embedding rows (and an untied LM head) grown to ``len(tokenizer)`` where the model has fewer; the
     config's vocab_size follows, and the rows it had are kept as ``model.rlhf_base_vocab_rows``. A meta
-    model gets the shapes only (its weights arrive by broadcast)."""
+    model gets the shapes only (its weights arrive when wrapped). Unloaded embeddings (a streamed load)
+    are read for the resize, whose mean-resizing reads every row, and left unloaded again with their
+    new rows kept: the same new rows as a model loaded whole."""
     rows = model.get_input_embeddings().weight
     if rows.shape[0] < len(tokenizer):
         setattr(model, BASE_VOCAB_ROWS, getattr(model, BASE_VOCAB_ROWS, rows.shape[0]))
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=not rows.is_meta)
+        with streaming.loaded_for_resize(model):
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=not rows.is_meta)
 
 
 def causal_lm(
@@ -266,9 +279,9 @@ def causal_lm(
     disable_dropout: Optional[bool] = None,
     role: str = "model",
 ) -> torch.nn.Module:
-    """The causal LM at ``src`` (rank 0 reads it; the other ranks build it on meta and get the
-    weights by broadcast when the engine wraps it), grown to the tokenizer's length; its dropout as
-    ``build_model`` says."""
+    """The causal LM at ``src`` (rank 0 builds it; the other ranks build it on meta; several ranks read
+    their shares of a safetensors checkpoint when the engine wraps it, see the module's docstring), grown to
+    the tokenizer's length; its dropout as ``build_model`` says."""
     model_cfg = load_model_config(src, trust_remote_code)
     return build_model(
         AutoModelForCausalLM,
