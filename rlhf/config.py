@@ -700,11 +700,23 @@ class LoggerConfig:
     wandb: str = "disabled"  # disabled | offline | online
     project: str = "rlhf"
     progress: bool = True  # tqdm on rank 0
+    # every metrics.jsonl line also as TensorBoard scalars (rank 0), in <tensorboard_dir>/<stage>/;
+    # tensorboard_dir None = <run.dir>/tensorboard (DeepSpeed-Chat's --enable_tensorboard, --tensorboard_path)
+    tensorboard: bool = False
+    tensorboard_dir: Optional[str] = None
 
     def __post_init__(self):
         _check(
             self.wandb in ("disabled", "offline", "online"), "logger.wandb", self.wandb, "disabled, offline or online"
         )
+        if self.tensorboard:  # (the package torch.utils.tensorboard writes with: an optional extra)
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "logger.tensorboard=true needs the tensorboard package, which is not installed: "
+                    "pip install 'rlhf[tensorboard]' (or pip install 'tensorboard>=2.14'), or logger.tensorboard=false"
+                ) from None
 
 
 @dataclass

@@ -81,6 +81,10 @@ def check_scalar_model(path: str, key: str, hint: str = "") -> None:
         raise ConfigError(f"{key}={path}: config.json is not JSON ({e})") from None
     archs = spec.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
+        from rlhf.models.dschat import is_dschat_reward_model
+
+        if is_dschat_reward_model(p):  # (the stages convert one themselves: rlhf/models/dschat.py)
+            hint = f" (DeepSpeed-Chat's: python -m rlhf.migrate reward-model {path} DST converts it){hint}"
         raise ConfigError(
             f"{key}={path}: not a reward model ({', '.join(archs) or 'no architecture'}, not a "
             f"sequence classifier){hint}"

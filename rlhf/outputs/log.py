@@ -1,4 +1,5 @@
-"""metrics.jsonl (docs/contract.md), wandb, progress bars and the console log. Rank 0 writes; others no-op."""
+"""metrics.jsonl (docs/contract.md), wandb, TensorBoard, progress bars and the console log. Rank 0 writes;
+others no-op."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -105,8 +107,8 @@ def _status_kb(field: str) -> Optional[int]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to ``metrics.jsonl`` (and to wandb when enabled),
-    each with ``mem/peak_gb``: rank 0's peak memory since the previous line (``PeakMemory``).
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (and to wandb and TensorBoard when
+    enabled), each with ``mem/peak_gb``: rank 0's peak memory since the previous line (``PeakMemory``).
 
     On resume from step S, lines with step > S (written after the checkpoint) are dropped first, so
     the file always describes one consistent run."""
@@ -115,6 +117,7 @@ class MetricsWriter:
         self.path = Path(path)
         self.is_main = is_main
         self._wandb = None
+        self._tensorboard = None
         if not is_main:
             return
         self._resume_step = resume_step
@@ -122,6 +125,10 @@ class MetricsWriter:
         self._memory = PeakMemory()
         if cfg is not None and cfg.logger.wandb != "disabled":
             self._wandb = _init_wandb(cfg, stage)
+        if cfg is not None and cfg.logger.tensorboard:
+            self._tensorboard = TensorBoard(
+                Path(cfg.logger.tensorboard_dir or Path(cfg.run.dir) / "tensorboard") / stage
+            )
 
     def _open(self) -> None:
         """Keeps the lines up to the resume step and opens for appending; on a fresh run an earlier
@@ -141,6 +148,8 @@ class MetricsWriter:
                     continue
         atomic_write_text(self.path, "".join(x + "\n" for x in kept))
         self._file = open(self.path, "a", encoding="utf-8")
+        if self._tensorboard is not None:
+            self._tensorboard.open(self._resume_step)
 
     def log(self, step: int, **metrics) -> None:
         if not self.is_main:
@@ -156,6 +165,8 @@ class MetricsWriter:
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in rec.items() if k != "step"}, step=int(step))
+        if self._tensorboard is not None:
+            self._tensorboard.log(rec)
 
     def close(self) -> None:
         if not self.is_main:
@@ -165,6 +176,42 @@ class MetricsWriter:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+class TensorBoard:
+    """metrics.jsonl's lines as TensorBoard scalars (``logger.tensorboard``): every number of a line
+    under its key at the line's step (NaN where the line holds null), flushed with each line as the
+    file is, so a run stopped by a signal or killed keeps every line it wrote. Opened with the file:
+    a resume from step S hides the events an earlier run wrote after S (``purge_step``), as the file
+    drops those lines; a fresh run moves an earlier run's events aside to ``<stage>.prev``."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self._writer = None
+
+    def open(self, resume_step: Optional[int]) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # (lazy: only with logger.tensorboard)
+
+        if resume_step is None and self.dir.is_dir() and any(self.dir.iterdir()):
+            prev = self.dir.with_name(self.dir.name + ".prev")
+            shutil.rmtree(prev, ignore_errors=True)
+            os.replace(self.dir, prev)
+        purge = None if resume_step is None else resume_step + 1
+        self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=purge)
+
+    def log(self, rec: dict) -> None:
+        step = rec["step"]
+        for key, value in rec.items():
+            if key == "step" or not (value is None or isinstance(value, (int, float))):
+                continue
+            self._writer.add_scalar(key, math.nan if value is None else float(value), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
 def _init_wandb(cfg, stage: str):

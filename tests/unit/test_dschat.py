@@ -281,6 +281,8 @@ def test_reuse_and_refusals(tmp_path):
     dschat.reward_model_input(str(src), "ppo.reward_model_path", run, OneProcess())
     assert (dschat.Path(first) / "model.safetensors").stat().st_mtime_ns != mtime
     assert stamp  # (the run directory existed)
+    with pytest.raises(ConfigError, match=r"DeepSpeed-Chat's: python -m rlhf.migrate reward-model .* DST converts it"):
+        loading.check_scalar_model(str(src), "MODEL_DIR")  # (rlhf.score's check says how to convert it)
     other = tmp_path / "rlhf_rm"  # not DeepSpeed-Chat's: as it is
     other.mkdir()
     assert dschat.reward_model_input(str(other), "k", run, OneProcess()) == str(other)
