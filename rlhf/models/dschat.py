@@ -44,7 +44,7 @@ from rlhf.outputs.fileio import atomic_write_json, replace_dir, temp_dir_for
 log = logging.getLogger("rlhf")
 
 BASE, HEAD = "rwtransformer.", "v_head.weight"  # DeepSpeed-Chat's RewardModel attributes
-WEIGHTS = ("pytorch_model.bin", "model.safetensors")
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 INDEXES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")  # a sharded save's key → file
 # beside a converted model: where it came from (the source's files, for reuse); its presence also marks
 # a directory a later conversion may replace
@@ -95,10 +95,14 @@ def _shapes(files: List[Path]) -> Dict[str, Tuple[int, ...]]:
     return out
 
 
-def _torch_load(f: Path, torch) -> dict:
+def _torch_load(f: Path, torch, whole: bool = True) -> dict:
+    """A torch save's state dict, mapped (its tensors read when used); ``whole``: a save in the legacy
+    (non-zip) format, which cannot be mapped, read whole (else that error)."""
     try:
         sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # a save in the legacy (non-zip) format cannot be mapped
+    except RuntimeError:
+        if not whole:
+            raise
         sd = torch.load(str(f), map_location="cpu", weights_only=True)
     if not isinstance(sd, dict):
         raise ConfigError(f"{f}: not a state dict ({type(sd).__name__})")
@@ -123,15 +127,22 @@ def is_dschat_reward_model(path) -> bool:
     """Whether ``path`` is a DeepSpeed-Chat reward model (or critic): a directory whose weights
     (pytorch_model.bin or model.safetensors, sharded or not) hold ``v_head.weight`` and ``rwtransformer.*``.
     Reads the keys only."""
+    import torch
+
     p = Path(os.path.expanduser(str(path)))
     if not p.is_dir():
         return False
-    files = _weight_files(p)
-    if not files or not all(f.is_file() for f in files):
-        return False
+    keys: list = []
     try:
-        keys = _shapes(files).keys()
-    except Exception:  # an unreadable weights file is not recognised here (loading says what is wrong)
+        index = next((p / i for i in INDEXES if (p / i).is_file()), None)
+        files = _weight_files(p)
+        if index is not None:  # a sharded save: its index names every key
+            keys = list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        elif files and files[0].suffix == ".safetensors":
+            keys = list(_shapes(files))
+        elif files:
+            keys = list(_torch_load(files[0], torch, whole=False))
+    except Exception:  # unreadable, or a legacy save not read whole here: not recognised (loading says why)
         return False
     return HEAD in keys and any(k.startswith(BASE) for k in keys)
 

@@ -317,3 +317,32 @@ def test_reuse_and_refusals(tmp_path):
         assert msg.startswith(f"ppo.reward_model_path={bad}: a DeepSpeed-Chat reward model that cannot be converted")
         assert says in msg and "\n" not in msg, msg
         assert not any(p.name.startswith(f"reward_model_{bad.name}") for p in (run / "converted").iterdir())
+
+
+def test_safetensors_and_sharded_saves(tmp_path):
+    """The same RewardModel saved as model.safetensors, and as two shards with an index: recognised by
+    their keys (the index's, for shards) and converted to the same weights as from pytorch_model.bin."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = save_dschat(tmp_path, "llama")
+    sd = torch.load(src / "pytorch_model.bin")
+    want = load_file(str(dschat.convert_dschat_reward_model(src, tmp_path / "from_bin") / "model.safetensors"))
+    keys = sorted(sd)
+    layouts = {
+        "single": {"model.safetensors": keys},
+        "sharded": {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]},
+    }
+    for name, shards in layouts.items():
+        d = tmp_path / name
+        d.mkdir()
+        for f in src.iterdir():
+            if f.name != "pytorch_model.bin":
+                (d / f.name).write_bytes(f.read_bytes())
+        for file, ks in shards.items():
+            save_file({k: sd[k].contiguous() for k in ks}, str(d / file), metadata={"format": "pt"})
+        if len(shards) > 1:
+            weight_map = {k: file for file, ks in shards.items() for k in ks}
+            (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        assert dschat.is_dschat_reward_model(d), name
+        got = load_file(str(dschat.convert_dschat_reward_model(d, tmp_path / f"from_{name}") / "model.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
