@@ -37,7 +37,9 @@ from rlhf.errors import UserError
 
 log = logging.getLogger("rlhf")
 
-WARN_EVERY_S = 30.0  # at most one overflow warning per this many seconds (the others are counted in it)
+# a warning for each of the first WARN_FIRST skipped steps, then at most one every WARN_EVERY_S seconds
+# (counting the ones in between): a run that overflows often does not flood its log
+WARN_FIRST, WARN_EVERY_S = 10, 30.0
 
 
 class LossScaleError(UserError):
@@ -53,7 +55,7 @@ class LossScaler:
         self.dynamic = cfg.loss_scale == 0
         self.scale = float(cfg.loss_scale) if not self.dynamic else 2.0**cfg.initial_scale_power
         self.good_steps = 0  # steps without overflow since the start or the last overflow
-        self.hysteresis = cfg.hysteresis  # overflows still tolerated before the scale halves
+        self.hysteresis = cfg.hysteresis  # DeepSpeed's cur_hysteresis: an overflow halves the scale at 1
         self.steps = 0  # optimizer steps taken or skipped, over the whole run
         self.skipped = 0  # of which skipped for an overflow
         self._last_warning = -float("inf")  # (time.monotonic of the last overflow warning)
@@ -109,18 +111,17 @@ class LossScaler:
         self._warn(before)
 
     def _warn(self, before: float) -> None:
-        """One warning per skipped step, at most one every ``WARN_EVERY_S`` seconds (the ones in between
-        are counted in the next)."""
+        """One warning per skipped step, rate-limited (``WARN_FIRST``, ``WARN_EVERY_S``)."""
         if not self.main:
             return
         now = time.monotonic()
-        if now - self._last_warning < WARN_EVERY_S:
+        if self.skipped > WARN_FIRST and now - self._last_warning < WARN_EVERY_S:
             self._unsaid += 1
             return
         more = f"; {self._unsaid} more since the previous warning" if self._unsaid else ""
         then = f"loss scale {before:g} → {self.scale:g}" if self.scale != before else f"loss scale {self.scale:g} kept"
         if self.dynamic and self.scale == before:
-            then += f" (hysteresis: {self.hysteresis} more overflow(s) before it halves)"
+            then += f" (engine.fp16.hysteresis: {self.hysteresis - 1} more overflow(s) tolerated before it halves)"
         log.warning(
             "fp16%s: optimizer step %s: gradients overflowed (inf/NaN): step skipped, %s (%d skipped in all%s)",
             f" ({self.name})" if self.name else "",

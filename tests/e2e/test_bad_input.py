@@ -184,6 +184,11 @@ CASES = [
     # ---- engine and model ----
     ("zero_stage_7", lambda c: in_good(c, "engine.zero_stage=7"), "engine.zero_stage=7 is invalid"),
     (
+        "fp16_no_hysteresis",
+        lambda c: in_good(c, "engine.precision=fp16", "engine.fp16.hysteresis=0"),
+        "engine.fp16.hysteresis=0 is invalid",
+    ),
+    (
         "tp_not_dividing_world",
         lambda c: in_good(c, "engine.inference_tp_size=2"),
         "engine.inference_tp_size=2 does not divide the world size 1",

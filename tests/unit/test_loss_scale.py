@@ -104,6 +104,19 @@ def test_static_scale_never_moves_but_skips():
     assert s.scale == 128 and s.skipped == 4 and not s.dynamic
 
 
+def test_overflow_warnings_are_rate_limited(caplog):
+    s = scaler(loss_scale=128.0)
+    with caplog.at_level("WARNING", logger="rlhf"):
+        for _ in range(15):  # within a second: the first 10 are warned, the 5 after them wait
+            s.update(overflow=True)
+    warned = [r.getMessage() for r in caplog.records if "gradients overflowed" in r.getMessage()]
+    assert len(warned) == 10 and "(10 skipped in all)" in warned[-1]
+    s._last_warning -= 60  # half a minute later: one warning, counting the ones in between
+    with caplog.at_level("WARNING", logger="rlhf"):
+        s.update(overflow=True)
+    assert "(16 skipped in all; 5 more since the previous warning)" in caplog.records[-1].getMessage()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_same_scales_as_deepspeed_on_random_overflows(seed):
     rng = random.Random(seed)

@@ -39,6 +39,11 @@ def test_threshold_per_compared_precision():
     assert threshold(0.0, "fp32") == DEFAULT_MAX["fp32"] == 1e-3
     assert threshold(0.0, "bf16") == DEFAULT_MAX["bf16"] == 5e-2
     assert threshold(0.2, "fp32") == threshold(0.2, "bf16") == 0.2  # ppo.rollout_guard_max wins
+    # fp16 (10 mantissa bits) between them: the coarser side's precision is compared
+    assert compute_dtype("fp16", "fp32") == compute_dtype("fp32", "fp16") == compute_dtype("fp16", "fp16") == "fp16"
+    assert compute_dtype("fp16", "bf16") == compute_dtype("bf16", "fp16") == "bf16"
+    assert threshold(0.0, "fp16") == DEFAULT_MAX["fp16"] == 2e-2
+    assert DEFAULT_MAX["fp16"] >= 100 * 1.4e-4  # fp16's healthy values measured (docs/ppo.md): ≤ 1.4e-4
     # the defaults stand well over the healthy values measured (docs/ppo.md): fp32 ≤ 8.3e-8, bf16 ≤ 2.7e-3
     assert DEFAULT_MAX["fp32"] >= 1000 * 8.3e-8 and DEFAULT_MAX["bf16"] >= 15 * 2.7e-3
     # ... and the fp32 one lies within bf16's healthy range (2.7e-4 to 2.7e-3): one threshold cannot serve both
@@ -109,7 +114,7 @@ def test_config_keys_are_checked():
             PPOConfig(rollout_guard_max=bad)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_defaults_against_a_real_inference_copy(dtype):
     """The mean gap a healthy inference copy shows (tiny Llama with peaked weights, sampled) passes its
     dtype's default with a wide margin; bf16's would trip the fp32 default; a kept copy whose training
