@@ -62,7 +62,9 @@ def test_ds_config_commands_run(tmp_path):
     runs as printed on a GPU and, on the CPU, is refused with one line (there is nothing to offload
     to), then runs with the offload off."""
     (fp16,) = commands("--ds-config", str(DSC / "ds_config_zero3_fp16.json"), "--gpus", "1")
-    run(fp16, f"run.dir={tmp_path / 'z3'}")
+    assert "logger.tensorboard_dir=tb_logs/" in fp16  # relative to where it runs: here, the test's directory
+    run(fp16, f"run.dir={tmp_path / 'z3'}", f"logger.tensorboard_dir={tmp_path / 'tb_logs'}")
+    assert any((tmp_path / "tb_logs" / "sft").glob("events.out.tfevents.*"))
     rows = [json.loads(x) for x in (tmp_path / "z3" / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert any("train/loss_scale" in r for r in rows)
     (offload,) = commands("--ds-config", str(DSC / "ds_config_zero2_offload.json"), "--gpus", "1")
