@@ -220,3 +220,21 @@ def test_the_docs_tables_are_the_code_tables():
 
     doc = (ROOT / "docs" / "deepspeed.md").read_text()
     assert flag_table_markdown() in doc and config_table_markdown() in doc
+
+
+def test_reward_model_subcommand_converts(tmp_path, capsys):
+    """`python -m rlhf.migrate reward-model SRC DST`: a DeepSpeed-Chat step-2 output becomes a sequence
+    classifier plain Transformers loads, with the v_head as its score (the scores: tests/unit/test_dschat.py)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.unit.test_dschat import save_dschat
+
+    src, rm = save_dschat(tmp_path, "llama")
+    main(["reward-model", str(src), str(tmp_path / "out")])
+    assert "wrote" in capsys.readouterr().out
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert hf.config.num_labels == 1 and torch.equal(hf.score.weight, rm.v_head.weight)
+    with pytest.raises(SystemExit) as e:
+        main(["reward-model", str(tmp_path / "nope"), str(tmp_path / "out2")])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].startswith("rlhf.migrate: error:")
