@@ -61,17 +61,24 @@ class LossScaler:
         self._last_warning = -float("inf")  # (time.monotonic of the last overflow warning)
         self._unsaid = 0  # overflows since then not warned of
 
+    @property
+    def who(self) -> str:
+        """``fp16 (<role>)``: how the messages name this scaler."""
+        return f"fp16 ({self.name})" if self.name else "fp16"
+
     def describe(self) -> str:
         """The log line at the start: the settings in force."""
-        who = f" ({self.name})" if self.name else ""
         if not self.dynamic:
-            return f"fp16{who}: static loss scale {self.scale:g} (engine.fp16.loss_scale); an overflow skips its step"
+            return f"{self.who}: static loss scale {self.scale:g} (engine.fp16.loss_scale); an overflow skips its step"
         c = self.cfg
+        restored = "when the scale grows"
+        if c.consecutive_hysteresis:
+            restored = "by every step without overflow"
         return (
-            f"fp16{who}: dynamic loss scale from 2**{c.initial_scale_power} = {self.scale:g}: an overflow skips its "
-            f"step and halves the scale once {c.hysteresis} overflow(s) used up the hysteresis (engine.fp16.hysteresis"
-            f"{', restored by every step without overflow' if c.consecutive_hysteresis else ''}), not below "
-            f"{c.min_loss_scale:g}; {c.loss_scale_window} steps without overflow double it (engine.fp16.*)"
+            f"{self.who}: dynamic loss scale from 2**{c.initial_scale_power} = {self.scale:g}: an overflow skips its "
+            f"step; after {c.hysteresis - 1} tolerated (engine.fp16.hysteresis={c.hysteresis}, restored {restored}) "
+            f"each halves the scale, not below {c.min_loss_scale:g}; {c.loss_scale_window} steps without overflow "
+            f"double it"
         )
 
     def unscale(self, grads: List[torch.Tensor]) -> None:
@@ -100,7 +107,7 @@ class LossScaler:
                 self.hysteresis -= 1
             elif self.scale <= self.cfg.min_loss_scale:
                 raise LossScaleError(
-                    f"fp16{f' ({self.name})' if self.name else ''}: the gradients overflowed (inf/NaN) at optimizer "
+                    f"{self.who}: the gradients overflowed (inf/NaN) at optimizer "
                     f"step {self.steps} with the loss scale at engine.fp16.min_loss_scale={self.cfg.min_loss_scale:g} "
                     f"and no hysteresis left: they are non-finite whatever the scale (the run diverged, or an fp16 "
                     f"forward overflowed); stopped before the step's update (the last checkpoint is kept). "
@@ -123,8 +130,8 @@ class LossScaler:
         if self.dynamic and self.scale == before:
             then += f" (engine.fp16.hysteresis: {self.hysteresis - 1} more overflow(s) tolerated before it halves)"
         log.warning(
-            "fp16%s: optimizer step %s: gradients overflowed (inf/NaN): step skipped, %s (%d skipped in all%s)",
-            f" ({self.name})" if self.name else "",
+            "%s: optimizer step %s: gradients overflowed (inf/NaN): step skipped, %s (%d skipped in all%s)",
+            self.who,
             self.steps,
             then,
             self.skipped,
