@@ -116,8 +116,8 @@ class _Reader:
 
             def __getitem__(self, index):
                 shape = self.slice.get_shape()
-                if index is not Ellipsis or not shape or not self.slice.get_dtype().startswith(("F", "BF")):
-                    return self.slice[index]  # a part, or an integer tensor: read as it is
+                if index is not Ellipsis or math.prod(shape) < 2 or not self.slice.get_dtype().startswith(("F", "BF")):
+                    return self.slice[index]  # a part, a scalar, an integer tensor: read as it is
                 t = _placeholder(shape, torch.float32)  # the dtype build_model loads in
                 source = Source(str(file), self.key, shape[0])
                 reader.sources[t.untyped_storage().data_ptr()] = (source, t)
@@ -201,7 +201,10 @@ def _bulk(model: nn.Module) -> set:
     """ids of the parameters left unloaded: the decoder blocks' and the embeddings' weights."""
     from rlhf.models.loading import decoder_layers
 
-    params = {id(p) for p in decoder_layers(model).parameters()}
+    try:
+        params = {id(p) for p in decoder_layers(model).parameters()}
+    except ValueError:  # no decoder blocks found: the embeddings only
+        params = set()
     return params | {id(p) for p in _embedding_weights(model).values()}
 
 
@@ -318,6 +321,12 @@ def plan(model: nn.Module, mesh) -> Dict[str, Source]:
                 os.path.dirname(next(iter(files))),
             )
         return {}
+    if mesh.is_main:
+        log.info(
+            "%s: streamed load: each rank reads its part of %d weights from the files",
+            os.path.dirname(next(iter(files))),
+            len({(s.file, s.key) for s in out.values()}),
+        )
     return out
 
 
@@ -331,28 +340,32 @@ def unload(model: nn.Module) -> None:
 
 def fill(model: nn.Module, plan: Dict[str, Source], device=None) -> None:
     """Each parameter of ``plan`` reads its part from the files: a DTensor (FSDP2, dim-0 shards) its
-    local rows, a plain tensor the whole (onto ``device``, default its own)."""
+    local rows, a plain tensor the whole (onto ``device``, default its own). One file open at a time:
+    the file pages a rank has read are mapped (resident) until its file is closed."""
     if not plan:
         return
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    by_file: Dict[str, list] = {}
     done = set()
-    with _open({s.file for s in plan.values()}) as files, torch.no_grad():
-        for name, p in model.named_parameters(remove_duplicate=False):
-            source = plan.get(name)
-            if source is None or id(p) in done:
-                continue
+    for name, p in model.named_parameters(remove_duplicate=False):
+        source = plan.get(name)
+        if source is not None and id(p) not in done:
             done.add(id(p))
-            handle = files.handles[source.file]
-            if not isinstance(p, DTensor):
-                p.data = source.read(handle, 0, p.shape[0], p.dtype).to(device or p.device)
-                if unloaded(p) is not None:
-                    delattr(p, TAG)
-                continue
-            if any(not isinstance(pl, (Shard, Replicate)) or (isinstance(pl, Shard) and pl.dim) for pl in p.placements):
-                raise RuntimeError(f"{name}: placements {p.placements} (a streamed load reads dim-0 shards)")
-            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            if shape and shape[0]:
-                local = p.to_local()
-                local.copy_(source.read(handle, offset[0], offset[0] + shape[0], p.dtype).to(local.device))
+            by_file.setdefault(source.file, []).append((name, p, source))
+    for file in sorted(by_file):
+        with _open([file]) as files, torch.no_grad():
+            handle = files.handles[file]
+            for name, p, source in by_file[file]:
+                if not isinstance(p, DTensor):
+                    p.data = source.read(handle, 0, p.shape[0], p.dtype).to(device or p.device)
+                    if unloaded(p) is not None:
+                        delattr(p, TAG)
+                    continue
+                if any(not isinstance(x, (Shard, Replicate)) or (isinstance(x, Shard) and x.dim) for x in p.placements):
+                    raise RuntimeError(f"{name}: placements {p.placements} (a streamed load reads dim-0 shards)")
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if shape and shape[0]:
+                    local = p.to_local()
+                    local.copy_(source.read(handle, offset[0], offset[0] + shape[0], p.dtype).to(local.device))
