@@ -65,7 +65,7 @@ def _learned_positions_config(family: str, vocab: int, hidden: int, layers: int,
             dropout=0.0,
             attention_dropout=0.0,
         )
-        return OPTConfig(**ids, **{**fields, **kw})
+        return OPTConfig(**{**ids, **fields, **kw})
     fields = dict(
         n_embd=hidden,
         n_inner=intermediate,
@@ -77,7 +77,7 @@ def _learned_positions_config(family: str, vocab: int, hidden: int, layers: int,
         attn_pdrop=0.0,
         summary_first_dropout=0.0,
     )
-    return GPT2Config(**ids, **{**fields, **kw})
+    return GPT2Config(**{**ids, **fields, **kw})
 
 
 def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
