@@ -18,6 +18,23 @@ of rank R on every attention and MLP projection (PEFT), where gradients and Adam
 the adapters only (Φ parameters): the frozen fp32 weights 4Ψ (replicated under ZeRO-0/1; under
 ZeRO-2 the gathered copy lives from forward to backward next to its shard, 4Ψ + 4Ψ/N; 4Ψ/N under
 ZeRO-3) plus the adapters' 16Φ sharded as the stage says (``lora_formula``).
+
+``--load`` measures loading instead: the peak host memory of each rank while a Qwen2.5-0.5B-shaped
+model (its published config, random init, 494M parameters, saved as safetensors shards of
+``--shard-mb`` in ``--ckpt-dtype``, bf16 as published: 1 GB; made once under ``--model-dir``) is built
+as the stages build it (``build_model`` on rank 0, the meta device elsewhere) and wrapped for ``--zero``
+(frozen, fp32 weights: 2 GB), for each of ``--world-sizes``: variant ``load_whole`` (rank 0 loads the
+whole model and broadcasts it: rlhf/models/streaming.py off) and ``load_streamed`` (each rank reads its
+part from the files; in one process there is nothing to stream: one ``load_whole`` line). Each variant
+runs in fresh processes. Two peaks, each as its rise over the figure just before the build (imports do
+not count): ``load_peak_anon_bytes``, the process's anonymous memory (what it cannot give back: the
+weights it holds, copies, buffers), sampled every millisecond; ``load_peak_rss_bytes``, the kernel's
+high-water mark of the resident set (VmHWM, reset before the build), which also counts the pages of
+the checkpoint files the process has mapped and read (page cache, reclaimable).
+
+``--grow N``: the embeddings grow by N rows first (a tokenizer with N more tokens; mean-resized).
+
+    python bench/memory.py --load [--world-sizes 1 2] [--zero 3] [--shard-mb 500] [--ckpt-dtype bf16] [--grow 0]
 """
 
 from __future__ import annotations
@@ -167,6 +184,154 @@ def worker(workload: str, precision: str, out: str, lora_r: int = 0) -> None:
     shutdown(mesh)
 
 
+# ---- --load: the host memory of loading a checkpoint ----
+
+
+def load_model_dir(out: Path, shard_mb: int, dtype: str) -> Path:
+    """The Qwen2.5-0.5B-shaped checkpoint (random init; safetensors shards of ``shard_mb`` MB in ``dtype``)."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from real_size import QWEN25_05B
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_05B, bos_token_id=0, eos_token_id=1))
+    model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    model.save_pretrained(out, max_shard_size=f"{shard_mb}MB")
+    return out
+
+
+def _vm(field: str) -> int:
+    """A /proc/self/status figure (VmRSS, VmHWM, RssAnon) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+class AnonPeak:
+    """The largest RssAnon seen by a thread that reads it every millisecond, while in the block."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak, self._stop = _vm("RssAnon"), threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.001):
+                self.peak = max(self.peak, _vm("RssAnon"))
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _vm("RssAnon"))
+        return False
+
+
+class _Vocab:
+    """A tokenizer's length, what ``resize_for_tokenizer`` reads of it (``--grow``)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def load_worker(model_dir: str, variant: str, zero: str, grow: str, out: str) -> None:
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.config import EngineConfig
+    from rlhf.engine.mesh import init_mesh, shutdown
+    from rlhf.engine.train import wrap_model
+    from rlhf.models import loading, streaming
+
+    mesh = init_mesh(EngineConfig(timeout_s=1800))
+    streaming.ENABLED = variant == "load_streamed"
+    mesh.barrier()
+    before, anon_before = _vm("VmRSS"), _vm("RssAnon")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak of what follows
+    t0 = time.perf_counter()
+    with AnonPeak() as anon:
+        model = loading.build_model(AutoModelForCausalLM, path=model_dir, on_meta=not mesh.is_main)
+        if int(grow):  # a tokenizer with more tokens: the embeddings grow (mean-resized)
+            loading.resize_for_tokenizer(model, _Vocab(model.get_input_embeddings().weight.shape[0] + int(grow)))
+        built = _vm("VmHWM"), anon.peak
+        model = wrap_model(model, mesh, EngineConfig(zero_stage=int(zero), precision="fp32"), trainable=False)
+        mesh.barrier()
+    seconds = time.perf_counter() - t0
+    held = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).nbytes for p in model.parameters())
+    row = {
+        "rank": mesh.rank,
+        "rss_before": before,
+        "peak_rss": _vm("VmHWM"),
+        "peak_rss_at_build": built[0],
+        "anon_before": anon_before,
+        "peak_anon": anon.peak,
+        "peak_anon_at_build": built[1],
+        "held_param_bytes": held,
+        "read_bytes": sum(streaming.read_counts().values()),
+        "load_s": seconds,
+        "device": device_label(mesh.device),
+    }
+    rows = mesh.all_gather_object(row)
+    if mesh.is_main:
+        Path(out).write_text(json.dumps(rows))
+    shutdown(mesh)
+
+
+def load_bench(args) -> None:
+    import tempfile
+
+    import torch
+
+    model_dir = args.model_dir or str(ROOT / "runs" / "bench_load" / f"qwen2.5-0.5b-shape-{args.ckpt_dtype}")
+    model_dir = load_model_dir(Path(model_dir), args.shard_mb, args.ckpt_dtype)
+    files = sorted(model_dir.glob("*.safetensors"))
+    ckpt, shard = sum(f.stat().st_size for f in files), max(f.stat().st_size for f in files)
+    for n in args.world_sizes:
+        for variant in ("load_whole", "load_streamed") if n > 1 else ("load_whole",):
+            out = tempfile.mktemp(suffix=".json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__]
+            cmd += ["--load-worker", str(model_dir), variant, str(args.zero), str(args.grow), out]
+            subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=sys.stderr)
+            for r in json.loads(Path(out).read_text()):
+                base = {
+                    "bench": "memory",
+                    "workload": "qwen2.5-0.5b-shape",
+                    "variant": variant,
+                    "world_size": n,
+                    "rank": r["rank"],
+                    "zero": args.zero,
+                    "precision": "fp32",
+                    "torch": torch.__version__,
+                    "device": r["device"],
+                }
+                extra = {
+                    "held_param_bytes": r["held_param_bytes"],
+                    "read_bytes": r["read_bytes"],
+                    "checkpoint_bytes": ckpt,
+                    "largest_shard_bytes": shard,
+                    "shards": len(files),
+                    "ckpt_dtype": args.ckpt_dtype,
+                    "grow": args.grow,
+                    "load_s": round(r["load_s"], 1),
+                }
+                for metric, what in (("load_peak_anon_bytes", "anon"), ("load_peak_rss_bytes", "rss")):
+                    row = {**base, "metric": metric, "value": r[f"peak_{what}"] - r[f"{what}_before"], "unit": "bytes"}
+                    row.update({f"peak_{what}": r[f"peak_{what}"], f"{what}_before": r[f"{what}_before"]})
+                    row[f"peak_{what}_at_build"] = r[f"peak_{what}_at_build"]
+                    print(json.dumps({**row, **extra}))
+            os.unlink(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="small", choices=sorted(WORKLOADS))
@@ -174,9 +339,22 @@ def main() -> None:
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--lora", type=int, default=8, help="LoRA rank of the zero<k>_lora variants (fp32 only; 0 = none)")
     ap.add_argument("--worker", nargs=4, metavar=("WORKLOAD", "PRECISION", "OUT", "LORA"), help=argparse.SUPPRESS)
+    ap.add_argument("--load", action="store_true", help="the host memory of loading a checkpoint (see the docstring)")
+    ap.add_argument("--zero", type=int, default=3, help="--load: the ZeRO stage the model is wrapped for")
+    ap.add_argument("--shard-mb", type=int, default=500, help="--load: the checkpoint's shard size (MB)")
+    ap.add_argument("--ckpt-dtype", default="bf16", choices=["bf16", "fp32"], help="--load: the checkpoint's dtype")
+    ap.add_argument("--model-dir", help="--load: where the checkpoint is (made there once)")
+    ap.add_argument("--grow", type=int, default=0, help="--load: tokens a tokenizer adds (the embeddings grow)")
+    ap.add_argument("--load-worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker[:3], lora_r=int(args.worker[3]))
+        return
+    if args.load_worker:
+        load_worker(*args.load_worker)
+        return
+    if args.load:
+        load_bench(args)
         return
     import tempfile
 
