@@ -79,8 +79,13 @@ class Context:
         return True
 
     def flag(self, name: str) -> str:
+        """The flag as given, ``--name words``."""
         v = self.values.get(name)
-        return f"--{name}" + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
+        if v is True:
+            return f"--{name}"
+        if isinstance(v, list):
+            v = " ".join(v)
+        return f"--{name} {v}"
 
     def path(self, value: str) -> str:
         """An input model path: an earlier step's --output_dir becomes that step's export."""
@@ -672,8 +677,13 @@ def flag_table_markdown() -> str:
             ours = f"— {rule.kind}: {rule.why}"
         else:
             ours = rule.targets
-        default = f.default if not isinstance(f.default, dict) else ", ".join(f"{k} {v}" for k, v in f.default.items())
-        default = "" if default is None else (" ".join(default) if isinstance(default, list) else str(default))
+        default = f.default
+        if isinstance(default, dict):
+            default = ", ".join(f"{k} {v}" for k, v in default.items())
+        elif isinstance(default, list):
+            default = " ".join(default)
+        elif default is None:
+            default = ""
         steps = "all" if tuple(f.steps) == ALL else ", ".join(f.steps)
         rows.append(f"| `--{f.name}` | {steps} | {default} | {ours} |")
     return "\n".join(rows)
