@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 PAD, BOS, EOS = 0, 1, 2
-LEARNED_POSITIONS = ("opt", "gpt2")  # LayerNorm, learned positions, plain MLPs
+LAYERNORM_FAMILIES = ("opt", "gpt2", "gpt_neox")  # LayerNorm, plain MLPs (OPT, GPT-2: learned positions)
 
 
 def tiny_config(
@@ -18,12 +18,12 @@ def tiny_config(
     intermediate: int = 128,
     **kw,
 ):
-    """``kw``: further config fields (biases, windows, RoPE scaling...). OPT and GPT-2: multi-head
-    attention (``kv`` unused), dropout off, tied embeddings (their defaults) unless ``kw`` says otherwise."""
+    """``kw``: further config fields (biases, windows, RoPE scaling...). OPT, GPT-2 and GPT-NeoX: multi-head
+    attention (``kv`` unused), dropout off, their own defaults otherwise (OPT and GPT-2 tied, GPT-NeoX not)."""
     from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    if family in LEARNED_POSITIONS:
-        return _learned_positions_config(family, vocab, hidden, layers, heads, intermediate, **kw)
+    if family in LAYERNORM_FAMILIES:
+        return _layernorm_config(family, vocab, hidden, layers, heads, intermediate, **kw)
 
     cls = {
         "llama": LlamaConfig,
@@ -51,10 +51,21 @@ def tiny_config(
     return cls(**{**fields, **kw})
 
 
-def _learned_positions_config(family: str, vocab: int, hidden: int, layers: int, heads: int, intermediate: int, **kw):
-    from transformers import GPT2Config, OPTConfig
+def _layernorm_config(family: str, vocab: int, hidden: int, layers: int, heads: int, intermediate: int, **kw):
+    from transformers import GPT2Config, GPTNeoXConfig, OPTConfig
 
     ids = dict(vocab_size=vocab, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    if family == "gpt_neox":  # untied, parallel blocks, a quarter of each head rotating (its defaults)
+        fields = dict(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            max_position_embeddings=256,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        return GPTNeoXConfig(**{**ids, **fields, **kw})
     if family == "opt":
         fields = dict(
             hidden_size=hidden,
@@ -82,12 +93,12 @@ def _learned_positions_config(family: str, vocab: int, hidden: int, layers: int,
 
 def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
     """``perturb``: random biases and q/k norm weights (HF initialises them to 0 and 1, where a dropped
-    bias or a misplaced norm weight would change nothing); OPT and GPT-2: their LayerNorm weights too."""
+    bias or a misplaced norm weight would change nothing); OPT, GPT-2, GPT-NeoX: their LayerNorm weights too."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(tiny_config(family, **kw))
-    if family in LEARNED_POSITIONS:
+    if family in LAYERNORM_FAMILIES:
         return _spread(m, seed, perturb).eval()
     with torch.no_grad():  # larger random weights: peaked distributions, fewer greedy ties
         for p in m.parameters():
@@ -102,13 +113,20 @@ def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
     return m.eval()
 
 
-# OPT's and GPT-2's token and position tables (2-D, but not projections)
-TABLES = ("embed_tokens.weight", "embed_positions.weight", "wte.weight", "wpe.weight")
+# the token and position tables and an untied LM head (2-D, but not projections) of OPT, GPT-2, GPT-NeoX
+TABLES = (
+    "embed_tokens.weight",
+    "embed_positions.weight",
+    "wte.weight",
+    "wpe.weight",
+    "embed_in.weight",
+    "lm_head.weight",
+)
 
 
 @torch.no_grad()
 def _spread(m, seed: int, perturb: bool):
-    """OPT and GPT-2 weights whose every part shows in the greedy tokens: the residual stream is not a
+    """OPT, GPT-2 and GPT-NeoX weights whose every part shows in the greedy tokens: the residual stream is not a
     LayerNorm'd copy of the last token (embeddings at std 0.3, projections at 10x HF's init) nor drowned in
     biases (0.2); with ``perturb`` random biases and LayerNorm weights (HF: 0 and 1). At HF's scales a
     tiny model repeats one token whatever its positions, biases or activation."""

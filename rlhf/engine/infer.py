@@ -3,9 +3,9 @@
 The weights arrive as plain tensors laid out by an injection policy (``rlhf.models.policies``):
 fused QKV and gate/up projections, this TP rank's slices when ``tp > 1`` (one all-reduce after the
 attention output and one after the MLP), in the inference dtype (``engine.inference_dtype``). The
-blocks are the policy's kinds: RMSNorm or LayerNorm (with bias), pre- or post-norm, rotary positions
-(rotated q/k) or a learned table (added to the embeddings; the root's ``wpe``), a SiLU-gated or plain
-MLP (``rlhf.ops.activation``), embedding-width projections in and out where the root has them; the
+blocks are the policy's kinds: RMSNorm or LayerNorm (with bias), pre-norm, post-norm or parallel, rotary
+positions (rotated q/k) or a learned table (added to the embeddings; the root's ``wpe``), a SiLU-gated or
+plain MLP (``rlhf.ops.activation``), embedding-width projections in and out where the root has them; the
 GEMM operands are laid out once here (``rlhf.ops.linear``: pre-transposed, or oneDNN-packed bf16) and,
 for fp32 on an MKL CPU, packed again when a generation starts: the large matrices in oneDNN's layout
 (any rows: the prefill's and the decode steps'), the small ones by MKL for the decode batch
@@ -308,7 +308,7 @@ class InferenceModel:
         B, T = ids.shape
         end = start + T if slot is None else span
         hq, hk, d, eps, lin = self.hq, self.hk, self.d, self.p.eps, self._linear
-        pre, norm = self.p.prenorm, self._norm
+        pre, parallel, norm = self.p.prenorm, self.p.parallel, self._norm
         x = F.embedding(ids.reshape(-1), self.root["embed"]).to(self.dtype)
         if "proj_in" in self.root:  # embedding width → hidden width (OPT-350m)
             x = lin(x, self.root, self._rw[-1], "proj_in")
@@ -347,7 +347,11 @@ class InferenceModel:
                 mask = None if masks is None else masks[self.windows[li]]
                 a = attend(qkv[:, : hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
                 a = a.transpose(1, 2).reshape(B * T, hq * d)
-            x.add_(self._all_reduce(lin(a, w, rw, "wo", w.get("bo"))))
+            ao = self._all_reduce(lin(a, w, rw, "wo", w.get("bo")))
+            if parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), added as HF does: (mlp + attn) + x
+                x.add_(self._all_reduce(self._mlp(norm(x, w, "ln2"), w, rw)).add_(ao))
+                continue
+            x.add_(ao)
             if not pre:  # post-norm (OPT-350m): the norm after the residual add
                 x = norm(x, w, "ln1")
             h = norm(x, w, "ln2") if pre else x

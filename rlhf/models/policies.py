@@ -14,7 +14,9 @@ instead of RMSNorm, learned absolute positions (a table; OPT's rows offset by 2)
 plain MLP (ReLU, GELU) with biases instead of the SiLU-gated one, post-LayerNorm blocks (OPT's
 ``do_layer_norm_before=False``), projections between the embedding and hidden widths (OPT-350m's
 ``project_in``/``project_out``), Conv1D weights stored [in, out] (GPT-2). Where a family keeps each weight
-is its ``Modules`` row (paths relative to the causal LM and to a decoder layer).
+is its ``Modules`` row (paths relative to the causal LM and to a decoder layer). GPT-NeoX combines
+kinds: LayerNorm, a plain GELU MLP, partial rotary, its fused ``query_key_value`` head by head, parallel
+blocks (``use_parallel_residual``: x + attn(ln1(x)) + mlp(ln2(x))).
 Anything the inference modules do not reproduce exactly (other activations, dynamic or LongRoPE
 frequencies, other layer types, MoE, the config switches a family's ``refuse`` names) has no policy: the
 caller falls back to HF generate with the one-line reason, never to wrong output.
@@ -93,6 +95,17 @@ GPT2_MODULES = Modules(
 )
 
 
+NEOX_MODULES = Modules(
+    base="gpt_neox",
+    embed="embed_in",
+    norm="final_layer_norm",
+    qkv="attention.query_key_value",
+    o="attention.dense",
+    up="mlp.dense_h_to_4h",
+    down="mlp.dense_4h_to_h",
+)
+
+
 def module_at(root, path: str):
     """The submodule of ``root`` at the dotted ``path``, or None ("" or absent)."""
     if not path:
@@ -110,17 +123,18 @@ class Family:
 
     model_type: str
     # one fused input projection per block, HF rows qkv_proj = [q; k; v] and gate_up_proj = [gate; up]
-    # (Phi-3; GPT-2's c_attn); else q/k/v_proj and gate/up_proj
+    # (Phi-3; GPT-2's c_attn; GPT-NeoX's query_key_value, with ``qkv_per_head``); else q/k/v_proj and gate/up_proj
     fused: bool = False
+    qkv_per_head: bool = False  # the fused rows head by head, [q_h; k_h; v_h] per head (GPT-NeoX)
     # which layers slide: "every_layer" (one mask for all, windowed when sliding_window is set: Mistral,
     # Phi-3), "layer_types" (layer i's mask is config.layer_types[i]'s: Qwen2/Qwen3), "none" (Llama)
     windows: str = "none"
     qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2)
-    attention_bias: bool = False  # config.attention_bias honoured: q/k/v and o_proj biases (Llama, Qwen3)
-    mlp_bias: bool = False  # config.mlp_bias honoured: gate/up/down biases (Llama)
-    # every projection's bias (q/k/v, o, up, down): "always" (GPT-2), or the config flag that switches
-    # them all (OPT: enable_bias); "" none beyond the three traits above
-    biases: str = ""
+    # the attention's q/k/v and output biases, and the MLP's: "always" (GPT-2; GPT-NeoX's MLP), the config
+    # flag that switches them (attention_bias: Llama, Qwen3, GPT-NeoX; mlp_bias: Llama; enable_bias: both
+    # in OPT), or "" (none)
+    attn_bias: str = ""
+    mlp_bias: str = ""
     qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
     partial_rotary: bool = False  # partial_rotary_factor honoured (Phi-3); the others rotate whole heads
     # training forwards may run packed (rlhf/engine/packing.py): its HF attention goes through
@@ -131,6 +145,9 @@ class Family:
     eps_key: str = "rms_norm_eps"  # the config field of the norms' epsilon ("": nn.LayerNorm's 1e-5, OPT)
     # the config flag that says pre-norm blocks, false = post-norm (OPT: do_layer_norm_before); "": pre-norm
     prenorm_key: str = ""
+    # the config flag that says parallel blocks, x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX:
+    # use_parallel_residual); "": sequential
+    parallel_key: str = ""
     positions: str = "rotary"  # POSITIONS
     position_offset: int = 0  # learned: the table row of position p is p + offset (OPT: 2)
     mlp: str = "gated"  # MLPS
@@ -153,14 +170,15 @@ class Family:
 
 
 FAMILY_TABLE = (
-    Family("llama", attention_bias=True, mlp_bias=True, packs=True),
+    Family("llama", attn_bias="attention_bias", mlp_bias="mlp_bias", packs=True),
     Family("qwen2", windows="layer_types", qkv_bias=True, packs=True),
-    Family("qwen3", windows="layer_types", attention_bias=True, qk_norm=True, packs=True),
+    Family("qwen3", windows="layer_types", attn_bias="attention_bias", qk_norm=True, packs=True),
     Family("mistral", windows="every_layer", packs=True),
     Family("phi3", fused=True, windows="every_layer", partial_rotary=True, packs=True),
     Family(
         "opt",
-        biases="enable_bias",
+        attn_bias="enable_bias",
+        mlp_bias="enable_bias",
         packs=True,
         modules=OPT_MODULES,
         norm="layer",
@@ -176,7 +194,8 @@ FAMILY_TABLE = (
     Family(
         "gpt2",
         fused=True,
-        biases="always",
+        attn_bias="always",
+        mlp_bias="always",
         packs=True,
         modules=GPT2_MODULES,
         norm="layer",
@@ -192,6 +211,20 @@ FAMILY_TABLE = (
             ("reorder_and_upcast_attn", False),
             ("add_cross_attention", False),
         ),
+    ),
+    Family(
+        "gpt_neox",
+        fused=True,
+        qkv_per_head=True,
+        attn_bias="attention_bias",
+        mlp_bias="always",
+        partial_rotary=True,
+        packs=True,
+        modules=NEOX_MODULES,
+        norm="layer",
+        eps_key="layer_norm_eps",
+        parallel_key="use_parallel_residual",
+        mlp="plain",
     ),
 )
 FAMILIES = tuple(f.model_type for f in FAMILY_TABLE)
@@ -226,9 +259,11 @@ class InjectionPolicy:
     o_bias: bool = False  # bias of the attention output projection
     mlp_bias: bool = False  # biases of gate/up/down (up/down of a plain MLP)
     fused: bool = False  # HF layout qkv_proj = [q; k; v], gate_up_proj = [gate; up] (Family.fused)
+    qkv_per_head: bool = False  # the fused q/k/v rows head by head (Family.qkv_per_head)
     modules: Modules = LLAMA_MODULES
     norm: str = "rms"  # NORMS
     prenorm: bool = True  # False: each block's norms after its residual adds (OPT-350m)
+    parallel: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
     positions: str = "rotary"  # POSITIONS
     position_offset: int = 0  # learned: table row of position p
     max_positions: int = 0  # learned: positions the table holds (after the offset)
@@ -303,6 +338,10 @@ class InjectionPolicy:
     def _qkv(self, layer, what: str):
         """(q, k, v) rows of the attention input projections' ``weight`` or ``bias`` (full tensors)."""
         n = self.modules
+        if self.fused and self.qkv_per_head:  # rows [q_h; k_h; v_h] for each head h (multi-head attention)
+            t = self._weight(layer, n.qkv, what)
+            heads = t.reshape(self.num_heads, 3, self.head_dim, *t.shape[1:])
+            return tuple(heads[:, i].reshape(-1, *t.shape[1:]) for i in range(3))
         if self.fused:  # one fused projection, rows [q; k; v]
             t = self._weight(layer, n.qkv, what)
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -410,6 +449,18 @@ def _layer_windows(config, family: Family) -> Tuple[Optional[Tuple[Optional[int]
     return (None,) * n, ""  # "none" (Llama): no sliding window
 
 
+def _switch(config, rule: str) -> bool:
+    """A trait's "always", "" (never) or config flag, read."""
+    return rule == "always" or bool(rule and getattr(config, rule, False))
+
+
+def _flag(config, key: str, default: bool) -> bool:
+    """The config flag a trait names (``default`` where it names none, or the config lacks it)."""
+    if not key:
+        return default
+    return bool(getattr(config, key, default))
+
+
 def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     """(policy, "") for a supported config, else (None, the reason)."""
     family = getattr(config, "model_type", "?")
@@ -437,8 +488,13 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     windows, why = _layer_windows(config, traits)
     if windows is None:
         return None, why
-    attention_bias = bool(getattr(config, "attention_bias", False)) and traits.attention_bias
-    every_bias = traits.biases == "always" or bool(traits.biases and getattr(config, traits.biases, False))
+    attn_bias, mlp_bias = _switch(config, traits.attn_bias), _switch(config, traits.mlp_bias)
+    eps = 1e-5  # nn.LayerNorm's default: OPT's norms read no epsilon from the config
+    if traits.eps_key:
+        eps = getattr(config, traits.eps_key)
+    max_positions = 0
+    if traits.positions == "learned":
+        max_positions = config.max_position_embeddings
     slides = [w for w in windows if w]
     return InjectionPolicy(
         family=family,
@@ -447,22 +503,24 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         head_dim=head_dim,
         hidden_size=config.hidden_size,
         intermediate_size=getattr(config, traits.intermediate_key, None) or 4 * config.hidden_size,
-        eps=getattr(config, traits.eps_key) if traits.eps_key else 1e-5,
-        qkv_bias=traits.qkv_bias or attention_bias or every_bias,
+        eps=eps,
+        qkv_bias=traits.qkv_bias or attn_bias,
         sliding_window=slides[0] if slides else None,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         layer_windows=windows,
         rotary_dim=rotary_dim,
         qk_norm=traits.qk_norm,
-        o_bias=attention_bias or every_bias,
-        mlp_bias=(traits.mlp_bias and bool(getattr(config, "mlp_bias", False))) or every_bias,
+        o_bias=attn_bias,
+        mlp_bias=mlp_bias,
         fused=traits.fused,
         modules=traits.modules,
         norm=traits.norm,
-        prenorm=bool(getattr(config, traits.prenorm_key, True)) if traits.prenorm_key else True,
+        prenorm=_flag(config, traits.prenorm_key, True),
+        parallel=_flag(config, traits.parallel_key, False),
+        qkv_per_head=traits.qkv_per_head,
         positions=traits.positions,
         position_offset=traits.position_offset,
-        max_positions=config.max_position_embeddings if traits.positions == "learned" else 0,
+        max_positions=max_positions,
         mlp=traits.mlp,
         activation=act,
         conv1d=traits.conv1d,

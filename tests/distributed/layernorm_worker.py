@@ -1,9 +1,10 @@
 """The hybrid engine on 2 ranks (ZeRO-3 actor) for OPT and GPT-2 (learned positions, LayerNorm, plain
-MLPs): greedy tokens vs HF generate and log-probs vs the FSDP2 training-mode recompute at
-inference_tp_size 1 and 2 (heads and MLP columns sliced, the out_proj/fc2/c_proj biases added once),
-LoRA-adapted ones included (GPT-2's Conv1D adapters: fan_in_fan_out).
+MLPs) and GPT-NeoX (parallel blocks, partial rotary, per-head fused q/k/v): greedy tokens vs HF generate
+and log-probs vs the FSDP2 training-mode recompute at inference_tp_size 1 and 2 (heads and MLP columns
+sliced, the output projections' biases added once), LoRA-adapted ones included (GPT-2's Conv1D adapters:
+fan_in_fan_out).
 
-    torchrun --nproc-per-node=2 tests/distributed/learned_worker.py OUT.json
+    torchrun --nproc-per-node=2 tests/distributed/layernorm_worker.py OUT.json
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ CONFIGS = {
     "opt_125m_like": ("opt", {}),
     "opt_350m_like": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32)),
     "gpt2": ("gpt2", {}),
+    "gpt_neox": ("gpt_neox", {}),
 }
 
 

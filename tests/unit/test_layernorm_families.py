@@ -1,8 +1,9 @@
-"""OPT and GPT-2 (DeepSpeed-Chat's own families) beyond the policy sweep: the static decode step and the
-packed prefill serve their learned positions, LayerNorms and plain MLPs; a generation that would run past
-the position table is refused; training forwards run packed (their HF attention goes through the packed
-attention interface: logits and gradients equal the padded forward's); their sequence classifiers are
-reward models and critics (``ScalarHeadModel``), their blocks found by ``decoder_layers``."""
+"""OPT and GPT-2 (DeepSpeed-Chat's own families) and GPT-NeoX beyond the policy sweep: the static decode
+step and the packed prefill serve their LayerNorms, plain MLPs, learned positions (OPT, GPT-2) and parallel
+blocks with partial rotary (GPT-NeoX); a generation that would run past a position table is refused;
+training forwards run packed (their HF attention goes through the packed attention interface: logits and
+gradients equal the padded forward's); their sequence classifiers are reward models and critics
+(``ScalarHeadModel``), their blocks found by ``decoder_layers``."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ CASES = {
     "opt_350m_like": ("opt", dict(boost=-0.4, do_layer_norm_before=False, word_embed_proj_dim=32)),
     "opt_125m_like": ("opt", dict(boost=-1.2)),
     "gpt2": ("gpt2", dict(boost=-1.5)),
+    "gpt_neox": ("gpt_neox", dict(boost=-2.0)),
 }
 
 
@@ -72,6 +74,8 @@ PACKABLE = {
     "opt": ("opt", {}),
     "opt_350m_like": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32)),
     "gpt2": ("gpt2", {}),
+    "gpt_neox": ("gpt_neox", {}),
+    "gpt_neox_sequential": ("gpt_neox", dict(use_parallel_residual=False)),
 }
 
 

@@ -4,11 +4,12 @@ says why — never an approximate injection.
 
 Biases and q/k norm weights are random (``perturb``), windows shorter than the prompts, and the
 RoPE variants change the frequencies, so that a part the inference modules got wrong would show in
-the tokens. OPT and GPT-2 (learned positions, LayerNorm, plain MLPs): shrunk shapes of their real
+the tokens. OPT, GPT-2 (learned positions, LayerNorm, plain MLPs) and GPT-NeoX (parallel blocks, partial
+rotary, LayerNorm, plain MLP): shrunk shapes of their real
 sizes, random biases and LayerNorm weights, weights spread so that positions, biases, norms and the
 activation all show in the tokens (``tests.infer_helpers._spread``); their sampled log-probs match
 the training recompute (``LOGPROB_TOL``) and LoRA adapters (GPT-2's Conv1D: fan_in_fan_out) are merged. TP 2:
-tests/distributed/test_hybrid_learned.py.
+tests/distributed/test_hybrid_layernorm.py.
 """
 
 import dataclasses
@@ -20,7 +21,7 @@ import torch
 from rlhf.engine.logprobs import response_logprobs
 from rlhf.models import lora
 from rlhf.ops import SamplingParams
-from tests.infer_helpers import BOS, EOS, LEARNED_POSITIONS, PAD, hf_greedy, mixed_prompts, tiny_model
+from tests.infer_helpers import BOS, EOS, LAYERNORM_FAMILIES, PAD, hf_greedy, mixed_prompts, tiny_model
 from tests.unit.test_inference import hybrid
 from tests.unit.test_lora import adapted, engine_of, merged_copy
 
@@ -112,9 +113,34 @@ CASES = {
     "gpt2_unscaled_attention": ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights=False"),
     "gpt2_cross_attention": ("gpt2", dict(add_cross_attention=True), "add_cross_attention=True"),
     "gpt2_gelu_fast": ("gpt2", dict(activation_function="gelu_fast"), "activation gelu_fast"),
+    # GPT-NeoX (Pythia-like): parallel blocks, a quarter of each head rotating, per-head fused q/k/v, untied
+    "gpt_neox_pythia_like": ("gpt_neox", {}, None),
+    "gpt_neox_sequential": ("gpt_neox", dict(use_parallel_residual=False), None),
+    "gpt_neox_full_rotary_tied": (
+        "gpt_neox",
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+            tie_word_embeddings=True,
+        ),
+        None,
+    ),
+    "gpt_neox_no_attention_bias": ("gpt_neox", dict(attention_bias=False, layers=3), None),
+    "gpt_neox_rope_dynamic": (
+        "gpt_neox",
+        dict(
+            rope_parameters={
+                "rope_type": "dynamic",
+                "factor": 2.0,
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            }
+        ),
+        "RoPE type 'dynamic'",
+    ),
+    "gpt_neox_gelu_fast": ("gpt_neox", dict(hidden_act="gelu_fast"), "activation gelu_fast"),
 }
-# the injected OPT and GPT-2 cases (learned positions)
-LEARNED = [c for c, (family, _, expected) in CASES.items() if family in LEARNED_POSITIONS and expected is None]
+# the injected OPT, GPT-2 and GPT-NeoX cases
+LAYERNORM = [c for c, (family, _, expected) in CASES.items() if family in LAYERNORM_FAMILIES and expected is None]
 
 
 def _other(family: str, **kw):
@@ -239,21 +265,21 @@ def _logprob_gap(eng, hy, prompts) -> float:
     return ((lp - gen.logprobs).abs() * gen.response_mask / lp.abs().clamp(min=1.0)).max().item()
 
 
-@pytest.mark.parametrize("case", LEARNED)
-def test_learned_position_families_logprobs_match_training(case):
-    """OPT and GPT-2: the sampled tokens' log-probs of left-padded mixed-length prompts match the
+@pytest.mark.parametrize("case", LAYERNORM)
+def test_layernorm_families_logprobs_match_training(case):
+    """OPT, GPT-2 and GPT-NeoX: the sampled tokens' log-probs of left-padded mixed-length prompts match the
     training-mode recompute (``LOGPROB_TOL``)."""
     family, kw, _ = CASES[case]
     eng, hy = hybrid(tiny_model(family, perturb=True, **kw))
-    assert hy.inject and hy.policy.positions == "learned"
+    assert hy.inject and hy.policy.norm == "layer"
     assert _logprob_gap(eng, hy, mixed_prompts()) <= LOGPROB_TOL * LOGPROB_SCALE.get(case, 1.0)
 
 
-@pytest.mark.parametrize("case", ["opt_350m_like", "gpt2_small_like"])
-def test_learned_position_families_serve_lora_merged(case):
+@pytest.mark.parametrize("case", ["opt_350m_like", "gpt2_small_like", "gpt_neox_pythia_like"])
+def test_layernorm_families_serve_lora_merged(case):
     """LoRA on every block projection (OPT: q/k/v/out_proj, fc1/fc2; GPT-2: the Conv1D c_attn/c_proj/c_fc,
-    where PEFT stores B·A transposed, fan_in_fan_out): greedy tokens of PEFT's own merged model, and the
-    adapters matter."""
+    where PEFT stores B·A transposed, fan_in_fan_out; GPT-NeoX: query_key_value, dense, dense_h_to_4h,
+    dense_4h_to_h): greedy tokens of PEFT's own merged model, and the adapters matter."""
     family, kw, _ = CASES[case]
     model = adapted(family, **kw)
     if family == "gpt2":
