@@ -7,6 +7,8 @@ checked exactly in tests/unit/test_migrate.py."""
 import json
 import shlex
 
+import pytest
+
 from rlhf.data.records import read_examples
 from tests.conftest import ROOT, TEST_DEVICE, run_cli, tool_cli
 
@@ -57,6 +59,7 @@ def test_three_dschat_scripts_migrate_and_run(user_model, real_data, tmp_path):
     assert (out / "step3" / "ppo" / "actor_ema" / "config.json").is_file()  # --enable_ema
 
 
+@pytest.mark.slow  # ~60 s (fp16 on the CPU); the default run's representative: the three scripts above
 def test_ds_config_commands_run(tmp_path):
     """ZeRO-3 + fp16 runs as printed (the embedded task: no model given); ZeRO-2 + optimizer offload
     runs as printed on a GPU and, on the CPU, is refused with one line (there is nothing to offload
