@@ -23,6 +23,7 @@ from rlhf.engine.mesh import init_mesh  # noqa: E402
 from rlhf.engine.train import TrainEngine  # noqa: E402
 from rlhf.ops import SamplingParams  # noqa: E402
 from tests.infer_helpers import Tok, hf_greedy, mixed_prompts, tiny_model  # noqa: E402
+from tests.unit.test_lora import adapted, merged_copy  # noqa: E402
 
 
 def step_loss(eng, batch):
@@ -47,11 +48,18 @@ CONFIGS = {
 }
 
 
-def check(mesh, family: str, tp: int, hybrid: bool = True, **kw) -> dict:
+def check(mesh, family: str, tp: int, hybrid: bool = True, lora: bool = False, **kw) -> dict:
+    """Greedy tokens vs HF generate (of PEFT's own merged model with ``lora``), and the sampled tokens'
+    log-probs vs the training-mode recompute: the largest gap, and relative to the log-prob's size
+    (None from HF generate, which keeps no logits). Also the layernorm families' (layernorm_worker.py)."""
     mesh.set_inference_tp(tp)
     ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=hybrid, precision="fp32")
-    model = tiny_model(family, perturb=True, **kw)
-    ref = copy.deepcopy(model)
+    if lora:
+        model = adapted(family, **kw)
+        ref = merged_copy(model)
+    else:
+        model = tiny_model(family, perturb=True, **kw)
+        ref = copy.deepcopy(model)
     prompts = mixed_prompts(n=4 + mesh.rank, seed=mesh.rank)  # ranks hold different prompts
     eng = TrainEngine(model, mesh, ecfg, TrainConfig(lr=1e-2, warmup_steps=0))
     hy = HybridEngine(eng, Tok, ecfg)
@@ -61,11 +69,14 @@ def check(mesh, family: str, tp: int, hybrid: bool = True, **kw) -> dict:
     gen = hy.generate(prompts, sp)
     with torch.no_grad():
         lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
-    # HF generate keeps no logits (memory), so it returns no rollout log-probs
-    lp_diff = None if gen.logprobs is None else ((lp - gen.logprobs) * gen.response_mask).abs().max().item()
+    lp_diff = rel_diff = None
+    if gen.logprobs is not None:
+        gap = (lp - gen.logprobs).abs() * gen.response_mask
+        lp_diff, rel_diff = gap.max().item(), (gap / lp.abs().clamp(min=1.0)).max().item()
     return {
         "greedy_equal": greedy_equal,
         "logprob_diff": lp_diff,
+        "logprob_rel_diff": rel_diff,
         "inject": hy.inject,
         "rows": gen.sequences.shape[0],
         "switch_s": gen.timings.get("switch_s"),
