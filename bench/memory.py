@@ -260,7 +260,9 @@ def load_worker(model_dir: str, variant: str, zero: str, grow: str, out: str) ->
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak of what follows
     t0 = time.perf_counter()
     with AnonPeak() as anon:
-        model = loading.build_model(AutoModelForCausalLM, path=model_dir, on_meta=not mesh.is_main)
+        model = loading.build_model(
+            AutoModelForCausalLM, path=model_dir, on_meta=not mesh.is_main, trust_remote_code=False
+        )
         if int(grow):  # a tokenizer with more tokens: the embeddings grow (mean-resized)
             loading.resize_for_tokenizer(model, _Vocab(model.get_input_embeddings().weight.shape[0] + int(grow)))
         built = _vm("VmHWM"), anon.peak

@@ -190,7 +190,7 @@ def plan(src, what: Optional[str] = None) -> Plan:
             f"(known: llama, opt, gpt2, qwen2, mistral, ...)"
         )
     try:
-        config = AutoConfig.from_pretrained(str(src))
+        config = AutoConfig.from_pretrained(str(src), trust_remote_code=False)  # a family Transformers has
     except (OSError, ValueError) as e:
         raise fail(f"config.json does not load ({' '.join(str(e).split())})") from None
     config.num_labels = 1
@@ -245,7 +245,7 @@ def _dschat_pad(src: Path, spec: dict, config) -> Tuple[Optional[int], str]:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(src))
+        tok = AutoTokenizer.from_pretrained(str(src), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{src}: the tokenizer does not load ({' '.join(str(e).split())})") from None
     if tok.pad_token is not None:
