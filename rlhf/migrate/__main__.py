@@ -176,12 +176,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     except UserError as e:
         print(f"rlhf.migrate: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print("#!/bin/sh\n# python -m rlhf.migrate " + " ".join(argv))
-    for plan in plans:
-        print()
-        print(plan.render())
     left = sum(len(p.unmapped) for p in plans)
-    print(f"\n# {len(plans)} command(s); {left} flag(s)/key(s) not mapped (listed under each command)")
+    text = "\n\n".join(["#!/bin/sh\n# python -m rlhf.migrate " + " ".join(argv)] + [p.render() for p in plans])
+    try:
+        print(f"{text}\n\n# {len(plans)} command(s); {left} flag(s)/key(s) not mapped (listed under each command)")
+    except BrokenPipeError:  # the reader stopped early (| head): not an error of ours
+        sys.stderr.close()
 
 
 if __name__ == "__main__":
