@@ -19,7 +19,6 @@ from typing import Any, Callable, List
 import torch
 
 from rlhf.algorithms.preference import dpo_loss, response_mask, sequence_logprobs
-from rlhf.algorithms.tokens import chunked_logprobs
 from rlhf.config import Config, DPOConfig
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
@@ -27,6 +26,7 @@ from rlhf.data.sampler import GlobalBatches, micro_batching, step_micro_batches
 from rlhf.data.tokenize import cached, collate_pairs, pair_tokens, tokenize_pairs
 from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
+from rlhf.engine.logprobs import target_logprobs
 from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import AdaptersOff, FrozenModel, TrainEngine, reference_for
 from rlhf.errors import DataError
@@ -197,9 +197,8 @@ def pair_logprobs(forward: Callable[..., Any], batch: dict, device: torch.device
     """(chosen, rejected) [n] summed log-probs of the response tokens (EOS included, prompt and padding
     excluded) under ``forward`` (an engine's or the reference's)."""
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    logits = forward(input_ids=ids, attention_mask=mask).logits
-    token_lp, _ = chunked_logprobs(logits[:, :-1], ids[:, 1:])
-    seq = sequence_logprobs(token_lp, response_mask(mask, batch["prompt_len"].to(device)))
+    targets = response_mask(mask, batch["prompt_len"].to(device))  # [B, L-1]: token t+1 is the response's
+    seq = sequence_logprobs(target_logprobs(forward, ids, mask, targets), targets)
     pairs = ids.shape[0] // 2
     return seq[:pairs], seq[pairs:]
 

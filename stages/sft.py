@@ -15,7 +15,6 @@ from typing import List
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from rlhf.algorithms.tokens import shifted_nll_sum
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.formats import FORMATS
@@ -25,6 +24,7 @@ from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.data.tokenizer import train_embedded_tokenizer
 from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
+from rlhf.engine.logprobs import nll_sum
 from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.envs.builtin import environment
@@ -205,10 +205,7 @@ def train_step(actor: TrainEngine, micro_batches: List[dict]) -> tuple[float, fl
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
     loss_sum = 0.0
     for i, b in enumerate(micro_batches):
-        logits = actor.forward(
-            input_ids=b["input_ids"].to(mesh.device), attention_mask=b["attention_mask"].to(mesh.device)
-        ).logits
-        nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+        nll, _ = nll_sum(actor.forward, b, mesh.device)
         # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean.
         actor.backward(nll / max(n_tokens, 1) * mesh.world_size, sync=i == len(micro_batches) - 1)
         loss_sum += float(nll.detach())
@@ -241,10 +238,7 @@ def eval_loss(actor: TrainEngine, cols: dict, pad: int, mask_prompt: bool, micro
                 mask_prompt,
                 [cols["mask"][i] for i in ix or [0]],
             )
-            logits = actor.forward(
-                input_ids=b["input_ids"].to(mesh.device), attention_mask=b["attention_mask"].to(mesh.device)
-            ).logits
-            nll, tokens = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+            nll, tokens = nll_sum(actor.forward, b, mesh.device)
             if ix:  # a turn with no records of its own ran record 0 and ignores it
                 total, count = total + float(nll), count + tokens
     return mesh.sum(total) / max(mesh.sum(count), 1)

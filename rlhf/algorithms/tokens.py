@@ -1,6 +1,5 @@
-"""Per-token functions of logits and masks (pure tensor functions): log-probabilities, the masked token
-NLL, and what an attention or response mask says about its rows (positions, last index; left or
-right padding alike)."""
+"""Per-token functions of logits and masks (pure tensor functions): log-probabilities, and what an
+attention or response mask says about its rows (positions, last index; left or right padding alike)."""
 
 from __future__ import annotations
 
@@ -67,17 +66,6 @@ def chunked_logprobs(
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps, 1), (torch.cat(ents, 1) if entropy else None)
-
-
-def shifted_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sum over tokens of -log p(labels[t+1] | ..t) where labels != -100, and the token count.
-
-    Summing (not averaging) per micro-batch lets the caller divide by the token count of the whole
-    global batch, which makes the gradient independent of how the batch is split."""
-    logits, labels = logits[:, :-1], labels[:, 1:]
-    mask = labels != -100
-    lp = token_logprobs(logits, labels.clamp(min=0))
-    return -(lp * mask).sum(), int(mask.sum())
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

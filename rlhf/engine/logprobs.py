@@ -1,4 +1,5 @@
-"""Log-probs of given responses under a model in training mode (what PPO recomputes)."""
+"""Log-probs of given tokens under a model in training mode: PPO's responses (what it recomputes), the
+SFT / PPO-ptx NLL and DPO's sequence log-probs (the logits of the positions they read only)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import inspect
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from rlhf.algorithms.tokens import chunked_logprobs, position_ids
 
@@ -52,3 +54,29 @@ def response_logprobs(
 ) -> torch.Tensor:
     """[B, N] log π(response token); see ``response_stats``."""
     return response_stats(forward, sequences, attention_mask, prompt_len, temperature, keep_logits=keep_logits)[0]
+
+
+def target_logprobs(
+    forward, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor, target_ids=None
+) -> torch.Tensor:
+    """[B, L−1] log p(token t+1 | ..t) at the positions ``targets`` ([B, L−1] bool; token t+1 real), zeros
+    elsewhere. Only those positions' logits are computed (``logits_at``: a packed forward runs the LM
+    head over them alone) and log-softmaxed; each value is the full forward's at that position.
+    ``target_ids``: [B, L−1] the tokens scored (default ``input_ids[:, 1:]``)."""
+    if target_ids is None:
+        target_ids = input_ids[:, 1:]
+    logits = forward(input_ids=input_ids, attention_mask=attention_mask, logits_at=F.pad(targets, (0, 1))).logits
+    lp, _ = chunked_logprobs(logits[None], target_ids[targets][None])
+    return lp.new_zeros(targets.shape).masked_scatter(targets, lp[0])
+
+
+def nll_sum(forward, batch: dict, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The SFT loss of a ``collate_sft`` batch: (sum over its learnt tokens of −log p, their count).
+    Summed, not averaged, so the caller divides by the whole global batch's count (a gradient that does
+    not depend on how the batch is split)."""
+    labels = batch["labels"][:, 1:].to(device)
+    targets = labels != -100
+    lp = target_logprobs(
+        forward, batch["input_ids"].to(device), batch["attention_mask"].to(device), targets, labels.clamp(min=0)
+    )
+    return -(lp * targets).sum(), int(targets.sum())

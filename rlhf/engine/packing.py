@@ -275,19 +275,47 @@ def install(model: nn.Module) -> bool:
     return True
 
 
-def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+def select_logits(out, logits_at: Optional[torch.Tensor]):
+    """A padded forward's output with ``logits`` cut to the positions ``logits_at`` ([B, L] bool):
+    [K, V], row-major (the rows of the full logits, unchanged)."""
+    if logits_at is not None:
+        out.logits = out.logits[logits_at.to(out.logits.device)]
+    return out
+
+
+def forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_at: Optional[torch.Tensor] = None,
+    **kwargs,
+):
     """``model(input_ids=..., attention_mask=..., **kwargs)`` run packed, its output in the padded layout:
     a tensor of per-token values [B, L] (or [B, L, k]), or a model output whose ``logits`` are [B, L, V] (or
-    [B, k, V] for ``logits_to_keep=k``: the last k columns). The padded forward runs instead when the
-    batch has less than ``MIN_PADDING`` padding or its mask is not packable (``pack`` returns None)."""
+    [B, k, V] for ``logits_to_keep=k``: the last k columns; [K, V] for ``logits_at``, a [B, L] bool of real
+    positions: theirs only, row-major, the LM head run over those K alone). The padded forward runs
+    instead when the batch has less than ``MIN_PADDING`` padding or its mask is not packable (``pack``
+    returns None)."""
     real = int(attention_mask.sum())
     packed = None
     if real <= (1.0 - MIN_PADDING) * attention_mask.numel():
         packed = pack(input_ids, attention_mask)
     if packed is None:
-        return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return select_logits(model(input_ids=input_ids, attention_mask=attention_mask, **kwargs), logits_at)
     kwargs.pop("position_ids", None)  # the packed positions are the mask's (a contiguous run per row)
     keep = kwargs.pop("logits_to_keep", None)
+    if logits_at is not None:
+        if keep:
+            raise ValueError("packing.forward: logits_at and logits_to_keep together")
+        if bool((logits_at & ~attention_mask.bool()).any()):
+            raise ValueError("packing.forward: logits_at asks for padding positions")
+        positions = logits_at.reshape(-1)[packed.flat].nonzero().squeeze(1)  # packed order = row-major
+        out = model(**packed.model_kwargs(), logits_to_keep=positions, **kwargs)  # every packing family takes it
+        logits = out.logits[0]
+        if logits.shape[0] != positions.numel():  # a wrapper that dropped the keyword: all T came back
+            logits = logits[positions]
+        out.logits = logits
+        return out
     last = index = None
     if keep:
         positions, index = packed.kept(keep)

@@ -221,10 +221,13 @@ def param_groups(model: nn.Module, weight_decay: float):
 
 def run_forward(model: nn.Module, packs: bool, batch: dict):
     """``model(**batch)``, packed (padding-free, rlhf/engine/packing.py) when ``packs`` and the batch
-    has an attention mask; the output in the padded layout either way."""
+    has an attention mask; the output in the padded layout either way. ``logits_at`` ([B, L] bool, real
+    tokens only) asks for the logits of those positions alone: ``logits`` is then [K, V] in row-major
+    order (the packed path runs the LM head over those K positions only)."""
     if packs and batch.get("attention_mask") is not None:
         return packing.forward(model, **batch)
-    return model(**batch)
+    at = batch.pop("logits_at", None)
+    return packing.select_logits(model(**batch), at)
 
 
 class FrozenModel:

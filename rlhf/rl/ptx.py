@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from rlhf import seeding
-from rlhf.algorithms.tokens import shifted_nll_sum
 from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
+from rlhf.engine.logprobs import nll_sum
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError
@@ -62,8 +62,5 @@ class PtxTerm:
             masks = [cols["mask"][i] for i in ix]
         b = collate_sft(ids, prompt_lens, self.tokenizer.pad_token_id, True, masks)
         n_tokens = mesh.sum(int((b["labels"][:, 1:] != -100).sum()))
-        logits = actor.forward(
-            input_ids=b["input_ids"].to(mesh.device), attention_mask=b["attention_mask"].to(mesh.device)
-        ).logits
-        nll, _ = shifted_nll_sum(logits, b["labels"].to(mesh.device))
+        nll, _ = nll_sum(actor.forward, b, mesh.device)
         return nll / max(n_tokens, 1) * mesh.world_size

@@ -119,7 +119,7 @@ def test_pair_logprobs_sum_response_tokens_only():
             self.logits = logits
 
     def run(logits):
-        c, r = pair_logprobs(lambda **kw: Out(logits), batch, torch.device("cpu"))
+        c, r = pair_logprobs(lambda **kw: Out(logits[kw["logits_at"]]), batch, torch.device("cpu"))
         return c.item(), r.item()
 
     logits = torch.zeros(2, 5, 10)  # every token: log(1/10) = −2.302585093 (fp32 log-softmax: 1e-6)

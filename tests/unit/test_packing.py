@@ -16,7 +16,7 @@ from rlhf.algorithms.tokens import position_ids
 from rlhf.config import DPOConfig, EngineConfig, TrainConfig
 from rlhf.engine import packing
 from rlhf.engine.mesh import Mesh
-from rlhf.engine.train import FrozenModel, TrainEngine
+from rlhf.engine.train import FrozenModel, TrainEngine, run_forward
 
 TOL = 1e-5
 PAD = 0
@@ -117,6 +117,22 @@ def test_logits_and_gradients_equal_the_padded_forward(family, call_cost, monkey
     kept = packing.forward(packed, ids, mask, logits_to_keep=k).logits
     assert kept.shape == (ids.shape[0], k, 61)
     assert (kept - ref[:, -k:])[real[:, -k:]].abs().max() <= TOL
+
+    # logits of chosen real positions only (DPO's response-predicting ones): [K, V], row-major, the
+    # padded forward's rows at those positions, gradients through them alike
+    at = real & (torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) < 0.5)
+    for m in (packed, padded):
+        m.zero_grad()
+    sel = packing.forward(packed, ids, mask, logits_at=at).logits
+    ref_sel = run_forward(padded, False, dict(input_ids=ids, attention_mask=mask, logits_at=at)).logits
+    assert sel.shape == ref_sel.shape == (int(at.sum()), 61)
+    assert torch.equal(ref_sel, padded(input_ids=ids, attention_mask=mask).logits[at])
+    assert (sel - ref_sel).abs().max() <= TOL
+    (sel * weights[at]).sum().backward()
+    (ref_sel * weights[at]).sum().backward()
+    _assert_close(_grads(packed), _grads(padded), family)
+    with pytest.raises(ValueError, match="padding"):
+        packing.forward(packed, ids, mask, logits_at=~real)
 
 
 def test_the_padded_path_is_unchanged_by_the_installed_attention():
