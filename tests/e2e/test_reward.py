@@ -8,6 +8,7 @@ import torch
 from tests.conftest import quick_sft_args, run_cli, score_cli
 
 
+@pytest.mark.slow  # the recipe's 1800 steps (~2 min); the export's behaviour: short_reward_run's tests below
 def test_default_reward_run(default_reward_run):
     out = default_reward_run / "reward"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -19,7 +20,7 @@ def test_default_reward_run(default_reward_run):
     assert stats["std"] > 0 and stats["eval/accuracy"] == final["eval/accuracy"]
 
 
-def test_hf_model_reproduces_stage_scores(default_reward_run):
+def test_hf_model_reproduces_stage_scores(short_reward_run):
     """AutoModelForSequenceClassification.from_pretrained scores like the stage's own scorer."""
     from transformers import AutoModelForSequenceClassification
 
@@ -27,7 +28,7 @@ def test_hf_model_reproduces_stage_scores(default_reward_run):
     from rlhf.data import synthetic
     from rlhf.score import RewardScorer
 
-    model_dir = default_reward_run / "reward" / "model"
+    model_dir = short_reward_run / "reward" / "model"
     hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     assert hf.config.num_labels == 1
     scorer = RewardScorer(str(model_dir))
@@ -48,13 +49,13 @@ def test_hf_model_reproduces_stage_scores(default_reward_run):
     assert abs(torch.cat([all_right, all_wrong]).mean().item() - stats["mean"]) <= 1e-4
 
 
-def test_score_cli(default_reward_run, tmp_path):
-    model_dir = default_reward_run / "reward" / "model"
+def test_score_cli(short_reward_run, tmp_path):
+    model_dir = short_reward_run / "reward" / "model"
     proc = score_cli(model_dir, "--prompt", "Q: What is 03 + 45?\nA:", "--response", " The answer is 48.")
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout.splitlines()[0])) == {"score", "normalized"}
 
-    # preference pairs: one line per pair, then the accuracy (the default RM ranks them well)
+    # preference pairs: one line per pair, then the accuracy (a trained RM ranks them well)
     from rlhf.config import SyntheticConfig
     from rlhf.data import synthetic
 
@@ -72,7 +73,7 @@ def test_score_cli(default_reward_run, tmp_path):
     assert lines[-1]["pairs"] == 64 and lines[-1]["accuracy"] >= 0.8
     # not a reward model / no such directory: exit 2, one line
     for bad, fragment in (
-        (default_reward_run / "sft" / "model", "not a reward model"),
+        (short_reward_run / "sft" / "model", "not a reward model"),
         (tmp_path / "nope", "no such directory"),
     ):
         proc = score_cli(bad, "--prompt", "x", "--response", "y")
