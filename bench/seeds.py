@@ -1,7 +1,7 @@
 """Learning over seeds: the embedded pipeline per seed, JSON lines per seed and figure, then min /
 median / max (docs/contract.md, `bench: "seeds"`).
 
-    python bench/seeds.py [--seeds 0 1 2 3 4] [--unseen N [--unseen-key KEY]] [--parallel K]
+    python bench/seeds.py [--seeds 0 1 2 3 4] [--unseen N [--unseen-key KEY]] [--parallel K] [--threads T]
                           [--stages sft,reward,ppo,grpo] [--out DIR] [--set KEY=VAL ...]
                           [--stage-set STAGE:KEY=VAL ...] [--grpo-set KEY=VAL ...] [--label NAME]
 
@@ -47,8 +47,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import device_label  # noqa: E402
 
-# the seeds the embedded recipe was tuned and studied on (docs/performance.md; issue 32's table: 5–10)
-TUNED = frozenset(range(11)) | {1234}
+# the seeds the embedded recipe was tuned and studied on (docs/performance.md; issue 32's table: 5–10;
+# the ten unseen seeds of 73afa42, studied since: docs/stages.md "Seeds nobody tuned on")
+STUDIED_73AFA42 = {60713, 641233, 801015, 669279, 660094, 872239, 866424, 789828, 854154, 534250}
+# the ten drawn from a25d5bd, on which the 4-layer SFT shape was judged (docs/performance.md)
+STUDIED_A25D5BD = {437728, 815532, 439844, 700747, 362623, 408167, 727957, 172411, 979146, 90805}
+TUNED = frozenset(range(11)) | {1234} | STUDIED_73AFA42 | STUDIED_A25D5BD
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}
 
@@ -173,6 +177,7 @@ def main() -> None:
     ap.add_argument("--unseen", type=int, default=0, help="also N seeds drawn outside the tuned ones")
     ap.add_argument("--unseen-key", default=None, help="what the unseen seeds are drawn from (default: HEAD)")
     ap.add_argument("--parallel", type=int, default=1, help="seeds run at once (threads split between them)")
+    ap.add_argument("--threads", type=int, default=None, help="threads per run (default: the cores ÷ --parallel)")
     ap.add_argument("--stages", default="sft,reward,ppo,grpo")
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--set", nargs="*", default=[], help="overrides for every stage")
@@ -203,7 +208,7 @@ def main() -> None:
             ap.error(f"--stage-set {item!r}: expected STAGE:KEY=VAL with STAGE one of {', '.join(OUTPUT)}")
         overrides.setdefault(stage, []).append(kv)
     out = args.out or Path(tempfile.mkdtemp(prefix="rlhf-seeds-"))
-    threads = max(1, (os.cpu_count() or 1) // args.parallel)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
 
     def log(msg):
         print(f"[seeds] {msg}", file=sys.stderr, flush=True)
