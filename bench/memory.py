@@ -423,3 +423,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from rlhf.engine.mesh import end_process
+
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

@@ -93,3 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    if "LOCAL_RANK" in os.environ:  # a torchrun worker ends without finalization (mesh.end_process says why)
+        from rlhf.engine.mesh import end_process
+
+        end_process()

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlhf.config import DPOConfig, EngineConfig, TrainConfig  # noqa: E402
 from rlhf.data.sampler import GlobalBatches  # noqa: E402
-from rlhf.engine.mesh import init_mesh  # noqa: E402
+from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
 from rlhf.engine.train import FrozenModel, TrainEngine  # noqa: E402
 from stages.dpo import collate, train_step  # noqa: E402
 from tests.distributed.parity_worker import PAD, records, tiny_model  # noqa: E402
@@ -79,3 +79,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rlhf.config import EngineConfig  # noqa: E402
-from rlhf.engine.mesh import init_mesh, shutdown  # noqa: E402
+from rlhf.engine.mesh import end_process, init_mesh, shutdown  # noqa: E402
 from rlhf.models import dschat  # noqa: E402
 
 
@@ -28,3 +28,4 @@ def main(src: str, run_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

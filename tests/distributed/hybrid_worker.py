@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 from rlhf.config import EngineConfig, TrainConfig  # noqa: E402
 from rlhf.engine.hybrid import HybridEngine  # noqa: E402
 from rlhf.engine.logprobs import response_logprobs  # noqa: E402
-from rlhf.engine.mesh import init_mesh  # noqa: E402
+from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
 from rlhf.engine.train import TrainEngine  # noqa: E402
 from rlhf.ops import SamplingParams  # noqa: E402
 from tests.infer_helpers import Tok, hf_greedy, mixed_prompts, tiny_model  # noqa: E402
@@ -118,3 +118,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

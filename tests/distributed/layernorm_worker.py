@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rlhf.config import EngineConfig  # noqa: E402
-from rlhf.engine.mesh import init_mesh  # noqa: E402
+from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
 from tests.distributed.hybrid_worker import check  # noqa: E402
 
 CONFIGS = {
@@ -47,3 +47,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

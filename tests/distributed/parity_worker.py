@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 from rlhf.config import EngineConfig, TrainConfig  # noqa: E402
 from rlhf.data.sampler import GlobalBatches  # noqa: E402
 from rlhf.data.tokenize import collate_sft  # noqa: E402
-from rlhf.engine.mesh import init_mesh  # noqa: E402
+from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
 from rlhf.engine.train import TrainEngine  # noqa: E402
 from stages.sft import train_step  # noqa: E402
 
@@ -165,3 +165,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

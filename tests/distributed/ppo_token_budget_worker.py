@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rlhf.config import EngineConfig  # noqa: E402
-from rlhf.engine.mesh import init_mesh  # noqa: E402
+from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
 from tests.unit.test_ppo_token_budget import run  # noqa: E402
 
 BUDGETS = (0, 8, 30)  # 0: the row-count reference; 8: most rows alone; 30: a few rows together
@@ -35,3 +35,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

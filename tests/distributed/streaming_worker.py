@@ -158,3 +158,6 @@ def main(root: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    from rlhf.engine.mesh import end_process
+
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 from rlhf.config import DPOConfig, EngineConfig, TrainConfig  # noqa: E402
 from rlhf.data.sampler import GlobalBatches, step_micro_batches, token_micro_batches  # noqa: E402
 from rlhf.data.tokenize import collate_pairs, collate_sft, pair_tokens  # noqa: E402
-from rlhf.engine.mesh import init_mesh  # noqa: E402
+from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
 from rlhf.engine.train import FrozenModel, TrainEngine  # noqa: E402
 from tests.distributed.dpo_worker import pairs  # noqa: E402
 from tests.distributed.parity_worker import PAD, records, tiny_model, tiny_reward_model  # noqa: E402
@@ -130,3 +130,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)

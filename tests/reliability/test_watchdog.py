@@ -172,3 +172,43 @@ def test_exit_code_survives_a_heartbeat_inside_a_store_call():
     ]
     results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
     assert [code for code, _ in results] == [2] * 6, [err[-300:] for _, err in results]
+
+
+FINISH_WITH_A_BUSY_THREAD = r"""
+import datetime, logging, os, sys, threading
+import torch.distributed as dist
+from rlhf.engine.mesh import end_process
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=5))
+def busy():  # always inside a C++ call that releases the GIL, like a gloo thread at teardown
+    while True:
+        store.add("k", 1)
+threading.Thread(target=busy, daemon=True).start()
+logging.basicConfig(filename=sys.argv[1], level=logging.INFO)
+logging.getLogger("t").info("logged before the end")
+sys.stdout.write("written, not flushed")
+if sys.argv[2] == "end_process":
+    end_process()
+"""
+
+
+def test_a_finished_worker_ends_with_its_output_and_without_finalization(tmp_path):
+    """``end_process`` (the last call of every torchrun worker): exit 0 with stdout and the log file
+    flushed, where the interpreter's finalization with a thread inside a C++ call aborts some exits."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ENV, ROOT
+
+    def launch(i, how):
+        env = {**ENV, "LOCAL_RANK": "0"}
+        cmd = [sys.executable, "-c", FINISH_WITH_A_BUSY_THREAD, str(tmp_path / f"{how}{i}.log"), how]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [launch(i, "end_process") for i in range(6)]
+    control = [launch(i, "finalize") for i in range(2)]  # measured: 24 of 24 such exits abort
+    results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    assert [code for code, _, _ in results] == [0] * 6, [err[-300:] for _, _, err in results]
+    assert any(p.wait(timeout=120) == -6 for p in control), "finalization no longer aborts: the control shows nothing"
+    assert all(out == "written, not flushed" for _, out, _ in results)
+    assert all("logged before the end" in (tmp_path / f"end_process{i}.log").read_text() for i in range(6))
