@@ -52,7 +52,9 @@ from common import device_label  # noqa: E402
 STUDIED_73AFA42 = {60713, 641233, 801015, 669279, 660094, 872239, 866424, 789828, 854154, 534250}
 # the ten drawn from a25d5bd, on which the 4-layer SFT shape was judged (docs/performance.md)
 STUDIED_A25D5BD = {437728, 815532, 439844, 700747, 362623, 408167, 727957, 172411, 979146, 90805}
-TUNED = frozenset(range(11)) | {1234} | STUDIED_73AFA42 | STUDIED_A25D5BD
+# the ten drawn from e00fb5b, on which 4 layers with a 2400-step SFT were judged over the pipeline
+STUDIED_E00FB5B = {596778, 209180, 9496, 635140, 93268, 776926, 762847, 493268, 542853, 821718}
+TUNED = frozenset(range(11)) | {1234} | STUDIED_73AFA42 | STUDIED_A25D5BD | STUDIED_E00FB5B
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}
 
