@@ -56,7 +56,17 @@ STUDIED_A25D5BD = {437728, 815532, 439844, 700747, 362623, 408167, 727957, 17241
 STUDIED_E00FB5B = {596778, 209180, 9496, 635140, 93268, 776926, 762847, 493268, 542853, 821718}
 # the ten drawn from 2d96d49, on which the 3000-step SFT of that shape was judged (SFT only)
 STUDIED_2D96D49 = {427282, 564482, 951513, 224930, 775791, 465502, 896189, 283354, 425434, 850378}
-TUNED = frozenset(range(11)) | {1234} | STUDIED_73AFA42 | STUDIED_A25D5BD | STUDIED_E00FB5B | STUDIED_2D96D49
+# the first six drawn from 1f27f60, on which that SFT was judged over the pipeline
+STUDIED_1F27F60 = {194067, 187605, 876470, 784372, 804550, 662352}
+TUNED = (
+    frozenset(range(11))
+    | {1234}
+    | STUDIED_73AFA42
+    | STUDIED_A25D5BD
+    | STUDIED_E00FB5B
+    | STUDIED_2D96D49
+    | STUDIED_1F27F60
+)
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}
 
