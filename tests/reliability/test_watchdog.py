@@ -206,7 +206,7 @@ def test_a_finished_worker_ends_with_its_output_and_without_finalization(tmp_pat
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     procs = [launch(i, "end_process") for i in range(6)]
-    control = [launch(i, "finalize") for i in range(2)]  # measured: 24 of 24 such exits abort
+    control = [launch(i, "finalize") for i in range(4)]  # measured: 24 of 24 such exits abort
     results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
     assert [code for code, _, _ in results] == [0] * 6, [err[-300:] for _, _, err in results]
     assert any(p.wait(timeout=120) == -6 for p in control), "finalization no longer aborts: the control shows nothing"
