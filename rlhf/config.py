@@ -129,9 +129,9 @@ class LoraConfig:
 class ModelConfig:
     path: Optional[str] = None  # HF id or directory; None = previous stage's output or embedded default
     trust_remote_code: bool = False
-    # The embedded default: a tiny Llama built from this config, random init. 3 layers with a narrow
-    # MLP rather than 2 with 512: the same cost per step on a CPU, and every seed learns the task's
-    # carry (docs/performance.md, "A deeper, narrower model").
+    # With no model.path: a tiny Llama built from this config, random init (the agentic recipe's model;
+    # the embedded recipe's is 4 layers × 128, conf/recipe/embedded.yaml). 3 layers with a narrow MLP
+    # rather than 2 with 512: the same cost per step on a CPU (docs/performance.md).
     hidden_size: int = 128
     num_layers: int = 3
     num_heads: int = 4
