@@ -58,6 +58,9 @@ STUDIED_E00FB5B = {596778, 209180, 9496, 635140, 93268, 776926, 762847, 493268, 
 STUDIED_2D96D49 = {427282, 564482, 951513, 224930, 775791, 465502, 896189, 283354, 425434, 850378}
 # the first six drawn from 1f27f60, on which that SFT was judged over the pipeline
 STUDIED_1F27F60 = {194067, 187605, 876470, 784372, 804550, 662352}
+# the first two drawn from f95d7b3 (4 layers, 3000 SFT steps, 1500 reward steps, 60 PPO iterations), on which
+# PPO found the doubled last digit (74 → 744) its reward model scored above the right answer
+STUDIED_F95D7B3 = {993765, 410071}
 TUNED = (
     frozenset(range(11))
     | {1234}
@@ -66,6 +69,7 @@ TUNED = (
     | STUDIED_E00FB5B
     | STUDIED_2D96D49
     | STUDIED_1F27F60
+    | STUDIED_F95D7B3
 )
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}

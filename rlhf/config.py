@@ -903,6 +903,10 @@ class PPOConfig:
     # answers to held-out prompts) is this far below step 0's: the policy may have got worse where it does
     # not train (0.03 parts the embedded task's unseen seeds whose greedy gold PPO lowered; docs/ppo.md); null = off
     warn_heldout_drop: Optional[float] = 0.03
+    # a warning when the final evaluation's greedy answers to held-out prompts differ from step 0's on more
+    # than this share of them while the reward model prefers the new ones by less than rlhf/rl/gate.py's
+    # CHANGED_GAIN: it cannot tell them apart (docs/ppo.md); null = off
+    warn_greedy_changed: Optional[float] = 0.05
     reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
     reward_fn_weight: float = 1.0
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
@@ -1001,6 +1005,12 @@ class PPOConfig:
             "ppo.warn_heldout_drop",
             self.warn_heldout_drop,
             "a non-negative number or null",
+        )
+        _check(
+            self.warn_greedy_changed is None or 0 <= self.warn_greedy_changed <= 1,
+            "ppo.warn_greedy_changed",
+            self.warn_greedy_changed,
+            "a share in [0, 1] or null",
         )
         _check(self.rollout_guard in ROLLOUT_GUARD, "ppo.rollout_guard", self.rollout_guard, one_of(ROLLOUT_GUARD))
         _check(

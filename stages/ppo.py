@@ -217,7 +217,7 @@ def run(cfg: Config) -> None:
     )
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
     # the over-optimisation gate (and its warnings)
-    gate = Gate(ppo.stop_disagreement, ppo.stop_kl, actor, ppo.warn_heldout_drop)
+    gate = Gate(ppo.stop_disagreement, ppo.stop_kl, actor, ppo.warn_heldout_drop, ppo.warn_greedy_changed)
     kl_ctl = AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
     # the rollout-parity guard: the inference mode's log-probs against the training recompute, every step
     guard = RolloutGuard.of(ppo, hybrid, precision_of(place("actor"), mesh.device))
@@ -261,9 +261,14 @@ def run(cfg: Config) -> None:
                 hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress, play
             )
         if reward_model is not None and not runner.multi_turn:  # the reward model's view, no gold needed
-            res.update(evaluate_reward(hybrid.generate, tokenizer, data.eval, held_out_reward, cfg.eval, mesh, chat))
-            if "eval/reward_greedy" in res and (warning := gate.heldout(step, res["eval/reward_greedy"], final)):
-                log.warning("%s", warning)
+            mean, answers = evaluate_reward(
+                hybrid.generate, tokenizer, data.eval, held_out_reward, cfg.eval, mesh, chat
+            )
+            if answers:
+                changes, warning = gate.heldout(step, mean["eval/reward_greedy"], answers, final)
+                res.update(mean, **changes)
+                if warning:
+                    log.warning("%s", warning)
         if not res:  # eval.gold_prompts=0
             return
         metrics.log(step, **res)

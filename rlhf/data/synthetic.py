@@ -3,12 +3,15 @@
 Prompt ``"Q: What is 03 + 45?\\nA:"``, response ``" The answer is 48."``. Operands are zero-padded so
 every prompt has the same length. The SFT data is right with probability ``p_correct`` and off by
 1..3 otherwise, so a policy that imitates it is right only part of the time (room for the reward
-model and PPO). Preference pairs put the right answer against a wrong one, in three equal shares:
+model and PPO). Preference pairs put the right answer against a wrong one, in four equal shares:
 off by 1..3 (the SFT data's own errors), one digit of the answer replaced (the tens digit wrong is
-the carry mistake a policy makes when it samples), and off by 4..15. A reward model that only ever
-saw near misses prefers far-off answers it never saw over the right one (measured: its argmax over
-n±12 was right on 19% of held-out prompts); one without digit errors scores n±10 as high as n (argmax
-over n±15 right on 30% of held-out prompts, the rest at n±10), and PPO walks straight into them.
+the carry mistake a policy makes when it samples), one digit doubled or dropped (74 → 744, 774, 7 or
+4: a sampling policy's stutter), and off by 4..15. A reward model that only ever saw near misses
+prefers far-off answers it never saw over the right one (measured: its argmax over n±12 was right on
+19% of held-out prompts); one without digit errors scores n±10 as high as n (argmax over n±15 right on
+30% of held-out prompts, the rest at n±10); one without doubled digits scored the right answer with its
+last digit doubled above the right one on up to 60% of held-out prompts (74 → 744), and PPO walks
+straight into each of them (docs/performance.md).
 Gold = exact match of the whole response, a rule the reward model never sees. Held-out prompts use
 operand pairs that no training record contains. Deterministic per seed.
 
@@ -62,13 +65,28 @@ def _digit_error(n: int, rng: random.Random) -> int:
     return int("".join(digits))
 
 
+def _length_error(n: int, rng: random.Random) -> int:
+    """``n`` with one of its digits doubled, or (half the time, from two digits on) dropped."""
+    digits = list(str(n))
+    i = rng.randrange(len(digits))
+    if len(digits) > 1 and rng.random() < 0.5:
+        del digits[i]
+    else:
+        digits.insert(i, digits[i])
+    w = int("".join(digits))
+    return w if w != n else _wrong(n, rng)  # (0 doubled is 0)
+
+
 def _rejected(n: int, rng: random.Random) -> int:
-    """A third each: off by 1..3 (the SFT data's own errors), one digit wrong, off by 4..15."""
-    kind = rng.randrange(3)
+    """A quarter each: off by 1..3 (the SFT data's own errors), one digit wrong, one digit doubled or
+    dropped, off by 4..15."""
+    kind = rng.randrange(4)
     if kind == 0:
         return _wrong(n, rng)
     if kind == 1:
         return _digit_error(n, rng)
+    if kind == 2:
+        return _length_error(n, rng)
     while True:
         w = n + rng.choice((-1, 1)) * rng.randint(4, 15)
         if w >= 0:

@@ -11,6 +11,7 @@ generate before it starts and shows its progress on rank 0 (``logger.progress``,
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -115,24 +116,35 @@ def evaluate_reward(
     ecfg: EvalConfig,
     mesh: Mesh,
     chat: Optional[str] = None,
-) -> dict:
-    """``eval/reward_greedy``: the mean reward the reward model gives (``score_rows(generation) -> [B]``,
-    its part of the training reward) to the policy's greedy answers to the first ``eval.gold_prompts``
-    held-out prompts — any data, no reference needed: how the policy does where it does not train, by
-    the reward model's own judgement. Collective (every rank generates and scores every turn)."""
+) -> Tuple[dict, List[Tuple[str, float]]]:
+    """The policy's greedy answers to the first ``eval.gold_prompts`` held-out prompts, by the reward
+    model's own judgement (``score_rows(generation) -> [B]``, its part of the training reward) — any
+    data, no reference needed: how the policy does where it does not train. Returns
+    ``{"eval/reward_greedy": their mean reward}`` and one ``(digest of the answer's tokens, reward)`` per
+    prompt, in prompt order, on every rank (rlhf/rl/gate.py compares them with step 0's). Collective
+    (every rank generates and scores every turn, then the ranks' answers are gathered)."""
     examples = held_out[: ecfg.gold_prompts]
     if not examples:
-        return {}
+        return {}, []
     encoded = encode_prompts(examples, tokenizer, chat)
     total, count = 0.0, 0
+    mine: Dict[int, Tuple[str, float]] = {}
     for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):
         sp = SamplingParams(
             temperature=0.0, max_new_tokens=ecfg.max_new_tokens or 16, samples_per_prompt=1, seed=ecfg.seed + b
         )
-        rewards = score_rows(generate([encoded[i] for i in ix or [0]], sp))  # (a turn with no prompt: one, unused)
+        gen = generate([encoded[i] for i in ix or [0]], sp)  # (a turn with no prompt: one, unused)
+        scores = score_rows(gen)
         if ix:
-            total, count = total + float(rewards.sum()), count + len(ix)
-    return {"eval/reward_greedy": mesh.sum(total) / max(mesh.sum(count), 1)}
+            total, count = total + float(scores.sum()), count + len(ix)
+        rewards = scores.tolist()
+        for j, i in enumerate(ix):
+            tokens = gen.responses[j][gen.response_mask[j].bool()].tolist()
+            digest = hashlib.blake2b(repr(tokens).encode(), digest_size=8).hexdigest()
+            mine[i] = (digest, float(rewards[j]))
+    gathered = {i: a for part in mesh.all_gather_object(mine) for i, a in part.items()}
+    mean = {"eval/reward_greedy": mesh.sum(total) / max(mesh.sum(count), 1)}
+    return mean, [gathered[i] for i in range(len(examples))]
 
 
 def decoded(generate, tokenizer) -> Callable:

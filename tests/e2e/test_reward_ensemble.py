@@ -154,12 +154,23 @@ def test_held_out_reward_is_the_reward_models_view_of_greedy_answers(small_pipel
     prompts = [e.prompt for e in held_out[:8]]  # quick_ppo: eval.gold_prompts=8
     scorer = RewardScorer(str(run / "reward" / "model"))
     tok = scorer.tokenizer
-    policy = AutoModelForCausalLM.from_pretrained(run / "sft" / "model").eval()
-    answers = []
-    for p in prompts:  # one at a time: no padding
-        ids = torch.tensor([tok(p)["input_ids"]])
-        with torch.no_grad():
-            out = policy.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
-        answers.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    expected = scorer.normalize(scorer.score(prompts, answers)).mean().item()
-    assert abs(evals[0]["eval/reward_greedy"] - expected) <= 1e-4, (evals[0], expected, answers)
+
+    def greedy(path):
+        policy = AutoModelForCausalLM.from_pretrained(path).eval()
+        answers = []
+        for p in prompts:  # one at a time: no padding
+            ids = torch.tensor([tok(p)["input_ids"]])
+            with torch.no_grad():
+                out = policy.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+            answers.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+        return answers
+
+    answers, after = greedy(run / "sft" / "model"), greedy(run / "ppo" / "actor")
+    scores, scores_after = (scorer.normalize(scorer.score(prompts, a)) for a in (answers, after))
+    assert abs(evals[0]["eval/reward_greedy"] - scores.mean().item()) <= 1e-4, (evals[0], scores, answers)
+    # the answers that changed since step 0, and the reward model's mean gain on them
+    changed = [i for i in range(len(prompts)) if after[i] != answers[i]]
+    assert evals[0]["eval/greedy_changed"] == 0.0
+    assert evals[1]["eval/greedy_changed"] == len(changed) / len(prompts), (answers, after)
+    gain = (scores_after - scores)[changed].mean().item() if changed else 0.0
+    assert abs(evals[1]["eval/reward_gain_changed"] - gain) <= 1e-4, (evals[1], gain)

@@ -157,28 +157,37 @@ def test_synthetic_task_is_deterministic_with_disjoint_held_out():
     assert len({len(e.prompt) for e in tr1}) == 1  # zero-padded operands: equal-length prompts
 
 
-def test_synthetic_rejected_answers_cover_near_misses_digit_errors_and_far_misses():
-    """A third each: the reward model must see the carry mistakes (a tens digit wrong) a sampling
-    policy makes, not only near misses (docs/performance.md: without them it scored n±10 like n)."""
-    tr, _ = synthetic.generate(SyntheticConfig(num_records=6000), 256, seed=3)
-    kinds = {"near": 0, "digit": 0, "far": 0}
+def test_synthetic_rejected_answers_cover_near_misses_digit_errors_doubled_digits_and_far_misses():
+    """A quarter each: the reward model must see the carry mistakes (a tens digit wrong) and the
+    stutters (a digit doubled or dropped) a sampling policy makes, not only near misses
+    (docs/performance.md: without them it scored n±10 like n, and 744 above 74)."""
+    tr, _ = synthetic.generate(SyntheticConfig(num_records=8000), 256, seed=3)
+
+    def indel(w: str, n: str) -> bool:  # one digit more or fewer
+        long, short = (w, n) if len(w) > len(n) else (n, w)
+        return len(long) == len(short) + 1 and any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
+
+    kinds = {"near": 0, "digit": 0, "length": 0, "far": 0}
     for e in tr:
         n, w = int(e.reference), int(synthetic.ANSWER.match(e.rejected).group(1))
         assert w != n and w >= 0
         same_len = len(str(w)) == len(str(n))
-        one_digit = same_len and sum(a != b for a, b in zip(str(w), str(n))) == 1
         if abs(w - n) <= 3:
             kinds["near"] += 1
-        elif one_digit:
+        elif same_len and sum(a != b for a, b in zip(str(w), str(n))) == 1:
             kinds["digit"] += 1
+        elif indel(str(w), str(n)):
+            kinds["length"] += 1
         else:
             assert 4 <= abs(w - n) <= 15, (n, w)
             kinds["far"] += 1
     share = {k: v / len(tr) for k, v in kinds.items()}
-    # a digit error within ±3 or a far miss that changes one digit counts once, in the first kind
-    assert share["near"] > 0.33 and share["digit"] > 0.2 and share["far"] > 0.1, share
+    # an answer of two kinds counts once, in the first (e.g. 10 → 1 is a dropped digit and off by 9)
+    assert share["near"] > 0.25 and share["digit"] > 0.15 and share["length"] > 0.15 and share["far"] > 0.08, share
+    doubled = sum(str(e.reference) + str(e.reference)[-1] in e.rejected for e in tr) / len(tr)
+    assert doubled > 0.03, doubled  # 74 → 744: the hack PPO found (docs/performance.md)
     tens = sum(abs(int(synthetic.ANSWER.match(e.rejected).group(1)) - int(e.reference)) % 10 == 0 for e in tr) / len(tr)
-    assert tens > 0.1, tens  # n ± 10, 20, …: the carry mistakes (0.19 here; 0.04 without digit errors)
+    assert tens > 0.1, tens  # n ± 10, 20, …: the carry mistakes
 
 
 def test_gold_scorers():

@@ -163,6 +163,7 @@ def test_ppo_config_accepts_each_combination(how):
         (["stage=ppo", "ppo.reward_combine=max"], "ppo.reward_combine='max' is invalid"),
         (["stage=ppo", "ppo.stop_disagreement=0.5"], "ppo.stop_disagreement=0.5 is invalid"),
         (["stage=ppo", "ppo.stop_kl=2", "algorithm.kl_coef=0"], "ppo.stop_kl=2 reads the KL to the reference"),
+        (["stage=ppo", "ppo.warn_greedy_changed=1.5"], "ppo.warn_greedy_changed=1.5 is invalid"),
     ],
 )
 def test_bad_ensemble_and_gate_keys_are_one_clear_error(overrides, fragment):
@@ -174,16 +175,50 @@ def test_bad_ensemble_and_gate_keys_are_one_clear_error(overrides, fragment):
     assert fragment in str(e.value), str(e.value)
 
 
+def _answers(n: int, reward: float, changed=(), gain: float = 0.0) -> list:
+    """n held-out greedy answers as evaluate_reward gives them: (digest, reward); those in ``changed``
+    are other answers, scored ``gain`` above the rest."""
+    return [(f"new{i}" if i in changed else f"old{i}", reward + (gain if i in changed else 0.0)) for i in range(n)]
+
+
 def test_held_out_reward_warning_judges_the_final_policy_once_and_survives_a_resume():
     gate = Gate(None, None, warn_heldout_drop=0.03)
-    assert gate.heldout(0, 0.730) is None  # the start: the reference
-    assert gate.heldout(20, 0.600) is None  # mid-run: not judged (the greedy dip recovers)
-    assert gate.heldout(40, 0.710, final=True) is None  # −0.020 at the end: within the margin
+    assert gate.heldout(0, 0.730, _answers(4, 0.730)) == (
+        {"eval/greedy_changed": 0.0, "eval/reward_gain_changed": 0.0},
+        None,
+    )  # the start: the reference
+    assert gate.heldout(20, 0.600, _answers(4, 0.600))[1] is None  # mid-run: not judged (the greedy dip recovers)
+    assert gate.heldout(40, 0.710, _answers(4, 0.710), final=True)[1] is None  # −0.020 at the end: within the margin
     again = Gate(None, None, warn_heldout_drop=0.03)
     again.load_state_dict(gate.state_dict())  # a resumed run keeps the step-0 reference
     for g in (gate, again):
-        why = g.heldout(80, 0.665, final=True)  # −0.065 (the embedded task's unseen seed 801015)
+        _, why = g.heldout(80, 0.665, _answers(4, 0.665), final=True)  # −0.065 (the unseen seed 801015)
         assert why and "0.065 lower than at the start" in why and "ppo.warn_heldout_drop=0.03" in why
-        assert g.heldout(120, 0.5, final=True) is None  # said once
+        assert g.heldout(120, 0.5, _answers(4, 0.5), final=True)[1] is None  # said once
     off = Gate(None, None, warn_heldout_drop=None)
-    assert off.heldout(0, 1.0) is None and off.heldout(1, -5.0, final=True) is None
+    assert off.heldout(0, 1.0, _answers(4, 1.0))[1] is None
+    assert off.heldout(1, -5.0, _answers(4, -5.0), final=True)[1] is None
+
+
+def test_changed_greedy_answers_the_reward_model_cannot_tell_apart_are_a_warning():
+    from rlhf.rl.gate import CHANGED_GAIN
+
+    def final(changed, gain, threshold=0.1):
+        gate = Gate(None, None, warn_heldout_drop=0.03, warn_greedy_changed=threshold)
+        gate.heldout(0, 0.66, _answers(100, 0.66))
+        again = Gate(None, None, warn_heldout_drop=0.03, warn_greedy_changed=threshold)
+        again.load_state_dict(gate.state_dict())  # step 0's answers survive a resume
+        mean = 0.66 + gain * len(changed) / 100
+        return again.heldout(60, mean, _answers(100, 0.66, changed, gain), final=True)
+
+    # seed 209180's pattern (docs/ppo.md): 27% changed, the reward model barely prefers them
+    metrics, why = final(range(27), 0.05)
+    assert metrics == pytest.approx({"eval/greedy_changed": 0.27, "eval/reward_gain_changed": 0.05})
+    assert why and "changed on 27 of 100 held-out prompts" in why and "ppo.warn_greedy_changed=0.1" in why
+    assert final(range(27), CHANGED_GAIN + 0.1)[1] is None  # it clearly prefers them: an improvement
+    assert final(range(10), 0.0)[1] is None  # 10%: not more than the threshold
+    assert final(range(4), -0.4)[1] is None  # a healthy seed's few changes
+    assert final(range(27), 0.05, threshold=None)[1] is None  # off
+    gate = Gate(None, None, warn_greedy_changed=0.1)
+    gate.heldout(0, 0.66, _answers(100, 0.66))
+    assert gate.heldout(30, 0.66, _answers(100, 0.66, range(50), 0.0))[1] is None  # mid-run: logged, not judged
