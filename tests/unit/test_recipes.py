@@ -71,14 +71,14 @@ def test_an_explicit_override_wins_and_the_embedded_numbers_stand():
     expect = {
         "sft": (3e-3, 3000, 1.0, 50),
         "reward": (5e-4, 1500, 0.0, 30),
-        "ppo": (5e-5, 60, 0.0, 0),
+        "ppo": (5e-5, 80, 0.0, 0),
         "dpo": (1e-3, 600, 0.0, 20),
     }
     for stage, numbers in expect.items():
         c, _ = compose_config([f"stage={stage}"])
         assert (c.train.lr, c.train.max_steps, c.train.weight_decay, c.train.warmup_steps) == numbers, stage
     c, _ = compose_config(["stage=ppo"])
-    assert (c.algorithm.kl_coef, c.train.eval_every, c.train.save_every, c.ppo.critic_lr) == (0.02, 30, 20, 1e-4)
+    assert (c.algorithm.kl_coef, c.train.eval_every, c.train.save_every, c.ppo.critic_lr) == (0.02, 40, 20, 1e-4)
     # the embedded model's shape is the recipe's; the agentic recipe keeps model.*'s defaults
     shapes = {r: compose_config(["stage=sft", f"recipe={r}"])[0].model for r in ("embedded", "agentic")}
     assert (shapes["embedded"].num_layers, shapes["embedded"].intermediate_size) == (4, 128)
