@@ -61,6 +61,8 @@ STUDIED_1F27F60 = {194067, 187605, 876470, 784372, 804550, 662352}
 # the first two drawn from f95d7b3 (4 layers, 3000 SFT steps, 1500 reward steps, 60 PPO iterations), on which
 # PPO found the doubled last digit (74 → 744) its reward model scored above the right answer
 STUDIED_F95D7B3 = {993765, 410071}
+# the ten drawn from c7bcf50, on which the adopted recipe was judged (docs/stages.md)
+STUDIED_C7BCF50 = {907370, 742418, 955088, 799945, 894733, 940949, 883706, 944950, 450094, 2948}
 TUNED = (
     frozenset(range(11))
     | {1234}
@@ -70,6 +72,7 @@ TUNED = (
     | STUDIED_2D96D49
     | STUDIED_1F27F60
     | STUDIED_F95D7B3
+    | STUDIED_C7BCF50
 )
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}

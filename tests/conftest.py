@@ -143,7 +143,7 @@ def default_reward_run(default_sft_run):
 @pytest.fixture(scope="session")
 def short_reward_run(default_sft_run, tmp_path_factory):
     """A 600-step reward model (held-out accuracy ~0.95, 40 s) on the default SFT model: for the tests of
-    what a trained reward model's export does; the recipe's full 1800 steps are ``default_reward_run``'s."""
+    what a trained reward model's export does; the recipe's full 1500 steps are ``default_reward_run``'s."""
     import shutil
 
     run_dir = tmp_path_factory.mktemp("short_reward") / "run"

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import quick_sft_args, run_cli, score_cli
 
 
-@pytest.mark.slow  # the recipe's 1800 steps (~2 min); the export's behaviour: short_reward_run's tests below
+@pytest.mark.slow  # the recipe's 1500 steps (~2 min); the export's behaviour: short_reward_run's tests below
 def test_default_reward_run(default_reward_run):
     out = default_reward_run / "reward"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
