@@ -139,8 +139,8 @@ class Gate:
             return metrics, None
         self.heldout_warned = True
         return metrics, (
-            f"ppo: step {step}: {why}: the policy may be getting worse where it does not train (a sign of an "
-            f"SFT policy unsure of its answers; check them with a gold scorer: docs/ppo.md)"
+            f"ppo: step {step}: {why}: the policy may be getting worse where it does not train (an SFT policy unsure "
+            f"of its answers, or a reward-model error it found; check them with a gold scorer: docs/ppo.md)"
         )
 
     def state_dict(self) -> dict:
