@@ -2,7 +2,7 @@
 
     python bench/stages.py [--stages sft reward dpo] [--workloads hh tiny small] [--steps 5]
                            [--warmup 1] [--threads N] [--rows 8] [--device auto|cpu|cuda] [--seed 0]
-                           [--variants padded packed rlhf]
+                           [--variants padded packed_whole packed rlhf]
 
 Each stage's own step, called directly: ``stages.sft.train_step(actor, micro_batches)``,
 ``stages.reward.train_step(reward_model, micro_batches, margin)`` and
@@ -26,14 +26,16 @@ Workloads:
   answer is longer than 192 tokens dropped, as the stages do). Model: the ``small`` workload's Llama
   shape with the tokenizer's vocabulary. Each step draws ``--rows`` records at random with a fixed
   seed; every variant runs the same batches. Variants ``padded`` (``engine.packing=false``: the padded
-  reference forward) and ``packed`` (``engine.packing=true``: padding-free packed forwards).
+  reference forward), ``packed_whole`` (padding-free packed forwards, every row packed whole:
+  ``rlhf.engine.packing.SHARE_PREFIXES`` off) and ``packed`` (``engine.packing=true``: packed, a pair's
+  prompt computed once for both its sequences).
 - ``tiny``, ``small`` (bench/common.py): rows of exactly the workload's prompt_len + new tokens (a
   BOS + digits prompt, a digits answer + EOS, one token per digit; pairs differ in their answers), so
   no padding; variant ``rlhf`` (``engine.packing`` at its default). bench/trl_stages.py runs TRL's
   trainers on the same models, tokenizer, rows and batches.
 
-``--variants`` picks others on any workload: ``padded`` (``engine.packing=false``), ``packed`` (true),
-``rlhf`` (the default).
+``--variants`` picks others on any workload: ``padded`` (``engine.packing=false``), ``packed_whole``,
+``packed`` (true), ``rlhf`` (the default).
 
 Metrics per (stage, workload, variant), the steps after ``--warmup`` warm-up ones: ``s_per_step`` (the
 median step: ``train_step`` wall time, collation excluded), ``tokens_per_s`` (median over steps of the
@@ -145,16 +147,25 @@ def time_steps(step_fn, batches: list, device) -> list:
     return times
 
 
-VARIANTS = {"padded": False, "packed": True, "rlhf": None}  # variant -> engine.packing (None: its default)
+# variant -> (engine.packing (None: its default), a pair's common prefix computed once)
+VARIANTS = {"padded": (False, True), "packed_whole": (True, False), "packed": (True, True), "rlhf": (None, True)}
+
+
+def set_sharing(share: bool) -> None:
+    """Pairs' common prefixes computed once (or not), where this version of rlhf can."""
+    from rlhf.engine import packing
+
+    if hasattr(packing, "SHARE_PREFIXES"):
+        packing.SHARE_PREFIXES = share
 
 
 def variants_of(workload: str, requested=None) -> list:
     """(variant name, engine.packing) pairs to run on a workload: ``requested`` (--variants), else
-    padded and packed on hh and rlhf on the fixed-length workloads."""
+    padded, packed_whole and packed on hh and rlhf on the fixed-length workloads."""
     if requested:
         names = requested
     elif workload == "hh":
-        names = ["padded", "packed"]
+        names = ["padded", "packed_whole", "packed"]
     else:
         names = ["rlhf"]
     return [(name, VARIANTS[name]) for name in names]
@@ -175,7 +186,7 @@ def main() -> None:
         nargs="+",
         default=None,
         choices=sorted(VARIANTS),
-        help="default: padded packed on hh, rlhf on tiny and small",
+        help="default: padded packed_whole packed on hh, rlhf on tiny and small",
     )
     args = ap.parse_args()
     if args.steps < 1:
@@ -199,13 +210,14 @@ def main() -> None:
                 tokens = [real_tokens(b) for b in timed]
                 area = sum(b["attention_mask"].numel() for b in timed)
                 padding = 1.0 - sum(tokens) / area
-                for variant, packing in variants_of(workload, args.variants):
+                for variant, (packing, share) in variants_of(workload, args.variants):
                     if packing is not None and not has_packing():
                         print(
                             f"bench/stages.py: no engine.packing in rlhf/config.py: {variant} skipped", file=sys.stderr
                         )
                         continue
                     ecfg = engine_config(args.device, args.threads, packing)
+                    set_sharing(share)
                     tcfg = TrainConfig(
                         max_steps=len(batches),
                         global_batch=args.rows,

@@ -550,8 +550,9 @@ class EngineConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     activation_checkpointing: bool = False
     # training forwards padding-free: a micro-batch's real tokens run as one packed sequence (positions
-    # per sequence, no attention across sequences; rlhf/engine/packing.py); false = padded to the
-    # longest row (the reference path; also what a family or attention kernel that cannot pack runs)
+    # per sequence, no attention across sequences, a prefix that rows share run once;
+    # rlhf/engine/packing.py); false = padded to the longest row (the reference path; also what a
+    # family or attention kernel that cannot pack runs)
     packing: bool = True
     backend: Optional[str] = None  # None = nccl on CUDA, else gloo
     timeout_s: int = 600  # collective timeout: a dead peer ends the job instead of hanging it

@@ -29,13 +29,15 @@ log = logging.getLogger("rlhf")
 ATTENTION = "rlhf_packed"  # the attention implementation name a packable model runs under
 _REGISTERED = False
 _SAID: set = set()  # the reasons already logged
-_LAYOUT = None  # (the bounds tensor of the forward running, its _Layout)
 # what one attention call costs beyond its work, in query × key pairs (``length_groups``): measured on
 # the CPU machine (an SDPA call forward + backward ≈ 1 ms ≈ 16K pairs at 8 heads of 64)
 CALL_COST = 16384
 # a batch with less padding than this share runs padded: packing's own cost (the layout moves in every
 # layer, the output scattered back) outweighs what it saves (measured, docs/performance.md)
 MIN_PADDING = 0.02
+# rows that begin alike pack their common prefix once (``pack``); False packs every row whole
+# (bench/stages.py's ``packed_whole`` variant measures what sharing adds)
+SHARE_PREFIXES = True
 
 
 @dataclass
@@ -43,10 +45,13 @@ class Packed:
     """The real tokens of a padded batch as one row, and the way back to the padded layout."""
 
     input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T], restarting at 0 per sequence
-    cu_seqlens: torch.Tensor  # [B + 1] int32: sequence b is tokens cu_seqlens[b]:cu_seqlens[b + 1]
+    position_ids: torch.Tensor  # [1, T], restarting at 0 per sequence (at its shared prefix's end)
+    # [n + 1] int32, the packed blocks' bounds: a row's real tokens (its own, after a shared prefix);
+    # its ``layout`` attribute says how attention reads them (``packed_attention``)
+    cu_seqlens: torch.Tensor
     max_len: int
-    flat: torch.Tensor  # [T] index of each packed token in the padded [B * L]
+    src: torch.Tensor  # [R] for each real position of the padded batch (row-major), its packed token
+    dst: torch.Tensor  # [R] that position's index in the padded [B * L]
     shape: tuple  # (B, L)
 
     def model_kwargs(self) -> dict:
@@ -61,28 +66,65 @@ class Packed:
             max_length_k=self.max_len,
         )
 
-    def kept(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the last ``last`` columns of the padded layout: (the packed positions that fall in them,
-        their index in the padded [B * last])."""
+    def kept(self, last: int) -> tuple[torch.Tensor, tuple]:
+        """For the last ``last`` columns of the padded layout: (the packed positions to compute there,
+        sorted and unique, and the ``index`` of ``unpack`` that lays them out as [B, last])."""
         L = self.shape[1]
-        col = self.flat % L
+        col = self.dst % L
         keep = col >= L - last
-        rows = self.flat[keep] // L
-        return keep.nonzero().squeeze(1), rows * last + (col[keep] - (L - last))
+        positions, which = torch.unique(self.src[keep], return_inverse=True)
+        return positions, (which, (self.dst[keep] // L) * last + (col[keep] - (L - last)))
 
-    def unpack(self, x: torch.Tensor, last: Optional[int] = None, index: Optional[torch.Tensor] = None):
+    def unpack(self, x: torch.Tensor, last: Optional[int] = None, index: Optional[tuple] = None):
         """[1, K, ...] packed outputs → [B, L, ...] (or [B, last, ...] with the ``index`` of ``kept``),
-        zeros at the padding. Differentiable."""
+        zeros at the padding; a shared prefix's outputs go to every row it begins. Differentiable (a
+        shared token's gradients add up)."""
         B, L = self.shape
         cols = L if last is None else last
-        flat = self.flat if index is None else index
+        src, dst = (self.src, self.dst) if index is None else index
         out = x.new_zeros((B * cols, *x.shape[2:]))
-        out = out.index_put((flat,), x[0])
+        out = out.index_put((dst,), x[0][src])
         return out.view(B, cols, *x.shape[2:])
 
+    def logit_positions(self, logits_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For ``logits_at`` ([B, L] bool, real positions): (the packed positions to compute, sorted
+        and unique; for each asked position in row-major order, its index among them)."""
+        asked = logits_at.reshape(-1)[self.dst]
+        return torch.unique(self.src[asked], return_inverse=True)
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[Packed]:
-    """The packed form of a padded batch, or None when a row's real tokens are not one contiguous run."""
+
+def _shared_prefixes(input_ids: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor) -> tuple[list, list]:
+    """The rows' order by their real tokens (lexicographic) and, per row, how many of its first tokens it
+    has in common with the row before it in that order: the most it has in common with any row before it."""
+    B, L = input_ids.shape
+    j = torch.arange(L, device=input_ids.device)
+    real = input_ids.gather(1, (first[:, None] + j).clamp(max=L - 1))
+    real = real.masked_fill(j >= lengths[:, None], -1)  # real tokens from column 0, then −1
+    rows = real.tolist()
+    order = sorted(range(B), key=rows.__getitem__)
+    shared = [0] * B
+    if B > 1:
+        s = real[order]
+        same = (s[1:] == s[:-1]) & (s[1:] >= 0)
+        for b, k in zip(order[1:], same.int().cumprod(1).sum(1).tolist()):
+            shared[b] = k
+    return order, shared
+
+
+def _first(ranges: list, n: int) -> list:
+    """The first ``n`` tokens of a list of packed token ranges."""
+    out = []
+    for s, e in ranges:
+        if n <= 0:
+            break
+        out.append((s, s + min(e - s, n)))
+        n -= e - s
+    return out
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, share: bool = True) -> Optional[Packed]:
+    """The packed form of a padded batch, or None when a row's real tokens are not one contiguous run.
+    ``share``: rows that begin alike (a pair's prompt, a group's) pack their common prefix once."""
     mask = attention_mask.bool()
     B, L = mask.shape
     lengths = mask.sum(1)
@@ -91,17 +133,41 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[Pack
     last = torch.where(mask, t, -1).max(1).values
     if bool(((last - first + 1).clamp(min=0) != lengths).any()):
         return None
-    flat = mask.reshape(-1).nonzero().squeeze(1)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=mask.device)
-    cu[1:] = lengths.cumsum(0)
-    starts = torch.repeat_interleave(cu[:-1].long(), lengths)
-    pos = torch.arange(flat.numel(), device=mask.device) - starts
+    n, starts = lengths.tolist(), first.tolist()
+    order, shared = list(range(B)), [0] * B
+    if share:
+        order, shared = _shared_prefixes(input_ids, first, lengths)
+    # rows in ``order``, each its own tokens (after what it shares with the row before) as one block;
+    # a row's tokens: the first ``shared`` of the row before's, then its block
+    tokens: list = [None] * B
+    bounds, pos, seqs, prev = [0], [], [], None
+    for b in order:
+        own = n[b] - shared[b]
+        tokens[b] = _first(tokens[prev], shared[b]) if shared[b] else []
+        if own:
+            tokens[b] = tokens[b] + [(bounds[-1], bounds[-1] + own)]
+            seqs.append((tokens[b], shared[b]))
+        bounds.append(bounds[-1] + own)
+        pos.append(torch.arange(shared[b], n[b]))
+        prev = b
+    device = mask.device
+    src, dst = [], []
+    for b in range(B):  # row-major: the padded positions in order
+        dst.append(torch.arange(n[b]) + (b * L + starts[b]))
+        src.append(torch.cat([torch.arange(s, e) for s, e in tokens[b]] or [torch.zeros(0, dtype=torch.long)]))
+    dst_t = torch.cat(dst).to(device) if B else torch.zeros(0, dtype=torch.long, device=device)
+    src_t = torch.cat(src).to(device) if B else torch.zeros(0, dtype=torch.long, device=device)
+    # each packed token's id, from the padded positions that map to it (a shared one's are all equal)
+    ids = input_ids.new_zeros(bounds[-1]).index_put((src_t,), input_ids.reshape(-1)[dst_t])
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    cu.rlhf_layout = _layout(seqs, device)  # what packed_attention reads (the bounds cannot say it all)
     return Packed(
-        input_ids=input_ids.reshape(-1)[flat][None],
-        position_ids=pos[None],
+        input_ids=ids[None],
+        position_ids=(torch.cat(pos) if B else torch.zeros(0, dtype=torch.long)).to(device)[None],
         cu_seqlens=cu,
-        max_len=int(lengths.max()) if B else 0,
-        flat=flat,
+        max_len=max((sum(e - s for s, e in rs) for rs, _ in seqs), default=0),
+        src=src_t,
+        dst=dst_t,
         shape=(B, L),
     )
 
@@ -139,30 +205,42 @@ def length_groups(lengths: list, call_cost: int) -> list:
 
 @dataclass
 class _Layout:
-    """How a forward's packed tokens are laid out for attention (computed once per forward)."""
+    """How a forward's packed tokens are laid out for attention (computed once per forward).
 
-    perm: torch.Tensor  # [T] packed positions, group by group
-    inverse: torch.Tensor  # [T] position in ``perm`` of each packed token
-    groups: list  # per group: (rows, longest, tokens, index into its [rows * longest] layout)
+    Attention runs over sequences (a row's real tokens: a shared prefix's, then its own), grouped by
+    length; a group is [rows, longest] slots, a sequence per row from column 0."""
+
+    groups: list  # per group: (rows, longest, the packed token of each slot [rows * longest])
+    take: torch.Tensor  # [T]: the slot (in the groups' slots, one after the other) of each packed token
 
 
-def _layout(cu: torch.Tensor) -> _Layout:
-    bounds = cu.tolist()
-    lengths = [e - s for s, e in itertools.pairwise(bounds)]
-    device = cu.device
-    parts, groups = [], []
+def _layout(seqs: list, device) -> _Layout:
+    """``seqs``: per attention sequence, (its packed token ranges in order, how many of its first tokens
+    are another row's — a shared prefix, whose outputs that row's sequence gives)."""
+    lengths = [sum(e - s for s, e in ranges) for ranges, _ in seqs]
+    groups, take_parts, offset = [], [], 0
     for group in length_groups(lengths, CALL_COST):
-        group = [i for i in group if lengths[i]]
-        if not group:
-            continue
-        lens = [lengths[i] for i in group]
-        longest = max(lens)
-        # built on the host from the bounds (Python integers), moved once
-        parts.append(torch.cat([torch.arange(bounds[i], bounds[i + 1], device="cpu") for i in group]))
-        index = torch.cat([torch.arange(n, device="cpu") + r * longest for r, n in enumerate(lens)])
-        groups.append((len(group), longest, sum(lens), index.to(device)))
-    perm = torch.cat(parts).to(device)
-    return _Layout(perm, torch.argsort(perm), groups)
+        longest = max(lengths[i] for i in group)
+        src = torch.zeros(len(group) * longest, dtype=torch.long)  # padding slots read token 0: causal
+        for r, i in enumerate(group):  # attention keeps real queries off them, their outputs unread
+            ranges, borrowed = seqs[i]
+            tokens = torch.cat([torch.arange(s, e) for s, e in ranges])
+            slots = torch.arange(lengths[i]) + (offset + r * longest)
+            src[slots - offset] = tokens
+            take_parts.append((tokens[borrowed:], slots[borrowed:]))
+        groups.append((len(group), longest, src.to(device)))
+        offset += len(group) * longest
+    total = sum(len(t) for t, _ in take_parts)
+    take = torch.zeros(total, dtype=torch.long)
+    for tokens, slots in take_parts:
+        take[tokens] = slots
+    return _Layout(groups, take.to(device))
+
+
+def _bounds_layout(cu: torch.Tensor) -> _Layout:
+    """The layout of plain packed sequences given by their bounds alone."""
+    bounds = cu.tolist()
+    return _layout([([(s, e)], 0) for s, e in itertools.pairwise(bounds) if e > s], cu.device)
 
 
 def packed_attention(
@@ -178,10 +256,11 @@ def packed_attention(
     """Transformers' attention-function signature: q/k/v [1, heads, T, d] → ([1, T, heads, d], None).
 
     A packed batch: the sequences are grouped by length (``length_groups``); within a group q, k and v
-    (already rotated at their own positions) are laid out one sequence per row from column 0 and one
-    batched causal SDPA call runs over them (with the layer's sliding window): a row's real queries see
-    only its own keys, which come first, so no padding mask is needed and no attention crosses a
-    sequence. Only the attention runs on that layout; every projection runs packed."""
+    (already rotated at their own positions) are laid out one sequence per row from column 0 (a shared
+    prefix's tokens, then the row's own) and one batched causal SDPA call runs over them (with the
+    layer's sliding window): a row's real queries see only its own keys, which come first, so no
+    padding mask is needed and no attention crosses a sequence. Only the attention runs on that
+    layout; every projection runs packed."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
@@ -190,34 +269,23 @@ def packed_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     kwargs.pop("max_length_q", None)
     window = kwargs.pop("sliding_window", None)
-    global _LAYOUT
-    if _LAYOUT is None or _LAYOUT[0] is not cu:  # once per forward: every layer gets the same bounds
-        _LAYOUT = (cu, _layout(cu))
-    layout = _LAYOUT[1]
-    q, k, v = (x[0][:, layout.perm] for x in (query, key, value))  # [h, T, d], group by group
-    outs, start = [], 0
-    for rows, longest, tokens, index in layout.groups:
+    layout = getattr(cu, "rlhf_layout", None)
+    if layout is None:  # bounds from elsewhere than ``pack``: plain sequences; kept for every layer
+        layout = cu.rlhf_layout = _bounds_layout(cu)
+    q, k, v = (x[0] for x in (query, key, value))  # [h, T, d]
+    outs = []
+    for rows, longest, src in layout.groups:
 
-        def aligned(x: torch.Tensor, rows=rows, longest=longest, index=index) -> torch.Tensor:
-            h, d = x.shape[0], x.shape[2]  # [h, tokens, d] -> [rows, h, longest, d]
-            out = x.new_zeros(h, rows * longest, d).index_copy(1, index, x)
-            return out.view(h, rows, longest, d).transpose(0, 1)
+        def aligned(x: torch.Tensor, rows=rows, longest=longest, src=src) -> torch.Tensor:
+            h, d = x.shape[0], x.shape[2]  # [h, T, d] -> [rows, h, longest, d]
+            return x[:, src].view(h, rows, longest, d).transpose(0, 1)
 
-        part = slice(start, start + tokens)
         mask = _window_mask(longest, window, query.device)
         out, _ = sdpa_attention_forward(
-            module,
-            aligned(q[:, part]),
-            aligned(k[:, part]),
-            aligned(v[:, part]),
-            mask,
-            dropout,
-            scaling,
-            is_causal=mask is None,
+            module, aligned(q), aligned(k), aligned(v), mask, dropout, scaling, is_causal=mask is None
         )  # [rows, longest, h, d]
-        outs.append(out.reshape(rows * longest, *out.shape[2:])[index])
-        start += tokens
-    return torch.cat(outs)[layout.inverse][None], None
+        outs.append(out.reshape(rows * longest, *out.shape[2:]))
+    return torch.cat(outs)[layout.take][None], None
 
 
 def _register() -> None:
@@ -293,13 +361,12 @@ def forward(
     """``model(input_ids=..., attention_mask=..., **kwargs)`` run packed, its output in the padded layout:
     a tensor of per-token values [B, L] (or [B, L, k]), or a model output whose ``logits`` are [B, L, V] (or
     [B, k, V] for ``logits_to_keep=k``: the last k columns; [K, V] for ``logits_at``, a [B, L] bool of real
-    positions: theirs only, row-major, the LM head run over those K alone). The padded forward runs
-    instead when the batch has less than ``MIN_PADDING`` padding or its mask is not packable (``pack``
-    returns None)."""
-    real = int(attention_mask.sum())
-    packed = None
-    if real <= (1.0 - MIN_PADDING) * attention_mask.numel():
-        packed = pack(input_ids, attention_mask)
+    positions: theirs only, row-major, the LM head run over those K alone). Rows that begin alike run
+    their common prefix once (``pack``). The padded forward runs instead when packing would save less
+    than ``MIN_PADDING`` of the batch's positions or its mask is not packable (``pack`` returns None)."""
+    packed = pack(input_ids, attention_mask, SHARE_PREFIXES)
+    if packed is not None and packed.input_ids.shape[1] > (1.0 - MIN_PADDING) * attention_mask.numel():
+        packed = None  # little padding and little in common: packing's own cost would not pay
     if packed is None:
         return select_logits(model(input_ids=input_ids, attention_mask=attention_mask, **kwargs), logits_at)
     kwargs.pop("position_ids", None)  # the packed positions are the mask's (a contiguous run per row)
@@ -309,12 +376,12 @@ def forward(
             raise ValueError("packing.forward: logits_at and logits_to_keep together")
         if bool((logits_at & ~attention_mask.bool()).any()):
             raise ValueError("packing.forward: logits_at asks for padding positions")
-        positions = logits_at.reshape(-1)[packed.flat].nonzero().squeeze(1)  # packed order = row-major
+        positions, which = packed.logit_positions(logits_at)
         out = model(**packed.model_kwargs(), logits_to_keep=positions, **kwargs)  # every packing family takes it
         logits = out.logits[0]
         if logits.shape[0] != positions.numel():  # a wrapper that dropped the keyword: all T came back
             logits = logits[positions]
-        out.logits = logits
+        out.logits = logits[which]
         return out
     last = index = None
     if keep:

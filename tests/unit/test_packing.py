@@ -147,8 +147,14 @@ def test_the_padded_path_is_unchanged_by_the_installed_attention():
 
 
 def test_pack_layout():
+    """Rows whole (nothing shared): in row order, positions from 0; shared: the rows in the order of their
+    tokens, each after what it has in common with the one before."""
     ids, mask = _batch()
-    p = packing.pack(ids, mask)
+    ids[:, :] = torch.where(mask.bool(), ids, PAD)
+    shared = packing.pack(ids, mask)
+    assert torch.equal(shared.unpack(shared.input_ids[..., None])[..., 0], ids * mask)
+    assert torch.equal(shared.unpack(shared.position_ids[..., None])[..., 0], position_ids(mask) * mask)
+    p = packing.pack(ids, mask, share=False)
     lens = mask.sum(1)
     assert p.input_ids.shape == (1, int(lens.sum()))
     assert p.cu_seqlens.tolist() == [0, *lens.cumsum(0).tolist()]
@@ -256,10 +262,11 @@ def test_dpo_step(family):
     _assert_close(packed.grads, padded.grads, f"dpo {family}")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_ppo_scoring_and_update_forwards(family):
+@pytest.mark.parametrize("family,group", [("llama", 1), ("mistral", 1), ("llama", 3)])
+def test_ppo_scoring_and_update_forwards(family, group):
     """PPO's sequences: left-padded prompts, right-padded responses; the response log-probs (only the
-    response positions through the LM head), the entropy and the critic's values, and their gradients."""
+    response positions through the LM head), the entropy and the critic's values, and their gradients.
+    ``group`` 3: GRPO's rows, each prompt answered three times (packed once per group)."""
     from rlhf.engine.logprobs import response_stats
     from rlhf.rl.experience import critic_values
 
@@ -268,9 +275,12 @@ def test_ppo_scoring_and_update_forwards(family):
     seq = torch.randint(3, 61, (B, P + N), generator=g)
     att = torch.ones(B, P + N, dtype=torch.long)
     for b in range(B):
-        att[b, : b % 4] = 0  # prompt padding
+        att[b, : (b - b % group) % 4] = 0  # prompt padding
         att[b, P + N - (b * 2) % N :] = 0 if b else 1  # response padding after "EOS"
+        seq[b, :P] = seq[b - b % group, :P]
     seq = seq.masked_fill(att == 0, PAD)
+    if group > 1:  # each group's prompt once
+        assert packing.pack(seq, att).input_ids.shape[1] <= int(att.sum()) - (B - B // group) * (P - 2)
     resp = att[:, P:].bool()
     for head in (False, True):
         padded, packed = _engines(family, head=head)
@@ -290,17 +300,44 @@ def test_ppo_scoring_and_update_forwards(family):
         _assert_close(packed.grads, padded.grads, f"ppo {family} head={head}")
 
 
+def _ran_packed(model, monkeypatch) -> list:
+    """Whether each forward of ``model`` ran packed (its attention got sequence bounds)."""
+    seen = []
+    monkeypatch.setattr(
+        model, "forward", lambda *a, fwd=model.forward, **kw: seen.append("cu_seq_lens_q" in kw) or fwd(*a, **kw)
+    )
+    return seen
+
+
 def test_a_batch_without_padding_runs_padded(monkeypatch):
-    """Below packing.MIN_PADDING the padded forward runs (packing would only cost): bit for bit."""
+    """Below packing.MIN_PADDING saved (no padding, nothing in common) the padded forward runs (packing
+    would only cost): bit for bit."""
     model = _model("llama")
     packing.install(model)
     ids = torch.randint(3, 61, (4, 12), generator=torch.Generator().manual_seed(2))
+    ids[:, 0] = torch.tensor([3, 4, 5, 6])  # nothing in common
     mask = torch.ones_like(ids)
-    calls = []
-    monkeypatch.setattr(packing, "pack", lambda *a: calls.append(a) or None)
+    ref = model(input_ids=ids, attention_mask=mask).logits
+    seen = _ran_packed(model, monkeypatch)
     out = packing.forward(model, ids, mask).logits
-    assert not calls
-    assert torch.equal(out, model(input_ids=ids, attention_mask=mask).logits)
+    assert seen == [False]
+    assert torch.equal(out, ref)
+
+
+def test_a_batch_without_padding_packs_a_common_prefix(monkeypatch):
+    """Rows of one length that begin alike (a GRPO group: one prompt, several answers) pack."""
+    padded = _model("llama")
+    packed = copy.deepcopy(padded)
+    packing.install(packed)
+    ids = torch.randint(3, 61, (4, 12), generator=torch.Generator().manual_seed(2))
+    ids[:, :8] = ids[0, :8]
+    mask = torch.ones_like(ids)
+    assert packing.pack(ids, mask).input_ids.shape[1] == 8 + 4 * 4
+    ref = padded(input_ids=ids, attention_mask=mask).logits
+    seen = _ran_packed(packed, monkeypatch)
+    out = packing.forward(packed, ids, mask).logits
+    assert seen == [True]
+    assert (out - ref).abs().max() <= TOL
 
 
 def test_length_groups():
@@ -313,3 +350,128 @@ def test_length_groups():
     assert len(packing.length_groups(lengths, 10**9)) == 1  # calls are dear: one call
     # the short ones together (3 × 7² + 100 < 3 singles), the long ones alone (2 × 300² > 300² + 290² + 100)
     assert packing.length_groups(lengths, 100) == [[0, 4, 2], [5], [3], [1]]
+
+
+def _pair_batch(seed: int = 0):
+    """``collate_pairs``-like rows with shared prefixes of every kind: a long one, none, a whole row
+    (the rejected one a prefix of the chosen one, and equal rows), left- and right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = [torch.randint(3, 61, (n,), generator=g).tolist() for n in (14, 9, 12, 6, 10)]
+    rejected = [
+        chosen[0][:10] + [5, 6, 7],  # shares 10
+        [c + 1 if c < 60 else 3 for c in chosen[1][:4]] + chosen[1][4:],  # shares none
+        chosen[2][:7],  # a prefix of the chosen row: no tokens of its own
+        list(chosen[3]),  # the same row
+        chosen[4][:1] + [60, 59],  # shares 1
+    ]
+    rows = chosen + rejected
+    L = max(map(len, rows)) + 2
+    ids = torch.full((len(rows), L), PAD)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        at = slice(L - len(r), L) if b % 3 == 1 else slice(0, len(r))  # some left-padded
+        ids[b, at], mask[b, at] = torch.tensor(r), 1
+    return ids, mask, rows
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_shared_prefixes_equal_the_padded_forward(family):
+    """Rows that begin like another (a pair's prompt) pack the common prefix once: logits (all, the last
+    k columns, chosen positions), per-token values and every gradient equal the padded forward's."""
+    ids, mask, rows = _pair_batch()
+    real = mask.bool()
+    p = packing.pack(ids, mask)
+    # each common prefix once: as many packed tokens as the rows have distinct prefixes
+    assert p.input_ids.shape[1] == len({tuple(r[:k]) for r in rows for k in range(1, len(r) + 1)})
+    assert p.input_ids.shape[1] < int(mask.sum()) - 20
+    assert packing.pack(ids, mask, share=False).input_ids.shape[1] == int(mask.sum())
+    assert torch.equal(p.unpack(p.input_ids[..., None])[..., 0], ids * mask)
+    weights = torch.randn(*ids.shape, 61, generator=torch.Generator().manual_seed(1))
+    at = real & (torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) < 0.6)
+    padded = _model(family)
+    packed = copy.deepcopy(padded)
+    packing.install(packed)
+    pos = position_ids(mask)
+    checks = [
+        ("logits", lambda m, **kw: m(input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits, real, None),
+        (
+            "last 6",
+            lambda m, **kw: m(input_ids=ids, attention_mask=mask, logits_to_keep=6, **kw).logits,
+            real[:, -6:],
+            None,
+        ),
+        ("logits_at", None, None, at),
+    ]
+    for what, fn, where, at_ in checks:
+        for m in (packed, padded):
+            m.zero_grad()
+        if at_ is None:
+            ref = fn(padded)
+            out = packing.forward(packed, ids, mask, **({"logits_to_keep": 6} if what == "last 6" else {})).logits
+            w = weights[:, -ref.shape[1] :]
+            ((ref * w)[where].sum()).backward()
+            ((out * w)[where].sum()).backward()
+            assert (out - ref)[where].abs().max() <= TOL, what
+        else:
+            ref = run_forward(padded, False, dict(input_ids=ids, attention_mask=mask, logits_at=at_)).logits
+            out = packing.forward(packed, ids, mask, logits_at=at_).logits
+            assert out.shape == ref.shape == (int(at_.sum()), 61)
+            (ref * weights[at_]).sum().backward()
+            (out * weights[at_]).sum().backward()
+            assert (out - ref).abs().max() <= TOL, what
+        _assert_close(_grads(packed), _grads(padded), f"{family} {what}")
+
+    head_padded = _model(family, head=True)
+    head_packed = copy.deepcopy(head_padded)
+    packing.install(head_packed)
+    ref = head_padded(input_ids=ids, attention_mask=mask, position_ids=pos)
+    out = packing.forward(head_packed, ids, mask)
+    assert (out - ref)[real].abs().max() <= TOL
+    w = weights[..., 0]
+    (ref * w)[real].sum().backward()
+    (out * w)[real].sum().backward()
+    _assert_close(_grads(head_packed), _grads(head_padded), f"{family} values")
+
+
+@pytest.mark.parametrize("stage", ["reward", "dpo"])
+def test_pair_steps_share_the_prompt(stage, monkeypatch):
+    """The reward and DPO steps: the packed forwards run each pair's prompt once, and the step's loss
+    and gradients equal the padded path's."""
+    from rlhf.data.tokenize import collate_pairs
+
+    recs = _records()
+    prompts = [r[0][: r[1] + 2] for r in recs]
+    chosen = [p + [7, 8, 9][: 1 + i % 3] for i, p in enumerate(prompts)]
+    rejected = [p + [11, 12][: 1 + i % 2] for i, p in enumerate(prompts)]
+    sizes = []
+    real_pack = packing.pack
+    monkeypatch.setattr(packing, "pack", lambda *a: sizes.append(real_pack(*a).input_ids.shape[1]) or real_pack(*a))
+    if stage == "reward":
+        from stages.reward import train_step
+
+        mbs = [collate_pairs(chosen[i : i + 4], rejected[i : i + 4], PAD) for i in (0, 4)]
+        padded, packed = _engines("llama", head=True)
+        a, b = train_step(padded, mbs), train_step(packed, mbs)
+        assert abs(a[0] - b[0]) <= TOL * abs(a[0]) and a[1] == b[1]
+    else:
+        from stages.dpo import collate, train_step
+
+        cols = {"chosen": chosen, "rejected": rejected, "prompt_len": [len(p) for p in prompts]}
+        mbs = [collate(cols, list(range(i, i + 4)), PAD) for i in (0, 4)]
+        padded, packed = _engines("llama")
+        ref = FrozenModel(_model("llama", seed=1), Mesh(), EngineConfig(precision="fp32", packing=False))
+        ref_packed = FrozenModel(_model("llama", seed=1), Mesh(), EngineConfig(precision="fp32"))
+        a, _ = train_step(padded, ref, mbs, DPOConfig(beta=0.5, sft_coef=0.5))
+        b, _ = train_step(packed, ref_packed, mbs, DPOConfig(beta=0.5, sft_coef=0.5))
+        for k in a:
+            assert abs(a[k] - b[k]) <= TOL * max(abs(a[k]), 1.0), k
+    _assert_close(packed.grads, padded.grads, stage)
+
+    # every packed forward ran each prompt once: as many tokens as its rows have distinct prefixes
+    # (the padded path never packs)
+    def distinct(rows):
+        return len({tuple(r[:k]) for r in rows for k in range(1, len(r) + 1)})
+
+    micro = [distinct(chosen[i : i + 4] + rejected[i : i + 4]) for i in (0, 4)]
+    assert micro[0] < sum(map(len, chosen[:4] + rejected[:4])) - sum(map(len, prompts[:4])) + 4
+    assert sizes and set(sizes) <= set(micro), (sizes, micro)
