@@ -83,7 +83,7 @@ class Packed:
         cols = L if last is None else last
         src, dst = (self.src, self.dst) if index is None else index
         out = x.new_zeros((B * cols, *x.shape[2:]))
-        out = out.index_put((dst,), x[0][src])
+        out = out.index_put((dst,), x[0].index_select(0, src))  # (see ``packed_attention``)
         return out.view(B, cols, *x.shape[2:])
 
     def logit_positions(self, logits_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +260,9 @@ def packed_attention(
     prefix's tokens, then the row's own) and one batched causal SDPA call runs over them (with the
     layer's sliding window): a row's real queries see only its own keys, which come first, so no
     padding mask is needed and no attention crosses a sequence. Only the attention runs on that
-    layout; every projection runs packed."""
+    layout; every projection runs packed. The gathers are ``index_select``s: a shared token's gradients
+    add up in index order (``index_add_``), where advanced indexing's backward (an accumulating
+    ``index_put_``) adds them in a different order run to run on the CPU."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
@@ -278,14 +280,14 @@ def packed_attention(
 
         def aligned(x: torch.Tensor, rows=rows, longest=longest, src=src) -> torch.Tensor:
             h, d = x.shape[0], x.shape[2]  # [h, T, d] -> [rows, h, longest, d]
-            return x[:, src].view(h, rows, longest, d).transpose(0, 1)
+            return x.index_select(1, src).view(h, rows, longest, d).transpose(0, 1)
 
         mask = _window_mask(longest, window, query.device)
         out, _ = sdpa_attention_forward(
             module, aligned(q), aligned(k), aligned(v), mask, dropout, scaling, is_causal=mask is None
         )  # [rows, longest, h, d]
         outs.append(out.reshape(rows * longest, *out.shape[2:]))
-    return torch.cat(outs)[layout.take][None], None
+    return torch.cat(outs).index_select(0, layout.take)[None], None
 
 
 def _register() -> None:
@@ -381,7 +383,7 @@ def forward(
         logits = out.logits[0]
         if logits.shape[0] != positions.numel():  # a wrapper that dropped the keyword: all T came back
             logits = logits[positions]
-        out.logits = logits[which]
+        out.logits = logits.index_select(0, which)
         return out
     last = index = None
     if keep:
