@@ -1,22 +1,30 @@
 """Padding-free (packed) training forwards: the real tokens of a padded batch run as one sequence.
 
 A micro-batch [B, L] with an attention mask becomes one row [1, T] of its T real tokens, positions
-restarting at 0 for every sequence, and attention that never crosses a sequence boundary: every GEMM
-(projections, MLP, LM head) runs over real tokens only. The outputs come back in the padded layout
+counted from each sequence's first token, and attention that never crosses a sequence boundary: every
+GEMM (projections, MLP, LM head) runs over real tokens only. The outputs come back in the padded layout
 (zeros at the padding), so every loss, gather and mask downstream reads them as it reads the padded
 forward's, and the numbers are the padded path's up to float order (docs/performance.md says how much).
 
+Shared prefixes: rows that begin with the same tokens (a preference pair's chosen and rejected
+sequences share their prompt, a GRPO group its prompt) pack their common prefix once: the rows are
+taken in the lexicographic order of their tokens, and each row's own tokens continue what it has in
+common with the row before (positions from there on); its attention reads that prefix's keys and
+values. Every layer computes the prefix once for all the rows that share it. Exact up to float order:
+in a causal model a token's hidden states depend on the tokens before it alone (with dropout on, rows
+that share a prefix share its dropout draw there).
+
 Attention: ``ATTENTION`` is registered with Transformers' attention interface and installed on a model
-by ``install``. Given the packed sequences' bounds (the ``cu_seq_lens_q`` keyword Transformers carries
-to every attention call) it groups the sequences by length and, per group, lays the rotated q, k, v
-out one sequence per row and runs one causal SDPA call (with the layer's sliding window); without them
-it is Transformers' own SDPA attention (the padded path, unchanged). Sequences are contiguous runs of
-real tokens (left- or right-padded rows); a mask with holes is not packed (the padded path runs).
+by ``install``. Given the packed blocks' bounds (the ``cu_seq_lens_q`` keyword Transformers carries to
+every attention call) and the layout ``pack`` records on them (which tokens each row reads), it groups
+the rows by length and, per group, lays the rotated q, k, v out one row per SDPA row and runs one
+causal SDPA call (with the layer's sliding window); without bounds it is Transformers' own SDPA
+attention (the padded path, unchanged). Sequences are contiguous runs of real tokens (left- or
+right-padded rows); a mask with holes is not packed (the padded path runs).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -122,9 +130,13 @@ def _first(ranges: list, n: int) -> list:
     return out
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, share: bool = True) -> Optional[Packed]:
-    """The packed form of a padded batch, or None when a row's real tokens are not one contiguous run.
-    ``share``: rows that begin alike (a pair's prompt, a group's) pack their common prefix once."""
+def pack(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, share: bool = True, min_saved: float = 0.0
+) -> Optional[Packed]:
+    """The packed form of a padded batch, or None when a row's real tokens are not one contiguous run or
+    packing would leave more than 1 − ``min_saved`` of the batch's positions (padding and shared
+    tokens saved). ``share``: rows that begin alike (a pair's prompt, a group's) pack their common
+    prefix once."""
     mask = attention_mask.bool()
     B, L = mask.shape
     lengths = mask.sum(1)
@@ -137,6 +149,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, share: bool = Tr
     order, shared = list(range(B)), [0] * B
     if share:
         order, shared = _shared_prefixes(input_ids, first, lengths)
+    if sum(n) - sum(shared) > (1.0 - min_saved) * B * L:
+        return None
     # rows in ``order``, each its own tokens (after what it shares with the row before) as one block;
     # a row's tokens: the first ``shared`` of the row before's, then its block
     tokens: list = [None] * B
@@ -237,12 +251,6 @@ def _layout(seqs: list, device) -> _Layout:
     return _Layout(groups, take.to(device))
 
 
-def _bounds_layout(cu: torch.Tensor) -> _Layout:
-    """The layout of plain packed sequences given by their bounds alone."""
-    bounds = cu.tolist()
-    return _layout([([(s, e)], 0) for s, e in itertools.pairwise(bounds) if e > s], cu.device)
-
-
 def packed_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -272,8 +280,11 @@ def packed_attention(
     kwargs.pop("max_length_q", None)
     window = kwargs.pop("sliding_window", None)
     layout = getattr(cu, "rlhf_layout", None)
-    if layout is None:  # bounds from elsewhere than ``pack``: plain sequences; kept for every layer
-        layout = cu.rlhf_layout = _bounds_layout(cu)
+    if layout is None:  # the bounds alone cannot say which rows share a prefix: never guess
+        raise RuntimeError(
+            "packed attention: sequence bounds without their layout (a wrapper copied cu_seq_lens_q?); "
+            "set engine.packing=false to run padded"
+        )
     q, k, v = (x[0] for x in (query, key, value))  # [h, T, d]
     outs = []
     for rows, longest, src in layout.groups:
@@ -366,9 +377,8 @@ def forward(
     positions: theirs only, row-major, the LM head run over those K alone). Rows that begin alike run
     their common prefix once (``pack``). The padded forward runs instead when packing would save less
     than ``MIN_PADDING`` of the batch's positions or its mask is not packable (``pack`` returns None)."""
-    packed = pack(input_ids, attention_mask, SHARE_PREFIXES)
-    if packed is not None and packed.input_ids.shape[1] > (1.0 - MIN_PADDING) * attention_mask.numel():
-        packed = None  # little padding and little in common: packing's own cost would not pay
+    # little padding and little in common: packing's own cost would not pay (None)
+    packed = pack(input_ids, attention_mask, SHARE_PREFIXES, MIN_PADDING)
     if packed is None:
         return select_logits(model(input_ids=input_ids, attention_mask=attention_mask, **kwargs), logits_at)
     kwargs.pop("position_ids", None)  # the packed positions are the mask's (a contiguous run per row)

@@ -163,6 +163,18 @@ def test_pack_layout():
     assert torch.equal(p.unpack(p.input_ids[..., None])[..., 0], ids * mask)
 
 
+def test_bounds_without_their_layout_are_refused():
+    """The bounds alone cannot say which rows share a prefix: attention never guesses."""
+    model = _model("llama")
+    packing.install(model)
+    ids, mask = _batch()
+    p = packing.pack(ids, mask)
+    kw = p.model_kwargs()
+    kw["cu_seq_lens_q"] = kw["cu_seq_lens_k"] = p.cu_seqlens.clone()  # a copy: the layout is lost
+    with pytest.raises(RuntimeError, match="without their layout"):
+        model(**kw)
+
+
 def test_a_mask_with_holes_runs_padded():
     ids, mask = _batch()
     mask[0, 3] = 0  # not one contiguous run
@@ -354,15 +366,17 @@ def test_length_groups():
 
 def _pair_batch(seed: int = 0):
     """``collate_pairs``-like rows with shared prefixes of every kind: a long one, none, a whole row
-    (the rejected one a prefix of the chosen one, and equal rows), left- and right-padded."""
+    (the rejected one a prefix of the chosen one, and equal rows), one across pairs, an empty row; left-
+    and right-padded."""
     g = torch.Generator().manual_seed(seed)
-    chosen = [torch.randint(3, 61, (n,), generator=g).tolist() for n in (14, 9, 12, 6, 10)]
+    chosen = [torch.randint(3, 61, (n,), generator=g).tolist() for n in (14, 9, 12, 6, 10)] + [[]]
     rejected = [
         chosen[0][:10] + [5, 6, 7],  # shares 10
         [c + 1 if c < 60 else 3 for c in chosen[1][:4]] + chosen[1][4:],  # shares none
         chosen[2][:7],  # a prefix of the chosen row: no tokens of its own
         list(chosen[3]),  # the same row
         chosen[4][:1] + [60, 59],  # shares 1
+        chosen[0][:3] + [4, 4, 4],  # shares 3 with another pair's rows; its chosen row is empty
     ]
     rows = chosen + rejected
     L = max(map(len, rows)) + 2
@@ -374,10 +388,13 @@ def _pair_batch(seed: int = 0):
     return ids, mask, rows
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_shared_prefixes_equal_the_padded_forward(family):
+@pytest.mark.parametrize("family,call_cost", [("llama", None), ("mistral", None), ("qwen2", None), ("llama", 0)])
+def test_shared_prefixes_equal_the_padded_forward(family, call_cost, monkeypatch):
     """Rows that begin like another (a pair's prompt) pack the common prefix once: logits (all, the last
-    k columns, chosen positions), per-token values and every gradient equal the padded forward's."""
+    k columns, chosen positions), per-token values and every gradient equal the padded forward's.
+    ``call_cost`` 0: every row its own attention call (a prefix read across groups)."""
+    if call_cost is not None:
+        monkeypatch.setattr(packing, "CALL_COST", call_cost)
     ids, mask, rows = _pair_batch()
     real = mask.bool()
     p = packing.pack(ids, mask)
