@@ -63,6 +63,8 @@ STUDIED_1F27F60 = {194067, 187605, 876470, 784372, 804550, 662352}
 STUDIED_F95D7B3 = {993765, 410071}
 # the ten drawn from c7bcf50, on which the adopted recipe was judged (docs/stages.md)
 STUDIED_C7BCF50 = {907370, 742418, 955088, 799945, 894733, 940949, 883706, 944950, 450094, 2948}
+# the ten drawn from 1cb9dcc, on which the recipe was judged after shared prefixes (docs/stages.md)
+STUDIED_1CB9DCC = {448121, 4549, 15388, 286741, 85400, 175861, 756882, 297839, 923001, 910926}
 TUNED = (
     frozenset(range(11))
     | {1234}
@@ -73,6 +75,7 @@ TUNED = (
     | STUDIED_1F27F60
     | STUDIED_F95D7B3
     | STUDIED_C7BCF50
+    | STUDIED_1CB9DCC
 )
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}
