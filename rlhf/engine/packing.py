@@ -43,6 +43,7 @@ CALL_COST = 16384
 # a batch with less padding than this share runs padded: packing's own cost (the layout moves in every
 # layer, the output scattered back) outweighs what it saves (measured, docs/performance.md)
 MIN_PADDING = 0.02
+_EMPTY = torch.zeros(0, dtype=torch.long, device="cpu")  # no positions (host-side, moved with the rest)
 # rows that begin alike pack their common prefix once (``pack``); False packs every row whole
 # (bench/stages.py's ``packed_whole`` variant measures what sharing adds)
 SHARE_PREFIXES = True
@@ -162,13 +163,13 @@ def pack(
             tokens[b] = tokens[b] + [(bounds[-1], bounds[-1] + own)]
             seqs.append((tokens[b], shared[b]))
         bounds.append(bounds[-1] + own)
-        pos.append(torch.arange(shared[b], n[b]))
+        pos.append(torch.arange(shared[b], n[b], device="cpu"))
         prev = b
     device = mask.device
     src, dst = [], []
     for b in range(B):  # row-major: the padded positions in order
-        dst.append(torch.arange(n[b]) + (b * L + starts[b]))
-        src.append(torch.cat([torch.arange(s, e) for s, e in tokens[b]] or [torch.zeros(0, dtype=torch.long)]))
+        dst.append(torch.arange(n[b], device="cpu") + (b * L + starts[b]))
+        src.append(torch.cat([torch.arange(s, e, device="cpu") for s, e in tokens[b]] or [_EMPTY]))
     dst_t = torch.cat(dst).to(device) if B else torch.zeros(0, dtype=torch.long, device=device)
     src_t = torch.cat(src).to(device) if B else torch.zeros(0, dtype=torch.long, device=device)
     # each packed token's id, from the padded positions that map to it (a shared one's are all equal)
@@ -177,7 +178,7 @@ def pack(
     cu.rlhf_layout = _layout(seqs, device)  # what packed_attention reads (the bounds cannot say it all)
     return Packed(
         input_ids=ids[None],
-        position_ids=(torch.cat(pos) if B else torch.zeros(0, dtype=torch.long)).to(device)[None],
+        position_ids=(torch.cat(pos) if B else _EMPTY).to(device)[None],
         cu_seqlens=cu,
         max_len=max((sum(e - s for s, e in rs) for rs, _ in seqs), default=0),
         src=src_t,
@@ -235,17 +236,17 @@ def _layout(seqs: list, device) -> _Layout:
     groups, take_parts, offset = [], [], 0
     for group in length_groups(lengths, CALL_COST):
         longest = max(lengths[i] for i in group)
-        src = torch.zeros(len(group) * longest, dtype=torch.long)  # padding slots read token 0: causal
+        src = torch.zeros(len(group) * longest, dtype=torch.long, device="cpu")  # padding slots: token 0
         for r, i in enumerate(group):  # attention keeps real queries off them, their outputs unread
             ranges, borrowed = seqs[i]
-            tokens = torch.cat([torch.arange(s, e) for s, e in ranges])
-            slots = torch.arange(lengths[i]) + (offset + r * longest)
+            tokens = torch.cat([torch.arange(s, e, device="cpu") for s, e in ranges])
+            slots = torch.arange(lengths[i], device="cpu") + (offset + r * longest)
             src[slots - offset] = tokens
             take_parts.append((tokens[borrowed:], slots[borrowed:]))
         groups.append((len(group), longest, src.to(device)))
         offset += len(group) * longest
     total = sum(len(t) for t, _ in take_parts)
-    take = torch.zeros(total, dtype=torch.long)
+    take = torch.zeros(total, dtype=torch.long, device="cpu")
     for tokens, slots in take_parts:
         take[tokens] = slots
     return _Layout(groups, take.to(device))
