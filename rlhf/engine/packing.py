@@ -120,17 +120,6 @@ def _shared_prefixes(input_ids: torch.Tensor, first: torch.Tensor, lengths: torc
     return order, shared
 
 
-def _first(ranges: list, n: int) -> list:
-    """The first ``n`` tokens of a list of packed token ranges."""
-    out = []
-    for s, e in ranges:
-        if n <= 0:
-            break
-        out.append((s, s + min(e - s, n)))
-        n -= e - s
-    return out
-
-
 def pack(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, share: bool = True, min_saved: float = 0.0
 ) -> Optional[Packed]:
@@ -153,25 +142,24 @@ def pack(
     if sum(n) - sum(shared) > (1.0 - min_saved) * B * L:
         return None
     # rows in ``order``, each its own tokens (after what it shares with the row before) as one block;
-    # a row's tokens: the first ``shared`` of the row before's, then its block
-    tokens: list = [None] * B
+    # a row's tokens (packed indices, in order): the first ``shared`` of the row before's, then its block
+    tokens: list = [_EMPTY] * B
     bounds, pos, seqs, prev = [0], [], [], None
     for b in order:
         own = n[b] - shared[b]
-        tokens[b] = _first(tokens[prev], shared[b]) if shared[b] else []
+        row = torch.arange(bounds[-1], bounds[-1] + own, device="cpu")
+        if shared[b]:
+            row = torch.cat([tokens[prev][: shared[b]], row])
+        tokens[b] = row
         if own:
-            tokens[b] = tokens[b] + [(bounds[-1], bounds[-1] + own)]
-            seqs.append((tokens[b], shared[b]))
+            seqs.append((row, shared[b]))
         bounds.append(bounds[-1] + own)
         pos.append(torch.arange(shared[b], n[b], device="cpu"))
         prev = b
     device = mask.device
-    src, dst = [], []
-    for b in range(B):  # row-major: the padded positions in order
-        dst.append(torch.arange(n[b], device="cpu") + (b * L + starts[b]))
-        src.append(torch.cat([torch.arange(s, e, device="cpu") for s, e in tokens[b]] or [_EMPTY]))
+    dst = [torch.arange(n[b], device="cpu") + (b * L + starts[b]) for b in range(B)]  # row-major
     dst_t = torch.cat(dst).to(device) if B else torch.zeros(0, dtype=torch.long, device=device)
-    src_t = torch.cat(src).to(device) if B else torch.zeros(0, dtype=torch.long, device=device)
+    src_t = torch.cat(tokens).to(device) if B else torch.zeros(0, dtype=torch.long, device=device)
     # each packed token's id, from the padded positions that map to it (a shared one's are all equal)
     ids = input_ids.new_zeros(bounds[-1]).index_put((src_t,), input_ids.reshape(-1)[dst_t])
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
@@ -180,7 +168,7 @@ def pack(
         input_ids=ids[None],
         position_ids=(torch.cat(pos) if B else _EMPTY).to(device)[None],
         cu_seqlens=cu,
-        max_len=max((sum(e - s for s, e in rs) for rs, _ in seqs), default=0),
+        max_len=max((len(row) for row, _ in seqs), default=0),
         src=src_t,
         dst=dst_t,
         shape=(B, L),
@@ -230,19 +218,18 @@ class _Layout:
 
 
 def _layout(seqs: list, device) -> _Layout:
-    """``seqs``: per attention sequence, (its packed token ranges in order, how many of its first tokens
-    are another row's — a shared prefix, whose outputs that row's sequence gives)."""
-    lengths = [sum(e - s for s, e in ranges) for ranges, _ in seqs]
+    """``seqs``: per attention sequence, (its packed tokens in order [n], how many of its first tokens are
+    another row's — a shared prefix, whose outputs that row's sequence gives)."""
+    lengths = [len(tokens) for tokens, _ in seqs]
     groups, take_parts, offset = [], [], 0
     for group in length_groups(lengths, CALL_COST):
         longest = max(lengths[i] for i in group)
         src = torch.zeros(len(group) * longest, dtype=torch.long, device="cpu")  # padding slots: token 0
         for r, i in enumerate(group):  # attention keeps real queries off them, their outputs unread
-            ranges, borrowed = seqs[i]
-            tokens = torch.cat([torch.arange(s, e, device="cpu") for s, e in ranges])
-            slots = torch.arange(lengths[i], device="cpu") + (offset + r * longest)
-            src[slots - offset] = tokens
-            take_parts.append((tokens[borrowed:], slots[borrowed:]))
+            tokens, borrowed = seqs[i]
+            src[r * longest : r * longest + lengths[i]] = tokens
+            slots = torch.arange(offset + r * longest + borrowed, offset + r * longest + lengths[i], device="cpu")
+            take_parts.append((tokens[borrowed:], slots))
         groups.append((len(group), longest, src.to(device)))
         offset += len(group) * longest
     total = sum(len(t) for t, _ in take_parts)
