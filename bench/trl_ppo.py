@@ -1,0 +1,163 @@
+"""TRL's PPOTrainer on the workload of ``bench/ppo.py`` (GAE), for a side-by-side step time (JSON lines,
+docs/contract.md; variant ``trl_ppo``).
+
+    pip install trl==1.12.0   # the last TRL with a PPO trainer (trl.experimental.ppo); not an rlhf dependency
+    python bench/trl_ppo.py [--workload tiny] [--steps 6] [--threads N]
+
+Same models, tokenizer and prompts as bench/ppo.py (``prepare``: a random-init Llama of the workload as
+the policy and its reference, a random-init ``LlamaForSequenceClassification`` as the reward model and,
+a second copy, the value model; prompts of exactly the workload's length), the workload's prompts per
+step × 1 sample, fixed response length (``response_length`` = the workload's new tokens, no stop token),
+TRL's default KL coefficient (0.05, rlhf's ``algorithm.kl_coef`` default too), 1 PPO epoch of 1
+minibatch, fp32, one process. The step time is the wall time from one ``on_step_end`` to the next: the
+whole of TRL's PPO iteration (generation, the policy, reference, value and reward forwards, GAE, the
+update, its logging and the ``gc.collect()`` it runs every step); the figure is the median of the
+steps after the first (warm-up) one. bench/ppo.py's ``s_per_step`` is rlhf's generate + switch + score +
+train (the stage's per-step logging is outside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import WORKLOADS  # noqa: E402
+from ppo import prepare  # noqa: E402
+
+
+def step_end_timer():
+    """A Transformers ``TrainerCallback`` recording the wall time between consecutive ``on_step_end``
+    calls (the first from ``on_train_begin``) in ``.times``: TRL's PPO loop calls no ``on_step_begin``."""
+    from transformers import TrainerCallback
+
+    class StepEndTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_train_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            self.times.append(now - self.t0)
+            self.t0 = now
+
+    return StepEndTimer()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", nargs="+", default=["tiny"], choices=sorted(WORKLOADS))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads (bench/ppo.py gives its one process every core)",
+    )
+    args = ap.parse_args()
+    if args.steps < 2:
+        sys.exit("bench/trl_ppo.py: --steps must be at least 2 (the first is the warm-up)")
+    try:
+        import trl
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+    except ImportError:
+        sys.exit(
+            "bench/trl_ppo.py: needs TRL with its PPO trainer (pip install trl==1.12.0: trl.experimental.ppo; "
+            "later releases dropped it); rlhf itself does not depend on TRL"
+        )
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    for workload in args.workload:
+        w = WORKLOADS[workload]
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir = Path(tmp)
+            data, _, _ = prepare(run_dir, w)
+            sft, rm = run_dir / "sft" / "model", run_dir / "reward" / "model"
+            tok = AutoTokenizer.from_pretrained(sft, trust_remote_code=False)
+
+            def causal(sft=sft):
+                return AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32, trust_remote_code=False)
+
+            def scalar(rm=rm):
+                return AutoModelForSequenceClassification.from_pretrained(
+                    rm, num_labels=1, dtype=torch.float32, trust_remote_code=False
+                )
+
+            prompts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()]
+            ids = [tok(p)["input_ids"] for p in prompts]
+            if {len(x) for x in ids} != {w["prompt_len"]}:
+                raise RuntimeError(f"prompts tokenize to {sorted({len(x) for x in ids})} tokens, not {w['prompt_len']}")
+            cfg = PPOConfig(
+                output_dir=str(run_dir / "trl"),
+                per_device_train_batch_size=w["prompts"],
+                gradient_accumulation_steps=1,
+                num_mini_batches=1,
+                num_ppo_epochs=1,
+                local_rollout_forward_batch_size=w["prompts"],
+                total_episodes=w["prompts"] * args.steps,
+                response_length=w["new"],
+                stop_token=None,
+                temperature=1.0,
+                learning_rate=1e-6,
+                num_sample_generations=0,
+                logging_steps=1,
+                save_strategy="no",
+                report_to="none",
+                use_cpu=True,
+                bf16=False,
+                fp16=False,
+                seed=0,
+                dataloader_num_workers=0,
+                disable_tqdm=True,
+            )
+            timer = step_end_timer()
+            trainer = PPOTrainer(
+                args=cfg,
+                processing_class=tok,
+                model=causal(),
+                ref_model=causal(),
+                reward_model=scalar(),
+                value_model=scalar(),
+                train_dataset=Dataset.from_dict({"input_ids": ids}),
+                callbacks=[timer],
+            )
+            with contextlib.redirect_stdout(sys.stderr):  # TRL prints its log dicts: stdout is JSON lines only
+                trainer.train()
+            step = statistics.median(timer.times[1:])
+            samples = w["prompts"]
+            base = {
+                "bench": "ppo",
+                "workload": workload,
+                "variant": "trl_ppo",
+                "world_size": 1,
+                "threads_per_rank": args.threads,
+                "torch": torch.__version__,
+                "device": "cpu",
+                "trl": trl.__version__,
+                "steps": len(timer.times),
+            }
+            for metric, value, unit in (
+                ("s_per_step", step, "s"),
+                ("samples_per_s", samples / step, "samples/s"),
+                ("tokens_per_s", samples * w["new"] / step, "tokens/s"),
+            ):
+                print(json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
