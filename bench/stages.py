@@ -3,6 +3,7 @@
     python bench/stages.py [--stages sft reward dpo] [--workloads hh tiny small] [--steps 5]
                            [--warmup 1] [--threads N] [--rows 8] [--device auto|cpu|cuda] [--seed 0]
                            [--variants padded packed_whole packed rlhf]
+                           [--precision auto|fp32|bf16]
 
 Each stage's own step, called directly: ``stages.sft.train_step(actor, micro_batches)``,
 ``stages.reward.train_step(reward_model, micro_batches, margin)`` and
@@ -12,8 +13,8 @@ causal LM's checkpoint as ``AutoModelForSequenceClassification`` with ``init_hea
 ``ScalarHeadModel``; DPO's reference is ``reference_for``'s ``FrozenModel``), from batches made by the
 real collators (``collate_sft``, ``collate_pairs``, ``stages.dpo.collate``) of rows tokenized by the
 stages' own ``tokenize_sft`` / ``tokenize_pairs``. One micro-batch of ``--rows`` rows (pairs for the
-reward model and DPO) per step, no accumulation; AdamW at lr 1e-5, constant, clip 1.0, fp32 on the CPU
-(``engine.precision=auto``).
+reward model and DPO) per step, no accumulation; AdamW at lr 1e-5, constant, clip 1.0, ``engine.precision``
+from ``--precision`` (default auto: fp32 on the CPU; bf16: bf16 compute over fp32 master weights).
 
 Workloads:
 
@@ -75,11 +76,11 @@ def has_packing() -> bool:
     return "packing" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def engine_config(device: str, threads: int, packing):
+def engine_config(device: str, threads: int, packing, precision: str = "auto"):
     """``engine.*`` for one process; ``packing`` None = the key's default."""
     from rlhf.config import EngineConfig
 
-    kw = dict(device=device, threads_per_rank=threads)
+    kw = dict(device=device, threads_per_rank=threads, precision=precision)
     if packing is not None:
         kw["packing"] = packing
     return EngineConfig(**kw)
@@ -182,6 +183,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="as engine.device")
     ap.add_argument("--seed", type=int, default=0, help="the batches' draw")
     ap.add_argument(
+        "--precision",
+        default="auto",
+        choices=("auto", "fp32", "bf16"),
+        help="engine.precision (auto: fp32 on the CPU; bf16: fp32 master weights)",
+    )
+    ap.add_argument(
         "--variants",
         nargs="+",
         default=None,
@@ -197,7 +204,7 @@ def main() -> None:
     from rlhf.config import TrainConfig
     from rlhf.engine.mesh import init_mesh
 
-    mesh = init_mesh(engine_config(args.device, args.threads, None))
+    mesh = init_mesh(engine_config(args.device, args.threads, None, args.precision))
     for workload in args.workloads:
         data = prepare(workload)
         with tempfile.TemporaryDirectory(prefix="bench_stages_") as tmp:
@@ -216,7 +223,7 @@ def main() -> None:
                             f"bench/stages.py: no engine.packing in rlhf/config.py: {variant} skipped", file=sys.stderr
                         )
                         continue
-                    ecfg = engine_config(args.device, args.threads, packing)
+                    ecfg = engine_config(args.device, args.threads, packing, args.precision)
                     set_sharing(share)
                     tcfg = TrainConfig(
                         max_steps=len(batches),
@@ -245,6 +252,7 @@ def main() -> None:
                         "packing": ecfg.packing if has_packing() else False,
                         "tokens_per_step": round(sum(tokens) / len(tokens), 1),
                         "params": params,
+                        "precision": args.precision,
                     }
                     for metric, value, unit in (
                         ("s_per_step", step, "s"),

@@ -4,6 +4,7 @@ time (JSON lines, docs/contract.md; variants ``trl_sft``, ``trl_reward``, ``trl_
     pip install trl          # not a dependency of rlhf: only this bench imports it
     python bench/trl_stages.py [--stages sft reward dpo] [--workloads tiny small hh] [--steps 5] [--warmup 1]
                                [--threads N] [--rows 8] [--seed 0] [--sft-padding-free off|on]
+                               [--precision fp32|bf16]
 
 The same models (bench/stages.py's random-init Llama, saved with ``save_pretrained`` and loaded by TRL:
 ``AutoModelForCausalLM`` for SFT and DPO, whose reference is a second copy loaded from the same
@@ -15,10 +16,12 @@ k is bench/stages.py's step k. SFT gets the rows tokenized (``input_ids`` and th
 (``chosen_ids``, ``rejected_ids``); ``DPOTrainer`` only reads text, so DPO gets the records' prompt,
 chosen and rejected text, and the bench checks that TRL's tokenization gives the same row lengths
 (the digits workloads: one token per digit). Each trainer: ``per_device_train_batch_size`` = the rows
-(pairs), gradient accumulation 1, fp32 (``bf16=False``), no gradient checkpointing (TRL's configs turn
-it on by default; rlhf's ``engine.activation_checkpointing`` is off), lr 1e-5 constant, clip 1.0, one
-process, no evaluation, saving or reporting (``report_to="none"``, ``logging_strategy="no"``); DPO with
-β = rlhf's ``dpo.beta`` default and the sigmoid loss, the reference run in each step as rlhf runs it
+(pairs), gradient accumulation 1, fp32 (``bf16=False``; ``--precision bf16``: ``bf16=True``,
+Transformers' autocast over fp32 weights, as rlhf's ``engine.precision=bf16`` keeps fp32 master
+weights), no gradient checkpointing (TRL's configs turn it on by default; rlhf's
+``engine.activation_checkpointing`` is off), lr 1e-5 constant, clip 1.0, one process, no evaluation,
+saving or reporting (``report_to="none"``, ``logging_strategy="no"``); DPO with β = rlhf's ``dpo.beta``
+default and the sigmoid loss, the reference run in each step as rlhf runs it
 (``precompute_ref_log_probs=False``). Optimizer: TRL's default (``adamw_torch_fused``).
 
 Settings chosen for speed: TRL's SFT ``padding_free`` (the rows of a batch flattened into one, positions
@@ -71,6 +74,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8, help="rows (pairs) per batch")
     ap.add_argument("--seed", type=int, default=0, help="the batches' draw (bench/stages.py's)")
     ap.add_argument("--sft-padding-free", default="off", choices=("off", "on"))
+    ap.add_argument(
+        "--precision", default="fp32", choices=("fp32", "bf16"), help="bf16: TRL's bf16=True (autocast, fp32 weights)"
+    )
     args = ap.parse_args()
     try:
         import trl
@@ -100,7 +106,7 @@ def main() -> None:
         eval_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=args.precision == "bf16",
         fp16=False,
         gradient_checkpointing=False,
         seed=0,
@@ -214,6 +220,7 @@ def main() -> None:
                     "rows": args.rows,
                     "steps": len(times),
                     "padding_free": padding_free,
+                    "precision": args.precision,
                     "tokens_per_step": round(sum(tokens) / len(tokens), 1),
                 }
                 for metric, value, unit in (
