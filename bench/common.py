@@ -77,9 +77,18 @@ def digit_share(responses, examples, fmt):
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
-def step_timer():
-    """A Transformers ``TrainerCallback`` that records each optimizer step's wall time (``on_step_begin``
-    → ``on_step_end``) in ``.times``: how the TRL benches time a trainer's step."""
+# the TrainingArguments every TRL bench shares: one CPU process, no saving, reporting, progress bar or
+# dataloader workers, seed 0; precision and logging are each bench's own
+TRL_CPU = dict(
+    save_strategy="no", report_to="none", use_cpu=True, fp16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True
+)
+
+
+def step_timer(from_step_end: bool = False):
+    """A Transformers ``TrainerCallback`` that records each optimizer step's wall time in ``.times``: how the
+    TRL benches time a trainer's step. ``on_step_begin`` → ``on_step_end``; ``from_step_end``: from one
+    ``on_step_end`` to the next (the first from ``on_train_begin``), for a loop that calls no
+    ``on_step_begin`` (TRL's PPOTrainer): the whole iteration."""
     import time
 
     from transformers import TrainerCallback
@@ -88,10 +97,74 @@ def step_timer():
         def __init__(self):
             self.times, self.t0 = [], 0.0
 
-        def on_step_begin(self, *a, **k):
+        def on_train_begin(self, *a, **k):
             self.t0 = time.perf_counter()
 
+        def on_step_begin(self, *a, **k):
+            if not from_step_end:
+                self.t0 = time.perf_counter()
+
         def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self.t0)
+            now = time.perf_counter()
+            self.times.append(now - self.t0)
+            self.t0 = now
 
     return StepTimer()
+
+
+def trl_ppo_args(description: str, steps: int):
+    """The command line of the TRL PPO-family benches (bench/trl_grpo.py, bench/trl_ppo.py): ``--workload``,
+    ``--steps`` (default ``steps``), ``--threads``; callers add their own."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--workload", nargs="+", default=["tiny"], choices=sorted(WORKLOADS))
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads (bench/ppo.py gives its one process every core)",
+    )
+    return ap
+
+
+def trl_line_base(workload: str, variant: str, threads: int, trl_version: str, steps: int) -> dict:
+    """The fields every JSON line of a TRL PPO-family bench carries (bench/ppo.py's schema, one CPU process)."""
+    import torch
+
+    return {
+        "bench": "ppo",
+        "workload": workload,
+        "variant": variant,
+        "world_size": 1,
+        "threads_per_rank": threads,
+        "torch": torch.__version__,
+        "device": "cpu",
+        "trl": trl_version,
+        "steps": steps,
+    }
+
+
+def train_timed(trainer, timer) -> float:
+    """Runs a TRL trainer whose callbacks include ``timer`` (``step_timer``) and returns the median step
+    after the first (warm-up) one. TRL prints its log dicts: they go to stderr (stdout holds JSON lines only)."""
+    import contextlib
+    import statistics
+
+    with contextlib.redirect_stdout(sys.stderr):
+        trainer.train()
+    return statistics.median(timer.times[1:])
+
+
+def print_step_lines(base: dict, step: float, samples: int, new_tokens: int) -> None:
+    """bench/ppo.py's per-step metrics of one variant as JSON lines: ``s_per_step``, ``samples_per_s`` and
+    ``tokens_per_s`` (``samples`` responses of ``new_tokens`` tokens a step)."""
+    import json
+
+    for metric, value, unit in (
+        ("s_per_step", step, "s"),
+        ("samples_per_s", samples / step, "samples/s"),
+        ("tokens_per_s", samples * new_tokens / step, "tokens/s"),
+    ):
+        print(json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True)

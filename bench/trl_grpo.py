@@ -16,11 +16,7 @@ is the median of the steps after the first (warm-up) one, like bench/ppo.py's.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -29,22 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import WORKLOADS, digit_share, step_timer  # noqa: E402
+from common import (  # noqa: E402
+    TRL_CPU,
+    WORKLOADS,
+    digit_share,
+    print_step_lines,
+    step_timer,
+    train_timed,
+    trl_line_base,
+    trl_ppo_args,
+)
 from ppo import GRPO_SAMPLES, prepare  # noqa: E402
 
 from rlhf.config import AlgorithmConfig  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", nargs="+", default=["tiny"], choices=sorted(WORKLOADS))
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="torch threads (bench/ppo.py gives its one process every core)",
-    )
+    ap = trl_ppo_args("TRL's GRPOTrainer on bench/ppo.py --estimator grpo's workload", steps=4)
     ap.add_argument("--beta", type=float, default=AlgorithmConfig().kl_coef, help="KL coefficient (0: no reference)")
     args = ap.parse_args()
     try:
@@ -89,14 +86,8 @@ def main() -> None:
                 learning_rate=1e-6,
                 max_steps=args.steps,
                 logging_steps=1,
-                save_strategy="no",
-                report_to="none",
-                use_cpu=True,
                 bf16=False,
-                fp16=False,
-                seed=0,
-                dataloader_num_workers=0,
-                disable_tqdm=True,
+                **TRL_CPU,
             )
             timer = step_timer()
             trainer = GRPOTrainer(
@@ -107,28 +98,10 @@ def main() -> None:
                 train_dataset=Dataset.from_dict({"prompt": prompts}),
                 callbacks=[timer],
             )
-            with contextlib.redirect_stdout(sys.stderr):  # TRL prints its log dicts: stdout is JSON lines only
-                trainer.train()
-            step = statistics.median(timer.times[1:])
-            samples = w["prompts"] * GRPO_SAMPLES
-            base = {
-                "bench": "ppo",
-                "workload": workload,
-                "variant": "trl_grpo",
-                "world_size": 1,
-                "threads_per_rank": args.threads,
-                "torch": torch.__version__,
-                "device": "cpu",
-                "trl": trl.__version__,
-                "steps": len(timer.times),
-                "beta": args.beta,
-            }
-            for metric, value, unit in (
-                ("s_per_step", step, "s"),
-                ("samples_per_s", samples / step, "samples/s"),
-                ("tokens_per_s", samples * w["new"] / step, "tokens/s"),
-            ):
-                print(json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True)
+            step = train_timed(trainer, timer)
+            base = trl_line_base(workload, "trl_grpo", args.threads, trl.__version__, len(timer.times))
+            base["beta"] = args.beta
+            print_step_lines(base, step, w["prompts"] * GRPO_SAMPLES, w["new"])
 
 
 if __name__ == "__main__":

@@ -18,54 +18,21 @@ train (the stage's per-step logging is outside it).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import WORKLOADS  # noqa: E402
+from common import TRL_CPU, WORKLOADS, print_step_lines, step_timer, train_timed, trl_line_base, trl_ppo_args  # noqa: E402
 from ppo import prepare  # noqa: E402
 
 
-def step_end_timer():
-    """A Transformers ``TrainerCallback`` recording the wall time between consecutive ``on_step_end``
-    calls (the first from ``on_train_begin``) in ``.times``: TRL's PPO loop calls no ``on_step_begin``."""
-    from transformers import TrainerCallback
-
-    class StepEndTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], 0.0
-
-        def on_train_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            now = time.perf_counter()
-            self.times.append(now - self.t0)
-            self.t0 = now
-
-    return StepEndTimer()
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", nargs="+", default=["tiny"], choices=sorted(WORKLOADS))
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="torch threads (bench/ppo.py gives its one process every core)",
-    )
+    ap = trl_ppo_args("TRL's PPOTrainer on bench/ppo.py's GAE workload", steps=6)
     args = ap.parse_args()
     if args.steps < 2:
         sys.exit("bench/trl_ppo.py: --steps must be at least 2 (the first is the warm-up)")
@@ -116,16 +83,10 @@ def main() -> None:
                 learning_rate=1e-6,
                 num_sample_generations=0,
                 logging_steps=1,
-                save_strategy="no",
-                report_to="none",
-                use_cpu=True,
                 bf16=False,
-                fp16=False,
-                seed=0,
-                dataloader_num_workers=0,
-                disable_tqdm=True,
+                **TRL_CPU,
             )
-            timer = step_end_timer()
+            timer = step_timer(from_step_end=True)
             trainer = PPOTrainer(
                 args=cfg,
                 processing_class=tok,
@@ -136,27 +97,9 @@ def main() -> None:
                 train_dataset=Dataset.from_dict({"input_ids": ids}),
                 callbacks=[timer],
             )
-            with contextlib.redirect_stdout(sys.stderr):  # TRL prints its log dicts: stdout is JSON lines only
-                trainer.train()
-            step = statistics.median(timer.times[1:])
-            samples = w["prompts"]
-            base = {
-                "bench": "ppo",
-                "workload": workload,
-                "variant": "trl_ppo",
-                "world_size": 1,
-                "threads_per_rank": args.threads,
-                "torch": torch.__version__,
-                "device": "cpu",
-                "trl": trl.__version__,
-                "steps": len(timer.times),
-            }
-            for metric, value, unit in (
-                ("s_per_step", step, "s"),
-                ("samples_per_s", samples / step, "samples/s"),
-                ("tokens_per_s", samples * w["new"] / step, "tokens/s"),
-            ):
-                print(json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True)
+            step = train_timed(trainer, timer)
+            base = trl_line_base(workload, "trl_ppo", args.threads, trl.__version__, len(timer.times))
+            print_step_lines(base, step, w["prompts"], w["new"])
 
 
 if __name__ == "__main__":

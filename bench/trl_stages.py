@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 # stage_data puts the repository root first on the path (``import stages`` is the recipes)
-from common import step_timer  # noqa: E402
+from common import TRL_CPU, step_timer  # noqa: E402
 from stage_data import ALL_WORKLOADS, SEQ_WORKLOADS, STAGES, batch_indices, prepare, rows_of, save_model  # noqa: E402
 
 LR = 1e-5
@@ -102,17 +102,11 @@ def main() -> None:
         weight_decay=0.0,
         max_steps=n_steps,
         logging_strategy="no",
-        save_strategy="no",
         eval_strategy="no",
-        report_to="none",
-        use_cpu=True,
         bf16=args.precision == "bf16",
-        fp16=False,
         gradient_checkpointing=False,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
         train_sampling_strategy="sequential",
+        **TRL_CPU,
     )
 
     for workload in args.workloads:
