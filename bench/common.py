@@ -146,6 +146,23 @@ def trl_line_base(workload: str, variant: str, threads: int, trl_version: str, s
     }
 
 
+def trl_prompts(prompts_file, model_dir, w: dict):
+    """bench/ppo.py's prompts (``prepare``'s JSON lines) for a TRL bench: (the tokenizer saved in
+    ``model_dir``, the prompts' text, their token ids), each prompt checked to tokenize to exactly the
+    workload's prompt length."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    prompts = [json.loads(x)["prompt"] for x in Path(prompts_file).read_text().splitlines()]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    lengths = sorted({len(x) for x in ids})
+    if lengths != [w["prompt_len"]]:
+        raise RuntimeError(f"prompts tokenize to {lengths} tokens, not the workload's {w['prompt_len']}")
+    return tok, prompts, ids
+
+
 def train_timed(trainer, timer) -> float:
     """Runs a TRL trainer whose callbacks include ``timer`` (``step_timer``) and returns the median step
     after the first (warm-up) one. TRL prints its log dicts: they go to stderr (stdout holds JSON lines only)."""

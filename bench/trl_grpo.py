@@ -16,7 +16,6 @@ is the median of the steps after the first (warm-up) one, like bench/ppo.py's.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +33,7 @@ from common import (  # noqa: E402
     train_timed,
     trl_line_base,
     trl_ppo_args,
+    trl_prompts,
 )
 from ppo import GRPO_SAMPLES, prepare  # noqa: E402
 
@@ -51,7 +51,7 @@ def main() -> None:
         sys.exit("bench/trl_grpo.py: needs TRL (pip install trl); rlhf itself does not depend on it")
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
 
@@ -60,14 +60,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp)
             data, _, _ = prepare(run_dir, w)
-            tok = AutoTokenizer.from_pretrained(run_dir / "sft" / "model", trust_remote_code=False)
+            tok, prompts, _ = trl_prompts(data, run_dir / "sft" / "model", w)
             model = AutoModelForCausalLM.from_pretrained(
                 run_dir / "sft" / "model", dtype=torch.float32, trust_remote_code=False
             )
-            prompts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()]
-            n_tokens = {len(tok(p)["input_ids"]) for p in prompts[:16]}
-            if n_tokens != {w["prompt_len"]}:
-                raise RuntimeError(f"prompts tokenize to {n_tokens} tokens, not the workload's {w['prompt_len']}")
 
             def reward(completions, **_):
                 return digit_share(completions, None, None)

@@ -18,7 +18,6 @@ train (the stage's per-step logging is outside it).
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import TRL_CPU, WORKLOADS, print_step_lines, step_timer, train_timed, trl_line_base, trl_ppo_args  # noqa: E402
+from common import (  # noqa: E402
+    TRL_CPU,
+    WORKLOADS,
+    print_step_lines,
+    step_timer,
+    train_timed,
+    trl_line_base,
+    trl_ppo_args,
+    trl_prompts,
+)
 from ppo import prepare  # noqa: E402
 
 
@@ -46,7 +54,7 @@ def main() -> None:
         )
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     torch.set_num_threads(args.threads)
     for workload in args.workload:
@@ -55,7 +63,7 @@ def main() -> None:
             run_dir = Path(tmp)
             data, _, _ = prepare(run_dir, w)
             sft, rm = run_dir / "sft" / "model", run_dir / "reward" / "model"
-            tok = AutoTokenizer.from_pretrained(sft, trust_remote_code=False)
+            tok, _, ids = trl_prompts(data, sft, w)
 
             def causal(sft=sft):
                 return AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32, trust_remote_code=False)
@@ -65,10 +73,6 @@ def main() -> None:
                     rm, num_labels=1, dtype=torch.float32, trust_remote_code=False
                 )
 
-            prompts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()]
-            ids = [tok(p)["input_ids"] for p in prompts]
-            if {len(x) for x in ids} != {w["prompt_len"]}:
-                raise RuntimeError(f"prompts tokenize to {sorted({len(x) for x in ids})} tokens, not {w['prompt_len']}")
             cfg = PPOConfig(
                 output_dir=str(run_dir / "trl"),
                 per_device_train_batch_size=w["prompts"],
