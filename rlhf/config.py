@@ -18,6 +18,7 @@ from rlhf.algorithms.ensemble import COMBINE
 from rlhf.algorithms.estimators import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG
 from rlhf.data.formats import FORMATS
 from rlhf.data.pipeline import parse_split
+from rlhf.data.synthetic import REJECTED_KINDS
 from rlhf.errors import ConfigError, one_of
 
 
@@ -237,8 +238,19 @@ class SyntheticConfig:
     # while run.seed varies the rest (initialisation, order, dropout): e.g. separately trained members
     # of a reward-model ensemble on the same pairs (docs/ppo.md)
     seed: Optional[int] = None
+    # the kinds of rejected answer in the preference pairs, an equal share each (rlhf/data/synthetic.py):
+    # near (off by 1..3), digit (one digit wrong), length (one digit doubled or dropped), far (off by
+    # 4..15). Fewer: a reward model blind to the rest (docs/ppo.md: ensembles with different blind spots)
+    rejected_kinds: List[str] = field(default_factory=lambda: list(REJECTED_KINDS))
 
     def __post_init__(self):
+        kinds = list(self.rejected_kinds)
+        _check(
+            bool(kinds) and len(set(kinds)) == len(kinds) and set(kinds) <= set(REJECTED_KINDS),
+            "data.synthetic.rejected_kinds",
+            kinds,
+            f"a non-empty list of distinct kinds among {', '.join(REJECTED_KINDS)}",
+        )
         _check(self.num_records > 0, "data.synthetic.num_records", self.num_records, "a positive integer")
         _check(0 < self.max_operand < 1000, "data.synthetic.max_operand", self.max_operand, "1..999")
         _check(0.0 <= self.p_correct <= 1.0, "data.synthetic.p_correct", self.p_correct, "a probability")
@@ -889,7 +901,8 @@ class PPOConfig:
     # near 0.7); 0 = off
     min_rm_accuracy: Optional[float] = None
     # a reward-model ensemble (reward.ensemble > 1; docs/ppo.md): its members, each normalised, combined
-    # into the reward by mean, lcb (mean − ppo.reward_lcb_coef × the members' std) or min (the worst)
+    # into the reward by mean, lcb (mean − ppo.reward_lcb_coef × the members' std), min (the worst) or
+    # first (the first member alone; the others only watch: their disagreement with it is logged)
     reward_combine: str = "lcb"
     reward_lcb_coef: float = 1.0
     # each member's score clipped to the range of its held-out scores (reward_stats.json), where it was calibrated

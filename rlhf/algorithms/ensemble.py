@@ -5,7 +5,9 @@ import, so that the configuration validates names against ``COMBINE`` before tor
 - ``mean``: the members' mean (an ensemble as a better single reward model);
 - ``lcb``: mean − λ·std over the members (``ppo.reward_lcb_coef`` = λ; uncertainty-weighted
   optimisation, Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization");
-- ``min``: the worst member (their worst-case optimisation).
+- ``min``: the worst member (their worst-case optimisation);
+- ``first``: the first member alone; the others only watch (a reward model optimised, others held out
+  to see whether the policy is exploiting its errors: their disagreement with it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ def _min(scores, coef: float):
     return scores.min(1).values
 
 
-COMBINE = {"mean": _mean, "lcb": _lcb, "min": _min}
+def _first(scores, coef: float):
+    return scores[:, 0]
+
+
+COMBINE = {"mean": _mean, "lcb": _lcb, "min": _min, "first": _first}
 
 
 def combine(scores, how: str, coef: float = 1.0):

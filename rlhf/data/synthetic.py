@@ -77,20 +77,23 @@ def _length_error(n: int, rng: random.Random) -> int:
     return w if w != n else _wrong(n, rng)  # (0 doubled is 0)
 
 
-def _rejected(n: int, rng: random.Random) -> int:
-    """A quarter each: off by 1..3 (the SFT data's own errors), one digit wrong, one digit doubled or
-    dropped, off by 4..15."""
-    kind = rng.randrange(4)
-    if kind == 0:
-        return _wrong(n, rng)
-    if kind == 1:
-        return _digit_error(n, rng)
-    if kind == 2:
-        return _length_error(n, rng)
+def _far(n: int, rng: random.Random) -> int:
+    """``n`` off by 4..15."""
     while True:
         w = n + rng.choice((-1, 1)) * rng.randint(4, 15)
         if w >= 0:
             return w
+
+
+# the kinds of rejected answers (``data.synthetic.rejected_kinds``), in the order a record draws among them
+REJECTED_KINDS = {"near": _wrong, "digit": _digit_error, "length": _length_error, "far": _far}
+
+
+def _rejected(n: int, rng: random.Random, kinds: Tuple[str, ...] = tuple(REJECTED_KINDS)) -> int:
+    """An equal share each of ``kinds``: by default off by 1..3 (the SFT data's own errors), one digit
+    wrong, one digit doubled or dropped, off by 4..15. Fewer kinds: a reward model with a blind spot
+    (the ensembles of docs/ppo.md)."""
+    return REJECTED_KINDS[kinds[rng.randrange(len(kinds))]](n, rng)
 
 
 def operand_pairs(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[List[tuple], List[tuple]]:
@@ -107,7 +110,7 @@ def _example(
     n = a + b
     wrong = _wrong(n, rng)
     response = answer_text(n) if rng.random() < cfg.p_correct else answer_text(wrong)
-    chosen, rejected = answer_text(n), answer_text(_rejected(n, rej_rng))
+    chosen, rejected = answer_text(n), answer_text(_rejected(n, rej_rng, tuple(cfg.rejected_kinds)))
     # the same record as turns (assistant contents without the leading space the template writes)
     chat = Chat(
         prompt=[{"role": "user", "content": question_text(a, b, width)}],

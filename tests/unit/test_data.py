@@ -10,7 +10,7 @@ from rlhf.data.records import Example, gsm8k_score, read_examples
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.data.tokenizer import train_tokenizer
 from rlhf.engine.mesh import Mesh
-from rlhf.errors import DataError
+from rlhf.errors import ConfigError, DataError
 
 
 def write_jsonl(path, records, raw_lines=()):
@@ -188,6 +188,25 @@ def test_synthetic_rejected_answers_cover_near_misses_digit_errors_doubled_digit
     assert doubled > 0.03, doubled  # 74 → 744: the hack PPO found (docs/performance.md)
     tens = sum(abs(int(synthetic.ANSWER.match(e.rejected).group(1)) - int(e.reference)) % 10 == 0 for e in tr) / len(tr)
     assert tens > 0.1, tens  # n ± 10, 20, …: the carry mistakes
+
+
+def test_synthetic_rejected_kinds_leave_a_blind_spot_and_refuse_unknown_ones():
+    """data.synthetic.rejected_kinds: the pairs of a reward model with a blind spot (docs/ppo.md); the
+    prompts, SFT responses and chosen answers stay the default's, and the default draws every kind."""
+    full, _ = synthetic.generate(SyntheticConfig(num_records=4000), 64, seed=3)
+    no_digit = SyntheticConfig(num_records=4000, rejected_kinds=["near", "length", "far"])
+    blind, _ = synthetic.generate(no_digit, 64, seed=3)
+    assert [(e.prompt, e.response, e.chosen) for e in blind] == [(e.prompt, e.response, e.chosen) for e in full]
+
+    def digit_errors(tr) -> float:  # same length, more than 15 off: only a replaced digit does that
+        pairs = [(int(e.reference), int(synthetic.ANSWER.match(e.rejected).group(1))) for e in tr]
+        return sum(len(str(w)) == len(str(n)) and abs(w - n) > 15 for n, w in pairs) / len(pairs)
+
+    assert digit_errors(full) > 0.05 and digit_errors(blind) == 0.0
+    assert SyntheticConfig().rejected_kinds == ["near", "digit", "length", "far"]
+    for bad in ([], ["near", "near"], ["near", "carry"]):
+        with pytest.raises(ConfigError, match=r"data\.synthetic\.rejected_kinds"):
+            SyntheticConfig(rejected_kinds=bad)
 
 
 def test_gold_scorers():
