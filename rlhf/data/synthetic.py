@@ -6,12 +6,14 @@ every prompt has the same length. The SFT data is right with probability ``p_cor
 model and PPO). Preference pairs put the right answer against a wrong one, in four equal shares:
 off by 1..3 (the SFT data's own errors), one digit of the answer replaced (the tens digit wrong is
 the carry mistake a policy makes when it samples), one digit doubled or dropped (74 → 744, 774, 7 or
-4: a sampling policy's stutter), and off by 4..15. A reward model that only ever saw near misses
+4: a sampling policy's stutter), and off by 4..15 (``data.synthetic.rejected_kinds`` picks fewer:
+reward models with a blind spot). A reward model that only ever saw near misses
 prefers far-off answers it never saw over the right one (measured: its argmax over n±12 was right on
 19% of held-out prompts); one without digit errors scores n±10 as high as n (argmax over n±15 right on
 30% of held-out prompts, the rest at n±10); one without doubled digits scored the right answer with its
 last digit doubled above the right one on up to 60% of held-out prompts (74 → 744), and PPO walks
-straight into each of them (docs/performance.md).
+straight into each of them (docs/performance.md: reward models of earlier recipes; today's, trained in
+full, rank the right answer first without any one of the kinds: docs/ppo.md).
 Gold = exact match of the whole response, a rule the reward model never sees. Held-out prompts use
 operand pairs that no training record contains. Deterministic per seed.
 

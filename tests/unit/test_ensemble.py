@@ -24,7 +24,7 @@ def test_combinations_golden():
     assert combine(SCORES, "lcb", 1.0).tolist() == [1.0, 0.0, -2.0]
     assert combine(SCORES, "lcb", 0.5).tolist() == [1.5, 0.0, -0.5]
     assert combine(SCORES, "min").tolist() == [1.0, 0.0, -2.0]
-    assert combine(SCORES, "first").tolist() == [1.0, 0.0, -2.0]  # the others only watch
+    assert combine(SCORES.flip(1), "first").tolist() == [3.0, 0.0, 4.0]  # the others only watch
     assert set(COMBINE) == {"mean", "lcb", "min", "first"}
     one = SCORES[:, :1]  # one member: every combination is the member itself
     for how in COMBINE:
