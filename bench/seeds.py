@@ -67,6 +67,8 @@ STUDIED_C7BCF50 = {907370, 742418, 955088, 799945, 894733, 940949, 883706, 94495
 STUDIED_1CB9DCC = {448121, 4549, 15388, 286741, 85400, 175861, 756882, 297839, 923001, 910926}
 # the ten drawn from 35e0dc6, on which the recipe was judged after the packing's host work was halved
 STUDIED_35E0DC6 = {593199, 592615, 786656, 24802, 14022, 471338, 708396, 283375, 559476, 341871}
+# the ten drawn from 2af5602, on which the recipe was judged once more (docs/stages.md)
+STUDIED_2AF5602 = {914325, 568926, 653900, 173582, 753218, 14698, 78114, 243609, 710901, 790300}
 TUNED = (
     frozenset(range(11))
     | {1234}
@@ -79,6 +81,7 @@ TUNED = (
     | STUDIED_C7BCF50
     | STUDIED_1CB9DCC
     | STUDIED_35E0DC6
+    | STUDIED_2AF5602
 )
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 OUTPUT = {"sft": "sft/model", "reward": "reward/model", "ppo": "ppo/actor", "grpo": "grpo/ppo/actor"}
