@@ -902,7 +902,7 @@ class PPOConfig:
     min_rm_accuracy: Optional[float] = None
     # a reward-model ensemble (reward.ensemble > 1; docs/ppo.md): its members, each normalised, combined
     # into the reward by mean, lcb (mean − ppo.reward_lcb_coef × the members' std), min (the worst) or
-    # first (the first member alone; the others only watch: their disagreement with it is logged)
+    # first (the first member alone; the others only watch: they count in the logged spread and mean)
     reward_combine: str = "lcb"
     reward_lcb_coef: float = 1.0
     # each member's score clipped to the range of its held-out scores (reward_stats.json), where it was calibrated

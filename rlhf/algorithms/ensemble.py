@@ -7,7 +7,7 @@ import, so that the configuration validates names against ``COMBINE`` before tor
   optimisation, Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization");
 - ``min``: the worst member (their worst-case optimisation);
 - ``first``: the first member alone; the others only watch (a reward model optimised, others held out
-  to see whether the policy is exploiting its errors: their disagreement with it).
+  to see whether the policy is exploiting its errors: they count in the logged spread and mean).
 """
 
 from __future__ import annotations

@@ -204,6 +204,9 @@ def test_synthetic_rejected_kinds_leave_a_blind_spot_and_refuse_unknown_ones():
 
     assert digit_errors(full) > 0.05 and digit_errors(blind) == 0.0
     assert SyntheticConfig().rejected_kinds == ["near", "digit", "length", "far"]
+    # the default's draws pinned (they are the code's before the kinds became a table: every figure stands)
+    first = [e.rejected for e in full[:8]]
+    assert first == [f" The answer is {n}." for n in (911, 42, 38, 18, 42, 37, 3, 61)]
     for bad in ([], ["near", "near"], ["near", "carry"]):
         with pytest.raises(ConfigError, match=r"data\.synthetic\.rejected_kinds"):
             SyntheticConfig(rejected_kinds=bad)

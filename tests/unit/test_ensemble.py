@@ -24,7 +24,8 @@ def test_combinations_golden():
     assert combine(SCORES, "lcb", 1.0).tolist() == [1.0, 0.0, -2.0]
     assert combine(SCORES, "lcb", 0.5).tolist() == [1.5, 0.0, -0.5]
     assert combine(SCORES, "min").tolist() == [1.0, 0.0, -2.0]
-    assert combine(SCORES.flip(1), "first").tolist() == [3.0, 0.0, 4.0]  # the others only watch
+    # the others only watch: neither the largest, the smallest nor the mean of a row
+    assert combine(torch.tensor([[2.0, 1.0, 3.0], [-1.0, -2.0, 4.0]]), "first").tolist() == [2.0, -1.0]
     assert set(COMBINE) == {"mean", "lcb", "min", "first"}
     one = SCORES[:, :1]  # one member: every combination is the member itself
     for how in COMBINE:
