@@ -236,7 +236,7 @@ def run(cfg: Config) -> None:
         run_fingerprint(
             actor.module.config,
             tokenizer,
-            data.description,
+            data,
             cfg,
             f"actor={actor_src} reward_model={','.join(map(str, rm_srcs)) or None} critic={critic_src}",
         )

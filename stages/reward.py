@@ -120,9 +120,7 @@ def run(cfg: Config) -> None:
     reward_model = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(
-        run_fingerprint(model_cfg, tokenizer, data.description, cfg, f"backbone={source}")
-    )
+    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model_cfg, tokenizer, data, cfg, f"backbone={source}"))
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"reward": reward_model}, ckpt)

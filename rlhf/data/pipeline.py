@@ -14,6 +14,8 @@ imports this folder (the format table, the data.split helpers below), never the 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -39,6 +41,26 @@ class StageData:
     skipped: int = 0  # malformed records skipped (data.on_bad_record=skip)
     description: str = ""
     empty: int = 0  # records SFT skipped for their empty response (train and held out)
+    stage: str = ""
+
+    def digest(self) -> str:
+        """A short digest of what the stage reads of its records, training and held out, in order (a
+        run's fingerprint, rlhf/runtime/stage.py): another data file, seed, split or generator setting
+        that changes them gives another; one that changes only fields the stage does not read does not."""
+        fields = READS[self.stage]
+        h = hashlib.sha256()
+        for part in (self.train, self.eval):
+            h.update(f"|{len(part)}|".encode())
+            for e in part:
+                row = [e.prompt, e.reference, e.answer, *(getattr(e, f) for f in fields)]
+                if e.chat is not None:
+                    row += [e.chat.prompt, *(getattr(e.chat, f) for f in fields), e.chat.tools, e.chat.tool_turns]
+                h.update(json.dumps(row, default=str).encode())
+        return h.hexdigest()[:12]
+
+
+# what each stage reads of a record besides its prompt and its gold reference (StageData.digest)
+READS = {"sft": ("response",), "reward": ("chosen", "rejected"), "dpo": ("chosen", "rejected"), "ppo": ()}
 
 
 def split_share_of(stage: str) -> int:
@@ -173,4 +195,6 @@ def load_stage_data(dcfg: "DataConfig", stage: str, seed: int) -> StageData:
     desc = ", ".join(f"{s.format}:{s.path or 'generated'}" for s in sources)
     if dcfg.eval_path:
         desc += f"; held out: {dcfg.eval_source().format}:{dcfg.eval_path}"
-    return StageData(train=train, eval=evals, gold=gold, skipped=skipped, description=desc, empty=len(empty))
+    return StageData(
+        train=train, eval=evals, gold=gold, skipped=skipped, description=desc, empty=len(empty), stage=stage
+    )

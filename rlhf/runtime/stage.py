@@ -135,10 +135,12 @@ def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
     return path
 
 
-def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config, inputs: str = "") -> dict:
+def run_fingerprint(model_config, tokenizer, data, cfg: Config, inputs: str = "") -> dict:
     """What a run's checkpoints depend on: the model's architecture (dropout aside: model.disable_dropout
-    sets it), the tokenizer, the data, the lengths, and ``inputs``: the models the stage starts from
-    (a short digest of each, and the data's description and the inputs, for the message on a mismatch)."""
+    sets it), the tokenizer, the data (``data``: the stage's ``StageData``; its sources, and its records'
+    content: another file, seed, split or generator setting is other data), the lengths, and ``inputs``:
+    the models the stage starts from (a short digest of each, and the data's description and the
+    inputs, for the message on a mismatch)."""
 
     def digest(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -153,7 +155,8 @@ def run_fingerprint(model_config, tokenizer, data_description: str, cfg: Config,
     out = {
         "model": digest(arch),
         "tokenizer": digest(sorted(vocab.items())),
-        "data": data_description,
+        "data": data.description,
+        "records": data.digest(),
         "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}",
     }
     if inputs:
@@ -172,6 +175,21 @@ def portable(text: str, run_dir) -> str:
     return text
 
 
+# fingerprint keys added after run directories existed: one written without it is judged on the rest
+# (it stays resumable and, when finished, finished)
+ADDED_LATER = ("records",)
+# how a mismatch of a key is said, where its name alone would not say it
+SAY = {
+    "records": "other data records (the data's content: its file, run.seed, data.synthetic.*, data.split or "
+    "data.eval_size changed since)"
+}
+
+
+def same_setup(saved: dict, now: dict) -> bool:
+    """Whether ``saved`` (a done.json's fingerprint) is ``now``, keys of ``ADDED_LATER`` it lacks aside."""
+    return saved == {k: v for k, v in now.items() if k in saved or k not in ADDED_LATER}
+
+
 def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
     """Exit 2 with one line when ``ckpt`` was written by another setup, or is past train.max_steps."""
     how = "rerun with run.resume=false to start over (or use another run.dir)"
@@ -181,7 +199,7 @@ def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
         if key == "inputs" and before is not None:  # (written before paths were portable: absolute)
             before = portable(before, ctx.cfg.run.dir)
         if before is not None and before != now:
-            raise ConfigError(f"{ckpt} was written with another {key} ({before} → now {now}): {how}")
+            raise ConfigError(f"{ckpt} was written with {SAY.get(key, 'another ' + key)} ({before} → now {now}): {how}")
     if state.get("step", 0) > ctx.cfg.train.max_steps:
         raise ConfigError(
             f"{ckpt} is at step {state['step']}, past train.max_steps={ctx.cfg.train.max_steps}: "
@@ -213,7 +231,7 @@ def _done_line(ctx: StageContext) -> Optional[str]:
     outputs = done.get("outputs") or []
     if (
         done.get("step") != ctx.cfg.train.max_steps
-        or done.get("fingerprint") != ctx.fingerprint
+        or not same_setup(done.get("fingerprint") or {}, ctx.fingerprint)
         or not outputs
         or not all(_exported(ctx.out / name) for name in outputs)
     ):

@@ -113,8 +113,10 @@ def test_wandb_offline_logging(tmp_path):
 
 
 def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):
-    """A rerun with other lengths, another model or fewer steps than the checkpoint's stops with one
-    line saying what differs and how to start over; run.resume=<step dir> resumes from that step."""
+    """A rerun with other lengths, another model, other data records (another run.seed draws other
+    records and another split; another generator setting other responses) or fewer steps than the
+    checkpoint's stops with one line saying what differs and how to start over; run.resume=<step dir>
+    resumes from that step."""
     args = [*quick_sft_args(tmp_path, steps=4), "train.save_every=2", "train.keep_checkpoints=3"]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -122,6 +124,8 @@ def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):
     for extra, fragment in (
         (["data.max_response_len=32"], "another lengths"),
         (["model.hidden_size=64"], "another model"),
+        (["run.seed=7"], "other data records"),
+        (["data.synthetic.p_correct=0.5"], "other data records"),
         (["train.max_steps=3"], "past train.max_steps=3"),
     ):
         proc = run_cli(*args, *extra)

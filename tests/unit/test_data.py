@@ -212,6 +212,25 @@ def test_synthetic_rejected_kinds_leave_a_blind_spot_and_refuse_unknown_ones():
             SyntheticConfig(rejected_kinds=bad)
 
 
+def test_the_data_digest_is_what_the_stage_reads_of_its_records():
+    """A run's fingerprint (rlhf/runtime/stage.py) holds StageData.digest: another seed or generator
+    setting that changes what a stage reads is other data (its checkpoints are not resumed); one that
+    changes only fields the stage does not read (the rejected answers, for SFT and PPO) is not."""
+
+    def digests(run_seed=0, **synth):
+        dc = DataConfig(synthetic=SyntheticConfig(num_records=600, **synth), eval_size=32)
+        return {stage: load_stage_data(dc, stage, run_seed).digest() for stage in ("sft", "reward", "dpo", "ppo")}
+
+    base = digests()
+    assert base == digests() and len(set(base.values())) == 3  # dpo reads what the reward stage reads
+    blind = digests(rejected_kinds=["near", "far"])
+    assert [blind[s] == base[s] for s in ("sft", "reward", "dpo", "ppo")] == [True, False, False, True]
+    assert digests(p_correct=0.5)["sft"] != base["sft"] and digests(p_correct=0.5)["ppo"] == base["ppo"]
+    other_seed = digests(run_seed=1)
+    assert all(other_seed[s] != base[s] for s in base)
+    assert digests(run_seed=1, seed=0) == digests(run_seed=2, seed=0)  # data.synthetic.seed fixes them
+
+
 def test_gold_scorers():
     assert synthetic.gold_score(" The answer is 48.", "48") == 1.0
     assert synthetic.gold_score(" The answer is 48. extra", "48") == 0.0

@@ -8,6 +8,8 @@ import yaml
 
 from rlhf.compose import CONF_DIR, compose_config
 from rlhf.config import TrainConfig, stage_names
+from rlhf.data.pipeline import StageData
+from rlhf.data.records import Example
 from rlhf.errors import ConfigError
 
 # the dataclass defaults tuned on the embedded task (beside its recipe files' keys) that a pretrained
@@ -201,7 +203,21 @@ def test_the_fingerprint_names_the_inputs_and_not_the_dropout():
             return {"a": 0}
 
     cfg, _ = compose_config(["stage=ppo"])
-    a = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.1), Tok(), "d", cfg, "reward_model=/x")
-    b = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), "d", cfg, "reward_model=/x")
-    c = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), "d", cfg, "reward_model=/y")
-    assert a == b and a != c and c["inputs"] == "reward_model=/y"
+    d = StageData(train=[Example("What is 1 + 2?")], eval=[], gold=None, description="d", stage="ppo")
+    a = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.1), Tok(), d, cfg, "reward_model=/x")
+    b = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), d, cfg, "reward_model=/x")
+    c = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), d, cfg, "reward_model=/y")
+    assert a == b and a != c and c["inputs"] == "reward_model=/y" and a["records"] == d.digest()
+
+
+def test_a_finished_stage_written_before_the_records_digest_is_still_finished():
+    """A done.json written before the fingerprint held the records' digest (ADDED_LATER) is judged on
+    the rest: existing finished run directories stay finished; any other missing or differing key is
+    another setup."""
+    from rlhf.runtime.stage import same_setup
+
+    now = {"model": "m", "data": "synthetic:generated", "records": "r", "lora": "r=8"}
+    assert same_setup(dict(now), now)
+    assert same_setup({"model": "m", "data": "synthetic:generated", "lora": "r=8"}, now)
+    assert not same_setup({"model": "m", "data": "synthetic:generated", "records": "x", "lora": "r=8"}, now)
+    assert not same_setup({"model": "m", "data": "synthetic:generated", "records": "r"}, now)  # lora: no
