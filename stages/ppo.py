@@ -232,15 +232,16 @@ def run(cfg: Config) -> None:
 
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(
-        run_fingerprint(
-            actor.module.config,
-            tokenizer,
-            data,
-            cfg,
-            f"actor={actor_src} reward_model={','.join(map(str, rm_srcs)) or None} critic={critic_src}",
-        )
+    fingerprint = run_fingerprint(
+        actor.module.config,
+        tokenizer,
+        data,
+        cfg,
+        f"actor={actor_src} reward_model={','.join(map(str, rm_srcs)) or None} critic={critic_src}",
     )
+    if ptx is not None:  # PPO-ptx trains on the SFT records too
+        fingerprint["ptx_records"] = ptx.digest
+    ctx.fingerprint = mesh.broadcast_object(fingerprint)
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, state, metrics = resume(ctx, engines, ckpt)

@@ -47,20 +47,23 @@ class StageData:
         """A short digest of what the stage reads of its records, training and held out, in order (a
         run's fingerprint, rlhf/runtime/stage.py): another data file, seed, split or generator setting
         that changes them gives another; one that changes only fields the stage does not read does not."""
-        fields = READS[self.stage]
+        fields = READS.get(self.stage, ALL_READ)
         h = hashlib.sha256()
         for part in (self.train, self.eval):
             h.update(f"|{len(part)}|".encode())
             for e in part:
                 row = [e.prompt, e.reference, e.answer, *(getattr(e, f) for f in fields)]
-                if e.chat is not None:
-                    row += [e.chat.prompt, *(getattr(e.chat, f) for f in fields), e.chat.tools, e.chat.tool_turns]
+                if e.chat is not None:  # the turns, the tools rendered with them and the tool calls trained on
+                    turns = fields + ("tool_turns",) if fields else ()
+                    row += [e.chat.prompt, e.chat.tools, *(getattr(e.chat, f) for f in turns)]
                 h.update(json.dumps(row, default=str).encode())
         return h.hexdigest()[:12]
 
 
-# what each stage reads of a record besides its prompt and its gold reference (StageData.digest)
+# what each stage reads of a record besides its prompt, its tools and its gold reference (StageData.digest;
+# a stage that trains on a response also trains on the tool turns before it; PPO's rollouts make their own)
 READS = {"sft": ("response",), "reward": ("chosen", "rejected"), "dpo": ("chosen", "rejected"), "ppo": ()}
+ALL_READ = ("response", "chosen", "rejected")
 
 
 def split_share_of(stage: str) -> int:

@@ -24,8 +24,9 @@ class PtxTerm:
     the SFT records (as many records as the update's minibatch has rows), token-weighted over all
     ranks and scaled for the data-parallel average."""
 
-    def __init__(self, cols: dict, seed: int, tokenizer, mesh: Mesh):
+    def __init__(self, cols: dict, seed: int, tokenizer, mesh: Mesh, digest: str = ""):
         self.cols, self.seed, self.tokenizer, self.mesh = cols, seed, tokenizer, mesh
+        self.digest = digest  # the SFT records' (StageData.digest): part of the PPO run's fingerprint
 
     @classmethod
     def load(cls, cfg: Config, tokenizer, cache_dir: Path, mesh: Mesh) -> PtxTerm:
@@ -49,7 +50,7 @@ class PtxTerm:
             mesh,
             lambda: tokenize_sft(sft_data.train, tokenizer, **lens),
         )
-        return cls(cols, cfg.run.seed, tokenizer, mesh)
+        return cls(cols, cfg.run.seed, tokenizer, mesh, sft_data.digest())
 
     def loss(self, actor: TrainEngine, update: int, batch: int) -> torch.Tensor:
         """``actor``'s loss on update ``update``'s ``batch`` records (a forward with gradients)."""

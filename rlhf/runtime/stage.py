@@ -177,11 +177,12 @@ def portable(text: str, run_dir) -> str:
 
 # fingerprint keys added after run directories existed: one written without it is judged on the rest
 # (it stays resumable and, when finished, finished)
-ADDED_LATER = ("records",)
+ADDED_LATER = ("records", "ptx_records")
 # how a mismatch of a key is said, where its name alone would not say it
 SAY = {
-    "records": "other data records (the data's content: its file, run.seed, data.synthetic.*, data.split or "
-    "data.eval_size changed since)"
+    "records": "other data records (the data's content: its file, run.seed, data.synthetic.*, data.split, "
+    "data.eval_size or ppo.tools changed since)",
+    "ptx_records": "other SFT records for PPO-ptx (the data's content changed since)",
 }
 
 

@@ -229,6 +229,11 @@ def test_the_data_digest_is_what_the_stage_reads_of_its_records():
     other_seed = digests(run_seed=1)
     assert all(other_seed[s] != base[s] for s in base)
     assert digests(run_seed=1, seed=0) == digests(run_seed=2, seed=0)  # data.synthetic.seed fixes them
+    # the tool-use task: how many SFT answers call the calculator is what SFT reads, not PPO's prompts
+    tools = DataConfig(format="tool_arith", synthetic=SyntheticConfig(num_records=300), eval_size=16)
+    more_calls = DataConfig(format="tool_arith", synthetic=SyntheticConfig(num_records=300, p_tool=0.9), eval_size=16)
+    for stage, same in (("sft", False), ("ppo", True)):
+        assert (load_stage_data(tools, stage, 0).digest() == load_stage_data(more_calls, stage, 0).digest()) is same
 
 
 def test_gold_scorers():
