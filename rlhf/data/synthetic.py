@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 from rlhf.data.records import Chat, Example
 
@@ -92,7 +92,7 @@ def _far(n: int, rng: random.Random) -> int:
 REJECTED_KINDS = {"near": _wrong, "digit": _digit_error, "length": _length_error, "far": _far}
 
 
-def _rejected(n: int, rng: random.Random, kinds: Tuple[str, ...] = tuple(REJECTED_KINDS)) -> int:
+def _rejected(n: int, rng: random.Random, kinds: Sequence[str] = tuple(REJECTED_KINDS)) -> int:
     """An equal share each of ``kinds``: by default off by 1..3 (the SFT data's own errors), one digit
     wrong, one digit doubled or dropped, off by 4..15. Fewer kinds: a reward model with a blind spot
     (the ensembles of docs/ppo.md)."""
@@ -113,7 +113,7 @@ def _example(
     n = a + b
     wrong = _wrong(n, rng)
     response = answer_text(n) if rng.random() < cfg.p_correct else answer_text(wrong)
-    chosen, rejected = answer_text(n), answer_text(_rejected(n, rej_rng, tuple(cfg.rejected_kinds)))
+    chosen, rejected = answer_text(n), answer_text(_rejected(n, rej_rng, cfg.rejected_kinds))
     # the same record as turns (assistant contents without the leading space the template writes)
     chat = Chat(
         prompt=[{"role": "user", "content": question_text(a, b, width)}],
