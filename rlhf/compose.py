@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlhf import config as C
 from rlhf.config import Config, register
 from rlhf.errors import ConfigError
+from rlhf.models import get as named_models
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _ABSENT = object()
@@ -40,6 +41,7 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
                 if OmegaConf.select(dcfg, o.key_or_group, default=_ABSENT) is not _ABSENT:
                     OmegaConf.update(merged, o.key_or_group, OmegaConf.select(dcfg, o.key_or_group), merge=False)
             dcfg = merged
+        resolve_named_models(dcfg)
         yaml_text = OmegaConf.to_yaml(dcfg)
         cfg = OmegaConf.to_object(dcfg)  # builds the dataclasses: runs every __post_init__ check
     except ConfigError:
@@ -54,6 +56,23 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
 
 # keys naming the model a stage starts from: any of them set means a model the user brings
 MODEL_KEYS = ("model.path", "ppo.actor_path", "dpo.model_path", "reward.model_path")
+
+
+# every key that names a model to load (ppo.reward_model_path: a comma-separated list)
+MODEL_PATH_KEYS = MODEL_KEYS + ("ppo.reward_model_path", "ppo.critic_path")
+
+
+def resolve_named_models(dcfg) -> None:
+    """Model path settings that name a model of rlhf/models/get.py's table (``smollm2-135m-instruct``)
+    become its directory in the cache, fetched there on first use."""
+    for key in MODEL_PATH_KEYS:
+        value = OmegaConf.select(dcfg, key, default=None)
+        if not isinstance(value, str):
+            continue
+        parts = [p.strip() for p in value.split(",")] if key == "ppo.reward_model_path" else [value]
+        if any(named_models.is_named(p) for p in parts):
+            paths = [str(named_models.ensure(p)) if named_models.is_named(p) else p for p in parts]
+            OmegaConf.update(dcfg, key, ",".join(paths), merge=False)
 
 
 def recipes() -> list:

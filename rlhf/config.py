@@ -225,11 +225,14 @@ def check_columns(columns, fmt: str, key: str) -> None:
 
 @dataclass
 class SyntheticConfig:
-    """The embedded default task: 'What is 03 + 45?' -> ' The answer is 48.' (gold = exact sum); and the
-    generated tool-use task (data.format=tool_arith: num_records and p_tool)."""
+    """The embedded default task: 'What is 03 + 45?' -> ' The answer is 48.' (gold = exact sum); the
+    generated tool-use task (data.format=tool_arith: num_records and p_tool); arithmetic in words for
+    pretrained chat models (data.format=arith: num_records, min_operand, max_operand, rejected_kinds)."""
 
     num_records: int = 20000
     max_operand: int = 49
+    # data.format=arith: operands from min_operand to max_operand (the embedded tasks start at 0)
+    min_operand: int = 0
     p_correct: float = 0.65  # share of SFT responses that are right; the rest are off by 1..3
     # tool_arith: share of SFT records that call the calculator (the rest answer at once): the SFT policy
     # calls in about this share of its samples, leaving RL the rest (conf/recipe_stage/agentic/sft.yaml)
@@ -253,6 +256,12 @@ class SyntheticConfig:
         )
         _check(self.num_records > 0, "data.synthetic.num_records", self.num_records, "a positive integer")
         _check(0 < self.max_operand < 1000, "data.synthetic.max_operand", self.max_operand, "1..999")
+        _check(
+            0 <= self.min_operand < self.max_operand,
+            "data.synthetic.min_operand",
+            self.min_operand,
+            f"0..{self.max_operand - 1} (below data.synthetic.max_operand)",
+        )
         _check(0.0 <= self.p_correct <= 1.0, "data.synthetic.p_correct", self.p_correct, "a probability")
         _check(0.0 <= self.p_tool <= 1.0, "data.synthetic.p_tool", self.p_tool, "a probability")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from rlhf.data import records, synthetic, tool_arith
+from rlhf.data import arith, records, synthetic, tool_arith
 from rlhf.data.records import TURN_KEYS, Example
 
 Parser = Callable[[dict, str], Example]  # (record under the format's field names, 'file:line') -> Example
@@ -68,6 +68,8 @@ class Format:
 # the chat numbers (hh's); messages adds room for the chat template's markup. The synthetic task:
 # 64/64. tool_arith (rendered by the embedded template, its tokenizer): an SFT prompt with its tool
 # turns is at most 62 tokens, a tool call 30 with EOS, the final answer 11: 96/64, 48 new tokens a turn.
+# arith (SmolLM2's tokenizer, its chat template): a prompt of at most 40 tokens, an answer of a few;
+# 64 new tokens leave room for a worked answer ("34 + 36 = 70").
 # fields: messages also reads the keys of each turn: role and content.
 _ROWS = (
     Format(
@@ -108,6 +110,17 @@ _ROWS = (
         new_tokens=48,
         generate=tool_arith.generate,
         corpus=tool_arith.tokenizer_corpus,
+    ),
+    # arithmetic in natural language through a pretrained model's chat template (rlhf/data/arith.py)
+    Format(
+        "arith",
+        fields=(),
+        lengths=(64, 64),
+        parse=None,
+        gold=arith.gold_score,
+        new_tokens=64,
+        generate=arith.generate,
+        corpus=arith.tokenizer_corpus,
     ),
 )
 FORMATS: Dict[str, Format] = {f.name: f for f in _ROWS}  # in this order in messages ("one of ...")

@@ -1,0 +1,157 @@
+"""Decode on a real pretrained model: the inference mode against HF ``generate`` and against this machine's
+roofline (docs/contract.md, `bench: "decode_real"`).
+
+    python bench/decode_real.py [--model smollm2-135m-instruct] [--batches 1 16 64] [--dtypes fp32 bf16]
+                                [--new 64] [--repeats 2] [--threads N]
+
+One process. The prompts are the held-out prompts of ``recipe=smollm2_arith`` through the model's chat
+template (left-padded to the longest), greedy, exactly ``--new`` new tokens each (min = max: equal
+work). Variants: ``hybrid`` (the inference mode, engine.inference_dtype = the dtype) and ``hf_generate``
+(HF ``generate`` on the model cast to the dtype, KV cache on). Metrics per (variant, dtype, batch):
+``tokens_per_s`` (new tokens / wall time of the call, prefill included), and for hybrid ``vs_hf``
+(the ratio) and ``roofline_fraction``: the roofline time of the same call over the measured time. The
+roofline of a call is its prefill (FLOPs ÷ peak, or its bytes ÷ bandwidth if larger) plus, per decode
+step, the larger of (weights + the KV cache read) ÷ the measured memory bandwidth and the step's FLOPs
+(2 × the parameters a token passes through, LM head included, plus attention over the cached
+positions) ÷ the measured matmul peak in that dtype (a 2048² GEMM, best of 5, on these threads).
+Lines carry ``peak_gflops``, ``bandwidth_gb_s``, ``roofline_bound`` (compute or bandwidth) and ``load_1m``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import device_label  # noqa: E402
+from generation import bandwidth_bytes_per_s  # noqa: E402
+
+
+def matmul_peak(dtype) -> float:
+    import torch
+
+    a = torch.randn(2048, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048**3 / best
+
+
+def best_of(repeats: int, fn, *args, **kwargs) -> float:
+    import torch
+
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        with torch.no_grad():
+            fn(*args, **kwargs)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def prompts(tok, n: int):
+    from rlhf.config import SyntheticConfig
+    from rlhf.data import arith
+    from rlhf.data.chat import Renderer, resolve_template
+
+    _, held = arith.generate(SyntheticConfig(num_records=1, min_operand=10, max_operand=49), max(n, 64), seed=0)
+    render = Renderer(tok, resolve_template(tok, "auto"))
+    return [render.prompt_ids(e.chat.prompt) for e in held[:n]]
+
+
+def roofline_s(cfg, batch: int, prompt_len: int, new: int, elem: int, peak: float, bw: float) -> tuple:
+    """(seconds, bound) of the roofline of one generate call (see the module's docstring)."""
+    h, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    head = cfg.head_dim if getattr(cfg, "head_dim", None) else h // cfg.num_attention_heads
+    kv_width = cfg.num_key_value_heads * head
+    per_layer = h * (h + 2 * kv_width) + h * h + 3 * h * cfg.intermediate_size  # q, k, v, o, gate/up/down
+    passed = layers * per_layer + vocab * h  # the LM head (tied or not, it is read and multiplied)
+    weight_bytes = passed * elem
+    # prefill: every prompt token through every weight, attention over the prompt (causal: half)
+    flops = 2 * passed * batch * prompt_len + 2 * 2 * layers * batch * prompt_len * prompt_len / 2 * h
+    total = max(flops / peak, weight_bytes / bw)
+    bounds = {"compute": 0, "bandwidth": 0}
+    for t in range(1, new):
+        positions = prompt_len + t
+        kv_bytes = layers * batch * positions * 2 * kv_width * elem
+        step_flops = 2 * passed * batch + 2 * 2 * layers * batch * positions * h
+        c, m = step_flops / peak, (weight_bytes + kv_bytes) / bw
+        bounds["compute" if c >= m else "bandwidth"] += 1
+        total += max(c, m)
+    return total, max(bounds, key=bounds.get)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a named model or a directory")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.config import EngineConfig, TrainConfig
+    from rlhf.engine.hybrid import HybridEngine
+    from rlhf.engine.infer import left_pad
+    from rlhf.engine.mesh import Mesh
+    from rlhf.engine.train import TrainEngine
+    from rlhf.models import get
+    from rlhf.ops import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = get.ensure(args.model) if get.is_named(args.model) else Path(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    all_prompts = prompts(tok, max(args.batches))
+    bw = bandwidth_bytes_per_s()
+    base = {"bench": "decode_real", "workload": Path(path).name, "device": device_label("cpu"), "new_tokens": args.new}
+    base["threads"] = torch.get_num_threads()
+    base["torch"] = torch.__version__.split("+")[0]
+    for dtype_name in args.dtypes:
+        dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+        peak = matmul_peak(dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ecfg = EngineConfig(precision="fp32", inference_dtype=dtype_name)
+        hy = HybridEngine(TrainEngine(model, Mesh(), ecfg, TrainConfig(lr=1e-6, warmup_steps=0)), tok, ecfg)
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        for batch in args.batches:
+            ps = all_prompts[:batch]
+            sp = SamplingParams(temperature=0, max_new_tokens=args.new, min_new_tokens=args.new)
+            ids, mask = left_pad(ps, tok.pad_token_id)
+            kw = dict(do_sample=False, max_new_tokens=args.new, min_new_tokens=args.new, pad_token_id=tok.pad_token_id)
+            hy.generate(ps, SamplingParams(temperature=0, max_new_tokens=2, min_new_tokens=2))  # warm-up
+            with torch.no_grad():
+                plain.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+            times = {
+                "hybrid": best_of(args.repeats, hy.generate, ps, sp),
+                "hf_generate": best_of(args.repeats, plain.generate, input_ids=ids, attention_mask=mask, **kw),
+            }
+            roof, bound = roofline_s(model.config, batch, ids.shape[1], args.new, dtype.itemsize, peak, bw)
+            line = {**base, "dtype": dtype_name, "batch": batch, "prompt_len": ids.shape[1]}
+            line.update(load_1m=os.getloadavg()[0], peak_gflops=peak / 1e9, bandwidth_gb_s=bw / 1e9)
+            line["roofline_bound"] = bound
+            out = [(v, "tokens_per_s", batch * args.new / s) for v, s in times.items()]
+            out.append(("hybrid", "vs_hf", times["hf_generate"] / times["hybrid"]))
+            out += [(v, "roofline_fraction", roof / s) for v, s in times.items()]
+            for variant, metric, value in out:
+                print(json.dumps({**line, "variant": variant, "metric": metric, "value": value}), flush=True)
+        del model, plain, hy
+
+
+if __name__ == "__main__":
+    main()
