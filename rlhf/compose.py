@@ -42,6 +42,7 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
                     OmegaConf.update(merged, o.key_or_group, OmegaConf.select(dcfg, o.key_or_group), merge=False)
             dcfg = merged
         resolve_named_models(dcfg)
+        lr_why = lora_learning_rate(dcfg, overrides)
         yaml_text = OmegaConf.to_yaml(dcfg)
         cfg = OmegaConf.to_object(dcfg)  # builds the dataclasses: runs every __post_init__ check
     except ConfigError:
@@ -51,6 +52,7 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
     finally:
         GlobalHydra.instance().clear()
     cfg.recipe_why = why
+    cfg.lr_why = lr_why
     return cfg, yaml_text
 
 
@@ -73,6 +75,19 @@ def resolve_named_models(dcfg) -> None:
         if any(named_models.is_named(p) for p in parts):
             paths = [str(named_models.ensure(p)) if named_models.is_named(p) else p for p in parts]
             OmegaConf.update(dcfg, key, ",".join(paths), merge=False)
+
+
+def lora_learning_rate(dcfg, overrides: Sequence[str]) -> str:
+    """With LoRA (model.lora.r > 0) and a recipe's ``train.lora_lr``, that rate becomes ``train.lr``
+    unless the command line sets train.lr; returns what the log says of it ("" when nothing changed)."""
+    lora_lr, r = OmegaConf.select(dcfg, "train.lora_lr"), OmegaConf.select(dcfg, "model.lora.r") or 0
+    if lora_lr is None or r <= 0:
+        return ""
+    given = {o.key_or_group.lstrip("+~") for o in OverridesParser.create().parse_overrides(list(overrides))}
+    if "train.lr" in given:
+        return f"train.lr={OmegaConf.select(dcfg, 'train.lr'):g} from the command line (LoRA's rate would be {lora_lr:g})"
+    OmegaConf.update(dcfg, "train.lr", lora_lr, merge=False)
+    return f"train.lr={lora_lr:g}: the recipe's rate for LoRA (model.lora.r={r}; train.lr=... on the command line wins)"
 
 
 def recipes() -> list:

@@ -404,6 +404,9 @@ class TrainConfig:
     # pair: chosen + rejected; a longer row alone), as many on every rank; 0 = micro_batch_per_rank rows
     max_tokens_per_micro_batch: int = 0
     lr: float = 3e-3
+    # with LoRA (model.lora.r > 0) the learning rate instead of train.lr, unless train.lr is on the command
+    # line (rlhf/compose.py; the log says which it used): the recipes set LoRA's rates here; null = train.lr
+    lora_lr: Optional[float] = None
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0  # never applied to norms and biases
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -443,6 +446,7 @@ class TrainConfig:
             "a non-negative integer (0 = off)",
         )
         _check(self.lr > 0, "train.lr", self.lr, "a positive number")
+        _check(self.lora_lr is None or self.lora_lr > 0, "train.lora_lr", self.lora_lr, "a positive number or null")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
         _check(
             self.scheduler in ("warmup", "warmup_decay", "cosine", "constant"),
@@ -1107,6 +1111,7 @@ class Config:
     # says why: recipe_why); any explicit key=value wins over the recipe
     recipe: str = "embedded"
     recipe_why: ClassVar[str] = "the default"
+    lr_why: ClassVar[str] = ""  # where train.lr came from when the recipe's LoRA rate replaced it (compose)
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -76,6 +76,8 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
         cfg.engine.precision,
     )
     log.info("recipe=%s (%s)", cfg.recipe, cfg.recipe_why)
+    if cfg.lr_why:
+        log.info("%s", cfg.lr_why)
     placed = cfg.engine.placements(cfg.roles())
     if len(set(placed.values())) > 1:  # engine.<role>.* differ: say where each model lives
         log.info(

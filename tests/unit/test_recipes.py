@@ -115,9 +115,26 @@ def test_task_recipes_and_their_stages():
         compose_config(["stage=reward", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     with pytest.raises(
         ConfigError,
-        match=r"unknown recipe 'nope' .expected agentic, dschat, embedded, gsm8k_grpo, gsm8k_tools, hh, pretrained.",
+        match=r"unknown recipe 'nope' .expected agentic, dschat, embedded, gsm8k_grpo, gsm8k_tools, hh, pretrained, "
+        r"smollm2_arith.",
     ):
         compose_config(["recipe=nope"])
+
+
+@pytest.mark.parametrize(
+    "stage,full,lora", [("sft", 1e-5, 1e-4), ("reward", 9e-6, 1e-4), ("dpo", 5e-7, 5e-6), ("ppo", 1e-6, 1e-5)]
+)
+def test_lora_gets_the_recipes_lora_rate_unless_the_command_line_says(stage, full, lora):
+    m = ["model.path=/m", "data.path=x.jsonl", "data.format=prompt_chosen_rejected"]
+    cfg, _ = compose_config([f"stage={stage}", *m])
+    assert cfg.train.lr == full and cfg.lr_why == ""
+    cfg, text = compose_config([f"stage={stage}", *m, "model.lora.r=8"])
+    assert cfg.train.lr == lora and yaml.safe_load(text)["train"]["lr"] == lora  # the saved config says so
+    assert cfg.lr_why.startswith(f"train.lr={lora:g}: the recipe's rate for LoRA (model.lora.r=8")
+    cfg, _ = compose_config([f"stage={stage}", *m, "model.lora.r=8", "train.lr=3e-5"])
+    assert cfg.train.lr == 3e-5 and "from the command line" in cfg.lr_why
+    cfg, _ = compose_config(["stage=sft", "model.lora.r=8"])  # the embedded recipe sets no LoRA rate
+    assert cfg.train.lr == compose_config(["stage=sft"])[0].train.lr and cfg.lr_why == ""
 
 
 def test_steps_and_warmup_from_epochs():
