@@ -85,7 +85,9 @@ def lora_learning_rate(dcfg, overrides: Sequence[str]) -> str:
         return ""
     given = {o.key_or_group.lstrip("+~") for o in OverridesParser.create().parse_overrides(list(overrides))}
     if "train.lr" in given:
-        return f"train.lr={OmegaConf.select(dcfg, 'train.lr'):g} from the command line (LoRA's rate would be {lora_lr:g})"
+        return (
+            f"train.lr={OmegaConf.select(dcfg, 'train.lr'):g} from the command line (LoRA's rate would be {lora_lr:g})"
+        )
     OmegaConf.update(dcfg, "train.lr", lora_lr, merge=False)
     return f"train.lr={lora_lr:g}: the recipe's rate for LoRA (model.lora.r={r}; train.lr=... on the command line wins)"
 

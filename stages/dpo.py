@@ -104,7 +104,7 @@ def run(cfg: Config) -> None:
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(
-        run_fingerprint(actor.module.config, tokenizer, data, cfg, f"policy={source}")
+        run_fingerprint(actor.module.config, tokenizer, data, cfg, f"policy={source}", [source])
     )
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)

@@ -238,6 +238,7 @@ def run(cfg: Config) -> None:
         data,
         cfg,
         f"actor={actor_src} reward_model={','.join(map(str, rm_srcs)) or None} critic={critic_src}",
+        [actor_src, *rm_srcs, critic_src],
     )
     if ptx is not None:  # PPO-ptx trains on the SFT records too
         fingerprint["ptx_records"] = ptx.digest

@@ -120,7 +120,8 @@ def run(cfg: Config) -> None:
     reward_model = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    ctx.fingerprint = mesh.broadcast_object(run_fingerprint(model_cfg, tokenizer, data, cfg, f"backbone={source}"))
+    fingerprint = run_fingerprint(model_cfg, tokenizer, data, cfg, f"backbone={source}", [source])
+    ctx.fingerprint = mesh.broadcast_object(fingerprint)
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"reward": reward_model}, ckpt)

@@ -116,7 +116,7 @@ def run(cfg: Config) -> None:
     hybrid = HybridEngine(actor, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(
-        run_fingerprint(model.config, tokenizer, data, cfg, f"model={cfg.model.path or 'embedded'}")
+        run_fingerprint(model.config, tokenizer, data, cfg, f"model={cfg.model.path or 'embedded'}", [cfg.model.path])
     )
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)

@@ -97,6 +97,20 @@ def build_manifest(root: Path, mesh: Mesh) -> Dict[str, dict]:
     return _gathered(mesh, mine)
 
 
+EXPORT_MANIFEST = "export.json"  # in an export: {"files": {name: {"size", "sha256"}}} of the files written with it
+
+
+def export_identity(model_dir: Path) -> Optional[str]:
+    """A short digest of an export's files (its ``export.json``), or None for a directory this project
+    did not export (a user's model, a hub id): what a later stage's fingerprint holds of the model it
+    starts from, so that an export written again (a rerun of the stage before) is another input."""
+    try:
+        files = json.loads((Path(model_dir) / EXPORT_MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def _read_manifest(ckpt: Path) -> Tuple[Optional[dict], Optional[str]]:
     """(manifest, None); (None, None) for a checkpoint written before manifests; (None, problem) when the
     state file itself cannot be read."""
@@ -415,6 +429,11 @@ def write_hf(
             tokenizer.save_pretrained(tmps[0])
         for name, obj in (extra_files or {}).items():
             atomic_write_json(tmps[0] / name, obj)
+        files = {}
+        for name in _files(tmps[0]):
+            size, sha = file_digest(tmps[0] / name)
+            files[name] = {"size": size, "sha256": sha}
+        atomic_write_json(tmps[0] / EXPORT_MANIFEST, {"files": files})
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from rlhf.engine.checkpoint import (
     STATE_FILE,
     complete_checkpoints,
     export_hf,
+    export_identity,
     load_checkpoint,
     newest_intact_checkpoint,
     set_aside,
@@ -137,12 +138,14 @@ def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
     return path
 
 
-def run_fingerprint(model_config, tokenizer, data, cfg: Config, inputs: str = "") -> dict:
+def run_fingerprint(model_config, tokenizer, data, cfg: Config, inputs: str = "", input_models=()) -> dict:
     """What a run's checkpoints depend on: the model's architecture (dropout aside: model.disable_dropout
     sets it), the tokenizer, the data (``data``: the stage's ``StageData``; its sources, and its records'
     content: another file, seed, split or generator setting is other data), the lengths, and ``inputs``:
     the models the stage starts from (a short digest of each, and the data's description and the
-    inputs, for the message on a mismatch)."""
+    inputs, for the message on a mismatch). ``input_models``: the directories of those models; the
+    identity of each that this project exported (its ``export.json``) is ``input_models``' value, so
+    that a model exported again since (the stage before rerun with other settings) is another input."""
 
     def digest(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -163,6 +166,9 @@ def run_fingerprint(model_config, tokenizer, data, cfg: Config, inputs: str = ""
     }
     if inputs:
         out["inputs"] = portable(inputs, cfg.run.dir)
+    ids = [(Path(p).name, export_identity(Path(p))) for p in input_models if p is not None]
+    if any(i is not None for _, i in ids):
+        out["input_models"] = " ".join(f"{name}:{i}" for name, i in ids if i is not None)
     lcfg = cfg.model.lora
     if lcfg.r:  # the adapters' shapes and targets (a full fine-tuning checkpoint has none)
         out["lora"] = f"r={lcfg.r} target_modules={lcfg.target_modules or 'default'} critic={lcfg.critic}"
@@ -179,12 +185,14 @@ def portable(text: str, run_dir) -> str:
 
 # fingerprint keys added after run directories existed: one written without it is judged on the rest
 # (it stays resumable and, when finished, finished)
-ADDED_LATER = ("records", "ptx_records")
+ADDED_LATER = ("records", "ptx_records", "input_models")
 # how a mismatch of a key is said, where its name alone would not say it
 SAY = {
     "records": "other data records (the data's content: its file, run.seed, data.synthetic.*, data.split, "
     "data.eval_size or ppo.tools changed since)",
     "ptx_records": "other SFT records for PPO-ptx (the data's content changed since)",
+    "input_models": "another export of the model(s) it starts from (written again since: the stage before it "
+    "was rerun)",
 }
 
 

@@ -154,3 +154,32 @@ def test_eval_scores_with_the_runs_own_data_and_eval_settings(tmp_path):
     refused = eval_cli(model, "--run-dir", run)
     assert refused.returncode == 2 and len(error_lines(refused)) == 1, refused.stderr[-3000:]
     assert "no saved stage configuration" in refused.stderr and "not trained on the embedded task" in refused.stderr
+
+
+def test_a_stage_refuses_its_result_once_the_model_it_started_from_is_exported_again(tmp_path):
+    """The reward stage's fingerprint holds the identity of the SFT export it started from (its
+    export.json: every file's sha256): SFT retrained with other settings makes a rerun of the reward stage
+    stop with one line instead of saying 'already done' for the old SFT policy's reward model; SFT
+    retrained with the same settings writes the same bytes, and the reward stage stays done."""
+    run = tmp_path / "run"
+    sft = [*quick_sft_args(run, steps=4), "train.save_every=0", "eval.gold_prompts=0"]
+    assert run_cli(*sft).returncode == 0
+    manifest = json.loads((run / "sft" / "model" / "export.json").read_text())["files"]
+    assert "model.safetensors" in manifest and len(manifest["model.safetensors"]["sha256"]) == 64
+    reward = ["stage=reward", f"run.dir={run}", "train.max_steps=4", "train.save_every=2", "logger.progress=false"]
+    reward += ["data.synthetic.num_records=2000", "eval.gold_prompts=0", "engine.precision=fp32"]
+    assert run_cli(*reward).returncode == 0
+    done = json.loads((run / "reward" / "done.json").read_text())
+    assert done["fingerprint"]["input_models"].startswith("model:")
+
+    assert run_cli(*sft, "run.resume=false").returncode == 0  # the same settings: the same export
+    same = run_cli(*reward)
+    assert same.returncode == 0 and "reward: already done" in same.stderr, same.stderr[-2000:]
+
+    before = snapshot(run / "reward")
+    assert run_cli(*sft, "run.resume=false", "train.lr=1e-3").returncode == 0  # other settings: another export
+    again = run_cli(*reward)
+    lines = [x for x in again.stderr.splitlines() if x.startswith("rlhf: error:")]
+    assert again.returncode == 2 and len(lines) == 1, again.stderr[-2000:]
+    assert "another export of the model(s) it starts from" in lines[0] and "run.resume=false" in lines[0]
+    assert snapshot(run / "reward") == before
