@@ -252,7 +252,7 @@ def _done_line(ctx: StageContext) -> Optional[str]:
     if last is not None:
         more = f"a larger train.max_steps continues it from {last}"
     else:
-        more = "a larger train.max_steps trains it again from the start (no checkpoint kept)"
+        more = "a larger train.max_steps trains it again from the start (no checkpoint kept: train.save_every=0)"
     return (
         f"{ctx.out.name}: already done (step {done['step']} = train.max_steps, exported to "
         f"{', '.join(str(ctx.out / name) for name in outputs)}; {marker}): nothing to do. {more[0].upper()}"
@@ -346,11 +346,12 @@ def end_of_step(
     evaluate: Optional[Callable[[int], object]] = None,
 ) -> None:
     """What every stage's loop does after its step ``done``: evaluate every ``train.eval_every`` steps
-    (the last step's evaluation is the export's), checkpoint every ``train.save_every``, and after a
+    (the last step's evaluation is the export's), checkpoint every ``train.save_every`` and at the last
+    step (a finished stage keeps its final state: a larger train.max_steps continues it), and after a
     first SIGINT/SIGTERM checkpoint (unless just done) and stop (``rlhf.launcher.interrupt``)."""
     if evaluate is not None and train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
         evaluate(done)
-    saved = train.save_every and done % train.save_every == 0
+    saved = train.save_every and (done % train.save_every == 0 or done == train.max_steps)
     if saved:
         checkpoint(done)
 

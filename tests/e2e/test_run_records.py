@@ -183,3 +183,17 @@ def test_a_stage_refuses_its_result_once_the_model_it_started_from_is_exported_a
     assert again.returncode == 2 and len(lines) == 1, again.stderr[-2000:]
     assert "another export of the model(s) it starts from" in lines[0] and "run.resume=false" in lines[0]
     assert snapshot(run / "reward") == before
+
+
+def test_a_finished_stage_keeps_its_final_state_so_more_steps_continue_it(tmp_path):
+    """train.save_every that does not divide train.max_steps (the pretrained recipe saves every 500):
+    the last step is checkpointed too, so a larger train.max_steps continues from it."""
+    run = tmp_path / "run"
+    args = [*quick_sft_args(run, steps=3), "train.save_every=2", "eval.gold_prompts=0", "train.log_every=1"]
+    assert run_cli(*args).returncode == 0
+    ckpts = sorted(p.name for p in (run / "sft" / "checkpoints").iterdir())
+    assert ckpts == ["step_00000002", "step_00000003"], ckpts
+    more = run_cli(*args, "train.max_steps=5")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert f"resumed from {run / 'sft' / 'checkpoints' / 'step_00000003'} (step 3)" in more.stderr
+    assert [r["step"] for r in rows(run / "sft" / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5]
