@@ -695,6 +695,9 @@ class EvalConfig:
     # None = per data format (DataConfig.default_new_tokens): 16 for the synthetic task, else
     # data.max_response_len; resolved when the whole config is built
     max_new_tokens: Optional[int] = None
+    # held-out prompts keep their last this many tokens, as training prompts do (one rule for every
+    # prompt a stage or rlhf.eval generates from); None = data.max_prompt_len, resolved with the config
+    max_prompt_len: Optional[int] = None
     seed: int = 4321
     batch_size: int = 256  # held-out prompts per generate call
     greedy_too: bool = True  # also report gold/score_greedy
@@ -715,10 +718,18 @@ class EvalConfig:
             "a positive integer",
         )
         _check(self.batch_size > 0, "eval.batch_size", self.batch_size, "a positive integer")
+        _check(
+            self.max_prompt_len is None or self.max_prompt_len > 0,
+            "eval.max_prompt_len",
+            self.max_prompt_len,
+            "a positive integer (unset = data.max_prompt_len)",
+        )
 
     def resolve(self, data: "DataConfig") -> None:
         if self.max_new_tokens is None:
             self.max_new_tokens = data.default_new_tokens()
+        if self.max_prompt_len is None:
+            self.max_prompt_len = data.max_prompt_len
 
 
 @dataclass

@@ -343,10 +343,14 @@ def tokenize_pairs(
     return out
 
 
-def encode_prompts(examples: List[Example], tok, chat: Optional[str] = None) -> List[List[int]]:
-    """Prompt ids, untruncated: plain text with the tokenizer's special prefix, or turns rendered
-    with the generation prompt (exactly the prompt part of the SFT and pair sequences; for a record
-    with tool turns, the opening before them, with its tools)."""
+def encode_prompts(
+    examples: List[Example], tok, chat: Optional[str] = None, max_prompt: Optional[int] = None
+) -> List[List[int]]:
+    """Prompt ids: plain text with the tokenizer's special prefix, or turns rendered with the
+    generation prompt (exactly the prompt part of the SFT and pair sequences; for a record with tool
+    turns, the opening before them, with its tools). ``max_prompt``: each keeps its last this many
+    tokens (the rule of training prompts, ``tokenize_prompts``: the end, next to the answer, survives);
+    None = untruncated."""
     out: List[List[int]] = [None] * len(examples)  # type: ignore[list-item]
     chat_ix, text_ix = _split_by_path(examples, chat)
     for i, ids in zip(text_ix, _encode(tok, [examples[i].prompt for i in text_ix], True)):
@@ -359,6 +363,8 @@ def encode_prompts(examples: List[Example], tok, chat: Optional[str] = None) -> 
         )
         for i, (ids, _, _) in zip(chat_ix, enc):
             out[i] = ids
+    if max_prompt is not None:
+        out = [p[-max_prompt:] for p in out]
     return out
 
 
@@ -387,7 +393,7 @@ def tokenize_prompts(
         )
     if max_new_tokens is not None:
         check_answer_budget(examples, tok, max_new_tokens, new_tokens_key)
-    return {"prompt": [p[-max_prompt:] for p in full]}
+    return {"prompt": [p[-max_prompt:] for p in full]}  # (encode_prompts' rule)
 
 
 def answer_lengths(examples: List[Example], tok) -> List[int]:

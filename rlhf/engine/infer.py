@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
 from rlhf.engine.draws import row_draws, row_keys
+from rlhf.errors import ConfigError
 from rlhf.models.policies import InjectionPolicy
 from rlhf.ops import (
     ACTIVATIONS,
@@ -434,10 +435,11 @@ class InferenceModel:
         rows = prompt_major(prompts, sp.samples_per_prompt)
         reach = max(len(p) for p in prompts) + sp.max_new_tokens - 1  # positions fed: 0 .. reach - 1
         if self.learned and reach > self.root["wpe"].shape[0]:
-            raise ValueError(
+            raise ConfigError(
                 f"inference mode: prompts of up to {reach + 1 - sp.max_new_tokens} tokens and "
                 f"{sp.max_new_tokens} new ones reach position {reach - 1}; the model's position table "
-                f"holds {self.root['wpe'].shape[0]} (max_position_embeddings)"
+                f"holds {self.root['wpe'].shape[0]} (max_position_embeddings): lower data.max_prompt_len "
+                f"(eval.max_prompt_len for held-out prompts) or the new tokens"
             )
         ids, pmask = left_pad(rows, pad_id, device)
         draws = None  # [rows, max_new_tokens]; none when greedy

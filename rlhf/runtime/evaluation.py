@@ -59,7 +59,7 @@ def evaluate_gold(
     examples = gold_prompts(held_out, ecfg)
     if not examples:
         return {}
-    encoded = encode_prompts(examples, tokenizer, chat)
+    encoded = encode_prompts(examples, tokenizer, chat, ecfg.max_prompt_len)
     max_new = ecfg.max_new_tokens or 16
     results = {}
     modes = [("gold/score", ecfg.temperature, ecfg.gold_samples)]
@@ -126,7 +126,7 @@ def evaluate_reward(
     examples = held_out[: ecfg.gold_prompts]
     if not examples:
         return {}, []
-    encoded = encode_prompts(examples, tokenizer, chat)
+    encoded = encode_prompts(examples, tokenizer, chat, ecfg.max_prompt_len)
     total, count = 0.0, 0
     mine: Dict[int, Tuple[str, float]] = {}
     for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):

@@ -144,3 +144,27 @@ def test_gpt2_sft_and_grpo_with_the_inference_mode(tmp_path):
         *COMMON,
     )
     assert_inference_mode(proc, run / "ppo" / "metrics.jsonl")
+
+
+def test_held_out_prompts_are_cut_as_training_prompts_are(tmp_path):
+    """A model with a short position table (GPT-2's learned positions) and prompts that only fit once cut
+    to data.max_prompt_len: the step-0 evaluation of held-out prompts applies the training prompts' rule
+    (it used to send them whole and crash); a prompt that still cannot fit is one line, exit 2."""
+    from rlhf.config import SyntheticConfig
+    from rlhf.data import synthetic
+
+    tok = task_tokenizer()
+    prompt_len = len(tok(synthetic.prompt_text(3, 45, 2))["input_ids"])
+    new = 6
+    base = hf_dir(tmp_path / "gpt2", "gpt2", tok, n_positions=prompt_len + new - 2)
+    assert SyntheticConfig().max_operand == 49  # every prompt of the task has prompt_len tokens
+    args = ["stage=ppo", f"model.path={base}", "algorithm.estimator=grpo", "ppo.use_reward_model=false"]
+    args += ["ppo.reward_fn=rlhf.rewards.gold", "train.max_steps=1", "ppo.prompts_per_step=2"]
+    args += [f"ppo.max_new_tokens={new}", f"eval.max_new_tokens={new}", *COMMON]
+    proc = run_cli(*args, f"run.dir={tmp_path / 'cut'}", f"data.max_prompt_len={prompt_len - 4}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gold/score" in metric_rows(tmp_path / "cut" / "ppo" / "metrics.jsonl")[0]
+    proc = run_cli(*args, f"run.dir={tmp_path / 'whole'}", f"data.max_prompt_len={prompt_len}")
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "position table" in lines[0] and "lower data.max_prompt_len" in lines[0]

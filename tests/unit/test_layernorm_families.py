@@ -14,6 +14,7 @@ import torch
 
 from rlhf.algorithms.tokens import position_ids
 from rlhf.engine import packing
+from rlhf.errors import ConfigError
 from rlhf.models.loading import decoder_layers
 from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
 from rlhf.ops import SamplingParams
@@ -66,7 +67,7 @@ def test_a_generation_past_the_position_table_is_refused():
     prompt = [mixed_prompts(1)[0][:4]]
     assert hy.build_inference_model().root["wpe"].shape[0] == 16
     hy.generate(prompt, SamplingParams(temperature=0, max_new_tokens=13))  # positions 0..15
-    with pytest.raises(ValueError, match=r"reach position 16; the model's position table holds 16"):
+    with pytest.raises(ConfigError, match=r"reach position 16; the model's position table holds 16"):
         hy.generate(prompt, SamplingParams(temperature=0, max_new_tokens=14))
 
 
