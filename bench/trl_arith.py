@@ -8,7 +8,8 @@ time to the held-out accuracy (JSON lines, docs/contract.md; variant ``trl_grpo`
 ``<out>/seed0``); TRL gets what it got: the same model, the same training prompts in the same order
 (its records of ``run.seed``, as conversations through the model's chat template), 8 samples a prompt,
 prompts per step, at most ``ppo.max_new_tokens`` new tokens at temperature 1, KL β = ``algorithm.kl_coef``
-(a reference model), its learning rate, constant, one update per generation, fp32, one process; the
+(a reference model), its learning rate, constant, one update per generation, fp32, no activation
+checkpointing (TRL's GRPO default has it on; the recipe does not recompute), one process; the
 reward is the same rule (``rlhf.rewards.gold`` on the arith format). What differs: TRL's own GRPO loss
 defaults (its ``loss_type``), no penalty for an answer cut at the length limit (the recipe's −1), and
 generation with HF ``generate`` on the training model (TRL on a CPU has no vLLM). Every ``--eval-every``
@@ -147,6 +148,7 @@ def main() -> None:
         max_steps=args.steps,
         logging_steps=1,
         bf16=False,
+        gradient_checkpointing=False,  # TRL's GRPO default is on: an extra forward the recipe does not run
         shuffle_dataset=False,
         **TRL_CPU,
     )
