@@ -9,8 +9,9 @@ prompts of exactly the workload's length), prompts per step × 4 samples, the sa
 (``bench.common.digit_share``), fixed response length (``min_new_tokens`` = ``max_completion_length``
 = the workload's new tokens), KL β = rlhf's default ``algorithm.kl_coef`` (a reference model, as in
 rlhf's GRPO; ``--beta 0``: none, as ``algorithm.kl_coef=0``), 1 generation per optimizer step, 1 iteration,
-fp32, no activation checkpointing (TRL's GRPO default has it on), one process. The step time is the wall time of ``Trainer.training_step`` (generation, reference and
-policy forwards, backward) plus the optimizer step, from ``on_step_begin`` to ``on_step_end``; the figure
+fp32, no activation checkpointing (TRL's GRPO default has it on), one process. The step time is the wall
+time of ``Trainer.training_step`` (generation, reference and policy forwards, backward) plus the optimizer
+step, from ``on_step_begin`` to ``on_step_end``; the figure
 is the median of the steps after the first (warm-up) one, like bench/ppo.py's.
 """
 
