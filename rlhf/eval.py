@@ -153,15 +153,16 @@ def compose_for(saved: Optional[Path], run_dir: Optional[str], overrides: list):
     first = ["stage=sft"]
     if run_dir:
         first.append(f"run.dir={run_dir}")
-    overrides = first + list(overrides)
     if saved is None:
-        return compose_config(overrides)[0]
+        return compose_config(first + list(overrides))[0]
     try:
         run = OmegaConf.load(saved)
+        first[0] = f"stage={run.stage}"  # a recipe need not have an SFT stage (smollm2_arith: ppo only)
         base = {**{k: run[k] for k in RUN_KEYS}, "run": {"seed": run.run.seed}}
         base["ppo"] = env_of(run)
     except (OSError, OmegaConfBaseException, ValueError, KeyError, AttributeError) as e:
         raise ConfigError(f"{saved}: not a configuration saved by a stage ({one_line(e)})") from None
+    overrides = first + list(overrides)
     try:
         return compose_config(overrides, base=base)[0]
     except ConfigError as e:
