@@ -159,7 +159,12 @@ def test_held_out_prompts_are_cut_as_training_prompts_are(tmp_path):
     base = hf_dir(tmp_path / "gpt2", "gpt2", tok, n_positions=prompt_len + new - 2)
     assert SyntheticConfig().max_operand == 49  # every prompt of the task has prompt_len tokens
     args = ["stage=ppo", f"model.path={base}", "algorithm.estimator=grpo", "ppo.use_reward_model=false"]
-    args += ["ppo.reward_fn=rlhf.rewards.gold", "train.max_steps=1", "ppo.prompts_per_step=2"]
+    args += [
+        "ppo.reward_fn=rlhf.rewards.gold",
+        "train.max_steps=1",
+        "ppo.prompts_per_step=2",
+        "ppo.samples_per_prompt=2",
+    ]
     args += [f"ppo.max_new_tokens={new}", f"eval.max_new_tokens={new}", *COMMON]
     proc = run_cli(*args, f"run.dir={tmp_path / 'cut'}", f"data.max_prompt_len={prompt_len - 4}")
     assert proc.returncode == 0, proc.stderr[-3000:]
