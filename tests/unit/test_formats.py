@@ -82,12 +82,13 @@ def test_the_table_is_the_one_list_of_formats():
         "gsm8k",
         "messages",
         "tool_arith",
+        "arith",
     ]
-    assert [n for n, f in FORMATS.items() if f.generated] == ["synthetic", "tool_arith"]
+    assert [n for n, f in FORMATS.items() if f.generated] == ["synthetic", "tool_arith", "arith"]
     # a generated format brings its generator and its tokenizer corpus; a read one neither
     assert all((f.generate is not None and f.corpus is not None) == f.generated for f in FORMATS.values())
-    assert [n for n, f in FORMATS.items() if f.gold is not None] == ["synthetic", "gsm8k", "tool_arith"]
-    with pytest.raises(ConfigError, match=r"no rule for data.format=hh \(synthetic, gsm8k, tool_arith\)$"):
+    assert [n for n, f in FORMATS.items() if f.gold is not None] == ["synthetic", "gsm8k", "tool_arith", "arith"]
+    with pytest.raises(ConfigError, match=r"no rule for data.format=hh \(synthetic, gsm8k, tool_arith, arith\)$"):
         rewards.gold([" a"], [Example(prompt="p")], "hh")
     # messages: data.columns.role/content name the keys inside each turn (its parser built from them)
     assert FORMATS["messages"].parser({}) is FORMATS["messages"].parse
