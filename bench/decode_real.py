@@ -116,7 +116,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = get.ensure(args.model) if get.is_named(args.model) else Path(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     all_prompts = prompts(tok, max(args.batches))
     bw = bandwidth_bytes_per_s()
     base = {"bench": "decode_real", "workload": Path(path).name, "device": device_label("cpu"), "new_tokens": args.new}
@@ -125,10 +125,10 @@ def main() -> None:
     for dtype_name in args.dtypes:
         dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
         peak = matmul_peak(dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).eval()
         ecfg = EngineConfig(precision="fp32", inference_dtype=dtype_name)
         hy = HybridEngine(TrainEngine(model, Mesh(), ecfg, TrainConfig(lr=1e-6, warmup_steps=0)), tok, ecfg)
-        plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False).eval()
         for batch in args.batches:
             ps = all_prompts[:batch]
             sp = SamplingParams(temperature=0, max_new_tokens=args.new, min_new_tokens=args.new)

@@ -127,8 +127,8 @@ def main() -> None:
                 tok.save_pretrained(d)
                 evals_at.append((state.global_step, d))
 
-    tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=False)
     base_dir = out / "step0"
     model.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)

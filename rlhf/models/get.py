@@ -199,8 +199,11 @@ def _convert_gguf(file: Path, out: Path, m: NamedModel) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, trust_remote_code=False)
+    # a fixed model of the table: no remote code to trust
+    model = AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32, trust_remote_code=False
+    )
     # a dequantized model is a plain one: without these Transformers refuses to save it
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
