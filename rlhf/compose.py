@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlhf import config as C
+from rlhf import hub
 from rlhf.config import Config, register
 from rlhf.errors import ConfigError
 from rlhf.models import get as named_models
@@ -42,6 +43,7 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
                     OmegaConf.update(merged, o.key_or_group, OmegaConf.select(dcfg, o.key_or_group), merge=False)
             dcfg = merged
         resolve_named_models(dcfg)
+        hub_why = hub.settle(hub_settings(dcfg))
         lr_why = lora_learning_rate(dcfg, overrides)
         yaml_text = OmegaConf.to_yaml(dcfg)
         cfg = OmegaConf.to_object(dcfg)  # builds the dataclasses: runs every __post_init__ check
@@ -53,6 +55,7 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
         GlobalHydra.instance().clear()
     cfg.recipe_why = why
     cfg.lr_why = lr_why
+    cfg.hub_why = hub_why
     return cfg, yaml_text
 
 
@@ -75,6 +78,22 @@ def resolve_named_models(dcfg) -> None:
         if any(named_models.is_named(p) for p in parts):
             paths = [str(named_models.ensure(p)) if named_models.is_named(p) else p for p in parts]
             OmegaConf.update(dcfg, key, ",".join(paths), merge=False)
+
+
+# data settings that may name a hub dataset
+DATA_PATH_KEYS = ("data.path", "data.eval_path")
+
+
+def hub_settings(dcfg) -> list:
+    """``key=id`` of every model or data setting that names a hub id rather than a local path."""
+    found = []
+    for key in MODEL_PATH_KEYS + DATA_PATH_KEYS:
+        value = OmegaConf.select(dcfg, key, default=None)
+        if not isinstance(value, str) or not value:
+            continue
+        parts = [p.strip() for p in value.split(",")] if key == "ppo.reward_model_path" else [value]
+        found += [f"{key}={p}" for p in parts if hub.looks_like_hub_id(p)]
+    return found
 
 
 def lora_learning_rate(dcfg, overrides: Sequence[str]) -> str:

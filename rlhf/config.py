@@ -1122,6 +1122,7 @@ class Config:
     # says why: recipe_why); any explicit key=value wins over the recipe
     recipe: str = "embedded"
     recipe_why: ClassVar[str] = "the default"
+    hub_why: ClassVar[str] = ""  # why this process works offline (rlhf/hub.py; compose)
     lr_why: ClassVar[str] = ""  # where train.lr came from when the recipe's LoRA rate replaced it (compose)
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -393,12 +393,19 @@ def _iter_parquet(path: Path) -> Iterator[Tuple[dict, str]]:
 def _iter_hub(name: str, split: str, config: Optional[str], key: str) -> Iterator[Tuple[dict, str]]:
     import datasets
 
+    from rlhf import hub
+
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:
         what = f"{key}={name}"
         if config:
             what += f" (data.hf_config={config})"
+        if hub.offline():
+            raise DataError(
+                f"{what}: not a local file or directory, and no copy of this hub dataset in the local cache "
+                f"({hub.offline_why()}): give a local file, or download it where the hub can be reached"
+            ) from None
         raise DataError(
             f"{what}: not a local file or directory, and loading it as a hub dataset "
             f"(split {split!r}) failed: {first_line(e)}"

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from rlhf.config import ROLES, EngineConfig
 from rlhf.errors import ConfigError
 from rlhf.launcher.watchdog import start_heartbeat, stop_heartbeat
+from rlhf.threads import default_threads
 
 log = logging.getLogger("rlhf")
 
@@ -36,6 +37,7 @@ class Mesh:
     inference_tp_size: int = 1
     # one process with a process group of its own: FSDP2 can wrap a model there (CPU offload on a GPU)
     single_group: bool = False
+    threads_why: str = ""  # the CPU threads a rank uses and why (empty on a GPU)
     _device_mesh: Any = None
     _dp_mesh: Any = None
 
@@ -242,9 +244,15 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
             f"(use gloo, or engine.device=cuda on a machine with GPUs)"
         )
     check_tp(engine.inference_tp_size, world_size)
-    threads = engine.threads_per_rank or max(1, (os.cpu_count() or 1) // max(local_world, 1))
+    threads_why = ""
     if not use_cuda:
+        threads = engine.threads_per_rank
+        threads_why = "engine.threads_per_rank"
+        if not threads:
+            threads, cores = default_threads(local_world)
+            threads_why = f"{cores}; engine.threads_per_rank sets it"
         torch.set_num_threads(threads)
+        threads_why = f"{threads} CPU threads per rank ({threads_why})"
     if world_size > 1 and not dist.is_initialized():
         device_id = device if use_cuda else None
         dist.init_process_group(
@@ -274,6 +282,7 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
         backend=mesh_backend,
         inference_tp_size=engine.inference_tp_size,
         single_group=single_group,
+        threads_why=threads_why,
     )
 
 

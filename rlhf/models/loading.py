@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from rlhf import hub
 from rlhf.config import ModelConfig
 from rlhf.errors import ConfigError
 from rlhf.models import dropout, streaming
@@ -61,8 +62,7 @@ def check_model_path(path: str, key: str = "model.path") -> None:
 
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
         raise ConfigError(
-            f"{key}={path}: no such directory, and no hub model {path} in the local cache "
-            f"(HF_HUB_OFFLINE=1: the hub is offline)"
+            f"{key}={path}: no such directory, and no hub model {path} in the local cache ({hub.offline_why()})"
         )
 
 
@@ -129,6 +129,11 @@ def _load_error(path: str, what: str, e: Exception) -> ConfigError:
     """The error of loading ``what`` from ``path`` in one line (a missing path: as a hub id)."""
     if Path(os.path.expanduser(path)).exists():
         return ConfigError(f"model.path={path}: cannot load {what}: {_one_line(e)}")
+    if hub.offline():
+        return ConfigError(
+            f"model.path={path}: no such directory, and no copy of hub model {path} in the local cache to load "
+            f"{what} from ({hub.offline_why()})"
+        )
     return ConfigError(
         f"model.path={path}: no such directory, and no hub model {path} to load {what} from: {_one_line(e)}"
     )

@@ -17,6 +17,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from rlhf.outputs.fileio import atomic_write_text
+from rlhf.threads import usable_cores
 
 log = logging.getLogger("rlhf")
 
@@ -257,6 +258,85 @@ def progress(
     )
 
 
+def _torch_threads() -> int:
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 1
+
+
+class Pace:
+    """Says once when the step rate falls far below the best this run measured while other processes
+    take the cores (a load average above the usable cores): the collapse of a shared machine, named
+    with its fix. Rates are taken over windows of at least ``window_s`` seconds and ``min_steps``
+    steps; two slow windows in a row are needed (an evaluation inside one window is not a slowdown)."""
+
+    def __init__(
+        self,
+        desc: str,
+        clock,
+        log,
+        factor: float = 3.0,
+        window_s: float = 30.0,
+        min_steps: int = 5,
+        load=None,
+        cores=None,
+        threads=None,
+    ):
+        self.desc, self.clock, self.log = desc, clock, log
+        self.factor, self.window_s, self.min_steps = factor, window_s, min_steps
+        self.load = load or (lambda: os.getloadavg()[0])
+        self.cores = cores or (lambda: usable_cores()[0])
+        self.threads = threads or _torch_threads
+        self.mark: Optional[tuple] = None
+        self.best = 0.0
+        self.slow = 0
+        self.warned = False
+
+    def step(self, done: int) -> None:
+        now = self.clock()
+        if self.mark is None:  # the first step (compilation, caches) starts the first window
+            self.mark = (now, done)
+            return
+        t0, d0 = self.mark
+        if now - t0 < self.window_s or done - d0 < self.min_steps:
+            return
+        rate = (done - d0) / (now - t0)
+        self.mark = (now, done)
+        if self.best and rate * self.factor < self.best:
+            self.slow += 1
+        else:
+            self.slow = 0
+        self.best = max(self.best, rate)
+        if self.slow >= 2 and not self.warned:
+            self.warn(rate)
+
+    def warn(self, rate: float) -> None:
+        try:
+            load, cores = self.load(), self.cores()
+        except OSError:
+            return
+        if load <= cores * 1.25:  # the machine is not oversubscribed: a slower phase of the run itself
+            return
+        self.warned = True
+        threads = self.threads()
+        fix = (
+            f"engine.threads_per_rank={max(1, threads // 2)} (this run uses {threads}) leaves them room"
+            if threads > 1
+            else "fewer processes on this machine, or a run on other cores (taskset), gives it back"
+        )
+        self.log.warning(
+            "%s: %.2f steps/s, %.1fx slower than earlier in this run (%.2f steps/s), with a load average "
+            "of %.1f on %d usable cores: other processes are using the cores this run needs; %s "
+            "(docs/performance.md#threads-on-a-shared-machine)",
+            self.desc,
+            rate,
+            self.best / rate,
+            self.best,
+            load,
+            cores,
+            fix,
+        )
+
+
 class Progress:
     """``step(**postfix)`` once per step (``step(n=...)``: n units at once). The bar's postfix never
     forces a redraw (tqdm's set_postfix does by default: a redraw per step); the status line reads
@@ -283,6 +363,7 @@ class Progress:
         self.t0 = self.last = clock()
         self.start = initial
         self.postfix: dict = {}
+        self.pace = Pace(desc, clock, self.log) if unit == "step" and (bar or status) else None
         self.bar = None
         if bar:
             unit_kw = {}  # tqdm's default unit is "it": steps keep it
@@ -302,6 +383,8 @@ class Progress:
     def step(self, n: int = 1, **postfix) -> None:
         self.done += n
         self.postfix = postfix
+        if self.pace is not None:
+            self.pace.step(self.done)
         if self.bar is not None:
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(n)

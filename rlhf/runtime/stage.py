@@ -76,9 +76,13 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
         cfg.engine.zero_stage,
         cfg.engine.precision,
     )
+    if mesh.threads_why:
+        log.info("%s", mesh.threads_why)
     log.info("recipe=%s (%s)", cfg.recipe, cfg.recipe_why)
     if cfg.lr_why:
         log.info("%s", cfg.lr_why)
+    if cfg.hub_why:
+        log.warning("%s", cfg.hub_why)
     placed = cfg.engine.placements(cfg.roles())
     if len(set(placed.values())) > 1:  # engine.<role>.* differ: say where each model lives
         log.info(

@@ -40,7 +40,7 @@ CASES = [
         "hub_id_offline",
         lambda tmp: "no-such-org/no-such-model",
         "model.path=no-such-org/no-such-model: no such directory, and no hub model no-such-org/no-such-model in the "
-        "local cache (HF_HUB_OFFLINE=1: the hub is offline)",
+        "local cache (working offline: HF_HUB_OFFLINE=1)",
     ),
     (
         "config_without_tokenizer",

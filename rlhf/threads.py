@@ -1,0 +1,73 @@
+"""CPU threads: how many a rank uses, and how its OpenMP threads wait.
+
+Two things made a run collapse on a machine whose cores other processes also use (a laptop with a
+browser, a shared CI runner): the thread count came from ``os.cpu_count()`` (every core of the host,
+not the ones this process may run on), and OpenMP's idle threads spin for a long while at every
+barrier — with a core taken away, the spinning thread holds it while the thread the barrier waits for
+sits in the run queue. Measured on the 2-core CPU machine (embedded SFT, 400 steps, two busy processes
+beside it): 2 threads 134 s, 1 thread 62 s; 2 threads with a short spin 71 s (idle: 29 s all three).
+
+- ``tame_openmp()``: a short spin before a waiting OpenMP thread sleeps (``GOMP_SPINCOUNT`` for GNU
+  OpenMP, which the CPU wheels of torch use; ``KMP_BLOCKTIME`` for Intel's). OpenMP reads them when
+  it loads, so ``rlhf/__init__.py`` calls this before anything imports torch. A value the user set wins.
+- ``usable_cores()``: the cores this process may use — its CPU affinity, and a cgroup CPU quota
+  (containers, Slurm, CI runners) where one is set.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import MutableMapping, Optional, Tuple
+
+# GNU OpenMP spins ~300,000 iterations at a barrier before sleeping (its default when the threads fit
+# the cores); 1,000 keeps back-to-back operations fast and gives a contended core back at once.
+OPENMP_WAIT = {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "1"}
+
+
+def tame_openmp(environ: Optional[MutableMapping[str, str]] = None) -> None:
+    env = os.environ if environ is None else environ
+    for key, value in OPENMP_WAIT.items():
+        env.setdefault(key, value)
+
+
+def _cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> Optional[float]:
+    """CPUs' worth of time the cgroup allows (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), None
+    without a quota. Reads the root of the mounted hierarchy: inside a container that is its own."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Tuple[int, str]:
+    """(cores, why): the number of cores this process may use and what limited it."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+        why = f"{affinity} in this process's CPU affinity"
+    except (AttributeError, OSError):  # not on Linux
+        affinity = os.cpu_count() or 1
+        why = f"{affinity} cores"
+    quota = _cgroup_quota(cgroup_root)
+    if quota is not None and math.ceil(quota) < affinity:
+        return max(1, math.ceil(quota)), f"a cgroup CPU quota of {quota:g} cores ({why})"
+    return max(1, affinity), why
+
+
+def default_threads(local_world: int) -> Tuple[int, str]:
+    """(threads, why) for ``engine.threads_per_rank=0``: the usable cores shared by this node's ranks."""
+    cores, why = usable_cores()
+    ranks = max(local_world, 1)
+    threads = max(1, cores // ranks)
+    shared = f" shared by {ranks} ranks" if ranks > 1 else ""
+    return threads, f"{why}{shared}"
