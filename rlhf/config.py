@@ -741,8 +741,17 @@ class LoggerConfig:
     # tensorboard_dir None = <run.dir>/tensorboard (DeepSpeed-Chat's --enable_tensorboard, --tensorboard_path)
     tensorboard: bool = False
     tensorboard_dir: Optional[str] = None
+    # <stage>/samples.jsonl (and wandb / TensorBoard tables): the responses to the first `samples`
+    # held-out prompts at every evaluation (one shown on the console), and PPO's first `samples`
+    # rollouts with their reward's parts every `samples_every` steps; 0 turns either off
+    samples: int = 4
+    samples_every: int = 10
 
     def __post_init__(self):
+        _check(self.samples >= 0, "logger.samples", self.samples, "a non-negative integer (0 = none)")
+        _check(
+            self.samples_every >= 0, "logger.samples_every", self.samples_every, "a non-negative integer (0 = never)"
+        )
         _check(
             self.wandb in ("disabled", "offline", "online"), "logger.wandb", self.wandb, "disabled, offline or online"
         )

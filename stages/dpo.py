@@ -116,14 +116,23 @@ def run(cfg: Config) -> None:
     pad = tokenizer.pad_token_id
 
     def evaluate(step: int):
-        results = evaluate_pairs(actor, reference, eval_cols, pad, micro, mesh, cfg.dpo)
+        results, kept = evaluate_pairs(actor, reference, eval_cols, pad, micro, mesh, cfg.dpo), []
         if data.gold is not None:
             results.update(
                 evaluate_gold(
-                    hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress
+                    hybrid.generate,
+                    tokenizer,
+                    data.eval,
+                    data.gold,
+                    cfg.eval,
+                    mesh,
+                    chat,
+                    cfg.logger.progress,
+                    show=cfg.logger.samples,
+                    kept=kept,
                 )
             )
-        return log_evaluation(metrics, step, results, actor)
+        return log_evaluation(metrics, step, results, actor, kept)
 
     def checkpoint(step: int):
         return save_checkpoint(

@@ -24,7 +24,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedTokenizer
 
 from rlhf.algorithms.estimators import estimator
 from rlhf.algorithms.ppo import AdaptiveKL
-from rlhf.config import Config, LoraConfig
+from rlhf.config import ENV_BUILTINS, Config, LoraConfig
 from rlhf.data.chat import resolve_template
 from rlhf.data.formats import FORMATS
 from rlhf.data.pipeline import load_stage_data
@@ -46,7 +46,7 @@ from rlhf.rl.ema import EMA
 from rlhf.rl.episodes import EpisodeRunner
 from rlhf.rl.experience import Collector, RewardModels, RewardNormaliser, Scorers
 from rlhf.rl.gate import Gate
-from rlhf.rl.metrics import step_metrics
+from rlhf.rl.metrics import reward_line, rollout_samples, step_metrics
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.ptx import PtxTerm
 from rlhf.rl.rollout_guard import RolloutGuard
@@ -62,6 +62,7 @@ from rlhf.runtime.stage import (
     resolve_steps,
     resume,
     run_fingerprint,
+    show_samples,
     stage_input,
     start_stage,
 )
@@ -256,11 +257,21 @@ def run(cfg: Config) -> None:
                 copy.load(ckpt)
 
     def evaluate(step: int, final: bool = False) -> None:
-        res = {}
+        res, kept = {}, []
         if data.gold is not None:
             play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
             res = evaluate_gold(
-                hybrid.generate, tokenizer, data.eval, data.gold, cfg.eval, mesh, chat, cfg.logger.progress, play
+                hybrid.generate,
+                tokenizer,
+                data.eval,
+                data.gold,
+                cfg.eval,
+                mesh,
+                chat,
+                cfg.logger.progress,
+                play,
+                cfg.logger.samples,
+                kept,
             )
         if reward_model is not None and not runner.multi_turn:  # the reward model's view, no gold needed
             mean, answers = evaluate_reward(
@@ -275,6 +286,7 @@ def run(cfg: Config) -> None:
             return
         metrics.log(step, **res)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in res.items()))
+        show_samples(metrics, step, kept)
 
     def held_out_reward(gen) -> torch.Tensor:  # the reward model's part of the reward, normalisation unmoved
         return scorers.model_reward(gen.sequences, gen.attention_mask, ppo, mesh, update=False)[0]
@@ -363,7 +375,9 @@ def run(cfg: Config) -> None:
         row.update({"kl/beta": kl_ctl.beta, **train_stats})
         if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, **row)
-        bar.step(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
+        if cfg.logger.samples and cfg.logger.samples_every and (done % cfg.logger.samples_every == 0 or step == start):
+            metrics.samples(done, "rollout", rollout_samples(exp, cfg.logger.samples))
+        bar.step(reward=reward_line(row, list(exp.score_parts)), kl=f"{row['kl/mean']:.3f}")
         end_of_step(done, train, stop, mesh, checkpoint, evaluate)
     bar.close()
     stop.close()
@@ -390,8 +404,13 @@ def inputs(cfg: Config, mesh: Mesh) -> Tuple[str, List[Path], Optional[Path]]:
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
+    if not ppo.use_reward_model and not ppo.reward_fn and ppo.env in ENV_BUILTINS:
+        raise ConfigError(
+            f"ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold) or "
+            f"an environment that gives rewards (ppo.env=module.Class; the built-in ppo.env={ppo.env} gives none)"
+        )
     if not ppo.use_reward_model and not ppo.reward_fn:
-        raise ConfigError("ppo.use_reward_model=false needs a rule reward: set ppo.reward_fn (e.g. rlhf.rewards.gold)")
+        log.info("ppo: the rewards are ppo.env=%s's alone (no reward model, no ppo.reward_fn)", ppo.env)
     if ppo.critic_path and not gae:
         raise ConfigError(
             f"ppo.critic_path={ppo.critic_path} is set but algorithm.estimator={alg.estimator} "

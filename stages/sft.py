@@ -137,7 +137,7 @@ def run(cfg: Config) -> None:
         )
 
     def evaluate(step: int):
-        results = {}
+        results, kept = {}, []
         if eval_cols is not None:
             results["eval/loss"] = eval_loss(actor, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
         if data.gold is not None:
@@ -145,10 +145,20 @@ def run(cfg: Config) -> None:
             held_out = runner.with_tools(data.eval)
             results.update(
                 evaluate_gold(
-                    hybrid.generate, tokenizer, held_out, data.gold, cfg.eval, mesh, chat, cfg.logger.progress, play
+                    hybrid.generate,
+                    tokenizer,
+                    held_out,
+                    data.gold,
+                    cfg.eval,
+                    mesh,
+                    chat,
+                    cfg.logger.progress,
+                    play,
+                    cfg.logger.samples,
+                    kept,
                 )
             )
-        return log_evaluation(metrics, step, results, actor)
+        return log_evaluation(metrics, step, results, actor, kept)
 
     # ---- loop ----
     log.info(

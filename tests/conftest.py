@@ -129,6 +129,7 @@ def default_sft_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("default") / "run"
     proc = run_cli("stage=sft", f"run.dir={run_dir}", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir.parent / "sft.stderr").write_text(proc.stderr)  # (the console, for the tests that read it)
     return run_dir
 
 

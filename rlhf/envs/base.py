@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -128,7 +129,21 @@ def check_step(result, where: str) -> StepResult:
         float(result.reward)
     except (TypeError, ValueError):
         raise TypeError(f"{where}: step() reward must be a number, got {result.reward!r:.40}") from None
+    check_info(getattr(result, "info", None), where)
     return result
+
+
+def check_info(info, where: str) -> None:
+    """``StepResult.info``: None or {name: number}; each key's sums become the metric ``env/<name>``."""
+    if info is None:
+        return
+    if not isinstance(info, dict):
+        raise TypeError(f"{where}: step() info must be a dict of numbers, got {type(info).__name__}")
+    for k, v in info.items():
+        if not isinstance(k, str) or not k or "/" in k or ":" in k:
+            raise TypeError(f"{where}: step() info key {k!r} must be a name (it becomes the metric env/<name>)")
+        if not isinstance(v, (bool, int, float)) or not math.isfinite(v):
+            raise TypeError(f"{where}: step() info[{k!r}] must be a finite number (summed into env/{k}), got {v!r:.40}")
 
 
 def check(make_env, example: Example, spec: str, key: str = "ppo.env") -> None:

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from tqdm.auto import tqdm
 
@@ -107,12 +107,54 @@ def _status_kb(field: str) -> Optional[int]:
     return None
 
 
+class JsonLines:
+    """A run's JSON-lines record (one object with a ``step`` per line), opened at its first line: a
+    resume from step S keeps the lines up to S (those written after the checkpoint are dropped, so the
+    file describes one consistent run); a fresh run moves an earlier run's file aside to
+    ``<name>.prev``, whole. A rerun that fails before writing leaves the old file in place."""
+
+    def __init__(self, path: Path, resume_step: Optional[int]):
+        self.path, self.resume_step = Path(path), resume_step
+        self._file = None
+
+    @property
+    def opened(self) -> bool:
+        return self._file is not None
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if self.resume_step is None and self.path.is_file() and self.path.stat().st_size:
+            os.replace(self.path, self.path.with_name(self.path.name + ".prev"))
+        if self.resume_step is not None and self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= self.resume_step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue
+        atomic_write_text(self.path, "".join(x + "\n" for x in kept))
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, rec: dict) -> None:
+        if self._file is None:
+            self._open()
+        self._file.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def close(self, touch: bool = False) -> None:
+        """``touch``: a run that wrote nothing still leaves its (empty) file."""
+        if self._file is None and touch:
+            self._open()
+        if self._file is not None:
+            self._file.close()
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (and to wandb and TensorBoard when
-    enabled), each with ``mem/peak_gb``: rank 0's peak memory since the previous line (``PeakMemory``).
-
-    On resume from step S, lines with step > S (written after the checkpoint) are dropped first, so
-    the file always describes one consistent run."""
+    enabled), each with ``mem/peak_gb``: rank 0's peak memory since the previous line (``PeakMemory``);
+    and what the policy wrote (``samples``) to ``samples.jsonl`` beside it, and to wandb and TensorBoard
+    as tables. On resume from step S, lines with step > S are dropped first (``JsonLines``)."""
 
     def __init__(self, path: Path, *, is_main: bool, resume_step: Optional[int], cfg=None, stage: str = ""):
         self.path = Path(path)
@@ -121,8 +163,9 @@ class MetricsWriter:
         self._tensorboard = None
         if not is_main:
             return
+        self._lines = JsonLines(self.path, resume_step)
+        self._samples = JsonLines(self.path.with_name("samples.jsonl"), resume_step)
         self._resume_step = resume_step
-        self._file = None  # opened (and the old file cut back) at the first line of this run
         self._memory = PeakMemory()
         if cfg is not None and cfg.logger.wandb != "disabled":
             self._wandb = _init_wandb(cfg, stage)
@@ -130,55 +173,62 @@ class MetricsWriter:
             self._tensorboard = TensorBoard(
                 Path(cfg.logger.tensorboard_dir or Path(cfg.run.dir) / "tensorboard") / stage
             )
+        self._started = False
 
-    def _open(self) -> None:
-        """Keeps the lines up to the resume step and opens for appending; on a fresh run an earlier
-        run's file becomes metrics.jsonl.prev. Done at the first line this run writes, so a rerun that
-        fails before it leaves the old file in place."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if self._resume_step is None and self.path.is_file() and self.path.stat().st_size:
-            # a fresh run over an earlier one: the earlier metrics move aside, whole, never truncated
-            os.replace(self.path, self.path.with_name(self.path.name + ".prev"))
-        if self._resume_step is not None and self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= self._resume_step:
-                        kept.append(line)
-                except json.JSONDecodeError:
-                    continue
-        atomic_write_text(self.path, "".join(x + "\n" for x in kept))
-        self._file = open(self.path, "a", encoding="utf-8")
-        if self._tensorboard is not None:
-            self._tensorboard.open(self._resume_step)
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            if self._tensorboard is not None:
+                self._tensorboard.open(self._resume_step)
 
     def log(self, step: int, **metrics) -> None:
         if not self.is_main:
             return
-        if self._file is None:
-            self._open()
         rec = {
             "step": int(step),
             **{k: _clean(v) for k, v in metrics.items()},
             "mem/peak_gb": round(self._memory.read(), 4),
         }
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
+        self._lines.write(rec)
+        self._start()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in rec.items() if k != "step"}, step=int(step))
         if self._tensorboard is not None:
             self._tensorboard.log(rec)
 
+    def samples(self, step: int, kind: str, rows: List[dict]) -> None:
+        """Rows of what the policy wrote at ``step`` (``kind``: ``eval``, ``eval_greedy``, ``rollout``),
+        each a dict of prompt, response and their figures, to samples.jsonl and the loggers' tables."""
+        if not self.is_main or not rows:
+            return
+        for row in rows:
+            self._samples.write({"step": int(step), "kind": kind, **{k: _clean(v) for k, v in row.items()}})
+        self._start()
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        table = [[_cell(row.get(c)) for c in columns] for row in rows]
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({f"samples/{kind}": wandb.Table(columns=columns, data=table)}, step=int(step))
+        if self._tensorboard is not None:
+            self._tensorboard.text(f"samples/{kind}", columns, table, step)
+
     def close(self) -> None:
         if not self.is_main:
             return
-        if self._file is None:  # a run that logged nothing still leaves its (empty) file
-            self._open()
-        self._file.close()
+        self._lines.close(touch=True)
+        self._samples.close()
         if self._wandb is not None:
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _cell(v):
+    """A table cell: numbers and text as they are, anything else (reward parts) as compact JSON."""
+    if v is None or isinstance(v, (str, int, float)):
+        return _clean(v)
+    return json.dumps(v, ensure_ascii=False)
 
 
 class TensorBoard:
@@ -208,6 +258,17 @@ class TensorBoard:
             if key == "step" or not (value is None or isinstance(value, (int, float))):
                 continue
             self._writer.add_scalar(key, math.nan if value is None else float(value), step)
+        self._writer.flush()
+
+    def text(self, tag: str, columns: List[str], table: List[list], step: int) -> None:
+        """A table as TensorBoard text (Markdown), under ``tag`` at ``step``."""
+
+        def cell(v) -> str:
+            return str(v).replace("|", "\\|").replace("\n", "<br>")
+
+        lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table]
+        self._writer.add_text(tag, "\n".join(lines), step)
         self._writer.flush()
 
     def close(self) -> None:

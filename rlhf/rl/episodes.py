@@ -41,6 +41,7 @@ from rlhf.ops.sampling import prompt_major
 
 Generate = Callable[[List[List[int]], SamplingParams, Optional[List[int]]], Generation]  # HybridEngine.generate
 STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_limits", "used_tools", "failed", "truncated")
+INFO = "info:"  # Episodes.stats key prefix of an environment's own ``StepResult.info`` keys (metrics env/<key>)
 
 
 @dataclass
@@ -333,7 +334,7 @@ class EpisodeRunner:
             if err is not None:
                 self._fail(r, f"step: {err}")
                 continue
-            for k, v in (getattr(res, "info", None) or {}).items():
+            for k, v in (getattr(res, "info", None) or {}).items():  # numbers (check_step)
                 r.counts[k] = r.counts.get(k, 0.0) + float(v)
             if float(res.reward):
                 r.rewards.append((len(r.tokens) - 1, float(res.reward)))
@@ -416,6 +417,8 @@ class EpisodeRunner:
                     turn_rewards[i, pos] += v
             turn_rewards = turn_rewards.to(device)
         stats = {k: sum(r.counts.get(k, 0.0) for r in rows) for k in STAT_KEYS}
+        own = sorted({k for r in rows for k in r.counts} - set(STAT_KEYS))  # the environment's own info keys
+        stats.update({INFO + k: sum(r.counts.get(k, 0.0) for r in rows) for k in own})
         stats["used_tools"] = float(sum(r.counts.get("tool_calls", 0.0) > 0 for r in rows))
         policy_tokens = float(gen.response_mask.sum())
         stats.update(

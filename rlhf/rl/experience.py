@@ -70,6 +70,8 @@ class Experience:
     # name -> [B]: figures of each row logged beside the rewards, never part of them (a reward-model
     # ensemble's members' mean and disagreement, the share of its members clipped)
     watch: Dict[str, torch.Tensor] = field(default_factory=dict)
+    texts: List[str] = field(default_factory=list)  # each row's (last) response, decoded (samples.jsonl)
+    examples: List[Example] = field(default_factory=list)  # each row's record
 
     @property
     def rows(self) -> int:
@@ -429,6 +431,8 @@ class Collector:
             env_stats=merge_stats(self._env_stats),
             turn_rewards=ro.ep.turn_rewards,
             watch=ro.watch,
+            texts=ro.ep.texts,
+            examples=ro.examples,
         )
 
     def dynamic_sampling(

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List
 
 from rlhf.algorithms import ppo as ppo_math
 from rlhf.engine.mesh import Mesh
+from rlhf.rl.episodes import INFO
 from rlhf.rl.experience import Experience
 
 
@@ -52,9 +53,15 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
 def episode_metrics(stats: Dict[str, float], mesh: Mesh) -> Dict[str, float]:
     """Per episode, over every rank: turns, tool calls and their errors / timeouts / limits, the
     share that used a tool, failed or were cut, tokens by source; and the environment's seconds."""
-    total = {k: mesh.sum(v) for k, v in sorted(stats.items())}
+    keys = sorted(stats)
+    if mesh.distributed:  # an environment's own keys: the ranks' rows may not all have had them
+        keys = sorted({k for part in mesh.all_gather_object(keys) for k in part})
+    total = {k: mesh.sum(stats.get(k, 0.0)) for k in keys}
     n = max(total["rows"], 1.0)
     out = {f"env/{k}": total[k] / n for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_limits")}
+    for k in keys:
+        if k.startswith(INFO):  # the environment's own info keys, per episode
+            out.setdefault(f"env/{k[len(INFO) :]}", total[k] / n)
     out["env/tool_use"] = total["used_tools"] / n
     out["env/failed"] = total["failed"] / n
     out["env/truncated"] = total["truncated"] / n
@@ -72,3 +79,33 @@ def global_corr(x, y, mesh: Mesh) -> float:
     if vx > 1e-12 and vy > 1e-12:
         return cov / (vx * vy) ** 0.5
     return 0.0
+
+
+def rollout_samples(exp: Experience, n: int) -> List[dict]:
+    """This rank's first ``n`` rollouts of a step for samples.jsonl: prompt, response, the reward and
+    its parts, the advantage (mean over the response's tokens), the gold score and reference where the
+    data has them."""
+    rows = []
+    for i in range(min(n, len(exp.texts), len(exp.examples))):
+        e, m = exp.examples[i], exp.mask[i]
+        row = {
+            "prompt": e.prompt,
+            "response": exp.texts[i],
+            "reward": float(exp.scores[i]),
+            "parts": {k: float(v[i]) for k, v in exp.score_parts.items()},
+            "advantage": float((exp.advantages[i] * m).sum() / m.sum().clamp(min=1.0)),
+            "tokens": int(m.sum()),
+        }
+        if exp.gold is not None:
+            row["gold"], row["reference"] = float(exp.gold[i]), e.reference
+        rows.append(row)
+    return rows
+
+
+def reward_line(row: Dict[str, float], parts: List[str]) -> str:
+    """The progress line's reward: its mean, and what it is made of where it has several parts
+    (``-0.844 (rule 0.125, overlong -0.969)``)."""
+    mean = f"{row['reward/mean']:.3f}"
+    if len(parts) < 2:
+        return mean
+    return mean + " (" + ", ".join(f"{p} {row[f'reward/{p}']:.3f}" for p in parts) + ")"

@@ -41,6 +41,8 @@ def evaluate_gold(
     chat: Optional[str] = None,
     show_progress: bool = True,
     play: Optional[Callable] = None,
+    show: int = 0,
+    kept: Optional[List[dict]] = None,
 ) -> dict:
     """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params, keys)``
     is a hybrid engine's (every rank calls it with its share of the prompts, keyed by their indices:
@@ -50,7 +52,8 @@ def evaluate_gold(
     the share of episodes that called a tool.
     ``chat``: the chat template the prompts go through (``chat.resolve_template``), as in training.
     ``show_progress``: ``logger.progress`` (a bar in a terminal, else a status line every 30 s).
-    ``eval.gold_prompts=0``: nothing (said once), ``{}``."""
+    ``show``: the responses to the first ``show`` prompts (each mode's first sample), appended to
+    ``kept`` on every rank (``show_samples``). ``eval.gold_prompts=0``: nothing (said once), ``{}``."""
     if ecfg.gold_prompts == 0:
         if "off" not in _said:
             _said.add("off")
@@ -86,6 +89,8 @@ def evaluate_gold(
     tool_use = play is not None  # episodes: how often they call a tool
     if play is None:
         play = decoded(generate, tokenizer)
+    mine: List[dict] = []  # this rank's rows of the first `shown` prompts
+    shown = show if kept is not None else 0
     for key, temperature, samples in modes:
         total, count, used = 0.0, 0, 0.0
         for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):  # collective calls
@@ -97,7 +102,22 @@ def evaluate_gold(
             )
             texts, stats = play([encoded[i] for i in ix], [examples[i] for i in ix], sp, ix)
             refs = [examples[i].reference for i in ix for _ in range(samples)]
-            total += sum(scorer(t, r) for t, r in zip(texts, refs))
+            scores = [scorer(t, r) for t, r in zip(texts, refs)]
+            total += sum(scores)
+            for j, i in enumerate(ix):
+                if i < shown:
+                    kind = "eval" if key == "gold/score" else "eval_greedy"
+                    e, k = examples[i], j * samples
+                    mine.append(
+                        {
+                            "kind": kind,
+                            "index": i,
+                            "prompt": e.prompt,
+                            "response": texts[k],
+                            "gold": scores[k],
+                            "reference": e.reference,
+                        }
+                    )
             count += len(texts)
             used += stats.get("used_tools", 0.0)
             bar.step(n=sizes[b] * samples)
@@ -105,6 +125,9 @@ def evaluate_gold(
         if tool_use:
             results[key.replace("score", "tool_use")] = mesh.sum(used) / max(mesh.sum(count), 1)
     bar.close()
+    if shown:
+        rows = [r for part in mesh.all_gather_object(mine) for r in part]
+        kept.extend(sorted(rows, key=lambda r: (r["kind"], r["index"])))
     return results
 
 

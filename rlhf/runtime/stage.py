@@ -10,7 +10,7 @@ import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -367,11 +367,42 @@ def end_of_step(
     interrupt.stop_here(stop, mesh, done, save_on_stop)
 
 
-def log_evaluation(metrics: MetricsWriter, step: int, results: dict, engine) -> dict:
+def show_samples(metrics, step: int, rows: List[dict]) -> None:
+    """``evaluate_gold``'s kept rows (or rollouts') to samples.jsonl and the loggers' tables by kind, and the
+    first held-out one on the console."""
+    kinds: Dict[str, List[dict]] = {}
+    for r in rows:
+        kinds.setdefault(r["kind"], []).append({k: v for k, v in r.items() if k != "kind"})
+    for kind, part in kinds.items():
+        metrics.samples(step, kind, part)
+    first = (kinds.get("eval") or kinds.get("eval_greedy") or [None])[0]
+    if first is not None:
+        log.info(
+            "step %d sample (held-out prompt %d, %s): %s → %s (gold %g)",
+            step,
+            first["index"],
+            "sampled" if kinds.get("eval") else "greedy",
+            short(first["prompt"]),
+            short(first["response"]),
+            first["gold"],
+        )
+
+
+def short(text: str, limit: int = 160) -> str:
+    """``text`` on one line (JSON-quoted, so that newlines and spaces show), cut to ``limit`` characters."""
+    import json
+
+    quoted = json.dumps(text, ensure_ascii=False)
+    return quoted if len(quoted) <= limit else quoted[: limit - 4] + '…"'
+
+
+def log_evaluation(metrics: MetricsWriter, step: int, results: dict, engine, kept: Optional[List[dict]] = None) -> dict:
     """Logs a mid-run or final evaluation (metrics.jsonl and one console line) and puts the engine back
-    in training mode (evaluation left it in eval mode); returns ``results``."""
+    in training mode (evaluation left it in eval mode); returns ``results``. ``kept``: the responses
+    ``evaluate_gold`` kept (``show_samples``)."""
     metrics.log(step, **results)
     log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
+    show_samples(metrics, step, kept or [])
     engine.train()
     return results
 

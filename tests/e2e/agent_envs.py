@@ -11,7 +11,11 @@ class Echo(Environment):
         self.reply = reply
 
     def step(self, text):
-        return StepResult(messages=[{"role": "tool", "content": self.reply}], reward=0.01 * len(text))
+        return StepResult(
+            messages=[{"role": "tool", "content": self.reply}],
+            reward=0.01 * len(text),
+            info={"echoes": 1, "long_turns": len(text) > 8},  # its own counts: metrics env/echoes, env/long_turns
+        )
 
 
 class Flaky(Environment):
@@ -24,3 +28,12 @@ class Flaky(Environment):
 class NoStep:
     def reset(self, example):
         return None
+
+
+class BadInfo(Echo):
+    """Its info holds a string where a number belongs."""
+
+    def step(self, text):
+        res = super().step(text)
+        res.info = {"verdict": "solved"}
+        return res

@@ -31,7 +31,8 @@ def metrics(run_dir):
 
 
 def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # noqa: F811
-    env = ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3", "ppo.reward_fn=rlhf.rewards.gold", template)
+    # the environment's rewards alone (no reward model, no rule): it gives them
+    env = ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3", template)
     proc = run_cli(
         *grpo(tmp_path, actor, *env),
         timeout=300,
@@ -40,9 +41,11 @@ def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # 
     (row,) = [m for m in metrics(tmp_path / "run") if "env/turns" in m]
     # a random model rarely stops within 4 tokens: turns end at max_new_tokens (cut) or go on for 3
     assert 1 <= row["env/turns"] <= 3 and row["tokens/policy"] > 0
-    assert row["env/failed"] == 0 and "reward/env" in row
-    if row["env/turns"] > 1:
+    assert row["env/failed"] == 0 and "reward/env" in row and "reward/rule" not in row
+    assert "the rewards are ppo.env=tests.e2e.agent_envs.Echo's alone" in proc.stderr
+    if row["env/turns"] > 1:  # the environment answered: its own info keys are metrics
         assert row["tokens/observation"] > 0
+        assert 0 < row["env/echoes"] <= row["env/turns"] and 0 <= row["env/long_turns"] <= row["env/echoes"]
 
 
 @pytest.mark.parametrize(

@@ -80,6 +80,14 @@ def test_grpo_with_rule_reward_raises_gold(default_sft_run, tmp_path):
     )
     assert gold[-1] >= gold[0] + GAIN["grpo"], gold
     assert not (tmp_path / "ppo" / "critic").exists()
+    # the first 4 rollouts at steps 1, 10, 20, 30 (logger.samples_every=10), with their reward's parts
+    samples = [json.loads(x) for x in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
+    rollouts = [s for s in samples if s["kind"] == "rollout"]
+    assert [s["step"] for s in rollouts] == [k for k in (1, 10, 20, 30) for _ in range(4)]
+    for s in rollouts:
+        assert set(s["parts"]) == {"rule"} and s["reward"] == pytest.approx(sum(s["parts"].values()))
+        assert s["gold"] in (0.0, 1.0) and s["tokens"] > 0 and s["prompt"] and "advantage" in s
+    assert {s["step"] for s in samples if s["kind"] == "eval"} == {0, 30}
 
 
 def short_learning_run(sft_run, run_dir, *extra):

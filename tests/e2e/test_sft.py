@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from rlhf.data.synthetic import gold_score as gold
 from tests.conftest import ENV, ROOT, quick_sft_args, run_cli, tree_digest
 
 
@@ -37,6 +38,16 @@ def test_default_sft_run(default_sft_run):
     assert final["gold/score_greedy"] >= 0.8 and 0.25 <= final["gold/score"] <= 0.7, final
     assert "eval/loss" in final
     assert list((out / "checkpoints").iterdir()), "checkpoints are written by default"
+    # what the policy writes, while it trains: the first 4 held-out prompts at every evaluation, sampled
+    # and greedy, each scored by the gold rule; one shown on the console
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    last = [s for s in samples if s["step"] == final["step"]]
+    assert sorted((s["kind"], s["index"]) for s in last) == [(k, i) for k in ("eval", "eval_greedy") for i in range(4)]
+    assert {s["step"] for s in samples} == {r["step"] for r in rows if "gold/score" in r}
+    for s in last:
+        assert "What is" in s["prompt"] and s["gold"] == gold(s["response"], s["reference"]), s
+    console = (default_sft_run.parent / "sft.stderr").read_text()
+    assert f"step {final['step']} sample (held-out prompt 0, sampled): " in console
 
 
 def _weights(model_dir):

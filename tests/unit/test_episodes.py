@@ -18,6 +18,7 @@ from rlhf.envs.base import StepResult
 from rlhf.errors import ConfigError
 from rlhf.ops import SamplingParams
 from rlhf.rl.episodes import EpisodeRunner, ObservationEncoder, parallel
+from rlhf.rl.metrics import episode_metrics
 from tests.infer_helpers import BOS, PAD, mixed_prompts, tiny_model
 
 VOCAB = 97
@@ -252,3 +253,38 @@ def test_turn_rewards_count_where_they_were_earned():
     assert ret[0].tolist() == [1.5, 1.5, 0, 0, 1.0, 1.0, 0]
     adv, _ = advantages(alg, scores, kl, None, mask, 1, 0.0, None, turn)
     assert adv[0, 0] > adv[0, 4]  # whitened, still ordered: the first turn's tokens earned more
+
+
+class Counting(Chatty):
+    """Chatty with counts of its own in ``info``."""
+
+    def step(self, text):
+        res = super().step(text)
+        res.info = {"echoes": 1, "solved": text.endswith("6"), "score_sum": 0.25}
+        return res
+
+
+class BadInfo(Chatty):
+    def step(self, text):
+        res = super().step(text)
+        res.info = {"verdict": "solved"}
+        return res
+
+
+def test_an_environments_own_info_keys_become_env_metrics():
+    tok = CharTok(2)
+    ep = runner(tok, Counting, max_turns=3, max_tokens=200).run(
+        FakeGen(2), [[BOS, 7], [BOS, 8]], [None, None], SamplingParams(max_new_tokens=4, samples_per_prompt=2)
+    )
+    # 4 episodes × 3 turns: step() answers the first two turns of each (the third is the last turn)
+    assert ep.stats["turns"] == 12
+    got = episode_metrics(ep.stats, Mesh())
+    assert got["env/echoes"] == 3.0 and got["env/score_sum"] == 0.75 and got["env/solved"] == 0.0
+    assert got["env/turns"] == 3.0 and "env/rows" not in got
+
+
+def test_an_info_value_that_is_no_number_fails_the_episode_naming_it():
+    tok = CharTok(2)
+    ep = runner(tok, BadInfo).run(FakeGen(2), [[BOS, 7]], [None], SamplingParams(max_new_tokens=4))
+    assert ep.failed.all()
+    assert "step() info['verdict'] must be a finite number (summed into env/verdict), got 'solved'" in ep.errors[0]

@@ -110,3 +110,23 @@ def test_missing_package_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match=r"logger.tensorboard=true needs the tensorboard package.*pip install"):
         LoggerConfig(tensorboard=True)
     LoggerConfig(tensorboard=False)  # (only asked for)
+
+
+def test_samples_as_a_text_table(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    w = MetricsWriter(
+        tmp_path / "ppo" / "metrics.jsonl", is_main=True, resume_step=None, cfg=cfg(tmp_path), stage="ppo"
+    )
+    w.samples(10, "rollout", [{"prompt": "What is 2 + 2?", "response": "4|x\nz", "parts": {"rule": 1.0}}])
+    w.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "ppo"), size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors("samples/rollout/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 10
+    assert text.splitlines() == [
+        "| prompt | response | parts |",
+        "| --- | --- | --- |",
+        '| What is 2 + 2? | 4\\|x<br>z | {"rule": 1.0} |',
+    ]
