@@ -59,7 +59,7 @@ def render(run_dir: Path) -> bytes:
     import matplotlib.pyplot as plt  # after figure(): the Agg backend is chosen there
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
+    fig.savefig(buf, format="png", dpi=100)  # 8-point legends legible at 100%
     plt.close(fig)
     return buf.getvalue()
 
@@ -80,7 +80,6 @@ def figure(run_dir: Path):
     grid = fig.add_gridspec(rows, 4)
     axes = [[fig.add_subplot(grid[r, c]) for c in range(3)] for r in range(rows)]
     (a_sft, a_rm, a_gold), (a_rew, a_kl, a_time) = axes[:2]
-    a_mem = fig.add_subplot(grid[:2, 3])  # every stage: beside the first two rows
 
     a_sft.set_title("SFT loss")
     _plot(a_sft, sft, "loss", "train")
@@ -147,14 +146,27 @@ def figure(run_dir: Path):
         ("time/env_s", "environment"),
     ):
         _plot(a_time, ppo, key, label)
-    a_mem.set_title("Peak memory of rank 0 since the previous logged step (GiB)")
-    peaks = [max(series[s]["mem/peak_gb"][1]) for s in stages if _plot(a_mem, series[s], "mem/peak_gb", s, marker=".")]
-    if peaks:
-        a_mem.set_ylim(0, 1.1 * max(peaks))
+    # peak memory beside the first two rows: one panel per stage that logged it, each on its own steps
+    mem_stages = [st for st in stages if "mem/peak_gb" in series[st]] or [None]
+    cells = grid[:2, 3].subgridspec(len(mem_stages), 1, hspace=0.7)
+    mem_axes = []
+    for i, st in enumerate(mem_stages):
+        ax = fig.add_subplot(cells[i, 0])
+        mem_axes.append(ax)
+        if st is None:
+            ax.set_title("Peak memory of rank 0")
+            continue
+        _plot(ax, series[st], "mem/peak_gb", st, marker=".")
+        ax.set_title(f"{st}: peak memory of rank 0 by step", fontsize=10)
+        ax.set_ylabel("GiB")
+        ax.set_ylim(0, 1.1 * max(series[st]["mem/peak_gb"][1]))
     if dpo:
         _dpo_row(axes[2], dpo)
 
-    for ax in [ax for row in axes for ax in row] + [a_mem]:  # not the twin axes (their legends are set)
+    for ax in [ax for row in axes for ax in row] + mem_axes:  # not the twin axes (their legends are set)
+        if ax in mem_axes and ax.lines:  # the title names the stage and the axis
+            ax.grid(alpha=0.3)
+            continue
         ax.set_xlabel("step")
         if ax is a_rew and "reward/gold_corr" in ppo:
             continue  # its lines are in the twin axis's legend

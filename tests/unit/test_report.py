@@ -51,7 +51,7 @@ def test_summary_has_the_contract_keys_and_last_values(tmp_path, capsys):
     assert s["seconds"] == {"sft": 1.5, "reward": 2.0, "ppo": 3.0, "total": 6.5}
     out = capsys.readouterr().out
     assert "gold/score" in out and "report.png" in out
-    assert _png_size((run / "report.png").read_bytes()) == (1600, 640)  # a fourth column: peak memory
+    assert _png_size((run / "report.png").read_bytes()) == (2000, 800)  # a fourth column: peak memory
 
 
 def test_report_draws_the_curves(tmp_path):
@@ -103,7 +103,7 @@ def test_dpo_stage_in_summary_and_report(tmp_path, capsys):
         "eval/rewards/margin": 2.0,
     }
     assert "dpo" in capsys.readouterr().out
-    assert _png_size((run / "report.png").read_bytes()) == (1600, 960)  # a third row: the DPO curves
+    assert _png_size((run / "report.png").read_bytes()) == (2000, 1200)  # a third row: the DPO curves
 
 
 def test_report_draws_the_ensemble_disagreement_and_the_gate(tmp_path):
@@ -117,3 +117,22 @@ def test_report_draws_the_ensemble_disagreement_and_the_gate(tmp_path):
     assert len(kl) == 1
     labels = [ln.get_label() for ax in fig.axes for ln in ax.lines]
     assert "ensemble disagreement (std)" in labels and "the gate stopped the run" in labels
+
+
+def test_memory_has_a_panel_per_stage_each_on_its_own_steps_and_every_title_fits(tmp_path):
+    run = _run(tmp_path)
+    for stage, steps in (("sft", 3000), ("reward", 1500), ("ppo", 80)):
+        rows = [{"step": s, "mem/peak_gb": 0.5} for s in range(1, steps + 1, max(1, steps // 50))]
+        path = run / stage / "metrics.jsonl"
+        path.write_text(path.read_text().rsplit("\n", 1)[0] + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    fig = report.figure(run)
+    fig.canvas.draw()
+    panels = {ax.get_title().split(":")[0]: ax for ax in fig.axes if "peak memory" in ax.get_title()}
+    assert set(panels) == {"sft", "reward", "ppo"}
+    assert panels["ppo"].get_xlim()[1] < 100 < panels["sft"].get_xlim()[1]
+    assert all(ax.get_ylabel() == "GiB" for ax in panels.values())
+    box = fig.bbox
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        t = ax.title.get_window_extent(renderer)
+        assert box.x0 <= t.x0 and t.x1 <= box.x1 and t.y1 <= box.y1, ax.get_title()
