@@ -29,14 +29,15 @@ Hydra overrides, e.g. run.dir=runs/x train.max_steps=100 engine.zero_stage=3 dat
 Config groups and keys: see docs/contract.md and rlhf/config.py."""
 
 
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = 2, kind: str = "error: ") -> None:
+    """One line on stderr (``rlhf: error: ...``; a stop by a signal: ``rlhf: stopped by ...``), exit ``code``."""
     from rlhf.errors import one_line
     from rlhf.launcher.watchdog import hold_termination, write_error_file
 
     printed = int(os.environ.get("RANK", "0")) == 0  # every rank sees the same error: print it once
     hold_termination()
     if printed:
-        print(f"rlhf: error: {one_line(msg)}", file=sys.stderr, flush=True)
+        print(f"rlhf: {kind}{one_line(msg)}", file=sys.stderr, flush=True)
     write_error_file(one_line(msg), printed)  # under a launcher: the root cause it reports
     sys.exit(code)
 
@@ -71,15 +72,25 @@ def main(argv: list[str] | None = None) -> None:
 
     import importlib
 
+    from rlhf.launcher.interrupt import Interrupted
+    from rlhf.outputs.log import keep_writing
+
+    keep_writing()  # a console reader that goes away (| tee, then Ctrl-C) does not end the run
     stage = importlib.import_module(f"stages.{cfg.stage}")
     try:
         stage.run(cfg)
-    except UserError as e:
-        _fail(str(e), code=getattr(e, "exit_code", 2))  # rlhf.launcher.interrupt.Interrupted: 130 / 143
+    except Interrupted as e:  # the stop a signal asked for, its checkpoint saved: 130 / 143
+        _fail(str(e), code=e.exit_code, kind="")
     except SaveError as e:  # disk full or I/O error while saving: 4, the line says where a rerun resumes
         _fail(str(e), code=e.exit_code)
-    except KeyboardInterrupt:
-        _fail("interrupted", code=130)
+    except UserError as e:
+        _fail(str(e), code=getattr(e, "exit_code", 2))
+    except KeyboardInterrupt:  # before the stop handler listens, or a second Ctrl-C: no checkpoint here
+        _fail(
+            "interrupted; the last checkpoint saved stands (rerun the same command to resume from it)",
+            code=130,
+            kind="",
+        )
     except Exception as e:
         # A peer that died or stopped answering: one clear line and exit code 3, not a traceback
         # from deep inside FSDP (rlhf/launcher/watchdog.py). Anything else is a bug and keeps its traceback.

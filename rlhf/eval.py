@@ -208,7 +208,7 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
         from rlhf.envs.builtin import environment
 
         env = environment(cfg.ppo)
-    data = load_stage_data(cfg.data, "sft", cfg.run.seed)  # the held-out records are every stage's
+    data = load_stage_data(cfg.data, cfg.stage, cfg.run.seed)  # the held-out records as the policy's stage read them
     if data.gold is None:
         raise ConfigError(
             f"data ({data.description}) has no gold scorer (there is one for data.format="

@@ -3,6 +3,7 @@ others no-op."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -10,6 +11,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
@@ -23,12 +25,79 @@ log = logging.getLogger("rlhf")
 
 
 def setup_console(rank: int) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
+    """The log on stderr: rank 0 says everything; other ranks only errors (every rank sees the same
+    configuration and data, so their lines and warnings would repeat rank 0's). Hugging Face's own
+    progress bars ("Loading weights", "Writing model shards") stay out of the log: the stages report
+    their own progress."""
+    level = logging.INFO if rank == 0 else logging.ERROR
     logging.basicConfig(
         level=level, format="[%(asctime)s rlhf] %(message)s", datefmt="%H:%M:%S", stream=sys.stderr, force=True
     )
     for noisy in ("httpx", "urllib3", "datasets", "torch.distributed", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    if rank != 0:
+        warnings.simplefilter("ignore")
+    quiet_hf_progress()
+
+
+def quiet_hf_progress() -> None:
+    """No Hugging Face progress bars (transformers' and huggingface_hub's), in this process and its children."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as hf_logging
+
+        disable_progress_bars()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+class KeepWriting(io.TextIOBase):
+    """A console stream whose reader may vanish: ``python -m rlhf ... 2>&1 | tee log`` and Ctrl-C ends
+    ``tee`` too, and the next write would raise BrokenPipeError from inside a training step (a traceback,
+    exit 1, the stop's checkpoint and message lost). Once the pipe is gone, writes go nowhere and the
+    run finishes its stop as it would with a terminal."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text):
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ConnectionResetError):
+                self._gone = True
+        return len(text)
+
+    def flush(self):
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                self._gone = True
+
+    def isatty(self):
+        return not self._gone and self._stream.isatty()
+
+    def fileno(self):
+        return self._stream.fileno()
+
+    def writable(self):
+        return True
+
+    @property
+    def encoding(self):
+        return self._stream.encoding
+
+
+def keep_writing() -> None:
+    """sys.stdout and sys.stderr as ``KeepWriting`` streams (once per process)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, KeepWriting):
+            setattr(sys, name, KeepWriting(stream))
 
 
 def _clean(v):

@@ -151,27 +151,40 @@ def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):
     assert proc.returncode == 2 and "run.resume=step_00000099: not a complete checkpoint" in proc.stderr
 
 
-def _stop_when_logging(cmd, metrics, sig, lines=3, timeout=300):
-    """Starts ``cmd``, sends ``sig`` once ``metrics`` has ``lines`` lines, returns (exit code, stderr)."""
-    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _stop_when_logging(cmd, metrics, sig, lines=3, timeout=300, reader_leaves=False):
+    """Starts ``cmd``, sends ``sig`` once ``metrics`` has ``lines`` lines, returns (exit code, stderr).
+    ``reader_leaves``: the console's reader closes its end first (``| tee log`` and Ctrl-C: tee ends too)."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout
     while time.time() < deadline and p.poll() is None:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= lines:
             break
         time.sleep(0.05)
+    if reader_leaves:
+        p.stdout.close()
+        p.send_signal(sig)
+        return p.wait(timeout=timeout), ""
     p.send_signal(sig)
-    _, err = p.communicate(timeout=timeout)
-    return p.returncode, err
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
 
 
-def test_sigint_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path):
+@pytest.mark.parametrize("reader_leaves", [False, True], ids=["console", "console_reader_gone"])
+def test_sigint_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path, reader_leaves):
     args = [*quick_sft_args(tmp_path, steps=5000), "train.save_every=0", "train.log_every=1"]
     code, err = _stop_when_logging(
-        [sys.executable, "-m", "rlhf", *args], tmp_path / "sft" / "metrics.jsonl", signal.SIGINT
+        [sys.executable, "-m", "rlhf", *args],
+        tmp_path / "sft" / "metrics.jsonl",
+        signal.SIGINT,
+        reader_leaves=reader_leaves,
     )
     assert code == 130, err[-2000:]
-    line = [x for x in err.splitlines() if x.startswith("rlhf: error:")][-1]
-    assert "stopped by SIGINT after step" in line and "rerun the same command to resume" in line
+    if reader_leaves:  # nobody reads the line: the checkpoint it would name is there
+        (ckpt,) = (tmp_path / "sft" / "checkpoints").iterdir()
+        assert ckpt.name.startswith("step_") and (ckpt / "trainer_state.json").is_file()
+        return
+    line = [x for x in err.splitlines() if x.startswith("rlhf: ")][-1]
+    assert line.startswith("rlhf: stopped by SIGINT after step") and "rerun the same command to resume" in line
     step = int(line.split("after step ")[1].split(";")[0])
     assert (tmp_path / "sft" / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").is_file()
     proc = run_cli(*quick_sft_args(tmp_path, steps=step + 2), "train.save_every=0")
