@@ -125,6 +125,24 @@ def load_policy(path: str, device: str = "auto", dtype: str = "auto", trust_remo
     return HybridEngine(policy, tokenizer, ecfg), tokenizer, mesh
 
 
+def prompt_limit(args, config) -> Optional[int]:
+    """--max-prompt-len, or by default what a learned position table leaves beside the new tokens
+    (a ConfigError, one line, where it leaves nothing); None: no limit."""
+    from rlhf.errors import ConfigError
+    from rlhf.models.policies import position_table
+
+    table = position_table(config)
+    if not table:
+        return args.max_prompt_len
+    room = table - args.max_new_tokens
+    if room <= 0:
+        raise ConfigError(
+            f"--max-new-tokens={args.max_new_tokens}: the model's position table holds {table} positions, "
+            f"no room for a prompt (give fewer new tokens)"
+        )
+    return min(args.max_prompt_len or room, room)
+
+
 def read_prompts(path: str) -> List[object]:
     """Prompts of ``--file``: strings, or lists of turns (JSON records), in file order."""
     from rlhf.data.records import iter_raw_records, turns_of
@@ -335,6 +353,12 @@ def main(argv=None) -> None:
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--max-prompt-len",
+        type=int,
+        help="a longer prompt keeps its last this many tokens (as training's data.max_prompt_len); default: "
+        "what a learned position table (GPT-2, OPT) leaves beside --max-new-tokens, else no limit",
+    )
     ap.add_argument("--n", type=int, default=1, help="samples per prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
@@ -373,6 +397,7 @@ def main(argv=None) -> None:
             ("--n", args.n > 0, "a positive integer"),
             ("--batch-size", args.batch_size > 0, "a positive integer"),
             ("--max-turns", args.max_turns is None or args.max_turns > 0, "a positive integer"),
+            ("--max-prompt-len", args.max_prompt_len is None or args.max_prompt_len > 0, "a positive integer"),
         ):
             if not ok:
                 raise ConfigError(f"{key}={getattr(args, key[2:].replace('-', '_'))} is invalid: expected {expected}")
@@ -413,7 +438,15 @@ def main(argv=None) -> None:
         if runner is not None:
             episodes = play_episodes(hybrid, runner, tokenizer, examples, sp, args.batch_size)
         else:
-            ids = encode_prompts(examples, tokenizer, template)
+            full = encode_prompts(examples, tokenizer, template)
+            limit = prompt_limit(args, hybrid.model_config)
+            ids = encode_prompts(examples, tokenizer, template, limit)
+            cut = sum(len(a) != len(b) for a, b in zip(full, ids))
+            if cut:
+                print(
+                    f"{PROG}: {cut} prompt(s) longer than {limit} tokens keep their last {limit} (--max-prompt-len)",
+                    file=sys.stderr,
+                )
             results = generate(hybrid, tokenizer, ids, sp, args.batch_size)
     except (UserError, OSError) as e:
         print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)

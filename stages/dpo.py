@@ -68,7 +68,7 @@ def run(cfg: Config) -> None:
     data = load_stage_data(data_cfg, "dpo", cfg.run.seed)
     require_pairs(data, data_cfg.format, "dpo")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
-    chat = resolve_template(tokenizer, data_cfg.chat_template)
+    chat = resolve_template(tokenizer, data_cfg.chat_template, records=data.train)
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
     # the reward stage's cache kinds: the same pairs tokenize once for both stages
     train_cols = cached(

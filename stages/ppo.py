@@ -143,7 +143,9 @@ def run(cfg: Config) -> None:
     for key, src in [("ppo.reward_model_path", r) for r in rm_srcs] + [("ppo.critic_path", critic_src)]:
         if src is not None:  # the reward model and critic read the actor's token ids
             loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
-    chat = resolve_template(tokenizer, cfg.data.chat_template)  # as in SFT: prompts through the chat template
+    chat = resolve_template(
+        tokenizer, cfg.data.chat_template, records=data.train
+    )  # as in SFT: prompts through the chat template
     runner = EpisodeRunner.of(ppo, env, tokenizer, chat, mesh)  # (refuses a template that drops observations)
     data.train, data.eval = runner.with_tools(data.train), runner.with_tools(data.eval)
     prompt_ids = tokenize_prompts(

@@ -72,7 +72,7 @@ def run(cfg: Config) -> None:
     lens = dict(
         max_prompt=data_cfg.max_prompt_len,
         max_response=data_cfg.max_response_len,
-        chat=resolve_template(tokenizer, data_cfg.chat_template),
+        chat=resolve_template(tokenizer, data_cfg.chat_template, records=data.train),
     )
     train_cols = cached(
         "pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_pairs(data.train, tokenizer, **lens)

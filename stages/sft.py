@@ -82,7 +82,9 @@ def run(cfg: Config) -> None:
             corpus = text_corpus(data.train)
         tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
         model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
-    chat = resolve_template(tokenizer, data_cfg.chat_template)  # data.chat_template (a file's is exported too)
+    chat = resolve_template(
+        tokenizer, data_cfg.chat_template, records=data.train
+    )  # data.chat_template (a file's is exported too)
     runner = EpisodeRunner.of(cfg.ppo, env, tokenizer, chat, mesh)
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
     train_cols = cached(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -44,6 +45,8 @@ FALLBACK_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}"
 )
 
+log = logging.getLogger("rlhf")
+
 _PROBE = [
     {"role": "user", "content": "Hello?"},
     {"role": "assistant", "content": "Hi."},
@@ -58,15 +61,24 @@ def _template_text(tokenizer) -> Optional[str]:
     return t or None
 
 
-def resolve_template(tokenizer, setting: str, key: str = "data.chat_template") -> Optional[str]:
+def resolve_template(tokenizer, setting: str, key: str = "data.chat_template", records: Sequence = ()) -> Optional[str]:
     """The template text ``setting`` (auto | none | a file) stands for with this tokenizer, or None
     (no template). A file's template is set on the tokenizer (it is saved with the exported model);
-    a template that does not render a conversation is a ConfigError."""
+    a template that does not render a conversation is a ConfigError. ``records``: the stage's data —
+    conversations in them with a tokenizer that has no template are said to become plain text (once)."""
     setting = str(setting)
     if setting == "none":
         return None
     if setting == "auto":
-        return _template_text(tokenizer)
+        text = _template_text(tokenizer)
+        if text is None and any(getattr(r, "chat", None) for r in records):
+            log.warning(
+                "%s=auto and the tokenizer has no chat template: the records' conversations render as plain "
+                "'\\n\\nHuman: …\\n\\nAssistant:' text (%s=<file> gives them a template)",
+                key,
+                key,
+            )
+        return text
     path = Path(setting).expanduser()
     if not path.is_file():
         raise ConfigError(f"{key}={setting}: no such file (expected auto, none or the path of a Jinja chat template)")

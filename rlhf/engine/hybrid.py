@@ -52,6 +52,11 @@ class HybridEngine:
         self._hold = 0  # > 0 inside ``holding()``: the inference model is kept between calls
         self.decode = decode_loop(ecfg, self.mesh.device, self.tp)  # (tests set it to "static" on the CPU)
 
+    @property
+    def model_config(self):
+        """The policy's HF config."""
+        return unwrap(self.engine.module).config
+
     # ---- the one call the trainer makes ----
     def generate(self, prompts: List[List[int]], sp: SamplingParams, keys: Optional[List[int]] = None) -> Generation:
         """``sp.samples_per_prompt`` samples of each prompt. Collective: every rank calls it, the same number of

@@ -425,7 +425,9 @@ def _critic_wd(ctx: Context, name: str, value) -> None:
 
 @targets("engine.hybrid=true (rlhf's default, given or not)")
 def _hybrid(ctx: Context, name: str, value) -> None:
-    if not value:
+    if value:
+        ctx.plan.set("engine.hybrid", True, f"--{name}")
+    else:
         ctx.plan.note(
             "--enable_hybrid_engine not given: DeepSpeed-Chat then generates with the training model; rlhf's "
             "hybrid engine is on (engine.hybrid=true): faster, and rollouts equal what training recomputes"
@@ -440,6 +442,14 @@ def _actor_path(ctx: Context, name: str, value) -> None:
 @targets("folded into the batch sizes (see --per_device_train_batch_size / --per_device_training_batch_size)")
 def _accumulation(ctx: Context, name: str, value) -> None:
     (_ppo_batches if ctx.step == "ppo" else _batches)(ctx, name, value)
+    if int(value or 1) > 1:
+        into = (
+            "ppo.minibatches_per_epoch (an update takes --per_device_training_batch_size × this many rows a rank, "
+            "in micro-batches of ppo.micro_batch_per_rank)"
+            if ctx.step == "ppo"
+            else "train.global_batch (rlhf accumulates micro-batches of train.micro_batch_per_rank up to it)"
+        )
+        ctx.plan.note(f"--{name} {value}: folded into {into}")
 
 
 @targets("train.log_every=1")

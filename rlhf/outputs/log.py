@@ -236,12 +236,15 @@ class MetricsWriter:
         self._samples = JsonLines(self.path.with_name("samples.jsonl"), resume_step)
         self._resume_step = resume_step
         self._memory = PeakMemory()
+        log = logging.getLogger("rlhf")
         if cfg is not None and cfg.logger.wandb != "disabled":
             self._wandb = _init_wandb(cfg, stage)
+            where = getattr(self._wandb, "url", None) if cfg.logger.wandb == "online" else None
+            log.info("wandb (%s): %s", cfg.logger.wandb, where or getattr(self._wandb, "dir", None) or cfg.run.dir)
         if cfg is not None and cfg.logger.tensorboard:
-            self._tensorboard = TensorBoard(
-                Path(cfg.logger.tensorboard_dir or Path(cfg.run.dir) / "tensorboard") / stage
-            )
+            tb = Path(cfg.logger.tensorboard_dir or Path(cfg.run.dir) / "tensorboard") / stage
+            self._tensorboard = TensorBoard(tb)
+            log.info("TensorBoard: %s (tensorboard --logdir %s)", tb, tb.parent)
         self._started = False
 
     def _start(self) -> None:

@@ -173,3 +173,25 @@ def test_held_out_prompts_are_cut_as_training_prompts_are(tmp_path):
     lines = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "position table" in lines[0] and "lower data.max_prompt_len" in lines[0]
+
+
+def test_generate_cuts_a_long_prompt_to_the_position_table(tmp_path):
+    """rlhf.generate --file on GPT-2's learned positions: a prompt longer than the table leaves beside
+    the new tokens keeps its end (the training prompts' rule), said once; --max-prompt-len cuts further;
+    new tokens that leave no room are one line, exit 2."""
+    from tests.conftest import tool_cli
+
+    tok = task_tokenizer()
+    base = hf_dir(tmp_path / "gpt2", "gpt2", tok, n_positions=24)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 3 + 45? " * 8 + "\nWhat is 1 + 2?\n")
+    assert len(tok("What is 3 + 45? " * 8)["input_ids"]) > 24
+    proc = tool_cli("generate", base, "--file", prompts, "--max-new-tokens", 6, "--temperature", 0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert len(rows) == 2 and all(r["tokens"] <= 6 for r in rows)
+    assert "rlhf.generate: 1 prompt(s) longer than 18 tokens keep their last 18 (--max-prompt-len)" in proc.stderr
+    proc = tool_cli("generate", base, "--file", prompts, "--max-new-tokens", 6, "--max-prompt-len", 4)
+    assert proc.returncode == 0 and "2 prompt(s) longer than 4 tokens keep their last 4" in proc.stderr
+    proc = tool_cli("generate", base, "--file", prompts, "--max-new-tokens", 30)
+    assert proc.returncode == 2 and "no room for a prompt" in proc.stderr and "Traceback" not in proc.stderr

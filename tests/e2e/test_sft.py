@@ -121,6 +121,8 @@ def test_wandb_offline_logging(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs, "wandb wrote no offline run folder"
+    (line,) = [x for x in proc.stderr.splitlines() if "wandb (offline): " in x]
+    assert str(runs[0]) in line, line  # the log says where it wrote
 
 
 def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):

@@ -13,6 +13,7 @@ def test_stage_run_writes_metrics_as_scalars(tmp_path):
     got, want = events(run / "tensorboard" / "sft"), jsonl_as_events(run / "sft" / "metrics.jsonl")
     assert {"loss", "lr", "gold/score", "eval/loss", "mem/peak_gb"} <= set(got)
     assert same(got, want) and [s for s, _ in got["loss"]] == [1, 2, 4, 6]
+    assert f"TensorBoard: {run / 'tensorboard' / 'sft'} (tensorboard --logdir {run / 'tensorboard'})" in proc.stderr
 
 
 def test_missing_package_exits_2(tmp_path):

@@ -266,3 +266,18 @@ def test_messages_pipeline_lengths_and_chat_view(tmp_path):
     data = load_stage_data(dc, "sft", seed=0)
     assert len(data.eval) == 4 and all(e.chat is not None for e in data.train)
     assert re.search(r"Human: And 10 \+ 20\?\n\nAssistant:$", data.train[0].prompt)
+
+
+def test_conversations_without_a_template_are_said_to_become_plain_text(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from rlhf.data.chat import resolve_template
+
+    no_template = SimpleNamespace(chat_template=None)
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        assert resolve_template(no_template, "auto", records=[SimpleNamespace(chat=None, prompt="x")]) is None
+        assert not caplog.records  # plain-text records: nothing to say
+        assert resolve_template(no_template, "auto", records=[SimpleNamespace(chat=[{"role": "user"}])]) is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("data.chat_template=auto and the tokenizer has no chat template: the records' conversations")

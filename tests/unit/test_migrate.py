@@ -238,3 +238,21 @@ def test_reward_model_subcommand_converts(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["reward-model", str(tmp_path / "nope"), str(tmp_path / "out2")])
     assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].startswith("rlhf.migrate: error:")
+
+
+@pytest.mark.parametrize(
+    "models", ["--model_name_or_path m", "--actor_model_name_or_path a --critic_model_name_or_path c"], ids=["sft", "ppo"]
+)
+def test_hybrid_engine_and_accumulation_are_reported_as_mapped(models):
+    from rlhf.migrate.__main__ import plan_invocation
+
+    ppo = "actor" in models
+    text = f"deepspeed main.py {models} --enable_hybrid_engine --gradient_accumulation_steps 4\n"
+    (inv,) = read_script(text, "x.sh")
+    plan = plan_invocation(inv, {}, 1, None, None, "dschat", ROOT)
+    notes = [n for n in plan.notes if n.startswith("--gradient_accumulation_steps 4: folded into ")]
+    assert len(notes) == 1 and ("ppo.minibatches_per_epoch" in notes[0]) == ppo
+    if ppo:
+        assert plan.overrides["engine.hybrid"] == "true" and plan.setters["engine.hybrid"] == "--enable_hybrid_engine"
+    else:  # not a flag of step 1
+        assert any(u.what == "--enable_hybrid_engine" for u in plan.unmapped)
