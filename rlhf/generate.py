@@ -125,13 +125,12 @@ def load_policy(path: str, device: str = "auto", dtype: str = "auto", trust_remo
     return HybridEngine(policy, tokenizer, ecfg), tokenizer, mesh
 
 
-def prompt_limit(args, config) -> Optional[int]:
-    """--max-prompt-len, or by default what a learned position table leaves beside the new tokens
-    (a ConfigError, one line, where it leaves nothing); None: no limit."""
+def prompt_limit(args, table: int) -> Optional[int]:
+    """--max-prompt-len, or by default what a learned position table of ``table`` positions
+    (``HybridEngine.positions``; 0: none) leaves beside the new tokens (a ConfigError, one line, where it
+    leaves nothing); None: no limit."""
     from rlhf.errors import ConfigError
-    from rlhf.models.policies import position_table
 
-    table = position_table(config)
     if not table:
         return args.max_prompt_len
     room = table - args.max_new_tokens
@@ -251,7 +250,7 @@ def tool_environment(tools: str, max_turns: Optional[int], tool_parser: Optional
         raise ConfigError(_as_options(e)) from None
 
 
-def play_episodes(hybrid, runner, tokenizer, examples, sp, batch_size: int = 32) -> List[dict]:
+def play_episodes(hybrid, runner, tokenizer, examples, sp, batch_size: int = 32, max_prompt=None) -> List[dict]:
     """Each prompt's samples played as episodes (prompt-major, as ``generate``'s rows): per row
     ``{"response", "tokens", "finished", "turns", "tool_calls"}`` (and ``"error"`` when its environment
     failed). The prompts are rendered with the runner's tools."""
@@ -260,12 +259,16 @@ def play_episodes(hybrid, runner, tokenizer, examples, sp, batch_size: int = 32)
     from rlhf.data.tokenize import encode_prompts
 
     examples = runner.with_tools(examples)
-    ids = encode_prompts(examples, tokenizer, runner.template)
+    ids = encode_prompts(examples, tokenizer, runner.template, max_prompt)
     out: List[dict] = []
     with hybrid.holding():  # the inference model kept across the turns
         for b in range(0, len(ids), batch_size):
             ep = runner.run(
-                hybrid.generate, ids[b : b + batch_size], examples[b : b + batch_size], replace(sp, seed=sp.seed + b)
+                hybrid.generate,
+                ids[b : b + batch_size],
+                examples[b : b + batch_size],
+                replace(sp, seed=sp.seed + b),
+                positions=hybrid.positions,
             )
             errors = iter(ep.errors)
             for i, text in enumerate(ep.texts):
@@ -301,6 +304,7 @@ def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
     from rlhf.data.tokenize import encode_prompts
 
     history: List[dict] = []
+    limit = prompt_limit(args, hybrid.positions)  # a long conversation keeps its end, as --file's prompts
     tty = sys.stdin.isatty()
     if template is None:
         print(f"{PROG}: no chat template: turns render as plain '\\n\\nHuman: …\\n\\nAssistant:' text", file=sys.stderr)
@@ -322,7 +326,7 @@ def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
         history.append({"role": "user", "content": text})
         if runner is not None:  # an episode: its tool turns shown and kept in the conversation
             spt = replace(sp, samples_per_prompt=1, seed=sp.seed + turn)
-            (row,) = play_episodes(hybrid, runner, tokenizer, [as_example(history, args.system)], spt)
+            (row,) = play_episodes(hybrid, runner, tokenizer, [as_example(history, args.system)], spt, 1, limit)
             turn += 1
             for m in row["turns"]:
                 print(turn_line(m), flush=True)
@@ -332,7 +336,7 @@ def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
             if "error" in row:
                 print(f"{PROG}: the episode failed: {row['error']}", file=sys.stderr, flush=True)
             continue
-        ids = encode_prompts([as_example(history, args.system)], tokenizer, template)
+        ids = encode_prompts([as_example(history, args.system)], tokenizer, template, limit)
         ((reply, _, _),) = generate(hybrid, tokenizer, ids, replace(sp, samples_per_prompt=1, seed=sp.seed + turn))
         turn += 1
         history.append({"role": "assistant", "content": reply.strip()})
@@ -435,11 +439,11 @@ def main(argv=None) -> None:
         from rlhf.data.tokenize import encode_prompts
 
         examples = [as_example(p, args.system) for p in prompts]
+        limit = prompt_limit(args, hybrid.positions)
         if runner is not None:
-            episodes = play_episodes(hybrid, runner, tokenizer, examples, sp, args.batch_size)
+            episodes = play_episodes(hybrid, runner, tokenizer, examples, sp, args.batch_size, limit)
         else:
             full = encode_prompts(examples, tokenizer, template)
-            limit = prompt_limit(args, hybrid.model_config)
             ids = encode_prompts(examples, tokenizer, template, limit)
             cut = sum(len(a) != len(b) for a, b in zip(full, ids))
             if cut:

@@ -57,6 +57,12 @@ class HybridEngine:
         """The policy's HF config."""
         return unwrap(self.engine.module).config
 
+    @property
+    def positions(self) -> int:
+        """Positions the policy's learned position table holds (a prompt and its new tokens must fit);
+        0 for rotary positions."""
+        return self.policy.max_positions if self.policy is not None and self.policy.positions == "learned" else 0
+
     # ---- the one call the trainer makes ----
     def generate(self, prompts: List[List[int]], sp: SamplingParams, keys: Optional[List[int]] = None) -> Generation:
         """``sp.samples_per_prompt`` samples of each prompt. Collective: every rank calls it, the same number of

@@ -461,13 +461,6 @@ def _flag(config, key: str, default: bool) -> bool:
     return bool(getattr(config, key, default))
 
 
-def position_table(config) -> int:
-    """Positions a model's learned position table holds (GPT-2, OPT), 0 for rotary positions (or a
-    family without an injection policy): what a prompt and its new tokens must fit in."""
-    policy, _ = policy_for(config)
-    return policy.max_positions if policy is not None and policy.positions == "learned" else 0
-
-
 def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     """(policy, "") for a supported config, else (None, the reason)."""
     family = getattr(config, "model_type", "?")

@@ -164,6 +164,7 @@ class EpisodeRunner:
         self.make_env, self.env_name, self.tok, self.template, self.mesh = make_env, env_name, tokenizer, template, mesh
         self.max_turns, self.max_tokens, self.timeout_s = max_turns, max_tokens, timeout_s
         self.budget = max_tokens or 0  # this generation's (``run``)
+        self.room: Optional[int] = None  # this generation's: the longest prompt a later turn may have (``run``)
         self.single_turn = single_turn  # the built-in single-turn environment: no turn, no reward of its own
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.observations = ObservationEncoder(tokenizer, template)
@@ -226,7 +227,7 @@ class EpisodeRunner:
 
         def play(ids, examples, sp, keys):
             with hybrid.holding():
-                ep = self.run(hybrid.generate, ids, examples, sp, keys)
+                ep = self.run(hybrid.generate, ids, examples, sp, keys, hybrid.positions)
             return ep.texts, ep.stats
 
         return play
@@ -239,11 +240,15 @@ class EpisodeRunner:
         examples: List[Example],
         sp: SamplingParams,
         keys: Optional[List[int]] = None,
+        positions: int = 0,
     ) -> Episodes:
         """``keys``: the prompts' keys (``HybridEngine.generate``; default: the strided layout); every turn
-        of an episode samples under its first row's key, so the episodes are the same on any world size."""
+        of an episode samples under its first row's key, so the episodes are the same on any world size.
+        ``positions``: a learned position table's size (``HybridEngine.positions``; 0: none): an episode
+        whose next turn would not fit it ends there, cut (``env/truncated``), as at the token budget."""
         t_env = 0.0
         self.budget = self.max_tokens or sp.max_new_tokens  # tokens after the prompt (None: one generation's)
+        self.room = positions - sp.max_new_tokens if positions else None  # a later turn's prompt at most
         rows = [
             _Row(p, e)
             for p, e in zip(prompt_major(prompts, sp.samples_per_prompt), prompt_major(examples, sp.samples_per_prompt))
@@ -346,7 +351,8 @@ class EpisodeRunner:
             except Exception as e:  # the template refuses these messages
                 self._fail(r, f"step: its observation cannot be rendered: {type(e).__name__}: {first_line(e)}")
                 continue
-            if not obs or len(r.tokens) + len(obs) >= self.budget:
+            fits = self.room is None or len(r.prompt) + len(r.tokens) + len(obs) <= self.room
+            if not obs or len(r.tokens) + len(obs) >= self.budget or not fits:
                 r.done = True
                 r.counts["truncated"] = 1.0
                 continue

@@ -476,7 +476,7 @@ class Collector:
         (normalised), rule reward on the final turn, no-EOS penalty, soft overlong penalty."""
         scorers, alg, ppo, tokenizer = self.scorers, self.alg, self.ppo, self.tokenizer
         with self.hybrid.holding():  # the turns of a rollout share one inference model
-            ep = self.runner.run(self.hybrid.generate, batch.ids, batch.examples, sp)
+            ep = self.runner.run(self.hybrid.generate, batch.ids, batch.examples, sp, positions=self.hybrid.positions)
         if self.runner.multi_turn:
             self._env_stats.append(ep.stats)
         self.check_failures(ep)

@@ -288,3 +288,15 @@ def test_an_info_value_that_is_no_number_fails_the_episode_naming_it():
     ep = runner(tok, BadInfo).run(FakeGen(2), [[BOS, 7]], [None], SamplingParams(max_new_tokens=4))
     assert ep.failed.all()
     assert "step() info['verdict'] must be a finite number (summed into env/verdict), got 'solved'" in ep.errors[0]
+
+
+def test_a_turn_that_would_not_fit_the_position_table_ends_the_episode_cut():
+    tok = CharTok(2)
+    sp = SamplingParams(max_new_tokens=4)
+    free = runner(tok, max_turns=3, max_tokens=200).run(FakeGen(2), [[BOS, 7]], [None], sp)
+    obs = len(tok("T:ok 7\nA:", add_special_tokens=False)["input_ids"])
+    table = 2 + 3 + obs + 4  # room for the second turn's prompt and its new tokens, not for a third
+    cut = runner(tok, max_turns=3, max_tokens=200).run(FakeGen(2), [[BOS, 7]], [None], sp, positions=table)
+    assert free.stats["turns"] == 3 and free.stats["truncated"] == 0
+    assert cut.stats["turns"] == 2 and cut.stats["truncated"] == 1
+    assert cut.gen.sequences.shape[1] <= table  # every turn's generation fitted the table
