@@ -5,7 +5,8 @@ browser, a shared CI runner): the thread count came from ``os.cpu_count()`` (eve
 not the ones this process may run on), and OpenMP's idle threads spin for a long while at every
 barrier — with a core taken away, the spinning thread holds it while the thread the barrier waits for
 sits in the run queue. Measured on the 2-core CPU machine (embedded SFT, 400 steps, two busy processes
-beside it): 2 threads 134 s, 1 thread 62 s; 2 threads with a short spin 71 s (idle: 29 s all three).
+beside it; docs/performance.md#threads-on-a-shared-machine): 2 threads with OpenMP's own spin 209 s,
+1 thread 56 s, 2 threads with a short spin 68 s; idle, all within the machine's noise of each other.
 
 - ``tame_openmp()``: a short spin before a waiting OpenMP thread sleeps (``GOMP_SPINCOUNT`` for GNU
   OpenMP, which the CPU wheels of torch use; ``KMP_BLOCKTIME`` for Intel's). OpenMP reads them when
@@ -21,9 +22,10 @@ import os
 from pathlib import Path
 from typing import MutableMapping, Optional, Tuple
 
-# GNU OpenMP spins ~300,000 iterations at a barrier before sleeping (its default when the threads fit
-# the cores); 1,000 keeps back-to-back operations fast and gives a contended core back at once.
-OPENMP_WAIT = {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "1"}
+# GNU OpenMP spins 300,000 iterations at a barrier before sleeping (its default when the threads fit
+# the cores); 10,000 keeps back-to-back operations as fast idle (1,000 cost ~15% on the embedded model)
+# and gives a contended core back within microseconds.
+OPENMP_WAIT = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
 
 
 def tame_openmp(environ: Optional[MutableMapping[str, str]] = None) -> None:

@@ -14,14 +14,14 @@ from rlhf.outputs.log import Pace
 def test_tame_openmp_sets_a_short_spin_and_keeps_the_users_value():
     env = {"KMP_BLOCKTIME": "200"}
     threads.tame_openmp(env)
-    assert env == {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "200"}
+    assert env == {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "200"}
 
 
 def test_importing_rlhf_tames_openmp_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k not in threads.OPENMP_WAIT}
     code = "import rlhf, os, sys; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["1000", "False"]
+    assert out.stdout.split() == ["10000", "False"]
 
 
 def test_cgroup_quota_caps_the_cores(tmp_path, monkeypatch):
