@@ -93,6 +93,10 @@ def hub_settings(dcfg) -> list:
             continue
         parts = [p.strip() for p in value.split(",")] if key == "ppo.reward_model_path" else [value]
         found += [f"{key}={p}" for p in parts if hub.looks_like_hub_id(p)]
+    for i, source in enumerate(OmegaConf.select(dcfg, "data.sources", default=None) or []):
+        path = source.get("path") if hasattr(source, "get") else None
+        if isinstance(path, str) and path and hub.looks_like_hub_id(path):
+            found.append(f"data.sources[{i}].path={path}")
     return found
 
 

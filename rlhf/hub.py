@@ -90,9 +90,12 @@ def go_offline() -> None:
 
 def looks_like_hub_id(value: str) -> bool:
     """``name`` or ``org/name`` that is no local path (what the libraries would look up on the hub)."""
+    from rlhf.data.records import DATA_SUFFIXES
+
     return (
         bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", value))
         and not value.startswith(".")
+        and not value.endswith(DATA_SUFFIXES)  # a data file's name (mistyped, or not there yet)
         and not os.path.exists(os.path.expanduser(value))
     )
 

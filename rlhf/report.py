@@ -159,7 +159,7 @@ def figure(run_dir: Path):
         _plot(ax, series[st], "mem/peak_gb", st, marker=".")
         ax.set_title(f"{st}: peak memory of rank 0 by step", fontsize=10)
         ax.set_ylabel("GiB")
-        ax.set_ylim(0, 1.1 * max(series[st]["mem/peak_gb"][1]))
+        ax.set_ylim(0, 1.1 * max(series[st]["mem/peak_gb"][1]) or 1.0)
     if dpo:
         _dpo_row(axes[2], dpo)
 

@@ -6,7 +6,7 @@ not the ones this process may run on), and OpenMP's idle threads spin for a long
 barrier — with a core taken away, the spinning thread holds it while the thread the barrier waits for
 sits in the run queue. Measured on the 2-core CPU machine (embedded SFT, 400 steps, two busy processes
 beside it; docs/performance.md#threads-on-a-shared-machine): 2 threads with OpenMP's own spin 209 s,
-1 thread 56 s, 2 threads with a short spin 68 s; idle, all within the machine's noise of each other.
+1 thread 61-65 s, 2 threads with a short spin 81-85 s; idle, all within the machine's noise of each other.
 
 - ``tame_openmp()``: a short spin before a waiting OpenMP thread sleeps (``GOMP_SPINCOUNT`` for GNU
   OpenMP, which the CPU wheels of torch use; ``KMP_BLOCKTIME`` for Intel's). OpenMP reads them when
@@ -22,10 +22,11 @@ import os
 from pathlib import Path
 from typing import MutableMapping, Optional, Tuple
 
-# GNU OpenMP spins 300,000 iterations at a barrier before sleeping (its default when the threads fit
-# the cores); 10,000 keeps back-to-back operations as fast idle (1,000 cost ~15% on the embedded model)
-# and gives a contended core back within microseconds.
-OPENMP_WAIT = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
+# GNU OpenMP spins 300,000 iterations at a barrier before sleeping when its threads fit the cores, 1,000
+# when they do not ("throttled"): 1,000 always. Measured under load (two busy processes, embedded SFT):
+# 1,000 took 1.3x one thread's time in every run, 10,000 1.2x or 2.1x; idle, 1,000 is ~7% slower on
+# the embedded model (within this machine's noise) and the same on larger ones.
+OPENMP_WAIT = {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "1"}
 
 
 def tame_openmp(environ: Optional[MutableMapping[str, str]] = None) -> None:
@@ -34,16 +35,31 @@ def tame_openmp(environ: Optional[MutableMapping[str, str]] = None) -> None:
         env.setdefault(key, value)
 
 
-def _cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> Optional[float]:
-    """CPUs' worth of time the cgroup allows (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), None
-    without a quota. Reads the root of the mounted hierarchy: inside a container that is its own."""
+def _cgroup_quota(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> Optional[float]:
+    """CPUs' worth of time the cgroup allows, None without a quota: cgroup v2's ``cpu.max`` of this
+    process's own cgroup (``/proc/self/cgroup``: a Slurm job's or a systemd unit's) and of every cgroup
+    above it (the smallest wins), else v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``."""
+    quotas = []
+    rel = ""
     try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        if quota != "max":
-            return int(quota) / int(period)
-        return None
-    except (OSError, ValueError):
+        for line in own.read_text().splitlines():
+            if line.startswith("0::"):  # the v2 hierarchy
+                rel = line[3:].strip().lstrip("/")
+    except OSError:
         pass
+    d = root / rel if rel else root
+    while True:
+        try:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+            if quota != "max":
+                quotas.append(int(quota) / int(period))
+        except (OSError, ValueError):
+            pass
+        if d == root or root not in d.parents:
+            break
+        d = d.parent
+    if quotas:
+        return min(quotas)
     try:
         quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
         period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
@@ -52,7 +68,7 @@ def _cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> Optional[float]:
         return None
 
 
-def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Tuple[int, str]:
+def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> Tuple[int, str]:
     """(cores, why): the number of cores this process may use and what limited it."""
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -60,7 +76,7 @@ def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Tuple[int, str]:
     except (AttributeError, OSError):  # not on Linux
         affinity = os.cpu_count() or 1
         why = f"{affinity} cores"
-    quota = _cgroup_quota(cgroup_root)
+    quota = _cgroup_quota(cgroup_root, own)
     if quota is not None and math.ceil(quota) < affinity:
         return max(1, math.ceil(quota)), f"a cgroup CPU quota of {quota:g} cores ({why})"
     return max(1, affinity), why

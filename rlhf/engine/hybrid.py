@@ -53,11 +53,6 @@ class HybridEngine:
         self.decode = decode_loop(ecfg, self.mesh.device, self.tp)  # (tests set it to "static" on the CPU)
 
     @property
-    def model_config(self):
-        """The policy's HF config."""
-        return unwrap(self.engine.module).config
-
-    @property
     def positions(self) -> int:
         """Positions the policy's learned position table holds (a prompt and its new tokens must fit);
         0 for rotary positions."""

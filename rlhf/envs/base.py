@@ -142,7 +142,11 @@ def check_info(info, where: str) -> None:
     for k, v in info.items():
         if not isinstance(k, str) or not k or "/" in k or ":" in k:
             raise TypeError(f"{where}: step() info key {k!r} must be a name (it becomes the metric env/<name>)")
-        if not isinstance(v, (bool, int, float)) or not math.isfinite(v):
+        try:  # a number of any kind (numpy's, a 0-d tensor), not text
+            ok = not isinstance(v, (str, bytes)) and math.isfinite(float(v))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
             raise TypeError(f"{where}: step() info[{k!r}] must be a finite number (summed into env/{k}), got {v!r:.40}")
 
 

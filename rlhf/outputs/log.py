@@ -101,6 +101,8 @@ def keep_writing() -> None:
 
 
 def _clean(v):
+    if isinstance(v, dict):  # (a rollout's reward parts)
+        return {k: _clean(x) for k, x in v.items()}
     if isinstance(v, float) and not math.isfinite(v):
         if math.isnan(v):
             return None
@@ -289,7 +291,7 @@ class MetricsWriter:
         if not self.is_main:
             return
         self._lines.close(touch=True)
-        self._samples.close()
+        self._samples.close(touch=self._samples.path.exists())  # an earlier run's: cut back or moved aside
         if self._wandb is not None:
             self._wandb.finish()
         if self._tensorboard is not None:

@@ -58,6 +58,8 @@ class ScriptedPolicy:
     """A hybrid engine whose policy calls the calculator on a question and answers after a result; it
     records the prompts it is given."""
 
+    positions = 0  # rotary: no position table to fit
+
     def __init__(self, tok):
         self.tok, self.prompts = tok, []
 

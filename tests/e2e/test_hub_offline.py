@@ -84,3 +84,30 @@ def test_no_hub_id_no_probe(monkeypatch):
     assert hub.settle([]) == "" and not asked
     assert not hub.looks_like_hub_id(os.getcwd()) and not hub.looks_like_hub_id("./x/y")
     assert hub.looks_like_hub_id("Anthropic/hh-rlhf") and hub.looks_like_hub_id("gpt2")
+    assert not hub.looks_like_hub_id("trian.jsonl")  # a data file's name (mistyped): no probe, "no such file"
+
+
+def test_every_setting_that_names_a_hub_id_is_found():
+    from omegaconf import OmegaConf
+
+    from rlhf.compose import hub_settings
+
+    dcfg = OmegaConf.create(
+        {
+            "model": {"path": "Qwen/Qwen2.5-0.5B"},
+            "ppo": {"reward_model_path": "org/rm-a,org/rm-b", "actor_path": None, "critic_path": None},
+            "data": {
+                "path": None,
+                "eval_path": "local.jsonl",
+                "sources": [{"path": "Anthropic/hh-rlhf"}, {"path": "a.jsonl"}],
+            },
+            "dpo": {"model_path": None},
+            "reward": {"model_path": None},
+        }
+    )
+    assert hub_settings(dcfg) == [
+        "model.path=Qwen/Qwen2.5-0.5B",
+        "ppo.reward_model_path=org/rm-a",
+        "ppo.reward_model_path=org/rm-b",
+        "data.sources[0].path=Anthropic/hh-rlhf",
+    ]

@@ -4,6 +4,7 @@ and GAE / returns that run through the observations between turns."""
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -260,7 +261,7 @@ class Counting(Chatty):
 
     def step(self, text):
         res = super().step(text)
-        res.info = {"echoes": 1, "solved": text.endswith("6"), "score_sum": 0.25}
+        res.info = {"echoes": 1, "solved": text.endswith("6"), "score_sum": np.float32(0.25), "t": torch.tensor(2)}
         return res
 
 
@@ -280,7 +281,7 @@ def test_an_environments_own_info_keys_become_env_metrics():
     assert ep.stats["turns"] == 12
     got = episode_metrics(ep.stats, Mesh())
     assert got["env/echoes"] == 3.0 and got["env/score_sum"] == 0.75 and got["env/solved"] == 0.0
-    assert got["env/turns"] == 3.0 and "env/rows" not in got
+    assert got["env/turns"] == 3.0 and got["env/t"] == 6.0 and "env/rows" not in got
 
 
 def test_an_info_value_that_is_no_number_fails_the_episode_naming_it():

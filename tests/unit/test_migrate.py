@@ -241,7 +241,9 @@ def test_reward_model_subcommand_converts(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "models", ["--model_name_or_path m", "--actor_model_name_or_path a --critic_model_name_or_path c"], ids=["sft", "ppo"]
+    "models",
+    ["--model_name_or_path m", "--actor_model_name_or_path a --critic_model_name_or_path c"],
+    ids=["sft", "ppo"],
 )
 def test_hybrid_engine_and_accumulation_are_reported_as_mapped(models):
     from rlhf.migrate.__main__ import plan_invocation

@@ -47,6 +47,8 @@ class Tok:
 class Hybrid:
     """Two prompts × two samples, three response tokens each (the last row never ends)."""
 
+    positions = 0  # rotary: no position table to fit
+
     def holding(self):  # (the hybrid engine keeps its inference model inside; nothing to keep here)
         return contextlib.nullcontext()
 

@@ -33,3 +33,21 @@ def test_the_reward_line_shows_its_parts():
     row = {"reward/mean": -0.844, "reward/rule": 0.125, "reward/overlong": -0.969}
     assert reward_line(row, ["rule", "overlong"]) == "-0.844 (rule 0.125, overlong -0.969)"
     assert reward_line(row, ["rule"]) == "-0.844"
+
+
+def test_a_run_that_writes_no_samples_leaves_no_earlier_runs_behind(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = MetricsWriter(path, is_main=True, resume_step=None)
+    for step in (1, 2, 3):
+        first.log(step, loss=1.0)
+        first.samples(step, "rollout", [{"prompt": "p"}])
+    first.close()
+    resumed = MetricsWriter(path, is_main=True, resume_step=2)  # writes no samples (logger.samples=0)
+    resumed.log(3, loss=0.5)
+    resumed.close()
+    samples = tmp_path / "samples.jsonl"
+    assert [json.loads(x)["step"] for x in samples.read_text().splitlines()] == [1, 2]
+    fresh = MetricsWriter(path, is_main=True, resume_step=None)
+    fresh.log(1, loss=2.0)
+    fresh.close()
+    assert samples.read_text() == "" and (tmp_path / "samples.jsonl.prev").is_file()

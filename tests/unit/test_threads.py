@@ -14,32 +14,46 @@ from rlhf.outputs.log import Pace
 def test_tame_openmp_sets_a_short_spin_and_keeps_the_users_value():
     env = {"KMP_BLOCKTIME": "200"}
     threads.tame_openmp(env)
-    assert env == {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "200"}
+    assert env == {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "200"}
 
 
 def test_importing_rlhf_tames_openmp_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k not in threads.OPENMP_WAIT}
     code = "import rlhf, os, sys; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["10000", "False"]
+    assert out.stdout.split() == ["1000", "False"]
 
 
 def test_cgroup_quota_caps_the_cores(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    own = tmp_path / "self_cgroup"
+    own.write_text("0::/\n")
     (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert threads.usable_cores(tmp_path) == (2, "a cgroup CPU quota of 1.5 cores (8 in this process's CPU affinity)")
+    assert threads.usable_cores(tmp_path, own) == (
+        2,
+        "a cgroup CPU quota of 1.5 cores (8 in this process's CPU affinity)",
+    )
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert threads.usable_cores(tmp_path) == (8, "8 in this process's CPU affinity")
-    (tmp_path / "cpu.max").unlink()
+    assert threads.usable_cores(tmp_path, own) == (8, "8 in this process's CPU affinity")
+    # a Slurm job's own cgroup, below the root: its quota, and its parent's where smaller
+    job = tmp_path / "system.slice" / "slurm" / "job_7"
+    job.mkdir(parents=True)
+    own.write_text("0::/system.slice/slurm/job_7\n")
+    (job / "cpu.max").write_text("400000 100000\n")
+    assert threads.usable_cores(tmp_path, own)[0] == 4
+    (job.parent / "cpu.max").write_text("300000 100000\n")
+    assert threads.usable_cores(tmp_path, own)[0] == 3
+    for f in (tmp_path / "cpu.max", job / "cpu.max", job.parent / "cpu.max"):
+        f.unlink()
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert threads.usable_cores(tmp_path)[0] == 3
+    assert threads.usable_cores(tmp_path, own)[0] == 3
 
 
 def test_default_threads_share_the_affinity_between_local_ranks(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3, 4})
-    monkeypatch.setattr(threads, "_cgroup_quota", lambda root=None: None)
+    monkeypatch.setattr(threads, "_cgroup_quota", lambda root=None, own=None: None)
     assert threads.default_threads(1) == (3, "3 in this process's CPU affinity")
     assert threads.default_threads(2) == (1, "3 in this process's CPU affinity shared by 2 ranks")
     assert threads.default_threads(8)[0] == 1
