@@ -33,7 +33,7 @@ from rlhf.errors import DataError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.outputs.log import progress
-from rlhf.runtime.evaluation import evaluate_gold
+from rlhf.runtime.evaluation import stage_gold
 from rlhf.runtime.stage import (
     check_writable,
     checkpoint_to_resume,
@@ -118,20 +118,7 @@ def run(cfg: Config) -> None:
     def evaluate(step: int):
         results, kept = evaluate_pairs(actor, reference, eval_cols, pad, micro, mesh, cfg.dpo), []
         if data.gold is not None:
-            results.update(
-                evaluate_gold(
-                    hybrid.generate,
-                    tokenizer,
-                    data.eval,
-                    data.gold,
-                    cfg.eval,
-                    mesh,
-                    chat,
-                    cfg.logger.progress,
-                    show=cfg.logger.samples,
-                    kept=kept,
-                )
-            )
+            results.update(stage_gold(cfg, hybrid, tokenizer, data.eval, data.gold, mesh, chat, kept))
         return log_evaluation(metrics, step, results, actor, kept)
 
     def checkpoint(step: int):

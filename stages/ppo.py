@@ -51,7 +51,7 @@ from rlhf.rl.prompts import PromptSource
 from rlhf.rl.ptx import PtxTerm
 from rlhf.rl.rollout_guard import RolloutGuard
 from rlhf.rl.update import Diverged, Updater
-from rlhf.runtime.evaluation import evaluate_gold, evaluate_reward
+from rlhf.runtime.evaluation import evaluate_reward, stage_gold
 from rlhf.runtime.stage import (
     check_writable,
     checkpoint_to_resume,
@@ -262,19 +262,7 @@ def run(cfg: Config) -> None:
         res, kept = {}, []
         if data.gold is not None:
             play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
-            res = evaluate_gold(
-                hybrid.generate,
-                tokenizer,
-                data.eval,
-                data.gold,
-                cfg.eval,
-                mesh,
-                chat,
-                cfg.logger.progress,
-                play,
-                cfg.logger.samples,
-                kept,
-            )
+            res = stage_gold(cfg, hybrid, tokenizer, data.eval, data.gold, mesh, chat, kept, play)
         if reward_model is not None and not runner.multi_turn:  # the reward model's view, no gold needed
             mean, answers = evaluate_reward(
                 hybrid.generate, tokenizer, data.eval, held_out_reward, cfg.eval, mesh, chat

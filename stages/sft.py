@@ -32,7 +32,7 @@ from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.outputs.log import progress
 from rlhf.rl.episodes import EpisodeRunner
-from rlhf.runtime.evaluation import evaluate_gold
+from rlhf.runtime.evaluation import stage_gold
 from rlhf.runtime.stage import (
     StageContext,
     check_writable,
@@ -145,21 +145,7 @@ def run(cfg: Config) -> None:
         if data.gold is not None:
             play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
             held_out = runner.with_tools(data.eval)
-            results.update(
-                evaluate_gold(
-                    hybrid.generate,
-                    tokenizer,
-                    held_out,
-                    data.gold,
-                    cfg.eval,
-                    mesh,
-                    chat,
-                    cfg.logger.progress,
-                    play,
-                    cfg.logger.samples,
-                    kept,
-                )
-            )
+            results.update(stage_gold(cfg, hybrid, tokenizer, held_out, data.gold, mesh, chat, kept, play))
         return log_evaluation(metrics, step, results, actor, kept)
 
     # ---- loop ----

@@ -131,6 +131,26 @@ def evaluate_gold(
     return results
 
 
+def stage_gold(
+    cfg, hybrid, tokenizer, held_out: List[Example], scorer, mesh: Mesh, chat, kept: List[dict], play=None
+) -> dict:
+    """``evaluate_gold`` as a stage calls it: the stage's ``eval.*``, its progress setting, and the first
+    ``logger.samples`` responses kept in ``kept`` (samples.jsonl)."""
+    return evaluate_gold(
+        hybrid.generate,
+        tokenizer,
+        held_out,
+        scorer,
+        cfg.eval,
+        mesh,
+        chat,
+        cfg.logger.progress,
+        play,
+        cfg.logger.samples,
+        kept,
+    )
+
+
 def evaluate_reward(
     generate,
     tokenizer,
