@@ -13,6 +13,11 @@ beside it; docs/performance.md#threads-on-a-shared-machine): 2 threads with Open
   it loads, so ``rlhf/__init__.py`` calls this before anything imports torch. A value the user set wins.
 - ``usable_cores()``: the cores this process may use — its CPU affinity, and a cgroup CPU quota
   (containers, Slurm, CI runners) where one is set.
+- ``fit_to_model()``: with the automatic count, one thread while every model the process trains is
+  small (below ``SMALL_MODEL`` parameters): such a model gains next to nothing from more (the embedded
+  0.5M-parameter model: 1 and 2 threads within this machine's noise idle) and a busy machine takes
+  them away (beside two busy processes: 1 thread 61-65 s, 2 threads 81-85 s). A rule of the model, not
+  of the load, so a run's numbers never depend on what else the machine was doing.
 """
 
 from __future__ import annotations
@@ -89,3 +94,27 @@ def default_threads(local_world: int) -> Tuple[int, str]:
     threads = max(1, cores // ranks)
     shared = f" shared by {ranks} ranks" if ranks > 1 else ""
     return threads, f"{why}{shared}"
+
+
+SMALL_MODEL = 2_000_000  # parameters: below it, one thread (fit_to_model)
+_largest = 0  # parameters of the largest model trained in this process so far
+
+
+def fit_to_model(n_params: int, cores: int) -> Optional[str]:
+    """The automatic thread count (``cores`` of ``default_threads``) for a model of ``n_params`` being
+    trained: 1 while every such model is small, ``cores`` from the first that is not. Returns what the log
+    says when the count changes (None when it stays)."""
+    global _largest
+    import torch
+
+    _largest = max(_largest, n_params)
+    want = 1 if _largest < SMALL_MODEL else cores
+    if want == torch.get_num_threads():
+        return None
+    torch.set_num_threads(want)
+    if want == 1:
+        return (
+            f"1 CPU thread per rank: a model of {n_params / 1e6:.1f}M parameters gains next to nothing from more "
+            f"(below {SMALL_MODEL / 1e6:g}M), and a busy machine would take them away (engine.threads_per_rank sets it)"
+        )
+    return f"{want} CPU threads per rank: a model of {n_params / 1e6:.1f}M parameters uses them"

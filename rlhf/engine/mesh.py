@@ -38,6 +38,7 @@ class Mesh:
     # one process with a process group of its own: FSDP2 can wrap a model there (CPU offload on a GPU)
     single_group: bool = False
     threads_why: str = ""  # the CPU threads a rank uses and why (empty on a GPU)
+    auto_threads: int = 0  # engine.threads_per_rank=0 on the CPU: the usable cores' share (threads.fit_to_model)
     _device_mesh: Any = None
     _dp_mesh: Any = None
 
@@ -244,12 +245,13 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
             f"(use gloo, or engine.device=cuda on a machine with GPUs)"
         )
     check_tp(engine.inference_tp_size, world_size)
-    threads_why = ""
+    threads_why, auto_threads = "", 0
     if not use_cuda:
         threads = engine.threads_per_rank
         threads_why = "engine.threads_per_rank"
         if not threads:
             threads, cores = default_threads(local_world)
+            auto_threads = threads
             threads_why = f"{cores}; engine.threads_per_rank sets it"
         torch.set_num_threads(threads)
         threads_why = f"{threads} CPU threads per rank ({threads_why})"
@@ -283,6 +285,7 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
         inference_tp_size=engine.inference_tp_size,
         single_group=single_group,
         threads_why=threads_why,
+        auto_threads=auto_threads,
     )
 
 

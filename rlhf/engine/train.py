@@ -42,6 +42,7 @@ from rlhf.errors import ConfigError
 from rlhf.models import streaming
 from rlhf.models.loading import decoder_layers
 from rlhf.models.lora import adapters_disabled, is_peft
+from rlhf.threads import fit_to_model
 
 log = logging.getLogger("rlhf")
 
@@ -301,6 +302,10 @@ class TrainEngine:
         lr: Optional[float] = None,
     ):
         self.mesh, self.ecfg, self.tcfg = mesh, ecfg, tcfg
+        if mesh.auto_threads:  # a small model trains on one thread (rlhf/threads.py)
+            said = fit_to_model(sum(p.numel() for p in model.parameters()), mesh.auto_threads)
+            if said and mesh.is_main:
+                log.info("%s", said)
         self.packs = ecfg.packing and packing.install(model)
         self.model = wrap_model(model, mesh, ecfg)
         self.is_fsdp = isinstance(self.model, FSDPModule)

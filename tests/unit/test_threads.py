@@ -111,3 +111,20 @@ def test_pace_is_quiet_without_load_or_for_one_slow_window(caplog):
     with caplog.at_level(logging.WARNING, logger="test-pace"):  # one 30-s evaluation inside a window
         _run(busy, bclock, [0.1] * 201 + [30.0] + [0.1] * 200)
     assert not caplog.records
+
+
+def test_a_small_model_trains_on_one_thread_a_larger_one_on_the_cores(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(threads, "_largest", 0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        said = threads.fit_to_model(530_000, cores=2)
+        assert torch.get_num_threads() == 1 and said.startswith("1 CPU thread per rank: a model of 0.5M parameters")
+        assert threads.fit_to_model(400_000, cores=2) is None  # unchanged: no second line
+        said = threads.fit_to_model(135_000_000, cores=2)
+        assert torch.get_num_threads() == 2 and said == "2 CPU threads per rank: a model of 135.0M parameters uses them"
+        assert threads.fit_to_model(530_000, cores=2) is None  # the largest model so far decides
+    finally:
+        torch.set_num_threads(before)
