@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlhf import config as C
 from rlhf import hub
 from rlhf.config import Config, register
+from rlhf.data.records import DATA_SUFFIXES
 from rlhf.errors import ConfigError
 from rlhf.models import get as named_models
 
@@ -92,10 +93,11 @@ def hub_settings(dcfg) -> list:
         if not isinstance(value, str) or not value:
             continue
         parts = [p.strip() for p in value.split(",")] if key == "ppo.reward_model_path" else [value]
-        found += [f"{key}={p}" for p in parts if hub.looks_like_hub_id(p)]
+        files = DATA_SUFFIXES if key in DATA_PATH_KEYS else ()
+        found += [f"{key}={p}" for p in parts if hub.looks_like_hub_id(p, files)]
     for i, source in enumerate(OmegaConf.select(dcfg, "data.sources", default=None) or []):
         path = source.get("path") if hasattr(source, "get") else None
-        if isinstance(path, str) and path and hub.looks_like_hub_id(path):
+        if isinstance(path, str) and path and hub.looks_like_hub_id(path, DATA_SUFFIXES):
             found.append(f"data.sources[{i}].path={path}")
     return found
 

@@ -88,14 +88,13 @@ def go_offline() -> None:
             ds.HF_DATASETS_OFFLINE = True
 
 
-def looks_like_hub_id(value: str) -> bool:
-    """``name`` or ``org/name`` that is no local path (what the libraries would look up on the hub)."""
-    from rlhf.data.records import DATA_SUFFIXES
-
+def looks_like_hub_id(value: str, file_suffixes: Tuple[str, ...] = ()) -> bool:
+    """``name`` or ``org/name`` that is no local path (what the libraries would look up on the hub) and
+    does not end with one of ``file_suffixes`` (a data file's name, mistyped or not there yet)."""
     return (
         bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", value))
         and not value.startswith(".")
-        and not value.endswith(DATA_SUFFIXES)  # a data file's name (mistyped, or not there yet)
+        and not (file_suffixes and value.endswith(file_suffixes))
         and not os.path.exists(os.path.expanduser(value))
     )
 

@@ -84,7 +84,7 @@ def test_no_hub_id_no_probe(monkeypatch):
     assert hub.settle([]) == "" and not asked
     assert not hub.looks_like_hub_id(os.getcwd()) and not hub.looks_like_hub_id("./x/y")
     assert hub.looks_like_hub_id("Anthropic/hh-rlhf") and hub.looks_like_hub_id("gpt2")
-    assert not hub.looks_like_hub_id("trian.jsonl")  # a data file's name (mistyped): no probe, "no such file"
+    assert not hub.looks_like_hub_id("trian.jsonl", (".jsonl",))  # a data file's name (mistyped): no probe
 
 
 def test_every_setting_that_names_a_hub_id_is_found():

@@ -360,6 +360,8 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
 def test_hub_ids_take_a_config_and_a_split(monkeypatch):
     import datasets
 
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online: the library's own error is passed on
+
     calls = []
 
     def fake_load_dataset(name, config=None, split=None):
