@@ -146,20 +146,7 @@ def figure(run_dir: Path):
         ("time/env_s", "environment"),
     ):
         _plot(a_time, ppo, key, label)
-    # peak memory beside the first two rows: one panel per stage that logged it, each on its own steps
-    mem_stages = [st for st in stages if "mem/peak_gb" in series[st]] or [None]
-    cells = grid[:2, 3].subgridspec(len(mem_stages), 1, hspace=0.7)
-    mem_axes = []
-    for i, st in enumerate(mem_stages):
-        ax = fig.add_subplot(cells[i, 0])
-        mem_axes.append(ax)
-        if st is None:
-            ax.set_title("Peak memory of rank 0")
-            continue
-        _plot(ax, series[st], "mem/peak_gb", st, marker=".")
-        ax.set_title(f"{st}: peak memory of rank 0 by step", fontsize=10)
-        ax.set_ylabel("GiB")
-        ax.set_ylim(0, 1.1 * max(series[st]["mem/peak_gb"][1]) or 1.0)
+    mem_axes = _memory_panels(fig, grid[:2, 3], series, stages)  # beside the first two rows
     if dpo:
         _dpo_row(axes[2], dpo)
 
@@ -178,6 +165,24 @@ def figure(run_dir: Path):
     fig.suptitle(f"rlhf run: {run_dir}")
     fig.tight_layout()
     return fig
+
+
+def _memory_panels(fig, cell, series: dict, stages) -> list:
+    """Peak memory in ``cell``: one panel per stage that logged it, each on its own steps (the axes)."""
+    mem_stages = [st for st in stages if "mem/peak_gb" in series[st]] or [None]
+    cells = cell.subgridspec(len(mem_stages), 1, hspace=0.7)
+    axes = []
+    for i, st in enumerate(mem_stages):
+        ax = fig.add_subplot(cells[i, 0])
+        axes.append(ax)
+        if st is None:
+            ax.set_title("Peak memory of rank 0")
+            continue
+        _plot(ax, series[st], "mem/peak_gb", st, marker=".")
+        ax.set_title(f"{st}: peak memory of rank 0 by step", fontsize=10)
+        ax.set_ylabel("GiB")
+        ax.set_ylim(0, 1.1 * max(series[st]["mem/peak_gb"][1]) or 1.0)
+    return axes
 
 
 def _dpo_row(row, dpo: Series) -> None:
