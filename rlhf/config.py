@@ -876,6 +876,11 @@ class AlgorithmConfig:
         _check(self.tis_cap >= 1.0, "algorithm.tis_cap", self.tis_cap, "a number >= 1")
 
 
+# ppo.sandbox.isolation: the strongest mode, the strongest or exit 2 without namespaces, or a mode by name
+# (rlhf/envs/sandbox/modes.py MODE_CHOICES, kept equal by tests/unit/test_sandbox.py)
+SANDBOX_ISOLATION = ("auto", "namespaces", "root", "user", "guard")
+
+
 @dataclass
 class SandboxConfig:
     """The limits of the Python tool's sandbox, per call (rlhf/envs/sandbox.py, docs/agents.md)."""
@@ -885,12 +890,18 @@ class SandboxConfig:
     memory_mb: int = 256
     processes: int = 0  # processes the code may start besides itself
     output_bytes: int = 10_000  # stdout + stderr kept (the rest cut, the run stopped)
-    file_bytes: int = 1_000_000  # the largest file it may write (in its own temporary directory)
+    file_bytes: int = 1_000_000  # the largest file it may write (in its own directory)
+    disk_bytes: int = 16_000_000  # all its files together (its directory is a tmpfs of this size)
+    files: int = 256  # files and directories it may have, main.py included
+    open_files: int = 64  # file descriptors open at once
+    isolation: str = "auto"  # SANDBOX_ISOLATION: auto = the strongest the kernel allows
 
     def __post_init__(self):
-        for key in ("cpu_s", "wall_s", "memory_mb", "output_bytes", "file_bytes"):
+        for key in ("cpu_s", "wall_s", "memory_mb", "output_bytes", "file_bytes", "disk_bytes", "files"):
             _check(getattr(self, key) > 0, f"ppo.sandbox.{key}", getattr(self, key), "a positive number")
         _check(self.processes >= 0, "ppo.sandbox.processes", self.processes, "a non-negative integer")
+        _check(self.open_files >= 8, "ppo.sandbox.open_files", self.open_files, "an integer >= 8")
+        _check(self.isolation in SANDBOX_ISOLATION, "ppo.sandbox.isolation", self.isolation, one_of(SANDBOX_ISOLATION))
 
 
 ENV_BUILTINS = ("auto", "single_turn", "tools")  # ppo.env: these, or a dotted path module.Class (rlhf/envs/builtin.py)

@@ -16,6 +16,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from rlhf.envs.base import Environment, StepResult, make, resolve
 from rlhf.envs.toolcalls import execute
+from rlhf.errors import ConfigError
 
 
 class SingleTurn(Environment):
@@ -49,15 +50,13 @@ def environment(ppo) -> Tuple[Callable[[], object], type]:
     ``env_args``, ``tools``, ``tool_parser``, ``sandbox``). Everything is resolved here, before any
     model loads: a name or path that does not import, a tool or parser that is not one, arguments
     that do not fit the constructor are a ConfigError naming the key."""
-    from rlhf.envs.sandbox import Limits
     from rlhf.envs.toolcalls import resolve_parser
     from rlhf.envs.tools import resolve_tools
 
     cls = resolve(ppo.env, ENVS)
     tools = []
     if ppo.tools:
-        limits = Limits(**dataclasses.asdict(ppo.sandbox))  # ppo.sandbox.* are Limits' own fields
-        tools = resolve_tools(list(ppo.tools), limits)
+        tools = resolve_tools(list(ppo.tools), sandbox_of(ppo) if "python" in ppo.tools else None)
     if cls is ToolEnv:
         parser = resolve_parser(ppo.tool_parser)
         return (lambda: ToolEnv(tools, parser)), cls
@@ -66,3 +65,19 @@ def environment(ppo) -> Tuple[Callable[[], object], type]:
         args["tools"] = tools
     make(cls, args)  # constructs once: arguments that do not fit fail here
     return (lambda: make(cls, args)), cls
+
+
+def sandbox_of(ppo):
+    """The Python tool's sandbox from ``ppo.sandbox``: its limits, and its isolation settled here (the
+    kernel probed once, the mode said in the log); ``namespaces`` where the kernel allows none is a
+    ConfigError saying what it refused."""
+    from rlhf.envs.sandbox import Limits, Sandbox
+    from rlhf.envs.sandbox.modes import settle
+
+    fields = dataclasses.asdict(ppo.sandbox)
+    choice = fields.pop("isolation")
+    try:
+        mode = settle(choice)
+    except ValueError as e:
+        raise ConfigError(f"ppo.sandbox.isolation=namespaces, but the kernel allows none here: {e}") from None
+    return Sandbox(Limits(**fields), mode=mode)  # the other ppo.sandbox.* are Limits' own fields

@@ -210,8 +210,8 @@ def _format(value) -> str:
     return repr(rounded)
 
 
-def calculator_tool(limits: Optional[Limits] = None) -> Tool:
-    """The calculator (``limits``: unused; every built-in factory takes it). Its schema is the one the
+def calculator_tool(executor: Optional[Executor] = None) -> Tool:
+    """The calculator (``executor``: unused; every built-in factory takes it). Its schema is the one the
     embedded tool-use task's SFT data renders (rlhf/data/tool_arith.py CALCULATOR)."""
     return Tool(
         name="calculator",
@@ -265,18 +265,18 @@ def python_tool(executor: Optional[Executor] = None, limits: Optional[Limits] = 
     )
 
 
-# the built-in tools by name: factories taking an optional ``limits`` (the Python sandbox's)
+# the built-in tools by name: factories taking an optional ``executor`` (what runs the Python tool's code)
 TOOLS: Dict[str, Callable[..., Tool]] = {"calculator": calculator_tool, "python": python_tool}
 
 
-def resolve_tools(names: Sequence[str], limits: Optional[Limits] = None) -> List[Tool]:
-    """The tools of ``ppo.tools``: built-in names (TOOLS) or dotted paths ``module.attr`` to a Tool or to
-    a function of no arguments returning one. ConfigError (one line naming the entry) otherwise, and for
-    two tools of one name."""
+def resolve_tools(names: Sequence[str], executor: Optional[Executor] = None) -> List[Tool]:
+    """The tools of ``ppo.tools``: built-in names (TOOLS; ``executor`` runs the Python tool's code, by
+    default a ``Sandbox()``) or dotted paths ``module.attr`` to a Tool or to a function of no arguments
+    returning one. ConfigError (one line naming the entry) otherwise, and for two tools of one name."""
     tools: List[Tool] = []
     for entry in names:
         if entry in TOOLS:
-            tool = TOOLS[entry](limits=limits)
+            tool = TOOLS[entry](executor=executor)
         else:
             tool = _import_tool(entry)
         if any(t.name == tool.name for t in tools):

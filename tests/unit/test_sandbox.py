@@ -1,20 +1,18 @@
-"""The Python tool's sandbox (rlhf/envs/sandbox.py): output and tracebacks, every limit, the guard
-(files, network, processes, environment), nothing left running, concurrent runs. Every run is bounded
-by the sandbox's own wall limit (1–2 s here)."""
+"""The Python tool's sandbox (rlhf/envs/sandbox/): output and tracebacks, every limit, the guard alone
+(files, network, processes, environment), nothing left running, concurrent runs, the modes. Every run is
+bounded by the sandbox's own wall limit (1–2 s here). Hostile code: test_sandbox_hostile.py."""
 
 import os
-import subprocess
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rlhf.envs import sandbox
-from rlhf.envs.sandbox import Limits, Result, Sandbox
+from rlhf import config
+from rlhf.envs.sandbox import MODE_CHOICES, Limits, Result, Sandbox, SandboxError, modes
+from rlhf.envs.sandbox import run as sandbox_run
 
 FAST = Limits(cpu_s=1, wall_s=2)
-# the line of the child's setup that picks the namespaces to try (replaced to test the guard alone)
-NAMESPACES_LINE = "for flags in (NEWUSER | NEWNS | NEWNET, NEWNS | NEWNET, NEWNET, 0):"
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +22,16 @@ def box():
 
 @pytest.fixture
 def sessions(monkeypatch):
-    """The pids of the sandboxes' children started during the test: each leads its own session."""
+    """The pids of the calls' launchers started during the test: each leads its own session."""
     started = []
+    spawn = sandbox_run.SERVER.spawn
 
-    class Recording(subprocess.Popen):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            started.append(self.pid)
+    def recording(*args, **kwargs):
+        launcher = spawn(*args, **kwargs)
+        started.append(launcher.pid)
+        return launcher
 
-    monkeypatch.setattr(sandbox.subprocess, "Popen", Recording)
+    monkeypatch.setattr(sandbox_run.SERVER, "spawn", recording)
     return started
 
 
@@ -177,11 +176,10 @@ def test_the_guard_survives_patching_of_what_it_uses(box):
     assert box.run("import os\nos.kill(1, 0)").limit == "blocked"
 
 
-def test_without_namespaces_the_guard_alone_refuses(monkeypatch):
-    assert NAMESPACES_LINE in sandbox._BOOTSTRAP
-    monkeypatch.setattr(sandbox, "_BOOTSTRAP", sandbox._BOOTSTRAP.replace(NAMESPACES_LINE, "for flags in (0,):"))
+def test_the_guard_alone_refuses():
+    """The ``guard`` mode (no namespaces): the audit hook refuses what the kernel would have."""
     target = f"/tmp/escape_test_{uuid.uuid4().hex}"
-    box = Sandbox(FAST)
+    box = Sandbox(FAST, mode="guard")
     try:
         assert box.run(f"open({target!r}, 'w')").limit == "blocked"
         assert not os.path.exists(target)
@@ -190,6 +188,7 @@ def test_without_namespaces_the_guard_alone_refuses(monkeypatch):
             os.remove(target)
     assert box.run("import socket\nsocket.socket()").limit == "blocked"
     assert box.run("open('a', 'w').write('ok')\nprint(open('a').read())").observation() == "ok"
+    assert box.run("import os\nos.fork()").observation() == "sandbox: starting processes is not allowed"
     # a hard link inside the directory to a file outside it would write through
     victim = f"/tmp/escape_test_{uuid.uuid4().hex}"
     try:
@@ -200,22 +199,8 @@ def test_without_namespaces_the_guard_alone_refuses(monkeypatch):
             assert f.read() == "kept"
     finally:
         os.remove(victim)
-
-
-def test_where_namespaces_work_the_mounts_are_read_only(box):
-    if box.run("import os\nprint(os.getuid())").stdout.strip() != "65534":  # unmapped in a new user namespace
-        pytest.skip("no user namespace on this machine: the guard alone protects the files")
-    target = f"/tmp/escape_dirfd_{uuid.uuid4().hex}"
-    # a dir_fd argument is not in the audit event: the read-only mount refuses it
-    name = os.path.basename(target)
-    code = f"import os\nd = os.open('/tmp', os.O_RDONLY)\nos.open({name!r}, os.O_WRONLY | os.O_CREAT, dir_fd=d)"
-    try:
-        r = box.run(code)
-        assert r.exit_code == 1 and "Read-only file system" in r.stderr
-        assert not os.path.exists(target)
-    finally:
-        if os.path.exists(target):
-            os.remove(target)
+    r = box.run("import gc\nprint(sum(type(o).__name__ == 'CDLL' for o in gc.get_objects()))")
+    assert r.observation() == "0"  # a fresh interpreter: nothing of the setup's ctypes
 
 
 def test_concurrent_runs_from_a_thread_pool(box):
@@ -224,19 +209,79 @@ def test_concurrent_runs_from_a_thread_pool(box):
     assert [r.observation() for r in results] == [str(i * i) for i in range(8)]
 
 
-def test_without_a_pidfd_the_exit_is_polled(monkeypatch):
-    monkeypatch.setattr(sandbox, "_pidfd", lambda pid: None)  # Linux < 5.3, or refused
-    box = Sandbox(FAST)
+def test_pipes_closed_before_the_exit_and_a_dead_server(box):
     r = box.run("import os\nprint(1, flush=True)\nos.close(1)\nos.close(2)")  # the pipes close before the exit
     assert (r.observation(), r.exit_code) == ("1", 0)
-    r = box.run("import sys\nsys.stdout.write('x' * 10_000_000)")
-    assert r.limit == "output" and r.seconds < FAST.wall_s
+    sandbox_run.SERVER.proc.kill()  # the launcher server died: the next call starts another
+    sandbox_run.SERVER.proc.wait()
+    assert box.run("print('again')").observation() == "again"
 
 
-def test_a_broken_setup_is_the_sandboxs_error_not_the_codes(monkeypatch):
-    monkeypatch.setattr(sandbox, "_BOOTSTRAP", "import sys\nsys.exit('setup failed')")
-    with pytest.raises(RuntimeError, match=r"failed before the code ran.*setup failed"):
-        Sandbox(FAST).run("print(1)")
+@pytest.fixture
+def fresh_server():
+    """The launcher server takes its programs and view when it starts: the test's patches reach the one
+    started after this, and the next test starts another without them."""
+    sandbox_run.SERVER.stop()
+    yield
+    sandbox_run.SERVER.stop()
+
+
+def test_a_broken_setup_is_the_sandboxs_error_not_the_codes(monkeypatch, fresh_server):
+    real = sandbox_run._program
+    broken = "import sys\nsys.exit('setup failed')"
+    monkeypatch.setattr(sandbox_run, "_program", lambda name: broken if name == "launch.py" else real(name))
+    with pytest.raises(SandboxError, match=r"sandbox: the launcher server ended: exit 1: setup failed"):
+        Sandbox(FAST, mode="guard").run("print(1)")
+
+
+def test_what_the_kernel_refuses_is_one_line_from_the_launcher(monkeypatch, fresh_server):
+    """A view that cannot be built (here: on a directory that is not there) is the sandbox's error, with
+    the launcher's reason, never the code's output."""
+    monkeypatch.setattr(sandbox_run, "view_base", lambda: "/nonexistent-view-base")
+    for mode in modes.candidates()[:-1]:
+        with pytest.raises(SandboxError, match=rf"sandbox \({mode}\): the setup failed before the code ran"):
+            Sandbox(FAST, mode=mode).run("print(1)")
+
+
+def test_the_strongest_mode_is_probed_once_and_said(monkeypatch, caplog):
+    calls = []
+
+    def probe(mode):
+        calls.append(mode)
+        return "refused here"
+
+    monkeypatch.setattr(modes, "_found", None)
+    monkeypatch.setattr(modes, "probe", probe)
+    with caplog.at_level("WARNING", logger="rlhf"):
+        assert modes.isolation().mode == "guard"
+        assert modes.isolation().mode == "guard"
+    assert calls == [m for m in modes.candidates() if m != "guard"]  # once, in order; guard needs no probe
+    [record] = [r for r in caplog.records if "sandbox: isolation" in r.getMessage()]
+    assert "guard only" in record.getMessage() and "refused here" in record.getMessage()
+    assert modes.settle("auto") == "guard" and modes.settle("user") == "user"
+    with pytest.raises(ValueError, match="refused here"):
+        modes.settle("namespaces")
+    assert config.SANDBOX_ISOLATION == MODE_CHOICES
+
+
+def test_this_machine_isolates_with_namespaces_or_says_why():
+    found = modes.isolation()
+    if found.mode == "guard":
+        pytest.skip(f"the kernel allows no namespaces here: {found.refused}")
+    r = Sandbox(FAST).run(
+        "import os\nprint(os.getpid(), os.getppid(), [p for p in os.listdir('/proc') if p.isdigit()], os.getcwd())"
+    )
+    assert r.observation() == "2 1 ['2'] /work"  # pid 2 of its own namespace, init (1) hidden, its tmpfs
+
+
+def test_new_limits_are_validated_and_named():
+    for bad in ({"disk_bytes": 0}, {"files": 0}, {"open_files": 3}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Limits(**bad)
+    lim = Limits(disk_bytes=1000, files=10, open_files=16)
+    assert Result("", "", None, "disk", limits=lim).observation() == "disk limit (1000 bytes, 10 files) exceeded"
+    assert Result("", "", None, "open_files", limits=lim).observation() == "open file limit (16) exceeded"
+    assert Result("", "", None, "disk").observation() == "disk limit exceeded"
 
 
 def test_observations_of_results_from_any_executor():

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from rlhf.data import tool_arith
-from rlhf.envs.sandbox import Limits, Result
+from rlhf.envs.sandbox import Limits, Result, Sandbox
 from rlhf.envs.toolcalls import (
     ToolCall,
     execute,
@@ -136,7 +136,7 @@ def test_a_tools_exception_becomes_one_line_and_its_kind_is_reported():
 
 
 def test_the_python_tool_runs_code_in_the_sandbox():
-    [tool] = resolve_tools(["python"], Limits(cpu_s=1, wall_s=1))
+    [tool] = resolve_tools(["python"], Sandbox(Limits(cpu_s=1, wall_s=1)))
     assert tool.schema()["function"]["parameters"]["required"] == ["code"]
     assert tool.call({"code": "print(6 * 7)"}) == ("42", None)
     assert tool.call({"code": "x = 1"}) == ("(no output)", None)
