@@ -34,7 +34,7 @@ from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh, precision_of, shutdown
 from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
 from rlhf.envs.base import check as check_env
-from rlhf.envs.builtin import environment
+from rlhf.envs.builtin import environment, say_sandbox
 from rlhf.errors import ConfigError, UserError
 from rlhf.launcher import interrupt
 from rlhf.models import dschat, loading, lora
@@ -119,6 +119,7 @@ def run(cfg: Config) -> None:
     rule = resolve(cfg.ppo.reward_fn) if cfg.ppo.reward_fn else None
     env = environment(cfg.ppo)  # (a maker of the environment, its class): imported, tools and parser built
     ctx = start_stage(cfg, "ppo")
+    say_sandbox(cfg.ppo, log)
     mesh, train, ppo, alg = ctx.mesh, cfg.train, cfg.ppo, cfg.algorithm
     check_writable(cfg.run.dir)
     # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a

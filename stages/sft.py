@@ -27,7 +27,7 @@ from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.logprobs import nll_sum
 from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
-from rlhf.envs.builtin import environment
+from rlhf.envs.builtin import environment, say_sandbox
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.outputs.log import progress
@@ -56,6 +56,7 @@ log = logging.getLogger("rlhf")
 
 def run(cfg: Config) -> None:
     ctx = start_stage(cfg, "sft")
+    say_sandbox(cfg.ppo, log)
     mesh, train, data_cfg = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
     # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a

@@ -72,12 +72,26 @@ def sandbox_of(ppo):
     kernel probed once, the mode said in the log); ``namespaces`` where the kernel allows none is a
     ConfigError saying what it refused."""
     from rlhf.envs.sandbox import Limits, Sandbox
-    from rlhf.envs.sandbox.modes import settle
 
     fields = dataclasses.asdict(ppo.sandbox)
-    choice = fields.pop("isolation")
+    found = settled(fields.pop("isolation"))
+    return Sandbox(Limits(**fields), mode=found.mode)  # the other ppo.sandbox.* are Limits' own fields
+
+
+def settled(choice: str):
+    """``ppo.sandbox.isolation`` settled (modes.py ``settle``); ``namespaces`` where the kernel allows
+    none is a ConfigError saying what it refused."""
+    from rlhf.envs.sandbox.modes import settle
+
     try:
-        mode = settle(choice)
+        return settle(choice)
     except ValueError as e:
         raise ConfigError(f"ppo.sandbox.isolation=namespaces, but the kernel allows none here: {e}") from None
-    return Sandbox(Limits(**fields), mode=mode)  # the other ppo.sandbox.* are Limits' own fields
+
+
+def say_sandbox(ppo, log) -> None:
+    """The Python tool's isolation in the stage's log, once its logging is set up (a warning where it is
+    the guard alone); nothing without the tool."""
+    if "python" in (ppo.tools or ()):
+        found = settled(ppo.sandbox.isolation)
+        (log.warning if found.weak else log.info)("%s", found.line())

@@ -2,6 +2,7 @@
 (files, network, processes, environment), nothing left running, concurrent runs, the modes. Every run is
 bounded by the sandbox's own wall limit (1–2 s here). Hostile code: test_sandbox_hostile.py."""
 
+import logging
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -9,8 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rlhf import config
+from rlhf.envs.builtin import environment, say_sandbox
 from rlhf.envs.sandbox import MODE_CHOICES, Limits, Result, Sandbox, SandboxError, modes
 from rlhf.envs.sandbox import run as sandbox_run
+from rlhf.errors import ConfigError
 
 FAST = Limits(cpu_s=1, wall_s=2)
 
@@ -252,15 +255,21 @@ def test_the_strongest_mode_is_probed_once_and_said(monkeypatch, caplog):
 
     monkeypatch.setattr(modes, "_found", None)
     monkeypatch.setattr(modes, "probe", probe)
-    with caplog.at_level("WARNING", logger="rlhf"):
-        assert modes.isolation().mode == "guard"
-        assert modes.isolation().mode == "guard"
+    assert modes.isolation().mode == "guard" and modes.isolation().mode == "guard"
     assert calls == [m for m in modes.candidates() if m != "guard"]  # once, in order; guard needs no probe
-    [record] = [r for r in caplog.records if "sandbox: isolation" in r.getMessage()]
-    assert "guard only" in record.getMessage() and "refused here" in record.getMessage()
-    assert modes.settle("auto") == "guard" and modes.settle("user") == "user"
+    assert modes.settle("auto").mode == "guard" and modes.settle("user").mode == "user"
     with pytest.raises(ValueError, match="refused here"):
         modes.settle("namespaces")
+    ppo = config.PPOConfig(tools=["python"])
+    with caplog.at_level("INFO", logger="rlhf"):
+        say_sandbox(ppo, logging.getLogger("rlhf"))
+        say_sandbox(config.PPOConfig(tools=["calculator"]), logging.getLogger("rlhf"))
+    [record] = caplog.records  # the calculator needs no sandbox: nothing said
+    assert record.levelname == "WARNING" and "isolation guard only" in record.getMessage()
+    assert "refused here" in record.getMessage() and "signals to the trainer" in record.getMessage()
+    ppo.sandbox.isolation, ppo.env = "namespaces", "tools"
+    with pytest.raises(ConfigError, match=r"ppo\.sandbox\.isolation=namespaces, but the kernel allows none here"):
+        environment(ppo)
     assert config.SANDBOX_ISOLATION == MODE_CHOICES
 
 

@@ -6,13 +6,10 @@ what is left where it allows neither. docs/agents.md has the threat model and th
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
-
-log = logging.getLogger("rlhf")
 
 ISOLATED = (
     "its own PID namespace (the trainer is not visible: no signal, renice, affinity change or ptrace "
@@ -61,12 +58,16 @@ class Isolation:
     refused: Dict[str, str] = field(default_factory=dict)  # mode -> why it could not be used
 
     def line(self) -> str:
-        """What the log says once: the mode, and for ``guard`` what is lost and why."""
+        """What the log says: the mode, and for ``guard`` what is lost and why."""
         row = MODES[self.mode]
         if not row.loses:
             return f"sandbox: isolation {self.mode}: {row.protects}"
         why = "; ".join(f"{name}: {reason}" for name, reason in self.refused.items())
-        return f"sandbox: isolation {self.mode} only ({why or 'chosen'}): {row.loses}"
+        return f"sandbox: isolation {self.mode} only ({why or 'ppo.sandbox.isolation'}): {row.loses}"
+
+    @property
+    def weak(self) -> bool:
+        return bool(MODES[self.mode].loses)
 
 
 _lock = threading.Lock()
@@ -92,8 +93,7 @@ def probe(mode: str) -> Optional[str]:
 
 
 def isolation() -> Isolation:
-    """The strongest mode that works on this machine, probed on first use (about 0.1 s a mode) and said
-    once in the log."""
+    """The strongest mode that works on this machine, probed on first use (about 0.1 s a mode)."""
     global _found
     with _lock:
         if _found is None:
@@ -104,16 +104,15 @@ def isolation() -> Isolation:
                     _found = Isolation(mode, refused)
                     break
                 refused[mode] = why
-            (log.info if not MODES[_found.mode].loses else log.warning)("%s", _found.line())
         return _found
 
 
-def settle(choice: str) -> str:
-    """The mode for ``ppo.sandbox.isolation``: ``auto`` the strongest, ``namespaces`` the strongest or a
-    ValueError saying why none works, or a mode by name (not probed)."""
+def settle(choice: str) -> Isolation:
+    """The isolation for ``ppo.sandbox.isolation``: ``auto`` the strongest, ``namespaces`` the strongest
+    or a ValueError saying why none works, or a mode by name (not probed)."""
     if choice in MODES:
-        return choice
+        return Isolation(choice)
     found = isolation()
-    if choice == "namespaces" and MODES[found.mode].loses:
+    if choice == "namespaces" and found.weak:
         raise ValueError(found.line())
-    return found.mode
+    return found
