@@ -876,6 +876,8 @@ class AlgorithmConfig:
         _check(self.tis_cap >= 1.0, "algorithm.tis_cap", self.tis_cap, "a number >= 1")
 
 
+# the default ppo.min_rm_accuracy: on the embedded task (a generated format), and on any other data
+MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER = 0.9, 0.55
 # ppo.sandbox.isolation: the strongest mode, the strongest or exit 2 without namespaces, or a mode by name
 # (rlhf/envs/sandbox/modes.py MODE_CHOICES, kept equal by tests/unit/test_sandbox.py)
 SANDBOX_ISOLATION = ("auto", "namespaces", "root", "user", "guard")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, List
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -23,8 +25,7 @@ from rlhf.config import Config, DPOConfig
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches, micro_batching, step_micro_batches
-from rlhf.data.tokenize import cached, collate_pairs, pair_tokens, tokenize_pairs
-from rlhf.engine.checkpoint import save_checkpoint
+from rlhf.data.tokenize import cached_pairs, collate_pairs, pair_tokens
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.logprobs import target_logprobs
 from rlhf.engine.mesh import Mesh, shutdown
@@ -48,6 +49,7 @@ from rlhf.runtime.stage import (
     resolve_steps,
     resume,
     run_fingerprint,
+    save_stage,
     stage_input,
     start_stage,
 )
@@ -62,7 +64,7 @@ def run(cfg: Config) -> None:
     # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
     # deliberate repetition, docs/architecture.md habit 4)
 
-    # ---- setup: everything is validated before anything is written ----
+    # ---- 1. setup: everything is validated before anything is written ----
     source = stage_input(cfg, cfg.dpo.model_path, "dpo.model_path", "dpo")
     loading.check_model_path(source)
     data = load_stage_data(data_cfg, "dpo", cfg.run.seed)
@@ -70,36 +72,17 @@ def run(cfg: Config) -> None:
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, data_cfg.chat_template, records=data.train)
     lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
-    # the reward stage's cache kinds: the same pairs tokenize once for both stages
-    train_cols = cached(
-        "pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_pairs(data.train, tokenizer, **lens)
-    )
-    eval_cols = cached(
-        "pairs-eval",
-        data.eval,
-        tokenizer,
-        lens,
-        ctx.cache_dir,
-        mesh,
-        lambda: tokenize_pairs(data.eval, tokenizer, **lens),
-    )
+    train_cols, eval_cols = cached_pairs(data.train, data.eval, tokenizer, lens, ctx.cache_dir, mesh)
     require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
     resolve_steps(ctx, len(train_cols["chosen"]), train.global_batch, "pairs")
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
-
-    def build(role: str = "reference"):
-        return loading.causal_lm(source, mesh, tokenizer, cfg.model.trust_remote_code, cfg.model.disable_dropout, role)
-
     # model.lora.r > 0: adapters on the policy, whose base (adapters off) is the reference; else the
     # reference is a second copy of the starting weights
-    actor = TrainEngine(
-        lora.adapt(build("policy"), cfg.model.lora, cfg.run.seed, what="policy"),
-        mesh,
-        cfg.engine.placement("actor"),
-        train,
-    )
-    reference = reference_for(actor, build, mesh, cfg.engine.placement("reference"))
+    build = partial(loading.causal_lm, source, mesh, tokenizer, cfg.model.trust_remote_code, cfg.model.disable_dropout)
+    policy = lora.adapt(build("policy"), cfg.model.lora, cfg.run.seed, what="policy")
+    actor = TrainEngine(policy, mesh, cfg.engine.placement("actor"), train)
+    reference = reference_for(actor, lambda: build("reference"), mesh, cfg.engine.placement("reference"))
     hybrid = HybridEngine(actor, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
@@ -109,29 +92,14 @@ def run(cfg: Config) -> None:
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"policy": actor}, ckpt)
-
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
     tokens = pair_tokens(train_cols)  # what train.max_tokens_per_micro_batch counts
     pad = tokenizer.pad_token_id
+    evaluate = Evaluation(cfg, actor, reference, hybrid, data, eval_cols, tokenizer, chat, micro, metrics)
+    checkpoint = partial(save_stage, ctx, {"policy": actor}, keep=train.keep_checkpoints)
 
-    def evaluate(step: int):
-        results, kept = evaluate_pairs(actor, reference, eval_cols, pad, micro, mesh, cfg.dpo), []
-        if data.gold is not None:
-            results.update(stage_gold(cfg, hybrid, tokenizer, data.eval, data.gold, mesh, chat, kept))
-        return log_evaluation(metrics, step, results, actor, kept)
-
-    def checkpoint(step: int):
-        return save_checkpoint(
-            ctx.ckpt_dir,
-            step,
-            {"policy": actor},
-            {"stage": "dpo", "fingerprint": ctx.fingerprint},
-            mesh,
-            keep=train.keep_checkpoints,
-        )
-
-    # ---- loop ----
+    # ---- 2. the loop ----
     log.info(
         "dpo (%s, beta=%g, label_smoothing=%g, sft_coef=%g): %d pairs (%s) from %s, %d steps of %d pairs, %s",
         cfg.dpo.loss,
@@ -173,13 +141,36 @@ def run(cfg: Config) -> None:
     bar.close()
     stop.close()
 
-    # ---- save ----
+    # ---- 3. export ----
     results = evaluate(train.max_steps)
     export_policy(actor, ctx, mesh, tokenizer, results, train.max_steps)
     metrics.close()
     mark_finished(ctx, train.max_steps)
     log.info("dpo done: %s (eval/rewards/accuracy=%.4f)", ctx.out / "model", results["eval/rewards/accuracy"])
     shutdown(mesh)
+
+
+@dataclass
+class Evaluation:
+    """The held-out implicit-reward accuracy and margin, and the gold score, logged."""
+
+    cfg: Config
+    actor: TrainEngine
+    reference: object
+    hybrid: HybridEngine
+    data: object
+    eval_cols: dict
+    tokenizer: object
+    chat: Optional[str]
+    micro: int
+    metrics: object
+
+    def __call__(self, step: int):
+        cfg, data, mesh, pad = self.cfg, self.data, self.actor.mesh, self.tokenizer.pad_token_id
+        results, kept = evaluate_pairs(self.actor, self.reference, self.eval_cols, pad, self.micro, mesh, cfg.dpo), []
+        if data.gold is not None:
+            results.update(stage_gold(cfg, self.hybrid, self.tokenizer, data.eval, data.gold, mesh, self.chat, kept))
+        return log_evaluation(self.metrics, step, results, self.actor, kept)
 
 
 def collate(cols: dict, indices: List[int], pad: int) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -24,8 +25,8 @@ from rlhf.config import Config
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches, bootstrap_weights, micro_batching, step_micro_batches
-from rlhf.data.tokenize import cached, collate_pairs, pair_tokens, tokenize_pairs
-from rlhf.engine.checkpoint import export_hf, save_checkpoint
+from rlhf.data.tokenize import cached_pairs, collate_pairs, pair_tokens
+from rlhf.engine.checkpoint import export_hf
 from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import DataError
@@ -46,6 +47,7 @@ from rlhf.runtime.stage import (
     resolve_steps,
     resume,
     run_fingerprint,
+    save_stage,
     stage_input,
     start_stage,
 )
@@ -60,7 +62,7 @@ def run(cfg: Config) -> None:
     # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
     # deliberate repetition, docs/architecture.md habit 4)
 
-    # ---- setup: everything is validated before anything is written ----
+    # ---- 1. setup: everything is validated before anything is written ----
     source = stage_input(cfg, cfg.reward.model_path, "reward.model_path", "reward")
     # a DeepSpeed-Chat reward model: its conversion in <run.dir>/converted/ (rlhf/models/dschat.py)
     key = "reward.model_path" if cfg.reward.model_path else "model.path"
@@ -69,54 +71,14 @@ def run(cfg: Config) -> None:
     data = load_stage_data(data_cfg, "reward", cfg.run.seed)
     require_pairs(data, data_cfg.format, "reward")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
-    lens = dict(
-        max_prompt=data_cfg.max_prompt_len,
-        max_response=data_cfg.max_response_len,
-        chat=resolve_template(tokenizer, data_cfg.chat_template, records=data.train),
-    )
-    train_cols = cached(
-        "pairs", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_pairs(data.train, tokenizer, **lens)
-    )
-    eval_cols = cached(
-        "pairs-eval",
-        data.eval,
-        tokenizer,
-        lens,
-        ctx.cache_dir,
-        mesh,
-        lambda: tokenize_pairs(data.eval, tokenizer, **lens),
-    )
+    chat = resolve_template(tokenizer, data_cfg.chat_template, records=data.train)
+    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
+    train_cols, eval_cols = cached_pairs(data.train, data.eval, tokenizer, lens, ctx.cache_dir, mesh)
     require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
     resolve_steps(ctx, len(train_cols["chosen"]), train.global_batch, "pairs")
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
-
-    model_cfg = loading.load_model_config(source, cfg.model.trust_remote_code)
-    model_cfg.num_labels, model_cfg.pad_token_id = cfg.reward.ensemble, tokenizer.pad_token_id
-    if cfg.reward.ensemble > 1:  # member i = label i
-        model_cfg.id2label = {i: f"member{i}" for i in range(cfg.reward.ensemble)}
-        model_cfg.label2id = {v: k for k, v in model_cfg.id2label.items()}
-    if mesh.is_main:
-        model = loading.build_model(
-            AutoModelForSequenceClassification,
-            path=source,
-            config=model_cfg,
-            trust_remote_code=cfg.model.trust_remote_code,
-            tokenizer=tokenizer,
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.run.seed)
-            init_head(model)
-    else:
-        model = loading.build_model(
-            AutoModelForSequenceClassification,
-            config=model_cfg,
-            on_meta=True,
-            trust_remote_code=cfg.model.trust_remote_code,
-            tokenizer=tokenizer,
-        )
-    # model.lora.r > 0: adapters on the backbone, the score head fully trained (and saved with them)
-    model = lora.adapt(model, cfg.model.lora, cfg.run.seed, head=head_name(model))
+    model_cfg, model = scalar_head_model(cfg, source, tokenizer, mesh)
     reward_model = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train)
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
@@ -125,30 +87,14 @@ def run(cfg: Config) -> None:
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"reward": reward_model}, ckpt)
-
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
     tokens = pair_tokens(train_cols)  # what train.max_tokens_per_micro_batch counts
-    pad = tokenizer.pad_token_id
+    pad, k = tokenizer.pad_token_id, cfg.reward.ensemble
+    evaluate = partial(evaluate_logged, reward_model, eval_cols, pad, micro, cfg.reward.margin, metrics)
+    checkpoint = partial(save_stage, ctx, {"reward": reward_model}, keep=train.keep_checkpoints)
 
-    def collate(indices: List[int]):
-        return collate_pairs(
-            [train_cols["chosen"][i] for i in indices], [train_cols["rejected"][i] for i in indices], pad
-        )
-
-    k = cfg.reward.ensemble
-
-    def member_weights(indices: List[int]):  # an ensemble's bootstrap: each pair's weight per member
-        if k == 1 or not cfg.reward.bootstrap:
-            return None
-        return torch.tensor(bootstrap_weights(indices, k, cfg.run.seed), dtype=torch.float32).view(-1, k)
-
-    def evaluate(step: int):
-        res = evaluate_pairs(reward_model, eval_cols, pad, micro, mesh, cfg.reward.margin)
-        log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model)
-        return res
-
-    # ---- loop ----
+    # ---- 2. the loop ----
     ensemble_note = ""
     if k > 1:
         ensemble_note = f", an ensemble of {k} heads" + (" (bootstrapped pairs)" if cfg.reward.bootstrap else "")
@@ -163,25 +109,15 @@ def run(cfg: Config) -> None:
         ensemble_note,
     )
     reward_model.train()
-
-    def checkpoint(step: int):
-        return save_checkpoint(
-            ctx.ckpt_dir,
-            step,
-            {"reward": reward_model},
-            {"stage": "reward", "fingerprint": ctx.fingerprint},
-            mesh,
-            keep=train.keep_checkpoints,
-        )
-
     bar = progress(train.max_steps, start, cfg.logger.progress, "reward", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
         ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
-        mbs = [collate(ix) for ix in ixs]
+        mbs = [collate(train_cols, ix, pad) for ix in ixs]
+        weights = [member_weights(cfg, ix) for ix in ixs]
         lr = reward_model.lr
-        loss, acc, grad_norm = train_step(reward_model, mbs, cfg.reward.margin, [member_weights(ix) for ix in ixs])
+        loss, acc, grad_norm = train_step(reward_model, mbs, cfg.reward.margin, weights)
         seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}", acc=f"{acc:.2f}")
@@ -199,30 +135,83 @@ def run(cfg: Config) -> None:
     bar.close()
     stop.close()
 
-    # ---- save ----
+    # ---- 3. export ----
     res = evaluate(train.max_steps)
-    stats = {
-        "mean": res["scores/mean"],
-        "std": res["scores/std"],
-        "min": res["scores/min"],
-        "max": res["scores/max"],
-        "step": train.max_steps,
-        **{key: v for key, v in res.items() if key.startswith("eval/")},
-    }
-    if k > 1:  # each member's held-out statistics: PPO normalises (and clips) each member by its own
-        stats["members"] = res["members"]
+    extra = {REWARD_STATS_FILE: held_out_stats(res, k, train.max_steps)}
     export_hf(
-        reward_model,
-        ctx.out / "model",
-        mesh,
-        tokenizer=tokenizer,
-        extra_files={REWARD_STATS_FILE: stats},
-        adapter_dir=ctx.out / "adapter",
+        reward_model, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files=extra, adapter_dir=ctx.out / "adapter"
     )
     metrics.close()
     mark_finished(ctx, train.max_steps)
     log.info("reward done: %s (eval/accuracy=%.4f)", ctx.out / "model", res["eval/accuracy"])
     shutdown(mesh)
+
+
+def scalar_head_model(cfg: Config, source: str, tokenizer, mesh: Mesh):
+    """(config, model): the backbone with a score head of reward.ensemble outputs (member i = label i),
+    the head initialised from run.seed on rank 0 (the other ranks on meta, filled by FSDP), LoRA
+    adapters on the backbone with model.lora.r > 0 (the head fully trained and saved with them)."""
+    model_cfg = loading.load_model_config(source, cfg.model.trust_remote_code)
+    model_cfg.num_labels, model_cfg.pad_token_id = cfg.reward.ensemble, tokenizer.pad_token_id
+    if cfg.reward.ensemble > 1:
+        model_cfg.id2label = {i: f"member{i}" for i in range(cfg.reward.ensemble)}
+        model_cfg.label2id = {v: k for k, v in model_cfg.id2label.items()}
+    remote = cfg.model.trust_remote_code
+    if mesh.is_main:
+        model = loading.build_model(
+            AutoModelForSequenceClassification,
+            path=source,
+            config=model_cfg,
+            trust_remote_code=remote,
+            tokenizer=tokenizer,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.run.seed)
+            init_head(model)
+    else:
+        model = loading.build_model(
+            AutoModelForSequenceClassification,
+            config=model_cfg,
+            on_meta=True,
+            trust_remote_code=remote,
+            tokenizer=tokenizer,
+        )
+    return model_cfg, lora.adapt(model, cfg.model.lora, cfg.run.seed, head=head_name(model))
+
+
+def collate(cols: dict, indices: List[int], pad: int) -> dict:
+    return collate_pairs([cols["chosen"][i] for i in indices], [cols["rejected"][i] for i in indices], pad)
+
+
+def member_weights(cfg: Config, indices: List[int]) -> Optional[torch.Tensor]:
+    """An ensemble's bootstrap: each pair's weight per member ([n, k]); None for one head or without it."""
+    k = cfg.reward.ensemble
+    if k == 1 or not cfg.reward.bootstrap:
+        return None
+    return torch.tensor(bootstrap_weights(indices, k, cfg.run.seed), dtype=torch.float32).view(-1, k)
+
+
+def evaluate_logged(reward_model: TrainEngine, cols: dict, pad: int, micro: int, margin: float, metrics, step: int):
+    """``evaluate_pairs``, its eval/* logged."""
+    res = evaluate_pairs(reward_model, cols, pad, micro, reward_model.mesh, margin)
+    log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model)
+    return res
+
+
+def held_out_stats(res: dict, k: int, step: int) -> dict:
+    """reward_stats.json: the held-out scores' mean, std, min, max and eval/*; for an ensemble each
+    member's too (PPO normalises, and clips, each member by its own)."""
+    stats = {
+        "mean": res["scores/mean"],
+        "std": res["scores/std"],
+        "min": res["scores/min"],
+        "max": res["scores/max"],
+        "step": step,
+        **{key: v for key, v in res.items() if key.startswith("eval/")},
+    }
+    if k > 1:
+        stats["members"] = res["members"]
+    return stats
 
 
 def _pair_scores(reward_model: TrainEngine, batch: dict, device: torch.device):

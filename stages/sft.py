@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List
+from dataclasses import dataclass
+from functools import partial
+from typing import List, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
@@ -22,7 +24,6 @@ from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches, micro_batching, step_micro_batches
 from rlhf.data.tokenize import cached, collate_sft, tokenize_sft
 from rlhf.data.tokenizer import train_embedded_tokenizer
-from rlhf.engine.checkpoint import save_checkpoint
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.logprobs import nll_sum
 from rlhf.engine.mesh import Mesh, shutdown
@@ -47,6 +48,7 @@ from rlhf.runtime.stage import (
     resolve_steps,
     resume,
     run_fingerprint,
+    save_stage,
     start_stage,
     text_corpus,
 )
@@ -62,48 +64,18 @@ def run(cfg: Config) -> None:
     # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
     # deliberate repetition, docs/architecture.md habit 4)
 
-    # ---- setup: everything is validated before anything is written ----
+    # ---- 1. setup: everything is validated before anything is written ----
     if cfg.model.path:
         loading.check_model_path(cfg.model.path)
     env = environment(cfg.ppo)  # the gold evaluation plays the run's episodes (ppo.tools, ppo.env)
     data = load_stage_data(data_cfg, "sft", cfg.run.seed)
     require_batches(len(data.train), train.global_batch, f"data ({data.description})")
     ckpt = checkpoint_to_resume(ctx)
-    if cfg.model.path:
-        tokenizer = loading.load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-        model_cfg = loading.load_model_config(cfg.model.path, cfg.model.trust_remote_code)
-    elif ckpt is not None and (ckpt / "tokenizer").is_dir():
-        tokenizer = loading.load_tokenizer(str(ckpt / "tokenizer"))
-        model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
-    else:  # the embedded default: a tokenizer trained on the task's text and a tiny Llama
-        embedded_task = FORMATS[data_cfg.format].generated and not data_cfg.sources
-        if embedded_task:
-            corpus = FORMATS[data_cfg.format].corpus(data_cfg.synthetic)  # the generated task's own texts
-        else:
-            corpus = text_corpus(data.train)
-        tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
-        model_cfg = loading.embedded_llama_config(cfg.model, tokenizer)
-    chat = resolve_template(
-        tokenizer, data_cfg.chat_template, records=data.train
-    )  # data.chat_template (a file's is exported too)
+    tokenizer, model_cfg = tokenizer_and_config(cfg, data, ckpt, mesh)
+    chat = resolve_template(tokenizer, data_cfg.chat_template, records=data.train)  # (a file's is exported too)
     runner = EpisodeRunner.of(cfg.ppo, env, tokenizer, chat, mesh)
-    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
-    train_cols = cached(
-        "sft", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_sft(data.train, tokenizer, **lens)
-    )
+    train_cols, eval_cols = columns(cfg, ctx, data, tokenizer, chat)
     resolve_steps(ctx, len(train_cols["ids"]), train.global_batch, "records")
-    eval_cols = None
-    if data.eval:
-        eval_cols = cached(
-            "sft-eval",
-            data.eval,
-            tokenizer,
-            lens,
-            ctx.cache_dir,
-            mesh,
-            lambda: tokenize_sft(data.eval, tokenizer, **lens),
-        )
-
     model = loading.build_model(
         AutoModelForCausalLM,
         config=model_cfg,
@@ -124,32 +96,13 @@ def run(cfg: Config) -> None:
     if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"actor": actor}, ckpt)
-
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["ids"]), train.global_batch, cfg.run.seed)
     tokens = [len(x) for x in train_cols["ids"]]  # what train.max_tokens_per_micro_batch counts
-    pad = tokenizer.pad_token_id
+    evaluate = Evaluation(cfg, actor, hybrid, runner, data, eval_cols, tokenizer, chat, micro, metrics)
+    checkpoint = partial(save_stage, ctx, {"actor": actor}, keep=train.keep_checkpoints, tokenizer=tokenizer)
 
-    def collate(indices: List[int]):
-        return collate_sft(
-            [train_cols["ids"][i] for i in indices],
-            [train_cols["prompt_len"][i] for i in indices],
-            pad,
-            data_cfg.mask_prompt,
-            [train_cols["mask"][i] for i in indices],
-        )
-
-    def evaluate(step: int):
-        results, kept = {}, []
-        if eval_cols is not None:
-            results["eval/loss"] = eval_loss(actor, eval_cols, pad, data_cfg.mask_prompt, micro, mesh)
-        if data.gold is not None:
-            play = runner.player(hybrid) if runner.multi_turn else None  # episodes: the tools are used
-            held_out = runner.with_tools(data.eval)
-            results.update(stage_gold(cfg, hybrid, tokenizer, held_out, data.gold, mesh, chat, kept, play))
-        return log_evaluation(metrics, step, results, actor, kept)
-
-    # ---- loop ----
+    # ---- 2. the loop ----
     log.info(
         "sft: %d records (%s), %d steps of %d samples, %s",
         len(train_cols["ids"]),
@@ -164,7 +117,7 @@ def run(cfg: Config) -> None:
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
         ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
-        mbs = [collate(ix) for ix in ixs]
+        mbs = [collate(train_cols, ix, tokenizer.pad_token_id, data_cfg.mask_prompt) for ix in ixs]
         lr = actor.lr
         loss, grad_norm = train_step(actor, mbs)
         seen += train.global_batch
@@ -180,19 +133,88 @@ def run(cfg: Config) -> None:
                 epoch=batches.epoch_of(done),
                 **actor.scale_metrics("train"),
             )
-        end_of_step(
-            done, train, stop, mesh, lambda s: save(ctx, actor, tokenizer, s, mesh, train.keep_checkpoints), evaluate
-        )
+        end_of_step(done, train, stop, mesh, checkpoint, evaluate)
     bar.close()
     stop.close()
 
-    # ---- save ----
+    # ---- 3. export ----
     results = evaluate(train.max_steps)
     export_policy(actor, ctx, mesh, tokenizer, results, train.max_steps)
     metrics.close()
     mark_finished(ctx, train.max_steps)
     log.info("sft done: %s", ctx.out / "model")
     shutdown(mesh)
+
+
+def tokenizer_and_config(cfg: Config, data, ckpt, mesh: Mesh):
+    """(tokenizer, model config): model.path's, else the embedded default's — a tokenizer trained on the
+    task's text (or the one a checkpoint being resumed saved) and a tiny Llama."""
+    data_cfg = cfg.data
+    if cfg.model.path:
+        tokenizer = loading.load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        return tokenizer, loading.load_model_config(cfg.model.path, cfg.model.trust_remote_code)
+    if ckpt is not None and (ckpt / "tokenizer").is_dir():
+        tokenizer = loading.load_tokenizer(str(ckpt / "tokenizer"))
+        return tokenizer, loading.embedded_llama_config(cfg.model, tokenizer)
+    if FORMATS[data_cfg.format].generated and not data_cfg.sources:  # the embedded task
+        corpus = FORMATS[data_cfg.format].corpus(data_cfg.synthetic)  # the generated task's own texts
+    else:
+        corpus = text_corpus(data.train)
+    tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
+    return tokenizer, loading.embedded_llama_config(cfg.model, tokenizer)
+
+
+def columns(cfg: Config, ctx: StageContext, data, tokenizer, chat) -> tuple:
+    """(train, held-out or None) records tokenized, through the cache."""
+    data_cfg, mesh = cfg.data, ctx.mesh
+    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
+    train_cols = cached(
+        "sft", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_sft(data.train, tokenizer, **lens)
+    )
+    eval_cols = None
+    if data.eval:
+        make = lambda: tokenize_sft(data.eval, tokenizer, **lens)  # noqa: E731
+        eval_cols = cached("sft-eval", data.eval, tokenizer, lens, ctx.cache_dir, mesh, make)
+    return train_cols, eval_cols
+
+
+def collate(cols: dict, indices: List[int], pad: int, mask_prompt: bool) -> dict:
+    return collate_sft(
+        [cols["ids"][i] for i in indices],
+        [cols["prompt_len"][i] for i in indices],
+        pad,
+        mask_prompt,
+        [cols["mask"][i] for i in indices],
+    )
+
+
+@dataclass
+class Evaluation:
+    """The held-out loss and the gold score (episodes where the run plays them), logged."""
+
+    cfg: Config
+    actor: TrainEngine
+    hybrid: HybridEngine
+    runner: EpisodeRunner
+    data: object
+    eval_cols: Optional[dict]
+    tokenizer: PreTrainedTokenizerBase
+    chat: Optional[str]
+    micro: int
+    metrics: object
+
+    def __call__(self, step: int):
+        cfg, data, mesh = self.cfg, self.data, self.actor.mesh
+        results, kept = {}, []
+        if self.eval_cols is not None:
+            pad = self.tokenizer.pad_token_id
+            results["eval/loss"] = eval_loss(self.actor, self.eval_cols, pad, cfg.data.mask_prompt, self.micro, mesh)
+        if data.gold is not None:
+            play = self.runner.player(self.hybrid) if self.runner.multi_turn else None  # episodes: tools used
+            held_out = self.runner.with_tools(data.eval)
+            gold = stage_gold(cfg, self.hybrid, self.tokenizer, held_out, data.gold, mesh, self.chat, kept, play)
+            results.update(gold)
+        return log_evaluation(self.metrics, step, results, self.actor, kept)
 
 
 def train_step(actor: TrainEngine, micro_batches: List[dict]) -> tuple[float, float]:
@@ -210,18 +232,6 @@ def train_step(actor: TrainEngine, micro_batches: List[dict]) -> tuple[float, fl
         loss_sum += float(nll.detach())
     grad_norm = actor.step()
     return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm
-
-
-def save(ctx: StageContext, actor: TrainEngine, tokenizer: PreTrainedTokenizerBase, step: int, mesh: Mesh, keep: int):
-    return save_checkpoint(
-        ctx.ckpt_dir,
-        step,
-        {"actor": actor},
-        {"stage": "sft", "fingerprint": ctx.fingerprint},
-        mesh,
-        keep=keep,
-        tokenizer=tokenizer,
-    )
 
 
 def eval_loss(actor: TrainEngine, cols: dict, pad: int, mask_prompt: bool, micro: int, mesh: Mesh) -> float:

@@ -198,6 +198,15 @@ def cached(
 _warned: set = set()
 
 
+def cached_pairs(train: List[Example], held_out: List[Example], tok, lens: dict, cache_dir: Path, mesh):
+    """(train, held-out) preference pairs tokenized (``tokenize_pairs`` with ``lens``) through the
+    cache, under the kinds the reward and DPO stages share: the same pairs tokenize once for both."""
+    pairs = cached("pairs", train, tok, lens, cache_dir, mesh, lambda: tokenize_pairs(train, tok, **lens))
+    return pairs, cached(
+        "pairs-eval", held_out, tok, lens, cache_dir, mesh, lambda: tokenize_pairs(held_out, tok, **lens)
+    )
+
+
 def _is_main() -> bool:
     """Rank 0 of a torchrun job (or a single process): the one that warns."""
     return os.environ.get("RANK", "0") == "0"

@@ -24,6 +24,7 @@ from rlhf.engine.checkpoint import (
     export_identity,
     load_checkpoint,
     newest_intact_checkpoint,
+    save_checkpoint,
     set_aside,
     verify_checkpoint,
 )
@@ -56,6 +57,14 @@ class StageContext:
     @property
     def ckpt_dir(self) -> Path:
         return self.out / "checkpoints"
+
+
+def save_stage(ctx: StageContext, engines: dict, step: int, keep: int, tokenizer=None) -> Path:
+    """A checkpoint of a stage whose state is its engines alone (SFT, reward, DPO): ``engines`` by name,
+    the stage and its fingerprint, ``keep`` kept (train.keep_checkpoints); ``tokenizer`` saved too (the
+    embedded default's is trained)."""
+    state = {"stage": ctx.out.name, "fingerprint": ctx.fingerprint}
+    return save_checkpoint(ctx.ckpt_dir, step, engines, state, ctx.mesh, keep=keep, tokenizer=tokenizer)
 
 
 def start_stage(cfg: Config, stage: str) -> StageContext:

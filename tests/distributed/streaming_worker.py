@@ -109,7 +109,7 @@ def build(case: str, root: Path, mesh):
                 torch.manual_seed(SEED)
                 init_head(model)
         return ScalarHeadModel(model)
-    # the critic (stages/ppo.py scalar_model): the reward model's head scaled
+    # the critic (rlhf/rl/models.py scalar_model): the reward model's head scaled
     model = loading.build_model(
         AutoModelForSequenceClassification, config=cfg, path=src, on_meta=not mesh.is_main, tokenizer=tok
     )

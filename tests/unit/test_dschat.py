@@ -163,7 +163,7 @@ def ppo_layout(family, rm, pad, gen, prompt_len=6, n_resp=7):
 
 
 def rlhf_reward_path(dst):
-    """The converted model as PPO builds its reward model (stages/ppo.py scalar_model): FrozenModel over
+    """The converted model as PPO builds its reward model (rlhf/rl/models.py scalar_model): FrozenModel over
     ScalarHeadModel, packed forwards where the family packs."""
     tok = loading.load_tokenizer(str(dst))
     model = loading.build_model(AutoModelForSequenceClassification, path=str(dst), tokenizer=tok)

@@ -1,0 +1,260 @@
+"""PPO's models: which ones a run uses (``inputs``), the reward models' held-out statistics
+(``RewardStats``), and the set built from them (``build_models``: actor and its hybrid engine, critic,
+reference, reward models, the scorers over them, the EMA copy). stages/ppo.py reads top to bottom on
+these."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
+
+from rlhf.algorithms.estimators import estimator
+from rlhf.config import ENV_BUILTINS, MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER, Config, LoraConfig
+from rlhf.data.formats import FORMATS
+from rlhf.engine.hybrid import HybridEngine
+from rlhf.engine.mesh import Mesh
+from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
+from rlhf.errors import ConfigError
+from rlhf.models import dschat, loading, lora
+from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name, mean_head, members
+from rlhf.rl.ema import EMA
+from rlhf.rl.experience import RewardModels, RewardNormaliser, Scorers
+from rlhf.runtime.stage import previous_output, stage_input
+
+log = logging.getLogger("rlhf")
+
+
+def check_reward_model(stats: dict, rm_src: Optional[Path], threshold: Optional[float], data_format: str) -> None:
+    """Exit 2 before any work when the reward model ranks too few held-out pairs right: PPO would train
+    the policy towards its errors (on the embedded task RMs at 0.65–0.87 lowered the gold score)."""
+    acc = stats.get("eval/accuracy")
+    if threshold is None:
+        threshold = MIN_RM_ACCURACY_OTHER
+        if FORMATS[data_format].generated:
+            threshold = MIN_RM_ACCURACY_EMBEDDED
+    if acc is None or acc >= threshold:
+        return
+    raise ConfigError(
+        f"reward model {rm_src}: held-out accuracy {acc:.3f} (reward_stats.json) is below "
+        f"ppo.min_rm_accuracy={threshold:g}; PPO would optimise its errors: train it better "
+        f"(more reward steps or data), or set ppo.min_rm_accuracy=0 to go on anyway"
+    )
+
+
+def reward_stats(src: Path) -> dict:
+    """A reward model's held-out statistics (its reward_stats.json; none: unnormalised)."""
+    if (src / REWARD_STATS_FILE).is_file():
+        return json.loads((src / REWARD_STATS_FILE).read_text())
+    return {"mean": 0.0, "std": 1.0}
+
+
+def check_ensemble_keys(ppo, stats: dict, n_members: int, rm_src: str) -> None:
+    """Exit 2 before any model loads when a key needs what the reward model lacks: the gate's
+    disagreement needs an ensemble (``n_members`` ≥ 2), ppo.reward_clip its held-out score range."""
+    if ppo.stop_disagreement is not None and n_members < 2:
+        what = f"reward model {rm_src} has {n_members} member" if n_members else "run scores with no reward model"
+        raise ConfigError(
+            f"ppo.stop_disagreement={ppo.stop_disagreement:g} reads a reward-model ensemble's disagreement, but the "
+            f"{what}: train one with reward.ensemble=k (k ≥ 2), or gate on ppo.stop_kl"
+        )
+    if ppo.reward_clip and n_members and any("min" not in m for m in stats.get("members") or [stats]):
+        raise ConfigError(
+            f"ppo.reward_clip=true needs the reward model's held-out score range (min, max in {rm_src}/"
+            f"{REWARD_STATS_FILE}, written by stage=reward): retrain it with this version, or set ppo.reward_clip=false"
+        )
+
+
+@dataclass
+class RewardStats:
+    """The reward models' held-out statistics: ``first`` (the first model's: the critic's scale),
+    ``members`` (what normalises the scores: one model's statistics, or every member's of several) and
+    ``n_members`` (the ensemble's size; 0 without a reward model)."""
+
+    first: dict = field(default_factory=lambda: {"mean": 0.0, "std": 1.0})
+    members: dict = field(default_factory=lambda: {"mean": 0.0, "std": 1.0})
+    n_members: int = 0
+
+    @classmethod
+    def of(cls, cfg: Config, rm_srcs: List[Path]) -> "RewardStats":
+        """Read from ``rm_srcs`` and checked (ppo.min_rm_accuracy, the ensemble's keys): exit 2 before any
+        model loads."""
+        ppo = cfg.ppo
+        every = [reward_stats(src) for src in rm_srcs]
+        first = every[0] if every else {"mean": 0.0, "std": 1.0}
+        n_members = 0
+        if ppo.use_reward_model:
+            for src, st in zip(rm_srcs, every):
+                check_reward_model(st, src, ppo.min_rm_accuracy, cfg.data.source_list()[0].format)
+            n_members = sum(members(loading.load_model_config(str(s), cfg.model.trust_remote_code)) for s in rm_srcs)
+        merged = first if len(every) <= 1 else {"members": [m for st in every for m in st.get("members") or [st]]}
+        check_ensemble_keys(ppo, merged, n_members, ", ".join(map(str, rm_srcs)))
+        return cls(first, merged, n_members)
+
+    def critic_scale(self, cfg: Config) -> Union[float, List[float]]:
+        """The critic starts as the reward model, its head divided by the held-out std of each member
+        (under algorithm.reward_norm=stats) so that it predicts the normalised rewards; a critic of its
+        own (ppo.critic_path) is taken as it is."""
+        if cfg.algorithm.reward_norm != "stats" or cfg.ppo.critic_path:
+            return 1.0
+        scale = [1.0 / max(m["std"], 1e-8) for m in self.first.get("members") or [self.first]]
+        return scale[0] if len(scale) == 1 else scale
+
+
+@dataclass
+class Models:
+    """What a PPO run trains and scores with; ``engines``: what checkpoints save and resume restores."""
+
+    actor: TrainEngine
+    hybrid: HybridEngine
+    critic: Optional[TrainEngine]
+    reward_model: object  # FrozenModel, RewardModels or None
+    scorers: Scorers
+    ema: Optional[EMA]
+    engines: Dict[str, TrainEngine]
+
+
+def build_models(
+    cfg: Config, mesh: Mesh, tokenizer, sources: Tuple, stats: RewardStats, rule, gold, total_updates: int
+) -> Models:
+    """The actor (LoRA adapters with model.lora.r > 0) and its hybrid engine, the critic (GAE), the
+    reference (algorithm.kl_coef > 0: the actor with adapters off under LoRA, else a second copy), the
+    reward models and the scorers over them, the EMA copy; ``sources``: ``inputs``' (actor, reward
+    models, critic). Each model placed by engine.<role>.*."""
+    actor_src, rm_srcs, critic_src = sources
+    train, ppo, alg, lcfg = cfg.train, cfg.ppo, cfg.algorithm, cfg.model.lora
+    remote, place = cfg.model.trust_remote_code, cfg.engine.placement
+
+    def policy_model(role: str):  # the SFT model, once as the actor and once as the reference
+        return loading.causal_lm(actor_src, mesh, tokenizer, remote, cfg.model.disable_dropout, role)
+
+    adapted = lora.adapt(policy_model("actor"), lcfg, cfg.run.seed, what="actor")
+    actor = TrainEngine(adapted, mesh, place("actor"), train, total_steps=total_updates)
+    hybrid = HybridEngine(actor, tokenizer, place("actor"))
+    critic = None
+    if estimator(alg).critic:
+        critic_lora = lcfg if lcfg.critic else None  # model.lora.critic: adapters on the critic too
+        model = scalar_model(cfg, critic_src, mesh, tokenizer, stats.critic_scale(cfg), critic_lora, "critic")
+        critic = TrainEngine(model, mesh, place("critic"), train, total_steps=total_updates, lr=ppo.critic_lr)
+    ref = None
+    if alg.kl_coef > 0:  # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
+        ref = reference_for(actor, lambda: policy_model("reference"), mesh, place("reference"))
+    reward_model = None
+    if ppo.use_reward_model:
+        models = [FrozenModel(scalar_model(cfg, src, mesh, tokenizer), mesh, place("reward_model")) for src in rm_srcs]
+        reward_model = models[0] if len(models) == 1 else RewardModels(models)
+    scorers = Scorers(
+        ref=ref,
+        critic=critic,
+        reward_model=reward_model,
+        normalise=RewardNormaliser(alg.reward_norm, stats.members, ppo.reward_clip, stats.n_members),
+        rule=rule,
+        rule_weight=ppo.reward_fn_weight,
+        data_format=cfg.data.source_list()[0].format,
+        gold=gold,
+    )
+    ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
+    engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
+    return Models(actor, hybrid, critic, reward_model, scorers, ema, engines)
+
+
+def inputs(cfg: Config, mesh: Mesh) -> Tuple[str, List[Path], Optional[Path]]:
+    """(actor source, reward-model dirs, critic dir or None): the SFT output (or model.path or
+    ppo.actor_path), the reward models (ppo.reward_model_path, comma-separated for several, or the
+    reward stage's output; none when unused) and the critic's start (ppo.critic_path or the first
+    reward model). A DeepSpeed-Chat reward model (or critic) given by path is converted into
+    <run.dir>/converted/ first (rank 0; rlhf/models/dschat.py)."""
+    ppo, alg = cfg.ppo, cfg.algorithm
+    actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
+    gae = estimator(alg).critic  # (GAE: the critic's start is needed)
+    if not ppo.use_reward_model and not ppo.reward_fn and ppo.env in ENV_BUILTINS:
+        raise ConfigError(
+            f"ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold) or "
+            f"an environment that gives rewards (ppo.env=module.Class; the built-in ppo.env={ppo.env} gives none)"
+        )
+    if not ppo.use_reward_model and not ppo.reward_fn:
+        log.info("ppo: the rewards are ppo.env=%s's alone (no reward model, no ppo.reward_fn)", ppo.env)
+    if ppo.critic_path and not gae:
+        raise ConfigError(
+            f"ppo.critic_path={ppo.critic_path} is set but algorithm.estimator={alg.estimator} "
+            f"has no critic (only gae does)"
+        )
+    # GAE's critic starts as the reward model unless it has a start of its own
+    needs_rm = ppo.use_reward_model or (gae and not ppo.critic_path)
+    rm_srcs: List[Path] = []
+    if ppo.reward_model_path and not needs_rm:
+        raise ConfigError(
+            f"ppo.reward_model_path={ppo.reward_model_path} is set but nothing uses it "
+            f"(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or there is none)"
+        )
+    if ppo.reward_model_path:  # several, comma-separated: their members together are one ensemble
+        for given in [x.strip() for x in str(ppo.reward_model_path).split(",") if x.strip()]:
+            path = dschat.reward_model_input(given, "ppo.reward_model_path", cfg.run.dir, mesh)
+            loading.check_scalar_model(path, "ppo.reward_model_path")
+            rm_srcs.append(Path(path).expanduser())
+    elif needs_rm:
+        rm_srcs = [previous_output(cfg.run.dir, "reward", "model")]
+        if rm_srcs[0] is None:
+            raise ConfigError(
+                f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first, set "
+                f"ppo.reward_model_path, or use algorithm.estimator=grpo ppo.use_reward_model=false "
+                f"ppo.reward_fn=..."
+            )
+    critic_src = None
+    if ppo.critic_path:
+        critic = dschat.reward_model_input(ppo.critic_path, "ppo.critic_path", cfg.run.dir, mesh)
+        loading.check_scalar_model(critic, "ppo.critic_path")
+        critic_src = Path(critic).expanduser()
+    elif gae:
+        critic_src = rm_srcs[0]
+    if ppo.actor_path:
+        loading.check_model_path(str(actor_src), "ppo.actor_path")
+    else:
+        loading.check_model_path(str(actor_src), "model.path")
+    if needs_rm:
+        note = ""
+        if not ppo.use_reward_model:
+            note = " (ppo.use_reward_model=false: the critic's start only)"
+        log.info("ppo: reward model%s %s%s", "s" if len(rm_srcs) > 1 else "", ", ".join(map(str, rm_srcs)), note)
+    if critic_src is not None:
+        log.info("ppo: critic starts from %s", critic_src)
+    return str(actor_src), rm_srcs, critic_src
+
+
+def scalar_model(
+    cfg: Config,
+    src: Path,
+    mesh: Mesh,
+    tokenizer: PreTrainedTokenizerBase,
+    scale: Union[float, List[float]] = 1.0,
+    lcfg: Optional[LoraConfig] = None,
+    role: str = "reward model",
+) -> ScalarHeadModel:
+    """The reward model's architecture and weights as a scalar-head model (the critic's head scaled, per
+    member of an ensemble by ``scale[i]``, and the members averaged into one head;
+    ``lcfg``: LoRA adapters on its backbone, the head fully trained; dropout per model.disable_dropout)."""
+    model_cfg = loading.load_model_config(str(src), cfg.model.trust_remote_code)
+    model = loading.build_model(
+        AutoModelForSequenceClassification,
+        config=model_cfg,
+        path=str(src),
+        on_meta=not mesh.is_main,
+        trust_remote_code=cfg.model.trust_remote_code,
+        tokenizer=tokenizer,
+        disable_dropout=cfg.model.disable_dropout,
+        role=role,
+    )
+    if role == "critic" and members(model.config) > 1:  # from an ensemble: its one head, the members' mean
+        scales = scale if isinstance(scale, list) else [scale] * members(model.config)
+        mean_head(model, scales)
+    elif scale != 1.0 and mesh.is_main:
+        with torch.no_grad():
+            head_module(model).weight.mul_(scale)
+    if lcfg is not None:
+        model = lora.adapt(model, lcfg, cfg.run.seed + 1, head=head_name(model), what="critic")
+    return ScalarHeadModel(model)
