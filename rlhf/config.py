@@ -876,6 +876,8 @@ class AlgorithmConfig:
         _check(self.tis_cap >= 1.0, "algorithm.tis_cap", self.tis_cap, "a number >= 1")
 
 
+# ppo.rollout_guard_max=0: the threshold of each compared precision, nats per response token
+ROLLOUT_GUARD_MAX = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 # the default ppo.min_rm_accuracy: on the embedded task (a generated format), and on any other data
 MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER = 0.9, 0.55
 # ppo.sandbox.isolation: the strongest mode, the strongest or exit 2 without namespaces, or a mode by name
@@ -977,7 +979,7 @@ class PPOConfig:
     # the inference weights and regenerate the step once, then exit 2 if still above; off = no check
     rollout_guard: str = "stop"
     # the threshold on the mean |log π_rollout − log π_old| per response token, in nats; 0 = the default of
-    # the compared precision (rlhf/rl/rollout_guard.py DEFAULT_MAX: fp32 1e-3, bf16 5e-2)
+    # the compared precision (ROLLOUT_GUARD_MAX: fp32 1e-3, bf16 5e-2, fp16 2e-2)
     rollout_guard_max: float = 0.0
     # DAPO's dynamic sampling (group estimators): drop prompts whose samples all scored alike and
     # generate for further prompts until the step has prompts_per_step with a signal, at most

@@ -1,6 +1,7 @@
 """Fixed-seed numbers as a contract: a short SFT → reward → the five PPO variants → DPO sequence on
-the embedded default (fp32), run in a tree, and the comparison of two such runs (metrics and exported
-weights). A refactor that should not change results runs it before and after:
+the embedded default (fp32), a reward-model ensemble with PPO against it, and the agentic tool task
+(SFT, then GRPO episodes calling the calculator), run in a tree, and the comparison of two such runs
+(metrics and exported weights). A refactor that should not change results runs it before and after:
 
     git worktree add /tmp/base <commit> && ln -s $PWD/.venv /tmp/base/.venv
     python scripts/fixed_seed.py run /tmp/base --out /tmp/fs_base [--nproc 2]
@@ -41,11 +42,12 @@ PPO = [
     "ppo.min_rm_accuracy=0",
     "train.eval_every=0",
 ]
-# (name, stage, overrides): each PPO variant in a run dir of its own, copied from the reward run
+# (name, stage, overrides, start): each step runs in <out>/<name>, made from a copy of <out>/<start>
+# without the stage it runs nor ppo/dpo (None: a fresh run dir); "base" holds SFT then the reward model
 STEPS = [
-    ("sft", "sft", ["train.max_steps=40", "train.warmup_steps=5", "train.eval_every=20"]),
-    ("reward", "reward", ["train.max_steps=20", "train.eval_every=10"]),
-    ("ppo_gae", "ppo", PPO + ["ppo.ema_decay=0.5", "algorithm.ptx_coef=0.1"]),
+    ("base", "sft", ["train.max_steps=40", "train.warmup_steps=5", "train.eval_every=20"], None),
+    ("base", "reward", ["train.max_steps=20", "train.eval_every=10"], None),
+    ("ppo_gae", "ppo", PPO + ["ppo.ema_decay=0.5", "algorithm.ptx_coef=0.1"], "base"),
     (
         "ppo_grpo",
         "ppo",
@@ -56,11 +58,23 @@ STEPS = [
             "ppo.reward_fn=rlhf.rewards.gold",
             "ppo.dynamic_sampling=true",
         ],
+        "base",
     ),
-    ("ppo_rloo", "ppo", PPO + ["algorithm.estimator=rloo"]),
-    ("ppo_reinforce_pp", "ppo", PPO + ["algorithm.estimator=reinforce_pp"]),
-    ("ppo_lora", "ppo", PPO + ["model.lora.r=4", "model.lora.critic=true", "algorithm.mismatch_correction=tis"]),
-    ("dpo", "dpo", ["train.max_steps=10", "train.eval_every=5"]),
+    ("ppo_rloo", "ppo", PPO + ["algorithm.estimator=rloo"], "base"),
+    ("ppo_reinforce_pp", "ppo", PPO + ["algorithm.estimator=reinforce_pp"], "base"),
+    (
+        "ppo_lora",
+        "ppo",
+        PPO + ["model.lora.r=4", "model.lora.critic=true", "algorithm.mismatch_correction=tis"],
+        "base",
+    ),
+    ("dpo", "dpo", ["train.max_steps=10", "train.eval_every=5"], "base"),
+    # a reward-model ensemble (bootstrapped heads) and PPO against it, clipped and gated by disagreement
+    ("ensemble", "reward", ["train.max_steps=20", "train.eval_every=10", "reward.ensemble=2"], "base"),
+    ("ensemble", "ppo", PPO + ["ppo.reward_clip=true", "ppo.stop_disagreement=100"], None),
+    # the agentic path: SFT on the tool task, then GRPO episodes calling the calculator
+    ("agentic", "sft", ["recipe=agentic", "train.max_steps=40", "train.warmup_steps=5", "train.eval_every=20"], None),
+    ("agentic", "ppo", ["recipe=agentic", *PPO], None),
 ]
 
 
@@ -73,7 +87,6 @@ def run(tree: Path, out: Path, nproc: int, overrides: tuple = ()) -> None:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    base = out / "base"
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -83,12 +96,10 @@ def run(tree: Path, out: Path, nproc: int, overrides: tuple = ()) -> None:
         "RLHF_DEVICE": "cpu",
     }
     py = str(tree / ".venv" / "bin" / "python") if (tree / ".venv").exists() else sys.executable
-    for name, stage, extra in STEPS:
-        run_dir = base
-        if stage in ("ppo", "dpo"):  # a copy of the SFT + reward run per variant
-            run_dir = out / name
-            if not run_dir.exists():
-                shutil.copytree(base, run_dir, ignore=shutil.ignore_patterns("ppo", "dpo"))
+    for name, stage, extra, start in STEPS:
+        run_dir = out / name
+        if start is not None and not run_dir.exists():
+            shutil.copytree(out / start, run_dir, ignore=shutil.ignore_patterns(stage, "ppo", "dpo"))
         launch = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [py]
         cmd = launch + ["-m", "rlhf", f"stage={stage}", f"run.dir={run_dir}", *COMMON, *extra, *overrides]
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)

@@ -163,8 +163,6 @@ class EpisodeRunner:
     ):
         self.make_env, self.env_name, self.tok, self.template, self.mesh = make_env, env_name, tokenizer, template, mesh
         self.max_turns, self.max_tokens, self.timeout_s = max_turns, max_tokens, timeout_s
-        self.budget = max_tokens or 0  # this generation's (``run``)
-        self.room: Optional[int] = None  # this generation's: the longest prompt a later turn may have (``run``)
         self.single_turn = single_turn  # the built-in single-turn environment: no turn, no reward of its own
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.observations = ObservationEncoder(tokenizer, template)
@@ -247,8 +245,8 @@ class EpisodeRunner:
         ``positions``: a learned position table's size (``HybridEngine.positions``; 0: none): an episode
         whose next turn would not fit it ends there, cut (``env/truncated``), as at the token budget."""
         t_env = 0.0
-        self.budget = self.max_tokens or sp.max_new_tokens  # tokens after the prompt (None: one generation's)
-        self.room = positions - sp.max_new_tokens if positions else None  # a later turn's prompt at most
+        budget = self.max_tokens or sp.max_new_tokens  # tokens after the prompt (None: one generation's)
+        room = positions - sp.max_new_tokens if positions else None  # a later turn's prompt at most
         rows = [
             _Row(p, e)
             for p, e in zip(prompt_major(prompts, sp.samples_per_prompt), prompt_major(examples, sp.samples_per_prompt))
@@ -265,11 +263,11 @@ class EpisodeRunner:
         else:  # a row's environment chose its opening: one row per trajectory
             first = generate([r.prompt for r in rows], replace(sp, samples_per_prompt=1), keyed)
         timings = dict(first.timings)
-        self._take(rows, first, list(range(len(rows))))
+        self._take(rows, first, list(range(len(rows))), budget)
         turn = 1
         while True:
             t0 = time.perf_counter()
-            self._answer(rows, last_turn=turn >= self.max_turns)
+            self._answer(rows, turn >= self.max_turns, budget, room)
             t_env += time.perf_counter() - t0
             going = [i for i, r in enumerate(rows) if not r.done]
             if turn >= self.max_turns or not self.mesh.sum(float(len(going))):
@@ -278,10 +276,10 @@ class EpisodeRunner:
             gen = generate([rows[i].prompt + rows[i].tokens for i in going], spt, [keyed[i] for i in going])
             for k, v in gen.timings.items():
                 timings[k] = timings.get(k, 0.0) + v
-            self._take(rows, gen, going)
+            self._take(rows, gen, going, budget)
             turn += 1
         # one turn each with nothing appended, at the single-turn length: the first generation itself
-        single = openings is None and self.budget >= sp.max_new_tokens and all(0 not in r.policy for r in rows)
+        single = openings is None and budget >= sp.max_new_tokens and all(0 not in r.policy for r in rows)
         out = self._assemble(rows, first, t_env, single)
         out.gen.timings = timings
         return out
@@ -306,8 +304,8 @@ class EpisodeRunner:
                 own = True
         return True if own else None
 
-    def _take(self, rows: List[_Row], gen: Generation, which: List[int]) -> None:
-        """Appends each generated row's sampled tokens (to its EOS) within the token budget."""
+    def _take(self, rows: List[_Row], gen: Generation, which: List[int], budget: int) -> None:
+        """Appends each generated row's sampled tokens (to its EOS) within ``budget`` tokens after the prompt."""
         resp, mask = gen.responses, gen.response_mask.bool()
         logp = gen.logprobs
         turns = [resp[k][mask[k]].tolist() for k in range(len(which))]
@@ -318,7 +316,7 @@ class EpisodeRunner:
                 continue
             ids = turns[k]
             lps = [0.0] * len(ids) if logp is None else logp[k][mask[k]].tolist()
-            room = self.budget - len(r.tokens)
+            room = budget - len(r.tokens)
             ended = bool(ids) and ids[-1] == self.eos_id and len(ids) <= room
             ids, lps = ids[:room], lps[:room]
             r.counts["turns"] = r.counts.get("turns", 0.0) + 1
@@ -331,8 +329,10 @@ class EpisodeRunner:
                 r.done = True
                 r.counts["truncated"] = 1.0
 
-    def _answer(self, rows: List[_Row], last_turn: bool) -> None:
-        """Each going row's environment answers its last turn (in parallel); observations appended."""
+    def _answer(self, rows: List[_Row], last_turn: bool, budget: int, room: Optional[int]) -> None:
+        """Each going row's environment answers its last turn (in parallel); observations appended while
+        they fit ``budget`` tokens after the prompt and, with a learned position table, ``room`` (the
+        longest prompt a later turn may have)."""
         going = [r for r in rows if not r.done]
         results = self._call([lambda r=r: check_step(r.env.step(r.text), "step") for r in going])
         for r, (res, err) in zip(going, results):
@@ -351,8 +351,8 @@ class EpisodeRunner:
             except Exception as e:  # the template refuses these messages
                 self._fail(r, f"step: its observation cannot be rendered: {type(e).__name__}: {first_line(e)}")
                 continue
-            fits = self.room is None or len(r.prompt) + len(r.tokens) + len(obs) <= self.room
-            if not obs or len(r.tokens) + len(obs) >= self.budget or not fits:
+            fits = room is None or len(r.prompt) + len(r.tokens) + len(obs) <= room
+            if not obs or len(r.tokens) + len(obs) >= budget or not fits:
                 r.done = True
                 r.counts["truncated"] = 1.0
                 continue

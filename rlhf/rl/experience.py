@@ -231,6 +231,8 @@ class Rollouts:
     parts: Dict[str, torch.Tensor]  # name -> [B]
     gold: Optional[torch.Tensor] = None  # [B] the gold rule's score of each row, when the data has one
     watch: Dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] (``Experience.watch``)
+    # the episodes' statistics (multi-turn) of every generation these rows were chosen from
+    env_stats: List[Dict[str, float]] = field(default_factory=list)
 
     @property
     def gen(self) -> Generation:
@@ -240,7 +242,7 @@ class Rollouts:
 def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, pad_id: int) -> Rollouts:
     """One ``Rollouts`` of the (rollouts, prompt index) pairs in ``chosen`` (a prompt's
     ``samples_per_prompt`` rows are consecutive: ``prompt_major``), prompts re-padded on the left
-    to the longest prompt length among them. The episodes' statistics are those of every round."""
+    to the longest prompt length among them (the episodes' statistics: the caller's to set)."""
     prompt_len = max(b.gen.prompt_len for b, _ in chosen)
     n_resp = max(b.gen.response_mask.shape[1] for b, _ in chosen)  # episodes' rounds differ in length
     parts_keys, watch_keys = chosen[0][0].parts.keys(), chosen[0][0].watch.keys()
@@ -332,7 +334,6 @@ class Collector:
         self.hybrid, self.actor, self.scorers, self.prompts = hybrid, actor, scorers, prompts
         self.alg, self.ppo, self.tokenizer, self.mesh, self.seed = alg, ppo, tokenizer, mesh, seed
         self.runner = runner or EpisodeRunner.single(tokenizer, mesh)  # (None: single-turn PPO)
-        self._env_stats: List[Dict[str, float]] = []  # the step's episodes' statistics, every round
 
     def sampling(self, step: int) -> SamplingParams:
         ppo = self.ppo
@@ -351,7 +352,6 @@ class Collector:
         """The experience of step ``step`` with KL coefficient ``kl_beta``."""
         alg, ppo, mesh, sp = self.alg, self.ppo, self.mesh, self.sampling(step)
         t0 = time.perf_counter()
-        self._env_stats = []
         ro = self.rollout(self.prompts.step(step), sp)
         timings = dict(ro.gen.timings)
         dyn = {}
@@ -428,7 +428,7 @@ class Collector:
             timings=timings,
             extra_metrics=dyn,
             score_s=time.perf_counter() - t0 - waited,
-            env_stats=merge_stats(self._env_stats),
+            env_stats=merge_stats(ro.env_stats),
             turn_rewards=ro.ep.turn_rewards,
             watch=ro.watch,
             texts=ro.ep.texts,
@@ -447,7 +447,7 @@ class Collector:
         mesh, max_rounds = self.mesh, self.ppo.dynamic_sampling_max_rounds
         samples, quota = sp.samples_per_prompt, first.scores.numel() // sp.samples_per_prompt
         kept, dropped, rounds, n_dropped = [], [], 0, 0
-        batch = first
+        batch, env_stats = first, list(first.env_stats)
         while True:
             zero = ppo_math.zero_variance_groups(batch.scores, samples).tolist()
             n_dropped += sum(zero)
@@ -459,6 +459,7 @@ class Collector:
             rounds += 1
             sp_round = replace(sp, seed=seeding.offset(sp.seed, rounds, seeding.REFILL))
             batch = self.rollout(self.prompts.refill(step, rounds), sp_round)
+            env_stats += batch.env_stats
             for k, v in batch.gen.timings.items():
                 timings[k] = timings.get(k, 0.0) + v
         topped = max(quota - len(kept), 0)
@@ -468,7 +469,9 @@ class Collector:
             "dynamic/rounds": float(rounds),
             "dynamic/topped_up_groups": mesh.sum(topped),
         }
-        return concat_groups(chosen, samples, self.tokenizer.pad_token_id), stats
+        out = concat_groups(chosen, samples, self.tokenizer.pad_token_id)
+        out.env_stats = env_stats  # every round's, the dropped groups' too
+        return out, stats
 
     def rollout(self, batch: PromptBatch, sp: SamplingParams) -> Rollouts:
         """Play ``sp.samples_per_prompt`` episodes of each prompt (inference mode; one turn each with
@@ -477,8 +480,6 @@ class Collector:
         scorers, alg, ppo, tokenizer = self.scorers, self.alg, self.ppo, self.tokenizer
         with self.hybrid.holding():  # the turns of a rollout share one inference model
             ep = self.runner.run(self.hybrid.generate, batch.ids, batch.examples, sp, positions=self.hybrid.positions)
-        if self.runner.multi_turn:
-            self._env_stats.append(ep.stats)
         self.check_failures(ep)
         gen = ep.gen
         seq, att = gen.sequences, gen.attention_mask
@@ -515,7 +516,7 @@ class Collector:
             gold = torch.tensor(
                 [scorers.gold(t, e.reference) for t, e in zip(texts, examples)], dtype=torch.float32, device=seq.device
             )
-        return Rollouts(ep, examples, score, parts, gold, watch)
+        return Rollouts(ep, examples, score, parts, gold, watch, [ep.stats] if self.runner.multi_turn else [])
 
     def check_failures(self, ep: Episodes) -> None:
         """Exit 2, naming the environment and an error, when more than ``ppo.env_max_failed_share`` of

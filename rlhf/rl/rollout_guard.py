@@ -27,6 +27,7 @@ import logging
 import math
 from typing import Callable, Dict, Optional, Tuple, TypeVar
 
+from rlhf.config import ROLLOUT_GUARD_MAX
 from rlhf.engine.mesh import name_of
 from rlhf.errors import UserError
 
@@ -35,12 +36,12 @@ log = logging.getLogger("rlhf")
 METRIC = "rollout/logprob_abs_diff_mean"  # what the guard judges
 MAX_METRIC = "rollout/logprob_abs_diff_max"  # named beside it
 
-# the default threshold on rollout/logprob_abs_diff_mean (nats per token) by the lower precision of the
-# two computations (the inference copy's dtype, the actor's training precision), over the healthy values
+# the default thresholds on rollout/logprob_abs_diff_mean (nats per token; config.py ROLLOUT_GUARD_MAX) by
+# the lower precision of the two computations (the inference copy's dtype, the actor's training
+# precision), over the healthy values
 # measured on the embedded task (docs/ppo.md, "The rollout-parity guard"): fp32 ≤ 8.3e-8 (12 000×), bf16
 # ≤ 2.7e-3 (18×; larger models in bf16 are reported at 1e-2 to 4e-2 between separate inference engines),
 # fp16 ≤ 1.4e-4 (140×; 3 more mantissa bits than bf16: a larger model's gap should stay 8× below bf16's)
-DEFAULT_MAX = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 
 Exp = TypeVar("Exp")
 
@@ -63,7 +64,7 @@ def threshold(rollout_guard_max: float, dtype: str) -> float:
     """The threshold in force: ``ppo.rollout_guard_max``, or its dtype's default when 0."""
     if rollout_guard_max > 0:
         return rollout_guard_max
-    return DEFAULT_MAX[dtype]
+    return ROLLOUT_GUARD_MAX[dtype]
 
 
 def exceeds(mean: Optional[float], limit: float) -> bool:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf.config import EngineConfig, PPOConfig, TrainConfig
+from rlhf.config import ROLLOUT_GUARD_MAX, EngineConfig, PPOConfig, TrainConfig
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.logprobs import response_logprobs
 from rlhf.engine.mesh import Mesh
@@ -15,7 +15,6 @@ from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError, UserError
 from rlhf.ops import SamplingParams
 from rlhf.rl.rollout_guard import (
-    DEFAULT_MAX,
     MAX_METRIC,
     METRIC,
     RolloutGuard,
@@ -36,18 +35,18 @@ def test_threshold_per_compared_precision():
     assert compute_dtype("fp32", "fp32") == "fp32"
     # bf16 on either side: fp32 rollouts recomputed under bf16 autocast differ as much as a bf16 copy's
     assert compute_dtype("bf16", "fp32") == compute_dtype("fp32", "bf16") == compute_dtype("bf16", "bf16") == "bf16"
-    assert threshold(0.0, "fp32") == DEFAULT_MAX["fp32"] == 1e-3
-    assert threshold(0.0, "bf16") == DEFAULT_MAX["bf16"] == 5e-2
+    assert threshold(0.0, "fp32") == ROLLOUT_GUARD_MAX["fp32"] == 1e-3
+    assert threshold(0.0, "bf16") == ROLLOUT_GUARD_MAX["bf16"] == 5e-2
     assert threshold(0.2, "fp32") == threshold(0.2, "bf16") == 0.2  # ppo.rollout_guard_max wins
     # fp16 (10 mantissa bits) between them: the coarser side's precision is compared
     assert compute_dtype("fp16", "fp32") == compute_dtype("fp32", "fp16") == compute_dtype("fp16", "fp16") == "fp16"
     assert compute_dtype("fp16", "bf16") == compute_dtype("bf16", "fp16") == "bf16"
-    assert threshold(0.0, "fp16") == DEFAULT_MAX["fp16"] == 2e-2
-    assert DEFAULT_MAX["fp16"] >= 100 * 1.4e-4  # fp16's healthy values measured (docs/ppo.md): ≤ 1.4e-4
+    assert threshold(0.0, "fp16") == ROLLOUT_GUARD_MAX["fp16"] == 2e-2
+    assert ROLLOUT_GUARD_MAX["fp16"] >= 100 * 1.4e-4  # fp16's healthy values measured (docs/ppo.md): ≤ 1.4e-4
     # the defaults stand well over the healthy values measured (docs/ppo.md): fp32 ≤ 8.3e-8, bf16 ≤ 2.7e-3
-    assert DEFAULT_MAX["fp32"] >= 1000 * 8.3e-8 and DEFAULT_MAX["bf16"] >= 15 * 2.7e-3
+    assert ROLLOUT_GUARD_MAX["fp32"] >= 1000 * 8.3e-8 and ROLLOUT_GUARD_MAX["bf16"] >= 15 * 2.7e-3
     # ... and the fp32 one lies within bf16's healthy range (2.7e-4 to 2.7e-3): one threshold cannot serve both
-    assert 2.7e-4 < DEFAULT_MAX["fp32"] < 2.7e-3
+    assert 2.7e-4 < ROLLOUT_GUARD_MAX["fp32"] < 2.7e-3
 
 
 def test_decisions_on_a_steps_numbers():
@@ -124,7 +123,7 @@ def test_defaults_against_a_real_inference_copy(dtype):
     eng = TrainEngine(model, Mesh(), ecfg, TrainConfig(lr=1e-2, warmup_steps=0))
     hy = HybridEngine(eng, Tok, ecfg)
     guard = RolloutGuard.of(PPOConfig(), hy, "fp32")
-    assert guard.dtype == dtype and guard.limit == DEFAULT_MAX[dtype] and guard.active
+    assert guard.dtype == dtype and guard.limit == ROLLOUT_GUARD_MAX[dtype] and guard.active
     assert f"inference dtype {dtype}" in guard.settings and "TP 1" in guard.settings
 
     def gap():
@@ -136,9 +135,9 @@ def test_defaults_against_a_real_inference_copy(dtype):
         return float(((lp - gen.logprobs).abs() * m).sum() / m.sum())
 
     healthy = gap()
-    assert healthy < DEFAULT_MAX[dtype] / 5 and not guard.over(row(healthy))
+    assert healthy < ROLLOUT_GUARD_MAX[dtype] / 5 and not guard.over(row(healthy))
     if dtype == "bf16":
-        assert healthy > DEFAULT_MAX["fp32"]
+        assert healthy > ROLLOUT_GUARD_MAX["fp32"]
     # the cached copy made stale behind the engine's back (no weights_version bump): the guard sees it,
     # and rebuild_inference() builds it afresh
     with torch.no_grad():
