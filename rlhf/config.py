@@ -905,6 +905,8 @@ class SandboxConfig:
             _check(getattr(self, key) > 0, f"ppo.sandbox.{key}", getattr(self, key), "a positive number")
         _check(self.processes >= 0, "ppo.sandbox.processes", self.processes, "a non-negative integer")
         _check(self.open_files >= 8, "ppo.sandbox.open_files", self.open_files, "an integer >= 8")
+        _check(self.files >= 2, "ppo.sandbox.files", self.files, "an integer >= 2 (its directory and main.py)")
+        _check(self.memory_mb >= 16, "ppo.sandbox.memory_mb", self.memory_mb, "at least 16 (the interpreter's own)")
         _check(self.isolation in SANDBOX_ISOLATION, "ppo.sandbox.isolation", self.isolation, one_of(SANDBOX_ISOLATION))
 
 

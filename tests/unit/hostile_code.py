@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 
 from rlhf.envs.sandbox import Limits, Sandbox, isolation  # noqa: E402
 from rlhf.envs.sandbox import run as sandbox_run  # noqa: E402
+from rlhf.envs.sandbox.launch import ID_BASE  # noqa: E402
 
 ANY = "any"  # the case's limit is not checked (only what is seen from outside)
 
@@ -42,6 +43,7 @@ class Case:
     kernel: Optional[str] = ANY  # the limit expected without it
     limits: dict = field(default_factory=dict)
     shows: str = ""  # a text the observation must hold (with the guard)
+    never: str = ""  # a text no output may hold, with the guard or without it
 
 
 KILL_CHILD = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\nprint('forked')"
@@ -59,6 +61,28 @@ SCAN_PROC = (
     "        except OSError as e:\n            print(p, f, type(e).__name__)"
 )
 CTYPES = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+MEMFD_EXTENSION = (  # native code from memory: a memfd is on no noexec mount
+    "import glob, os, sysconfig, importlib.util as u, importlib.machinery as m\n"
+    "src = glob.glob(sysconfig.get_path('platstdlib') + '/lib-dynload/_json*.so')[0]\n"
+    "fd = os.memfd_create('x')\nos.write(fd, open(src, 'rb').read())\np = '/proc/self/fd/%d' % fd\n"
+    "u.module_from_spec(u.spec_from_file_location('_json', p, loader=m.ExtensionFileLoader('_json', p)))\n"
+    "print('loaded')"
+)
+KEYRING_READ = (  # native code (_ctypes loaded without an import) reads every key of its session keyring
+    "import _imp, glob, os, sysconfig, importlib.machinery as m\n"
+    "p = glob.glob(sysconfig.get_path('platstdlib') + '/lib-dynload/_ctypes*.so')[0]\n"
+    "c = _imp.create_dynamic(m.ModuleSpec('_ctypes', None, origin=p))\n"
+    "sc = c.dlsym(c.dlopen(None), 'syscall')\n"
+    "nr = {'x86_64': 250, 'aarch64': 219}[os.uname().machine]\n"
+    "ring = c.call_function(sc, (nr, 0, -3, 0))  # KEYCTL_GET_KEYRING_ID of the session keyring\n"
+    "ids = bytes(4096)\nn = c.call_function(sc, (nr, 11, ring, ids, 4096))  # KEYCTL_READ: its keys\n"
+    "print('keyring', ring, n)\n"
+    "for i in range(0, max(n, 0), 4):\n"
+    "    buf = bytes(4096)\n"
+    "    k = int.from_bytes(ids[i:i + 4], 'little')\n"
+    "    got = c.call_function(sc, (nr, 11, k, buf, 4096))\n"
+    "    print(k, buf[:max(got, 0)])"
+)
 
 
 DIR_FD = (  # a write through a directory fd: the path the audit event carries is relative
@@ -210,6 +234,14 @@ def cases(env):
             "extension_from_directory",
             OWN_EXTENSION,
         ),
+        Case("memfd_extension", MEMFD_EXTENSION, ANY, ANY, never="loaded"),
+        Case("keyring_read", KEYRING_READ, "blocked"),
+        Case("proc_keys", "print(open('/proc/keys').read(), open('/proc/key-users').read())"),
+        Case(
+            "signal_init", "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(1), signal.SIGINT)\nprint('sent')"
+        ),
+        Case("code_over_the_disk", "x = 1\n" * 5000, "disk", "disk", limits={"disk_bytes": 10_000}),
+        Case("coding_cookie", "# coding: latin-1\nprint('\u00e9')", shows="\u00e9"),
         Case(
             "proc_self_mem",
             "import os\nfd = os.open('mem', os.O_RDWR, dir_fd=os.open('/proc/self', os.O_RDONLY))\nprint('opened')",
@@ -244,7 +276,7 @@ def call_processes(own_ns, before):
         if fields.get("State", "").split()[:1] == ["Z"]:
             continue
         uid = int(fields["Uid"].split()[0])
-        if pid_ns(name) not in (own_ns, None) or uid >= 0x40000000:
+        if pid_ns(name) not in (own_ns, None) or uid >= ID_BASE:
             found.append(f"{name} ({fields.get('Name', '').strip()})")
     return found
 
@@ -297,6 +329,8 @@ class Outside:
         text = result.stdout + result.stderr
         if self.env["secret_value"] in text:
             found.append("a secret of the trainer's reached the code")
+        if result.limit is None and result.exit_code is None:
+            found.append("the call ended without a status")
         return found
 
 
@@ -312,6 +346,7 @@ def main():
         assert "    install(ROOT)\n" in text
         unguarded = text.replace("    install(ROOT)\n", "    pass\n")
         sandbox_run._program = lambda name: unguarded if name == "guard.py" else text_of(name)
+    add_secret_key(args.secret)  # before the launcher server starts: it and its calls inherit the keyring
     mode = args.mode or isolation().mode
     tag = uuid.uuid4().hex[:12]
     home = os.path.expanduser("~")
@@ -355,6 +390,8 @@ def main():
                 problems.append(f"limit {result.limit!r}, expected {expected!r}")
             if case.shows and not args.no_guard and case.shows not in result.observation():
                 problems.append(f"the observation lacks {case.shows!r}")
+            if case.never and case.never in result.stdout + result.stderr:
+                problems.append(f"the output holds {case.never!r}")
             row = {
                 "case": case.name,
                 "problems": problems,
@@ -368,6 +405,22 @@ def main():
         for path in made:
             if os.path.lexists(path):
                 os.remove(path)
+
+
+def add_secret_key(secret):
+    """A key in a fresh session keyring of the trainer, its payload and description the secret (as
+    pam_keyinit and ssh sessions hold credentials); nothing where the kernel refuses keyctl."""
+    import ctypes
+
+    numbers = {"x86_64": (250, 248), "aarch64": (219, 217)}.get(os.uname().machine)
+    if numbers is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    keyctl, add_key = numbers
+    if libc.syscall(keyctl, 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING: anonymous, dies with us
+        return
+    payload = secret.encode()
+    libc.syscall(add_key, b"user", b"rlhf-" + payload, payload, len(payload), -3)  # into the session keyring
 
 
 def text_of(name):

@@ -4,6 +4,8 @@ bounded by the sandbox's own wall limit (1–2 s here). Hostile code: test_sandb
 
 import logging
 import os
+import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -210,6 +212,54 @@ def test_concurrent_runs_from_a_thread_pool(box):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: box.run(f"print({i} * {i})"), range(8)))
     assert [r.observation() for r in results] == [str(i * i) for i in range(8)]
+
+
+def test_a_fork_of_the_trainer_gets_a_server_of_its_own(box):
+    """Forks while other threads make calls: each child's call runs on a server of its own (the
+    parent's lock may have been held at the fork), and the parent's calls never wait on a child."""
+    stop, wrong = threading.Event(), []
+
+    def calls():
+        while not stop.is_set():
+            r = box.run("print(1)")
+            if r.observation() != "1":
+                wrong.append(r)
+
+    threads = [threading.Thread(target=calls) for _ in range(3)]
+    for t in threads:
+        t.start()
+    children = []
+    try:
+        for _ in range(6):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = 0 if Sandbox(FAST).run("print(2)").observation() == "2" else 1
+                finally:
+                    os._exit(code)
+            children.append(pid)
+            time.sleep(0.05)
+        deadline, codes = time.monotonic() + 60, {}
+        while len(codes) < len(children) and time.monotonic() < deadline:
+            for pid in children:
+                if pid not in codes:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        codes[pid] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for pid in children:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    assert len(codes) == len(children), "a forked child's call hung"
+    assert set(codes.values()) == {0}
+    assert wrong == []
 
 
 def test_pipes_closed_before_the_exit_and_a_dead_server(box):

@@ -1,4 +1,4 @@
-"""Hostile code against the sandbox: the matrix of hostile_code.py (65 cases, each bounded by a 1.5-s wall
+"""Hostile code against the sandbox: the matrix of hostile_code.py (71 cases, each bounded by a 1.5-s wall
 limit), run by a separate "trainer" process and checked from outside it (hostile_code.py's docstring).
 
 With the guard and without it (the kernel's isolation alone), in the strongest mode this machine
@@ -67,13 +67,13 @@ def isolated():
 
 def test_hostile_code_is_contained(isolated):
     done = matrix([sys.executable])
-    assert done == {"done": 65, "mode": isolated}
+    assert done == {"done": 71, "mode": isolated}
 
 
 def test_hostile_code_is_contained_by_the_kernel_alone(isolated):
     """Without the audit hook (as if native code had switched it off): what the guard refused, the
     kernel's isolation still holds."""
-    assert matrix([sys.executable], "--no-guard")["done"] == 65
+    assert matrix([sys.executable], "--no-guard")["done"] == 71
 
 
 def world_runnable_python():
@@ -103,10 +103,10 @@ def test_user_mode_as_another_user(isolated, full):
     python = world_runnable_python()
     home = tempfile.mkdtemp(prefix="rlhf-hostile-home-")
     try:
-        os.chown(home, 65534, 65534)
-        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python]
+        os.chown(home, 71534, 71534)
+        prefix = ["setpriv", "--reuid=71534", "--regid=71534", "--clear-groups", python]
         done = matrix(prefix, "--mode", "user", *_cases(full), env={"HOME": home, "PATH": os.environ["PATH"]})
-        assert done["mode"] == "user" and done["done"] == (65 if full else len(USER_MODE_CASES))
+        assert done["mode"] == "user" and done["done"] == (71 if full else len(USER_MODE_CASES))
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
@@ -118,4 +118,4 @@ def test_user_mode_as_root_without_cap_sys_admin(isolated, full):
     python = world_runnable_python()
     prefix = ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", python]
     done = matrix(prefix, *_cases(full))
-    assert done["mode"] == "user" and done["done"] == (65 if full else len(USER_MODE_CASES))
+    assert done["mode"] == "user" and done["done"] == (71 if full else len(USER_MODE_CASES))

@@ -211,6 +211,10 @@ def run_main(ready):
     sys.argv[:] = ["main.py"]
     with open("main.py", "rb") as f:
         source = f.read()
+    try:
+        source = source.decode("utf-8")  # as the trainer wrote it: a coding cookie must not re-decode it
+    except UnicodeDecodeError:
+        pass  # compile() names the bad byte
     posix.write(ready, b"R")
     posix.close(ready)
     try:

@@ -29,6 +29,7 @@ about to run the code), ``X<wait status> <CPU seconds>\n`` (C2 ended).
 import os
 import posix
 import resource
+import signal
 import sys
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -37,11 +38,154 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
 ST_NOEXEC, ST_NOATIME, ST_NODIRATIME, ST_RELATIME = 8, 1024, 2048, 4096  # statvfs's f_flag bits
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 36, 38
 SIGKILL = 9
-ID_BASE = 0x40000000  # a call's own uid and gid: ID_BASE + the launcher's pid
+# a call's own uid and gid: ID_BASE + the launcher's pid (pid_max is at most 2^22), above the ranges
+# systemd gives containers (524288-1879048191)
+ID_BASE = 0x70000000
 DEVICES = ("null", "zero", "urandom")
-WORK = "/work"  # the code's directory inside the view
+MASKED = ("keys", "key-users")  # /proc files the code sees as /dev/null: the keyrings' names
+KEYCTL_JOIN_SESSION_KEYRING = 1
+# System calls the code's process may not make (EPERM), by architecture: (AUDIT_ARCH, {name: number}).
+# Kernel keyrings (the trainer's secrets), memory and io_uring paths around the mounts and the filter
+# (memfd_create, userfaultfd, io_uring_*), namespaces and mounts, tracing other processes, BPF and perf,
+# modules, kexec, reboot, swap, accounting, quotas, file handles; and, on x86-64, the x32 ABI. The
+# kernel refuses most of these to a process without capabilities anyway: the filter is the second layer.
+DENIED_NAMES = (
+    "keyctl",
+    "add_key",
+    "request_key",
+    "memfd_create",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "bpf",
+    "perf_event_open",
+    "kexec_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "quotactl",
+    "open_by_handle_at",
+    "name_to_handle_at",
+)
+SYSCALLS = {
+    "x86_64": (
+        0xC000003E,
+        dict(
+            zip(
+                DENIED_NAMES,
+                (
+                    250,
+                    248,
+                    249,
+                    319,
+                    323,
+                    425,
+                    426,
+                    427,
+                    272,
+                    308,
+                    165,
+                    166,
+                    155,
+                    161,
+                    428,
+                    429,
+                    430,
+                    431,
+                    432,
+                    433,
+                    442,
+                    101,
+                    310,
+                    311,
+                    321,
+                    298,
+                    246,
+                    175,
+                    313,
+                    176,
+                    169,
+                    167,
+                    168,
+                    163,
+                    179,
+                    304,
+                    303,
+                ),
+            )
+        ),
+    ),
+    "aarch64": (
+        0xC00000B7,
+        dict(
+            zip(
+                DENIED_NAMES,
+                (
+                    219,
+                    217,
+                    218,
+                    279,
+                    282,
+                    425,
+                    426,
+                    427,
+                    97,
+                    268,
+                    40,
+                    39,
+                    41,
+                    51,
+                    428,
+                    429,
+                    430,
+                    431,
+                    432,
+                    433,
+                    442,
+                    117,
+                    270,
+                    271,
+                    280,
+                    241,
+                    104,
+                    105,
+                    273,
+                    106,
+                    142,
+                    224,
+                    225,
+                    89,
+                    60,
+                    265,
+                    264,
+                ),
+            )
+        ),
+    ),
+}
 
 
 class Kernel:
@@ -72,6 +216,38 @@ class Kernel:
 
     def sethostname(self, name):
         self._check(self.libc.sethostname(name, len(name)), "sethostname")
+
+    def new_session_keyring(self, machine):
+        """A fresh, empty session keyring for this process (none of the trainer's keys are possessed);
+        best effort: where keyctl is refused, the code cannot reach a keyring either."""
+        if machine in SYSCALLS:
+            self.libc.syscall(SYSCALLS[machine][1]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None)
+
+    def deny_syscalls(self, machine):
+        """The seccomp filter of SYSCALLS (no_new_privs must be set). Returns False on an architecture
+        without a table (the namespaces and the guard still hold)."""
+        if machine not in SYSCALLS:
+            return False
+        import struct
+
+        ctypes = self.ctypes
+        arch, numbers = SYSCALLS[machine]
+        deny, allow = 0x00050000 | 1, 0x7FFF0000  # SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ALLOW
+        ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+        code = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]  # another ABI: nothing
+        if machine == "x86_64":
+            code += [(jge, 0, 1, 0x40000000), (ret, 0, 0, deny)]  # the x32 ABI
+        for number in numbers.values():
+            code += [(jeq, 0, 1, number), (ret, 0, 0, deny)]
+        code.append((ret, 0, 0, allow))
+        program = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in code))
+
+        class Program(ctypes.Structure):
+            _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+
+        fprog = Program(len(code), ctypes.addressof(program))
+        self._check(self.libc.prctl(PR_SET_SECCOMP, 2, ctypes.addressof(fprog), 0, 0), "seccomp")  # FILTER
+        return True
 
 
 def fail(ctl, reason):
@@ -114,6 +290,9 @@ def set_limits(cfg, tasks):
         resource.setrlimit(kind, (value, value))
 
     limit(resource.RLIMIT_CORE, 0)
+    for kind in ("RLIMIT_MEMLOCK", "RLIMIT_MSGQUEUE", "RLIMIT_RTPRIO", "RLIMIT_NICE"):  # none of these
+        if hasattr(resource, kind):
+            limit(getattr(resource, kind), 0)
     resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu"], cfg["cpu"] + 1))
     limit(resource.RLIMIT_FSIZE, cfg["file_bytes"])
     limit(resource.RLIMIT_NOFILE, cfg["open_files"])
@@ -185,7 +364,7 @@ def make_read_only(kernel, point):
 
 def build_view(kernel, cfg, source, uid, gid):
     """The code's file system, on a tmpfs at cfg["base"]: the paths of cfg["binds"] read-only (symlinks
-    as symlinks), /dev/null, /dev/zero, /dev/urandom, a /proc of the new PID namespace, and WORK, a tmpfs
+    as symlinks), /dev/null, /dev/zero, /dev/urandom, a /proc of the new PID namespace, and cfg["work"], a tmpfs
     of cfg["disk_bytes"] bytes and cfg["files"] inodes owned by the code, holding main.py. Returns the
     view's root."""
     base = cfg["base"]
@@ -208,8 +387,8 @@ def build_view(kernel, cfg, source, uid, gid):
     for name in DEVICES:
         open(base + "/dev/" + name, "wb").close()
         kernel.mount("/dev/" + name, base + "/dev/" + name, None, MS_BIND)
-    work = base + WORK
-    os.mkdir(work)
+    work = base + cfg["work"]
+    os.makedirs(work)
     options = f"size={cfg['disk_bytes']},nr_inodes={cfg['files']},mode=0700,uid={uid},gid={gid}"
     kernel.mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, options)
     with open(work + "/main.py", "wb") as f:
@@ -222,6 +401,12 @@ def build_view(kernel, cfg, source, uid, gid):
             break
         except OSError:
             pass  # a kernel that refuses both: no /proc at all
+    for name in MASKED:
+        if os.path.exists(base + "/proc/" + name):
+            try:
+                kernel.mount("/dev/null", base + "/proc/" + name, None, MS_BIND)
+            except OSError:
+                pass  # the filter still refuses keyctl: names at most, never a payload
     kernel.mount(None, base, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     return base
 
@@ -236,15 +421,24 @@ def start_code(kernel, cfg, base, uid, gid):
             tasks = 3  # the user namespace's launcher, init and this process
         set_limits(cfg, tasks)
         os.chroot(base)
-        os.chdir(WORK)
+        os.chdir(cfg["work"])
         if cfg["mode"] == "root":
             os.setgroups([])
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
-        kernel.prctl(PR_SET_NO_NEW_PRIVS, 1)
-        exec_code(cfg, WORK, ctl)
+        confine(kernel)
+        exec_code(cfg, cfg["work"], ctl)
     except BaseException as e:
         fail(ctl, f"starting the code: {type(e).__name__}: {e}")
+
+
+def confine(kernel):
+    """The last of the setup before the exec: a fresh session keyring, no new privileges, the seccomp
+    filter."""
+    machine = os.uname().machine
+    kernel.new_session_keyring(machine)
+    kernel.prctl(PR_SET_NO_NEW_PRIVS, 1)
+    kernel.deny_syscalls(machine)
 
 
 def wait_for(child, ctl, group=False):
@@ -280,6 +474,10 @@ def init(kernel, cfg, source, uid, gid, lifeline):
     ctl = cfg["ctl"]
     try:
         kernel.prctl(PR_SET_PDEATHSIG, SIGKILL)
+        # Python's KeyboardInterrupt handler off: as the namespace's init, signals from inside it that
+        # have no handler are dropped by the kernel (the code may share its uid)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.setsid()  # out of the launcher's process group: the code may share the launcher's uid
         os.set_blocking(lifeline, False)
         try:
             if os.read(lifeline, 1) == b"":
@@ -301,6 +499,7 @@ def start_guarded(kernel, cfg):
         kernel.prctl(PR_SET_PDEATHSIG, SIGKILL)  # kept across the exec: it dies with the launcher
         os.setpgid(0, 0)  # a group of its own, which the launcher kills once it ended
         set_limits(cfg, tasks_of(posix.getuid()))
+        confine(kernel)
         exec_code(cfg, posix.getcwd(), cfg["ctl"])
     except BaseException as e:
         fail(cfg["ctl"], f"starting the code: {type(e).__name__}: {e}")
@@ -334,11 +533,13 @@ def serve(sock_fd, constants):
     """The launcher server: one per trainer process (run.py's ``Server``), forking a launcher per call.
 
     A request on the socket (SOCK_SEQPACKET, one message each) is the call's arguments (NUL-separated:
-    the mode, then NUMBERS) with four fds (stdout, stderr, control, the call's directory); the reply is
-    ``P<pid>`` with a pidfd of that launcher, by which the trainer kills the call (each process of a call
-    dies with the one above it). EOF (the trainer is gone): the server exits, and every launcher it
-    forked dies. A child subreaper: whatever a killed call leaves is reaped here."""
-    import signal
+    the mode, then NUMBERS) with the fd of the call's directory; the reply is ``P<pid>`` with the read
+    ends of the call's stdout, stderr and control pipes (their write ends never reach the trainer, so a
+    fork of it cannot hold a call open) and a pidfd of the launcher, by which the trainer kills the call
+    (each process of a call dies with the one above it). The server exits when the trainer does (a
+    pidfd of it, and EOF on the socket), and every launcher it forked dies with it. A child subreaper:
+    whatever a killed call leaves is reaped here."""
+    import selectors
     import socket
 
     kernel = Kernel()
@@ -354,42 +555,55 @@ def serve(sock_fd, constants):
 
     signal.signal(signal.SIGCHLD, reap)
     sock = socket.socket(fileno=sock_fd)
+    watch = selectors.DefaultSelector()
+    watch.register(sock, selectors.EVENT_READ)
+    try:
+        watch.register(os.pidfd_open(constants["parent"]), selectors.EVENT_READ)  # readable: it exited
+    except (AttributeError, OSError):  # Linux < 5.3: EOF alone
+        pass
     while True:
+        if any(key.fileobj is not sock for key, _ in watch.select()):
+            os._exit(0)  # the trainer is gone
         try:
-            message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
         except OSError:
             message = b""
-        if not message or len(fds) != 4:
+        if not message or len(fds) != 1:
             os._exit(0)
         args = message.decode("utf-8", "surrogateescape").split("\0")
-        out, err, ctl, here = fds
+        (out_r, out_w), (err_r, err_w), (ctl_r, ctl) = os.pipe(), os.pipe(), os.pipe()
+        here = fds[0]
         cfg = {"mode": args[0], **dict(zip(NUMBERS, map(int, args[1:]))), **constants, "ctl": ctl}
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # not reaped before its pidfd exists
         pid = os.fork()
         if pid == 0:
             try:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
                 sock.close()
                 kernel.prctl(PR_SET_PDEATHSIG, SIGKILL)
                 if posix.getppid() != server:
                     os._exit(1)  # the server died before the line above
                 os.setsid()
-                os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
-                os.dup2(out, 1)
-                os.dup2(err, 2)
+                null = os.open("/dev/null", os.O_RDONLY)
+                for fd, to in ((null, 0), (out_w, 1), (err_w, 2)):
+                    os.dup2(fd, to)
                 os.fchdir(here)
-                for fd in (out, err, here):
+                for fd in (null, out_w, err_w, here, out_r, err_r, ctl_r):
                     os.close(fd)
             except BaseException as e:
                 fail(ctl, f"{type(e).__name__}: {e}")
             call(kernel, cfg)
-        for fd in fds:
-            os.close(fd)
         try:
             handle = [os.pidfd_open(pid)]  # before it can be reaped: it is this very process
         except (AttributeError, OSError):  # Linux < 5.3: the trainer kills by pid
             handle = []
-        socket.send_fds(sock, [b"P%d" % pid], handle)
-        for fd in handle:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        for fd in (out_w, err_w, ctl, here):
+            os.close(fd)
+        reads = [out_r, err_r, ctl_r]
+        socket.send_fds(sock, [b"P%d" % pid], reads + handle)
+        for fd in reads + handle:
             os.close(fd)
 
 
@@ -397,12 +611,13 @@ NUMBERS = ("cpu", "memory", "file_bytes", "processes", "disk_bytes", "files", "o
 
 
 def main():
-    """``serve SOCKET_FD PARENT PYTHON BASE GUARD_TEXT [BIND ...]`` (run.py's ``Server``)."""
+    """``serve SOCKET_FD PARENT PYTHON BASE WORK GUARD_TEXT [BIND ...]`` (run.py's ``Server``)."""
     sock_fd, parent = int(sys.argv[2]), int(sys.argv[3])
-    python, base, guard = sys.argv[4:7]
+    python, base, work, guard = sys.argv[4:8]
     if posix.getppid() != parent:
         os._exit(1)
-    serve(sock_fd, {"parent": parent, "python": python, "base": base, "guard": guard, "binds": sys.argv[7:]})
+    constants = {"parent": parent, "python": python, "base": base, "work": work, "guard": guard}
+    serve(sock_fd, {**constants, "binds": sys.argv[8:]})
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ class Limits:
                 raise ValueError(f"Limits.{key} must be positive, got {getattr(self, key)!r}")
         if self.processes < 0:
             raise ValueError(f"Limits.processes must be >= 0, got {self.processes!r}")
+        if self.files < 2:
+            raise ValueError(f"Limits.files must be >= 2 (its directory and main.py), got {self.files!r}")
+        if self.memory_mb < 16:
+            raise ValueError(f"Limits.memory_mb must be >= 16 (the interpreter's own), got {self.memory_mb!r}")
         if self.open_files < 8:
             raise ValueError(f"Limits.open_files must be >= 8 (the interpreter's own), got {self.open_files!r}")
 

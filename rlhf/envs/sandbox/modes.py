@@ -74,6 +74,15 @@ _lock = threading.Lock()
 _found: Optional[Isolation] = None
 
 
+def _forked() -> None:
+    """In a fork's child: another thread may have held the lock at the fork."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def candidates() -> Tuple[str, ...]:
     return ("root", "user", "guard") if os.geteuid() == 0 else ("user", "guard")
 

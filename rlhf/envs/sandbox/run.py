@@ -29,6 +29,7 @@ CONTROL_BYTES = 4096  # the control pipe's messages are a few bytes; more is not
 VIEW_BASES = ("/tmp", "/mnt", "/run", "/var/tmp", "/media", "/srv")
 # the system's shared libraries, shown read-only beside the interpreter's own prefix
 SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache")
+WORK_DIRS = ("/work", "/sandbox", "/rlhf-sandbox")  # the code's directory in the view: the first free
 
 
 class SandboxError(RuntimeError):
@@ -64,6 +65,16 @@ def view_paths() -> tuple:
 
 
 @lru_cache(maxsize=None)
+def work_dir() -> str:
+    """The code's directory inside the view: /work, unless a path shown lies there (a venv copied under
+    /work, say), which its tmpfs would hide."""
+    for name in WORK_DIRS:
+        if not any(p == name or p.startswith(name + "/") or name.startswith(p + "/") for p in view_paths()):
+            return name
+    raise SandboxError(f"sandbox: every name for the code's directory ({', '.join(WORK_DIRS)}) is taken in the view")
+
+
+@lru_cache(maxsize=None)
 def view_base() -> Optional[str]:
     """The host directory the view's tmpfs is mounted on (in the call's own mount namespace)."""
     for base in VIEW_BASES:
@@ -92,6 +103,8 @@ class Sandbox:
     def call(self, code: str, mode: str) -> Result:
         """One call in ``mode``."""
         start = time.monotonic()
+        if len(code.encode("utf-8", "surrogatepass")) > self.limits.disk_bytes:  # it would not fit its directory
+            return Result("", "", None, "disk", time.monotonic() - start, self.limits)
         try:
             tmp = tempfile.TemporaryDirectory(prefix="rlhf-sandbox-", ignore_cleanup_errors=True)
         except OSError as e:
@@ -122,28 +135,16 @@ class Sandbox:
 
     def _launch(self, workdir: str, mode: str, start: float) -> Result:
         lim = self.limits
-        (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
-        reads = (out_r, err_r, ctl_r)
+        here = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            here = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                message = "\0".join(self.call_args(mode)).encode("utf-8", "surrogateescape")
-                launcher = SERVER.spawn(message, (out_w, err_w, ctl_w, here))
-            finally:
-                os.close(here)
-        except BaseException:
-            for fd in reads:
-                os.close(fd)
-            raise
+            message = "\0".join(self.call_args(mode)).encode("utf-8", "surrogateescape")
+            launcher = SERVER.spawn(message, here)
         finally:
-            for fd in (out_w, err_w, ctl_w):
-                os.close(fd)
+            os.close(here)
         try:
-            out, err, control, stopped = _collect(reads, start + lim.wall_s, lim.output_bytes)
+            out, err, control, stopped = _collect(launcher.reads, start + lim.wall_s, lim.output_bytes)
         finally:
-            for fd in reads:
-                os.close(fd)
-            launcher.kill()  # done already, or stopped: the rest of the call dies with it
+            launcher.close()  # done already, or stopped: the rest of the call dies with it
         ready, failure, ended = _parse_control(bytes(control))
         if failure is not None or (stopped is None and not ready):
             why = failure or " | ".join(err.decode("utf-8", "replace").strip().splitlines()[-3:])
@@ -178,7 +179,7 @@ class Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         python = os.path.realpath(sys.executable)
         argv = [python, "-I", "-S", "-B", "-X", "utf8", "-c", _program("launch.py"), "serve"]
-        argv += [str(theirs.fileno()), str(os.getpid()), python, view_base() or "", _program("guard.py")]
+        argv += [str(theirs.fileno()), str(os.getpid()), python, view_base() or "", work_dir(), _program("guard.py")]
         argv += list(view_paths())
         try:
             self.proc = subprocess.Popen(
@@ -213,8 +214,8 @@ class Server:
                 self.proc.stderr.close()
             self.proc = self.sock = None
 
-    def spawn(self, args: bytes, fds) -> "Launcher":
-        """Forks a launcher for a call (``fds``: its stdout, stderr, control pipe and directory)."""
+    def spawn(self, args: bytes, here: int) -> "Launcher":
+        """Forks a launcher for a call in the directory ``here`` (an fd)."""
         with self.lock:
             for _ in range(2):  # a server that died is started again, once
                 if self.owner != os.getpid() or self.proc is None or self.proc.poll() is not None:
@@ -222,14 +223,27 @@ class Server:
                         self.sock.close()
                     self._start()
                 try:
-                    socket.send_fds(self.sock, [args], list(fds))
-                    reply, handle, _, _ = socket.recv_fds(self.sock, 64, 1)
+                    socket.send_fds(self.sock, [args], [here])
+                    reply, fds, _, _ = socket.recv_fds(self.sock, 64, 4)
                 except OSError:
-                    reply, handle = b"", []
-                if reply.startswith(b"P"):
-                    return Launcher(int(reply[1:]), handle[0] if handle else None)
+                    reply, fds = b"", []
+                for fd in fds:
+                    os.set_inheritable(fd, False)  # (received fds are not close-on-exec)
+                if reply.startswith(b"P") and len(fds) >= 3:
+                    return Launcher(int(reply[1:]), fds[:3], fds[3] if len(fds) > 3 else None)
+                for fd in fds:
+                    os.close(fd)
                 why = self._died()
         raise SandboxError(f"sandbox: the launcher server ended: {why}")
+
+    def forked(self) -> None:
+        """In a child of a fork of this process: nothing of the parent's server (its lock may be held,
+        its socket would keep it alive after the parent); the child starts its own on its first call."""
+        self.lock = threading.Lock()
+        if self.sock is not None:
+            self.sock.close()
+        self.proc = self.sock = None
+        self.owner = 0
 
     def _died(self) -> str:
         """Why the server stopped answering (its exit and the end of its stderr); it is gone after this."""
@@ -245,13 +259,14 @@ class Server:
 
 
 class Launcher:
-    """A call's launcher, by a pidfd (exactly that process, even once it has exited) where the kernel
-    has them, else by pid."""
+    """A call's launcher: the read ends of its stdout, stderr and control pipes, and the process by a
+    pidfd (exactly that process, even once it has exited) where the kernel has them, else by pid."""
 
-    def __init__(self, pid: int, pidfd: Optional[int]):
-        self.pid, self.pidfd = pid, pidfd
+    def __init__(self, pid: int, reads: list, pidfd: Optional[int]):
+        self.pid, self.reads, self.pidfd = pid, reads, pidfd
 
-    def kill(self) -> None:
+    def close(self) -> None:
+        """Kills the launcher (the rest of the call dies with it) and closes the pipes."""
         try:
             if self.pidfd is not None:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
@@ -259,13 +274,13 @@ class Launcher:
                 os.kill(self.pid, signal.SIGKILL)
         except OSError:  # it has exited
             pass
-        finally:
-            if self.pidfd is not None:
-                os.close(self.pidfd)
-                self.pidfd = None
+        for fd in self.reads + ([self.pidfd] if self.pidfd is not None else []):
+            os.close(fd)
+        self.reads, self.pidfd = [], None
 
 
 SERVER = Server()
+os.register_at_fork(after_in_child=SERVER.forked)
 
 
 def _parse_control(data: bytes):
