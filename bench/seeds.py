@@ -47,10 +47,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import device_label  # noqa: E402
 
-# the seeds the embedded recipe was tuned and studied on (docs/performance.md; issue 32's table: 5–10;
+# the seeds the embedded recipe was tuned and studied on (docs/history.md; issue 32's table: 5–10;
 # the ten unseen seeds of 73afa42, studied since: docs/stages.md "Seeds nobody tuned on")
 STUDIED_73AFA42 = {60713, 641233, 801015, 669279, 660094, 872239, 866424, 789828, 854154, 534250}
-# the ten drawn from a25d5bd, on which the 4-layer SFT shape was judged (docs/performance.md)
+# the ten drawn from a25d5bd, on which the 4-layer SFT shape was judged (docs/history.md)
 STUDIED_A25D5BD = {437728, 815532, 439844, 700747, 362623, 408167, 727957, 172411, 979146, 90805}
 # the ten drawn from e00fb5b, on which 4 layers with a 2400-step SFT were judged over the pipeline
 STUDIED_E00FB5B = {596778, 209180, 9496, 635140, 93268, 776926, 762847, 493268, 542853, 821718}

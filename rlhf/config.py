@@ -132,7 +132,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     # With no model.path: a tiny Llama built from this config, random init (the agentic recipe's model;
     # the embedded recipe's is 4 layers × 128, conf/recipe/embedded.yaml). 3 layers with a narrow MLP
-    # rather than 2 with 512: the same cost per step on a CPU (docs/performance.md).
+    # rather than 2 with 512: the same cost per step on a CPU (docs/history.md).
     hidden_size: int = 128
     num_layers: int = 3
     num_heads: int = 4

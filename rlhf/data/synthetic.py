@@ -12,7 +12,7 @@ prefers far-off answers it never saw over the right one (measured: its argmax ov
 19% of held-out prompts); one without digit errors scores n±10 as high as n (argmax over n±15 right on
 30% of held-out prompts, the rest at n±10); one without doubled digits scored the right answer with its
 last digit doubled above the right one on up to 60% of held-out prompts (74 → 744), and PPO walks
-straight into each of them (docs/performance.md: reward models of earlier recipes; today's, trained in
+straight into each of them (docs/history.md: reward models of earlier recipes; today's, trained in
 full without one of the kinds, still rank the right answer above that kind on 87.5–100% of held-out
 pairs: docs/ppo.md).
 Gold = exact match of the whole response, a rule the reward model never sees. Held-out prompts use

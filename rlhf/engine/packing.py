@@ -41,7 +41,7 @@ _SAID: set = set()  # the reasons already logged
 # the CPU machine (an SDPA call forward + backward ≈ 1 ms ≈ 16K pairs at 8 heads of 64)
 CALL_COST = 16384
 # a batch with less padding than this share runs padded: packing's own cost (the layout moves in every
-# layer, the output scattered back) outweighs what it saves (measured, docs/performance.md)
+# layer, the output scattered back) outweighs what it saves (measured, docs/history.md)
 MIN_PADDING = 0.02
 _EMPTY = torch.zeros(0, dtype=torch.long, device="cpu")  # no positions (host-side, moved with the rest)
 # rows that begin alike pack their common prefix once (``pack``); False packs every row whole

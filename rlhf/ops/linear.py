@@ -107,7 +107,7 @@ def pack_onednn(wt: torch.Tensor) -> torch.Tensor:
     """Wᵀ [in, out] (``prepare_weight(..., for_rows=True)``: a view of W) → oneDNN's blocked layout,
     for ``linear(..., packed=True)`` with any number of rows. At decode batch sizes (a pass over the
     weights, few rows) its fp32 GEMM streams the weights about twice as fast as MKL's packed sgemm
-    on this project's CPU machine (docs/performance.md), and a prefill's GEMM is no slower."""
+    on this project's CPU machine (docs/history.md), and a prefill's GEMM is no slower."""
     return torch.ops.mkldnn._reorder_linear_weight(wt.t().contiguous())
 
 

@@ -109,7 +109,7 @@ class Gate:
         by less than ``CHANGED_GAIN`` on average (it cannot tell them from the old: PPO moved answers
         among near-ties of the reward model, where it may lose right ones). Mid-run evaluations are not
         judged: on the embedded task they dip by 0.08–0.11 at 20–40 iterations on seeds that end within
-        0.02 of the start (the greedy dip of docs/performance.md), as much as on a seed that ends 0.065 down."""
+        0.02 of the start (the greedy dip of docs/history.md), as much as on a seed that ends 0.065 down."""
         if self.heldout_start is None:
             self.heldout_start, self.heldout_answers = reward, [list(a) for a in answers]
             return {"eval/greedy_changed": 0.0, "eval/reward_gain_changed": 0.0}, None

@@ -160,7 +160,7 @@ def test_synthetic_task_is_deterministic_with_disjoint_held_out():
 def test_synthetic_rejected_answers_cover_near_misses_digit_errors_doubled_digits_and_far_misses():
     """A quarter each: the reward model must see the carry mistakes (a tens digit wrong) and the
     stutters (a digit doubled or dropped) a sampling policy makes, not only near misses
-    (docs/performance.md: without them it scored n±10 like n, and 744 above 74)."""
+    (docs/history.md: without them it scored n±10 like n, and 744 above 74)."""
     tr, _ = synthetic.generate(SyntheticConfig(num_records=8000), 256, seed=3)
 
     def indel(w: str, n: str) -> bool:  # one digit more or fewer
@@ -185,7 +185,7 @@ def test_synthetic_rejected_answers_cover_near_misses_digit_errors_doubled_digit
     # an answer of two kinds counts once, in the first (e.g. 10 → 1 is a dropped digit and off by 9)
     assert share["near"] > 0.25 and share["digit"] > 0.15 and share["length"] > 0.15 and share["far"] > 0.08, share
     doubled = sum(str(e.reference) + str(e.reference)[-1] in e.rejected for e in tr) / len(tr)
-    assert doubled > 0.03, doubled  # 74 → 744: the hack PPO found (docs/performance.md)
+    assert doubled > 0.03, doubled  # 74 → 744: the hack PPO found (docs/history.md)
     tens = sum(abs(int(synthetic.ANSWER.match(e.rejected).group(1)) - int(e.reference)) % 10 == 0 for e in tr) / len(tr)
     assert tens > 0.1, tens  # n ± 10, 20, …: the carry mistakes
 
