@@ -887,7 +887,7 @@ SANDBOX_ISOLATION = ("auto", "namespaces", "root", "user", "guard")
 
 @dataclass
 class SandboxConfig:
-    """The limits of the Python tool's sandbox, per call (rlhf/envs/sandbox.py, docs/agents.md)."""
+    """The limits of the Python tool's sandbox, per call (rlhf/envs/sandbox/, docs/agents.md)."""
 
     cpu_s: float = 2.0
     wall_s: float = 5.0

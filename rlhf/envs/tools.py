@@ -7,7 +7,7 @@ kind says how the call went wrong (``KINDS``). ``Tool.call`` never raises: bad a
 become an ``error: <tool>: ...`` observation the policy reads.
 
 Built-ins (``TOOLS``): ``calculator`` (arithmetic through ``ast``, bounded) and ``python`` (code run in
-a ``Sandbox``, rlhf/envs/sandbox.py). A user's tool is a dotted path ``module.attr`` to a ``Tool`` or to a
+a ``Sandbox``, rlhf/envs/sandbox/). A user's tool is a dotted path ``module.attr`` to a ``Tool`` or to a
 function of no arguments returning one (``resolve_tools``).
 """
 
