@@ -156,13 +156,12 @@ def scalar_head_model(cfg: Config, source: str, tokenizer, mesh: Mesh):
     if cfg.reward.ensemble > 1:
         model_cfg.id2label = {i: f"member{i}" for i in range(cfg.reward.ensemble)}
         model_cfg.label2id = {v: k for k, v in model_cfg.id2label.items()}
-    remote = cfg.model.trust_remote_code
     if mesh.is_main:
         model = loading.build_model(
             AutoModelForSequenceClassification,
             path=source,
             config=model_cfg,
-            trust_remote_code=remote,
+            trust_remote_code=cfg.model.trust_remote_code,
             tokenizer=tokenizer,
         )
         with torch.random.fork_rng(devices=[]):
@@ -173,7 +172,7 @@ def scalar_head_model(cfg: Config, source: str, tokenizer, mesh: Mesh):
             AutoModelForSequenceClassification,
             config=model_cfg,
             on_meta=True,
-            trust_remote_code=remote,
+            trust_remote_code=cfg.model.trust_remote_code,
             tokenizer=tokenizer,
         )
     return model_cfg, lora.adapt(model, cfg.model.lora, cfg.run.seed, head=head_name(model))

@@ -22,10 +22,17 @@ PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib
 HF_LOADERS = {"from_pretrained"}
 # The project's helpers that reach from_pretrained, and where their trust_remote_code argument sits.
 HELPERS = {"load_model_config": 1, "load_tokenizer": 1, "build_model": None}
+# Files whose job is to run code they are given: the sandboxed interpreter runs the Python tool's code
+# (inside the sandbox's namespaces, limits and guard)
+RUNS_CODE = {"rlhf/envs/sandbox/guard.py"}
 # Helper calls that do not thread model.trust_remote_code (safe: remote code stays off), reported
 # for their owners; (file, enclosing function, callee). Keep this list shrinking.
 KNOWN_UNTHREADED = {
-    ("stages/sft.py", "run", "load_tokenizer"): "the embedded tokenizer re-read from our own checkpoint",
+    (
+        "stages/sft.py",
+        "tokenizer_and_config",
+        "load_tokenizer",
+    ): "the embedded tokenizer re-read from our own checkpoint",
 }
 
 
@@ -113,7 +120,7 @@ def test_no_pickle_serialisers():
                     bad.append(f"{_rel(path)}:{node.lineno} allow_pickle")
                 if _callee(node) in ("read_pickle", "to_pickle"):
                     bad.append(f"{_rel(path)}:{node.lineno} {_callee(node)}")
-                if isinstance(node.func, ast.Name) and node.func.id in ("eval", "exec"):
+                if isinstance(node.func, ast.Name) and node.func.id in ("eval", "exec") and _rel(path) not in RUNS_CODE:
                     bad.append(f"{_rel(path)}:{node.lineno} {node.func.id}()")
                 if _dotted(node.func) == "yaml.load" and _kw(node, "Loader") is None:
                     bad.append(f"{_rel(path)}:{node.lineno} yaml.load without a safe Loader")
