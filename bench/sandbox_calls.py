@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import device_label  # noqa: E402
 
-from rlhf.envs.sandbox import Sandbox, modes  # noqa: E402
+from rlhf.envs.sandbox import Sandbox, isolation  # noqa: E402
 
 
 def old_sandbox(rev: str):
@@ -77,7 +77,7 @@ def main() -> None:
     variants = []
     if args.before:
         variants.append(("before", old_sandbox(args.before)))
-    found = modes.isolation()
+    found = isolation()
     wanted = args.modes or list(dict.fromkeys([found.mode, "guard"]))
     variants += [(mode, Sandbox(mode=mode)) for mode in wanted]
     units = {"ms_per_call": "ms", "calls_per_s": "calls/s"}

@@ -81,7 +81,7 @@ def sandbox_of(ppo):
 def settled(choice: str):
     """``ppo.sandbox.isolation`` settled (modes.py ``settle``); ``namespaces`` where the kernel allows
     none is a ConfigError saying what it refused."""
-    from rlhf.envs.sandbox.modes import settle
+    from rlhf.envs.sandbox.run import settle
 
     try:
         return settle(choice)

@@ -303,13 +303,13 @@ def test_the_strongest_mode_is_probed_once_and_said(monkeypatch, caplog):
         calls.append(mode)
         return "refused here"
 
-    monkeypatch.setattr(modes, "_found", None)
-    monkeypatch.setattr(modes, "probe", probe)
-    assert modes.isolation().mode == "guard" and modes.isolation().mode == "guard"
+    monkeypatch.setattr(sandbox_run, "_found", None)
+    monkeypatch.setattr(sandbox_run, "probe", probe)
+    assert sandbox_run.isolation().mode == "guard" and sandbox_run.isolation().mode == "guard"
     assert calls == [m for m in modes.candidates() if m != "guard"]  # once, in order; guard needs no probe
-    assert modes.settle("auto").mode == "guard" and modes.settle("user").mode == "user"
+    assert sandbox_run.settle("auto").mode == "guard" and sandbox_run.settle("user").mode == "user"
     with pytest.raises(ValueError, match="refused here"):
-        modes.settle("namespaces")
+        sandbox_run.settle("namespaces")
     ppo = config.PPOConfig(tools=["python"])
     with caplog.at_level("INFO", logger="rlhf"):
         say_sandbox(ppo, logging.getLogger("rlhf"))
@@ -324,7 +324,7 @@ def test_the_strongest_mode_is_probed_once_and_said(monkeypatch, caplog):
 
 
 def test_this_machine_isolates_with_namespaces_or_says_why():
-    found = modes.isolation()
+    found = sandbox_run.isolation()
     if found.mode == "guard":
         pytest.skip(f"the kernel allows no namespaces here: {found.refused}")
     r = Sandbox(FAST).run(

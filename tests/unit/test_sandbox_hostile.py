@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.envs.sandbox import modes
+from rlhf.envs.sandbox import isolation
 
 HELPER = Path(__file__).with_name("hostile_code.py")
 # a representative of each kind, for the default suite's runs in the user mode (all of them: slow)
@@ -59,7 +59,7 @@ def matrix(prefix, *args, env=None):
 
 @pytest.fixture(scope="module")
 def isolated():
-    found = modes.isolation()
+    found = isolation()
     if found.mode == "guard":
         pytest.skip(f"the kernel allows no namespaces here (the guard alone protects): {found.refused}")
     return found.mode

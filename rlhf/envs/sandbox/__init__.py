@@ -10,7 +10,7 @@ layer (guard.py) that also names what it refuses. The parts:
 - run.py: the parent side (a call's directory, pipes, deadline, kill and reap);
 - launch.py: the launcher program (namespaces, the view, the namespace's init, the identity);
 - guard.py: the sandboxed interpreter's first code (the audit hook, then main.py);
-- modes.py: the isolation modes, and the strongest this machine allows;
+- modes.py: the isolation modes (run.py finds the strongest this machine allows);
 - limits.py: ``Limits``, ``Result`` and the text the policy sees.
 
 A stronger executor plugs in as any object with ``run(code) -> Result`` (``Executor``): gVisor's runsc,
@@ -19,8 +19,8 @@ nsjail, bubblewrap, a container per call or a remote service (docs/agents.md sho
 """
 
 from rlhf.envs.sandbox.limits import LIMIT_KINDS, Limits, Result
-from rlhf.envs.sandbox.modes import MODE_CHOICES, MODES, isolation
-from rlhf.envs.sandbox.run import Executor, Sandbox, SandboxError
+from rlhf.envs.sandbox.modes import MODE_CHOICES, MODES
+from rlhf.envs.sandbox.run import Executor, Sandbox, SandboxError, isolation
 
 __all__ = [
     "LIMIT_KINDS",

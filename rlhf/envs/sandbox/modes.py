@@ -1,4 +1,4 @@
-"""How a call is isolated: one row per mode, and the strongest this machine allows (found once).
+"""How a call is isolated: one row per mode (run.py probes them, strongest first, once).
 
 ``root`` and ``user`` give the same guarantees; they differ in what the kernel must allow. ``guard`` is
 what is left where it allows neither. docs/agents.md has the threat model and the measured matrix.
@@ -7,9 +7,8 @@ what is left where it allows neither. docs/agents.md has the threat model and th
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 ISOLATED = (
     "its own PID namespace (the trainer is not visible: no signal, renice, affinity change or ptrace "
@@ -70,58 +69,6 @@ class Isolation:
         return bool(MODES[self.mode].loses)
 
 
-_lock = threading.Lock()
-_found: Optional[Isolation] = None
-
-
-def _forked() -> None:
-    """In a fork's child: another thread may have held the lock at the fork."""
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
 def candidates() -> Tuple[str, ...]:
+    """The modes to try, strongest first (run.py's ``isolation`` probes them)."""
     return ("root", "user", "guard") if os.geteuid() == 0 else ("user", "guard")
-
-
-def probe(mode: str) -> Optional[str]:
-    """None if a call in ``mode`` works here, else why not."""
-    from rlhf.envs.sandbox.limits import Limits
-    from rlhf.envs.sandbox.run import Sandbox, SandboxError
-
-    try:
-        result = Sandbox(Limits(cpu_s=2, wall_s=10)).call(PROBE, mode)
-    except SandboxError as e:
-        return str(e).split(": ", 1)[-1]
-    if result.exit_code != 0 or result.stdout.split() != ["2"]:
-        return f"the probe call gave {result.observation()!r}"
-    return None
-
-
-def isolation() -> Isolation:
-    """The strongest mode that works on this machine, probed on first use (about 0.1 s a mode)."""
-    global _found
-    with _lock:
-        if _found is None:
-            refused = {}
-            for mode in candidates():
-                why = probe(mode) if mode != "guard" else None
-                if why is None:
-                    _found = Isolation(mode, refused)
-                    break
-                refused[mode] = why
-        return _found
-
-
-def settle(choice: str) -> Isolation:
-    """The isolation for ``ppo.sandbox.isolation``: ``auto`` the strongest, ``namespaces`` the strongest
-    or a ValueError saying why none works, or a mode by name (not probed)."""
-    if choice in MODES:
-        return Isolation(choice)
-    found = isolation()
-    if choice == "namespaces" and found.weak:
-        raise ValueError(found.line())
-    return found

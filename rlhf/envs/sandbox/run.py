@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Protocol
 
 from rlhf.envs.sandbox.limits import Limits, Result, limit_of
+from rlhf.envs.sandbox.modes import MODES, PROBE, Isolation, candidates
 
 READ_CHUNK = 65536
 CONTROL_BYTES = 4096  # the control pipe's messages are a few bytes; more is not read
@@ -96,8 +97,6 @@ class Sandbox:
     def run(self, code: str) -> Result:
         """Runs ``code`` to its end or to a limit. Never raises on what the code does; a SandboxError
         when the sandbox itself cannot work."""
-        from rlhf.envs.sandbox.modes import isolation
-
         return self.call(code, self.mode or isolation().mode)
 
     def call(self, code: str, mode: str) -> Result:
@@ -322,3 +321,55 @@ def _collect(fds, deadline: float, cap: int):
                     if len(chunk) > room:
                         return out, err, control, "output"
     return out, err, control, None
+
+
+# ---- the strongest mode this machine allows ----
+
+_lock = threading.Lock()
+_found: Optional[Isolation] = None
+
+
+def _forked() -> None:
+    """In a fork's child: another thread may have held the lock at the fork."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def probe(mode: str) -> Optional[str]:
+    """None if a call in ``mode`` works here, else why not."""
+    try:
+        result = Sandbox(Limits(cpu_s=2, wall_s=10)).call(PROBE, mode)
+    except SandboxError as e:
+        return str(e).split(": ", 1)[-1]
+    if result.exit_code != 0 or result.stdout.split() != ["2"]:
+        return f"the probe call gave {result.observation()!r}"
+    return None
+
+
+def isolation() -> Isolation:
+    """The strongest mode that works on this machine, probed on first use (about 0.1 s a mode)."""
+    global _found
+    with _lock:
+        if _found is None:
+            refused = {}
+            for mode in candidates():
+                why = probe(mode) if mode != "guard" else None
+                if why is None:
+                    _found = Isolation(mode, refused)
+                    break
+                refused[mode] = why
+        return _found
+
+
+def settle(choice: str) -> Isolation:
+    """The isolation for ``ppo.sandbox.isolation``: ``auto`` the strongest, ``namespaces`` the strongest
+    or a ValueError saying why none works, or a mode by name (not probed)."""
+    if choice in MODES:
+        return Isolation(choice)
+    found = isolation()
+    if choice == "namespaces" and found.weak:
+        raise ValueError(found.line())
+    return found
