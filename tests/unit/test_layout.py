@@ -29,3 +29,27 @@ def test_every_module_has_its_tests_named():
     gone = [m for m in rows if not (ROOT / m).exists()]
     assert not missing, f"rows naming test files that do not exist: {missing}"
     assert not gone, f"rows of modules that no longer exist: {gone}"
+
+
+def test_each_recipe_reads_in_one_screen():
+    """stages/*.py: run() at most 120 lines, with no function defined inside it (setup → loop → export;
+    the parts live in functions and objects of their own)."""
+    import ast
+
+    for path in sorted((ROOT / "stages").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "run":
+                lines = node.end_lineno - node.lineno + 1
+                assert lines <= 120, f"{path.name}: run() is {lines} lines"
+                inner = [n.name for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n is not node]
+                assert not inner, f"{path.name}: run() defines {inner}"
+
+
+def test_the_front_door_and_the_performance_page_stay_references():
+    """The README at most 12 KB (its two commands on the first screen), docs/performance.md at most
+    30 KB of today's figures (the history in docs/history.md)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 12_000, len(readme.encode())
+    assert "scripts/run_all.sh" in "\n".join(readme.splitlines()[:25]) and "scripts/test.sh" in readme[:2500]
+    assert len((ROOT / "docs" / "performance.md").read_bytes()) <= 30_000
