@@ -46,145 +46,55 @@ ID_BASE = 0x70000000
 DEVICES = ("null", "zero", "urandom")
 MASKED = ("keys", "key-users")  # /proc files the code sees as /dev/null: the keyrings' names
 KEYCTL_JOIN_SESSION_KEYRING = 1
-# System calls the code's process may not make (EPERM), by architecture: (AUDIT_ARCH, {name: number}).
+# System calls the code's process may not make (EPERM): one row each, a column per architecture.
 # Kernel keyrings (the trainer's secrets), memory and io_uring paths around the mounts and the filter
 # (memfd_create, userfaultfd, io_uring_*), namespaces and mounts, tracing other processes, BPF and perf,
 # modules, kexec, reboot, swap, accounting, quotas, file handles; and, on x86-64, the x32 ABI. The
 # kernel refuses most of these to a process without capabilities anyway: the filter is the second layer.
-DENIED_NAMES = (
-    "keyctl",
-    "add_key",
-    "request_key",
-    "memfd_create",
-    "userfaultfd",
-    "io_uring_setup",
-    "io_uring_enter",
-    "io_uring_register",
-    "unshare",
-    "setns",
-    "mount",
-    "umount2",
-    "pivot_root",
-    "chroot",
-    "open_tree",
-    "move_mount",
-    "fsopen",
-    "fsconfig",
-    "fsmount",
-    "fspick",
-    "mount_setattr",
-    "ptrace",
-    "process_vm_readv",
-    "process_vm_writev",
-    "bpf",
-    "perf_event_open",
-    "kexec_load",
-    "init_module",
-    "finit_module",
-    "delete_module",
-    "reboot",
-    "swapon",
-    "swapoff",
-    "acct",
-    "quotactl",
-    "open_by_handle_at",
-    "name_to_handle_at",
-)
-SYSCALLS = {
-    "x86_64": (
-        0xC000003E,
-        dict(
-            zip(
-                DENIED_NAMES,
-                (
-                    250,
-                    248,
-                    249,
-                    319,
-                    323,
-                    425,
-                    426,
-                    427,
-                    272,
-                    308,
-                    165,
-                    166,
-                    155,
-                    161,
-                    428,
-                    429,
-                    430,
-                    431,
-                    432,
-                    433,
-                    442,
-                    101,
-                    310,
-                    311,
-                    321,
-                    298,
-                    246,
-                    175,
-                    313,
-                    176,
-                    169,
-                    167,
-                    168,
-                    163,
-                    179,
-                    304,
-                    303,
-                ),
-            )
-        ),
-    ),
-    "aarch64": (
-        0xC00000B7,
-        dict(
-            zip(
-                DENIED_NAMES,
-                (
-                    219,
-                    217,
-                    218,
-                    279,
-                    282,
-                    425,
-                    426,
-                    427,
-                    97,
-                    268,
-                    40,
-                    39,
-                    41,
-                    51,
-                    428,
-                    429,
-                    430,
-                    431,
-                    432,
-                    433,
-                    442,
-                    117,
-                    270,
-                    271,
-                    280,
-                    241,
-                    104,
-                    105,
-                    273,
-                    106,
-                    142,
-                    224,
-                    225,
-                    89,
-                    60,
-                    265,
-                    264,
-                ),
-            )
-        ),
-    ),
+DENIED = """
+name                x86_64 aarch64
+keyctl               250  219
+add_key              248  217
+request_key          249  218
+memfd_create         319  279
+userfaultfd          323  282
+io_uring_setup       425  425
+io_uring_enter       426  426
+io_uring_register    427  427
+unshare              272   97
+setns                308  268
+mount                165   40
+umount2              166   39
+pivot_root           155   41
+chroot               161   51
+open_tree            428  428
+move_mount           429  429
+fsopen               430  430
+fsconfig             431  431
+fsmount              432  432
+fspick               433  433
+mount_setattr        442  442
+ptrace               101  117
+process_vm_readv     310  270
+process_vm_writev    311  271
+bpf                  321  280
+perf_event_open      298  241
+kexec_load           246  104
+init_module          175  105
+finit_module         313  273
+delete_module        176  106
+reboot               169  142
+swapon               167  224
+swapoff              168  225
+acct                 163   89
+quotactl             179   60
+open_by_handle_at    304  265
+name_to_handle_at    303  264
+"""
+ARCHES = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}  # AUDIT_ARCH_* of each table column
+SYSCALLS = {  # machine -> (AUDIT_ARCH, {name: number})
+    machine: (arch, {row.split()[0]: int(row.split()[1 + column]) for row in DENIED.strip().splitlines()[1:]})
+    for column, (machine, arch) in enumerate(ARCHES.items())
 }
 
 
