@@ -1,15 +1,18 @@
 """report.png of a run: the curves of every stage that has metrics (docs/contract.md, run directory).
 
-    python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png
+    python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png (and RUN_DIR/answers.md)
 
-Panels: SFT loss (train and eval); reward-model loss and held-out accuracy; gold score (sampled, and
-greedy dashed) per PPO (and DPO) step with the SFT policy's gold score as the baseline, and agentic
-runs' tool-use rate (rollouts and held-out episodes) on the same axis; peak memory of
+Panels: SFT loss (train and eval); reward-model loss and held-out accuracy beside its text-only
+baselines; gold score (sampled, and greedy dashed) per PPO (and DPO) step with the SFT policy's gold
+score as the baseline, and agentic runs' tool-use rate (rollouts and held-out episodes) on the same
+axis — data without a gold rule get the reward model's score of held-out greedy answers and their
+length there instead; peak memory of
 every stage (``mem/peak_gb``); PPO reward/mean, kl/mean (with a reward-model ensemble's disagreement,
 and where the gate stopped the run) and seconds per PPO step. A run with a DPO
 stage gets a third row: DPO loss, implicit-reward accuracy and margin, and the summed log-probs of
-chosen and rejected responses (falling chosen log-probs are DPO's known failure). scripts/run_all.sh
-writes it after summary.json.
+chosen and rejected responses (falling chosen log-probs are DPO's known failure). answers.md: the
+held-out prompts PPO's evaluations kept, the SFT and the PPO policy's answers side by side.
+scripts/run_all.sh writes both after summary.json.
 """
 
 from __future__ import annotations
@@ -18,24 +21,32 @@ import argparse
 import io
 import json
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from rlhf.config import stage_names
 from rlhf.outputs.fileio import atomic_write_bytes
 
 Series = Dict[str, Tuple[List[int], List[float]]]
+ANSWERS_FILE = "answers.md"  # held-out prompts with the SFT and the PPO policy's answers side by side
+
+
+def read_records(path: Path) -> List[dict]:
+    """The records of a JSONL file (none if it is absent); unreadable lines (a crash mid-write) are skipped."""
+    out = []
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def read_series(metrics_file: Path) -> Series:
-    """key → (steps, values) from a metrics.jsonl; unreadable lines (a crash mid-write) are skipped."""
+    """key → (steps, values) from a metrics.jsonl (``read_records``)."""
     out: Series = {}
-    if not metrics_file.is_file():
-        return out
-    for line in metrics_file.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for rec in read_records(metrics_file):
         step = rec.get("step")
         for k, v in rec.items():
             if k != "step" and isinstance(v, (int, float)):
@@ -93,6 +104,12 @@ def figure(run_dir: Path):
         _plot(acc, rm, "eval/accuracy", "held-out accuracy", color="tab:red", marker="o")
         acc.set_ylim(0, 1.03)
         acc.set_ylabel("held-out accuracy", color="tab:red")
+        for key, label, style in (
+            ("eval/baseline_length", "longer wins", ":"),
+            ("eval/baseline_bag_of_words", "bag of words", "-."),
+        ):
+            if key in rm:
+                acc.axhline(rm[key][1][-1], color="gray", linestyle=style, label=f"{label} ({rm[key][1][-1]:.3f})")
         acc.legend(fontsize=8, loc="center right")
 
     if dpo:
@@ -114,6 +131,8 @@ def figure(run_dir: Path):
     _plot(a_gold, ppo, "env/tool_use", "tool use, rollouts", color="tab:cyan", alpha=0.8)
     _plot(a_gold, ppo, "gold/tool_use", "tool use, held-out", color="tab:cyan", marker="^", linestyle="none")
     a_gold.set_ylim(0, 1.03)  # a greedy gold of 1.0 stays visible above the frame line
+    if "gold/score" not in ppo and "eval/reward_greedy" in ppo:  # no gold rule: the reward model's view
+        _heldout_reward(a_gold, ppo)
 
     a_rew.set_title("PPO reward/mean, and how it tracks the gold rule")
     _plot(a_rew, ppo, "reward/mean", "reward/mean")
@@ -167,6 +186,59 @@ def figure(run_dir: Path):
     return fig
 
 
+def _heldout_reward(ax, ppo: Series) -> None:
+    """Data without a gold rule: the reward model's score of the greedy answers to held-out prompts
+    (± its spread over them) and, on a twin axis, their mean length (a score that rises with the length
+    alone is length hacking)."""
+    ax.set_title("Held-out greedy answers: reward-model score, length (PPO step)")
+    steps, mean = ppo["eval/reward_greedy"]
+    _plot(ax, ppo, "eval/reward_greedy", "reward-model score", marker="o", color="tab:blue")
+    if "eval/reward_greedy_std" in ppo and len(ppo["eval/reward_greedy_std"][1]) == len(mean):
+        std = ppo["eval/reward_greedy_std"][1]
+        lo, hi = [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
+        ax.fill_between(steps, lo, hi, color="tab:blue", alpha=0.15, label="± std over the prompts")
+    ax.set_ylim(auto=True)
+    ax.relim()
+    ax.autoscale()
+    if "eval/response_tokens_greedy" in ppo:
+        length = ax.twinx()
+        _plot(length, ppo, "eval/response_tokens_greedy", "answer tokens", color="tab:gray", marker="s")
+        length.set_ylabel("mean answer tokens", color="tab:gray")
+        length.set_ylim(bottom=0)
+        length.legend(fontsize=8, loc="lower right")
+
+
+def answers_table(run_dir: Path) -> Optional[str]:
+    """Markdown: each held-out prompt kept by PPO's evaluations (samples.jsonl, kind ``eval_reward``)
+    with the greedy answer of the policy PPO started from (its first evaluation: the SFT policy) beside
+    its last one's, and the reward model's score of each; None without two such evaluations."""
+    rows: Dict[int, Dict[int, dict]] = {}
+    for rec in read_records(run_dir / "ppo" / "samples.jsonl"):
+        if rec.get("kind") == "eval_reward":
+            rows.setdefault(rec["step"], {})[rec["index"]] = rec
+    if len(rows) < 2:
+        return None
+    first, last = min(rows), max(rows)
+    out = [
+        f"# Held-out prompts: the policy at PPO step {first} (the SFT policy) and at step {last}",
+        "",
+        "Greedy answers; score: the reward model's (normalised as in training). From ppo/samples.jsonl.",
+        "",
+        f"| # | prompt (its end) | step {first} answer | score | step {last} answer | score |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for i in sorted(set(rows[first]) & set(rows[last])):
+        a, b = rows[first][i], rows[last][i]
+        cells = (_cell(a["prompt"][-300:]), _cell(a["response"]), f"{a['reward']:.2f}", _cell(b["response"]))
+        out.append(f"| {i} | " + " | ".join(cells) + f" | {b['reward']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def _cell(text: str) -> str:
+    """``text`` in one Markdown table cell."""
+    return text.strip().replace("|", "\\|").replace("\n", "<br>")
+
+
 def _memory_panels(fig, cell, series: dict, stages) -> list:
     """Peak memory in ``cell``: one panel per stage that logged it, each on its own steps (the axes)."""
     mem_stages = [st for st in stages if "mem/peak_gb" in series[st]] or [None]
@@ -208,8 +280,12 @@ def _dpo_row(row, dpo: Series) -> None:
 
 
 def write_report(run_dir: Path) -> Path:
+    """report.png, and answers.md where PPO's evaluations kept held-out answers to set side by side."""
     out = run_dir / "report.png"
     atomic_write_bytes(out, render(run_dir))
+    table = answers_table(run_dir)
+    if table is not None:
+        atomic_write_bytes(run_dir / ANSWERS_FILE, table.encode("utf-8"))
     return out
 
 
@@ -218,6 +294,8 @@ def main(argv=None) -> None:
     ap.add_argument("run_dir", type=Path)
     args = ap.parse_args(argv)
     print(f"report: {write_report(args.run_dir)}")
+    if (args.run_dir / ANSWERS_FILE).is_file():
+        print(f"answers: {args.run_dir / ANSWERS_FILE}")
 
 
 if __name__ == "__main__":

@@ -322,7 +322,15 @@ class Loop:
             res = stage_gold(cfg, hybrid, prep.tokenizer, prep.data.eval, prep.data.gold, mesh, prep.chat, kept, play)
         if self.models.reward_model is not None and not prep.runner.multi_turn:  # no gold needed
             mean, answers = evaluate_reward(
-                hybrid.generate, prep.tokenizer, prep.data.eval, self.held_out_reward, cfg.eval, mesh, prep.chat
+                hybrid.generate,
+                prep.tokenizer,
+                prep.data.eval,
+                self.held_out_reward,
+                cfg.eval,
+                mesh,
+                prep.chat,
+                kept=kept,
+                show=cfg.logger.samples,
             )
             if answers:
                 changes, warning = self.gate.heldout(step, mean["eval/reward_greedy"], answers, final)

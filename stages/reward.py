@@ -3,10 +3,10 @@
     python -m rlhf stage=reward [run.dir=D] [model.path=...] [data.path=... data.format=hh|prompt_chosen_rejected]
 
 Setup (pairs, SFT model + head, engine, resume) → loop (pairwise loss, chosen and rejected in one
-batch) → save (held-out accuracy and scores, score statistics for PPO, HF export as
-AutoModelForSequenceClassification with num_labels=1, which also initialises PPO's critic). An
-ensemble (reward.ensemble=k): k heads on the backbone, each on its bootstrap half of the pairs, their
-losses averaged; exported with num_labels=k (member i = label i).
+batch) → save (held-out accuracy and scores beside two text-only baselines', score statistics for PPO,
+HF export as AutoModelForSequenceClassification with num_labels=1, which also initialises PPO's
+critic). An ensemble (reward.ensemble=k): k heads on the backbone, each on its bootstrap half of the
+pairs, their losses averaged; exported with num_labels=k (member i = label i).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf.algorithms.preference import pairwise_loss
 from rlhf.config import Config
+from rlhf.data import pair_baselines
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches, bootstrap_weights, micro_batching, step_micro_batches
@@ -137,13 +138,18 @@ def run(cfg: Config) -> None:
 
     # ---- 3. export ----
     res = evaluate(train.max_steps)
+    if mesh.is_main:  # what the text alone gets right on the same held-out pairs
+        res.update(pair_baselines.baselines(data.train, data.eval))
+        metrics.log(train.max_steps, **{key: res[key] for key in pair_baselines.KEYS})
     extra = {REWARD_STATS_FILE: held_out_stats(res, k, train.max_steps)}
     export_hf(
         reward_model, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files=extra, adapter_dir=ctx.out / "adapter"
     )
     metrics.close()
     mark_finished(ctx, train.max_steps)
-    log.info("reward done: %s (eval/accuracy=%.4f)", ctx.out / "model", res["eval/accuracy"])
+    log.info(
+        "reward done: %s (eval/accuracy=%.4f%s)", ctx.out / "model", res["eval/accuracy"], pair_baselines.said(res)
+    )
     shutdown(mesh)
 
 

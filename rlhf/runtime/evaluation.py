@@ -159,19 +159,25 @@ def evaluate_reward(
     ecfg: EvalConfig,
     mesh: Mesh,
     chat: Optional[str] = None,
+    kept: Optional[List[dict]] = None,
+    show: int = 0,
 ) -> Tuple[dict, List[Tuple[str, float]]]:
     """The policy's greedy answers to the first ``eval.gold_prompts`` held-out prompts, by the reward
     model's own judgement (``score_rows(generation) -> [B]``, its part of the training reward) — any
     data, no reference needed: how the policy does where it does not train. Returns
-    ``{"eval/reward_greedy": their mean reward}`` and one ``(digest of the answer's tokens, reward)`` per
-    prompt, in prompt order, on every rank (rlhf/rl/gate.py compares them with step 0's). Collective
-    (every rank generates and scores every turn, then the ranks' answers are gathered)."""
+    ``{"eval/reward_greedy": their mean reward, "eval/reward_greedy_std": the spread over the prompts,
+    "eval/response_tokens_greedy": the answers' mean length}`` and one ``(digest of the answer's tokens,
+    reward)`` per prompt, in prompt order, on every rank (rlhf/rl/gate.py compares them with step 0's);
+    the first ``show`` prompts' rows (prompt, answer, reward, tokens; kind ``eval_reward``) appended to
+    ``kept``. Collective (every rank generates and scores every turn, then the ranks' answers are
+    gathered)."""
     examples = held_out[: ecfg.gold_prompts]
     if not examples:
         return {}, []
     encoded = encode_prompts(examples, tokenizer, chat, ecfg.max_prompt_len)
-    total, count = 0.0, 0
+    total, square, length, count = 0.0, 0.0, 0, 0
     mine: Dict[int, Tuple[str, float]] = {}
+    rows: List[dict] = []
     for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):
         sp = SamplingParams(
             temperature=0.0, max_new_tokens=ecfg.max_new_tokens or 16, samples_per_prompt=1, seed=ecfg.seed + b
@@ -179,15 +185,28 @@ def evaluate_reward(
         gen = generate([encoded[i] for i in ix or [0]], sp)  # (a turn with no prompt: one, unused)
         scores = score_rows(gen)
         if ix:
-            total, count = total + float(scores.sum()), count + len(ix)
+            total, square, count = total + float(scores.sum()), square + float((scores * scores).sum()), count + len(ix)
         rewards = scores.tolist()
         for j, i in enumerate(ix):
             tokens = gen.responses[j][gen.response_mask[j].bool()].tolist()
             digest = hashlib.blake2b(repr(tokens).encode(), digest_size=8).hexdigest()
             mine[i] = (digest, float(rewards[j]))
+            length += len(tokens)
+            if kept is not None and i < show:
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                row = {"index": i, "prompt": examples[i].prompt, "response": text, "reward": rewards[j]}
+                rows.append({"kind": "eval_reward", **row, "tokens": len(tokens)})
     gathered = {i: a for part in mesh.all_gather_object(mine) for i, a in part.items()}
-    mean = {"eval/reward_greedy": mesh.sum(total) / max(mesh.sum(count), 1)}
-    return mean, [gathered[i] for i in range(len(examples))]
+    n = max(mesh.sum(count), 1)
+    mean = mesh.sum(total) / n
+    res = {
+        "eval/reward_greedy": mean,
+        "eval/reward_greedy_std": max(mesh.sum(square) / n - mean * mean, 0.0) ** 0.5,
+        "eval/response_tokens_greedy": mesh.sum(length) / n,
+    }
+    if kept is not None and show:
+        kept.extend(sorted((r for part in mesh.all_gather_object(rows) for r in part), key=lambda r: r["index"]))
+    return res, [gathered[i] for i in range(len(examples))]
 
 
 def decoded(generate, tokenizer) -> Callable:

@@ -166,3 +166,50 @@ def test_real_model_rollout_logprobs_equal_the_training_recompute(real_model, tm
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     diffs = [r["rollout/logprob_abs_diff_mean"] for r in rows if "rollout/logprob_abs_diff_mean" in r]
     assert len(diffs) == 2 and max(diffs) < bound, diffs
+
+
+def test_hh_recipe_runs_the_classic_pipeline_and_sets_the_answers_side_by_side(fake_cache, tmp_path, real_data):
+    """recipe=smollm2_hh, each stage cut to two steps: the reward stage reports its text-only baselines,
+    PPO (with a critic from the reward model) the reward model's view of held-out greedy answers with
+    their spread and length, and the report their SFT and PPO answers side by side."""
+    import gzip
+
+    from rlhf import report
+
+    data = tmp_path / "hh.jsonl"
+    with gzip.open(real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz", "rt", encoding="utf-8") as f:
+        data.write_text("".join(next(f) for _ in range(64)), encoding="utf-8")
+    run = tmp_path / "run"
+    common = [
+        "recipe=smollm2_hh",
+        f"run.dir={run}",
+        f"data.path={data}",
+        "data.eval_size=8",
+        "data.max_prompt_len=32",
+        "data.max_response_len=400",  # (the stand-in's BPE spells HH in bytes: a pair longer than this is dropped)
+        "ppo.max_new_tokens=8",
+        "eval.max_new_tokens=8",
+        "train.max_steps=2",
+        "train.global_batch=4",
+        "logger.progress=false",
+    ]
+    env = {get.CACHE_ENV: str(fake_cache)}
+    for stage, extra in (
+        ("sft", []),
+        ("reward", []),
+        ("ppo", ["ppo.prompts_per_step=4", "eval.gold_prompts=4", "ppo.min_rm_accuracy=0"]),
+    ):
+        proc = run_cli(f"stage={stage}", *common, *extra, env=env)
+        assert proc.returncode == 0, (stage, proc.stderr[-3000:])
+        assert stage != "reward" or "longer response wins" in proc.stderr, proc.stderr[-2000:]
+    stats = json.loads((run / "reward" / "model" / "reward_stats.json").read_text())
+    assert 0.0 <= stats["eval/baseline_length"] <= 1.0 and 0.0 <= stats["eval/baseline_bag_of_words"] <= 1.0
+    rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/reward_greedy" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all(r["eval/reward_greedy_std"] >= 0 and 0 < r["eval/response_tokens_greedy"] <= 8 for r in evals)
+    assert any("critic/loss" in r for r in rows)  # PPO with a critic
+    report.write_report(run)
+    table = (run / "answers.md").read_text(encoding="utf-8").splitlines()
+    assert table[0] == "# Held-out prompts: the policy at PPO step 0 (the SFT policy) and at step 2"
+    assert len([t for t in table if t.startswith("| ") and t[2].isdigit()]) == 4  # the 4 held-out prompts

@@ -100,6 +100,10 @@ def test_later_stages_keep_the_recipe_of_the_run(tmp_path):
 def test_task_recipes_and_their_stages():
     hh, _ = compose_config(["stage=reward", "recipe=hh", "data.path=x.jsonl"])
     assert (hh.data.format, hh.data.split, hh.train.lr) == ("hh", "2,4,4", 9e-6)
+    smol, _ = compose_config(["stage=ppo", "recipe=smollm2_hh", "data.path=x.jsonl"])  # hh's data, its own sizes
+    assert (smol.data.format, smol.data.split) == ("hh", "2,4,4")
+    assert smol.model.path.endswith("smollm2-135m-instruct")  # the name, or its cached directory
+    assert (smol.ppo.use_reward_model, smol.algorithm.estimator, smol.train.max_steps) == (True, "gae", 20)
     g, _ = compose_config(["stage=ppo", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     assert (g.algorithm.estimator, g.ppo.use_reward_model, g.ppo.reward_fn, g.ppo.samples_per_prompt) == (
         "grpo",
@@ -116,7 +120,7 @@ def test_task_recipes_and_their_stages():
     with pytest.raises(
         ConfigError,
         match=r"unknown recipe 'nope' .expected agentic, dschat, embedded, gsm8k_grpo, gsm8k_tools, hh, pretrained, "
-        r"smollm2_arith.",
+        r"smollm2_arith, smollm2_hh.",
     ):
         compose_config(["recipe=nope"])
 

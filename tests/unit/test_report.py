@@ -136,3 +136,45 @@ def test_memory_has_a_panel_per_stage_each_on_its_own_steps_and_every_title_fits
     for ax in fig.axes:
         t = ax.title.get_window_extent(renderer)
         assert box.x0 <= t.x0 and t.x1 <= box.x1 and t.y1 <= box.y1, ax.get_title()
+
+
+def test_data_without_gold_get_the_held_out_reward_and_length_and_the_answers_side_by_side(tmp_path, capsys):
+    run = _run(tmp_path)
+    rm = run / "reward/metrics.jsonl"
+    rm.write_text(rm.read_text().rsplit("\n", 1)[0] + '\n{"step": 30, "eval/baseline_length": 0.44}\n')
+    evals = [
+        {"step": s, "eval/reward_greedy": m, "eval/reward_greedy_std": 0.5, "eval/response_tokens_greedy": n}
+        for s, m, n in ((0, 0.1, 40.0), (10, 0.4, 38.0), (20, 0.9, 35.0))
+    ]
+    _write(run / "ppo/metrics.jsonl", [{"step": s, "reward/mean": s / 20} for s in range(1, 21)] + evals)
+    answers = [
+        {"step": s, "kind": "eval_reward", "index": i, "prompt": f"\n\nHuman: q{i}|x\n\nAssistant:", "response": a}
+        | {"reward": r, "tokens": 3}
+        for s, a, r in ((0, "old\nanswer", -0.25), (20, "new answer", 1.5))
+        for i in (1, 0)
+    ]
+    answers.append({"step": 20, "kind": "eval_greedy", "index": 0, "prompt": "p", "response": "r", "gold": 1.0})
+    _write(run / "ppo/samples.jsonl", answers)
+    fig = report.figure(run)
+    panel = [ax for ax in fig.axes if ax.get_title().startswith("Held-out greedy answers")]
+    assert len(panel) == 1
+    labels = [ln.get_label() for ax in fig.axes for ln in ax.lines]
+    assert {"reward-model score", "answer tokens", "longer wins (0.440)"} <= set(labels)
+    report.main([str(run)])
+    assert "answers.md" in capsys.readouterr().out
+    table = (run / "answers.md").read_text().splitlines()
+    assert table[0] == "# Held-out prompts: the policy at PPO step 0 (the SFT policy) and at step 20"
+    assert table[-2:] == [
+        "| 0 | Human: q0\\|x<br><br>Assistant: | old<br>answer | -0.25 | new answer | 1.50 |",
+        "| 1 | Human: q1\\|x<br><br>Assistant: | old<br>answer | -0.25 | new answer | 1.50 |",
+    ]
+
+
+def test_no_answers_table_without_two_evaluations_of_held_out_answers(tmp_path):
+    run = _run(tmp_path)
+    assert report.answers_table(run) is None  # no samples.jsonl
+    row = {"step": 0, "kind": "eval_reward", "index": 0, "prompt": "p", "response": "r", "reward": 0.0}
+    _write(run / "ppo/samples.jsonl", [row])
+    assert report.answers_table(run) is None
+    report.write_report(run)
+    assert not (run / "answers.md").exists()
