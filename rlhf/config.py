@@ -499,12 +499,12 @@ class TrainConfig:
         return "; ".join(said) or None
 
 
-ROLES = ("actor", "critic", "reference", "reward_model")  # the models a stage places (engine.<role>.*)
+ROLES = ("actor", "critic", "reference", "reward_model", "teacher")  # the models a stage places (engine.<role>.*)
 
 
 @dataclass
 class PlacementConfig:
-    """Where one model of a stage lives (engine.actor / critic / reference / reward_model); null = the
+    """Where one model of a stage lives (engine.actor / critic / reference / reward_model / teacher); null = the
     engine.* value. DeepSpeed-Chat's --actor_zero_stage, --critic_zero_stage, --offload_reference_model."""
 
     zero_stage: Optional[int] = None
@@ -610,6 +610,7 @@ class EngineConfig:
     critic: PlacementConfig = field(default_factory=PlacementConfig)
     reference: PlacementConfig = field(default_factory=PlacementConfig)
     reward_model: PlacementConfig = field(default_factory=PlacementConfig)
+    teacher: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self):
         _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
@@ -811,6 +812,7 @@ class AlgorithmConfig:
     """RL estimator and its coefficients (rlhf/algorithms/ppo.py)."""
 
     # a row of rlhf/algorithms/estimators.py: gae (PPO with critic) | grpo | rloo | reinforce_pp (critic-free)
+    # | distill (on-policy distillation: each token's advantage its own reward; needs ppo.teacher_path)
     estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 0.95
@@ -973,6 +975,11 @@ class PPOConfig:
     warn_greedy_changed: Optional[float] = 0.05
     reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
     reward_fn_weight: float = 1.0
+    # on-policy distillation (docs/ppo.md): a frozen teacher (an HF causal LM with the actor's tokenizer)
+    # scores every sampled token, and each policy token's reward is −distill_coef × (log π_actor −
+    # log π_teacher), the per-token reverse KL, added to any other reward (none needed)
+    teacher_path: Optional[str] = None
+    distill_coef: float = 1.0
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
     max_nonfinite_in_a_row: int = 3
     # the rollout-parity guard (docs/ppo.md): every step that generated in the inference mode compares its
@@ -1043,6 +1050,12 @@ class PPOConfig:
             "a non-negative integer",
         )
         _check(self.overlong_penalty >= 0, "ppo.overlong_penalty", self.overlong_penalty, "a non-negative number")
+        _check(
+            self.distill_coef > 0 or not self.teacher_path,
+            "ppo.distill_coef",
+            self.distill_coef,
+            f"a positive number with ppo.teacher_path={self.teacher_path} (unset ppo.teacher_path for plain RL)",
+        )
         _check(
             self.min_rm_accuracy is None or 0 <= self.min_rm_accuracy <= 1,
             "ppo.min_rm_accuracy",
@@ -1199,6 +1212,8 @@ class Config:
             roles += own_reference
         if self.ppo.use_reward_model:
             roles += ("reward_model",)
+        if self.ppo.teacher_path:
+            roles += ("teacher",)
         return roles
 
     def check_ppo(self) -> None:
@@ -1215,6 +1230,11 @@ class Config:
             raise ConfigError(
                 f"ppo.stop_kl={p.stop_kl:g} reads the KL to the reference, which algorithm.kl_coef={a.kl_coef:g} "
                 f"does not compute (no reference model): set algorithm.kl_coef > 0, or gate on ppo.stop_disagreement"
+            )
+        if ESTIMATORS[a.estimator].needs_teacher and not p.teacher_path:
+            raise ConfigError(
+                f"algorithm.estimator={a.estimator} learns from a teacher's per-token log-probs: set ppo.teacher_path "
+                f"(an HF causal LM with the actor's tokenizer)"
             )
         if p.dynamic_sampling and not ESTIMATORS[a.estimator].grouped:
             raise ConfigError(

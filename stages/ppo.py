@@ -75,7 +75,7 @@ def run(cfg: Config) -> None:
     # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- 1. setup: everything is validated before anything is written ----
-    sources = inputs(cfg, mesh)  # (actor, reward models, critic)
+    sources = inputs(cfg, mesh)  # (actor, reward models, critic, teacher)
     prep = prepare(cfg, ctx, sources, rule, env)
     updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
     resolve_steps(ctx, len(prep.prompt_ids), ppo.prompts_per_step, "prompts", updates_per_step)
@@ -179,7 +179,7 @@ def prepare(cfg: Config, ctx: StageContext, sources, rule, env) -> Prepared:
     models' and the critic's the same), the chat template, the episodes' runner, the prompts' ids, the
     PPO-ptx records and the reward models' statistics: exit 2 on the first that does not fit."""
     mesh, ppo = ctx.mesh, cfg.ppo
-    actor_src, rm_srcs, critic_src = sources
+    actor_src, rm_srcs, critic_src, teacher_src = sources
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
         check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)
@@ -194,8 +194,9 @@ def prepare(cfg: Config, ctx: StageContext, sources, rule, env) -> Prepared:
             f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world size {mesh.world_size}"
         )
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
-    for key, src in [("ppo.reward_model_path", r) for r in rm_srcs] + [("ppo.critic_path", critic_src)]:
-        if src is not None:  # the reward model and critic read the actor's token ids
+    others = [("ppo.reward_model_path", r) for r in rm_srcs] + [("ppo.critic_path", critic_src)]
+    for key, src in others + [("ppo.teacher_path", teacher_src)]:
+        if src is not None:  # the reward model, critic and teacher read the actor's token ids
             loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, cfg.data.chat_template, records=data.train)  # as in SFT
     runner = EpisodeRunner.of(ppo, env, tokenizer, chat, mesh)  # (refuses a template that drops observations)
@@ -209,14 +210,17 @@ def prepare(cfg: Config, ctx: StageContext, sources, rule, env) -> Prepared:
 
 def fingerprint(cfg: Config, prep: Prepared, models: Models, sources) -> dict:
     """What a checkpoint must have been written with to be resumed (rank 0's view of it)."""
-    actor_src, rm_srcs, critic_src = sources
+    actor_src, rm_srcs, critic_src, teacher_src = sources
+    named = f"actor={actor_src} reward_model={','.join(map(str, rm_srcs)) or None} critic={critic_src}"
+    if teacher_src is not None:  # (runs without a teacher keep the fingerprint they had)
+        named += f" teacher={teacher_src}"
     found = run_fingerprint(
         models.actor.module.config,
         prep.tokenizer,
         prep.data,
         cfg,
-        f"actor={actor_src} reward_model={','.join(map(str, rm_srcs)) or None} critic={critic_src}",
-        [actor_src, *rm_srcs, critic_src],
+        named,
+        [actor_src, *rm_srcs, critic_src, teacher_src],
     )
     if prep.ptx is not None:  # PPO-ptx trains on the SFT records too
         found["ptx_records"] = prep.ptx.digest

@@ -42,8 +42,9 @@ class Scored:
     group_size: int
     beta: float
     all_reduce: AllReduce = None
-    # [B, N] an environment's turn rewards at their turns' last tokens (multi-turn episodes), already in
-    # ``scores``; None: none. Token-level estimators place them where they were earned.
+    # [B, N] rewards earned at a token, already in ``scores``: an environment's turn rewards at their turns'
+    # last tokens (multi-turn episodes) and the distillation reward at every policy token; None: none.
+    # Token-level estimators place them where they were earned.
     turn_rewards: Optional[Tensor] = None
 
     def token_rewards(self, clip: Optional[float]) -> Tensor:
@@ -93,6 +94,22 @@ def _reinforce_pp(alg, s: Scored) -> Advantages:
     return m.whiten(m.discounted_returns(rewards, s.mask, alg.gamma), s.mask, all_reduce=s.all_reduce), None
 
 
+def _distill(alg, s: Scored) -> Advantages:
+    """On-policy distillation (ppo.teacher_path): each token's advantage is its own reward — the
+    teacher's −coef × reverse KL at that token (and an environment's turn reward at its turn's end) —
+    undiscounted and with no baseline, a signal per token (Agarwal et al. 2024, Thinking Machines
+    2025); the rest of the score (a rule, a reward model) against its prompt's mean (one sample per
+    prompt: as it is) on every token. The KL to the reference is a loss term, as GRPO's."""
+    m = _math()
+    tokens = s.turn_rewards if s.turn_rewards is not None else s.mask * 0.0
+    outcome = s.scores - tokens.sum(1)
+    if s.group_size > 1:
+        rest = m.grpo_advantages(outcome, s.group_size, s.mask, std_normalize=False)
+    else:
+        rest = outcome[:, None] * s.mask
+    return (tokens + rest) * s.mask, None
+
+
 @dataclass(frozen=True)
 class Estimator:
     name: str
@@ -101,6 +118,10 @@ class Estimator:
     grouped: bool = False  # its baseline compares a prompt's samples: ≥ 2 per prompt; dynamic sampling applies
     kl_in_loss: bool = False  # the KL to the reference is a loss term (× β), not a per-token reward
     kl_default: str = "k1"  # the KL estimator when algorithm.kl_estimator is unset (rlhf.algorithms.ppo)
+    # learns from a teacher's per-token log-probs alone: ppo.teacher_path is required (with the others it
+    # is optional: the per-token distillation reward reaches each as its turn rewards do — at its token
+    # for gae and reinforce_pp, summed into the sequence score for grpo and rloo)
+    needs_teacher: bool = False
 
 
 ESTIMATORS: Dict[str, Estimator] = {
@@ -111,6 +132,7 @@ ESTIMATORS: Dict[str, Estimator] = {
         Estimator("grpo", _grpo, grouped=True, kl_in_loss=True, kl_default="k3"),
         Estimator("rloo", _rloo, grouped=True),
         Estimator("reinforce_pp", _reinforce_pp),
+        Estimator("distill", _distill, kl_in_loss=True, kl_default="k3", needs_teacher=True),
     )
 }
 

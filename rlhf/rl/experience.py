@@ -23,7 +23,7 @@ from rlhf.data.records import Example
 from rlhf.data.sampler import token_micro_batches
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.infer import Generation
-from rlhf.engine.logprobs import keeps_logits, response_logprobs
+from rlhf.engine.logprobs import keeps_logits, response_logprobs, response_logprobs_top1
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import FrozenModel, TrainEngine
 from rlhf.errors import UserError
@@ -154,8 +154,8 @@ def reward_scores(model: Union[Model, RewardModels], seq: torch.Tensor, att: tor
 
 @dataclass
 class Scorers:
-    """What scores a rollout: the models (reference, critic, reward model: None when not used), the
-    reward model's normalisation and the rule reward."""
+    """What scores a rollout: the models (reference, critic, reward model, distillation teacher: None when
+    not used), the reward model's normalisation, the rule reward and the distillation reward's weight."""
 
     ref: Optional[Model]
     critic: Optional[TrainEngine]
@@ -165,6 +165,8 @@ class Scorers:
     rule_weight: float
     data_format: str
     gold: Optional[Callable[[str, str], float]] = None  # gold(response, reference): watches the reward, never is one
+    teacher: Optional[Model] = None  # ppo.teacher_path: its log-probs of the sampled tokens
+    distill_coef: float = 1.0
 
     def model_reward(
         self, seq: torch.Tensor, att: torch.Tensor, ppo: PPOConfig, mesh: Mesh, update: bool = True
@@ -369,19 +371,29 @@ class Collector:
         micro = micro_rows(self.actor, rows, logits_len, ppo.micro_batch_per_rank)
         groups = row_groups(att, micro, ppo.max_tokens_per_micro_batch, mesh)
 
-        def logprobs(model: Model) -> torch.Tensor:
+        def logprobs(model: Model, score=response_logprobs) -> torch.Tensor:
             return in_micro_batches(
-                lambda r: response_logprobs(
-                    model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
-                ),
-                groups,
+                lambda r: score(model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep), groups
             )
 
-        old_logp = logprobs(self.actor)
+        teacher = self.scorers.teacher
+        if teacher is None:
+            old_logp = logprobs(self.actor)
+        else:  # with the greedy tokens, compared with the teacher's
+            actor_top1 = logprobs(self.actor, response_logprobs_top1)
+            old_logp = actor_top1[..., 0]
         # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
         ref_logp = old_logp
         if self.scorers.ref is not None:
             ref_logp = logprobs(self.scorers.ref)
+        turn_rewards, scores, parts = ro.ep.turn_rewards, ro.scores, ro.parts
+        if teacher is not None:  # on-policy distillation: a reward at every policy token
+            teacher_top1 = logprobs(teacher, response_logprobs_top1)
+            distill, dyn_d = distillation(old_logp, teacher_top1, actor_top1, mask, self.scorers.distill_coef, mesh)
+            dyn.update(dyn_d)
+            turn_rewards = distill if turn_rewards is None else turn_rewards + distill
+            parts = {**parts, "distill": distill.sum(1)}
+            scores = scores + parts["distill"]
         values = None
         if self.scorers.critic is not None:
             values = (
@@ -398,7 +410,7 @@ class Collector:
         kl_mean = mesh.sum(float(k1.sum(1).sum())) / global_rows
         all_reduce = mesh.all_reduce if mesh.distributed else None
         adv, returns = advantages(
-            alg, ro.scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce, ro.ep.turn_rewards
+            alg, scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce, turn_rewards
         )
         loss_mask = mask
         if ppo.overlong_filter:  # truncated responses (no EOS) carry no loss
@@ -416,8 +428,8 @@ class Collector:
             old_logprobs=old_logp,
             ref_logprobs=ref_logp,
             values=values,
-            scores=ro.scores,
-            score_parts=ro.parts,
+            scores=scores,
+            score_parts=parts,
             kl=kl,
             kl_mean=kl_mean,
             global_rows=global_rows,
@@ -429,7 +441,7 @@ class Collector:
             extra_metrics=dyn,
             score_s=time.perf_counter() - t0 - waited,
             env_stats=merge_stats(ro.env_stats),
-            turn_rewards=ro.ep.turn_rewards,
+            turn_rewards=turn_rewards,
             watch=ro.watch,
             texts=ro.ep.texts,
             examples=ro.examples,
@@ -531,6 +543,25 @@ class Collector:
             f"ppo.env={self.ppo.env}: {failed:.0f} of {rows:.0f} episodes failed in one generation "
             f"(more than ppo.env_max_failed_share={self.ppo.env_max_failed_share:g}); first: {errors[0]}"
         )
+
+
+def distillation(
+    logp: torch.Tensor, teacher: torch.Tensor, actor: torch.Tensor, mask: torch.Tensor, coef: float, mesh: Mesh
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """On-policy distillation's reward, [B, N]: −``coef`` × (log π_actor − log π_teacher) of each sampled
+    policy token (``mask``), the per-token estimate of the reverse KL(π_actor ‖ π_teacher); and its
+    metrics over every rank: ``distill/reverse_kl`` (per token), ``distill/reverse_kl_seq`` (per
+    sequence) and ``distill/agreement`` (the share of policy tokens where the two models' greedy tokens
+    agree). ``teacher``, ``actor``: [B, N, 2] log-probs and greedy tokens (``response_logprobs_top1``)."""
+    rkl = (logp - teacher[..., 0]) * mask
+    tokens, rows = mesh.sum(float(mask.sum())), mesh.sum(float(mask.shape[0]))
+    agree = (teacher[..., 1] == actor[..., 1]).float() * mask
+    metrics = {
+        "distill/reverse_kl": mesh.sum(float(rkl.sum())) / max(tokens, 1.0),
+        "distill/reverse_kl_seq": mesh.sum(float(rkl.sum())) / max(rows, 1.0),
+        "distill/agreement": mesh.sum(float(agree.sum())) / max(tokens, 1.0),
+    }
+    return -coef * rkl, metrics
 
 
 def ended(gen: Generation, eos_id: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -124,9 +125,9 @@ def build_models(
 ) -> Models:
     """The actor (LoRA adapters with model.lora.r > 0) and its hybrid engine, the critic (GAE), the
     reference (algorithm.kl_coef > 0: the actor with adapters off under LoRA, else a second copy), the
-    reward models and the scorers over them, the EMA copy; ``sources``: ``inputs``' (actor, reward
-    models, critic). Each model placed by engine.<role>.*."""
-    actor_src, rm_srcs, critic_src = sources
+    reward models, the distillation teacher (ppo.teacher_path) and the scorers over them, the EMA copy;
+    ``sources``: ``inputs``' (actor, reward models, critic, teacher). Each model placed by engine.<role>.*."""
+    actor_src, rm_srcs, critic_src, teacher_src = sources
     train, ppo, alg, lcfg = cfg.train, cfg.ppo, cfg.algorithm, cfg.model.lora
     remote, place = cfg.model.trust_remote_code, cfg.engine.placement
 
@@ -148,6 +149,10 @@ def build_models(
     if ppo.use_reward_model:
         models = [FrozenModel(scalar_model(cfg, src, mesh, tokenizer), mesh, place("reward_model")) for src in rm_srcs]
         reward_model = models[0] if len(models) == 1 else RewardModels(models)
+    teacher = None
+    if teacher_src is not None:  # frozen, scored in the pass that scores the reference
+        model = loading.causal_lm(teacher_src, mesh, tokenizer, remote, True, "teacher")
+        teacher = FrozenModel(model, mesh, place("teacher"))
     scorers = Scorers(
         ref=ref,
         critic=critic,
@@ -157,27 +162,30 @@ def build_models(
         rule_weight=ppo.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format,
         gold=gold,
+        teacher=teacher,
+        distill_coef=ppo.distill_coef,
     )
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     return Models(actor, hybrid, critic, reward_model, scorers, ema, engines)
 
 
-def inputs(cfg: Config, mesh: Mesh) -> Tuple[str, List[Path], Optional[Path]]:
-    """(actor source, reward-model dirs, critic dir or None): the SFT output (or model.path or
-    ppo.actor_path), the reward models (ppo.reward_model_path, comma-separated for several, or the
-    reward stage's output; none when unused) and the critic's start (ppo.critic_path or the first
-    reward model). A DeepSpeed-Chat reward model (or critic) given by path is converted into
-    <run.dir>/converted/ first (rank 0; rlhf/models/dschat.py)."""
+def inputs(cfg: Config, mesh: Mesh) -> Tuple[str, List[Path], Optional[Path], Optional[str]]:
+    """(actor source, reward-model dirs, critic dir or None, teacher dir or None): the SFT output (or
+    model.path or ppo.actor_path), the reward models (ppo.reward_model_path, comma-separated for several,
+    or the reward stage's output; none when unused), the critic's start (ppo.critic_path or the first
+    reward model) and the distillation teacher (ppo.teacher_path). A DeepSpeed-Chat reward model (or
+    critic) given by path is converted into <run.dir>/converted/ first (rank 0; rlhf/models/dschat.py)."""
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
-    if not ppo.use_reward_model and not ppo.reward_fn and ppo.env in ENV_BUILTINS:
+    if not ppo.use_reward_model and not ppo.reward_fn and not ppo.teacher_path and ppo.env in ENV_BUILTINS:
         raise ConfigError(
-            f"ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold) or "
-            f"an environment that gives rewards (ppo.env=module.Class; the built-in ppo.env={ppo.env} gives none)"
+            f"ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold), "
+            f"a teacher to distill (ppo.teacher_path) or an environment that gives rewards (ppo.env=module.Class; "
+            f"the built-in ppo.env={ppo.env} gives none)"
         )
-    if not ppo.use_reward_model and not ppo.reward_fn:
+    if not ppo.use_reward_model and not ppo.reward_fn and ppo.env not in ENV_BUILTINS:
         log.info("ppo: the rewards are ppo.env=%s's alone (no reward model, no ppo.reward_fn)", ppo.env)
     if ppo.critic_path and not gae:
         raise ConfigError(
@@ -223,7 +231,12 @@ def inputs(cfg: Config, mesh: Mesh) -> Tuple[str, List[Path], Optional[Path]]:
         log.info("ppo: reward model%s %s%s", "s" if len(rm_srcs) > 1 else "", ", ".join(map(str, rm_srcs)), note)
     if critic_src is not None:
         log.info("ppo: critic starts from %s", critic_src)
-    return str(actor_src), rm_srcs, critic_src
+    teacher_src = None
+    if ppo.teacher_path:
+        loading.check_model_path(ppo.teacher_path, "ppo.teacher_path")
+        teacher_src = os.path.expanduser(ppo.teacher_path)
+        log.info("ppo: distilling from teacher %s (ppo.distill_coef=%g)", teacher_src, ppo.distill_coef)
+    return str(actor_src), rm_srcs, critic_src, teacher_src
 
 
 def scalar_model(

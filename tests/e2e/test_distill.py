@@ -1,0 +1,80 @@
+"""On-policy distillation (ppo.teacher_path, algorithm.estimator=distill) through the CLI on the embedded
+task: a teacher equal to the student gives a reverse KL of 0 and full greedy agreement; another teacher a
+positive one, its reward the per-token −reverse KL (alone, or beside a rule with any estimator); a teacher
+with another tokenizer is refused before any model loads."""
+
+import shutil
+
+import pytest
+
+from tests.conftest import quick_sft_args, run_cli
+from tests.e2e.test_ppo import quick_ppo, rows
+
+
+def distill_run(run_dir, teacher, *extra):
+    return quick_ppo(
+        run_dir,
+        f"ppo.teacher_path={teacher}",
+        "ppo.use_reward_model=false",
+        "ppo.reward_fn=null",
+        "algorithm.estimator=distill",
+        "algorithm.kl_coef=0",
+        *extra,
+    )
+
+
+def steps_of(run_dir):
+    return [r for r in rows(run_dir / "ppo" / "metrics.jsonl") if "reward/mean" in r]
+
+
+@pytest.fixture(scope="module")
+def weak_teacher(tmp_path_factory):
+    """Another SFT model of the embedded task: 20 steps against the student's 60."""
+    run_dir = tmp_path_factory.mktemp("teacher") / "run"
+    proc = run_cli(*quick_sft_args(run_dir, steps=20), "train.save_every=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir / "sft" / "model"
+
+
+def test_a_teacher_equal_to_the_student_gives_no_signal(small_pipeline, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(small_pipeline / "sft", run / "sft")
+    proc = run_cli(*distill_run(run, small_pipeline / "sft" / "model", "train.max_steps=1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "distilling from teacher" in proc.stderr and "ppo (distill)" in proc.stderr
+    (first,) = steps_of(run)  # the actor before its first update is the teacher, token for token
+    assert abs(first["distill/reverse_kl"]) < 1e-6 and abs(first["reward/distill"]) < 1e-5
+    assert first["distill/agreement"] == 1.0 and first["reward/mean"] == pytest.approx(first["reward/distill"])
+
+
+def test_another_teacher_rewards_each_token_by_its_reverse_kl(small_pipeline, weak_teacher, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(small_pipeline / "sft", run / "sft")
+    proc = run_cli(*distill_run(run, weak_teacher, "train.max_steps=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in steps_of(run):
+        assert r["distill/reverse_kl"] > 0.01 and 0.0 < r["distill/agreement"] < 1.0
+        assert r["reward/distill"] == pytest.approx(-r["distill/reverse_kl_seq"], rel=1e-5)
+        assert r["reward/mean"] == pytest.approx(r["reward/distill"] + r.get("reward/penalty", 0.0), abs=1e-5)
+    # beside a rule, with a group estimator: the reverse KL summed into each sequence's score
+    run2 = tmp_path / "run2"
+    shutil.copytree(small_pipeline / "sft", run2 / "sft")
+    mixed = quick_ppo(run2, f"ppo.teacher_path={weak_teacher}", "ppo.distill_coef=0.5", "ppo.use_reward_model=false")
+    proc = run_cli(*mixed, "ppo.reward_fn=rlhf.rewards.gold", "algorithm.estimator=grpo", "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = steps_of(run2)
+    assert r["reward/distill"] == pytest.approx(-0.5 * r["distill/reverse_kl_seq"], rel=1e-5)
+    parts = r["reward/rule"] + r["reward/distill"] + r.get("reward/penalty", 0.0)
+    assert r["reward/mean"] == pytest.approx(parts, abs=1e-5)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(small_pipeline, user_model, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(small_pipeline / "sft", run / "sft")
+    proc = run_cli(*distill_run(run, user_model))
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"ppo.teacher_path={user_model}: its tokenizer" in line and "is not the one of" in line, line
+    assert not (run / "ppo" / "metrics.jsonl").exists()
+    proc = run_cli(*quick_ppo(run, "algorithm.estimator=distill"))
+    assert proc.returncode == 2 and "set ppo.teacher_path" in proc.stderr.strip().splitlines()[-1]
