@@ -1,5 +1,5 @@
 """bench/seeds.py's validation mode: the unseen seeds it draws itself (outside the tuned ones), and
-its lines per set (tuned / unseen) with min / median / max apart."""
+its lines per set (tuned / unseen) with min / median / max apart; bench/distill.py's time to the target."""
 
 from __future__ import annotations
 
@@ -55,3 +55,22 @@ def test_lines_carry_their_set_and_summaries_per_set(tmp_path, monkeypatch, caps
     assert per_seed == {("seed0", "tuned"), ("seed3", "tuned"), ("seed777", "unseen"), ("seed888", "unseen")}
     med = {x["set"]: x["value"] for x in lines if x["variant"] == "median" and x["metric"] == "sft_gold"}
     assert med == {"tuned": 0.6, "unseen": 0.3}
+
+
+def test_distill_bench_counts_training_seconds_to_the_first_evaluation_at_the_target(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_distill", ROOT / "bench" / "distill.py")
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    lines = [
+        {"step": 0, "gold/score": 0.2},
+        {"step": 1, "reward/mean": 0.1, "time/generate_s": 1.0, "time/score_s": 0.5, "time/train_s": 2.0},
+        {"step": 2, "reward/mean": 0.2, "time/generate_s": 1.0, "time/switch_s": 0.5, "time/train_s": 2.0},
+        {"step": 2, "gold/score": 0.7, "time/train_s": 99.0},  # an evaluation's line: not a step's time
+        {"step": 3, "reward/mean": 0.3, "time/generate_s": 1.0, "time/train_s": 1.0},
+        {"step": 3, "gold/score": 0.95},
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    points = b.curve(metrics)
+    assert points == [(0, 0.2, 0.0), (2, 0.7, 7.0), (3, 0.95, 9.0)]
+    assert b.seconds_to(points, 0.6) == 7.0 and b.seconds_to(points, 0.9) == 9.0 and b.seconds_to(points, 0.99) is None
