@@ -499,12 +499,20 @@ class TrainConfig:
         return "; ".join(said) or None
 
 
-ROLES = ("actor", "critic", "reference", "reward_model", "teacher")  # the models a stage places (engine.<role>.*)
+ROLES = (
+    "actor",
+    "critic",
+    "reference",
+    "reward_model",
+    "teacher",
+    "judge",
+)  # the models a stage places (engine.<role>.*)
 
 
 @dataclass
 class PlacementConfig:
-    """Where one model of a stage lives (engine.actor / critic / reference / reward_model / teacher); null = the
+    """Where one model of a stage lives (engine.actor / critic / reference / reward_model / teacher / judge);
+    null = the
     engine.* value. DeepSpeed-Chat's --actor_zero_stage, --critic_zero_stage, --offload_reference_model."""
 
     zero_stage: Optional[int] = None
@@ -611,6 +619,7 @@ class EngineConfig:
     reference: PlacementConfig = field(default_factory=PlacementConfig)
     reward_model: PlacementConfig = field(default_factory=PlacementConfig)
     teacher: PlacementConfig = field(default_factory=PlacementConfig)
+    judge: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self):
         _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
@@ -980,6 +989,14 @@ class PPOConfig:
     # log π_teacher), the per-token reverse KL, added to any other reward (none needed)
     teacher_path: Optional[str] = None
     distill_coef: float = 1.0
+    # a generative judge (docs/ppo.md, rlhf/rl/judge.py): an HF causal LM reads each prompt and response
+    # through the template file judge_template ({prompt}, {response}, {reference}); the reward is
+    # judge_weight × its probability of the first of judge_verdicts against the second (one token each)
+    judge_path: Optional[str] = None
+    judge_template: Optional[str] = None
+    judge_verdicts: List[str] = field(default_factory=lambda: ["Yes", "No"])
+    judge_weight: float = 1.0
+    judge_max_tokens: int = 1024  # a longer rendering keeps its last tokens
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
     max_nonfinite_in_a_row: int = 3
     # the rollout-parity guard (docs/ppo.md): every step that generated in the inference mode compares its
@@ -1050,6 +1067,17 @@ class PPOConfig:
             "a non-negative integer",
         )
         _check(self.overlong_penalty >= 0, "ppo.overlong_penalty", self.overlong_penalty, "a non-negative number")
+        if self.judge_path and not self.judge_template:
+            raise ConfigError(
+                f"ppo.judge_path={self.judge_path} needs ppo.judge_template: a file with the rubric and {{response}}"
+            )
+        _check(
+            len(self.judge_verdicts) == 2 and len(set(self.judge_verdicts)) == 2 and all(self.judge_verdicts),
+            "ppo.judge_verdicts",
+            list(self.judge_verdicts),
+            "two different verdicts, the first the good one (e.g. [Yes, No])",
+        )
+        _check(self.judge_max_tokens > 0, "ppo.judge_max_tokens", self.judge_max_tokens, "a positive integer")
         _check(
             self.distill_coef > 0 or not self.teacher_path,
             "ppo.distill_coef",
@@ -1214,6 +1242,8 @@ class Config:
             roles += ("reward_model",)
         if self.ppo.teacher_path:
             roles += ("teacher",)
+        if self.ppo.judge_path:
+            roles += ("judge",)
         return roles
 
     def check_ppo(self) -> None:

@@ -40,7 +40,7 @@ from rlhf.rl.episodes import EpisodeRunner
 from rlhf.rl.experience import Collector
 from rlhf.rl.gate import Gate
 from rlhf.rl.metrics import reward_line, rollout_samples, step_metrics
-from rlhf.rl.models import Models, RewardStats, build_models, inputs
+from rlhf.rl.models import Models, RewardStats, Sources, build_models, inputs
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.ptx import PtxTerm
 from rlhf.rl.rollout_guard import RolloutGuard
@@ -75,7 +75,7 @@ def run(cfg: Config) -> None:
     # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- 1. setup: everything is validated before anything is written ----
-    sources = inputs(cfg, mesh)  # (actor, reward models, critic, teacher)
+    sources = inputs(cfg, mesh)  # where the actor, reward models, critic, teacher and judge come from
     prep = prepare(cfg, ctx, sources, rule, env)
     updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
     resolve_steps(ctx, len(prep.prompt_ids), ppo.prompts_per_step, "prompts", updates_per_step)
@@ -174,12 +174,12 @@ class Prepared:
     stats: RewardStats
 
 
-def prepare(cfg: Config, ctx: StageContext, sources, rule, env) -> Prepared:
+def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prepared:
     """The data, the reward function and environment tried on a record, the tokenizer (the reward
     models' and the critic's the same), the chat template, the episodes' runner, the prompts' ids, the
     PPO-ptx records and the reward models' statistics: exit 2 on the first that does not fit."""
     mesh, ppo = ctx.mesh, cfg.ppo
-    actor_src, rm_srcs, critic_src, teacher_src = sources
+    actor_src = sources.actor
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
         check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)
@@ -194,9 +194,8 @@ def prepare(cfg: Config, ctx: StageContext, sources, rule, env) -> Prepared:
             f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world size {mesh.world_size}"
         )
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
-    others = [("ppo.reward_model_path", r) for r in rm_srcs] + [("ppo.critic_path", critic_src)]
-    for key, src in others + [("ppo.teacher_path", teacher_src)]:
-        if src is not None:  # the reward model, critic and teacher read the actor's token ids
+    for key, src in sources.named():
+        if src is not None and key != "ppo.judge_path":  # they read the actor's token ids (the judge: text)
             loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, cfg.data.chat_template, records=data.train)  # as in SFT
     runner = EpisodeRunner.of(ppo, env, tokenizer, chat, mesh)  # (refuses a template that drops observations)
@@ -205,23 +204,18 @@ def prepare(cfg: Config, ctx: StageContext, sources, rule, env) -> Prepared:
         data.train, tokenizer, cfg.data.max_prompt_len, chat, max_new_tokens=ppo.max_new_tokens
     )["prompt"]
     ptx = PtxTerm.load(cfg, tokenizer, ctx.cache_dir, mesh) if cfg.algorithm.ptx_coef > 0 else None
-    return Prepared(data, tokenizer, chat, runner, prompt_ids, ptx, RewardStats.of(cfg, rm_srcs))
+    return Prepared(data, tokenizer, chat, runner, prompt_ids, ptx, RewardStats.of(cfg, sources.reward_models))
 
 
-def fingerprint(cfg: Config, prep: Prepared, models: Models, sources) -> dict:
+def fingerprint(cfg: Config, prep: Prepared, models: Models, sources: Sources) -> dict:
     """What a checkpoint must have been written with to be resumed (rank 0's view of it)."""
-    actor_src, rm_srcs, critic_src, teacher_src = sources
-    named = f"actor={actor_src} reward_model={','.join(map(str, rm_srcs)) or None} critic={critic_src}"
-    if teacher_src is not None:  # (runs without a teacher keep the fingerprint they had)
-        named += f" teacher={teacher_src}"
-    found = run_fingerprint(
-        models.actor.module.config,
-        prep.tokenizer,
-        prep.data,
-        cfg,
-        named,
-        [actor_src, *rm_srcs, critic_src, teacher_src],
-    )
+    rms = ",".join(map(str, sources.reward_models)) or None
+    named = f"actor={sources.actor} reward_model={rms} critic={sources.critic}"
+    for key, src in (("teacher", sources.teacher), ("judge", sources.judge)):
+        if src is not None:  # (runs without them keep the fingerprint they had)
+            named += f" {key}={src}"
+    models_read = [sources.actor] + [src for _, src in sources.named()]
+    found = run_fingerprint(models.actor.module.config, prep.tokenizer, prep.data, cfg, named, models_read)
     if prep.ptx is not None:  # PPO-ptx trains on the SFT records too
         found["ptx_records"] = prep.ptx.digest
     return found

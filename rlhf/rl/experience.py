@@ -154,8 +154,9 @@ def reward_scores(model: Union[Model, RewardModels], seq: torch.Tensor, att: tor
 
 @dataclass
 class Scorers:
-    """What scores a rollout: the models (reference, critic, reward model, distillation teacher: None when
-    not used), the reward model's normalisation, the rule reward and the distillation reward's weight."""
+    """What scores a rollout: the models (reference, critic, reward model, distillation teacher, judge:
+    None when not used), the reward model's normalisation, the rule reward and the weights of the
+    distillation and the judge's rewards."""
 
     ref: Optional[Model]
     critic: Optional[TrainEngine]
@@ -167,6 +168,8 @@ class Scorers:
     gold: Optional[Callable[[str, str], float]] = None  # gold(response, reference): watches the reward, never is one
     teacher: Optional[Model] = None  # ppo.teacher_path: its log-probs of the sampled tokens
     distill_coef: float = 1.0
+    judge: Optional[Callable] = None  # ppo.judge_path: a Judge (rlhf/rl/judge.py)
+    judge_weight: float = 1.0
 
     def model_reward(
         self, seq: torch.Tensor, att: torch.Tensor, ppo: PPOConfig, mesh: Mesh, update: bool = True
@@ -507,6 +510,12 @@ class Collector:
             parts["model"], watch = scorers.model_reward(seq, att, ppo, self.mesh)
             score = score + parts["model"]
         texts = ep.texts  # the final turn of each episode
+        if scorers.judge is not None:  # P(the good verdict) of each response
+            micro = ppo.micro_batch_per_rank or rows
+            judged = scorers.judge(texts, examples, micro, seq.device).to(score.dtype)
+            parts["judge"] = scorers.judge_weight * judged
+            score = score + parts["judge"]
+            gen.timings["judge_s"] = gen.timings.get("judge_s", 0.0) + scorers.judge.seconds
         if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it
             rule = torch.tensor(
                 rewards.call(scorers.rule, texts, examples, scorers.data_format), dtype=torch.float32, device=seq.device

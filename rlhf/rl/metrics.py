@@ -27,6 +27,8 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
         "time/train_s": train_s,
         "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9),
     }
+    if "judge_s" in timings:  # the generative judge's forwards (part of time/score_s)
+        row["time/judge_s"] = timings["judge_s"]
     for name, part in {**exp.score_parts, **exp.watch}.items():
         row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
     row.update(exp.extra_metrics)

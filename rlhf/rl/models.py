@@ -26,6 +26,7 @@ from rlhf.models import dschat, loading, lora
 from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name, mean_head, members
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import RewardModels, RewardNormaliser, Scorers
+from rlhf.rl.judge import Judge, read_template, verdict_ids
 from rlhf.runtime.stage import previous_output, stage_input
 
 log = logging.getLogger("rlhf")
@@ -108,6 +109,25 @@ class RewardStats:
 
 
 @dataclass
+class Sources:
+    """Where PPO's models come from (``inputs``): the actor (the SFT output, model.path or
+    ppo.actor_path), the reward models' directories (none when unused), the critic's start, the
+    distillation teacher and the judge (hub ids or directories)."""
+
+    actor: str
+    reward_models: List[Path]
+    critic: Optional[Path]
+    teacher: Optional[str] = None
+    judge: Optional[str] = None
+
+    def named(self) -> List[Tuple[str, Optional[str]]]:
+        """(the key that names it, source) of each model read besides the actor."""
+        rms = [("ppo.reward_model_path", str(r)) for r in self.reward_models]
+        critic = None if self.critic is None else str(self.critic)
+        return rms + [("ppo.critic_path", critic), ("ppo.teacher_path", self.teacher), ("ppo.judge_path", self.judge)]
+
+
+@dataclass
 class Models:
     """What a PPO run trains and scores with; ``engines``: what checkpoints save and resume restores."""
 
@@ -121,13 +141,13 @@ class Models:
 
 
 def build_models(
-    cfg: Config, mesh: Mesh, tokenizer, sources: Tuple, stats: RewardStats, rule, gold, total_updates: int
+    cfg: Config, mesh: Mesh, tokenizer, sources: Sources, stats: RewardStats, rule, gold, total_updates: int
 ) -> Models:
     """The actor (LoRA adapters with model.lora.r > 0) and its hybrid engine, the critic (GAE), the
     reference (algorithm.kl_coef > 0: the actor with adapters off under LoRA, else a second copy), the
-    reward models, the distillation teacher (ppo.teacher_path) and the scorers over them, the EMA copy;
-    ``sources``: ``inputs``' (actor, reward models, critic, teacher). Each model placed by engine.<role>.*."""
-    actor_src, rm_srcs, critic_src, teacher_src = sources
+    reward models, the distillation teacher (ppo.teacher_path), the judge (ppo.judge_path) and the
+    scorers over them, the EMA copy; ``sources``: ``inputs``'. Each model placed by engine.<role>.*."""
+    actor_src, rm_srcs, critic_src, teacher_src = sources.actor, sources.reward_models, sources.critic, sources.teacher
     train, ppo, alg, lcfg = cfg.train, cfg.ppo, cfg.algorithm, cfg.model.lora
     remote, place = cfg.model.trust_remote_code, cfg.engine.placement
 
@@ -153,6 +173,13 @@ def build_models(
     if teacher_src is not None:  # frozen, scored in the pass that scores the reference
         model = loading.causal_lm(teacher_src, mesh, tokenizer, remote, True, "teacher")
         teacher = FrozenModel(model, mesh, place("teacher"))
+    judge = None
+    if sources.judge is not None:  # its own tokenizer: it reads the responses' text
+        judge_tok = loading.load_tokenizer(sources.judge, remote)
+        model = loading.causal_lm(sources.judge, mesh, judge_tok, remote, True, "judge")
+        template = read_template(ppo.judge_template)
+        frozen = FrozenModel(model, mesh, place("judge"))
+        judge = Judge(frozen, judge_tok, template, ppo.judge_verdicts, ppo.judge_max_tokens, sources.judge)
     scorers = Scorers(
         ref=ref,
         critic=critic,
@@ -164,28 +191,31 @@ def build_models(
         gold=gold,
         teacher=teacher,
         distill_coef=ppo.distill_coef,
+        judge=judge,
+        judge_weight=ppo.judge_weight,
     )
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     return Models(actor, hybrid, critic, reward_model, scorers, ema, engines)
 
 
-def inputs(cfg: Config, mesh: Mesh) -> Tuple[str, List[Path], Optional[Path], Optional[str]]:
-    """(actor source, reward-model dirs, critic dir or None, teacher dir or None): the SFT output (or
-    model.path or ppo.actor_path), the reward models (ppo.reward_model_path, comma-separated for several,
-    or the reward stage's output; none when unused), the critic's start (ppo.critic_path or the first
-    reward model) and the distillation teacher (ppo.teacher_path). A DeepSpeed-Chat reward model (or
-    critic) given by path is converted into <run.dir>/converted/ first (rank 0; rlhf/models/dschat.py)."""
+def inputs(cfg: Config, mesh: Mesh) -> Sources:
+    """Where the models come from, checked: the SFT output (or model.path or ppo.actor_path), the reward
+    models (ppo.reward_model_path, comma-separated for several, or the reward stage's output; none when
+    unused), the critic's start (ppo.critic_path or the first reward model), the distillation teacher
+    (ppo.teacher_path) and the judge (ppo.judge_path, its template read). A DeepSpeed-Chat reward model
+    (or critic) given by path is converted into <run.dir>/converted/ first (rank 0; rlhf/models/dschat.py)."""
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
-    if not ppo.use_reward_model and not ppo.reward_fn and not ppo.teacher_path and ppo.env in ENV_BUILTINS:
+    others = ppo.reward_fn or ppo.teacher_path or ppo.judge_path
+    if not ppo.use_reward_model and not others and ppo.env in ENV_BUILTINS:
         raise ConfigError(
             f"ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold), "
-            f"a teacher to distill (ppo.teacher_path) or an environment that gives rewards (ppo.env=module.Class; "
-            f"the built-in ppo.env={ppo.env} gives none)"
+            f"a teacher to distill (ppo.teacher_path), a judge (ppo.judge_path) or an environment that gives "
+            f"rewards (ppo.env=module.Class; the built-in ppo.env={ppo.env} gives none)"
         )
-    if not ppo.use_reward_model and not ppo.reward_fn and ppo.env not in ENV_BUILTINS:
+    if not ppo.use_reward_model and not others and ppo.env not in ENV_BUILTINS:
         log.info("ppo: the rewards are ppo.env=%s's alone (no reward model, no ppo.reward_fn)", ppo.env)
     if ppo.critic_path and not gae:
         raise ConfigError(
@@ -236,7 +266,16 @@ def inputs(cfg: Config, mesh: Mesh) -> Tuple[str, List[Path], Optional[Path], Op
         loading.check_model_path(ppo.teacher_path, "ppo.teacher_path")
         teacher_src = os.path.expanduser(ppo.teacher_path)
         log.info("ppo: distilling from teacher %s (ppo.distill_coef=%g)", teacher_src, ppo.distill_coef)
-    return str(actor_src), rm_srcs, critic_src, teacher_src
+    judge_src = None
+    if ppo.judge_path:
+        loading.check_model_path(ppo.judge_path, "ppo.judge_path")
+        read_template(ppo.judge_template)  # exit 2 now, not after the models load
+        verdict_ids(
+            loading.load_tokenizer(ppo.judge_path, cfg.model.trust_remote_code), ppo.judge_verdicts, ppo.judge_path
+        )
+        judge_src = os.path.expanduser(ppo.judge_path)
+        log.info("ppo: judge %s with %s (ppo.judge_weight=%g)", judge_src, ppo.judge_template, ppo.judge_weight)
+    return Sources(str(actor_src), rm_srcs, critic_src, teacher_src, judge_src)
 
 
 def scalar_model(

@@ -1,7 +1,8 @@
-"""On-policy distillation (ppo.teacher_path, algorithm.estimator=distill) through the CLI on the embedded
-task: a teacher equal to the student gives a reverse KL of 0 and full greedy agreement; another teacher a
-positive one, its reward the per-token −reverse KL (alone, or beside a rule with any estimator); a teacher
-with another tokenizer is refused before any model loads."""
+"""On-policy distillation (ppo.teacher_path, algorithm.estimator=distill) and a generative judge
+(ppo.judge_path) through the CLI on the embedded task: a teacher equal to the student gives a reverse KL
+of 0 and full greedy agreement; another teacher a positive one, its reward the per-token −reverse KL
+(alone, or beside a rule with any estimator); a teacher with another tokenizer is refused before any
+model loads; the judge's reward is its verdict's probability."""
 
 import shutil
 
@@ -78,3 +79,36 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(smal
     assert not (run / "ppo" / "metrics.jsonl").exists()
     proc = run_cli(*quick_ppo(run, "algorithm.estimator=distill"))
     assert proc.returncode == 2 and "set ppo.teacher_path" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_generative_judge_rewards_by_its_verdicts_probability(small_pipeline, tmp_path):
+    """The embedded SFT model as the judge (its digits '1' / '0' as the verdicts): GRPO on its reward
+    alone; a verdict that is not one token of the judge's, and a template without {response}, exit 2
+    with one line before any model loads."""
+    run = tmp_path / "run"
+    shutil.copytree(small_pipeline / "sft", run / "sft")
+    template = tmp_path / "judge.txt"
+    template.write_text("{prompt} {response} right=")
+    judge = small_pipeline / "sft" / "model"
+    args = quick_ppo(
+        run,
+        f"ppo.judge_path={judge}",
+        f"ppo.judge_template={template}",
+        "ppo.judge_verdicts=[1,0]",
+        "ppo.judge_weight=2.0",
+        "ppo.use_reward_model=false",
+        "algorithm.estimator=grpo",
+        "train.max_steps=1",
+    )
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"ppo: judge {judge} with {template}" in proc.stderr
+    (r,) = steps_of(run)
+    assert 0.0 < r["reward/judge"] < 2.0 and 0.0 < r["time/judge_s"] <= r["time/score_s"]
+    assert r["reward/mean"] == pytest.approx(r["reward/judge"] + r.get("reward/penalty", 0.0), abs=1e-5)
+    proc = run_cli(*args, "ppo.judge_verdicts=[Yes,No]")
+    assert proc.returncode == 2
+    assert "ppo.judge_verdicts: 'Yes' is 3 tokens for the tokenizer of" in proc.stderr.strip().splitlines()[-1]
+    template.write_text("{prompt} right=")
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and "the template has no {response}" in proc.stderr.strip().splitlines()[-1]
