@@ -1,15 +1,18 @@
-"""Score (prompt, response) pairs with a saved reward model.
+"""Score (prompt, response) pairs with a saved reward model, or with a generative judge.
 
     python -m rlhf.score RUN_DIR/reward/model --prompt $'Q: What is 03 + 45?\\nA:' --response " The answer is 48."
     python -m rlhf.score RUN_DIR/reward/model --jsonl responses.jsonl   # prompt/response, or messages
     python -m rlhf.score RUN_DIR/reward/model --jsonl pairs.jsonl       # prompt/chosen/rejected, hh, messages pairs
+    python -m rlhf.score JUDGE_DIR --judge rubric.txt [--verdicts Yes No] --jsonl pairs.jsonl
 
 Prints one JSON object per response: {"score": float, "normalized": float}; for preference pairs one
 per pair ({"chosen": float, "rejected": float, "correct": bool}) and then {"pairs": n, "accuracy": a}.
 ``normalized`` uses the mean/std of held-out scores saved by the reward stage (reward_stats.json). An
 ensemble (reward.ensemble=k): the members' mean as the score, their spread (the std of the normalised
 members' scores) as ``spread`` (pairs: ``chosen_spread``, ``rejected_spread``), and each member's score
-in ``members``.
+in ``members``. ``--judge TEMPLATE``: MODEL_DIR is a causal LM read as PPO's judge reads it
+(rlhf/rl/judge.py: the template filled with {prompt}, {response}, {reference}, the judge's chat
+template, the score P(first verdict) against the second); the lines are the same, without ``normalized``.
 A file is read by the stages' readers in the format its first record has; turns (``messages``) are
 rendered through the model's chat template (``--chat-template``) exactly as the reward stage renders them.
 A prompt needs its real newlines: in bash write $'...\\n...' (in plain double quotes \\n stays a
@@ -173,6 +176,8 @@ def main(argv=None) -> None:
         choices=("auto", "cpu", "cuda"),
         help="where the model runs (auto: the GPU when there is one, as engine.device)",
     )
+    ap.add_argument("--judge", metavar="TEMPLATE", help="MODEL_DIR is a generative judge; its template file")
+    ap.add_argument("--verdicts", nargs=2, default=["Yes", "No"], help="the judge's good and bad verdict")
     args = ap.parse_args(argv)
     from rlhf.errors import UserError, one_line
 
@@ -184,6 +189,8 @@ def main(argv=None) -> None:
             exs = None
         else:
             ap.error("give --prompt and --response, or --jsonl")
+        if args.judge:
+            return judge_main(args, kind, exs)
         from rlhf.models.loading import check_scalar_model
 
         check_scalar_model(args.model_dir, "MODEL_DIR", "; pass RUN_DIR/reward/model")
@@ -226,6 +233,40 @@ def main(argv=None) -> None:
         return
     for s, n in zip(scores.tolist(), scorer.normalize(scores).tolist()):
         print(json.dumps({"score": s, "normalized": n}))
+
+
+def judge_main(args, kind: str, exs) -> None:
+    """``--judge``: each response's (each pair's two) probability of the good verdict by the judge."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.data.records import Example
+    from rlhf.engine.mesh import choose_device
+    from rlhf.models.loading import check_model_path, load_tokenizer
+    from rlhf.rl.judge import Judge, Plain, read_template
+
+    check_model_path(args.model_dir, "MODEL_DIR")
+    template = read_template(args.judge, "--judge")
+    tokenizer = load_tokenizer(args.model_dir, args.trust_remote_code)
+    device = choose_device(args.device, 0, 1)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=args.trust_remote_code)
+    judge = Judge(Plain(model.to(device).eval()), tokenizer, template, args.verdicts, 4096, args.model_dir)
+    if exs is None:
+        exs = [Example(prompt=args.prompt, response=args.response)]
+
+    def scores(texts: List[str]) -> List[float]:  # 16 responses a forward
+        return [
+            p for i in range(0, len(exs), 16) for p in judge(texts[i : i + 16], exs[i : i + 16], 0, device).tolist()
+        ]
+
+    if kind == "pairs":
+        chosen, rejected = scores([e.chosen for e in exs]), scores([e.rejected for e in exs])
+        for c, r in zip(chosen, rejected):
+            print(json.dumps({"chosen": c, "rejected": r, "correct": c > r}))
+        correct = sum(c > r for c, r in zip(chosen, rejected))
+        print(json.dumps({"pairs": len(chosen), "accuracy": correct / max(len(chosen), 1)}))
+        return
+    for s in scores([e.response or "" for e in exs]):
+        print(json.dumps({"score": s}))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,19 @@ def verdict_ids(tokenizer, verdicts: Sequence[str], path: str) -> List[int]:
     return ids
 
 
+class Plain:
+    """A plain HF causal LM with the frozen engine's ``forward(..., logits_at=)`` (rlhf.score's judge)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask, position_ids, logits_at):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        out.logits = out.logits[logits_at]
+        return out
+
+
 class Judge:
     """``judge(texts, examples) -> [B]`` P(first verdict) / (P(first) + P(second)) of each response;
     ``seconds``: the time of the last call. Collective under FSDP (every rank runs as many forwards:

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import quick_sft_args, run_cli
+from tests.conftest import quick_sft_args, run_cli, score_cli
 from tests.e2e.test_ppo import quick_ppo, rows
 
 
@@ -112,3 +112,24 @@ def test_a_generative_judge_rewards_by_its_verdicts_probability(small_pipeline, 
     template.write_text("{prompt} right=")
     proc = run_cli(*args)
     assert proc.returncode == 2 and "the template has no {response}" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_score_reads_pairs_with_the_judge(small_pipeline, tmp_path):
+    """rlhf.score --judge: each pair's two responses by the judge's verdict probability, then the accuracy."""
+    import json
+
+    template = tmp_path / "judge.txt"
+    template.write_text("{prompt} {response} right=")
+    pairs = tmp_path / "pairs.jsonl"
+    recs = [
+        {"prompt": f"Q: {a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"} for a, b in ((3, 4), (12, 7))
+    ]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    judge = small_pipeline / "sft" / "model"
+    proc = score_cli(str(judge), "--judge", str(template), "--verdicts", "1", "0", "--jsonl", str(pairs))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert len(lines) == 3 and all(0.0 < x["chosen"] < 1.0 and 0.0 < x["rejected"] < 1.0 for x in lines[:2])
+    assert lines[2]["pairs"] == 2 and lines[2]["accuracy"] == sum(x["correct"] for x in lines[:2]) / 2
+    proc = score_cli(str(judge), "--judge", str(template), "--jsonl", str(pairs))  # Yes / No: not one token
+    assert proc.returncode == 2 and "'Yes' is 3 tokens" in proc.stderr.strip().splitlines()[-1]
