@@ -6,9 +6,9 @@ Panels: SFT loss (train and eval); reward-model loss and held-out accuracy besid
 baselines; gold score (sampled, and greedy dashed) per PPO (and DPO) step with the SFT policy's gold
 score as the baseline, and agentic runs' tool-use rate (rollouts and held-out episodes) on the same
 axis — data without a gold rule get the reward model's score of held-out greedy answers and their
-length there instead; peak memory of
-every stage (``mem/peak_gb``); PPO reward/mean, kl/mean (with a reward-model ensemble's disagreement,
-and where the gate stopped the run) and seconds per PPO step. A run with a DPO
+length there instead; peak memory of every stage (``mem/peak_gb``); PPO reward/mean, kl/mean (with a
+reward-model ensemble's disagreement, a distilled student's reverse KL to its teacher, and where the
+gate stopped the run) and seconds per PPO step. A run with a DPO
 stage gets a third row: DPO loss, implicit-reward accuracy and margin, and the summed log-probs of
 chosen and rejected responses (falling chosen log-probs are DPO's known failure). answers.md: the
 held-out prompts PPO's evaluations kept, the SFT and the PPO policy's answers side by side.
@@ -154,6 +154,9 @@ def figure(run_dir: Path):
         _plot(dis, ppo, "reward/ensemble_std", "ensemble disagreement (std)", color="tab:orange")
         dis.set_ylabel("members' std (normalised)", color="tab:orange")
         dis.legend(fontsize=8, loc="center right")
+    if "distill/reverse_kl_seq" in ppo:  # on-policy distillation: the student's distance to its teacher
+        a_kl.set_title("PPO kl/mean, and the distance to the teacher (nats per response)")
+        _plot(a_kl, ppo, "distill/reverse_kl_seq", "reverse KL to the teacher", color="tab:brown")
     if "gate/stopped" in ppo:
         a_kl.axvline(ppo["gate/stopped"][0][0], color="red", linestyle=":", label="the gate stopped the run")
     a_time.set_title("PPO seconds per step")

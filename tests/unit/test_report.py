@@ -178,3 +178,12 @@ def test_no_answers_table_without_two_evaluations_of_held_out_answers(tmp_path):
     assert report.answers_table(run) is None
     report.write_report(run)
     assert not (run / "answers.md").exists()
+
+
+def test_a_distilled_students_distance_to_its_teacher_is_drawn(tmp_path):
+    run = _run(tmp_path)
+    rows = [{"step": s, "reward/mean": -1 / s, "kl/mean": 0.0, "distill/reverse_kl_seq": 3.0 / s} for s in range(1, 9)]
+    _write(run / "ppo/metrics.jsonl", rows)
+    fig = report.figure(run)
+    (kl,) = [ax for ax in fig.axes if ax.get_title().startswith("PPO kl/mean, and the distance to the teacher")]
+    assert "reverse KL to the teacher" in [ln.get_label() for ln in kl.lines]
