@@ -851,8 +851,19 @@ class AlgorithmConfig:
     reward_clip: Optional[float] = 5.0
     reward_norm: str = "stats"  # stats (reward stage's mean/std) | running | none
     no_eos_penalty: float = -1.0  # added to the score of a response that never ends (0 = off)
+    # GKD (docs/ppo.md): a loss term gkd_coef × the generalised JSD between the teacher's (ppo.teacher_path)
+    # and the actor's next-token distributions at every policy token, over the vocabulary or the teacher's
+    # gkd_top_k likeliest tokens (0 = all); gkd_beta 0 = forward KL(teacher ‖ actor), 1 = reverse KL
+    gkd_coef: float = 0.0
+    gkd_beta: float = 0.5
+    gkd_top_k: int = 0
 
     def __post_init__(self):
+        _check(self.gkd_coef >= 0, "algorithm.gkd_coef", self.gkd_coef, "a non-negative number (0 = off)")
+        _check(0 <= self.gkd_beta <= 1, "algorithm.gkd_beta", self.gkd_beta, "0..1 (0 forward KL, 1 reverse KL)")
+        _check(
+            self.gkd_top_k >= 0, "algorithm.gkd_top_k", self.gkd_top_k, "a non-negative integer (0 = the vocabulary)"
+        )
         _check(self.estimator in ESTIMATORS, "algorithm.estimator", self.estimator, one_of(ESTIMATORS))
         _check(
             self.kl_estimator is None or self.kl_estimator in KL_ESTIMATORS,
@@ -1260,6 +1271,11 @@ class Config:
             raise ConfigError(
                 f"ppo.stop_kl={p.stop_kl:g} reads the KL to the reference, which algorithm.kl_coef={a.kl_coef:g} "
                 f"does not compute (no reference model): set algorithm.kl_coef > 0, or gate on ppo.stop_disagreement"
+            )
+        if a.gkd_coef and not p.teacher_path:
+            raise ConfigError(
+                f"algorithm.gkd_coef={a.gkd_coef:g} compares the actor with a teacher: set ppo.teacher_path "
+                f"(an HF causal LM with the actor's tokenizer)"
             )
         if ESTIMATORS[a.estimator].needs_teacher and not p.teacher_path:
             raise ConfigError(

@@ -250,7 +250,9 @@ class Loop:
             cfg.run.seed,
             prep.runner,
         )
-        self.updater = Updater(models.actor, models.critic, alg, ppo, mesh, cfg.run.seed, ptx=prep.ptx, ema=models.ema)
+        self.updater = Updater(
+            models.actor, models.critic, alg, ppo, mesh, cfg.run.seed, prep.ptx, models.ema, models.scorers.teacher
+        )
         self.copies = [c for c in (models.ema, self.gate.best) if c is not None]  # saved beside the checkpoint
         self.metrics = None  # resume's
 

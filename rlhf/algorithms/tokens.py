@@ -1,8 +1,10 @@
-"""Per-token functions of logits and masks (pure tensor functions): log-probabilities, and what an
-attention or response mask says about its rows (positions, last index; left or right padding alike)."""
+"""Per-token functions of logits and masks (pure tensor functions): log-probabilities, GKD's divergence
+between two models' next-token distributions, and what an attention or response mask says about its
+rows (positions, last index; left or right padding alike)."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -66,6 +68,47 @@ def chunked_logprobs(
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps, 1), (torch.cat(ents, 1) if entropy else None)
+
+
+def _divergence(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float, top_k: int):
+    s, t = student.float(), teacher.float()
+    if temperature != 1.0:
+        s, t = s / temperature, t / temperature
+    if top_k:  # the teacher's k likeliest tokens, both distributions renormalised over them
+        idx = t.topk(top_k, dim=-1).indices
+        s, t = s.gather(-1, idx), t.gather(-1, idx)
+    ls, lt = F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
+    if beta == 0.0:  # forward KL(teacher ‖ student)
+        return (lt.exp() * (lt - ls)).sum(-1)
+    if beta == 1.0:  # reverse KL(student ‖ teacher)
+        return (ls.exp() * (ls - lt)).sum(-1)
+    mix = torch.logsumexp(torch.stack([ls + math.log(1 - beta), lt + math.log(beta)]), 0)
+    return beta * (lt.exp() * (lt - mix)).sum(-1) + (1 - beta) * (ls.exp() * (ls - mix)).sum(-1)
+
+
+def chunked_divergence(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    beta: float,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES,
+) -> torch.Tensor:
+    """[B, N] GKD's generalised Jensen–Shannon divergence between the student's and the teacher's next-token
+    distributions at each position (aligned logits [B, N, V], at ``temperature``): with M = β·P_teacher +
+    (1 − β)·P_student, β·KL(P_teacher ‖ M) + (1 − β)·KL(P_student ‖ M); β = 0 is the forward KL(teacher ‖
+    student), β = 1 the reverse KL(student ‖ teacher) (Agarwal et al. 2024; TRL's ``beta``). ``top_k`` > 0:
+    over the teacher's k likeliest tokens alone, both renormalised there. Computed a few positions at a
+    time (each chunk recomputed in backward) so that fp32 [B, N, V] never exists at once; differentiable
+    in ``student``."""
+    B, N, V = student.shape
+    step = max(1, min(N, chunk_bytes // max(B * V * 4 * 4, 1)))  # (two log-softmaxes and the mixture)
+    grad = torch.is_grad_enabled() and student.requires_grad
+    out = []
+    for s in range(0, N, step):
+        args = (student[:, s : s + step], teacher[:, s : s + step], beta, temperature, top_k)
+        out.append(checkpoint(_divergence, *args, use_reentrant=False) if grad else _divergence(*args))
+    return torch.cat(out, 1)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,17 @@ def response_stats(
     with mask-derived positions; ``forward`` is an engine's or a model's ``forward`` returning logits.
     ``keep_logits``: ask the model for the logits of the response positions only (the same numbers,
     less memory). The fp32 log-softmax runs a few positions at a time (``chunked_logprobs``)."""
-    logits = _response_logits(forward, sequences, attention_mask, prompt_len, keep_logits)
+    logits = response_logits(forward, sequences, attention_mask, prompt_len, keep_logits)
+    return logits_stats(logits, sequences[:, prompt_len:], temperature, entropy)
+
+
+def logits_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: Optional[str] = None):
+    """``response_stats`` from the response's logits (``response_logits``) and tokens."""
     t = temperature if temperature > 0 else 1.0  # greedy rollouts (temperature 0) score at 1: decided here only
-    return chunked_logprobs(logits, sequences[:, prompt_len:], t, entropy=entropy)
+    return chunked_logprobs(logits, targets, t, entropy=entropy)
 
 
-def _response_logits(forward, sequences, attention_mask, prompt_len: int, keep_logits: bool) -> torch.Tensor:
+def response_logits(forward, sequences, attention_mask, prompt_len: int, keep_logits: bool) -> torch.Tensor:
     """[B, N, V] the logits that predict each response token (those of the positions before them)."""
     n = sequences.shape[1] - prompt_len
     extra = {"logits_to_keep": n + 1} if keep_logits else {}
@@ -60,9 +65,8 @@ def response_logprobs_top1(
 ) -> torch.Tensor:
     """[B, N, 2]: ``response_logprobs`` and, as a float, the model's greedy token at each response
     position (what a teacher and its student are compared on), from one forward."""
-    logits = _response_logits(forward, sequences, attention_mask, prompt_len, keep_logits)
-    t = temperature if temperature > 0 else 1.0
-    logp, _ = chunked_logprobs(logits, sequences[:, prompt_len:], t)
+    logits = response_logits(forward, sequences, attention_mask, prompt_len, keep_logits)
+    logp, _ = logits_stats(logits, sequences[:, prompt_len:], temperature)
     return torch.stack([logp, logits.argmax(-1).to(logp.dtype)], -1)
 
 

@@ -17,8 +17,9 @@ import torch
 from rlhf import seeding
 from rlhf.algorithms import ppo as ppo_math
 from rlhf.algorithms.estimators import estimator, kl_kind
+from rlhf.algorithms.tokens import chunked_divergence
 from rlhf.config import AlgorithmConfig, PPOConfig
-from rlhf.engine.logprobs import response_stats
+from rlhf.engine.logprobs import logits_stats, response_logits
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
 from rlhf.rl.ema import EMA
@@ -65,9 +66,11 @@ class Updater:
         seed: int,
         ptx: Optional[PtxTerm] = None,
         ema: Optional[EMA] = None,
+        teacher=None,
     ):
         self.actor, self.critic, self.alg, self.ppo, self.mesh = actor, critic, alg, ppo, mesh
         self.seed, self.ptx, self.ema = seed, ptx, ema
+        self.teacher = teacher  # GKD's (algorithm.gkd_coef > 0): a FrozenModel
         self.kl_in_loss = estimator(alg).kl_in_loss
         self.updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
         self.skipped_in_a_row = 0
@@ -137,6 +140,7 @@ class Updater:
         # another order, and fixed-seed numbers are a contract.
         keep = False
         loss_sum, sums, ok = 0.0, None, True  # sums: clipped tokens, Σ approx-KL, tokens, Σ entropy
+        gkd_sum = 0.0  # Σ GKD's divergence over the policy tokens (algorithm.gkd_coef > 0)
         for i, (r, w) in enumerate(parts):
             mask = exp.loss_mask[r] * w
             weights = ppo_math.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
@@ -148,9 +152,8 @@ class Updater:
                 pg_weights = weights * correction
                 stats.add("rollout/correction_mean", float((correction * mask).sum()), float(mask.sum()))
             entropy = "loss" if alg.entropy_coef else "metric"
-            logp, ent = response_stats(
-                actor.forward, seq[r], att[r], prompt_len, self.ppo.temperature, keep_logits=keep, entropy=entropy
-            )
+            logits = response_logits(actor.forward, seq[r], att[r], prompt_len, keep)
+            logp, ent = logits_stats(logits, seq[r][:, prompt_len:], self.ppo.temperature, entropy)
             pl, st = ppo_math.policy_loss(
                 logp,
                 exp.old_logprobs[r],
@@ -168,6 +171,10 @@ class Updater:
                 loss = loss + kl_beta * (kl_term * weights).sum() / normalizer
             if alg.entropy_coef:
                 loss = loss - alg.entropy_coef * (ent * weights).sum() / normalizer
+            if alg.gkd_coef:  # GKD: the teacher's whole next-token distribution, not the sampled token's
+                gkd = self.divergence(logits, seq[r], att[r], prompt_len)
+                loss = loss + alg.gkd_coef * (gkd * weights).sum() / normalizer
+                gkd_sum += float((gkd.detach() * mask).sum())
             last = i == len(parts) - 1
             if last and self.ptx is not None:
                 ptx_l = self.ptx.loss(actor, update, global_size)
@@ -191,7 +198,17 @@ class Updater:
         stats.add("clipfrac", float(clipped / tokens.clamp(min=1)))
         stats.add("approx_kl", float(akl / tokens.clamp(min=1)))
         stats.add("entropy", float(ent_sum / max(float(tokens), 1)))
+        if alg.gkd_coef:
+            stats.add("distill/gkd", mesh.sum(gkd_sum) / max(float(tokens), 1))
         return ok
+
+    def divergence(self, logits, seq, att, prompt_len: int):
+        """[b, N] GKD's divergence (``chunked_divergence``) between the teacher's and the actor's
+        next-token distributions at each response position; differentiable in the actor's ``logits``."""
+        alg, t = self.alg, self.ppo.temperature if self.ppo.temperature > 0 else 1.0
+        with torch.no_grad():
+            teacher = response_logits(self.teacher.forward, seq, att, prompt_len, False)
+        return chunked_divergence(logits, teacher, alg.gkd_beta, t, alg.gkd_top_k)
 
     def _critic_step(self, exp: Experience, parts: List[Part], normalizer: float, stats: Stats) -> None:
         critic, alg, mesh = self.critic, self.alg, self.mesh

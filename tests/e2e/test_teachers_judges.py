@@ -2,7 +2,8 @@
 (ppo.judge_path) through the CLI on the embedded task: a teacher equal to the student gives a reverse KL
 of 0 and full greedy agreement; another teacher a positive one, its reward the per-token −reverse KL
 (alone, or beside a rule with any estimator); a teacher with another tokenizer is refused before any
-model loads; the judge's reward is its verdict's probability."""
+model loads; GKD's divergence is 0 against itself and positive against another; the judge's reward is
+its verdict's probability."""
 
 import shutil
 
@@ -40,21 +41,25 @@ def weak_teacher(tmp_path_factory):
 def test_a_teacher_equal_to_the_student_gives_no_signal(small_pipeline, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
-    proc = run_cli(*distill_run(run, small_pipeline / "sft" / "model", "train.max_steps=1"))
+    gkd = ["algorithm.gkd_coef=1.0", "algorithm.gkd_beta=0.5", "ppo.minibatches_per_epoch=1"]  # one update
+    proc = run_cli(*distill_run(run, small_pipeline / "sft" / "model", "train.max_steps=1", *gkd))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "distilling from teacher" in proc.stderr and "ppo (distill)" in proc.stderr
     (first,) = steps_of(run)  # the actor before its first update is the teacher, token for token
     assert abs(first["distill/reverse_kl"]) < 1e-6 and abs(first["reward/distill"]) < 1e-5
     assert first["distill/agreement"] == 1.0 and first["reward/mean"] == pytest.approx(first["reward/distill"])
+    assert abs(first["distill/gkd"]) < 1e-6  # GKD's JSD, computed before the update: the same distributions
 
 
 def test_another_teacher_rewards_each_token_by_its_reverse_kl(small_pipeline, weak_teacher, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
-    proc = run_cli(*distill_run(run, weak_teacher, "train.max_steps=2"))
+    proc = run_cli(
+        *distill_run(run, weak_teacher, "train.max_steps=2", "algorithm.gkd_coef=0.5", "algorithm.gkd_top_k=8")
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in steps_of(run):
-        assert r["distill/reverse_kl"] > 0.01 and 0.0 < r["distill/agreement"] < 1.0
+        assert r["distill/reverse_kl"] > 0.01 and 0.0 < r["distill/agreement"] < 1.0 and r["distill/gkd"] > 1e-4
         assert r["reward/distill"] == pytest.approx(-r["distill/reverse_kl_seq"], rel=1e-5)
         assert r["reward/mean"] == pytest.approx(r["reward/distill"] + r.get("reward/penalty", 0.0), abs=1e-5)
     # beside a rule, with a group estimator: the reverse KL summed into each sequence's score

@@ -85,3 +85,39 @@ def test_distillation_needs_a_teacher_and_a_teacher_needs_a_weight():
         PPOConfig(teacher_path="t", distill_coef=0.0)
     cfg = Config(stage="ppo", algorithm=AlgorithmConfig(estimator="distill"), ppo=PPOConfig(teacher_path="t"))
     assert cfg.roles() == ("actor", "reference", "reward_model", "teacher")
+
+
+def test_gkd_divergence_is_the_generalised_jsd_chunked_and_exact():
+    from rlhf.algorithms.tokens import chunked_divergence
+
+    torch.manual_seed(0)
+    s, t = torch.randn(3, 5, 11, dtype=torch.float64), torch.randn(3, 5, 11, dtype=torch.float64)
+    ps, pt = s.softmax(-1), t.softmax(-1)
+
+    def kl(p, q):
+        return (p * (p.log() - q.log())).sum(-1)
+
+    assert torch.allclose(chunked_divergence(s, t, 0.0), kl(pt, ps).float(), atol=1e-6)  # forward KL
+    assert torch.allclose(chunked_divergence(s, t, 1.0), kl(ps, pt).float(), atol=1e-6)  # reverse KL
+    m = 0.3 * pt + 0.7 * ps
+    jsd = 0.3 * kl(pt, m) + 0.7 * kl(ps, m)
+    assert torch.allclose(chunked_divergence(s, t, 0.3), jsd.float(), atol=1e-6)
+    # a few positions at a time: the same numbers, and the gradient through every chunk
+    s32 = s.float().requires_grad_()
+    small = chunked_divergence(s32, t.float(), 0.3, chunk_bytes=1)
+    small.sum().backward()
+    whole = s.float().requires_grad_()
+    chunked_divergence(whole, t.float(), 0.3).sum().backward()
+    assert torch.allclose(small, jsd.float(), atol=1e-6) and torch.allclose(s32.grad, whole.grad, atol=1e-6)
+    # top-k: over the teacher's k likeliest tokens, both renormalised there
+    idx = t.topk(4, -1).indices
+    sk, tk = s.gather(-1, idx).softmax(-1), t.gather(-1, idx).softmax(-1)
+    assert torch.allclose(chunked_divergence(s, t, 0.0, top_k=4), kl(tk, sk).float(), atol=1e-6)
+    assert chunked_divergence(t, t, 0.5).abs().max() < 1e-6  # (fp32 rounding of the mixture)
+
+
+def test_gkd_needs_a_teacher():
+    with pytest.raises(ConfigError, match=r"algorithm.gkd_coef=0.5 compares the actor with a teacher"):
+        Config(stage="ppo", algorithm=AlgorithmConfig(gkd_coef=0.5))
+    with pytest.raises(ConfigError, match=r"algorithm.gkd_beta"):
+        AlgorithmConfig(gkd_beta=1.5)
