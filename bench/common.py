@@ -1,4 +1,4 @@
-"""What the benches share: the workloads of docs/contract.md, the Llama built from one, and the device
+"""What the benches share: the workloads of docs/benchmarks.md, the Llama built from one, and the device
 label every JSON line carries."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# docs/contract.md (Workloads); ``inter`` (intermediate size) where the hidden × 8/3 rule does not apply
+# docs/benchmarks.md (Workloads); ``inter`` (intermediate size) where the hidden × 8/3 rule does not apply
 WORKLOADS = {
     "tiny": dict(hidden=128, layers=4, heads=4, kv=2, vocab=2000, prompts=8, prompt_len=32, new=64),
     "small": dict(hidden=512, layers=8, heads=8, kv=4, vocab=8000, prompts=8, prompt_len=64, new=128),

@@ -1,5 +1,5 @@
 """Decode on a real pretrained model: the inference mode against HF ``generate`` and against this machine's
-roofline (docs/contract.md, `bench: "decode_real"`).
+roofline (docs/benchmarks.md, `bench: "decode_real"`).
 
     python bench/decode_real.py [--model smollm2-135m-instruct] [--batches 1 16 64] [--dtypes fp32 bf16]
                                 [--new 64] [--repeats 2] [--threads N]

@@ -1,5 +1,5 @@
 """On-policy distillation against GRPO with the exact rule, on the embedded task, over seeds
-(docs/contract.md, `bench: "distill"`).
+(docs/benchmarks.md, `bench: "distill"`).
 
     python bench/distill.py [--seeds 0 1 2] [--out DIR] [--student-steps 300] [--steps 40]
                             [--eval-every 5] [--threads T] [--set KEY=VAL ...]

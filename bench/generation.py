@@ -1,5 +1,5 @@
 """Generation throughput: HF generate on the ZeRO-3 actor vs the hybrid engine (TP 1 and 2) vs HF
-generate on a plain model (JSON lines, docs/contract.md).
+generate on a plain model (JSON lines, docs/benchmarks.md).
 
     python bench/generation.py [--workload tiny small] [--repeats 3] [--dtypes fp32 bf16] [--nproc 2]
                                [--device auto|cpu|cuda]

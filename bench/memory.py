@@ -1,4 +1,4 @@
-"""Per-rank bytes of parameters + gradients + optimizer state for ZeRO 0/1/2/3 (JSON lines, docs/contract.md).
+"""Per-rank bytes of parameters + gradients + optimizer state for ZeRO 0/1/2/3 (JSON lines, docs/benchmarks.md).
 
     python bench/memory.py [--workload small] [--world-sizes 2 4] [--precision fp32 bf16] [--lora 8]
 
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import WORKLOADS, device_label, llama_config  # noqa: E402  (docs/contract.md)
+from common import WORKLOADS, device_label, llama_config  # noqa: E402  (docs/benchmarks.md)
 
 
 def formula(zero: int, psi: int, n: int, precision: str) -> float:

@@ -1,4 +1,4 @@
-"""Seconds per PPO step, split into generate / score / train / switch (JSON lines, docs/contract.md).
+"""Seconds per PPO step, split into generate / score / train / switch (JSON lines, docs/benchmarks.md).
 
     python bench/ppo.py [--workload tiny small] [--world-sizes 1 2] [--steps 3] [--variants hybrid hf]
                         [--micro-batch N] [--device auto|cpu|cuda] [--estimator gae|grpo] [--set KEY=VAL ...]

@@ -1,7 +1,7 @@
 """A real architecture at a real size: a Qwen2.5-0.5B-shaped model (its published config, random
 init: there are no pretrained weights on these machines) through a few steps of SFT, reward and PPO
 on HH-RLHF data in one process, with the pretrained recipe (docs/recipes.md). Prints JSON lines in
-the schema of docs/contract.md (Benchmarks), variant = the stage: ``s_per_step`` (SFT and reward: from
+the schema of docs/benchmarks.md (Benchmarks), variant = the stage: ``s_per_step`` (SFT and reward: from
 the stage's samples/s; PPO: the median iteration's generate + score + update seconds),
 ``peak_mem_gb`` (metrics.jsonl's ``mem/peak_gb``) and ``wall_s`` (the whole stage).
 

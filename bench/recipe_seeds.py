@@ -1,5 +1,5 @@
 """Learning over seeds for a recipe that starts from a pretrained model: one stage per seed, its held-out
-gold before and after (docs/contract.md, `bench: "recipe_seeds"`).
+gold before and after (docs/benchmarks.md, `bench: "recipe_seeds"`).
 
     python bench/recipe_seeds.py [--recipe smollm2_arith] [--stage ppo] [--seeds 0 1 2] [--threads T]
                                  [--out DIR] [--set KEY=VAL ...] [--label NAME]

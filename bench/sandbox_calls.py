@@ -1,5 +1,5 @@
 """The Python tool's sandbox: what a call costs, one at a time and many at once, in each isolation mode
-this machine allows, and before the kernel isolation (docs/contract.md, `bench: "sandbox_calls"`).
+this machine allows, and before the kernel isolation (docs/benchmarks.md, `bench: "sandbox_calls"`).
 
     python bench/sandbox_calls.py [--calls 60] [--concurrent 16] [--before REV] [--modes root user guard]
 

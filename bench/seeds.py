@@ -1,5 +1,5 @@
 """Learning over seeds: the embedded pipeline per seed, JSON lines per seed and figure, then min /
-median / max (docs/contract.md, `bench: "seeds"`).
+median / max (docs/benchmarks.md, `bench: "seeds"`).
 
     python bench/seeds.py [--seeds 0 1 2 3 4] [--unseen N [--unseen-key KEY]] [--parallel K] [--threads T]
                           [--stages sft,reward,ppo,grpo] [--out DIR] [--set KEY=VAL ...]

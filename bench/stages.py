@@ -1,4 +1,4 @@
-"""Seconds per optimizer step of the SFT, reward-model and DPO stages (JSON lines, docs/contract.md).
+"""Seconds per optimizer step of the SFT, reward-model and DPO stages (JSON lines, docs/benchmarks.md).
 
     python bench/stages.py [--stages sft reward dpo] [--workloads hh tiny small] [--steps 5]
                            [--warmup 1] [--threads N] [--rows 8] [--device auto|cpu|cuda] [--seed 0]

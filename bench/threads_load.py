@@ -1,5 +1,5 @@
 """Threads on a shared machine: the embedded SFT run idle and beside busy processes, with the default
-thread choice against fixed counts (docs/contract.md, `bench: "threads_load"`).
+thread choice against fixed counts (docs/benchmarks.md, `bench: "threads_load"`).
 
     python bench/threads_load.py [--steps 400] [--busy 2] [--variants default t1 t2 spin_default]
                                  [--repeats 1] [--out DIR]

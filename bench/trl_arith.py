@@ -1,5 +1,5 @@
 """TRL's GRPOTrainer on ``recipe=smollm2_arith``'s work, side by side with a run of the recipe: step time and
-time to the held-out accuracy (JSON lines, docs/contract.md; variant ``trl_grpo``).
+time to the held-out accuracy (JSON lines, docs/benchmarks.md; variant ``trl_grpo``).
 
     pip install trl          # not a dependency of rlhf: only the TRL benches import it
     python bench/trl_arith.py --run-dir RUN [--steps 10] [--eval-every 5] [--threads N] [--out DIR]

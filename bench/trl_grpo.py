@@ -1,5 +1,5 @@
 """TRL's GRPOTrainer on the workload of ``bench/ppo.py --estimator grpo``, for a side-by-side step time
-(JSON lines, docs/contract.md; variant ``trl_grpo``).
+(JSON lines, docs/benchmarks.md; variant ``trl_grpo``).
 
     pip install trl          # not a dependency of rlhf: only this bench imports it
     python bench/trl_grpo.py [--workload tiny] [--steps 4] [--threads N] [--beta B]

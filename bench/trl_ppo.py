@@ -1,5 +1,5 @@
 """TRL's PPOTrainer on the workload of ``bench/ppo.py`` (GAE), for a side-by-side step time (JSON lines,
-docs/contract.md; variant ``trl_ppo``).
+docs/benchmarks.md; variant ``trl_ppo``).
 
     pip install trl==1.12.0   # the last TRL with a PPO trainer (trl.experimental.ppo); not an rlhf dependency
     python bench/trl_ppo.py [--workload tiny] [--steps 6] [--threads N]

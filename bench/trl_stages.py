@@ -1,5 +1,5 @@
 """TRL's SFTTrainer, RewardTrainer and DPOTrainer on bench/stages.py's workloads, for a side-by-side step
-time (JSON lines, docs/contract.md; variants ``trl_sft``, ``trl_reward``, ``trl_dpo``).
+time (JSON lines, docs/benchmarks.md; variants ``trl_sft``, ``trl_reward``, ``trl_dpo``).
 
     pip install trl          # not a dependency of rlhf: only this bench imports it
     python bench/trl_stages.py [--stages sft reward dpo] [--workloads tiny small hh] [--steps 5] [--warmup 1]

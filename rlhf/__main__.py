@@ -26,7 +26,7 @@ USAGE = """usage: python -m rlhf stage={stages} [key=value ...]
 Hydra overrides, e.g. run.dir=runs/x train.max_steps=100 engine.zero_stage=3 data.path=f.jsonl
   --cfg       print the composed configuration and exit
   --help      this text
-Config groups and keys: see docs/contract.md and rlhf/config.py."""
+Config groups and keys: see docs/keys.md and rlhf/config.py."""
 
 
 def _fail(msg: str, code: int = 2, kind: str = "error: ") -> None:

@@ -697,7 +697,7 @@ class EngineConfig:
 
 @dataclass
 class EvalConfig:
-    """Gold score: the same seeded held-out prompts and decoding in every stage (docs/contract.md)."""
+    """Gold score: the same seeded held-out prompts and decoding in every stage (docs/keys.md)."""
 
     gold_prompts: int = 256  # 0 = no gold evaluation at all
     gold_samples: int = 4
@@ -1182,7 +1182,7 @@ class PPOConfig:
 
 @dataclass
 class LauncherConfig:
-    """Self-launch through torch.distributed.run (docs/contract.md); nproc_per_node=0 = no self-launch."""
+    """Self-launch through torch.distributed.run (docs/keys.md); nproc_per_node=0 = no self-launch."""
 
     nnodes: int = 1
     nproc_per_node: int = 0

@@ -33,8 +33,9 @@ def length_accuracy(examples: Sequence[Example]) -> float:
     pairs = _pairs(examples)
     if not pairs:
         return float("nan")
-    won = sum(1.0 if len(c) > len(r) else 0.5 if len(c) == len(r) else 0.0 for c, r in pairs)
-    return won / len(pairs)
+    longer = sum(len(c) > len(r) for c, r in pairs)
+    ties = sum(len(c) == len(r) for c, r in pairs)
+    return (longer + 0.5 * ties) / len(pairs)
 
 
 def _counts(text: str) -> Counter:
