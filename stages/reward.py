@@ -139,7 +139,8 @@ def run(cfg: Config) -> None:
     # ---- 3. export ----
     res = evaluate(train.max_steps)
     if mesh.is_main:  # what the text alone gets right on the same held-out pairs
-        res.update(pair_baselines.baselines(data.train, data.eval))
+        fit, test = (pair_baselines.response_texts(cols, tokenizer) for cols in (train_cols, eval_cols))
+        res.update(pair_baselines.baselines(fit, test))
         metrics.log(train.max_steps, **{key: res[key] for key in pair_baselines.KEYS})
     extra = {REWARD_STATS_FILE: held_out_stats(res, k, train.max_steps)}
     export_hf(

@@ -5,8 +5,9 @@
   (lower-cased ``\\w+`` words, those seen in at least two training pairs), no bias, so that swapping a
   pair flips its score; L2-regularised, fitted by L-BFGS on the training pairs.
 
-Both are computed by the reward stage on the same held-out pairs as the model (``eval/baseline_*`` in
-its metrics and reward_stats.json) and cost a second or two on thousands of pairs.
+Both are computed by the reward stage on exactly the pairs the model trains and is evaluated on (its
+tokenized columns, decoded: the pairs the lengths dropped are left out there too; ``eval/baseline_*``
+in its metrics and reward_stats.json) and cost a second or two on thousands of pairs.
 """
 
 from __future__ import annotations
@@ -17,20 +18,26 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from rlhf.data.records import Example
-
 _WORD = re.compile(r"\w+")
 MIN_PAIRS = 2  # a word counts when at least this many training pairs use it
 L2 = 1e-2  # the regression's weight decay, per training pair
 
 
-def _pairs(examples: Sequence[Example]) -> List[Tuple[str, str]]:
-    return [(e.chosen or "", e.rejected or "") for e in examples if e.chosen is not None and e.rejected is not None]
+Pairs = Sequence[Tuple[str, str]]  # (chosen response, rejected response)
 
 
-def length_accuracy(examples: Sequence[Example]) -> float:
+def response_texts(cols: dict, tokenizer) -> List[Tuple[str, str]]:
+    """The (chosen, rejected) responses of tokenized pair columns (``tokenize_pairs``), decoded without
+    their special tokens."""
+    out = []
+    for c, r, p in zip(cols["chosen"], cols["rejected"], cols["prompt_len"]):
+        c, r = (tokenizer.decode(list(ids)[p:], skip_special_tokens=True) for ids in (c, r))
+        out.append((c, r))
+    return out
+
+
+def length_accuracy(pairs: Pairs) -> float:
     """The share of pairs whose chosen response is the longer one (ties: half)."""
-    pairs = _pairs(examples)
     if not pairs:
         return float("nan")
     longer = sum(len(c) > len(r) for c, r in pairs)
@@ -42,7 +49,7 @@ def _counts(text: str) -> Counter:
     return Counter(_WORD.findall(text.lower()))
 
 
-def _features(pairs: List[Tuple[str, str]], vocab: Dict[str, int]) -> torch.Tensor:
+def _features(pairs: Pairs, vocab: Dict[str, int]) -> torch.Tensor:
     x = torch.zeros(len(pairs), len(vocab), dtype=torch.float64)
     for i, (c, r) in enumerate(pairs):
         for sign, text in ((1.0, c), (-1.0, r)):
@@ -53,10 +60,9 @@ def _features(pairs: List[Tuple[str, str]], vocab: Dict[str, int]) -> torch.Tens
     return x
 
 
-def bag_of_words_accuracy(train: Sequence[Example], held_out: Sequence[Example]) -> float:
-    """Held-out accuracy of a word-count logistic regression fitted on the training pairs (score > 0:
-    chosen preferred; 0, a pair whose words cancel out, counts half)."""
-    fit, test = _pairs(train), _pairs(held_out)
+def bag_of_words_accuracy(fit: Pairs, test: Pairs) -> float:
+    """Held-out accuracy (on ``test``) of a word-count logistic regression fitted on the pairs ``fit``
+    (score > 0: chosen preferred; 0, a pair whose words cancel out, counts half)."""
     if not fit or not test:
         return float("nan")
     seen = Counter(w for c, r in fit for w in set(_counts(c)) | set(_counts(r)))
@@ -79,7 +85,7 @@ def bag_of_words_accuracy(train: Sequence[Example], held_out: Sequence[Example])
 KEYS = ("eval/baseline_length", "eval/baseline_bag_of_words")
 
 
-def baselines(train: Sequence[Example], held_out: Sequence[Example]) -> Dict[str, float]:
+def baselines(train: Pairs, held_out: Pairs) -> Dict[str, float]:
     """``KEYS``: the held-out pair accuracies of the longer response and of the word counts."""
     return dict(zip(KEYS, (length_accuracy(held_out), bag_of_words_accuracy(train, held_out))))
 

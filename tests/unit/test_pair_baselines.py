@@ -14,8 +14,8 @@ from rlhf.engine.mesh import Mesh
 from rlhf.runtime.evaluation import evaluate_reward
 
 
-def _pair(chosen: str, rejected: str) -> Example:
-    return Example(prompt="\n\nHuman: hi\n\nAssistant:", response=chosen, chosen=chosen, rejected=rejected)
+def _pair(chosen: str, rejected: str):
+    return (chosen, rejected)
 
 
 def test_longer_response_wins_with_ties_counted_half():
@@ -36,13 +36,19 @@ def test_bag_of_words_learns_the_words_that_decide_and_a_swap_flips_it():
 
     train, held_out = pairs(80), pairs(40)
     assert pair_baselines.bag_of_words_accuracy(train, held_out) == 1.0
-    swapped = [_pair(e.rejected, e.chosen) for e in held_out]
+    swapped = [(r, c) for c, r in held_out]
     assert pair_baselines.bag_of_words_accuracy(train, swapped) == 0.0
     unseen = [_pair(text("maybe"), text("perhaps")) for _ in range(10)]  # no word it learnt: scores cancel
     assert 0.0 < pair_baselines.bag_of_words_accuracy(train, unseen) < 1.0
     res = pair_baselines.baselines(train, held_out)
     assert list(res) == list(pair_baselines.KEYS) and res["eval/baseline_bag_of_words"] == 1.0
     assert "bag of words 1.0000" in pair_baselines.said(res) and pair_baselines.said({}) == ""
+
+
+def test_the_pairs_are_the_tokenized_columns_decoded():
+    """The baselines read the pairs the reward model reads: its columns' responses, special tokens out."""
+    cols = {"chosen": [[1, 5, 6, 2], [1, 7, 2]], "rejected": [[1, 5, 7, 7, 2], [1, 6, 2]], "prompt_len": [2, 1]}
+    assert pair_baselines.response_texts(cols, _Tok()) == [("w6", "w7 w7"), ("w7", "w6")]
 
 
 class _Tok:
@@ -52,7 +58,7 @@ class _Tok:
         return {"input_ids": [[5] * len(t.split()) for t in texts]}
 
     def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"w{i}" for i in ids)
+        return " ".join(f"w{i}" for i in ids if not (skip_special_tokens and i in (1, 2)))
 
 
 def test_held_out_reward_says_its_spread_and_lengths_and_keeps_the_first_answers():
