@@ -175,7 +175,7 @@ def build_models(
         teacher = FrozenModel(model, mesh, place("teacher"))
     judge = None
     if sources.judge is not None:  # its own tokenizer: it reads the responses' text
-        judge_tok = loading.load_tokenizer(sources.judge, remote)
+        judge_tok = loading.load_tokenizer(sources.judge, cfg.model.trust_remote_code)
         model = loading.causal_lm(sources.judge, mesh, judge_tok, remote, True, "judge")
         template = read_template(ppo.judge_template)
         frozen = FrozenModel(model, mesh, place("judge"))
