@@ -90,8 +90,9 @@ class Judge:
         chat = self.chat  # the chat template writes the special tokens it needs
         rows = [ids[-self.max_tokens :] for ids in self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
         width = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        # the padding is masked out: id 0, which every vocabulary has (a pad added to the tokenizer may
+        # lie past the embeddings of a judge loaded as it is, rlhf.score's)
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         return ids, mask
 

@@ -263,7 +263,7 @@ CASES = [
     (
         "no_reward_model_and_no_rule",
         lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false"),
-        "ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold) or an env",
+        "ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold), a teacher",
     ),
     # ---- keys, types, values ----
     ("unknown_key", lambda c: in_good(c, "train.nonexistent=1"), "'train.nonexistent'"),

@@ -70,7 +70,7 @@ def test_left_padding_and_the_chat_template():
     assert judge.text(Example(prompt="x"), "two words") == "[u] two words ok? [a]"
     judge(["two words", "x"], [Example(prompt="p")] * 2, micro=0, device="cpu")
     ids, mask, pos, _ = model.calls[-1]
-    assert ids.tolist() == [[11, 6, 7, 5, 12], [0, 11, 8, 5, 12]] and mask[1].tolist() == [0, 1, 1, 1, 1]
+    assert ids.tolist() == [[11, 6, 7, 5, 12], [0, 11, 8, 5, 12]] and mask[1].tolist() == [0, 1, 1, 1, 1]  # pad: 0
     assert pos[1].tolist() == [0, 0, 1, 2, 3]  # positions counted over the real tokens
     assert judge.text(Example(prompt="x", reference=None), "y") == "[u] y ok? [a]"
 
