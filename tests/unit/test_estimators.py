@@ -121,3 +121,27 @@ def test_gkd_needs_a_teacher():
         Config(stage="ppo", algorithm=AlgorithmConfig(gkd_coef=0.5))
     with pytest.raises(ConfigError, match=r"algorithm.gkd_beta"):
         AlgorithmConfig(gkd_beta=1.5)
+
+
+def test_the_sampled_reverse_kl_reward_is_exact_in_expectation_and_in_its_gradient():
+    """Every token of a small vocabulary as a sampled row, weighted by the student's probability: the
+    distillation reward's mean is −KL(student ‖ teacher) and its policy gradient is −∇KL."""
+    from rlhf.engine.mesh import Mesh
+    from rlhf.rl.experience import distillation
+
+    torch.manual_seed(0)
+    s_logits = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    t_logits = torch.randn(7, dtype=torch.float64)
+    ls, lt = s_logits.log_softmax(-1), t_logits.log_softmax(-1)
+    p = ls.exp()
+    kl = (p * (ls - lt)).sum()
+    tokens = torch.arange(7.0, dtype=torch.float64)[:, None]  # (a row per token; its greedy id unused)
+    student = torch.stack([ls.detach()[:, None], tokens], -1)
+    teacher = torch.stack([lt[:, None], tokens], -1)
+    reward, metrics = distillation(ls.detach()[:, None], teacher, student, torch.ones(7, 1), 1.0, Mesh())
+    assert torch.allclose((p.detach() * reward[:, 0]).sum(), -kl.detach())
+    surrogate = -(p.detach() * reward[:, 0] * ls).sum()  # the policy gradient's loss, advantage = reward
+    (grad_pg,) = torch.autograd.grad(surrogate, s_logits, retain_graph=True)
+    (grad_kl,) = torch.autograd.grad(kl, s_logits)
+    assert torch.allclose(grad_pg, grad_kl)
+    assert metrics["distill/agreement"] == 1.0 and metrics["distill/reverse_kl"] == -float(reward.mean())
