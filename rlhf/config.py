@@ -997,7 +997,8 @@ class PPOConfig:
     reward_fn_weight: float = 1.0
     # on-policy distillation (docs/ppo.md): a frozen teacher (an HF causal LM with the actor's tokenizer)
     # scores every sampled token, and each policy token's reward is −distill_coef × (log π_actor −
-    # log π_teacher), the per-token reverse KL, added to any other reward (none needed)
+    # log π_teacher), the per-token reverse KL, added to any other reward (none needed); distill_coef 0:
+    # the teacher only watched (distill/* logged, the run plain RL)
     teacher_path: Optional[str] = None
     distill_coef: float = 1.0
     # a generative judge (docs/ppo.md, rlhf/rl/judge.py): an HF causal LM reads each prompt and response
@@ -1089,12 +1090,7 @@ class PPOConfig:
             "two different verdicts, the first the good one (e.g. [Yes, No])",
         )
         _check(self.judge_max_tokens > 0, "ppo.judge_max_tokens", self.judge_max_tokens, "a positive integer")
-        _check(
-            self.distill_coef > 0 or not self.teacher_path,
-            "ppo.distill_coef",
-            self.distill_coef,
-            f"a positive number with ppo.teacher_path={self.teacher_path} (unset ppo.teacher_path for plain RL)",
-        )
+        _check(self.distill_coef >= 0, "ppo.distill_coef", self.distill_coef, "a non-negative number (0 = watch only)")
         _check(
             self.min_rm_accuracy is None or 0 <= self.min_rm_accuracy <= 1,
             "ppo.min_rm_accuracy",
@@ -1276,6 +1272,11 @@ class Config:
             raise ConfigError(
                 f"algorithm.gkd_coef={a.gkd_coef:g} compares the actor with a teacher: set ppo.teacher_path "
                 f"(an HF causal LM with the actor's tokenizer)"
+            )
+        if ESTIMATORS[a.estimator].needs_teacher and p.teacher_path and not p.distill_coef:
+            raise ConfigError(
+                f"algorithm.estimator={a.estimator} learns from the teacher's reward, which ppo.distill_coef=0 "
+                f"turns off: set ppo.distill_coef > 0, or another estimator to only watch the teacher"
             )
         if ESTIMATORS[a.estimator].needs_teacher and not p.teacher_path:
             raise ConfigError(

@@ -208,7 +208,7 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
-    others = ppo.reward_fn or ppo.teacher_path or ppo.judge_path
+    others = ppo.reward_fn or (ppo.teacher_path and ppo.distill_coef) or ppo.judge_path
     if not ppo.use_reward_model and not others and ppo.env in ENV_BUILTINS:
         raise ConfigError(
             f"ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold), "
@@ -265,7 +265,10 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
     if ppo.teacher_path:
         loading.check_model_path(ppo.teacher_path, "ppo.teacher_path")
         teacher_src = os.path.expanduser(ppo.teacher_path)
-        log.info("ppo: distilling from teacher %s (ppo.distill_coef=%g)", teacher_src, ppo.distill_coef)
+        if ppo.distill_coef:
+            log.info("ppo: distilling from teacher %s (ppo.distill_coef=%g)", teacher_src, ppo.distill_coef)
+        else:
+            log.info("ppo: teacher %s watched only (ppo.distill_coef=0: distill/* logged, no reward)", teacher_src)
     judge_src = None
     if ppo.judge_path:
         loading.check_model_path(ppo.judge_path, "ppo.judge_path")

@@ -8,6 +8,7 @@ its verdict's probability."""
 import shutil
 
 import pytest
+import torch
 
 from tests.conftest import quick_sft_args, run_cli, score_cli
 from tests.e2e.test_ppo import quick_ppo, rows
@@ -138,3 +139,26 @@ def test_score_reads_pairs_with_the_judge(small_pipeline, tmp_path):
     assert lines[2]["pairs"] == 2 and lines[2]["accuracy"] == sum(x["correct"] for x in lines[:2]) / 2
     proc = score_cli(str(judge), "--judge", str(template), "--jsonl", str(pairs))  # Yes / No: not one token
     assert proc.returncode == 2 and "'Yes' is 3 tokens" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_watched_teacher_changes_nothing(small_pipeline, weak_teacher, tmp_path):
+    """ppo.distill_coef=0: the teacher is scored and its distance logged, and the run is plain GRPO —
+    the same metrics and the same exported weights as without a teacher."""
+    from safetensors.torch import load_file
+
+    runs = []
+    for name, extra in (("plain", []), ("watched", [f"ppo.teacher_path={weak_teacher}", "ppo.distill_coef=0"])):
+        run = tmp_path / name
+        shutil.copytree(small_pipeline / "sft", run / "sft")
+        args = quick_ppo(run, "algorithm.estimator=grpo", "ppo.use_reward_model=false", "train.max_steps=2", *extra)
+        proc = run_cli(*args, "ppo.reward_fn=rlhf.rewards.gold")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(run)
+    assert "watched only" in proc.stderr
+    plain, watched = (steps_of(r) for r in runs)
+    for a, b in zip(plain, watched):
+        assert b["distill/reverse_kl"] > 0 and "reward/distill" in b
+        same = [k for k in a if not k.startswith("time/") and not k.endswith("per_s") and "mem/" not in k]
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    wa, wb = (load_file(r / "ppo" / "actor" / "model.safetensors") for r in runs)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

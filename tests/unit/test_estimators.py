@@ -81,8 +81,12 @@ def test_distillation_gives_each_token_its_own_reward_and_the_rest_of_the_score_
 def test_distillation_needs_a_teacher_and_a_teacher_needs_a_weight():
     with pytest.raises(ConfigError, match=r"algorithm.estimator=distill learns from a teacher.*set ppo.teacher_path"):
         Config(stage="ppo", algorithm=AlgorithmConfig(estimator="distill"))
-    with pytest.raises(ConfigError, match=r"ppo.distill_coef=0.*with ppo.teacher_path=t"):
-        PPOConfig(teacher_path="t", distill_coef=0.0)
+    with pytest.raises(ConfigError, match=r"ppo.distill_coef=-1.0"):
+        PPOConfig(teacher_path="t", distill_coef=-1.0)
+    with pytest.raises(ConfigError, match=r"algorithm.estimator=distill learns from the teacher's reward, which ppo"):
+        Config(
+            stage="ppo", algorithm=AlgorithmConfig(estimator="distill"), ppo=PPOConfig(teacher_path="t", distill_coef=0)
+        )
     cfg = Config(stage="ppo", algorithm=AlgorithmConfig(estimator="distill"), ppo=PPOConfig(teacher_path="t"))
     assert cfg.roles() == ("actor", "reference", "reward_model", "teacher")
 
