@@ -1,5 +1,6 @@
 """First PPO step: 2 ranks (ZeRO-3, inference TP 1 and 2, micro-batched with uneven rows per rank)
-≡ 1 process, and any micro-batch size ≡ all rows at once (fp32, greedy, same seeds)."""
+≡ 1 process, and any micro-batch size ≡ all rows at once (fp32, greedy, same seeds); with a distillation
+teacher, GKD and a judge too."""
 
 import json
 import shutil
@@ -7,7 +8,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import quick_reward, run_cli
+from tests.conftest import quick_reward, quick_sft_args, run_cli
 
 pytestmark = pytest.mark.distributed
 KEYS = ("actor/loss", "critic/loss", "reward/mean", "kl/mean", "response/length")
@@ -124,3 +125,26 @@ def test_ensemble_reward_two_ranks_match_one_process(small_pipeline, tmp_path):
     assert ref[0]["reward/ensemble_std"] > 0
     assert abs(got[0]["reward/ensemble_std"] - ref[0]["reward/ensemble_std"]) <= 1e-5
     assert_same_update(got, ref, "ensemble, 2 ranks")
+
+
+def test_teacher_gkd_and_judge_two_ranks_match_one_process(small_pipeline, tmp_path):
+    """A distillation teacher (its per-token reward and GKD's term in the update) and a generative judge,
+    each a frozen model sharded by ZeRO-3 on 2 ranks: the first step equals the 1-process run's."""
+    teacher_run = tmp_path / "teacher"
+    assert run_cli(*quick_sft_args(teacher_run, steps=20), "train.save_every=0").returncode == 0
+    template = tmp_path / "judge.txt"
+    template.write_text("{prompt} {response} right=")
+    extra = (
+        f"ppo.teacher_path={teacher_run / 'sft' / 'model'}",
+        "ppo.distill_coef=0.5",
+        "algorithm.gkd_coef=0.5",
+        f"ppo.judge_path={small_pipeline / 'sft' / 'model'}",
+        f"ppo.judge_template={template}",
+        "ppo.judge_verdicts=[1,0]",
+    )
+    ref = first_step(small_pipeline, tmp_path / "one", 1, 1, *extra)
+    assert ref[0]["distill/reverse_kl"] > 0.01 and ref[0]["distill/gkd"] > 0 and 0 < ref[0]["reward/judge"] < 1
+    got = first_step(small_pipeline, tmp_path / "two", 2, 2, *extra, "ppo.micro_batch_per_rank=2")
+    assert_same_update(got, ref, "teacher, GKD and judge, 2 ranks, tp 2")
+    for k in ("distill/reverse_kl", "distill/agreement", "distill/gkd", "reward/judge", "reward/distill"):
+        assert abs(got[0][k] - ref[0][k]) <= 1e-5 * max(abs(ref[0][k]), 1.0), (k, got[0][k], ref[0][k])
