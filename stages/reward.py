@@ -137,11 +137,11 @@ def run(cfg: Config) -> None:
     stop.close()
 
     # ---- 3. export ----
-    res = evaluate(train.max_steps)
-    if mesh.is_main:  # what the text alone gets right on the same held-out pairs
+    baselines = {}
+    if mesh.is_main:  # what the text alone gets right on the same held-out pairs (logged with eval/*)
         fit, test = (pair_baselines.response_texts(cols, tokenizer) for cols in (train_cols, eval_cols))
-        res.update(pair_baselines.baselines(fit, test))
-        metrics.log(train.max_steps, **{key: res[key] for key in pair_baselines.KEYS})
+        baselines = pair_baselines.baselines(fit, test)
+    res = evaluate(train.max_steps, baselines)
     extra = {REWARD_STATS_FILE: held_out_stats(res, k, train.max_steps)}
     export_hf(
         reward_model, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files=extra, adapter_dir=ctx.out / "adapter"
@@ -197,9 +197,11 @@ def member_weights(cfg: Config, indices: List[int]) -> Optional[torch.Tensor]:
     return torch.tensor(bootstrap_weights(indices, k, cfg.run.seed), dtype=torch.float32).view(-1, k)
 
 
-def evaluate_logged(reward_model: TrainEngine, cols: dict, pad: int, micro: int, margin: float, metrics, step: int):
-    """``evaluate_pairs``, its eval/* logged."""
-    res = evaluate_pairs(reward_model, cols, pad, micro, reward_model.mesh, margin)
+def evaluate_logged(
+    reward_model: TrainEngine, cols: dict, pad: int, micro: int, margin: float, metrics, step: int, extra=None
+):
+    """``evaluate_pairs`` with ``extra`` figures, its eval/* logged."""
+    res = {**evaluate_pairs(reward_model, cols, pad, micro, reward_model.mesh, margin), **(extra or {})}
     log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model)
     return res
 
