@@ -384,16 +384,18 @@ def show_samples(metrics, step: int, rows: List[dict]) -> None:
         kinds.setdefault(r["kind"], []).append({k: v for k, v in r.items() if k != "kind"})
     for kind, part in kinds.items():
         metrics.samples(step, kind, part)
-    first = (kinds.get("eval") or kinds.get("eval_greedy") or [None])[0]
+    first = (kinds.get("eval") or kinds.get("eval_greedy") or kinds.get("eval_reward") or [None])[0]
     if first is not None:
+        how = "sampled" if kinds.get("eval") else "greedy"
+        score = f"gold {first['gold']:g}" if "gold" in first else f"reward model {first['reward']:.3f}"
         log.info(
-            "step %d sample (held-out prompt %d, %s): %s → %s (gold %g)",
+            "step %d sample (held-out prompt %d, %s): %s → %s (%s)",
             step,
             first["index"],
-            "sampled" if kinds.get("eval") else "greedy",
+            how,
             short(first["prompt"]),
             short(first["response"]),
-            first["gold"],
+            score,
         )
 
 

@@ -202,6 +202,7 @@ def test_hh_recipe_runs_the_classic_pipeline_and_sets_the_answers_side_by_side(f
         proc = run_cli(f"stage={stage}", *common, *extra, env=env)
         assert proc.returncode == 0, (stage, proc.stderr[-3000:])
         assert stage != "reward" or "longer response wins" in proc.stderr, proc.stderr[-2000:]
+    assert "step 2 sample (held-out prompt 0, greedy): " in proc.stderr and "(reward model " in proc.stderr
     stats = json.loads((run / "reward" / "model" / "reward_stats.json").read_text())
     assert 0.0 <= stats["eval/baseline_length"] <= 1.0 and 0.0 <= stats["eval/baseline_bag_of_words"] <= 1.0
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
