@@ -52,6 +52,7 @@ def test_a_teacher_equal_to_the_student_gives_no_signal(small_pipeline, tmp_path
     assert abs(first["distill/gkd"]) < 1e-6  # GKD's JSD, computed before the update: the same distributions
 
 
+@pytest.mark.slow  # (two PPO runs and a second SFT model: about a minute each)
 def test_another_teacher_rewards_each_token_by_its_reverse_kl(small_pipeline, weak_teacher, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
@@ -141,6 +142,7 @@ def test_score_reads_pairs_with_the_judge(small_pipeline, tmp_path):
     assert proc.returncode == 2 and "'Yes' is 3 tokens" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # (two PPO runs and a second SFT model: about a minute each)
 def test_a_watched_teacher_changes_nothing(small_pipeline, weak_teacher, tmp_path):
     """ppo.distill_coef=0: the teacher is scored and its distance logged, and the run is plain GRPO —
     the same metrics and the same exported weights as without a teacher."""
