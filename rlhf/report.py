@@ -146,19 +146,7 @@ def figure(run_dir: Path):
         corr.legend(
             a_rew.lines + corr.lines, [ln.get_label() for ln in a_rew.lines + corr.lines], fontsize=8, loc="lower right"
         )
-    a_kl.set_title("PPO kl/mean (nats per response)")
-    _plot(a_kl, ppo, "kl/mean", "kl/mean", color="tab:purple")
-    if "reward/ensemble_std" in ppo:  # the reward models' disagreement: over-optimisation without gold
-        a_kl.set_title("PPO kl/mean, and the reward models' disagreement")
-        dis = a_kl.twinx()
-        _plot(dis, ppo, "reward/ensemble_std", "ensemble disagreement (std)", color="tab:orange")
-        dis.set_ylabel("members' std (normalised)", color="tab:orange")
-        dis.legend(fontsize=8, loc="center right")
-    if "distill/reverse_kl_seq" in ppo:  # on-policy distillation: the student's distance to its teacher
-        a_kl.set_title("PPO kl/mean, and the distance to the teacher (nats per response)")
-        _plot(a_kl, ppo, "distill/reverse_kl_seq", "reverse KL to the teacher", color="tab:brown")
-    if "gate/stopped" in ppo:
-        a_kl.axvline(ppo["gate/stopped"][0][0], color="red", linestyle=":", label="the gate stopped the run")
+    _kl_panel(a_kl, ppo)
     a_time.set_title("PPO seconds per step")
     for key, label in (
         ("time/generate_s", "generate"),
@@ -187,6 +175,24 @@ def figure(run_dir: Path):
     fig.suptitle(f"rlhf run: {run_dir}")
     fig.tight_layout()
     return fig
+
+
+def _kl_panel(ax, ppo: Series) -> None:
+    """PPO's KL to the reference per step, with what watches over-optimisation beside it: a reward-model
+    ensemble's disagreement, a distilled student's reverse KL to its teacher, where the gate stopped."""
+    ax.set_title("PPO kl/mean (nats per response)")
+    _plot(ax, ppo, "kl/mean", "kl/mean", color="tab:purple")
+    if "reward/ensemble_std" in ppo:  # the reward models' disagreement: over-optimisation without gold
+        ax.set_title("PPO kl/mean, and the reward models' disagreement")
+        dis = ax.twinx()
+        _plot(dis, ppo, "reward/ensemble_std", "ensemble disagreement (std)", color="tab:orange")
+        dis.set_ylabel("members' std (normalised)", color="tab:orange")
+        dis.legend(fontsize=8, loc="center right")
+    if "distill/reverse_kl_seq" in ppo:  # on-policy distillation: the student's distance to its teacher
+        ax.set_title("PPO kl/mean, and the distance to the teacher (nats per response)")
+        _plot(ax, ppo, "distill/reverse_kl_seq", "reverse KL to the teacher", color="tab:brown")
+    if "gate/stopped" in ppo:
+        ax.axvline(ppo["gate/stopped"][0][0], color="red", linestyle=":", label="the gate stopped the run")
 
 
 def _heldout_reward(ax, ppo: Series) -> None:

@@ -18,6 +18,7 @@ from typing import List, Sequence
 
 import torch
 
+from rlhf.algorithms.tokens import position_ids
 from rlhf.data.records import Example
 from rlhf.errors import ConfigError
 
@@ -98,8 +99,6 @@ class Judge:
 
     @torch.no_grad()
     def __call__(self, texts: Sequence[str], examples: Sequence[Example], micro: int, device) -> torch.Tensor:
-        from rlhf.algorithms.tokens import position_ids
-
         t0 = time.perf_counter()
         ids, mask = self.encode([self.text(e, t) for e, t in zip(examples, texts)])
         out, step = [], micro or ids.shape[0]
