@@ -41,8 +41,13 @@ def response_stats(
 
 def logits_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: Optional[str] = None):
     """``response_stats`` from the response's logits (``response_logits``) and tokens."""
-    t = temperature if temperature > 0 else 1.0  # greedy rollouts (temperature 0) score at 1: decided here only
-    return chunked_logprobs(logits, targets, t, entropy=entropy)
+    return chunked_logprobs(logits, targets, scoring_temperature(temperature), entropy=entropy)
+
+
+def scoring_temperature(temperature: float) -> float:
+    """The temperature responses are scored at: the sampling one, and 1 for greedy rollouts (temperature
+    0), decided here only."""
+    return temperature if temperature > 0 else 1.0
 
 
 def response_logits(forward, sequences, attention_mask, prompt_len: int, keep_logits: bool) -> torch.Tensor:

@@ -19,7 +19,7 @@ from rlhf.algorithms import ppo as ppo_math
 from rlhf.algorithms.estimators import estimator, kl_kind
 from rlhf.algorithms.tokens import chunked_divergence
 from rlhf.config import AlgorithmConfig, PPOConfig
-from rlhf.engine.logprobs import logits_stats, response_logits
+from rlhf.engine.logprobs import logits_stats, response_logits, scoring_temperature
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
 from rlhf.rl.ema import EMA
@@ -205,7 +205,7 @@ class Updater:
     def divergence(self, logits, seq, att, prompt_len: int):
         """[b, N] GKD's divergence (``chunked_divergence``) between the teacher's and the actor's
         next-token distributions at each response position; differentiable in the actor's ``logits``."""
-        alg, t = self.alg, self.ppo.temperature if self.ppo.temperature > 0 else 1.0
+        alg, t = self.alg, scoring_temperature(self.ppo.temperature)
         with torch.no_grad():
             teacher = response_logits(self.teacher.forward, seq, att, prompt_len, False)
         return chunked_divergence(logits, teacher, alg.gkd_beta, t, alg.gkd_top_k)
