@@ -36,6 +36,7 @@ from rlhf.models import loading
 from rlhf.outputs.log import progress
 from rlhf.rewards import check as check_reward_fn
 from rlhf.rewards import resolve
+from rlhf.rl.async_rollouts import AsyncRollouts, worker_spec
 from rlhf.rl.episodes import EpisodeRunner
 from rlhf.rl.experience import Collector
 from rlhf.rl.gate import Gate
@@ -113,6 +114,7 @@ def run(cfg: Config) -> None:
     metrics, kl_ctl, gate = loop.metrics, loop.kl_ctl, loop.gate
     bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
     stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
+    loop.start_rollouts(start)  # ppo.rollout_workers=1: the worker starts with the weights of step `start`
     last, stopped = train.max_steps, None  # the exported actor's step; the gate's record when it fires
     for step in range(start, train.max_steps):
         # experience: generate in inference mode, then score in training mode
@@ -134,6 +136,7 @@ def run(cfg: Config) -> None:
         except Diverged as e:
             raise UserError(f"ppo: {e} at step {step + 1}; stopping (the last good checkpoint is kept)") from None
         row["time/train_s"] = time.perf_counter() - t1
+        loop.updated(step)  # asynchronous rollouts: the new weights go to the worker
 
         # log, evaluate, checkpoint
         kl_ctl.update(exp.kl_mean, exp.global_rows)
@@ -146,6 +149,7 @@ def run(cfg: Config) -> None:
         end_of_step(done, train, stop, mesh, loop.checkpoint, loop.evaluate)
     bar.close()
     stop.close()
+    loop.stop_rollouts()
 
     # ---- 3. export ----
     loop.evaluate(last, final=True)
@@ -255,6 +259,29 @@ class Loop:
         )
         self.copies = [c for c in (models.ema, self.gate.best) if c is not None]  # saved beside the checkpoint
         self.metrics = None  # resume's
+        if ppo.rollout_workers:  # the episodes played by a worker process, up to ppo.max_staleness steps ahead
+            self.collector.remote = AsyncRollouts(
+                models.hybrid,
+                worker_spec(cfg, prep, models),
+                prompts,
+                self.collector.sampling,
+                mesh,
+                ppo.max_staleness,
+                cfg.train.max_steps,
+                cfg.engine.timeout_s,
+            )
+
+    def start_rollouts(self, step: int) -> None:
+        if self.collector.remote is not None:
+            self.collector.remote.start(step)
+
+    def updated(self, step: int) -> None:
+        if self.collector.remote is not None:
+            self.collector.remote.updated(step)
+
+    def stop_rollouts(self) -> None:
+        if self.collector.remote is not None:
+            self.collector.remote.close()
 
     def state_dict(self) -> dict:
         return {

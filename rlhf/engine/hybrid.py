@@ -103,35 +103,35 @@ class HybridEngine:
 
     # ---- inference mode ----
     @torch.no_grad()
-    def build_inference_model(self) -> InferenceModel:
-        """Gathers the training weights layer by layer into the inference layout (this TP rank's slices)."""
+    def inference_weights(self, tp: Optional[int] = None, copy=None) -> tuple:
+        """``(root, layers)``: the training weights gathered layer by layer into the inference layout of
+        TP degree ``tp`` (default the engine's; this TP rank's slices) in the inference dtype. ``copy``:
+        a function each layer's (and the root's) dict of tensors goes through while it is gathered (a
+        rollout worker's shared copy); without it a tensor may share storage with a training weight."""
         module, fsdp, pol = self.engine.module, self.engine.is_fsdp, self.policy
-        rank = self.mesh.tp_rank
+        tp = tp or self.tp
+        rank = self.mesh.tp_rank if tp > 1 else 0
+        keep = copy or (lambda d: d)
         layers = []
         # (LoRA: the policy reads each adapted projection as W + B·A·α/r, computed out of place)
         for layer in decoder_layers(module):
             if fsdp:
                 layer.unshard()
-            layers.append({k: v.to(self.dtype) for k, v in pol.layer_weights(layer, rank, self.tp).items()})
+            layers.append(keep({k: v.to(self.dtype) for k, v in pol.layer_weights(layer, rank, tp).items()}))
             if fsdp:
                 layer.reshard()
         if fsdp:
             module.unshard()
         root = pol.root_weights(unwrap(module))
+        root = keep({k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()})
         if fsdp:
             module.reshard()
-        root = {k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()}
-        return InferenceModel(
-            root,
-            layers,
-            pol,
-            tp=self.tp,
-            tp_group=self.mesh.tp_group,
-            dtype=self.dtype,
-            kernels=self.ecfg.inference_kernels,
-            decode=self.decode,
-            sync_every=self.ecfg.decode_sync_every,
-        )
+        return root, layers
+
+    def build_inference_model(self) -> InferenceModel:
+        """Gathers the training weights layer by layer into the inference layout (this TP rank's slices)."""
+        root, layers = self.inference_weights()
+        return inference_model(root, layers, self.policy, self.ecfg, self.dtype, self.decode, self.tp, self.mesh.tp_group)
 
     def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams, keys: List[int]) -> Generation:
         t0 = time.perf_counter()
@@ -206,6 +206,22 @@ class HybridEngine:
         res = finish(ids, mask, tokens, None, self.eos_id, self.pad_id)
         res.timings = {"switch_s": 0.0, "gather_s": 0.0, "generate_s": time.perf_counter() - t0, "release_s": 0.0}
         return res
+
+
+def inference_model(root, layers, policy, ecfg: EngineConfig, dtype, decode: str, tp: int = 1, tp_group=None):
+    """The inference model over weights in its layout (``HybridEngine.inference_weights``), as
+    ``engine.*`` configures it: the hybrid engine's and a rollout worker's."""
+    return InferenceModel(
+        root,
+        layers,
+        policy,
+        tp=tp,
+        tp_group=tp_group,
+        dtype=dtype,
+        kernels=ecfg.inference_kernels,
+        decode=decode,
+        sync_every=ecfg.decode_sync_every,
+    )
 
 
 def decode_loop(ecfg: EngineConfig, device: torch.device, tp: int) -> str:

@@ -73,6 +73,9 @@ class Generation:
     prompt_len: int
     # seconds of the call that made it (HybridEngine.generate): switch_s, gather_s, generate_s, release_s
     timings: Dict[str, float] = field(default_factory=dict)
+    # [B, N] long: the version of the weights that sampled each response token (-1 elsewhere), from a
+    # rollout worker (rlhf/rl/rollout_worker.py); None: the trainer's weights of the moment
+    versions: Optional[torch.Tensor] = None
 
     @property
     def responses(self) -> torch.Tensor:
@@ -87,6 +90,7 @@ class Generation:
             logprobs,
             self.prompt_len,
             self.timings,
+            None if self.versions is None else self.versions[start:stop],
         )
 
 

@@ -69,6 +69,7 @@ class _Row:
     tokens: List[int] = field(default_factory=list)  # after the prompt: sampled and observation tokens
     policy: List[int] = field(default_factory=list)  # 1 on sampled tokens
     logprobs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)  # the weights' version of each token (-1: an observation)
     rewards: List[Tuple[int, float]] = field(default_factory=list)  # (index in tokens, reward)
     text: str = ""
     done: bool = False
@@ -316,13 +317,15 @@ class EpisodeRunner:
                 continue
             ids = turns[k]
             lps = [0.0] * len(ids) if logp is None else logp[k][mask[k]].tolist()
+            vers = [-1] * len(ids) if gen.versions is None else gen.versions[k][mask[k]].tolist()
             room = budget - len(r.tokens)
             ended = bool(ids) and ids[-1] == self.eos_id and len(ids) <= room
-            ids, lps = ids[:room], lps[:room]
+            ids, lps, vers = ids[:room], lps[:room], vers[:room]
             r.counts["turns"] = r.counts.get("turns", 0.0) + 1
             r.tokens += ids
             r.policy += [1] * len(ids)
             r.logprobs += lps
+            r.versions += vers
             r.text = texts[k] if len(ids) == len(turns[k]) else self.tok.decode(ids, skip_special_tokens=True)
             r.turns.append({"role": "assistant", "content": r.text})
             if not ended:  # cut at max_new_tokens or at the budget: the episode ends unanswered
@@ -359,6 +362,7 @@ class EpisodeRunner:
             r.tokens += obs
             r.policy += [0] * len(obs)
             r.logprobs += [0.0] * len(obs)
+            r.versions += [-1] * len(obs)
             r.turns += [dict(m) for m in res.messages]
         for r in rows:
             if r.done and r.env is not None:
@@ -392,12 +396,14 @@ class EpisodeRunner:
             policy = torch.zeros((B, n), dtype=torch.long)
             real = torch.zeros((B, n), dtype=torch.long)
             logprobs = torch.zeros((B, n), dtype=torch.float32)
+            versions = torch.full((B, n), -1, dtype=torch.long)
             for i, r in enumerate(rows):
                 k = len(r.tokens)
                 tokens[i, :k] = torch.tensor(r.tokens, dtype=torch.long)
                 policy[i, :k] = torch.tensor(r.policy, dtype=torch.long)
                 real[i, :k] = 1
                 logprobs[i, :k] = torch.tensor(r.logprobs, dtype=torch.float32)
+                versions[i, :k] = torch.tensor(r.versions, dtype=torch.long)
             ids, pmask = ids[:B], pmask[:B]
             gen = Generation(
                 sequences=torch.cat([ids, tokens.to(device)], 1),
@@ -406,6 +412,7 @@ class EpisodeRunner:
                 logprobs=None if first.logprobs is None else logprobs.to(device),
                 prompt_len=ids.shape[1],
                 timings=first.timings,
+                versions=None if first.versions is None else versions.to(device),
             )
         B, n = gen.response_mask.shape
         if single:  # the rows' text as the single-turn path always decoded it

@@ -31,6 +31,7 @@ from rlhf.models.lora import unwrap
 from rlhf.models.value import end_pad, sequence_scores
 from rlhf.ops import SamplingParams
 from rlhf.ops.sampling import prompt_major
+from rlhf.rl.async_rollouts import staleness
 from rlhf.rl.episodes import EpisodeRunner, Episodes, merge_stats
 from rlhf.rl.minibatch import auto_micro_batch
 from rlhf.rl.prompts import PromptBatch, PromptSource
@@ -72,6 +73,9 @@ class Experience:
     watch: Dict[str, torch.Tensor] = field(default_factory=dict)
     texts: List[str] = field(default_factory=list)  # each row's (last) response, decoded (samples.jsonl)
     examples: List[Example] = field(default_factory=list)  # each row's record
+    # [B, N] asynchronous rollouts: how many updates old the weights that sampled each policy token were
+    # (rlhf/rl/async_rollouts.py); None: sampled by the weights being updated
+    staleness: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> int:
@@ -339,6 +343,7 @@ class Collector:
         self.hybrid, self.actor, self.scorers, self.prompts = hybrid, actor, scorers, prompts
         self.alg, self.ppo, self.tokenizer, self.mesh, self.seed = alg, ppo, tokenizer, mesh, seed
         self.runner = runner or EpisodeRunner.single(tokenizer, mesh)  # (None: single-turn PPO)
+        self.remote = None  # ppo.rollout_workers=1: the rollout worker's client (AsyncRollouts), set by the stage
 
     def sampling(self, step: int) -> SamplingParams:
         ppo = self.ppo
@@ -357,9 +362,9 @@ class Collector:
         """The experience of step ``step`` with KL coefficient ``kl_beta``."""
         alg, ppo, mesh, sp = self.alg, self.ppo, self.mesh, self.sampling(step)
         t0 = time.perf_counter()
-        ro = self.rollout(self.prompts.step(step), sp)
+        ro = self.rollout(self.prompts.step(step), sp, step)
         timings = dict(ro.gen.timings)
-        dyn = {}
+        dyn = {} if self.remote is None else dict(self.remote.metrics)
         if ppo.dynamic_sampling:
             ro, dyn = self.dynamic_sampling(ro, step, sp, timings)
         gen = ro.gen
@@ -420,7 +425,13 @@ class Collector:
             loss_mask = mask * ended(gen, self.tokenizer.eos_token_id)[:, None].float()
         if ro.ep.failed.any():  # the environment raised or timed out: no loss on the trajectory
             loss_mask = loss_mask * (~ro.ep.failed)[:, None].float()
+        stale = staleness(gen.versions, step, mask)
         waited = timings.get("generate_s", 0.0) + timings.get("switch_s", 0.0)
+        if stale is not None:  # the worker's episodes: the trainer waited for them only
+            waited = self.remote.last_wait_s
+            too_old = stale.amax(1) > ppo.max_staleness  # never trained on (the requests rule it out)
+            loss_mask = loss_mask * (~too_old)[:, None].float()
+            dyn["async/dropped"] = mesh.sum(float(too_old.sum()))
         return Experience(
             sequences=seq,
             attention_mask=att,
@@ -448,6 +459,7 @@ class Collector:
             watch=ro.watch,
             texts=ro.ep.texts,
             examples=ro.examples,
+            staleness=stale,
         )
 
     def dynamic_sampling(
@@ -488,13 +500,19 @@ class Collector:
         out.env_stats = env_stats  # every round's, the dropped groups' too
         return out, stats
 
-    def rollout(self, batch: PromptBatch, sp: SamplingParams) -> Rollouts:
+    def rollout(self, batch: PromptBatch, sp: SamplingParams, step: Optional[int] = None) -> Rollouts:
         """Play ``sp.samples_per_prompt`` episodes of each prompt (inference mode; one turn each with
-        the single-turn environment) and reward them: the environment's turn rewards, reward model
-        (normalised), rule reward on the final turn, no-EOS penalty, soft overlong penalty."""
+        the single-turn environment; the rollout worker's of step ``step`` when there is one) and reward
+        them: the environment's turn rewards, reward model (normalised), rule reward on the final turn,
+        no-EOS penalty, soft overlong penalty."""
         scorers, alg, ppo, tokenizer = self.scorers, self.alg, self.ppo, self.tokenizer
-        with self.hybrid.holding():  # the turns of a rollout share one inference model
-            ep = self.runner.run(self.hybrid.generate, batch.ids, batch.examples, sp, positions=self.hybrid.positions)
+        if self.remote is not None and step is not None:  # the same prompts, played by the worker
+            ep = self.remote.episodes(step)
+        else:
+            with self.hybrid.holding():  # the turns of a rollout share one inference model
+                ep = self.runner.run(
+                    self.hybrid.generate, batch.ids, batch.examples, sp, positions=self.hybrid.positions
+                )
         self.check_failures(ep)
         gen = ep.gen
         seq, att = gen.sequences, gen.attention_mask

@@ -36,13 +36,18 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
         row["reward/gold"] = mesh.sum(float(exp.gold.sum())) / rows
         if "model" in exp.score_parts:
             row["reward/gold_corr"] = global_corr(exp.score_parts["model"], exp.gold, mesh)
+    fresh = exp.mask  # the tokens sampled by the weights being updated
+    if exp.staleness is not None:  # asynchronous rollouts: how old the sampling weights were
+        row.update(staleness_metrics(exp.staleness, exp.mask, mesh))
+        fresh = exp.mask * (exp.staleness == 0).float()
     if exp.rollout_logprobs is not None:  # what the inference mode sampled with vs the training recompute
-        tokens = max(gen_tokens, 1.0)
-        diff = (exp.old_logprobs - exp.rollout_logprobs).abs() * exp.mask
-        row["rollout/logprob_abs_diff_mean"] = mesh.sum(float(diff.sum())) / tokens
-        row["rollout/logprob_abs_diff_max"] = max(mesh.all_gather_object(float(diff.max())))
-        k3 = ppo_math.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * exp.mask  # KL(rollout ‖ train)
-        row["rollout/kl"] = mesh.sum(float(k3.sum())) / tokens
+        tokens = mesh.sum(float(fresh.sum()))
+        if tokens:  # (older weights' tokens differ by the updates since: not parity)
+            diff = (exp.old_logprobs - exp.rollout_logprobs).abs() * fresh
+            row["rollout/logprob_abs_diff_mean"] = mesh.sum(float(diff.sum())) / tokens
+            row["rollout/logprob_abs_diff_max"] = max(mesh.all_gather_object(float(diff.max())))
+            k3 = ppo_math.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * fresh  # KL(rollout ‖ train)
+            row["rollout/kl"] = mesh.sum(float(k3.sum())) / tokens
     if exp.env_stats:  # multi-turn episodes (every generation of the step, dynamic sampling's too)
         row.update(episode_metrics(exp.env_stats, mesh))
     if exp.values is not None:
@@ -50,6 +55,20 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
             ppo_math.explained_variance(exp.values, exp.returns, exp.mask, all_reduce=mesh.all_reduce)
         )
     return row
+
+
+def staleness_metrics(stale, mask, mesh: Mesh) -> Dict[str, float]:
+    """``async/staleness_mean`` (per policy token) and ``_max`` (the oldest token) over every rank, and
+    ``async/tokens_lag<j>``: the policy tokens sampled by weights j updates old, per row."""
+    tokens, rows = mesh.sum(float(mask.sum())), mesh.sum(float(mask.shape[0]))
+    out = {
+        "async/staleness_mean": mesh.sum(float(stale.sum())) / max(tokens, 1.0),
+        "async/staleness_max": max(mesh.all_gather_object(float(stale.max()) if stale.numel() else 0.0)),
+    }
+    lags = int(out["async/staleness_max"])
+    for j in range(lags + 1):
+        out[f"async/tokens_lag{j}"] = mesh.sum(float(((stale == j).float() * mask).sum())) / max(rows, 1.0)
+    return out
 
 
 def episode_metrics(stats: Dict[str, float], mesh: Mesh) -> Dict[str, float]:

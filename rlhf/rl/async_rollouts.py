@@ -1,0 +1,255 @@
+"""Asynchronous rollouts with a staleness bound: the trainer's side of its rollout worker
+(``ppo.rollout_workers=1``, ``ppo.max_staleness=k``; the worker: rlhf/rl/rollout_worker.py).
+
+Versions count updates: version v is the actor after v updates, the weights the colocated run
+generates step v with. The trainer sends version v after the update of step v − 1 (its inference
+layout at TP 1, gathered layer by layer as the hybrid engine does, copied into shared memory: timed,
+bytes counted) and asks for step s's episodes as soon as version s − k exists, so the worker runs up to
+k steps ahead; step s's episodes start with the newest weights the worker holds, version ≥ s − k, and
+take newer ones between turns. A row whose oldest token is older than the bound would be dropped
+(no loss) and counted; the requests make that impossible, and the count says so every step.
+
+k = 0 is the synchronous run: the worker waits for the weights of the step, so the samples and the
+updates are the colocated run's (tests/distributed/test_async_rollouts.py). Resuming at step t sends
+version t and asks for steps t… afresh: the first k steps after a resume are generated with weights
+at least as new as the uninterrupted run's (regenerated, not saved; equal to it at k = 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import time
+from typing import Callable, Dict, Optional
+
+import torch
+
+from rlhf.engine.draws import strided_keys
+from rlhf.engine.hybrid import HybridEngine
+from rlhf.engine.mesh import Mesh
+from rlhf.errors import UserError
+from rlhf.launcher.watchdog import EXIT_PEER
+from rlhf.ops import SamplingParams
+from rlhf.rl.prompts import PromptSource
+from rlhf.rl.rollout_worker import POLL_S, Failed, Request, Weights, WorkerSpec, main
+
+log = logging.getLogger("rlhf")
+
+
+class WorkerLost(UserError):
+    """The rollout worker died or stopped answering: exit 3, as for a silent peer (rerun to resume)."""
+
+    exit_code = EXIT_PEER
+
+
+class AsyncRollouts:
+    def __init__(
+        self,
+        hybrid: HybridEngine,
+        spec: WorkerSpec,
+        prompts: PromptSource,
+        sampling: Callable[[int], SamplingParams],
+        mesh: Mesh,
+        max_staleness: int,
+        max_steps: int,
+        timeout_s: float,
+    ):
+        self.hybrid, self.spec, self.prompts, self.sampling, self.mesh = hybrid, spec, prompts, sampling, mesh
+        self.k, self.max_steps, self.timeout_s = max_staleness, max_steps, timeout_s
+        self.proc = None
+        self.asked = -1  # the last step asked for
+        self.ready: Dict[int, object] = {}  # results received, by step
+        self.sent = collections.deque(maxlen=max_staleness + 2)  # CUDA IPC: the sender keeps them alive
+        self.transfer = {"async/transfer_s": 0.0, "async/transfer_bytes": 0.0}
+        self.last_wait_s, self._last_ask = 0.0, None
+        self.metrics: Dict[str, float] = {}
+
+    # ---- the worker's life ----
+    def start(self, step: int) -> None:
+        """Starts the worker and sends the weights of ``step`` (a resume's) and the first k + 1 requests."""
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.requests, self.results, self.weights = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(
+            target=main,
+            args=(self.spec, self.requests, self.results, self.weights),
+            daemon=True,
+            name=f"rlhf-rollout-worker-{self.mesh.rank}",
+        )
+        self.proc.start()
+        self.first = step
+        self.publish(step)
+        for s in range(step, min(step + self.k + 1, self.max_steps)):
+            self.ask(s)
+        log.info(
+            "ppo: asynchronous rollouts: a worker process (pid %d) beside each trainer rank, at most %d step%s ahead",
+            self.proc.pid,
+            self.k,
+            "" if self.k == 1 else "s",
+        )
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.requests.put(None)
+            self.proc.join(timeout=10)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc = None
+
+    # ---- weights and requests ----
+    def publish(self, version: int) -> None:
+        """Sends the actor's weights after ``version`` updates. Collective (an FSDP gather per layer)."""
+        t0 = time.perf_counter()
+        nbytes = [0]
+
+        def shared(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+            out, n = packed(d)
+            nbytes[0] += n
+            return out
+
+        root, layers = self.hybrid.inference_weights(tp=1, copy=shared)
+        w = Weights(version, root, layers)
+        self.sent.append(w)
+        self.weights.put(w)
+        self.transfer = {"async/transfer_s": time.perf_counter() - t0, "async/transfer_bytes": float(nbytes[0])}
+
+    def ask(self, step: int) -> None:
+        batch, sp = self.prompts.step(step), self.sampling(step)
+        keys = strided_keys(len(batch.ids), self.mesh.rank, self.mesh.world_size)
+        self.requests.put(Request(step, batch.ids, batch.examples, sp, keys, max(step - self.k, self.first)))
+        self.asked = step
+
+    def updated(self, step: int) -> None:
+        """After the update of step ``step`` (0-based): version step + 1 goes to the worker, and the
+        step it now may run ahead to is asked for."""
+        if step + 1 >= self.max_steps:
+            return
+        self.publish(step + 1)
+        nxt = step + 1 + self.k
+        if nxt < self.max_steps and nxt > self.asked:
+            self.ask(nxt)
+
+    # ---- results ----
+    def episodes(self, step: int):
+        """Step ``step``'s episodes from the worker (waiting for them, bounded by engine.timeout_s), and
+        the step's ``async/*`` metrics in ``self.metrics``."""
+        now = time.perf_counter()
+        self._drain()
+        depth = len(self.ready)
+        t0 = time.perf_counter()
+        while step not in self.ready:
+            self._receive(t0)
+        res = self.ready.pop(step)
+        self.last_wait_s = time.perf_counter() - t0
+        span = now - self._last_ask if self._last_ask is not None else None
+        self._last_ask = now
+        self.metrics = {
+            "async/queue_depth": float(depth),
+            "async/wait_s": self.last_wait_s,
+            "async/worker_idle_s": res.idle_s,
+            "async/worker_idle_share": res.idle_s / max(res.idle_s + res.busy_s, 1e-9),
+            "async/swaps": float(res.swaps),
+            **self.transfer,
+        }
+        if span is not None:  # the trainer's idle share of the step before this one's request
+            self.metrics["async/trainer_idle_share"] = min(self._prev_wait / max(span, 1e-9), 1.0)
+        self._prev_wait = self.last_wait_s
+        return res.episodes
+
+    _prev_wait = 0.0
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._keep(self.results.get_nowait())
+            except queue.Empty:
+                return
+
+    def _receive(self, since: float) -> None:
+        try:
+            self._keep(self.results.get(timeout=POLL_S))
+            return
+        except queue.Empty:
+            pass
+        who = f"the rollout worker of rank {self.mesh.rank} (pid {self.proc.pid})"
+        if not self.proc.is_alive():
+            raise WorkerLost(f"{who} died (exit code {self.proc.exitcode}); rerun the same command to resume")
+        if time.perf_counter() - since > self.timeout_s:
+            self.proc.kill()
+            raise WorkerLost(
+                f"{who} sent no episodes for {self.timeout_s:g} s (engine.timeout_s); rerun the same command to resume"
+            )
+
+    def _keep(self, msg) -> None:
+        if isinstance(msg, Failed):
+            self.close()
+            err = UserError(f"rollout worker of rank {self.mesh.rank}: {msg.message}")
+            err.exit_code = msg.code
+            raise err
+        self.ready[msg.step] = msg
+
+
+def worker_spec(cfg, prep, models) -> WorkerSpec:
+    """What the stage's rollout worker is built from: the run's configuration, the actor's config and
+    tokenizer, the chat template, this rank's threads, device and inference dtype."""
+    from rlhf.errors import ConfigError
+    from rlhf.models.lora import unwrap
+
+    hybrid = models.hybrid
+    if not hybrid.inject:
+        raise ConfigError(
+            f"ppo.rollout_workers=1 generates in the inference mode, which this model family has no injection "
+            f"policy for ({type(unwrap(models.actor.module)).__name__}); set ppo.rollout_workers=0"
+        )
+    return WorkerSpec(
+        cfg,
+        unwrap(models.actor.module).config,
+        prep.tokenizer,
+        prep.runner.template,
+        torch.get_num_threads(),
+        str(hybrid.mesh.device),
+        hybrid.dtype,
+        hybrid.decode,
+    )
+
+
+def staleness(versions: Optional[torch.Tensor], step: int, mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """[B, N] float: how many updates old the weights that sampled each policy token were at step
+    ``step`` (0 elsewhere); None without versions (the colocated run)."""
+    if versions is None:
+        return None
+    return (step - versions).clamp(min=0).float() * mask
+
+
+def packed(tensors: Dict[str, torch.Tensor]) -> tuple:
+    """``(copies, bytes)``: the tensors copied into one buffer per dtype (in shared memory on the CPU:
+    one file descriptor each, however many tensors), the copies views of it; a tensor named twice (tied
+    embeddings) copied once."""
+    by_dtype: Dict[tuple, list] = {}
+    seen: Dict[tuple, str] = {}
+    for name, t in tensors.items():
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if key not in seen:
+            seen[key] = name
+            by_dtype.setdefault((t.dtype, t.device), []).append(name)
+    out, nbytes = {}, 0
+    for (dtype, device), names in by_dtype.items():
+        total = sum(tensors[n].numel() for n in names)
+        buf = torch.empty(total, dtype=dtype, device=device)
+        if device.type == "cpu":
+            buf.share_memory_()
+        at = 0
+        for n in names:
+            t = tensors[n]
+            out[n] = buf[at : at + t.numel()].view(t.shape).copy_(t)
+            at += t.numel()
+        nbytes += total * buf.element_size()
+    for name, t in tensors.items():
+        if name not in out:
+            out[name] = out[seen[(t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))]] if isinstance(t, torch.Tensor) else t
+    return out, nbytes

@@ -1,0 +1,176 @@
+"""A rollout worker: the process beside a trainer rank that plays its episodes (``ppo.rollout_workers=1``).
+
+The worker holds the inference mode only — an ``InferenceModel`` over weights the trainer sends in the
+inference layout, no training copy, no optimizer state — and the environments of its trainer's rows.
+It serves ``Request``s in order: each names a step, that step's prompts, sampling and keys (the rows'
+keys in the whole step, so a sample is the one the colocated run draws) and the oldest weights version
+it may be generated with (the staleness bound: ``rlhf/rl/async_rollouts.py``). Before every generation
+— each turn of a multi-turn episode — it takes the newest weights that have arrived: a trajectory in
+flight when an update lands continues with the new weights (a partial rollout), and every token
+carries the version that sampled it (``Generation.versions``) beside its behaviour log-prob.
+
+Messages (``torch.multiprocessing`` queues; CPU tensors travel through shared memory, CUDA tensors by
+CUDA IPC): trainer → worker ``Weights`` and ``Request`` (None: stop); worker → trainer ``Result`` or
+``Failed`` (the worker's one line and exit code). The worker ends when its trainer process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from rlhf.ops import SamplingParams
+
+POLL_S = 1.0  # how often a waiting worker checks that its trainer is still there
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker builds its side from (pickled into the spawned process)."""
+
+    cfg: object  # the run's Config (ppo.* for the environment and episodes, engine.* for the inference mode)
+    model_config: object  # the actor's HF config: its injection policy
+    tokenizer: object
+    chat: Optional[str]  # the chat template observations are rendered with
+    threads: int  # CPU threads (torch.set_num_threads)
+    device: str
+    dtype: torch.dtype  # the inference dtype
+    decode: str  # the decode loop (rlhf.engine.hybrid.decode_loop)
+    parent: int = field(default_factory=os.getpid)
+
+
+@dataclass
+class Weights:
+    """The actor's weights after ``version`` updates, in the inference layout at TP 1."""
+
+    version: int
+    root: Dict[str, torch.Tensor]
+    layers: List[Dict[str, torch.Tensor]]
+
+
+@dataclass
+class Request:
+    step: int
+    ids: List[List[int]]  # this trainer rank's prompts of the step
+    examples: list
+    sp: SamplingParams
+    keys: List[int]  # the prompts' keys in the step (the colocated run's)
+    min_version: int  # the oldest weights the step's episodes may start with
+
+
+@dataclass
+class Result:
+    step: int
+    episodes: object  # rlhf.rl.episodes.Episodes, versions on every policy token
+    idle_s: float  # waiting for this request or for weights new enough
+    busy_s: float  # playing the episodes
+    swaps: int  # weights taken in during the episodes (partial rollouts)
+
+
+@dataclass
+class Failed:
+    message: str
+    code: int
+
+
+class Model:
+    """The newest weights that have arrived and the inference model over them."""
+
+    def __init__(self, spec: WorkerSpec, weights):
+        from rlhf.models.policies import policy_for
+
+        self.spec, self.weights = spec, weights
+        self.policy = policy_for(spec.model_config)[0]
+        self.model, self.version = None, -1
+
+    def _take(self, w: Weights) -> None:
+        from rlhf.engine.hybrid import inference_model
+
+        if self.model is not None:
+            self.model.release()
+        self.model = None  # (the old weights go before the new model is built)
+        self.model = inference_model(w.root, w.layers, self.policy, self.spec.cfg.engine, self.spec.dtype, self.spec.decode)
+        self.version = w.version
+
+    def newest(self) -> bool:
+        """Takes the newest weights waiting, if any; True when the model changed."""
+        last = None
+        while True:
+            try:
+                last = self.weights.get_nowait()
+            except queue.Empty:
+                break
+        if last is not None:
+            self._take(last)
+        return last is not None
+
+    def wait(self, min_version: int) -> None:
+        while self.version < min_version:
+            self._take(_get(self.weights, self.spec.parent))
+        self.newest()
+
+
+def _get(q, parent: int):
+    """The next message of ``q``; the worker ends when its trainer process is gone."""
+    while True:
+        try:
+            return q.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                os._exit(0)
+
+
+def main(spec: WorkerSpec, requests, results, weights) -> None:
+    """The worker process (``torch.multiprocessing`` spawn target)."""
+    from rlhf.errors import UserError, first_line
+
+    logging.getLogger("rlhf").setLevel(logging.WARNING)
+    try:
+        torch.set_num_threads(spec.threads)
+        serve(spec, requests, results, weights)
+    except UserError as e:
+        results.put(Failed(str(e), 2))
+    except BaseException as e:  # noqa: BLE001 (the trainer says it in one line)
+        results.put(Failed(f"{type(e).__name__}: {first_line(e)}", 1))
+
+
+@torch.no_grad()
+def serve(spec: WorkerSpec, requests, results, weights) -> None:
+    from rlhf.engine.mesh import Mesh
+    from rlhf.envs.builtin import environment
+    from rlhf.rl.episodes import EpisodeRunner
+
+    ppo, device = spec.cfg.ppo, torch.device(spec.device)
+    runner = EpisodeRunner.of(ppo, environment(ppo), spec.tokenizer, spec.chat, Mesh(device=device))
+    model = Model(spec, weights)
+    pol = model.policy
+    positions = pol.max_positions if pol.positions == "learned" else 0
+    eos_id, pad_id = spec.tokenizer.eos_token_id, spec.tokenizer.pad_token_id
+    while True:
+        t0 = time.perf_counter()
+        req = _get(requests, spec.parent)
+        if req is None:
+            return
+        model.wait(req.min_version)
+        t1 = time.perf_counter()
+        calls, swaps = [0], [0]
+
+        def generate(prompts, sp, keys):
+            t = time.perf_counter()
+            if model.newest() and calls[0]:  # weights that arrived since: the episodes go on with them
+                swaps[0] += 1
+            calls[0] += 1
+            t_gen = time.perf_counter()
+            gen = model.model.generate(prompts, sp, eos_id=eos_id, pad_id=pad_id, keys=keys, device=device)
+            gen.versions = torch.where(gen.response_mask.bool(), model.version, -1)
+            gen.timings = {"switch_s": t_gen - t, "generate_s": time.perf_counter() - t_gen}
+            return gen
+
+        ep = runner.run(generate, req.ids, req.examples, req.sp, req.keys, positions)
+        results.put(Result(req.step, ep, t1 - t0, time.perf_counter() - t1, swaps[0]))
