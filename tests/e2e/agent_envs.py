@@ -37,3 +37,47 @@ class BadInfo(Echo):
         res = super().step(text)
         res.info = {"verdict": "solved"}
         return res
+
+
+class SlowEcho(Echo):
+    """Echo behind a tool that takes ``delay_s`` to answer (a remote sandbox or API)."""
+
+    def __init__(self, reply: str = "ok 7", delay_s: float = 0.3):
+        super().__init__(reply)
+        self.delay_s = delay_s
+
+    def step(self, text):
+        import time
+
+        time.sleep(self.delay_s)
+        return super().step(text)
+
+
+def _in_rollout_worker() -> bool:
+    import multiprocessing
+
+    return multiprocessing.current_process().name.startswith("rlhf-rollout-worker")
+
+
+class WorkerDies(Echo):
+    """Kills the rollout worker process at its first step (the trainer's own checks pass)."""
+
+    def step(self, text):
+        if _in_rollout_worker():
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(text)
+
+
+class WorkerHangs(Echo):
+    """Stops the rollout worker process at its first step (SIGSTOP: a frozen machine)."""
+
+    def step(self, text):
+        if _in_rollout_worker():
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().step(text)

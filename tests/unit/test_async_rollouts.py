@@ -1,0 +1,68 @@
+"""Asynchronous rollouts' parts (rlhf/rl/async_rollouts.py, rlhf/rl/rollout_worker.py): every token of
+an episode keeps the version of the weights that sampled it across turns (a partial rollout), the
+staleness it is trained at, the metrics over it, and the weights' shared copy (one buffer per dtype,
+tied tensors once). The processes: tests/e2e/test_async_rollouts.py."""
+
+import torch
+
+from rlhf.engine.mesh import Mesh
+from rlhf.ops import SamplingParams
+from rlhf.rl.async_rollouts import packed, staleness
+from rlhf.rl.metrics import staleness_metrics
+from tests.infer_helpers import BOS
+from tests.unit.test_episodes import CharTok, FakeGen, runner
+
+
+class Versioned(FakeGen):
+    """FakeGen whose weights are updated after every call: call c samples with version 10 + c."""
+
+    def __call__(self, prompts, sp, keys=None):
+        g = super().__call__(prompts, sp, keys)
+        g.versions = torch.where(g.response_mask.bool(), 10 + self.calls - 1, -1)
+        return g
+
+
+def test_each_token_keeps_the_version_that_sampled_it_across_turns():
+    tok = CharTok(2)
+    ep = runner(tok, max_turns=3, max_tokens=200).run(
+        Versioned(2), [[BOS, 7], [BOS, 8]], [None, None], SamplingParams(max_new_tokens=4, samples_per_prompt=2)
+    )
+    g = ep.gen
+    assert g.versions.shape == g.response_mask.shape
+    policy = g.response_mask.bool()
+    for row in range(4):  # three turns of [5, 6, EOS], observations between them
+        assert g.versions[row][policy[row]].tolist() == [10] * 3 + [11] * 3 + [12] * 3
+        assert (g.versions[row][~policy[row]] == -1).all()  # observations and padding: no version
+    stale = staleness(g.versions, 12, g.response_mask.float())
+    assert stale[0][policy[0]].tolist() == [2.0] * 3 + [1.0] * 3 + [0.0] * 3
+    m = staleness_metrics(stale, g.response_mask.float(), Mesh())
+    assert m["async/staleness_max"] == 2 and m["async/staleness_mean"] == 1.0
+    assert [m[f"async/tokens_lag{j}"] for j in range(3)] == [3.0, 3.0, 3.0]
+
+
+def test_the_colocated_run_has_no_versions():
+    ep = runner(CharTok(2), max_turns=2).run(FakeGen(2), [[BOS, 7]], [None], SamplingParams(max_new_tokens=4))
+    assert ep.gen.versions is None and staleness(None, 3, ep.gen.response_mask.float()) is None
+
+
+def test_the_shared_copy_is_one_buffer_per_dtype_with_tied_tensors_once():
+    embed = torch.randn(5, 3)
+    src = {
+        "embed": embed,
+        "lm_head": embed,  # tied
+        "norm": torch.randn(3),
+        "wt": torch.randn(3, 4).t(),  # not contiguous
+        "inv_freq": torch.randn(2, dtype=torch.float64),
+        "scalar": torch.tensor(1.5),
+    }
+    out, nbytes = packed(src)
+    assert set(out) == set(src)
+    for k, v in src.items():
+        assert torch.equal(out[k], v) and out[k].dtype == v.dtype and out[k].shape == v.shape
+        assert out[k].data_ptr() != v.data_ptr()  # a copy: the training weights move on
+    assert out["lm_head"] is out["embed"]
+    assert nbytes == (15 + 3 + 12 + 1) * 4 + 2 * 8
+    floats = {out[k].untyped_storage().data_ptr() for k in ("embed", "norm", "wt", "scalar")}
+    assert len(floats) == 1 and out["embed"].is_shared()
+    src["norm"].add_(1.0)
+    assert not torch.equal(out["norm"], src["norm"])
