@@ -1303,7 +1303,10 @@ class Config:
             why = (
                 (p.dynamic_sampling, "ppo.dynamic_sampling=true (its refills are generated in the trainer)"),
                 (not e.hybrid, "engine.hybrid=false (a worker generates in the inference mode)"),
-                (e.inference_tp_size > 1, f"engine.inference_tp_size={e.inference_tp_size} (a worker generates at TP 1)"),
+                (
+                    e.inference_tp_size > 1,
+                    f"engine.inference_tp_size={e.inference_tp_size} (a worker generates at TP 1)",
+                ),
                 (p.rollout_guard == "rebuild", "ppo.rollout_guard=rebuild (use stop or off)"),
             )
             for bad, what in why:

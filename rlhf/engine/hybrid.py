@@ -123,7 +123,9 @@ class HybridEngine:
         if fsdp:
             module.unshard()
         root = pol.root_weights(unwrap(module))
-        root = keep({k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()})
+        root = keep(
+            {k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()}
+        )
         if fsdp:
             module.reshard()
         return root, layers
@@ -131,7 +133,9 @@ class HybridEngine:
     def build_inference_model(self) -> InferenceModel:
         """Gathers the training weights layer by layer into the inference layout (this TP rank's slices)."""
         root, layers = self.inference_weights()
-        return inference_model(root, layers, self.policy, self.ecfg, self.dtype, self.decode, self.tp, self.mesh.tp_group)
+        return inference_model(
+            root, layers, self.policy, self.ecfg, self.dtype, self.decode, self.tp, self.mesh.tp_group
+        )
 
     def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams, keys: List[int]) -> Generation:
         t0 = time.perf_counter()

@@ -251,5 +251,9 @@ def packed(tensors: Dict[str, torch.Tensor]) -> tuple:
         nbytes += total * buf.element_size()
     for name, t in tensors.items():
         if name not in out:
-            out[name] = out[seen[(t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))]] if isinstance(t, torch.Tensor) else t
+            out[name] = (
+                out[seen[(t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))]]
+                if isinstance(t, torch.Tensor)
+                else t
+            )
     return out, nbytes

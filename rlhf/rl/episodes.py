@@ -396,7 +396,7 @@ class EpisodeRunner:
             policy = torch.zeros((B, n), dtype=torch.long)
             real = torch.zeros((B, n), dtype=torch.long)
             logprobs = torch.zeros((B, n), dtype=torch.float32)
-            versions = torch.full((B, n), -1, dtype=torch.long)
+            versions = torch.full((B, n), -1, dtype=torch.long, device=device)
             for i, r in enumerate(rows):
                 k = len(r.tokens)
                 tokens[i, :k] = torch.tensor(r.tokens, dtype=torch.long)
@@ -405,6 +405,8 @@ class EpisodeRunner:
                 logprobs[i, :k] = torch.tensor(r.logprobs, dtype=torch.float32)
                 versions[i, :k] = torch.tensor(r.versions, dtype=torch.long)
             ids, pmask = ids[:B], pmask[:B]
+            if first.versions is None:  # (the colocated run: the weights of the moment)
+                versions = None
             gen = Generation(
                 sequences=torch.cat([ids, tokens.to(device)], 1),
                 attention_mask=torch.cat([pmask, real.to(device)], 1),
@@ -412,7 +414,7 @@ class EpisodeRunner:
                 logprobs=None if first.logprobs is None else logprobs.to(device),
                 prompt_len=ids.shape[1],
                 timings=first.timings,
-                versions=None if first.versions is None else versions.to(device),
+                versions=versions,
             )
         B, n = gen.response_mask.shape
         if single:  # the rows' text as the single-turn path always decoded it

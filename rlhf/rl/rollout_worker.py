@@ -95,7 +95,9 @@ class Model:
         if self.model is not None:
             self.model.release()
         self.model = None  # (the old weights go before the new model is built)
-        self.model = inference_model(w.root, w.layers, self.policy, self.spec.cfg.engine, self.spec.dtype, self.spec.decode)
+        self.model = inference_model(
+            w.root, w.layers, self.policy, self.spec.cfg.engine, self.spec.dtype, self.spec.decode
+        )
         self.version = w.version
 
     def newest(self) -> bool:
@@ -136,8 +138,29 @@ def main(spec: WorkerSpec, requests, results, weights) -> None:
         serve(spec, requests, results, weights)
     except UserError as e:
         results.put(Failed(str(e), 2))
-    except BaseException as e:  # noqa: BLE001 (the trainer says it in one line)
+    except BaseException as e:  # (the trainer says it in one line)
         results.put(Failed(f"{type(e).__name__}: {first_line(e)}", 1))
+
+
+class Turns:
+    """``generate`` of one request's episodes: each call (a turn) first takes the newest weights that
+    arrived, so the episodes go on with them (a partial rollout), and tags its tokens with their version."""
+
+    def __init__(self, model: Model, eos_id: int, pad_id: int, device: torch.device):
+        self.model, self.eos_id, self.pad_id, self.device = model, eos_id, pad_id, device
+        self.calls, self.swaps = 0, 0  # swaps: weights taken in after the first turn
+
+    def __call__(self, prompts, sp, keys):
+        t = time.perf_counter()
+        if self.model.newest() and self.calls:
+            self.swaps += 1
+        self.calls += 1
+        t_gen = time.perf_counter()
+        m = self.model
+        gen = m.model.generate(prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device)
+        gen.versions = torch.where(gen.response_mask.bool(), m.version, -1)
+        gen.timings = {"switch_s": t_gen - t, "generate_s": time.perf_counter() - t_gen}
+        return gen
 
 
 @torch.no_grad()
@@ -159,18 +182,6 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
             return
         model.wait(req.min_version)
         t1 = time.perf_counter()
-        calls, swaps = [0], [0]
-
-        def generate(prompts, sp, keys):
-            t = time.perf_counter()
-            if model.newest() and calls[0]:  # weights that arrived since: the episodes go on with them
-                swaps[0] += 1
-            calls[0] += 1
-            t_gen = time.perf_counter()
-            gen = model.model.generate(prompts, sp, eos_id=eos_id, pad_id=pad_id, keys=keys, device=device)
-            gen.versions = torch.where(gen.response_mask.bool(), model.version, -1)
-            gen.timings = {"switch_s": t_gen - t, "generate_s": time.perf_counter() - t_gen}
-            return gen
-
-        ep = runner.run(generate, req.ids, req.examples, req.sp, req.keys, positions)
-        results.put(Result(req.step, ep, t1 - t0, time.perf_counter() - t1, swaps[0]))
+        play = Turns(model, eos_id, pad_id, device)
+        ep = runner.run(play, req.ids, req.examples, req.sp, req.keys, positions)
+        results.put(Result(req.step, ep, t1 - t0, time.perf_counter() - t1, play.swaps))
