@@ -117,6 +117,7 @@ def run(cfg: Config) -> None:
     loop.start_rollouts(start)  # ppo.rollout_workers=1: the worker starts with the weights of step `start`
     last, stopped = train.max_steps, None  # the exported actor's step; the gate's record when it fires
     for step in range(start, train.max_steps):
+        t0 = time.perf_counter()
         # experience: generate in inference mode, then score in training mode
         exp, row = loop.checked_experience(step)  # (the rollout guard stops the run here: exit 2)
         done = step + 1
@@ -140,7 +141,7 @@ def run(cfg: Config) -> None:
 
         # log, evaluate, checkpoint
         kl_ctl.update(exp.kl_mean, exp.global_rows)
-        row.update({"kl/beta": kl_ctl.beta, **train_stats})
+        row.update({"kl/beta": kl_ctl.beta, **train_stats, "time/step_s": time.perf_counter() - t0})
         if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, **row)
         if cfg.logger.samples and cfg.logger.samples_every and (done % cfg.logger.samples_every == 0 or step == start):
@@ -259,6 +260,12 @@ class Loop:
         )
         self.copies = [c for c in (models.ema, self.gate.best) if c is not None]  # saved beside the checkpoint
         self.metrics = None  # resume's
+        if ppo.max_staleness and alg.mismatch_correction == "none":
+            log.warning(
+                "ppo.max_staleness=%d with algorithm.mismatch_correction=none: stale tokens train at weight 1; "
+                "tis or mis weighs them by π_proximal / π_behaviour (docs/ppo.md#asynchronous-rollouts)",
+                ppo.max_staleness,
+            )
         if ppo.rollout_workers:  # the episodes played by a worker process, up to ppo.max_staleness steps ahead
             self.collector.remote = AsyncRollouts(
                 models.hybrid,
