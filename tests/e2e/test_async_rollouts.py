@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli
+from tests.conftest import killed_at, run_cli
 from tests.e2e.test_agentic import TEMPLATE
 from tests.e2e.test_reward_fn_errors import actor, error_lines, grpo  # noqa: F401 (fixture)
 
@@ -159,3 +159,15 @@ def test_what_the_workers_do_not_do_is_one_line(tmp_path, actor, extra, says):  
     (line,) = error_lines(proc.stderr)
     assert says in line
     assert not (tmp_path / "run" / "ppo").exists()
+
+
+def test_killed_and_resumed_at_staleness_0_is_the_uninterrupted_run(tmp_path, actor):  # noqa: F811
+    steps = ("train.max_steps=6", "train.save_every=2", "ppo.rollout_workers=1")
+    ref = ppo_run(tmp_path, actor, "ref", *steps)
+    run = tmp_path / "run"
+    args = grpo(tmp_path, actor, *RULE, ONE_THREAD, *steps)
+    killed_at(args, run / "ppo/checkpoints/step_00000002/trainer_state.json")
+    proc = run_cli(*args, timeout=300)
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
+    wa, wb = load_file(ref / "ppo/actor/model.safetensors"), load_file(run / "ppo/actor/model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
