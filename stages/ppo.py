@@ -277,6 +277,7 @@ class Loop:
                 cfg.train.max_steps,
                 cfg.engine.timeout_s,
             )
+            self.collector.remote.spawn()
 
     def start_rollouts(self, step: int) -> None:
         if self.collector.remote is not None:

@@ -66,8 +66,8 @@ class AsyncRollouts:
         self.metrics: Dict[str, float] = {}
 
     # ---- the worker's life ----
-    def start(self, step: int) -> None:
-        """Starts the worker and sends the weights of ``step`` (a resume's) and the first k + 1 requests."""
+    def spawn(self) -> None:
+        """Starts the worker process (its imports and environments get ready while the trainer evaluates)."""
         ctx = torch.multiprocessing.get_context("spawn")
         self.requests, self.results, self.weights = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(
@@ -77,6 +77,11 @@ class AsyncRollouts:
             name=f"rlhf-rollout-worker-{self.mesh.rank}",
         )
         self.proc.start()
+
+    def start(self, step: int) -> None:
+        """Sends the weights of ``step`` (a resume's) and the first k + 1 requests."""
+        if self.proc is None:
+            self.spawn()
         self.first = step
         self.publish(step)
         for s in range(step, min(step + self.k + 1, self.max_steps)):
