@@ -979,6 +979,10 @@ class PPOConfig:
     reward_lcb_coef: float = 1.0
     # each member's score clipped to the range of its held-out scores (reward_stats.json), where it was calibrated
     reward_clip: bool = False
+    # the reward model's part of each step's rewards with its linear dependence on response length taken
+    # out (every rank's rows: score - slope x (length - mean length), slope by least squares;
+    # reward/length_slope): a policy gains nothing from answering longer or shorter (docs/ppo.md)
+    reward_length_debias: bool = False
     # the gate (docs/ppo.md, "The over-optimisation gate"): stop the run and export the actor of the best
     # step by the reward (mean over 5 steps) once, over the last 5 steps, the ensemble's disagreement
     # passes this multiple of its first 5 steps' (ppo.stop_disagreement) or the KL per sequence passes

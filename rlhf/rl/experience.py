@@ -526,6 +526,9 @@ class Collector:
             score = score + parts["env"]
         if scorers.reward_model is not None:
             parts["model"], watch = scorers.model_reward(seq, att, ppo, self.mesh)
+            if ppo.reward_length_debias:  # no reward for answering longer or shorter
+                parts["model"], slope = length_debiased(parts["model"], mask.sum(1), self.mesh)
+                watch["length_slope"] = slope.expand(rows)
             score = score + parts["model"]
         texts = ep.texts  # the final turn of each episode
         if scorers.judge is not None:  # P(the good verdict) of each response
@@ -596,6 +599,16 @@ def ended(gen: Generation, eos_id: int) -> torch.Tensor:
     mask = gen.response_mask
     last = last_index(mask)
     return gen.responses.gather(1, last[:, None])[:, 0].eq(eos_id) & mask.any(1)
+
+
+def length_debiased(score: torch.Tensor, length: torch.Tensor, mesh: Mesh) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``score`` less its least-squares line in ``length`` over every rank's rows, centred: the mean
+    score is kept; the slope, a 0-dim tensor). Collective."""
+    x, y = length.to(score.dtype), score
+    n, sx, sy, sxx, sxy = (mesh.sum(float(v)) for v in (x.numel(), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()))
+    var = sxx - sx * sx / n
+    slope = (sxy - sx * sy / n) / var if var > 1e-9 else 0.0
+    return y - slope * (x - sx / n), torch.tensor(slope, dtype=score.dtype)
 
 
 def fill_failed(score: torch.Tensor, failed: torch.Tensor, group: int) -> torch.Tensor:
