@@ -448,6 +448,56 @@ class EpisodeRunner:
         return Episodes(gen, texts, env_rewards, turn_rewards, failed, stats, errors, conversations, counts)
 
 
+def concat_episodes(parts: List[Episodes], pad_id: int) -> Episodes:
+    """The episodes of one generation played in groups of consecutive rows (a rollout worker's), laid out
+    as if played together: prompts left-padded to the longest, trajectories right-padded to the longest;
+    the groups' seconds and counts summed."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p.gen.prompt_len for p in parts)
+    N = max(p.gen.response_mask.shape[1] for p in parts)
+
+    def pad(t: torch.Tensor, left: int, right: int, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (left, right), value=value)
+
+    def cat(get, left: bool, value) -> Optional[torch.Tensor]:
+        got = [get(p) for p in parts]
+        if all(t is None for t in got):
+            return None
+        out = []
+        for p, t in zip(parts, got):
+            n = p.gen.response_mask.shape[1]
+            if t is None:  # (turn rewards: a group without any)
+                t = torch.zeros_like(p.gen.response_mask, dtype=torch.float32)
+            out.append(pad(t, P - p.gen.prompt_len if left else 0, N - n, value))
+        return torch.cat(out)
+
+    timings: Dict[str, float] = {}
+    for p in parts:
+        for k, v in p.gen.timings.items():
+            timings[k] = timings.get(k, 0.0) + v
+    gen = Generation(
+        sequences=cat(lambda p: p.gen.sequences, True, pad_id),
+        attention_mask=cat(lambda p: p.gen.attention_mask, True, 0),
+        response_mask=cat(lambda p: p.gen.response_mask, False, 0),
+        logprobs=cat(lambda p: p.gen.logprobs, False, 0.0),
+        prompt_len=P,
+        timings=timings,
+        versions=cat(lambda p: p.gen.versions, False, -1),
+    )
+    return Episodes(
+        gen,
+        [t for p in parts for t in p.texts],
+        torch.cat([p.env_rewards for p in parts]),
+        cat(lambda p: p.turn_rewards, False, 0.0),
+        torch.cat([p.failed for p in parts]),
+        {**merge_stats([p.stats for p in parts]), "env_s": max(p.stats.get("env_s", 0.0) for p in parts)},
+        [e for p in parts for e in p.errors],
+        [c for p in parts for c in p.conversations],
+        [c for p in parts for c in p.row_counts],
+    )
+
+
 def merge_stats(parts: List[Dict[str, float]]) -> Dict[str, float]:
     out: Dict[str, float] = {}
     for p in parts:

@@ -16,9 +16,11 @@ CUDA IPC): trainer â†’ worker ``Weights`` and ``Request`` (None: stop); worker â
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -28,6 +30,9 @@ import torch
 from rlhf.ops import SamplingParams
 
 POLL_S = 1.0  # how often a waiting worker checks that its trainer is still there
+# groups of episodes a worker plays at once (max_staleness > 0, multi-turn): one generates while the
+# others wait on their tools
+GROUPS = 4
 
 
 @dataclass
@@ -144,23 +149,56 @@ def main(spec: WorkerSpec, requests, results, weights) -> None:
 
 class Turns:
     """``generate`` of one request's episodes: each call (a turn) first takes the newest weights that
-    arrived, so the episodes go on with them (a partial rollout), and tags its tokens with their version."""
+    arrived, so the episodes go on with them (a partial rollout), and tags its tokens with their version.
+    Groups of episodes played in threads call it one at a time (the inference model is one)."""
 
     def __init__(self, model: Model, eos_id: int, pad_id: int, device: torch.device):
         self.model, self.eos_id, self.pad_id, self.device = model, eos_id, pad_id, device
         self.calls, self.swaps = 0, 0  # swaps: weights taken in after the first turn
+        self.lock = threading.Lock()
 
     def __call__(self, prompts, sp, keys):
-        t = time.perf_counter()
-        if self.model.newest() and self.calls:
-            self.swaps += 1
-        self.calls += 1
-        t_gen = time.perf_counter()
-        m = self.model
-        gen = m.model.generate(prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device)
-        gen.versions = torch.where(gen.response_mask.bool(), m.version, -1)
-        gen.timings = {"switch_s": t_gen - t, "generate_s": time.perf_counter() - t_gen}
-        return gen
+        with self.lock:
+            t = time.perf_counter()
+            if self.model.newest() and self.calls:
+                self.swaps += 1
+            self.calls += 1
+            t_gen = time.perf_counter()
+            m = self.model
+            gen = m.model.generate(prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device)
+            gen.versions = torch.where(gen.response_mask.bool(), m.version, -1)
+            gen.timings = {"switch_s": t_gen - t, "generate_s": time.perf_counter() - t_gen}
+            return gen
+
+
+def play(runners: list, turns: Turns, req: Request, positions: int):
+    """The request's episodes: with several runners its prompts in as many groups of consecutive prompts,
+    played at once in threads, so that one group generates while another waits on its tools; laid out as
+    one generation (``concat_episodes``)."""
+    from rlhf.rl.episodes import concat_episodes
+
+    n = len(req.ids)
+    groups = min(len(runners), n)
+    if groups == 1:
+        return runners[0].run(turns, req.ids, req.examples, req.sp, req.keys, positions)
+    bounds = [n * g // groups for g in range(groups + 1)]
+    out, errors = [None] * groups, []
+
+    def one(g: int) -> None:
+        a, b = bounds[g], bounds[g + 1]
+        try:
+            out[g] = runners[g].run(turns, req.ids[a:b], req.examples[a:b], req.sp, req.keys[a:b], positions)
+        except BaseException as e:  # (raised again in the worker's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(g,), daemon=True) for g in range(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return concat_episodes(out, turns.pad_id)
 
 
 @torch.no_grad()
@@ -170,7 +208,14 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
     from rlhf.rl.episodes import EpisodeRunner
 
     ppo, device = spec.cfg.ppo, torch.device(spec.device)
-    runner = EpisodeRunner.of(ppo, environment(ppo), spec.tokenizer, spec.chat, Mesh(device=device))
+    env = environment(ppo)
+    # k = 0: the rows played together (the colocated run's layout, to the last bit); k > 0 with tools or an
+    # environment: in groups, each with a tokenizer of its own (a fast tokenizer is not for two threads)
+    runners = [EpisodeRunner.of(ppo, env, spec.tokenizer, spec.chat, Mesh(device=device))]
+    if ppo.max_staleness and runners[0].multi_turn:
+        for _ in range(GROUPS - 1):
+            tok = copy.deepcopy(spec.tokenizer)
+            runners.append(EpisodeRunner.of(ppo, env, tok, spec.chat, Mesh(device=device)))
     model = Model(spec, weights)
     pol = model.policy
     positions = pol.max_positions if pol.positions == "learned" else 0
@@ -182,6 +227,6 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
             return
         model.wait(req.min_version)
         t1 = time.perf_counter()
-        play = Turns(model, eos_id, pad_id, device)
-        ep = runner.run(play, req.ids, req.examples, req.sp, req.keys, positions)
-        results.put(Result(req.step, ep, t1 - t0, time.perf_counter() - t1, play.swaps))
+        turns = Turns(model, eos_id, pad_id, device)
+        ep = play(runners, turns, req, positions)
+        results.put(Result(req.step, ep, t1 - t0, time.perf_counter() - t1, turns.swaps))

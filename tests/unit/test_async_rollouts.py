@@ -66,3 +66,17 @@ def test_the_shared_copy_is_one_buffer_per_dtype_with_tied_tensors_once():
     assert len(floats) == 1 and out["embed"].is_shared()
     src["norm"].add_(1.0)
     assert not torch.equal(out["norm"], src["norm"])
+
+
+def test_episodes_played_in_groups_lay_out_as_one_generation():
+    from rlhf.rl.episodes import concat_episodes
+
+    tok = CharTok(2)
+    prompts, sp = [[BOS, 7], [BOS, 8, 9, 10], [BOS, 11, 12]], SamplingParams(max_new_tokens=4, samples_per_prompt=2)
+    whole = runner(tok, max_turns=2).run(Versioned(2), prompts, [None] * 3, sp)
+    parts = [runner(tok, max_turns=2).run(Versioned(2), p, [None] * len(p), sp) for p in (prompts[:1], prompts[1:])]
+    merged = concat_episodes(parts, tok.pad_token_id)
+    for name in ("sequences", "attention_mask", "response_mask", "logprobs", "versions"):
+        assert torch.equal(getattr(merged.gen, name), getattr(whole.gen, name)), name
+    assert merged.gen.prompt_len == whole.gen.prompt_len and merged.texts == whole.texts
+    assert torch.equal(merged.turn_rewards, whole.turn_rewards) and merged.stats["rows"] == 6
