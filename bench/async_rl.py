@@ -3,7 +3,8 @@
 with a calculator that answers after 50–300 ms (bench/slow_tools.py).
 
     python bench/async_rl.py [--seeds 0 1 2] [--steps 60] [--eval-every 0] [--target 0.85] [--window 5]
-                             [--staleness 2] [--fast-tools] [--out DIR]
+                             [--staleness 2] [--correction tis] [--worker-threads 1] [--worker-name NAME]
+                             [--fast-tools] [--out DIR]
 
 Per seed: one SFT run, then from it (each arm its own run directory, one after the other)
   sync2    2 colocated ranks (torchrun), 1 thread each, generation between updates;
@@ -58,6 +59,7 @@ def sft(seed: int, out: Path) -> Path:
 
 def arm(args, seed: int, out: Path, name: str, sft_dir: Path) -> dict:
     run_dir = out / f"seed{seed}" / name
+    name = "sync2" if name == "sync2" else "worker"
     if not (run_dir / "ppo" / "done.json").is_file():
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (run_dir / "sft").exists():
@@ -69,11 +71,15 @@ def arm(args, seed: int, out: Path, name: str, sft_dir: Path) -> dict:
         over += ["engine.threads_per_rank=1"]
         if not args.fast_tools:
             over.append("ppo.tools=[bench.slow_tools.calculator]")
-        if name == "sync2":
+        if name == "sync2":  # (the run directory's name says the arm)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "rlhf"]
         else:
             cmd = [sys.executable, "-m", "rlhf"]
             over += ["ppo.rollout_workers=1", f"ppo.max_staleness={args.staleness}"]
+            over += [
+                f"algorithm.mismatch_correction={args.correction}",
+                f"ppo.rollout_worker_threads={args.worker_threads}",
+            ]
         run(cmd + over, run_dir / "ppo.log")
     rows = [json.loads(x) for x in (run_dir / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "time/step_s" in r}
@@ -106,6 +112,9 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.85, help="the rollouts' windowed gold the time is measured to")
     ap.add_argument("--window", type=int, default=5, help="steps the rollouts' gold is averaged over")
     ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--correction", default="tis", help="the worker arm's algorithm.mismatch_correction")
+    ap.add_argument("--worker-threads", type=int, default=1, help="ppo.rollout_worker_threads")
+    ap.add_argument("--worker-name", default="worker", help="the worker arm's run directory (variants side by side)")
     ap.add_argument("--fast-tools", action="store_true", help="the built-in calculator (instant)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -115,7 +124,9 @@ def main() -> None:
     ratios = {"speedup_to_target": [], "step_speedup": []}
     for seed in args.seeds:
         sft_dir = sft(seed, out)
-        res = {name: arm(args, seed, out, name, sft_dir) for name in ("sync2", "worker")}
+        res = {
+            name: arm(args, seed, out, run, sft_dir) for name, run in (("sync2", "sync2"), ("worker", args.worker_name))
+        }
         for name, figs in res.items():
             for metric, value in figs.items():
                 print(json.dumps({**base, "variant": name, "seed": seed, "metric": metric, "value": value}), flush=True)

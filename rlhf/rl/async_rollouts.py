@@ -214,7 +214,7 @@ def worker_spec(cfg, prep, models) -> WorkerSpec:
         unwrap(models.actor.module).config,
         prep.tokenizer,
         prep.runner.template,
-        torch.get_num_threads(),
+        cfg.ppo.rollout_worker_threads or torch.get_num_threads(),
         str(hybrid.mesh.device),
         hybrid.dtype,
         hybrid.decode,
