@@ -147,15 +147,7 @@ def figure(run_dir: Path):
             a_rew.lines + corr.lines, [ln.get_label() for ln in a_rew.lines + corr.lines], fontsize=8, loc="lower right"
         )
     _kl_panel(a_kl, ppo)
-    a_time.set_title("PPO seconds per step")
-    for key, label in (
-        ("time/generate_s", "generate"),
-        ("time/score_s", "score"),
-        ("time/train_s", "train"),
-        ("time/switch_s", "switch"),
-        ("time/env_s", "environment"),
-    ):
-        _plot(a_time, ppo, key, label)
+    _time_panel(a_time, ppo)
     mem_axes = _memory_panels(fig, grid[:2, 3], series, stages)  # beside the first two rows
     if dpo:
         _dpo_row(axes[2], dpo)
@@ -175,6 +167,34 @@ def figure(run_dir: Path):
     fig.suptitle(f"rlhf run: {run_dir}")
     fig.tight_layout()
     return fig
+
+
+def _time_panel(ax, ppo: Series) -> None:
+    """PPO's seconds per step by phase; with asynchronous rollouts the trainer's and the worker's busy
+    shares over time on a twin axis (1 − their idle shares)."""
+    ax.set_title("PPO seconds per step")
+    for key, label in (
+        ("time/generate_s", "generate"),
+        ("time/score_s", "score"),
+        ("time/train_s", "train"),
+        ("time/switch_s", "switch"),
+        ("time/env_s", "environment"),
+        ("async/wait_s", "trainer waiting for rollouts"),
+    ):
+        _plot(ax, ppo, key, label)
+    if "async/worker_idle_share" in ppo:
+        ax.set_title("PPO seconds per step; trainer and rollout worker busy")
+        busy = ax.twinx()
+        for key, label, color in (
+            ("async/trainer_idle_share", "trainer busy", "black"),
+            ("async/worker_idle_share", "worker busy", "tab:red"),
+        ):
+            if key in ppo:
+                steps, idle = ppo[key]
+                busy.plot(steps, [1 - x for x in idle], label=label, color=color, linestyle=":")
+        busy.set_ylim(0, 1.03)
+        busy.set_ylabel("busy share", color="tab:red")
+        busy.legend(fontsize=8, loc="center right")
 
 
 def _kl_panel(ax, ppo: Series) -> None:

@@ -187,3 +187,19 @@ def test_a_distilled_students_distance_to_its_teacher_is_drawn(tmp_path):
     fig = report.figure(run)
     (kl,) = [ax for ax in fig.axes if ax.get_title().startswith("PPO kl/mean, and the distance to the teacher")]
     assert "reverse KL to the teacher" in [ln.get_label() for ln in kl.lines]
+
+
+def test_asynchronous_rollouts_draw_the_trainer_and_the_worker_busy(tmp_path):
+    run = _run(tmp_path)
+    rows = [
+        {"step": s, "reward/mean": 0.1, "kl/mean": 0.0, "time/train_s": 0.3, "async/wait_s": 0.2,
+         "async/worker_idle_share": 0.1, "async/trainer_idle_share": 0.4}
+        for s in range(1, 9)
+    ]  # fmt: skip
+    _write(run / "ppo/metrics.jsonl", rows)
+    fig = report.figure(run)
+    (times,) = [ax for ax in fig.axes if ax.get_title() == "PPO seconds per step; trainer and rollout worker busy"]
+    assert "trainer waiting for rollouts" in [ln.get_label() for ln in times.lines]
+    (busy,) = [ax for ax in fig.axes if ax is not times and ax.bbox.bounds == times.bbox.bounds]
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in busy.lines}
+    assert lines["worker busy"] == [0.9] * 8 and lines["trainer busy"] == [0.6] * 8
