@@ -35,6 +35,7 @@ from rlhf.rl.async_rollouts import staleness
 from rlhf.rl.episodes import EpisodeRunner, Episodes, merge_stats
 from rlhf.rl.minibatch import auto_micro_batch
 from rlhf.rl.prompts import PromptBatch, PromptSource
+from rlhf.rl.shaping import distillation, fill_failed, length_debiased
 
 Model = Union[TrainEngine, FrozenModel]  # what scores: ``forward(**batch)`` in training or frozen mode
 
@@ -428,10 +429,7 @@ class Collector:
         stale = staleness(gen.versions, step, mask)
         waited = timings.get("generate_s", 0.0) + timings.get("switch_s", 0.0)
         if stale is not None:  # the worker's episodes: the trainer waited for them only
-            waited = self.remote.last_wait_s
-            too_old = stale.amax(1) > ppo.max_staleness  # never trained on (the requests rule it out)
-            loss_mask = loss_mask * (~too_old)[:, None].float()
-            dyn["async/dropped"] = mesh.sum(float(too_old.sum()))
+            waited, loss_mask = self.remote.last_wait_s, self.within_bound(stale, loss_mask, dyn)
         return Experience(
             sequences=seq,
             attention_mask=att,
@@ -461,6 +459,13 @@ class Collector:
             examples=ro.examples,
             staleness=stale,
         )
+
+    def within_bound(self, stale: torch.Tensor, loss_mask: torch.Tensor, dyn: Dict[str, float]) -> torch.Tensor:
+        """``loss_mask`` less the rows sampled by weights older than ppo.max_staleness (never trained on;
+        the requests rule them out), counted in ``async/dropped``."""
+        too_old = stale.amax(1) > self.ppo.max_staleness
+        dyn["async/dropped"] = self.mesh.sum(float(too_old.sum()))
+        return loss_mask * (~too_old)[:, None].float()
 
     def dynamic_sampling(
         self, first: Rollouts, step: int, sp: SamplingParams, timings: Dict[str, float]
@@ -575,48 +580,11 @@ class Collector:
         )
 
 
-def distillation(
-    logp: torch.Tensor, teacher: torch.Tensor, actor: torch.Tensor, mask: torch.Tensor, coef: float, mesh: Mesh
-) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """On-policy distillation's reward, [B, N]: −``coef`` × (log π_actor − log π_teacher) of each sampled
-    policy token (``mask``), the per-token estimate of the reverse KL(π_actor ‖ π_teacher); and its
-    metrics over every rank: ``distill/reverse_kl`` (per token), ``distill/reverse_kl_seq`` (per
-    sequence) and ``distill/agreement`` (the share of policy tokens where the two models' greedy tokens
-    agree). ``teacher``, ``actor``: [B, N, 2] log-probs and greedy tokens (``response_logprobs_top1``)."""
-    rkl = (logp - teacher[..., 0]) * mask
-    tokens, rows = mesh.sum(float(mask.sum())), mesh.sum(float(mask.shape[0]))
-    agree = (teacher[..., 1] == actor[..., 1]).float() * mask
-    metrics = {
-        "distill/reverse_kl": mesh.sum(float(rkl.sum())) / max(tokens, 1.0),
-        "distill/reverse_kl_seq": mesh.sum(float(rkl.sum())) / max(rows, 1.0),
-        "distill/agreement": mesh.sum(float(agree.sum())) / max(tokens, 1.0),
-    }
-    return -coef * rkl, metrics
-
-
 def ended(gen: Generation, eos_id: int) -> torch.Tensor:
     """[B] bool: the episode's last policy token is EOS (it ended, rather than being cut)."""
     mask = gen.response_mask
     last = last_index(mask)
     return gen.responses.gather(1, last[:, None])[:, 0].eq(eos_id) & mask.any(1)
-
-
-def length_debiased(score: torch.Tensor, length: torch.Tensor, mesh: Mesh) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(``score`` less its least-squares line in ``length`` over every rank's rows, centred: the mean
-    score is kept; the slope, a 0-dim tensor). Collective."""
-    x, y = length.to(score.dtype), score
-    n, sx, sy, sxx, sxy = (mesh.sum(float(v)) for v in (x.numel(), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()))
-    var = sxx - sx * sx / n
-    slope = (sxy - sx * sy / n) / var if var > 1e-9 else 0.0
-    return y - slope * (x - sx / n), torch.tensor(slope, dtype=score.dtype)
-
-
-def fill_failed(score: torch.Tensor, failed: torch.Tensor, group: int) -> torch.Tensor:
-    """``score`` with each failed row replaced by the mean of its group's other rows (0 if none)."""
-    s, f = score.view(-1, group), failed.view(-1, group).float()
-    ok = 1.0 - f
-    mean = (s * ok).sum(1, keepdim=True) / ok.sum(1, keepdim=True).clamp(min=1.0)
-    return torch.where(f.bool(), mean.expand_as(s), s).reshape(-1)
 
 
 def critic_values(critic: TrainEngine, seq: torch.Tensor, att: torch.Tensor, prompt_len: int) -> torch.Tensor:

@@ -131,7 +131,7 @@ def test_the_sampled_reverse_kl_reward_is_exact_in_expectation_and_in_its_gradie
     """Every token of a small vocabulary as a sampled row, weighted by the student's probability: the
     distillation reward's mean is −KL(student ‖ teacher) and its policy gradient is −∇KL."""
     from rlhf.engine.mesh import Mesh
-    from rlhf.rl.experience import distillation
+    from rlhf.rl.shaping import distillation
 
     torch.manual_seed(0)
     s_logits = torch.randn(7, dtype=torch.float64, requires_grad=True)

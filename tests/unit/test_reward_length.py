@@ -5,7 +5,7 @@ left, the mean kept, a score that does not depend on length unchanged."""
 import torch
 
 from rlhf.engine.mesh import Mesh
-from rlhf.rl.experience import length_debiased
+from rlhf.rl.shaping import length_debiased
 
 
 def test_length_carries_no_reward_after_debiasing():
