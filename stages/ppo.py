@@ -17,7 +17,7 @@ import time
 from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -67,67 +67,63 @@ log = logging.getLogger("rlhf")
 def run(cfg: Config) -> None:
     # the user's reward function imports before anything else: an import error is the run's one line
     rule = resolve(cfg.ppo.reward_fn) if cfg.ppo.reward_fn else None
-    env = environment(cfg.ppo)  # (a maker of the environment, its class): imported, tools and parser built
+    # (a maker of the environment, its class): imported, tools and parser built
+    env = environment(cfg.ppo)
     ctx = start_stage(cfg, "ppo")
     say_sandbox(cfg.ppo, log)
-    mesh, train, ppo, alg = ctx.mesh, cfg.train, cfg.ppo, cfg.algorithm
+    mesh, train, ppo = ctx.mesh, cfg.train, cfg.ppo
     check_writable(cfg.run.dir)
     # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
     # deliberate repetition, docs/architecture.md habit 4)
 
     # ---- 1. setup: everything is validated before anything is written ----
-    sources = inputs(cfg, mesh)  # where the actor, reward models, critic, teacher and judge come from
+    # where the actor, reward models, critic, teacher and judge come from
+    sources = inputs(cfg, mesh)
     prep = prepare(cfg, ctx, sources, rule, env)
     updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
     resolve_steps(ctx, len(prep.prompt_ids), ppo.prompts_per_step, "prompts", updates_per_step)
     models = build_models(
-        cfg, mesh, prep.tokenizer, sources, prep.stats, rule, prep.data.gold, train.max_steps * updates_per_step
+        cfg,
+        mesh,
+        prep.tokenizer,
+        sources,
+        prep.stats,
+        rule,
+        prep.data.gold,
+        train.max_steps * updates_per_step,
     )
     loop = Loop(cfg, ctx, prep, models)
     ckpt = checkpoint_to_resume(ctx)
     ctx.fingerprint = mesh.broadcast_object(fingerprint(cfg, prep, models, sources))
-    if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
+    if finished(ctx):
+        # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, state, loop.metrics = resume(ctx, models.engines, ckpt)
     if ckpt is not None:
         loop.load_state_dict(state, ckpt)
-    tokens_note = ""  # ppo.max_tokens_per_micro_batch: forwards grouped by real tokens
-    if ppo.max_tokens_per_micro_batch:
-        tokens_note = f", micro-batches of at most {ppo.max_tokens_per_micro_batch} tokens (as many on every rank)"
-    log.info(
-        "ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d minibatches%s",
-        alg.estimator,
-        len(prep.prompt_ids),
-        prep.data.description,
-        train.max_steps,
-        ppo.prompts_per_step,
-        ppo.samples_per_prompt,
-        ppo.ppo_epochs,
-        ppo.minibatches_per_epoch,
-        tokens_note,
-    )
-    log.info("%s", loop.guard.describe())
+    loop.say_plan()
     if start == 0:
         loop.evaluate(0)
 
     # ---- 2. the loop ----
     metrics, kl_ctl, gate = loop.metrics, loop.kl_ctl, loop.gate
     bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
-    stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
-    loop.start_rollouts(start)  # ppo.rollout_workers=1: the worker starts with the weights of step `start`
-    last, stopped = train.max_steps, None  # the exported actor's step; the gate's record when it fires
+    # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
+    stop = interrupt.listen()
+    # ppo.rollout_workers=1: the worker starts with the weights of step `start`
+    loop.start_rollouts(start)
+    # the exported actor's step; the gate's record when it fires
+    last, stopped = train.max_steps, None
     for step in range(start, train.max_steps):
         t0 = time.perf_counter()
         # experience: generate in inference mode, then score in training mode
-        exp, row = loop.checked_experience(step)  # (the rollout guard stops the run here: exit 2)
+        # (the rollout guard stops the run here: exit 2)
+        exp, row = loop.checked_experience(step)
         done = step + 1
         why = gate.observe(done, row["reward/mean"], row.get("reward/ensemble_std"), row["kl/mean"])
-        if why is not None:  # the gate: no update on these rollouts; the best step's actor is exported
-            last, stopped = gate.best_step, {"gate": {"stopped_at": done, "best_step": gate.best_step, "why": why}}
-            row.pop("time/train_s")
-            metrics.log(done, **row, **{"gate/stopped": 1.0, "gate/best_step": float(last)})
-            log.warning("ppo: step %d: the gate stops the run: %s; exporting the actor of step %d", done, why, last)
-            gate.best.restore()
+        if why is not None:
+            # the gate: no update on these rollouts; the best step's actor is exported
+            last, stopped = loop.stop_at_gate(done, row, why)
             break
 
         # updates: PPO epochs over minibatches in training mode
@@ -137,15 +133,15 @@ def run(cfg: Config) -> None:
         except Diverged as e:
             raise UserError(f"ppo: {e} at step {step + 1}; stopping (the last good checkpoint is kept)") from None
         row["time/train_s"] = time.perf_counter() - t1
-        loop.updated(step)  # asynchronous rollouts: the new weights go to the worker
+        # asynchronous rollouts: the new weights go to the worker
+        loop.updated(step)
 
         # log, evaluate, checkpoint
         kl_ctl.update(exp.kl_mean, exp.global_rows)
         row.update({"kl/beta": kl_ctl.beta, **train_stats, "time/step_s": time.perf_counter() - t0})
         if done % train.log_every == 0 or step == start or done == train.max_steps:
             metrics.log(done, **row)
-        if cfg.logger.samples and cfg.logger.samples_every and (done % cfg.logger.samples_every == 0 or step == start):
-            metrics.samples(done, "rollout", rollout_samples(exp, cfg.logger.samples))
+        loop.log_samples(done, exp, first=step == start)
         bar.step(reward=reward_line(row, list(exp.score_parts)), kl=f"{row['kl/mean']:.3f}")
         end_of_step(done, train, stop, mesh, loop.checkpoint, loop.evaluate)
     bar.close()
@@ -154,16 +150,22 @@ def run(cfg: Config) -> None:
 
     # ---- 3. export ----
     loop.evaluate(last, final=True)
-    export_hf(models.actor, ctx.out / "actor", mesh, tokenizer=prep.tokenizer, adapter_dir=ctx.out / "adapter")
-    if models.critic is not None:
-        adapter = ctx.out / "critic_adapter"
-        export_hf(models.critic, ctx.out / "critic", mesh, tokenizer=prep.tokenizer, adapter_dir=adapter)
-    if models.ema is not None:
-        models.ema.export(ctx.out / "actor_ema", prep.tokenizer)
+    export_models(models, ctx.out, prep.tokenizer, mesh)
     metrics.close()
-    mark_finished(ctx, train.max_steps, stopped)  # (a stopped run is finished: a rerun leaves it so)
+    # (a stopped run is finished: a rerun leaves it so)
+    mark_finished(ctx, train.max_steps, stopped)
     log.info("ppo done: %s", ctx.out / "actor")
     shutdown(mesh)
+
+
+def export_models(models: Models, out: Path, tokenizer, mesh) -> None:
+    """The actor (its adapter too under LoRA), the critic and the EMA copy in HF format."""
+    export_hf(models.actor, out / "actor", mesh, tokenizer=tokenizer, adapter_dir=out / "adapter")
+    if models.critic is not None:
+        adapter = out / "critic_adapter"
+        export_hf(models.critic, out / "critic", mesh, tokenizer=tokenizer, adapter_dir=adapter)
+    if models.ema is not None:
+        models.ema.export(out / "actor_ema", tokenizer)
 
 
 @dataclass
@@ -175,14 +177,15 @@ class Prepared:
     chat: Optional[str]  # the chat template prompts go through
     runner: EpisodeRunner
     prompt_ids: list
-    ptx: Optional[PtxTerm]  # PPO-ptx: the SFT records and their loss
+    # PPO-ptx: the SFT records and their loss
+    ptx: Optional[PtxTerm]
     stats: RewardStats
 
 
 def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prepared:
     """The data, the reward function and environment tried on a record, the tokenizer (the reward
-    models' and the critic's the same), the chat template, the episodes' runner, the prompts' ids, the
-    PPO-ptx records and the reward models' statistics: exit 2 on the first that does not fit."""
+    models' and the critic's the same), the chat template, the episodes' runner, the prompts' ids,
+    the PPO-ptx records and the reward models' statistics: exit 2 on the first that does not fit."""
     mesh, ppo = ctx.mesh, cfg.ppo
     actor_src = sources.actor
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
@@ -200,10 +203,12 @@ def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prep
         )
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
     for key, src in sources.named():
-        if src is not None and key != "ppo.judge_path":  # they read the actor's token ids (the judge: text)
+        if src is not None and key != "ppo.judge_path":
+            # they read the actor's token ids (the judge: text)
             loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, cfg.data.chat_template, records=data.train)  # as in SFT
-    runner = EpisodeRunner.of(ppo, env, tokenizer, chat, mesh)  # (refuses a template that drops observations)
+    # (refuses a template that drops observations)
+    runner = EpisodeRunner.of(ppo, env, tokenizer, chat, mesh)
     data.train, data.eval = runner.with_tools(data.train), runner.with_tools(data.eval)
     prompt_ids = tokenize_prompts(
         data.train, tokenizer, cfg.data.max_prompt_len, chat, max_new_tokens=ppo.max_new_tokens
@@ -217,7 +222,8 @@ def fingerprint(cfg: Config, prep: Prepared, models: Models, sources: Sources) -
     rms = ",".join(map(str, sources.reward_models)) or None
     named = f"actor={sources.actor} reward_model={rms} critic={sources.critic}"
     for key, src in (("teacher", sources.teacher), ("judge", sources.judge)):
-        if src is not None:  # (runs without them keep the fingerprint they had)
+        if src is not None:
+            # (runs without them keep the fingerprint they had)
             named += f" {key}={src}"
     models_read = [sources.actor] + [src for _, src in sources.named()]
     found = run_fingerprint(models.actor.module.config, prep.tokenizer, prep.data, cfg, named, models_read)
@@ -235,13 +241,23 @@ class Loop:
         self.cfg, self.ctx, self.prep, self.models = cfg, ctx, prep, models
         # the over-optimisation gate (and its warnings)
         self.gate = Gate(
-            ppo.stop_disagreement, ppo.stop_kl, models.actor, ppo.warn_heldout_drop, ppo.warn_greedy_changed
+            ppo.stop_disagreement,
+            ppo.stop_kl,
+            models.actor,
+            ppo.warn_heldout_drop,
+            ppo.warn_greedy_changed,
         )
         self.kl_ctl = AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
-        # the rollout-parity guard: the inference mode's log-probs against the training recompute, every step
+        # the rollout-parity guard: the inference mode's log-probs against the training recompute,
+        # every step
         self.guard = RolloutGuard.of(ppo, models.hybrid, precision_of(cfg.engine.placement("actor"), mesh.device))
         prompts = PromptSource(
-            prep.prompt_ids, prep.data.train, ppo.prompts_per_step, cfg.run.seed, mesh, ppo.dynamic_sampling_max_rounds
+            prep.prompt_ids,
+            prep.data.train,
+            ppo.prompts_per_step,
+            cfg.run.seed,
+            mesh,
+            ppo.dynamic_sampling_max_rounds,
         )
         self.collector = Collector(
             models.hybrid,
@@ -256,17 +272,29 @@ class Loop:
             prep.runner,
         )
         self.updater = Updater(
-            models.actor, models.critic, alg, ppo, mesh, cfg.run.seed, prep.ptx, models.ema, models.scorers.teacher
+            models.actor,
+            models.critic,
+            alg,
+            ppo,
+            mesh,
+            cfg.run.seed,
+            prep.ptx,
+            models.ema,
+            models.scorers.teacher,
         )
-        self.copies = [c for c in (models.ema, self.gate.best) if c is not None]  # saved beside the checkpoint
+        # saved beside the checkpoint
+        self.copies = [c for c in (models.ema, self.gate.best) if c is not None]
         self.metrics = None  # resume's
         if ppo.max_staleness and alg.mismatch_correction == "none":
             log.warning(
-                "ppo.max_staleness=%d with algorithm.mismatch_correction=none: stale tokens train at weight 1; "
-                "tis or mis weighs them by π_proximal / π_behaviour (docs/ppo.md#asynchronous-rollouts)",
+                "ppo.max_staleness=%d with algorithm.mismatch_correction=none: stale "
+                "tokens train at weight 1; "
+                "tis or mis weighs them by π_proximal / π_behaviour "
+                "(docs/ppo.md#asynchronous-rollouts)",
                 ppo.max_staleness,
             )
-        if ppo.rollout_workers:  # the episodes played by a worker process, up to ppo.max_staleness steps ahead
+        if ppo.rollout_workers:
+            # the episodes played by a worker process, up to ppo.max_staleness steps ahead
             self.collector.remote = AsyncRollouts(
                 models.hybrid,
                 worker_spec(cfg, prep, models),
@@ -303,7 +331,8 @@ class Loop:
     def load_state_dict(self, state: dict, ckpt: Path) -> None:
         self.kl_ctl.load_state_dict(state["kl"])
         self.models.scorers.normalise.load_state_dict(state["running"])
-        if "gate" in state:  # (checkpoints written before the gate have none)
+        if "gate" in state:
+            # (checkpoints written before the gate have none)
             self.gate.load_state_dict(state["gate"])
         for copy in (self.models.ema, self.gate.best):
             if copy is not None:
@@ -323,6 +352,48 @@ class Loop:
     def save_copies(self, path: Path) -> None:
         for c in self.copies:
             c.save(path)
+
+    def say_plan(self) -> None:
+        """The run's shape in one line, and the rollout guard's."""
+        ppo, prep = self.cfg.ppo, self.prep
+        # ppo.max_tokens_per_micro_batch: forwards grouped by real tokens
+        tokens_note = ""
+        if ppo.max_tokens_per_micro_batch:
+            tokens_note = f", micro-batches of at most {ppo.max_tokens_per_micro_batch} tokens (as many on every rank)"
+        log.info(
+            "ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d minibatches%s",
+            self.cfg.algorithm.estimator,
+            len(prep.prompt_ids),
+            prep.data.description,
+            self.cfg.train.max_steps,
+            ppo.prompts_per_step,
+            ppo.samples_per_prompt,
+            ppo.ppo_epochs,
+            ppo.minibatches_per_epoch,
+            tokens_note,
+        )
+        log.info("%s", self.guard.describe())
+
+    def stop_at_gate(self, done: int, row: dict, why: str) -> Tuple[int, dict]:
+        """The gate fired at step ``done``: its line logged (no update on these rollouts) and the
+        best step's actor restored for the export; (that step, the record done.json keeps)."""
+        best = self.gate.best_step
+        row.pop("time/train_s")
+        self.metrics.log(done, **row, **{"gate/stopped": 1.0, "gate/best_step": float(best)})
+        log.warning(
+            "ppo: step %d: the gate stops the run: %s; exporting the actor of step %d",
+            done,
+            why,
+            best,
+        )
+        self.gate.best.restore()
+        return best, {"gate": {"stopped_at": done, "best_step": best, "why": why}}
+
+    def log_samples(self, done: int, exp, first: bool) -> None:
+        """``logger.samples`` rollouts into samples.jsonl every ``logger.samples_every`` steps."""
+        every, n = self.cfg.logger.samples_every, self.cfg.logger.samples
+        if n and every and (done % every == 0 or first):
+            self.metrics.samples(done, "rollout", rollout_samples(exp, n))
 
     def experience(self, step: int):
         """The step's experience and its metrics line (time/train_s once updated)."""
@@ -353,8 +424,19 @@ class Loop:
         cfg, prep, hybrid, mesh = self.cfg, self.prep, self.models.hybrid, self.ctx.mesh
         res, kept = {}, []
         if prep.data.gold is not None:
-            play = prep.runner.player(hybrid) if prep.runner.multi_turn else None  # episodes: the tools are used
-            res = stage_gold(cfg, hybrid, prep.tokenizer, prep.data.eval, prep.data.gold, mesh, prep.chat, kept, play)
+            # episodes: the tools are used
+            play = prep.runner.player(hybrid) if prep.runner.multi_turn else None
+            res = stage_gold(
+                cfg,
+                hybrid,
+                prep.tokenizer,
+                prep.data.eval,
+                prep.data.gold,
+                mesh,
+                prep.chat,
+                kept,
+                play,
+            )
         if self.models.reward_model is not None and not prep.runner.multi_turn:  # no gold needed
             mean, answers = evaluate_reward(
                 hybrid.generate,

@@ -1,10 +1,11 @@
 """Step 2: the reward model — a scalar head on the SFT model, trained on preference pairs.
 
-    python -m rlhf stage=reward [run.dir=D] [model.path=...] [data.path=... data.format=hh|prompt_chosen_rejected]
+    python -m rlhf stage=reward [run.dir=D] [model.path=...] [data.path=...
+    data.format=hh|prompt_chosen_rejected]
 
 Setup (pairs, SFT model + head, engine, resume) → loop (pairwise loss, chosen and rejected in one
-batch) → save (held-out accuracy and scores beside two text-only baselines', score statistics for PPO,
-HF export as AutoModelForSequenceClassification with num_labels=1, which also initialises PPO's
+batch) → save (held-out accuracy and scores beside two text-only baselines', score statistics for
+PPO, HF export as AutoModelForSequenceClassification with num_labels=1, which also initialises PPO's
 critic). An ensemble (reward.ensemble=k): k heads on the backbone, each on its bootstrap half of the
 pairs, their losses averaged; exported with num_labels=k (member i = label i).
 """
@@ -33,7 +34,14 @@ from rlhf.engine.train import TrainEngine
 from rlhf.errors import DataError
 from rlhf.launcher import interrupt
 from rlhf.models import dschat, loading, lora
-from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_name, init_head, members, sequence_scores
+from rlhf.models.value import (
+    REWARD_STATS_FILE,
+    ScalarHeadModel,
+    head_name,
+    init_head,
+    members,
+    sequence_scores,
+)
 from rlhf.outputs.log import progress
 from rlhf.runtime.stage import (
     check_writable,
@@ -85,33 +93,24 @@ def run(cfg: Config) -> None:
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     fingerprint = run_fingerprint(model_cfg, tokenizer, data, cfg, f"backbone={source}", [source])
     ctx.fingerprint = mesh.broadcast_object(fingerprint)
-    if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
+    if finished(ctx):
+        # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"reward": reward_model}, ckpt)
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["chosen"]), train.global_batch, cfg.run.seed)
-    tokens = pair_tokens(train_cols)  # what train.max_tokens_per_micro_batch counts
+    # what train.max_tokens_per_micro_batch counts
+    tokens = pair_tokens(train_cols)
     pad, k = tokenizer.pad_token_id, cfg.reward.ensemble
     evaluate = partial(evaluate_logged, reward_model, eval_cols, pad, micro, cfg.reward.margin, metrics)
     checkpoint = partial(save_stage, ctx, {"reward": reward_model}, keep=train.keep_checkpoints)
 
     # ---- 2. the loop ----
-    ensemble_note = ""
-    if k > 1:
-        ensemble_note = f", an ensemble of {k} heads" + (" (bootstrapped pairs)" if cfg.reward.bootstrap else "")
-    log.info(
-        "reward: %d pairs (%s) from %s, %d steps of %d pairs, %s%s",
-        len(train_cols["chosen"]),
-        data.description,
-        source,
-        train.max_steps,
-        train.global_batch,
-        micro_batching(micro, train.max_tokens_per_micro_batch, train.global_batch, mesh.world_size),
-        ensemble_note,
-    )
+    say_plan(cfg, len(train_cols["chosen"]), data.description, source, micro, mesh.world_size)
     reward_model.train()
     bar = progress(train.max_steps, start, cfg.logger.progress, "reward", mesh.is_main)
-    stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
+    # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
+    stop = interrupt.listen()
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
         ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
@@ -137,26 +136,56 @@ def run(cfg: Config) -> None:
     stop.close()
 
     # ---- 3. export ----
-    baselines = {}
-    if mesh.is_main:  # what the text alone gets right on the same held-out pairs (logged with eval/*)
-        fit, test = (pair_baselines.response_texts(cols, tokenizer) for cols in (train_cols, eval_cols))
-        baselines = pair_baselines.baselines(fit, test)
-    res = evaluate(train.max_steps, baselines)
+    res = evaluate(train.max_steps, text_baselines(train_cols, eval_cols, tokenizer, mesh))
     extra = {REWARD_STATS_FILE: held_out_stats(res, k, train.max_steps)}
     export_hf(
-        reward_model, ctx.out / "model", mesh, tokenizer=tokenizer, extra_files=extra, adapter_dir=ctx.out / "adapter"
+        reward_model,
+        ctx.out / "model",
+        mesh,
+        tokenizer=tokenizer,
+        extra_files=extra,
+        adapter_dir=ctx.out / "adapter",
     )
     metrics.close()
     mark_finished(ctx, train.max_steps)
     log.info(
-        "reward done: %s (eval/accuracy=%.4f%s)", ctx.out / "model", res["eval/accuracy"], pair_baselines.said(res)
+        "reward done: %s (eval/accuracy=%.4f%s)",
+        ctx.out / "model",
+        res["eval/accuracy"],
+        pair_baselines.said(res),
     )
     shutdown(mesh)
 
 
+def say_plan(cfg: Config, pairs: int, description: str, source: str, micro: int, world: int):
+    """The run's shape in one line."""
+    train, k = cfg.train, cfg.reward.ensemble
+    ensemble_note = ""
+    if k > 1:
+        ensemble_note = f", an ensemble of {k} heads" + (" (bootstrapped pairs)" if cfg.reward.bootstrap else "")
+    log.info(
+        "reward: %d pairs (%s) from %s, %d steps of %d pairs, %s%s",
+        pairs,
+        description,
+        source,
+        train.max_steps,
+        train.global_batch,
+        micro_batching(micro, train.max_tokens_per_micro_batch, train.global_batch, world),
+        ensemble_note,
+    )
+
+
+def text_baselines(train_cols: dict, eval_cols: dict, tokenizer, mesh: Mesh) -> dict:
+    """What the text alone gets right on the same held-out pairs (logged with eval/*; rank 0)."""
+    if not mesh.is_main:
+        return {}
+    fit, test = (pair_baselines.response_texts(c, tokenizer) for c in (train_cols, eval_cols))
+    return pair_baselines.baselines(fit, test)
+
+
 def scalar_head_model(cfg: Config, source: str, tokenizer, mesh: Mesh):
-    """(config, model): the backbone with a score head of reward.ensemble outputs (member i = label i),
-    the head initialised from run.seed on rank 0 (the other ranks on meta, filled by FSDP), LoRA
+    """(config, model): the backbone with a score head of reward.ensemble outputs (member i = label
+    i), the head initialised from run.seed on rank 0 (the other ranks on meta, filled by FSDP), LoRA
     adapters on the backbone with model.lora.r > 0 (the head fully trained and saved with them)."""
     model_cfg = loading.load_model_config(source, cfg.model.trust_remote_code)
     model_cfg.num_labels, model_cfg.pad_token_id = cfg.reward.ensemble, tokenizer.pad_token_id
@@ -190,7 +219,8 @@ def collate(cols: dict, indices: List[int], pad: int) -> dict:
 
 
 def member_weights(cfg: Config, indices: List[int]) -> Optional[torch.Tensor]:
-    """An ensemble's bootstrap: each pair's weight per member ([n, k]); None for one head or without it."""
+    """An ensemble's bootstrap: each pair's weight per member ([n, k]); None for one head or without
+    it."""
     k = cfg.reward.ensemble
     if k == 1 or not cfg.reward.bootstrap:
         return None
@@ -198,10 +228,20 @@ def member_weights(cfg: Config, indices: List[int]) -> Optional[torch.Tensor]:
 
 
 def evaluate_logged(
-    reward_model: TrainEngine, cols: dict, pad: int, micro: int, margin: float, metrics, step: int, extra=None
+    reward_model: TrainEngine,
+    cols: dict,
+    pad: int,
+    micro: int,
+    margin: float,
+    metrics,
+    step: int,
+    extra=None,
 ):
     """``evaluate_pairs`` with ``extra`` figures, its eval/* logged."""
-    res = {**evaluate_pairs(reward_model, cols, pad, micro, reward_model.mesh, margin), **(extra or {})}
+    res = {
+        **evaluate_pairs(reward_model, cols, pad, micro, reward_model.mesh, margin),
+        **(extra or {}),
+    }
     log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model)
     return res
 
@@ -231,11 +271,14 @@ def _pair_scores(reward_model: TrainEngine, batch: dict, device: torch.device):
 
 
 def train_step(
-    reward_model: TrainEngine, micro_batches: List[dict], margin: float = 0.0, weights: Optional[list] = None
+    reward_model: TrainEngine,
+    micro_batches: List[dict],
+    margin: float = 0.0,
+    weights: Optional[list] = None,
 ) -> tuple[float, float, float]:
-    """One optimizer step of the pairwise loss, averaged over the global batch's pairs. An ensemble's
-    loss is the mean over its members of each member's loss, a pair weighted per member by
-    ``weights[i]`` ([n, k] for micro-batch i, the bootstrap; None = every pair in every member);
+    """One optimizer step of the pairwise loss, averaged over the global batch's pairs. An
+    ensemble's loss is the mean over its members of each member's loss, a pair weighted per member
+    by ``weights[i]`` ([n, k] for micro-batch i, the bootstrap; None = every pair in every member);
     its accuracy is the members' mean score's."""
     mesh = reward_model.mesh
     n_pairs = mesh.sum(sum(b["input_ids"].shape[0] // 2 for b in micro_batches))
@@ -260,22 +303,31 @@ def train_step(
 def evaluate_pairs(
     reward_model: TrainEngine, cols: dict, pad: int, micro: int, mesh: Mesh, margin: float = 0.0
 ) -> dict:
-    """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std/min/max of all scores. An
-    ensemble: those of the members' mean score (the loss: the members' mean), and per member
+    """Held-out accuracy, mean chosen/rejected scores and loss; the mean/std/min/max of all scores.
+    An ensemble: those of the members' mean score (the loss: the members' mean), and per member
     (``members``: accuracy, mean, std, min, max) with the worst and best member's accuracy."""
-    sums, lo, hi = None, None, None  # per column (the mean score, then each member): see ``columns``
+    # per column (the mean score, then each member): see ``columns``
+    sums, lo, hi = None, None, None
     reward_model.eval()
     with torch.no_grad():
         for ix in rank_batches(len(cols["chosen"]), micro, mesh):
-            b = collate_pairs([cols["chosen"][i] for i in ix or [0]], [cols["rejected"][i] for i in ix or [0]], pad)
+            b = collate_pairs(
+                [cols["chosen"][i] for i in ix or [0]],
+                [cols["rejected"][i] for i in ix or [0]],
+                pad,
+            )
             c, r = _pair_scores(reward_model, b, mesh.device)
             if not ix:
                 continue
             c, r = c.double().cpu(), r.double().cpu()
             if c.dim() == 1:  # one reward model: one column
                 c, r = c[:, None], r[:, None]
-            else:  # an ensemble: the members' mean first, then each member
-                c, r = torch.cat([c.mean(1, keepdim=True), c], 1), torch.cat([r.mean(1, keepdim=True), r], 1)
+            else:
+                # an ensemble: the members' mean first, then each member
+                c, r = (
+                    torch.cat([c.mean(1, keepdim=True), c], 1),
+                    torch.cat([r.mean(1, keepdim=True), r], 1),
+                )
             n = torch.full((c.shape[1],), float(len(ix)), dtype=torch.float64)
             part = torch.stack(
                 [
