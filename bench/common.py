@@ -1,5 +1,5 @@
-"""What the benches share: the workloads of docs/benchmarks.md, the Llama built from one, and the device
-label every JSON line carries."""
+"""What the benches share: the workloads of docs/benchmarks.md, the Llama built from one, and the
+device label every JSON line carries."""
 
 from __future__ import annotations
 
@@ -11,25 +11,58 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# docs/benchmarks.md (Workloads); ``inter`` (intermediate size) where the hidden × 8/3 rule does not apply
+# docs/benchmarks.md (Workloads); ``inter`` (intermediate size) where the hidden × 8/3 rule does not
+# apply
 WORKLOADS = {
     "tiny": dict(hidden=128, layers=4, heads=4, kv=2, vocab=2000, prompts=8, prompt_len=32, new=64),
-    "small": dict(hidden=512, layers=8, heads=8, kv=4, vocab=8000, prompts=8, prompt_len=64, new=128),
-    "bigvocab": dict(hidden=256, layers=4, heads=4, kv=2, inter=704, vocab=151936, prompts=32, prompt_len=64, new=128),
-    "gpu05b": dict(
-        hidden=1024, layers=24, heads=16, kv=8, inter=2816, vocab=32000, prompts=64, prompt_len=128, new=256
+    "small": dict(
+        hidden=512, layers=8, heads=8, kv=4, vocab=8000, prompts=8, prompt_len=64, new=128
     ),
-    "gpu1b": dict(hidden=2048, layers=16, heads=16, kv=8, inter=5632, vocab=32000, prompts=64, prompt_len=128, new=256),
+    "bigvocab": dict(
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv=2,
+        inter=704,
+        vocab=151936,
+        prompts=32,
+        prompt_len=64,
+        new=128,
+    ),
+    "gpu05b": dict(
+        hidden=1024,
+        layers=24,
+        heads=16,
+        kv=8,
+        inter=2816,
+        vocab=32000,
+        prompts=64,
+        prompt_len=128,
+        new=256,
+    ),
+    "gpu1b": dict(
+        hidden=2048,
+        layers=16,
+        heads=16,
+        kv=8,
+        inter=5632,
+        vocab=32000,
+        prompts=64,
+        prompt_len=128,
+        new=256,
+    ),
 }
 
 
 def intermediate(w: dict) -> int:
-    """The workload's MLP width: ``inter`` when given, else hidden × 8/3 rounded down to a multiple of 64."""
+    """The workload's MLP width: ``inter`` when given, else hidden × 8/3 rounded down to a multiple
+    of 64."""
     return w.get("inter") or w["hidden"] * 8 // 3 // 64 * 64
 
 
 def llama_config(w: dict, **overrides):
-    """The workload's LlamaConfig (untied LM head, 512 positions); ``overrides`` win (token ids, ...)."""
+    """The workload's LlamaConfig (untied LM head, 512 positions); ``overrides`` win (token ids,
+    ...)."""
     from transformers import LlamaConfig
 
     kw = dict(
@@ -49,9 +82,9 @@ def llama_config(w: dict, **overrides):
 
 
 def resolve_device(requested: str = "auto", nproc: int = 1):
-    """The torch.device a bench with ``nproc`` processes on this node runs on, as the engine picks it
-    (``engine.device``: auto honours $RLHF_DEVICE and falls back to the CPU when there are fewer GPUs
-    than processes)."""
+    """The torch.device a bench with ``nproc`` processes on this node runs on, as the engine picks
+    it (``engine.device``: auto honours $RLHF_DEVICE and falls back to the CPU when there are fewer
+    GPUs than processes)."""
     from rlhf.engine.mesh import choose_device
 
     return choose_device(requested, 0, nproc)
@@ -77,18 +110,24 @@ def digit_share(responses, examples, fmt):
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
-# the TrainingArguments every TRL bench shares: one CPU process, no saving, reporting, progress bar or
-# dataloader workers, seed 0; precision and logging are each bench's own
+# the TrainingArguments every TRL bench shares: one CPU process, no saving, reporting, progress bar
+# or dataloader workers, seed 0; precision and logging are each bench's own
 TRL_CPU = dict(
-    save_strategy="no", report_to="none", use_cpu=True, fp16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    fp16=False,
+    seed=0,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
 )
 
 
 def step_timer(from_step_end: bool = False):
-    """A Transformers ``TrainerCallback`` that records each optimizer step's wall time in ``.times``: how the
-    TRL benches time a trainer's step. ``on_step_begin`` → ``on_step_end``; ``from_step_end``: from one
-    ``on_step_end`` to the next (the first from ``on_train_begin``), for a loop that calls no
-    ``on_step_begin`` (TRL's PPOTrainer): the whole iteration."""
+    """A Transformers ``TrainerCallback`` that records each optimizer step's wall time in
+    ``.times``: how the TRL benches time a trainer's step. ``on_step_begin`` → ``on_step_end``;
+    ``from_step_end``: from one ``on_step_end`` to the next (the first from ``on_train_begin``), for
+    a loop that calls no ``on_step_begin`` (TRL's PPOTrainer): the whole iteration."""
     import time
 
     from transformers import TrainerCallback
@@ -113,8 +152,8 @@ def step_timer(from_step_end: bool = False):
 
 
 def trl_ppo_args(description: str, steps: int):
-    """The command line of the TRL PPO-family benches (bench/trl_grpo.py, bench/trl_ppo.py): ``--workload``,
-    ``--steps`` (default ``steps``), ``--threads``; callers add their own."""
+    """The command line of the TRL PPO-family benches (bench/trl_grpo.py, bench/trl_ppo.py):
+    ``--workload``, ``--steps`` (default ``steps``), ``--threads``; callers add their own."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description)
@@ -130,7 +169,8 @@ def trl_ppo_args(description: str, steps: int):
 
 
 def trl_line_base(workload: str, variant: str, threads: int, trl_version: str, steps: int) -> dict:
-    """The fields every JSON line of a TRL PPO-family bench carries (bench/ppo.py's schema, one CPU process)."""
+    """The fields every JSON line of a TRL PPO-family bench carries (bench/ppo.py's schema, one CPU
+    process)."""
     import torch
 
     return {
@@ -148,8 +188,8 @@ def trl_line_base(workload: str, variant: str, threads: int, trl_version: str, s
 
 def trl_prompts(prompts_file, model_dir, w: dict):
     """bench/ppo.py's prompts (``prepare``'s JSON lines) for a TRL bench: (the tokenizer saved in
-    ``model_dir``, the prompts' text, their token ids), each prompt checked to tokenize to exactly the
-    workload's prompt length."""
+    ``model_dir``, the prompts' text, their token ids), each prompt checked to tokenize to exactly
+    the workload's prompt length."""
     import json
 
     from transformers import AutoTokenizer
@@ -159,13 +199,16 @@ def trl_prompts(prompts_file, model_dir, w: dict):
     ids = [tok(p)["input_ids"] for p in prompts]
     lengths = sorted({len(x) for x in ids})
     if lengths != [w["prompt_len"]]:
-        raise RuntimeError(f"prompts tokenize to {lengths} tokens, not the workload's {w['prompt_len']}")
+        raise RuntimeError(
+            f"prompts tokenize to {lengths} tokens, not the workload's {w['prompt_len']}"
+        )
     return tok, prompts, ids
 
 
 def train_timed(trainer, timer) -> float:
-    """Runs a TRL trainer whose callbacks include ``timer`` (``step_timer``) and returns the median step
-    after the first (warm-up) one. TRL prints its log dicts: they go to stderr (stdout holds JSON lines only)."""
+    """Runs a TRL trainer whose callbacks include ``timer`` (``step_timer``) and returns the median
+    step after the first (warm-up) one. TRL prints its log dicts: they go to stderr (stdout holds
+    JSON lines only)."""
     import contextlib
     import statistics
 
@@ -175,8 +218,9 @@ def train_timed(trainer, timer) -> float:
 
 
 def print_step_lines(base: dict, step: float, samples: int, new_tokens: int) -> None:
-    """bench/ppo.py's per-step metrics of one variant as JSON lines: ``s_per_step``, ``samples_per_s`` and
-    ``tokens_per_s`` (``samples`` responses of ``new_tokens`` tokens a step)."""
+    """bench/ppo.py's per-step metrics of one variant as JSON lines: ``s_per_step``,
+    ``samples_per_s`` and ``tokens_per_s`` (``samples`` responses of ``new_tokens`` tokens a
+    step)."""
     import json
 
     for metric, value, unit in (
@@ -184,4 +228,7 @@ def print_step_lines(base: dict, step: float, samples: int, new_tokens: int) -> 
         ("samples_per_s", samples / step, "samples/s"),
         ("tokens_per_s", samples * new_tokens / step, "tokens/s"),
     ):
-        print(json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True)
+        print(
+            json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}),
+            flush=True,
+        )

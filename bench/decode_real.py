@@ -1,20 +1,22 @@
-"""Decode on a real pretrained model: the inference mode against HF ``generate`` and against this machine's
-roofline (docs/benchmarks.md, `bench: "decode_real"`).
+"""Decode on a real pretrained model: the inference mode against HF ``generate`` and against this
+machine's roofline (docs/benchmarks.md, `bench: "decode_real"`).
 
-    python bench/decode_real.py [--model smollm2-135m-instruct] [--batches 1 16 64] [--dtypes fp32 bf16]
+    python bench/decode_real.py [--model smollm2-135m-instruct] [--batches 1 16 64] [--dtypes fp32
+    bf16]
                                 [--new 64] [--repeats 2] [--threads N]
 
-One process. The prompts are the held-out prompts of ``recipe=smollm2_arith`` through the model's chat
-template (left-padded to the longest), greedy, exactly ``--new`` new tokens each (min = max: equal
-work). Variants: ``hybrid`` (the inference mode, engine.inference_dtype = the dtype) and ``hf_generate``
-(HF ``generate`` on the model cast to the dtype, KV cache on). Metrics per (variant, dtype, batch):
-``tokens_per_s`` (new tokens / wall time of the call, prefill included), and for hybrid ``vs_hf``
-(the ratio) and ``roofline_fraction``: the roofline time of the same call over the measured time. The
-roofline of a call is its prefill (FLOPs ÷ peak, or its bytes ÷ bandwidth if larger) plus, per decode
-step, the larger of (weights + the KV cache read) ÷ the measured memory bandwidth and the step's FLOPs
-(2 × the parameters a token passes through, LM head included, plus attention over the cached
-positions) ÷ the measured matmul peak in that dtype (a 2048² GEMM, best of 5, on these threads).
-Lines carry ``peak_gflops``, ``bandwidth_gb_s``, ``roofline_bound`` (compute or bandwidth) and ``load_1m``.
+One process. The prompts are the held-out prompts of ``recipe=smollm2_arith`` through the model's
+chat template (left-padded to the longest), greedy, exactly ``--new`` new tokens each (min = max:
+equal work). Variants: ``hybrid`` (the inference mode, engine.inference_dtype = the dtype) and
+``hf_generate`` (HF ``generate`` on the model cast to the dtype, KV cache on). Metrics per (variant,
+dtype, batch): ``tokens_per_s`` (new tokens / wall time of the call, prefill included), and for
+hybrid ``vs_hf`` (the ratio) and ``roofline_fraction``: the roofline time of the same call over the
+measured time. The roofline of a call is its prefill (FLOPs ÷ peak, or its bytes ÷ bandwidth if
+larger) plus, per decode step, the larger of (weights + the KV cache read) ÷ the measured memory
+bandwidth and the step's FLOPs (2 × the parameters a token passes through, LM head included, plus
+attention over the cached positions) ÷ the measured matmul peak in that dtype (a 2048² GEMM, best of
+5, on these threads). Lines carry ``peak_gflops``, ``bandwidth_gb_s``, ``roofline_bound`` (compute
+or bandwidth) and ``load_1m``.
 """
 
 from __future__ import annotations
@@ -65,21 +67,29 @@ def prompts(tok, n: int):
     from rlhf.data import arith
     from rlhf.data.chat import Renderer, resolve_template
 
-    _, held = arith.generate(SyntheticConfig(num_records=1, min_operand=10, max_operand=49), max(n, 64), seed=0)
+    _, held = arith.generate(
+        SyntheticConfig(num_records=1, min_operand=10, max_operand=49), max(n, 64), seed=0
+    )
     render = Renderer(tok, resolve_template(tok, "auto"))
     return [render.prompt_ids(e.chat.prompt) for e in held[:n]]
 
 
-def roofline_s(cfg, batch: int, prompt_len: int, new: int, elem: int, peak: float, bw: float) -> tuple:
+def roofline_s(
+    cfg, batch: int, prompt_len: int, new: int, elem: int, peak: float, bw: float
+) -> tuple:
     """(seconds, bound) of the roofline of one generate call (see the module's docstring)."""
     h, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     head = cfg.head_dim if getattr(cfg, "head_dim", None) else h // cfg.num_attention_heads
     kv_width = cfg.num_key_value_heads * head
-    per_layer = h * (h + 2 * kv_width) + h * h + 3 * h * cfg.intermediate_size  # q, k, v, o, gate/up/down
-    passed = layers * per_layer + vocab * h  # the LM head (tied or not, it is read and multiplied)
+    # q, k, v, o, gate/up/down
+    per_layer = h * (h + 2 * kv_width) + h * h + 3 * h * cfg.intermediate_size
+    # the LM head (tied or not, it is read and multiplied)
+    passed = layers * per_layer + vocab * h
     weight_bytes = passed * elem
     # prefill: every prompt token through every weight, attention over the prompt (causal: half)
-    flops = 2 * passed * batch * prompt_len + 2 * 2 * layers * batch * prompt_len * prompt_len / 2 * h
+    flops = (
+        2 * passed * batch * prompt_len + 2 * 2 * layers * batch * prompt_len * prompt_len / 2 * h
+    )
     total = max(flops / peak, weight_bytes / bw)
     bounds = {"compute": 0, "bandwidth": 0}
     for t in range(1, new):
@@ -119,29 +129,54 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     all_prompts = prompts(tok, max(args.batches))
     bw = bandwidth_bytes_per_s()
-    base = {"bench": "decode_real", "workload": Path(path).name, "device": device_label("cpu"), "new_tokens": args.new}
+    base = {
+        "bench": "decode_real",
+        "workload": Path(path).name,
+        "device": device_label("cpu"),
+        "new_tokens": args.new,
+    }
     base["threads"] = torch.get_num_threads()
     base["torch"] = torch.__version__.split("+")[0]
     for dtype_name in args.dtypes:
         dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
         peak = matmul_peak(dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=False
+        ).eval()
         ecfg = EngineConfig(precision="fp32", inference_dtype=dtype_name)
-        hy = HybridEngine(TrainEngine(model, Mesh(), ecfg, TrainConfig(lr=1e-6, warmup_steps=0)), tok, ecfg)
-        plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False).eval()
+        hy = HybridEngine(
+            TrainEngine(model, Mesh(), ecfg, TrainConfig(lr=1e-6, warmup_steps=0)), tok, ecfg
+        )
+        plain = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=False
+        ).eval()
         for batch in args.batches:
             ps = all_prompts[:batch]
             sp = SamplingParams(temperature=0, max_new_tokens=args.new, min_new_tokens=args.new)
             ids, mask = left_pad(ps, tok.pad_token_id)
-            kw = dict(do_sample=False, max_new_tokens=args.new, min_new_tokens=args.new, pad_token_id=tok.pad_token_id)
-            hy.generate(ps, SamplingParams(temperature=0, max_new_tokens=2, min_new_tokens=2))  # warm-up
+            kw = dict(
+                do_sample=False,
+                max_new_tokens=args.new,
+                min_new_tokens=args.new,
+                pad_token_id=tok.pad_token_id,
+            )
+            # warm-up
+            hy.generate(ps, SamplingParams(temperature=0, max_new_tokens=2, min_new_tokens=2))
             with torch.no_grad():
-                plain.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+                plain.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    **{**kw, "max_new_tokens": 2, "min_new_tokens": 2},
+                )
             times = {
                 "hybrid": best_of(args.repeats, hy.generate, ps, sp),
-                "hf_generate": best_of(args.repeats, plain.generate, input_ids=ids, attention_mask=mask, **kw),
+                "hf_generate": best_of(
+                    args.repeats, plain.generate, input_ids=ids, attention_mask=mask, **kw
+                ),
             }
-            roof, bound = roofline_s(model.config, batch, ids.shape[1], args.new, dtype.itemsize, peak, bw)
+            roof, bound = roofline_s(
+                model.config, batch, ids.shape[1], args.new, dtype.itemsize, peak, bw
+            )
             line = {**base, "dtype": dtype_name, "batch": batch, "prompt_len": ids.shape[1]}
             line.update(load_1m=os.getloadavg()[0], peak_gflops=peak / 1e9, bandwidth_gb_s=bw / 1e9)
             line["roofline_bound"] = bound
@@ -149,7 +184,10 @@ def main() -> None:
             out.append(("hybrid", "vs_hf", times["hf_generate"] / times["hybrid"]))
             out += [(v, "roofline_fraction", roof / s) for v, s in times.items()]
             for variant, metric, value in out:
-                print(json.dumps({**line, "variant": variant, "metric": metric, "value": value}), flush=True)
+                print(
+                    json.dumps({**line, "variant": variant, "metric": metric, "value": value}),
+                    flush=True,
+                )
         del model, plain, hy
 
 

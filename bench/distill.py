@@ -8,14 +8,15 @@ Per seed (run.seed=N, under <out>/seed<N>/):
 - teacher/: the embedded SFT (the recipe's), then GRPO with the rule reward (bench/seeds.py's GRPO):
   the teacher is its exported actor, a strong policy of the same tokenizer;
 - student/: SFT stopped early (``--student-steps``): the weak policy both runs start from;
-- distill/: PPO from the student with ``ppo.teacher_path`` = the teacher, ``algorithm.estimator=distill``,
+- distill/: PPO from the student with ``ppo.teacher_path`` = the teacher,
+  ``algorithm.estimator=distill``,
   no reward model, no rule, no KL to the reference;
 - grpo/: PPO from the student with GRPO and the exact rule (the teacher's own recipe).
-Both run ``--steps`` steps with an evaluation every ``--eval-every``. Figures: teacher_gold, student_gold
-(held-out gold, sampled), target (0.9 × teacher_gold), distill_gold, grpo_gold (last), and for each run
-the training seconds (generate + score + update, evaluations left out) to its first evaluation at or
-above the target (None: not reached), their ratio, and the distill run's last distill/reverse_kl. A run
-whose output exists in --out is read, not run again.
+Both run ``--steps`` steps with an evaluation every ``--eval-every``. Figures: teacher_gold,
+student_gold (held-out gold, sampled), target (0.9 × teacher_gold), distill_gold, grpo_gold (last),
+and for each run the training seconds (generate + score + update, evaluations left out) to its first
+evaluation at or above the target (None: not reached), their ratio, and the distill run's last
+distill/reverse_kl. A run whose output exists in --out is read, not run again.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from common import device_label  # noqa: E402
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
 DISTILL = ["algorithm.estimator=distill", "ppo.use_reward_model=false", "algorithm.kl_coef=0"]
 STEP_TIMES = ("time/generate_s", "time/switch_s", "time/score_s", "time/train_s")
-SHARE = 0.9  # issue 54: the student reaches this share of the teacher's sampled gold
+# issue 54: the student reaches this share of the teacher's sampled gold
+SHARE = 0.9
 
 
 def rows(metrics: Path) -> list:
@@ -46,18 +48,25 @@ def rows(metrics: Path) -> list:
 
 
 def run(stage: str, run_dir: Path, seed: int, threads, extra: list, done: str) -> None:
-    """``python -m rlhf stage=<stage>`` unless ``run_dir/done`` exists; its console in <run_dir>.log."""
+    """``python -m rlhf stage=<stage>`` unless ``run_dir/done`` exists; its console in
+    <run_dir>.log."""
     if (run_dir / done).exists():
         return
     cmd = [sys.executable, "-m", "rlhf", f"stage={stage}", f"run.dir={run_dir}", f"run.seed={seed}"]
-    cmd += ["logger.progress=false", *extra] + ([f"engine.threads_per_rank={threads}"] if threads else [])
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
+    cmd += ["logger.progress=false", *extra] + (
+        [f"engine.threads_per_rank={threads}"] if threads else []
+    )
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled"
+    )
     print(f"[bench] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(f"{run_dir}.log", "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
-        raise SystemExit(f"distill bench: {stage} in {run_dir} failed (exit {rc}); its log: {run_dir}.log")
+        raise SystemExit(
+            f"distill bench: {stage} in {run_dir} failed (exit {rc}); its log: {run_dir}.log"
+        )
 
 
 def curve(metrics: Path) -> list:
@@ -79,14 +88,31 @@ def one_seed(args, seed: int, out: Path) -> dict:
     common = list(args.set)
     run("sft", d / "teacher", seed, args.threads, common, "sft/done.json")
     run("ppo", d / "teacher", seed, args.threads, common + GRPO, "ppo/done.json")
-    run("sft", d / "student", seed, args.threads, common + [f"train.max_steps={args.student_steps}"], "sft/done.json")
+    run(
+        "sft",
+        d / "student",
+        seed,
+        args.threads,
+        common + [f"train.max_steps={args.student_steps}"],
+        "sft/done.json",
+    )
     teacher = d / "teacher" / "ppo" / "actor"
-    steps = [f"train.max_steps={args.steps}", f"train.eval_every={args.eval_every}", "train.save_every=0"]
+    steps = [
+        f"train.max_steps={args.steps}",
+        f"train.eval_every={args.eval_every}",
+        "train.save_every=0",
+    ]
     for name, extra in (("distill", DISTILL + [f"ppo.teacher_path={teacher}"]), ("grpo", GRPO)):
         if not (d / name / "sft").exists():
-            shutil.copytree(d / "student" / "sft", d / name / "sft", ignore=shutil.ignore_patterns("checkpoints"))
+            shutil.copytree(
+                d / "student" / "sft",
+                d / name / "sft",
+                ignore=shutil.ignore_patterns("checkpoints"),
+            )
         run("ppo", d / name, seed, args.threads, common + steps + extra, "ppo/done.json")
-    teacher_gold = [r["gold/score"] for r in rows(d / "teacher/ppo/metrics.jsonl") if "gold/score" in r][-1]
+    teacher_gold = [
+        r["gold/score"] for r in rows(d / "teacher/ppo/metrics.jsonl") if "gold/score" in r
+    ][-1]
     target = SHARE * teacher_gold
     fig = {"teacher_gold": teacher_gold, "target": target}
     for name in ("distill", "grpo"):
@@ -95,7 +121,11 @@ def one_seed(args, seed: int, out: Path) -> dict:
         fig[f"{name}_gold"] = points[-1][1]
         fig[f"{name}_seconds_to_target"] = seconds_to(points, target)
         fig[f"{name}_seconds"] = points[-1][2]
-    kl = [r["distill/reverse_kl"] for r in rows(d / "distill/ppo/metrics.jsonl") if "distill/reverse_kl" in r]
+    kl = [
+        r["distill/reverse_kl"]
+        for r in rows(d / "distill/ppo/metrics.jsonl")
+        if "distill/reverse_kl" in r
+    ]
     fig["distill_reverse_kl_first"], fig["distill_reverse_kl_last"] = kl[0], kl[-1]
     if fig["distill_seconds_to_target"] is not None and fig["grpo_seconds_to_target"]:
         fig["time_ratio"] = fig["distill_seconds_to_target"] / fig["grpo_seconds_to_target"]
@@ -105,25 +135,43 @@ def one_seed(args, seed: int, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)"
+    )
     ap.add_argument("--student-steps", type=int, default=300, help="the weak student's SFT steps")
     ap.add_argument("--steps", type=int, default=40, help="PPO steps of the distill and GRPO runs")
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="engine.threads_per_rank (default: the stage's)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="engine.threads_per_rank (default: the stage's)"
+    )
     ap.add_argument("--set", nargs="*", default=[], help="overrides for every stage")
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="distill-"))
-    base = {"bench": "distill", "workload": "embedded", "device": device_label("cpu"), "unit": "per seed"}
+    base = {
+        "bench": "distill",
+        "workload": "embedded",
+        "device": device_label("cpu"),
+        "unit": "per seed",
+    }
     per_seed = {}
     for seed in args.seeds:
         per_seed[seed] = one_seed(args, seed, out)
         for metric, value in per_seed[seed].items():
-            print(json.dumps({**base, "variant": f"seed{seed}", "metric": metric, "value": value}), flush=True)
+            print(
+                json.dumps({**base, "variant": f"seed{seed}", "metric": metric, "value": value}),
+                flush=True,
+            )
     for name, fn in (("min", min), ("median", statistics.median), ("max", max)):
         for metric in sorted({m for f in per_seed.values() for m in f}):
             values = [f[metric] for f in per_seed.values() if f.get(metric) is not None]
             if values:
-                line = {**base, "variant": name, "metric": metric, "value": fn(values), "seeds": list(per_seed)}
+                line = {
+                    **base,
+                    "variant": name,
+                    "metric": metric,
+                    "value": fn(values),
+                    "seeds": list(per_seed),
+                }
                 print(json.dumps(line), flush=True)
 
 

@@ -1,7 +1,8 @@
 """Generation throughput: HF generate on the ZeRO-3 actor vs the hybrid engine (TP 1 and 2) vs HF
 generate on a plain model (JSON lines, docs/benchmarks.md).
 
-    python bench/generation.py [--workload tiny small] [--repeats 3] [--dtypes fp32 bf16] [--nproc 2]
+    python bench/generation.py [--workload tiny small] [--repeats 3] [--dtypes fp32 bf16] [--nproc
+    2]
                                [--device auto|cpu|cuda]
 
 Each rank generates its own prompts (8 × prompt_len, sampling, temperature 1, min = max new tokens
@@ -14,22 +15,23 @@ weights).
 
 ``--variants ... hybrid_tp1_ref hybrid_tp2_ref``: the hybrid variants with
 engine.inference_kernels=reference (plain GEMMs instead of the packed ones), side by side.
-``hybrid_tp1_nograph``: hybrid TP 1 with engine.cuda_graphs=off (on CUDA the row-removing decode loop
-instead of the graph-captured static step; on the CPU the same loop as hybrid_tp1).
-``--dtypes``: fp32 runs every variant; bf16 runs the hybrid variants with engine.inference_dtype=bf16
-(fp32 training weights, bf16 inference copy) and hf_plain on the model cast to bf16, reported as
-``<variant>_bf16`` (the fair comparison is equal precision: hybrid_tp1_bf16 vs hf_plain_bf16).
-Every line carries ``dtype`` and the 1-minute load average when its variant started (``load_1m``;
-it still counts the previous variant's own ranks for a while): on a shared machine, numbers taken
-while other jobs run are not comparable.
+``hybrid_tp1_nograph``: hybrid TP 1 with engine.cuda_graphs=off (on CUDA the row-removing decode
+loop instead of the graph-captured static step; on the CPU the same loop as hybrid_tp1).
+``--dtypes``: fp32 runs every variant; bf16 runs the hybrid variants with
+engine.inference_dtype=bf16 (fp32 training weights, bf16 inference copy) and hf_plain on the model
+cast to bf16, reported as ``<variant>_bf16`` (the fair comparison is equal precision:
+hybrid_tp1_bf16 vs hf_plain_bf16). Every line carries ``dtype`` and the 1-minute load average when
+its variant started (``load_1m``; it still counts the previous variant's own ranks for a while): on
+a shared machine, numbers taken while other jobs run are not comparable.
 
-Device (``--device``, as ``engine.device``; every line carries ``device``): auto = CUDA when this node
-has a GPU for each of the ``--nproc`` processes, else the CPU. On CUDA the defaults are
-``--variants hybrid_tp1 hybrid_tp1_nograph hybrid_tp2 hf_plain --dtypes bf16`` (hybrid: engine.inference_dtype=bf16 with
-engine.precision=auto; hf_plain: the model cast to bf16 and moved to the GPU), timed regions are
-bracketed by torch.cuda.synchronize(), and the bandwidth of the bound is that of a large
-device-to-device copy. Variants whose TP degree does not divide ``--nproc`` are skipped (stderr says
-so). hf_plain also gets a bandwidth bound (its weight bytes, the bandwidth measured in its process).
+Device (``--device``, as ``engine.device``; every line carries ``device``): auto = CUDA when this
+node has a GPU for each of the ``--nproc`` processes, else the CPU. On CUDA the defaults are
+``--variants hybrid_tp1 hybrid_tp1_nograph hybrid_tp2 hf_plain --dtypes bf16`` (hybrid:
+engine.inference_dtype=bf16 with engine.precision=auto; hf_plain: the model cast to bf16 and moved
+to the GPU), timed regions are bracketed by torch.cuda.synchronize(), and the bandwidth of the bound
+is that of a large device-to-device copy. Variants whose TP degree does not divide ``--nproc`` are
+skipped (stderr says so). hf_plain also gets a bandwidth bound (its weight bytes, the bandwidth
+measured in its process).
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def prompts_for(w: dict, rank: int):
     import torch
 
     g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randint(3, w["vocab"], (w["prompt_len"],), generator=g).tolist() for _ in range(w["prompts"])]
+    return [
+        torch.randint(3, w["vocab"], (w["prompt_len"],), generator=g).tolist()
+        for _ in range(w["prompts"])
+    ]
 
 
 def bandwidth_bytes_per_s(device=None) -> float:
@@ -113,23 +118,30 @@ def sync(device) -> None:
 
 
 def weight_bytes(model) -> int:
-    # per decode step every layer weight and the LM head are read once (embedding: one row per token)
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    # per decode step every layer weight and the LM head are read once (embedding: one row per
+    # token)
+    return sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n
+    )
 
 
 def kv_bytes_per_step(w: dict, rows: int, element_bytes: int) -> float:
-    """KV cache bytes one decode step reads for ``rows`` rows, averaged over the generation: the step
-    that samples token t (1..new-1) attends to prompt_len + t cached positions (mean prompt_len + new/2),
-    K and V of every KV head in every layer."""
+    """KV cache bytes one decode step reads for ``rows`` rows, averaged over the generation: the
+    step that samples token t (1..new-1) attends to prompt_len + t cached positions (mean prompt_len
+    + new/2), K and V of every KV head in every layer."""
     positions = w["prompt_len"] + w["new"] / 2
-    return w["layers"] * rows * positions * 2 * w["kv"] * (w["hidden"] // w["heads"]) * element_bytes
+    return (
+        w["layers"] * rows * positions * 2 * w["kv"] * (w["hidden"] // w["heads"]) * element_bytes
+    )
 
 
 class Tok:
     pad_token_id, eos_token_id = 0, 2
 
 
-def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp32", device: str = "auto") -> None:
+def worker(
+    workload: str, variant: str, repeats: int, out: str, dtype: str = "fp32", device: str = "auto"
+) -> None:
     import torch
 
     from rlhf.config import EngineConfig, TrainConfig
@@ -140,8 +152,9 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
 
     w = WORKLOADS[workload]
     tp = tp_of(variant)
-    # fp32: fp32 everywhere (also on CUDA, where precision=auto would be bf16); bf16: a bf16 inference
-    # copy, training precision auto (fp32 on the CPU, bf16 with fp32 master weights on CUDA)
+    # fp32: fp32 everywhere (also on CUDA, where precision=auto would be bf16); bf16: a bf16
+    # inference copy, training precision auto (fp32 on the CPU, bf16 with fp32 master weights on
+    # CUDA)
     ecfg = EngineConfig(
         zero_stage=3,
         inference_tp_size=tp,
@@ -159,7 +172,8 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
     hy = HybridEngine(eng, Tok, ecfg)
     sp = SamplingParams(temperature=1.0, max_new_tokens=w["new"], min_new_tokens=w["new"], seed=1)
     prompts = prompts_for(w, mesh.rank)
-    hy.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4, min_new_tokens=4))  # warm-up
+    # warm-up
+    hy.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4, min_new_tokens=4))
     best, switch = float("inf"), float("inf")
     for _ in range(repeats):
         sync(mesh.device)
@@ -179,7 +193,9 @@ def worker(workload: str, variant: str, repeats: int, out: str, dtype: str = "fp
         "switch_s": switch,
         "tokens": w["prompts"] * w["new"] * mesh.world_size,
         "bandwidth": mesh.sum(bw) / mesh.world_size,
-        "weight_bytes": weight_bytes(make_model(w, on_meta=True)) * (2 if dtype == "bf16" else 4) // 4,
+        "weight_bytes": weight_bytes(make_model(w, on_meta=True))
+        * (2 if dtype == "bf16" else 4)
+        // 4,
         "world_size": mesh.world_size,
         "threads": torch.get_num_threads(),
         "device": device_label(mesh.device),
@@ -206,7 +222,9 @@ def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32", device
     torch.set_num_threads(threads)
     w = WORKLOADS[workload]
     device = torch.device(device or "cpu")
-    model = make_model(w).to(device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model = make_model(w).to(
+        device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32
+    )
     ids, mask = left_pad(prompts_for(w, 0), 0, device)
     kw = dict(
         do_sample=True,
@@ -219,7 +237,9 @@ def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32", device
         eos_token_id=2,
     )
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        model.generate(
+            input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4}
+        )
         best = float("inf")
         for _ in range(repeats):
             sync(device)
@@ -236,13 +256,14 @@ def plain(workload: str, repeats: int, threads: int, dtype: str = "fp32", device
     }
     del model, ids, mask
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # the next variant's processes get the memory
+        # the next variant's processes get the memory
+        torch.cuda.empty_cache()
     res["bandwidth"] = bandwidth_bytes_per_s(device)
     return res
 
 
-# *_ref: the hybrid variant with engine.inference_kernels=reference (plain GEMMs), for a side-by-side;
-# *_nograph: with engine.cuda_graphs=off
+# *_ref: the hybrid variant with engine.inference_kernels=reference (plain GEMMs), for a
+# side-by-side; *_nograph: with engine.cuda_graphs=off
 DTYPE_VARIANTS = {
     "fp32": (
         "hf_fsdp",
@@ -253,7 +274,14 @@ DTYPE_VARIANTS = {
         "hybrid_tp2_ref",
         "hybrid_tp1_nograph",
     ),
-    "bf16": ("hybrid_tp1", "hybrid_tp2", "hf_plain", "hybrid_tp1_ref", "hybrid_tp2_ref", "hybrid_tp1_nograph"),
+    "bf16": (
+        "hybrid_tp1",
+        "hybrid_tp2",
+        "hf_plain",
+        "hybrid_tp1_ref",
+        "hybrid_tp2_ref",
+        "hybrid_tp1_nograph",
+    ),
 }
 # (hf_fsdp generates in the training dtype)
 
@@ -272,11 +300,17 @@ def main() -> None:
         "hybrid_tp2 hf_plain)",
     )
     ap.add_argument(
-        "--dtypes", nargs="+", default=None, choices=sorted(DTYPE_VARIANTS), help="default: fp32 bf16 (CUDA: bf16)"
+        "--dtypes",
+        nargs="+",
+        default=None,
+        choices=sorted(DTYPE_VARIANTS),
+        help="default: fp32 bf16 (CUDA: bf16)",
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="as engine.device")
+    ap.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="as engine.device"
+    )
     ap.add_argument(
         "--worker",
         nargs=6,
@@ -285,7 +319,14 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3], args.worker[4], args.worker[5])
+        worker(
+            args.worker[0],
+            args.worker[1],
+            int(args.worker[2]),
+            args.worker[3],
+            args.worker[4],
+            args.worker[5],
+        )
         return
     dev = resolve_device(args.device, args.nproc)
     on_cuda = dev.type == "cuda"
@@ -299,7 +340,8 @@ def main() -> None:
         args.dtypes = ["bf16"] if on_cuda else ["fp32", "bf16"]
     for v in [v for v in args.variants if args.nproc % tp_of(v)]:
         print(
-            f"bench/generation.py: skipping {v}: its TP degree {tp_of(v)} does not divide --nproc {args.nproc}",
+            f"bench/generation.py: skipping {v}: its TP degree {tp_of(v)} does not divide "
+            f"--nproc {args.nproc}",
             file=sys.stderr,
         )
     args.variants = [v for v in args.variants if args.nproc % tp_of(v) == 0]
@@ -332,7 +374,10 @@ def main() -> None:
                         dev.type,
                     ]
                     subprocess.run(
-                        cmd, check=True, stdout=sys.stderr, env=dict(os.environ, OMP_NUM_THREADS=str(threads))
+                        cmd,
+                        check=True,
+                        stdout=sys.stderr,
+                        env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
                     )
                     r = json.loads(Path(out).read_text())
                     os.unlink(out)
@@ -351,17 +396,32 @@ def main() -> None:
                 }
                 tps = r["tokens"] / r["seconds"]
                 print(
-                    json.dumps({**base, "metric": "tokens_per_s", "value": round(tps, 1), "unit": "tokens/s"}),
+                    json.dumps(
+                        {
+                            **base,
+                            "metric": "tokens_per_s",
+                            "value": round(tps, 1),
+                            "unit": "tokens/s",
+                        }
+                    ),
                     flush=True,
                 )
                 if variant != "hf_plain":
                     print(
-                        json.dumps({**base, "metric": "switch_s", "value": round(r["switch_s"], 5), "unit": "s"}),
+                        json.dumps(
+                            {
+                                **base,
+                                "metric": "switch_s",
+                                "value": round(r["switch_s"], 5),
+                                "unit": "s",
+                            }
+                        ),
                         flush=True,
                     )
                 if variant.startswith("hybrid") or variant == "hf_plain":
                     tp = tp_of(variant)
-                    per_step_bytes = r["weight_bytes"] / tp  # each rank reads its slice per decode step
+                    # each rank reads its slice per decode step
+                    per_step_bytes = r["weight_bytes"] / tp
                     rows_per_group = WORKLOADS[workload]["prompts"] * tp
                     bound = (ws // tp) * rows_per_group * r["bandwidth"] / per_step_bytes
                     print(
@@ -378,7 +438,12 @@ def main() -> None:
                         flush=True,
                     )
                     # + the KV cache: a TP rank holds kv_heads / tp of every row of its group
-                    kv = kv_bytes_per_step(WORKLOADS[workload], rows_per_group, 2 if dtype == "bf16" else 4) / tp
+                    kv = (
+                        kv_bytes_per_step(
+                            WORKLOADS[workload], rows_per_group, 2 if dtype == "bf16" else 4
+                        )
+                        / tp
+                    )
                     bound_kv = (ws // tp) * rows_per_group * r["bandwidth"] / (per_step_bytes + kv)
                     print(
                         json.dumps(
@@ -412,10 +477,19 @@ def main() -> None:
                 ),
                 flush=True,
             )
-        # (b) per process / (d): fp32 vs fp32, bf16 vs bf16 (equal precision), bf16 vs fp32 (for reference)
-        for b, d in (("hybrid_tp1", "hf_plain"), ("hybrid_tp1_bf16", "hf_plain_bf16"), ("hybrid_tp1_bf16", "hf_plain")):
+        # (b) per process / (d): fp32 vs fp32, bf16 vs bf16 (equal precision), bf16 vs fp32 (for
+        # reference)
+        for b, d in (
+            ("hybrid_tp1", "hf_plain"),
+            ("hybrid_tp1_bf16", "hf_plain_bf16"),
+            ("hybrid_tp1_bf16", "hf_plain"),
+        ):
             if b in results and d in results:
-                variant = "hybrid_tp1_per_process_vs_hf_plain" if b == "hybrid_tp1" else f"{b}_per_process_vs_{d}"
+                variant = (
+                    "hybrid_tp1_per_process_vs_hf_plain"
+                    if b == "hybrid_tp1"
+                    else f"{b}_per_process_vs_{d}"
+                )
                 print(
                     json.dumps(
                         {
@@ -424,14 +498,17 @@ def main() -> None:
                             "device": label,
                             "variant": variant,
                             "metric": "speedup",
-                            "value": round(rate(results[b], per_process=True) / rate(results[d]), 2),
+                            "value": round(
+                                rate(results[b], per_process=True) / rate(results[d]), 2
+                            ),
                             "unit": "x",
                             "target": 1.5,
                         }
                     ),
                     flush=True,
                 )
-        # packed vs plain GEMMs; graph-captured static step vs the row-removing loop (same run and dtype)
+        # packed vs plain GEMMs; graph-captured static step vs the row-removing loop (same run and
+        # dtype)
         for name in [n for n in results if "_ref" in n or "_nograph" in n]:
             fast = name.replace("_ref", "").replace("_nograph", "")
             if fast in results:
@@ -455,4 +532,5 @@ if __name__ == "__main__":
     main()
     from rlhf.engine.mesh import end_process
 
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

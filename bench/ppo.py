@@ -1,7 +1,10 @@
-"""Seconds per PPO step, split into generate / score / train / switch (JSON lines, docs/benchmarks.md).
+"""Seconds per PPO step, split into generate / score / train / switch (JSON lines,
+    docs/benchmarks.md).
 
-    python bench/ppo.py [--workload tiny small] [--world-sizes 1 2] [--steps 3] [--variants hybrid hf]
-                        [--micro-batch N] [--device auto|cpu|cuda] [--estimator gae|grpo] [--set KEY=VAL ...]
+    python bench/ppo.py [--workload tiny small] [--world-sizes 1 2] [--steps 3] [--variants hybrid
+    hf]
+                        [--micro-batch N] [--device auto|cpu|cuda] [--estimator gae|grpo] [--set
+                        KEY=VAL ...]
 
 Runs the real stage (`python -m rlhf stage=ppo`) on a run directory it prepares: a random-init
 Llama of the workload as the SFT model, a random-init scalar-head model as the reward model, and
@@ -49,7 +52,8 @@ GiB = 2**30
 
 
 def prepare(run_dir: Path, w: dict) -> tuple:
-    """The SFT and reward models and the prompts; returns (prompts file, actor params, reward-model params)."""
+    """The SFT and reward models and the prompts; returns (prompts file, actor params, reward-model
+    params)."""
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
@@ -57,7 +61,12 @@ def prepare(run_dir: Path, w: dict) -> tuple:
 
     digits = ["".join(random.Random(i).choice("0123456789") for _ in range(40)) for i in range(200)]
     tok = train_tokenizer(digits + ["Q: A: ok"], 300, 1024)
-    cfg = llama_config(w, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = llama_config(
+        w,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     actor = LlamaForCausalLM(cfg)
     actor_params = sum(p.numel() for p in actor.parameters())
@@ -72,11 +81,17 @@ def prepare(run_dir: Path, w: dict) -> tuple:
     tok.save_pretrained(run_dir / "reward" / "model")
     data = run_dir / "prompts.jsonl"
     rng = random.Random(1)
-    with open(data, "w") as f:  # BOS + (len - 1) digits = exactly the workload's prompt length
+    with open(data, "w") as f:
+        # BOS + (len - 1) digits = exactly the workload's prompt length
         for _ in range(512):
             f.write(
                 json.dumps(
-                    {"prompt": "".join(rng.choice("0123456789") for _ in range(w["prompt_len"] - 1)), "response": "x"}
+                    {
+                        "prompt": "".join(
+                            rng.choice("0123456789") for _ in range(w["prompt_len"] - 1)
+                        ),
+                        "response": "x",
+                    }
                 )
                 + "\n"
             )
@@ -84,9 +99,9 @@ def prepare(run_dir: Path, w: dict) -> tuple:
 
 
 def static_bytes(actor_params: int, rm_params: int, estimator: str = "gae") -> int:
-    """Parameters + gradients + AdamW state of actor and critic (fp32: 4 + 4 + 8 bytes/param), parameters
-    of the reference (the actor's architecture) and the reward model (the critic's) (4 bytes/param);
-    GRPO with a rule reward: actor and reference only."""
+    """Parameters + gradients + AdamW state of actor and critic (fp32: 4 + 4 + 8 bytes/param),
+    parameters of the reference (the actor's architecture) and the reward model (the critic's) (4
+    bytes/param); GRPO with a rule reward: actor and reference only."""
     if estimator == "grpo":
         return 16 * actor_params + 4 * actor_params
     return 16 * actor_params + 16 * rm_params + 4 * actor_params + 4 * rm_params
@@ -113,17 +128,27 @@ def run_stage(
     estimator: str = "gae",
     overrides: tuple = (),
 ) -> tuple:
-    """The stage's per-step metrics rows and the per-rank peak memory records (bench/stage_peak.py)."""
+    """The stage's per-step metrics rows and the per-rank peak memory records
+    (bench/stage_peak.py)."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
     wrapper = str(ROOT / "bench" / "stage_peak.py")
     peak_dir = run_dir / f"peak_{nproc}_{hybrid}"
     launch = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", wrapper]
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            wrapper,
+        ]
         if nproc > 1
         else [sys.executable, wrapper]
     )
     out = run_dir / f"ppo_{nproc}_{hybrid}"
-    extra = [f"engine.device={device}"] + ([f"ppo.micro_batch_per_rank={micro_batch}"] if micro_batch else [])
+    extra = [f"engine.device={device}"] + (
+        [f"ppo.micro_batch_per_rank={micro_batch}"] if micro_batch else []
+    )
     extra += GRPO if estimator == "grpo" else ["ppo.samples_per_prompt=1"]
     extra += list(overrides)
     cmd = (
@@ -161,9 +186,13 @@ def run_stage(
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=sys.stderr)
     rows = [json.loads(x) for x in (run_dir / "ppo" / "metrics.jsonl").read_text().splitlines()]
     (run_dir / "ppo" / "metrics.jsonl").rename(out.with_suffix(".jsonl"))
-    peaks = sorted((json.loads(f.read_text()) for f in peak_dir.glob("peak_*.json")), key=lambda r: r["rank"])
+    peaks = sorted(
+        (json.loads(f.read_text()) for f in peak_dir.glob("peak_*.json")), key=lambda r: r["rank"]
+    )
     if len(peaks) != nproc:
-        raise RuntimeError(f"bench/ppo.py: {len(peaks)} peak-memory records from {nproc} ranks in {peak_dir}")
+        raise RuntimeError(
+            f"bench/ppo.py: {len(peaks)} peak-memory records from {nproc} ranks in {peak_dir}"
+        )
     return [r for r in rows if "time/train_s" in r], peaks
 
 
@@ -175,10 +204,16 @@ def main() -> None:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=["hybrid", "hf"], choices=("hybrid", "hf"))
-    ap.add_argument("--micro-batch", type=int, default=None, help="ppo.micro_batch_per_rank (default: auto)")
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="as engine.device")
+    ap.add_argument(
+        "--micro-batch", type=int, default=None, help="ppo.micro_batch_per_rank (default: auto)"
+    )
+    ap.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="as engine.device"
+    )
     ap.add_argument("--estimator", default="gae", choices=("gae", "grpo"))
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VAL", help="further stage overrides")
+    ap.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VAL", help="further stage overrides"
+    )
     args = ap.parse_args()
     for workload in args.workload:
         w = WORKLOADS[workload]
@@ -190,16 +225,32 @@ def main() -> None:
                 dev = resolve_device(args.device, ws)
                 for hybrid in (v == "hybrid" for v in args.variants):
                     rows, peaks = run_stage(
-                        run_dir, data, w, ws, hybrid, args.steps, dev.type, args.micro_batch, args.estimator, args.set
+                        run_dir,
+                        data,
+                        w,
+                        ws,
+                        hybrid,
+                        args.steps,
+                        dev.type,
+                        args.micro_batch,
+                        args.estimator,
+                        args.set,
                     )
                     rows = rows[1:]
                     gen, score, train, switch = [
                         statistics.median(r[k] for r in rows)
-                        for k in ("time/generate_s", "time/score_s", "time/train_s", "time/switch_s")
+                        for k in (
+                            "time/generate_s",
+                            "time/score_s",
+                            "time/train_s",
+                            "time/switch_s",
+                        )
                     ]
                     step = gen + score + train + switch
                     samples = w["prompts"] * ws * (GRPO_SAMPLES if args.estimator == "grpo" else 1)
-                    variant = ("grpo_" if args.estimator == "grpo" else "") + ("hybrid" if hybrid else "hf")
+                    variant = ("grpo_" if args.estimator == "grpo" else "") + (
+                        "hybrid" if hybrid else "hf"
+                    )
                     base = {
                         "bench": "ppo",
                         "workload": workload,
@@ -223,7 +274,10 @@ def main() -> None:
                         ("tokens_per_s", samples * w["new"] / step, "tokens/s"),
                     ):
                         print(
-                            json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True
+                            json.dumps(
+                                {**base, "metric": metric, "value": round(value, 4), "unit": unit}
+                            ),
+                            flush=True,
                         )
                     for metric in ["peak_rss_gb"] + (["peak_gpu_gb"] if dev.type == "cuda" else []):
                         per_rank = [round(r[metric], 4) for r in peaks]

@@ -1,11 +1,12 @@
 """A real architecture at a real size: a Qwen2.5-0.5B-shaped model (its published config, random
 init: there are no pretrained weights on these machines) through a few steps of SFT, reward and PPO
 on HH-RLHF data in one process, with the pretrained recipe (docs/recipes.md). Prints JSON lines in
-the schema of docs/benchmarks.md (Benchmarks), variant = the stage: ``s_per_step`` (SFT and reward: from
-the stage's samples/s; PPO: the median iteration's generate + score + update seconds),
+the schema of docs/benchmarks.md (Benchmarks), variant = the stage: ``s_per_step`` (SFT and reward:
+from the stage's samples/s; PPO: the median iteration's generate + score + update seconds),
 ``peak_mem_gb`` (metrics.jsonl's ``mem/peak_gb``) and ``wall_s`` (the whole stage).
 
-    python bench/real_size.py [--steps 3] [--out runs/bench_real_size] [--data tests/data/hh-rlhf/...]
+    python bench/real_size.py [--steps 3] [--out runs/bench_real_size] [--data
+    tests/data/hh-rlhf/...]
 
 Learning is not the point (random weights); the settings and the engine at that size are.
 """
@@ -48,7 +49,8 @@ HH = ROOT / "tests" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 
 def build_model(out: Path, data: Path) -> Path:
     """The model directory: a byte-level BPE trained on the data (Qwen's own tokenizer is not here;
-    the embedding keeps Qwen's 151,936 rows) and the random-init weights, saved as a user's model."""
+    the embedding keeps Qwen's 151,936 rows) and the random-init weights, saved as a user's
+    model."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -59,9 +61,14 @@ def build_model(out: Path, data: Path) -> Path:
         return out
     examples, _ = read_examples(str(data), "hh")
     texts = [t for e in examples for t in (e.prompt, e.chosen, e.rejected) if t]
-    tok = train_tokenizer(texts, vocab_size=8192, model_max_length=QWEN25_05B["max_position_embeddings"])
+    tok = train_tokenizer(
+        texts, vocab_size=8192, model_max_length=QWEN25_05B["max_position_embeddings"]
+    )
     cfg = Qwen2Config(
-        **QWEN25_05B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        **QWEN25_05B,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -79,13 +86,22 @@ def stage(name: str, run: Path, common: list, extra: list, batch: dict) -> dict:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"stage={name} failed with exit {proc.returncode}")
     rows = [json.loads(x) for x in (run / name / "metrics.jsonl").read_text().splitlines()]
-    if name == "ppo":  # per iteration: generation, scoring and updates
-        steps = [r["time/generate_s"] + r["time/score_s"] + r["time/train_s"] for r in rows if "time/train_s" in r]
-    else:  # the stage's samples/s over all its steps, as seconds per step
+    if name == "ppo":
+        # per iteration: generation, scoring and updates
+        steps = [
+            r["time/generate_s"] + r["time/score_s"] + r["time/train_s"]
+            for r in rows
+            if "time/train_s" in r
+        ]
+    else:
+        # the stage's samples/s over all its steps, as seconds per step
         last = [r for r in rows if "samples_per_s" in r][-1]
         steps = [batch[name] / last["samples_per_s"]]
     peaks = [r["mem/peak_gb"] for r in rows if "mem/peak_gb" in r]
-    recipe = next((x.split("recipe=")[1].split(" ")[0] for x in proc.stderr.splitlines() if "recipe=" in x), None)
+    recipe = next(
+        (x.split("recipe=")[1].split(" ")[0] for x in proc.stderr.splitlines() if "recipe=" in x),
+        None,
+    )
     import torch
 
     base = {
@@ -100,7 +116,12 @@ def stage(name: str, run: Path, common: list, extra: list, batch: dict) -> dict:
     }
     return [
         {**base, "metric": "s_per_step", "value": round(statistics.median(steps), 2), "unit": "s"},
-        {**base, "metric": "peak_mem_gb", "value": round(max(peaks), 2) if peaks else None, "unit": "GiB"},
+        {
+            **base,
+            "metric": "peak_mem_gb",
+            "value": round(max(peaks), 2) if peaks else None,
+            "unit": "GiB",
+        },
         {**base, "metric": "wall_s", "value": round(wall, 1), "unit": "s"},
     ]
 

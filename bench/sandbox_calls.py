@@ -1,15 +1,17 @@
-"""The Python tool's sandbox: what a call costs, one at a time and many at once, in each isolation mode
-this machine allows, and before the kernel isolation (docs/benchmarks.md, `bench: "sandbox_calls"`).
+"""The Python tool's sandbox: what a call costs, one at a time and many at once, in each isolation
+mode this machine allows, and before the kernel isolation (docs/benchmarks.md, `bench:
+"sandbox_calls"`).
 
-    python bench/sandbox_calls.py [--calls 60] [--concurrent 16] [--before REV] [--modes root user guard]
+    python bench/sandbox_calls.py [--calls 60] [--concurrent 16] [--before REV] [--modes root user
+    guard]
 
 Each variant runs ``print(1)`` (the start of a call and its end: the code itself takes no time) with
 the default limits: ``--calls`` calls one after another (``ms_per_call``: the median call's wall
 milliseconds), then ``--calls`` calls from ``--concurrent`` threads at once (``calls_per_s``, as a
 batch of tool-using episodes makes them). ``--before REV`` adds the sandbox of that git revision
-(rlhf/envs/sandbox.py as one file: the guard in the calling interpreter's child, no launcher server),
-loaded from git into this process. Variants: ``before``, then the strongest mode that works here
-(``root`` or ``user``) and ``guard``.
+(rlhf/envs/sandbox.py as one file: the guard in the calling interpreter's child, no launcher
+server), loaded from git into this process. Variants: ``before``, then the strongest mode that works
+here (``root`` or ``user``) and ``guard``.
 
 Lines ``{"bench": "sandbox_calls", "workload": "print", "variant": <mode|before>, "metric":
 "ms_per_call" | "calls_per_s", ...}``.
@@ -40,7 +42,10 @@ from rlhf.envs.sandbox import Sandbox, isolation  # noqa: E402
 def old_sandbox(rev: str):
     """The Sandbox class of rlhf/envs/sandbox.py at ``rev`` (a single, self-contained file then)."""
     text = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:rlhf/envs/sandbox.py"], capture_output=True, text=True, check=True
+        ["git", "-C", str(ROOT), "show", f"{rev}:rlhf/envs/sandbox.py"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     path = Path(tempfile.mkdtemp(prefix="rlhf-bench-")) / "old_sandbox.py"
     path.write_text(text)
@@ -52,7 +57,8 @@ def old_sandbox(rev: str):
 
 
 def measure(box, calls: int, concurrent: int) -> dict:
-    assert box.run("print(1)").stdout == "1\n"  # warm: the first call starts the launcher server
+    # warm: the first call starts the launcher server
+    assert box.run("print(1)").stdout == "1\n"
     times = []
     for _ in range(calls):
         start = time.perf_counter()
@@ -71,8 +77,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--concurrent", type=int, default=16)
-    ap.add_argument("--before", default=None, help="a git revision whose rlhf/envs/sandbox.py to compare")
-    ap.add_argument("--modes", nargs="*", default=None, help="default: the strongest that works here, and guard")
+    ap.add_argument(
+        "--before", default=None, help="a git revision whose rlhf/envs/sandbox.py to compare"
+    )
+    ap.add_argument(
+        "--modes", nargs="*", default=None, help="default: the strongest that works here, and guard"
+    )
     args = ap.parse_args()
     variants = []
     if args.before:
@@ -84,7 +94,12 @@ def main() -> None:
     for name, box in variants:
         for metric, value in measure(box, args.calls, args.concurrent).items():
             row = {"bench": "sandbox_calls", "workload": "print", "variant": name, "metric": metric}
-            row.update(value=round(value, 2), unit=units[metric], calls=args.calls, concurrent=args.concurrent)
+            row.update(
+                value=round(value, 2),
+                unit=units[metric],
+                calls=args.calls,
+                concurrent=args.concurrent,
+            )
             row.update(device=device_label("cpu"), before=args.before)
             print(json.dumps(row), flush=True)
 

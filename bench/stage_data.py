@@ -1,6 +1,6 @@
 """The data of bench/stages.py and bench/trl_stages.py: the workloads' tokenizer, model config, rows
-(tokenized by the stages' own ``tokenize_sft`` / ``tokenize_pairs``), the fixed-seed batch draws and the
-stages' collators (bench/stages.py's docstring describes the workloads)."""
+(tokenized by the stages' own ``tokenize_sft`` / ``tokenize_pairs``), the fixed-seed batch draws and
+the stages' collators (bench/stages.py's docstring describes the workloads)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from common import WORKLOADS, llama_config  # noqa: E402
 
 STAGES = ("sft", "reward", "dpo")
 HH_DATA = ROOT / "tests" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
-HH_MAX_PROMPT, HH_MAX_RESPONSE = 320, 192  # 512 tokens in all: the Llama's positions
+# 512 tokens in all: the Llama's positions
+HH_MAX_PROMPT, HH_MAX_RESPONSE = 320, 192
 HH_VOCAB = WORKLOADS["small"]["vocab"]
 SEQ_WORKLOADS = ("tiny", "small")  # fixed-length rows
 ALL_WORKLOADS = ("hh",) + SEQ_WORKLOADS
@@ -77,7 +78,10 @@ def prepare(name: str, records: int = 512, seed: int = 1) -> Data:
         w = WORKLOADS[name]
         tok = digit_tokenizer()
         cfg = llama_config(
-            w, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id
+            w,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
         )
         rng = random.Random(seed)
         # BOS + (prompt_len - 1) digits; (new - 1) digits + EOS
@@ -85,7 +89,9 @@ def prepare(name: str, records: int = 512, seed: int = 1) -> Data:
         for _ in range(records):
             prompt = digits(rng, w["prompt_len"] - 1)
             chosen, rejected = digits(rng, w["new"] - 1), digits(rng, w["new"] - 1)
-            pair_examples.append(Example(prompt=prompt, response=chosen, chosen=chosen, rejected=rejected))
+            pair_examples.append(
+                Example(prompt=prompt, response=chosen, chosen=chosen, rejected=rejected)
+            )
         sft_examples = pair_examples
         lens = dict(max_prompt=w["prompt_len"], max_response=w["new"])
     sft = tokenize_sft(sft_examples, tok, **lens)
@@ -121,7 +127,9 @@ def collate(stage: str, data: Data, indices: list) -> dict:
         )
     if stage == "reward":
         cols = data.pairs
-        return collate_pairs([cols["chosen"][i] for i in indices], [cols["rejected"][i] for i in indices], pad)
+        return collate_pairs(
+            [cols["chosen"][i] for i in indices], [cols["rejected"][i] for i in indices], pad
+        )
     return dpo.collate(data.pairs, indices, pad)
 
 
@@ -130,7 +138,8 @@ def rows_of(stage: str, data: Data) -> int:
 
 
 def save_model(data: Data, out: Path, seed: int = 0) -> int:
-    """The random-init causal LM (and tokenizer) every stage and TRL start from; returns its parameters."""
+    """The random-init causal LM (and tokenizer) every stage and TRL start from; returns its
+    parameters."""
     import torch
     from transformers import LlamaForCausalLM
 

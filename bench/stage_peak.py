@@ -32,7 +32,9 @@ def peak() -> dict:
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         rec["device"] = f"cuda:{torch.cuda.get_device_name()}"
         rec["peak_gpu_gb"] = max(torch.cuda.max_memory_allocated(), before.get("gpu", 0)) / 2**30
-        rec["peak_gpu_reserved_gb"] = max(torch.cuda.max_memory_reserved(), before.get("gpu_reserved", 0)) / 2**30
+        rec["peak_gpu_reserved_gb"] = (
+            max(torch.cuda.max_memory_reserved(), before.get("gpu_reserved", 0)) / 2**30
+        )
     return rec
 
 
@@ -42,7 +44,8 @@ def main() -> None:
 
     try:
         rlhf_main(argv)
-    finally:  # also on an error exit: the figure of a failed run still says how far it got
+    finally:
+        # also on an error exit: the figure of a failed run still says how far it got
         rec = peak()
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"peak_{rec['rank']}.json").write_text(json.dumps(rec) + "\n")
@@ -52,4 +55,5 @@ if __name__ == "__main__":
     main()
     from rlhf.engine.mesh import end_process
 
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

@@ -1,4 +1,5 @@
-"""Seconds per optimizer step of the SFT, reward-model and DPO stages (JSON lines, docs/benchmarks.md).
+"""Seconds per optimizer step of the SFT, reward-model and DPO stages (JSON lines,
+    docs/benchmarks.md).
 
     python bench/stages.py [--stages sft reward dpo] [--workloads hh tiny small] [--steps 5]
                            [--warmup 1] [--threads N] [--rows 8] [--device auto|cpu|cuda] [--seed 0]
@@ -10,40 +11,42 @@ Each stage's own step, called directly: ``stages.sft.train_step(actor, micro_bat
 ``stages.dpo.train_step(actor, reference, micro_batches, dcfg)``, on engines built as the recipes
 build them (one process: ``rlhf.engine.mesh.init_mesh``, ``TrainEngine``; the reward model is the
 causal LM's checkpoint as ``AutoModelForSequenceClassification`` with ``init_head`` in a
-``ScalarHeadModel``; DPO's reference is ``reference_for``'s ``FrozenModel``), from batches made by the
-real collators (``collate_sft``, ``collate_pairs``, ``stages.dpo.collate``) of rows tokenized by the
-stages' own ``tokenize_sft`` / ``tokenize_pairs``. One micro-batch of ``--rows`` rows (pairs for the
-reward model and DPO) per step, no accumulation; AdamW at lr 1e-5, constant, clip 1.0, ``engine.precision``
-from ``--precision`` (default auto: fp32 on the CPU; bf16: bf16 compute over fp32 master weights).
+``ScalarHeadModel``; DPO's reference is ``reference_for``'s ``FrozenModel``), from batches made by
+the real collators (``collate_sft``, ``collate_pairs``, ``stages.dpo.collate``) of rows tokenized by
+the stages' own ``tokenize_sft`` / ``tokenize_pairs``. One micro-batch of ``--rows`` rows (pairs for
+the reward model and DPO) per step, no accumulation; AdamW at lr 1e-5, constant, clip 1.0,
+``engine.precision`` from ``--precision`` (default auto: fp32 on the CPU; bf16: bf16 compute over
+fp32 master weights).
 
 Workloads:
 
-- ``hh``: the HH-RLHF sample in tests/data/hh-rlhf (``data.format=hh`` through ``read_examples``): SFT
+- ``hh``: the HH-RLHF sample in tests/data/hh-rlhf (``data.format=hh`` through ``read_examples``):
+  SFT
   on the chosen conversations (prompt + chosen answer; records with an empty answer skipped as the
-  pipeline skips them), the reward model and DPO on the pairs. Tokenized with the project's byte-level
-  BPE (``rlhf.data.tokenizer.train_tokenizer``, as ``train_embedded_tokenizer`` trains it, on the
-  records' text with the ``small`` workload's 8,000 tokens) at the real lengths, capped at
-  ``HH_MAX_PROMPT`` + ``HH_MAX_RESPONSE`` = 512 tokens (prompts cut from the left, pairs whose
+  pipeline skips them), the reward model and DPO on the pairs. Tokenized with the project's
+  byte-level BPE (``rlhf.data.tokenizer.train_tokenizer``, as ``train_embedded_tokenizer`` trains
+  it, on the records' text with the ``small`` workload's 8,000 tokens) at the real lengths, capped
+  at ``HH_MAX_PROMPT`` + ``HH_MAX_RESPONSE`` = 512 tokens (prompts cut from the left, pairs whose
   answer is longer than 192 tokens dropped, as the stages do). Model: the ``small`` workload's Llama
   shape with the tokenizer's vocabulary. Each step draws ``--rows`` records at random with a fixed
-  seed; every variant runs the same batches. Variants ``padded`` (``engine.packing=false``: the padded
-  reference forward), ``packed_whole`` (padding-free packed forwards, every row packed whole:
-  ``rlhf.engine.packing.SHARE_PREFIXES`` off) and ``packed`` (``engine.packing=true``: packed, a pair's
-  prompt computed once for both its sequences).
+  seed; every variant runs the same batches. Variants ``padded`` (``engine.packing=false``: the
+  padded reference forward), ``packed_whole`` (padding-free packed forwards, every row packed whole:
+  ``rlhf.engine.packing.SHARE_PREFIXES`` off) and ``packed`` (``engine.packing=true``: packed, a
+  pair's prompt computed once for both its sequences).
 - ``tiny``, ``small`` (bench/common.py): rows of exactly the workload's prompt_len + new tokens (a
-  BOS + digits prompt, a digits answer + EOS, one token per digit; pairs differ in their answers), so
-  no padding; variant ``rlhf`` (``engine.packing`` at its default). bench/trl_stages.py runs TRL's
-  trainers on the same models, tokenizer, rows and batches.
+  BOS + digits prompt, a digits answer + EOS, one token per digit; pairs differ in their answers),
+  so no padding; variant ``rlhf`` (``engine.packing`` at its default). bench/trl_stages.py runs
+  TRL's trainers on the same models, tokenizer, rows and batches.
 
-``--variants`` picks others on any workload: ``padded`` (``engine.packing=false``), ``packed_whole``,
-``packed`` (true), ``rlhf`` (the default).
+``--variants`` picks others on any workload: ``padded`` (``engine.packing=false``),
+``packed_whole``, ``packed`` (true), ``rlhf`` (the default).
 
-Metrics per (stage, workload, variant), the steps after ``--warmup`` warm-up ones: ``s_per_step`` (the
-median step: ``train_step`` wall time, collation excluded), ``tokens_per_s`` (median over steps of the
-step's real (non-pad) tokens / its seconds; DPO and the reward model count chosen + rejected tokens),
-``samples_per_s`` (rows / ``s_per_step``) and ``padding_share`` (pad tokens / all tokens of the
-padded batches the steps ran: the same for every variant). Lines carry ``stage``, ``rows``, ``steps``,
-``packing``, ``tokens_per_step`` (mean), ``params``.
+Metrics per (stage, workload, variant), the steps after ``--warmup`` warm-up ones: ``s_per_step``
+(the median step: ``train_step`` wall time, collation excluded), ``tokens_per_s`` (median over steps
+of the step's real (non-pad) tokens / its seconds; DPO and the reward model count chosen + rejected
+tokens), ``samples_per_s`` (rows / ``s_per_step``) and ``padding_share`` (pad tokens / all tokens of
+the padded batches the steps ran: the same for every variant). Lines carry ``stage``, ``rows``,
+``steps``, ``packing``, ``tokens_per_step`` (mean), ``params``.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import device_label  # noqa: E402
 
-# stage_data puts the repository root first on the path: ``import stages`` is then the recipes, not this file
+# stage_data puts the repository root first on the path: ``import stages`` is then the recipes, not
+# this file
 from stage_data import ALL_WORKLOADS, STAGES, batch_indices, collate, prepare, rows_of, save_model  # noqa: E402
 
 LR = 1e-5
@@ -87,8 +91,8 @@ def engine_config(device: str, threads: int, packing, precision: str = "auto"):
 
 
 def build(stage: str, model_dir: Path, ecfg, tcfg, mesh, tokenizer):
-    """The stage's engines, as its recipe builds them: (a callable running one step on micro-batches,
-    the engines to release)."""
+    """The stage's engines, as its recipe builds them: (a callable running one step on
+    micro-batches, the engines to release)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -100,7 +104,9 @@ def build(stage: str, model_dir: Path, ecfg, tcfg, mesh, tokenizer):
 
     src = str(model_dir)
     if stage == "sft":
-        model = loading.build_model(AutoModelForCausalLM, path=src, tokenizer=tokenizer, trust_remote_code=False)
+        model = loading.build_model(
+            AutoModelForCausalLM, path=src, tokenizer=tokenizer, trust_remote_code=False
+        )
         actor = TrainEngine(model, mesh, ecfg.placement("actor"), tcfg)
         actor.train()
         return (lambda mbs: sft.train_step(actor, mbs)), [actor]
@@ -108,7 +114,11 @@ def build(stage: str, model_dir: Path, ecfg, tcfg, mesh, tokenizer):
         model_cfg = loading.load_model_config(src, False)
         model_cfg.num_labels, model_cfg.pad_token_id = 1, tokenizer.pad_token_id
         model = loading.build_model(
-            AutoModelForSequenceClassification, path=src, config=model_cfg, tokenizer=tokenizer, trust_remote_code=False
+            AutoModelForSequenceClassification,
+            path=src,
+            config=model_cfg,
+            tokenizer=tokenizer,
+            trust_remote_code=False,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -149,7 +159,12 @@ def time_steps(step_fn, batches: list, device) -> list:
 
 
 # variant -> (engine.packing (None: its default), a pair's common prefix computed once)
-VARIANTS = {"padded": (False, True), "packed_whole": (True, False), "packed": (True, True), "rlhf": (None, True)}
+VARIANTS = {
+    "padded": (False, True),
+    "packed_whole": (True, False),
+    "packed": (True, True),
+    "rlhf": (None, True),
+}
 
 
 def set_sharing(share: bool) -> None:
@@ -178,9 +193,13 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(ALL_WORKLOADS), choices=ALL_WORKLOADS)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (one process)")
+    ap.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads (one process)"
+    )
     ap.add_argument("--rows", type=int, default=8, help="rows (pairs) per micro-batch")
-    ap.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="as engine.device")
+    ap.add_argument(
+        "--device", default="cpu", choices=("auto", "cpu", "cuda"), help="as engine.device"
+    )
     ap.add_argument("--seed", type=int, default=0, help="the batches' draw")
     ap.add_argument(
         "--precision",
@@ -211,7 +230,9 @@ def main() -> None:
             model_dir = Path(tmp) / "model"
             params = save_model(data, model_dir)
             for stage in args.stages:
-                draws = batch_indices(rows_of(stage, data), args.rows, args.warmup + args.steps, args.seed)
+                draws = batch_indices(
+                    rows_of(stage, data), args.rows, args.warmup + args.steps, args.seed
+                )
                 batches = [collate(stage, data, ix) for ix in draws]
                 timed = batches[args.warmup :]
                 tokens = [real_tokens(b) for b in timed]
@@ -220,7 +241,9 @@ def main() -> None:
                 for variant, (packing, share) in variants_of(workload, args.variants):
                     if packing is not None and not has_packing():
                         print(
-                            f"bench/stages.py: no engine.packing in rlhf/config.py: {variant} skipped", file=sys.stderr
+                            "bench/stages.py: no engine.packing in rlhf/config.py: "
+                            f"{variant} skipped",
+                            file=sys.stderr,
                         )
                         continue
                     ecfg = engine_config(args.device, args.threads, packing, args.precision)
@@ -261,7 +284,10 @@ def main() -> None:
                         ("padding_share", padding, "share"),
                     ):
                         print(
-                            json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True
+                            json.dumps(
+                                {**base, "metric": metric, "value": round(value, 4), "unit": unit}
+                            ),
+                            flush=True,
                         )
 
 
@@ -269,4 +295,5 @@ if __name__ == "__main__":
     main()
     from rlhf.engine.mesh import end_process
 
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

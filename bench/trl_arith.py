@@ -1,25 +1,26 @@
-"""TRL's GRPOTrainer on ``recipe=smollm2_arith``'s work, side by side with a run of the recipe: step time and
-time to the held-out accuracy (JSON lines, docs/benchmarks.md; variant ``trl_grpo``).
+"""TRL's GRPOTrainer on ``recipe=smollm2_arith``'s work, side by side with a run of the recipe: step
+time and time to the held-out accuracy (JSON lines, docs/benchmarks.md; variant ``trl_grpo``).
 
     pip install trl          # not a dependency of rlhf: only the TRL benches import it
     python bench/trl_arith.py --run-dir RUN [--steps 10] [--eval-every 5] [--threads N] [--out DIR]
 
-``RUN``: a finished ``python -m rlhf stage=ppo recipe=smollm2_arith`` run (e.g. bench/recipe_seeds.py's
-``<out>/seed0``); TRL gets what it got: the same model, the same training prompts in the same order
-(its records of ``run.seed``, as conversations through the model's chat template), 8 samples a prompt,
-prompts per step, at most ``ppo.max_new_tokens`` new tokens at temperature 1, KL β = ``algorithm.kl_coef``
-(a reference model), its learning rate, constant, one update per generation, fp32, no activation
-checkpointing (TRL's GRPO default has it on; the recipe does not recompute), one process; the
-reward is the same rule (``rlhf.rewards.gold`` on the arith format). What differs: TRL's own GRPO loss
-defaults (its ``loss_type``), no penalty for an answer cut at the length limit (the recipe's −1), and
-generation with HF ``generate`` on the training model (TRL on a CPU has no vLLM). Every ``--eval-every``
-steps TRL's model is saved and scored by ``python -m rlhf.eval`` with RUN's held-out prompts and
-decoding (its saved config), exactly as the recipe's evaluations. Lines: ``s_per_step`` (median after
-the first), ``train_seconds`` (TRL's steps summed) and, per evaluation, ``gold`` / ``gold_greedy`` with
-``step`` and ``train_seconds_at`` (TRL's step time summed to that step); then the recipe's run read
-from RUN's metrics.jsonl (variant ``rlhf``: the same lines, its train seconds = generate + score + train
-of each step) and ``speedup`` lines (``s_per_step``; and ``time_to_gain``: train seconds until both held-out
-golds first gained ≥ 0.30 over the base model, when both did).
+``RUN``: a finished ``python -m rlhf stage=ppo recipe=smollm2_arith`` run (e.g.
+bench/recipe_seeds.py's ``<out>/seed0``); TRL gets what it got: the same model, the same training
+prompts in the same order (its records of ``run.seed``, as conversations through the model's chat
+template), 8 samples a prompt, prompts per step, at most ``ppo.max_new_tokens`` new tokens at
+temperature 1, KL β = ``algorithm.kl_coef`` (a reference model), its learning rate, constant, one
+update per generation, fp32, no activation checkpointing (TRL's GRPO default has it on; the recipe
+does not recompute), one process; the reward is the same rule (``rlhf.rewards.gold`` on the arith
+format). What differs: TRL's own GRPO loss defaults (its ``loss_type``), no penalty for an answer
+cut at the length limit (the recipe's −1), and generation with HF ``generate`` on the training model
+(TRL on a CPU has no vLLM). Every ``--eval-every`` steps TRL's model is saved and scored by ``python
+-m rlhf.eval`` with RUN's held-out prompts and decoding (its saved config), exactly as the recipe's
+evaluations. Lines: ``s_per_step`` (median after the first), ``train_seconds`` (TRL's steps summed)
+and, per evaluation, ``gold`` / ``gold_greedy`` with ``step`` and ``train_seconds_at`` (TRL's step
+time summed to that step); then the recipe's run read from RUN's metrics.jsonl (variant ``rlhf``:
+the same lines, its train seconds = generate + score + train of each step) and ``speedup`` lines
+(``s_per_step``; and ``time_to_gain``: train seconds until both held-out golds first gained ≥ 0.30
+over the base model, when both did).
 """
 
 from __future__ import annotations
@@ -46,16 +47,26 @@ TARGET_GAIN = 0.30
 
 
 def recipe_curve(run: Path) -> tuple:
-    """(median s/step after the first, [(step, gold, greedy, train seconds to that step)]) of RUN's PPO stage."""
+    """(median s/step after the first, [(step, gold, greedy, train seconds to that step)]) of RUN's
+    PPO stage."""
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     spent, at, steps = 0.0, {0: 0.0}, []
     for r in rows:
         if "time/train_s" in r:
-            s = r["time/generate_s"] + r["time/score_s"] + r["time/train_s"] + r.get("time/switch_s", 0.0)
+            s = (
+                r["time/generate_s"]
+                + r["time/score_s"]
+                + r["time/train_s"]
+                + r.get("time/switch_s", 0.0)
+            )
             spent += s
             steps.append(s)
             at[r["step"]] = spent
-    evals = [(r["step"], r["gold/score"], r["gold/score_greedy"], at[r["step"]]) for r in rows if "gold/score" in r]
+    evals = [
+        (r["step"], r["gold/score"], r["gold/score_greedy"], at[r["step"]])
+        for r in rows
+        if "gold/score" in r
+    ]
     return statistics.median(steps[1:]), evals
 
 
@@ -92,7 +103,9 @@ def main() -> None:
         import trl
         from trl import GRPOConfig, GRPOTrainer
     except ImportError:
-        sys.exit("bench/trl_arith.py: needs TRL (pip install trl); rlhf itself does not depend on it")
+        sys.exit(
+            "bench/trl_arith.py: needs TRL (pip install trl); rlhf itself does not depend on it"
+        )
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -105,9 +118,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     saved = yaml.safe_load((args.run_dir / "ppo" / "config.yaml").read_text())
     ppo, alg, model_path = saved["ppo"], saved["algorithm"], saved["model"]["path"]
-    cfg, _ = compose_config(["stage=ppo", "recipe=smollm2_arith", f"run.seed={saved['run']['seed']}"])
+    cfg, _ = compose_config(
+        ["stage=ppo", "recipe=smollm2_arith", f"run.seed={saved['run']['seed']}"]
+    )
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
-    order = GlobalBatches(len(data.train), ppo["prompts_per_step"], cfg.run.seed)  # the recipe's (PromptSource)
+    # the recipe's (PromptSource)
+    order = GlobalBatches(len(data.train), ppo["prompts_per_step"], cfg.run.seed)
     records = [data.train[i] for step in range(args.steps) for i in order.global_indices(step)]
     dataset = Dataset.from_dict(
         {"prompt": [e.chat.prompt for e in records], "reference": [e.reference for e in records]}
@@ -128,7 +144,9 @@ def main() -> None:
                 evals_at.append((state.global_step, d))
 
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, trust_remote_code=False
+    )
     base_dir = out / "step0"
     model.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)
@@ -148,7 +166,8 @@ def main() -> None:
         max_steps=args.steps,
         logging_steps=1,
         bf16=False,
-        gradient_checkpointing=False,  # TRL's GRPO default is on: an extra forward the recipe does not run
+        # TRL's GRPO default is on: an extra forward the recipe does not run
+        gradient_checkpointing=False,
         shuffle_dataset=False,
         **TRL_CPU,
     )
@@ -163,7 +182,12 @@ def main() -> None:
     )
     with contextlib.redirect_stdout(sys.stderr):
         trainer.train()
-    base = {"bench": "trl_arith", "workload": "smollm2_arith", "device": device_label("cpu"), "threads": args.threads}
+    base = {
+        "bench": "trl_arith",
+        "workload": "smollm2_arith",
+        "device": device_label("cpu"),
+        "threads": args.threads,
+    }
     base.update(trl=trl.__version__, steps=args.steps, run_dir=str(args.run_dir))
     trl_step = statistics.median(timer.times[1:])
     spent = [sum(timer.times[:k]) for k in range(len(timer.times) + 1)]
@@ -171,16 +195,43 @@ def main() -> None:
     trl_evals += [(s, *score(d, args.run_dir), spent[s]) for s, d in evals_at]
     ours_step, ours_evals = recipe_curve(args.run_dir)
     lines = []
-    for variant, step, evals in (("trl_grpo", trl_step, trl_evals), ("rlhf", ours_step, ours_evals)):
+    for variant, step, evals in (
+        ("trl_grpo", trl_step, trl_evals),
+        ("rlhf", ours_step, ours_evals),
+    ):
         lines.append({"variant": variant, "metric": "s_per_step", "value": step})
         for s, g, gg, t in evals:
-            lines.append({"variant": variant, "metric": "gold", "value": g, "step": s, "train_seconds_at": t})
-            lines.append({"variant": variant, "metric": "gold_greedy", "value": gg, "step": s, "train_seconds_at": t})
-    lines.append({"variant": "rlhf_vs_trl", "metric": "speedup", "what": "s_per_step", "value": trl_step / ours_step})
+            lines.append(
+                {"variant": variant, "metric": "gold", "value": g, "step": s, "train_seconds_at": t}
+            )
+            lines.append(
+                {
+                    "variant": variant,
+                    "metric": "gold_greedy",
+                    "value": gg,
+                    "step": s,
+                    "train_seconds_at": t,
+                }
+            )
+    lines.append(
+        {
+            "variant": "rlhf_vs_trl",
+            "metric": "speedup",
+            "what": "s_per_step",
+            "value": trl_step / ours_step,
+        }
+    )
     t_trl = time_to_gain(trl_evals, trl_evals[0][1:3])
     t_ours = time_to_gain(ours_evals, ours_evals[0][1:3])
     if t_trl and t_ours:
-        lines.append({"variant": "rlhf_vs_trl", "metric": "speedup", "what": "time_to_gain", "value": t_trl / t_ours})
+        lines.append(
+            {
+                "variant": "rlhf_vs_trl",
+                "metric": "speedup",
+                "what": "time_to_gain",
+                "value": t_trl / t_ours,
+            }
+        )
     for line in lines:
         print(json.dumps({**base, **line}), flush=True)
 

@@ -1,19 +1,19 @@
-"""TRL's PPOTrainer on the workload of ``bench/ppo.py`` (GAE), for a side-by-side step time (JSON lines,
-docs/benchmarks.md; variant ``trl_ppo``).
+"""TRL's PPOTrainer on the workload of ``bench/ppo.py`` (GAE), for a side-by-side step time (JSON
+lines, docs/benchmarks.md; variant ``trl_ppo``).
 
-    pip install trl==1.12.0   # the last TRL with a PPO trainer (trl.experimental.ppo); not an rlhf dependency
-    python bench/trl_ppo.py [--workload tiny] [--steps 6] [--threads N]
+    pip install trl==1.12.0   # the last TRL with a PPO trainer (trl.experimental.ppo); not an rlhf
+    dependency python bench/trl_ppo.py [--workload tiny] [--steps 6] [--threads N]
 
-Same models, tokenizer and prompts as bench/ppo.py (``prepare``: a random-init Llama of the workload as
-the policy and its reference, a random-init ``LlamaForSequenceClassification`` as the reward model and,
-a second copy, the value model; prompts of exactly the workload's length), the workload's prompts per
-step × 1 sample, fixed response length (``response_length`` = the workload's new tokens, no stop token),
-TRL's default KL coefficient (0.05, rlhf's ``algorithm.kl_coef`` default too), 1 PPO epoch of 1
-minibatch, fp32, one process. The step time is the wall time from one ``on_step_end`` to the next: the
-whole of TRL's PPO iteration (generation, the policy, reference, value and reward forwards, GAE, the
-update, its logging and the ``gc.collect()`` it runs every step); the figure is the median of the
-steps after the first (warm-up) one. bench/ppo.py's ``s_per_step`` is rlhf's generate + switch + score +
-train (the stage's per-step logging is outside it).
+Same models, tokenizer and prompts as bench/ppo.py (``prepare``: a random-init Llama of the workload
+as the policy and its reference, a random-init ``LlamaForSequenceClassification`` as the reward
+model and, a second copy, the value model; prompts of exactly the workload's length), the workload's
+prompts per step × 1 sample, fixed response length (``response_length`` = the workload's new tokens,
+no stop token), TRL's default KL coefficient (0.05, rlhf's ``algorithm.kl_coef`` default too), 1 PPO
+epoch of 1 minibatch, fp32, one process. The step time is the wall time from one ``on_step_end`` to
+the next: the whole of TRL's PPO iteration (generation, the policy, reference, value and reward
+forwards, GAE, the update, its logging and the ``gc.collect()`` it runs every step); the figure is
+the median of the steps after the first (warm-up) one. bench/ppo.py's ``s_per_step`` is rlhf's
+generate + switch + score + train (the stage's per-step logging is outside it).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def main() -> None:
         from trl.experimental.ppo import PPOConfig, PPOTrainer
     except ImportError:
         sys.exit(
-            "bench/trl_ppo.py: needs TRL with its PPO trainer (pip install trl==1.12.0: trl.experimental.ppo; "
+            "bench/trl_ppo.py: needs TRL with its PPO trainer (pip install trl==1.12.0: "
+            "trl.experimental.ppo; "
             "later releases dropped it); rlhf itself does not depend on TRL"
         )
     import torch
@@ -66,7 +67,9 @@ def main() -> None:
             tok, _, ids = trl_prompts(data, sft, w)
 
             def causal(sft=sft):
-                return AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32, trust_remote_code=False)
+                return AutoModelForCausalLM.from_pretrained(
+                    sft, dtype=torch.float32, trust_remote_code=False
+                )
 
             def scalar(rm=rm):
                 return AutoModelForSequenceClassification.from_pretrained(
@@ -102,7 +105,9 @@ def main() -> None:
                 callbacks=[timer],
             )
             step = train_timed(trainer, timer)
-            base = trl_line_base(workload, "trl_ppo", args.threads, trl.__version__, len(timer.times))
+            base = trl_line_base(
+                workload, "trl_ppo", args.threads, trl.__version__, len(timer.times)
+            )
             print_step_lines(base, step, w["prompts"], w["new"])
 
 

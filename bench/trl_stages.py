@@ -1,46 +1,48 @@
-"""TRL's SFTTrainer, RewardTrainer and DPOTrainer on bench/stages.py's workloads, for a side-by-side step
-time (JSON lines, docs/benchmarks.md; variants ``trl_sft``, ``trl_reward``, ``trl_dpo``).
+"""TRL's SFTTrainer, RewardTrainer and DPOTrainer on bench/stages.py's workloads, for a side-by-side
+step time (JSON lines, docs/benchmarks.md; variants ``trl_sft``, ``trl_reward``, ``trl_dpo``).
 
     pip install trl          # not a dependency of rlhf: only this bench imports it
-    python bench/trl_stages.py [--stages sft reward dpo] [--workloads tiny small hh] [--steps 5] [--warmup 1]
+    python bench/trl_stages.py [--stages sft reward dpo] [--workloads tiny small hh] [--steps 5]
+    [--warmup 1]
                                [--threads N] [--rows 8] [--seed 0] [--sft-padding-free off|on]
                                [--precision fp32|bf16]
 
-The same models (bench/stages.py's random-init Llama, saved with ``save_pretrained`` and loaded by TRL:
-``AutoModelForCausalLM`` for SFT and DPO, whose reference is a second copy loaded from the same
-directory; ``AutoModelForSequenceClassification`` with ``num_labels=1`` for the reward model, its head
-initialised by Transformers), tokenizer, rows and batches: bench/stage_data.py's rows in the order of
-its fixed-seed draws, read in that order (``train_sampling_strategy="sequential"``), so that TRL's step
-k is bench/stages.py's step k. SFT gets the rows tokenized (``input_ids`` and the stages' loss mask as
-``completion_mask``, ``completion_only_loss=True``), the reward model the tokenized pairs
-(``chosen_ids``, ``rejected_ids``); ``DPOTrainer`` only reads text, so DPO gets the records' prompt,
-chosen and rejected text, and the bench checks that TRL's tokenization gives the same row lengths
-(the digits workloads: one token per digit). Each trainer: ``per_device_train_batch_size`` = the rows
-(pairs), gradient accumulation 1, fp32 (``bf16=False``; ``--precision bf16``: ``bf16=True``,
-Transformers' autocast over fp32 weights, as rlhf's ``engine.precision=bf16`` keeps fp32 master
-weights), no gradient checkpointing (TRL's configs turn it on by default; rlhf's
-``engine.activation_checkpointing`` is off), lr 1e-5 constant, clip 1.0, one process, no evaluation,
-saving or reporting (``report_to="none"``, ``logging_strategy="no"``); DPO with β = rlhf's ``dpo.beta``
-default and the sigmoid loss, the reference run in each step as rlhf runs it
-(``precompute_ref_log_probs=False``). Optimizer: TRL's default (``adamw_torch_fused``).
+The same models (bench/stages.py's random-init Llama, saved with ``save_pretrained`` and loaded by
+TRL: ``AutoModelForCausalLM`` for SFT and DPO, whose reference is a second copy loaded from the same
+directory; ``AutoModelForSequenceClassification`` with ``num_labels=1`` for the reward model, its
+head initialised by Transformers), tokenizer, rows and batches: bench/stage_data.py's rows in the
+order of its fixed-seed draws, read in that order (``train_sampling_strategy="sequential"``), so
+that TRL's step k is bench/stages.py's step k. SFT gets the rows tokenized (``input_ids`` and the
+stages' loss mask as ``completion_mask``, ``completion_only_loss=True``), the reward model the
+tokenized pairs (``chosen_ids``, ``rejected_ids``); ``DPOTrainer`` only reads text, so DPO gets the
+records' prompt, chosen and rejected text, and the bench checks that TRL's tokenization gives the
+same row lengths (the digits workloads: one token per digit). Each trainer:
+``per_device_train_batch_size`` = the rows (pairs), gradient accumulation 1, fp32 (``bf16=False``;
+``--precision bf16``: ``bf16=True``, Transformers' autocast over fp32 weights, as rlhf's
+``engine.precision=bf16`` keeps fp32 master weights), no gradient checkpointing (TRL's configs turn
+it on by default; rlhf's ``engine.activation_checkpointing`` is off), lr 1e-5 constant, clip 1.0,
+one process, no evaluation, saving or reporting (``report_to="none"``, ``logging_strategy="no"``);
+DPO with β = rlhf's ``dpo.beta`` default and the sigmoid loss, the reference run in each step as
+rlhf runs it (``precompute_ref_log_probs=False``). Optimizer: TRL's default (``adamw_torch_fused``).
 
-Settings chosen for speed: TRL's SFT ``padding_free`` (the rows of a batch flattened into one, positions
-restarting per row) runs on this CPU without flash-attention (Transformers builds a block-causal SDPA
-mask from the position ids); on rows without padding (tiny, small) it only makes attention span the
-whole flattened batch, and it measured slower there (``--sft-padding-free on`` runs it), hence off by
-default. ``DPOConfig.padding_free`` is unavailable in TRL 1.16 (it warns and pads); ``RewardConfig`` has
-none. No ``packing`` (it would change the rows and their count per step).
+Settings chosen for speed: TRL's SFT ``padding_free`` (the rows of a batch flattened into one,
+positions restarting per row) runs on this CPU without flash-attention (Transformers builds a
+block-causal SDPA mask from the position ids); on rows without padding (tiny, small) it only makes
+attention span the whole flattened batch, and it measured slower there (``--sft-padding-free on``
+runs it), hence off by default. ``DPOConfig.padding_free`` is unavailable in TRL 1.16 (it warns and
+pads); ``RewardConfig`` has none. No ``packing`` (it would change the rows and their count per
+step).
 
 The step time is the wall time of ``Trainer.training_step`` plus the optimizer step, from
-``on_step_begin`` to ``on_step_end`` (collation excluded, as in bench/stages.py); the figures are the
-medians of the steps after ``--warmup``, like bench/trl_grpo.py's. Metrics as bench/stages.py's:
+``on_step_begin`` to ``on_step_end`` (collation excluded, as in bench/stages.py); the figures are
+the medians of the steps after ``--warmup``, like bench/trl_grpo.py's. Metrics as bench/stages.py's:
 ``s_per_step``, ``tokens_per_s`` (real tokens of the step's rows / its seconds, median over steps),
 ``samples_per_s``; lines carry ``stage``, ``trl`` and ``padding_free``.
 
 ``--workloads hh`` runs SFT and the reward model on bench/stages.py's HH-RLHF rows (tokenized as
-bench/stages.py tokenizes them, padded per batch by TRL's collators; ``--sft-padding-free on`` is TRL's
-answer to the padding there); DPO is skipped on hh (its trainer tokenizes text itself, and the rows
-would not be rlhf's).
+bench/stages.py tokenizes them, padded per batch by TRL's collators; ``--sft-padding-free on`` is
+TRL's answer to the padding there); DPO is skipped on hh (its trainer tokenizes text itself, and the
+rows would not be rlhf's).
 """
 
 from __future__ import annotations
@@ -59,7 +61,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # stage_data puts the repository root first on the path (``import stages`` is the recipes)
 from common import TRL_CPU, step_timer  # noqa: E402
-from stage_data import ALL_WORKLOADS, SEQ_WORKLOADS, STAGES, batch_indices, prepare, rows_of, save_model  # noqa: E402
+from stage_data import (  # noqa: E402
+    ALL_WORKLOADS,
+    SEQ_WORKLOADS,
+    STAGES,
+    batch_indices,
+    prepare,
+    rows_of,
+    save_model,
+)
 
 LR = 1e-5
 
@@ -70,19 +80,26 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(SEQ_WORKLOADS), choices=ALL_WORKLOADS)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (one process)")
+    ap.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads (one process)"
+    )
     ap.add_argument("--rows", type=int, default=8, help="rows (pairs) per batch")
     ap.add_argument("--seed", type=int, default=0, help="the batches' draw (bench/stages.py's)")
     ap.add_argument("--sft-padding-free", default="off", choices=("off", "on"))
     ap.add_argument(
-        "--precision", default="fp32", choices=("fp32", "bf16"), help="bf16: TRL's bf16=True (autocast, fp32 weights)"
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="bf16: TRL's bf16=True (autocast, fp32 weights)",
     )
     args = ap.parse_args()
     try:
         import trl
         from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
     except ImportError:
-        sys.exit("bench/trl_stages.py: needs TRL (pip install trl); rlhf itself does not depend on it")
+        sys.exit(
+            "bench/trl_stages.py: needs TRL (pip install trl); rlhf itself does not depend on it"
+        )
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -117,8 +134,12 @@ def main() -> None:
             save_model(data, model_dir)
             for stage in args.stages:
                 if stage == "dpo" and workload not in SEQ_WORKLOADS:
-                    # DPOTrainer tokenizes text itself: hh's rows (prompts cut from the left) would differ
-                    print(f"bench/trl_stages.py: DPO runs on tiny and small only, not {workload}", file=sys.stderr)
+                    # DPOTrainer tokenizes text itself: hh's rows (prompts cut from the left) would
+                    # differ
+                    print(
+                        f"bench/trl_stages.py: DPO runs on tiny and small only, not {workload}",
+                        file=sys.stderr,
+                    )
                     continue
                 draws = batch_indices(rows_of(stage, data), args.rows, n_steps, args.seed)
                 order = [i for ix in draws for i in ix]
@@ -128,7 +149,9 @@ def main() -> None:
                 if stage == "sft":
                     padding_free = args.sft_padding_free == "on"
                     rows = [data.sft["ids"][i] for i in order]
-                    ds = Dataset.from_dict({"input_ids": rows, "completion_mask": [data.sft["mask"][i] for i in order]})
+                    ds = Dataset.from_dict(
+                        {"input_ids": rows, "completion_mask": [data.sft["mask"][i] for i in order]}
+                    )
                     model = AutoModelForCausalLM.from_pretrained(
                         model_dir, dtype=torch.float32, trust_remote_code=False
                     )
@@ -141,7 +164,11 @@ def main() -> None:
                         **common,
                     )
                     trainer = SFTTrainer(
-                        model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[timer]
+                        model=model,
+                        args=cfg,
+                        train_dataset=ds,
+                        processing_class=tok,
+                        callbacks=[timer],
                     )
                     lengths = [len(r) for r in rows]
                 elif stage == "reward":
@@ -154,7 +181,11 @@ def main() -> None:
                     model.config.pad_token_id = tok.pad_token_id
                     cfg = RewardConfig(output_dir=out, max_length=None, **common)
                     trainer = RewardTrainer(
-                        model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[timer]
+                        model=model,
+                        args=cfg,
+                        train_dataset=ds,
+                        processing_class=tok,
+                        callbacks=[timer],
                     )
                     lengths = [len(c) + len(r) for c, r in zip(chosen, rejected)]
                 else:
@@ -169,7 +200,9 @@ def main() -> None:
                     model = AutoModelForCausalLM.from_pretrained(
                         model_dir, dtype=torch.float32, trust_remote_code=False
                     )
-                    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=False)
+                    ref = AutoModelForCausalLM.from_pretrained(
+                        model_dir, dtype=torch.float32, trust_remote_code=False
+                    )
                     cfg = DPOConfig(
                         output_dir=out,
                         beta=RlhfDPO().beta,
@@ -189,17 +222,26 @@ def main() -> None:
                     got = trainer.train_dataset
                     lengths = [
                         len(p) + len(c) + len(p) + len(r)
-                        for p, c, r in zip(got["prompt_ids"], got["chosen_ids"], got["rejected_ids"])
+                        for p, c, r in zip(
+                            got["prompt_ids"], got["chosen_ids"], got["rejected_ids"]
+                        )
                     ]
-                    want = [len(data.pairs["chosen"][i]) + len(data.pairs["rejected"][i]) for i in order]
+                    want = [
+                        len(data.pairs["chosen"][i]) + len(data.pairs["rejected"][i]) for i in order
+                    ]
                     if lengths != want:
-                        raise RuntimeError(f"{workload}: TRL tokenizes the DPO rows to other lengths than rlhf's")
+                        raise RuntimeError(
+                            f"{workload}: TRL tokenizes the DPO rows to other lengths than rlhf's"
+                        )
                 with contextlib.redirect_stdout(sys.stderr):  # stdout is JSON lines only
                     trainer.train()
                 times = timer.times[args.warmup :]
                 if len(times) != args.steps:
                     raise RuntimeError(f"{len(timer.times)} steps timed, expected {n_steps}")
-                tokens = [sum(lengths[k * args.rows : (k + 1) * args.rows]) for k in range(args.warmup, n_steps)]
+                tokens = [
+                    sum(lengths[k * args.rows : (k + 1) * args.rows])
+                    for k in range(args.warmup, n_steps)
+                ]
                 step = statistics.median(times)
                 base = {
                     "bench": "stages",
@@ -219,10 +261,19 @@ def main() -> None:
                 }
                 for metric, value, unit in (
                     ("s_per_step", step, "s"),
-                    ("tokens_per_s", statistics.median(n / t for n, t in zip(tokens, times)), "tokens/s"),
+                    (
+                        "tokens_per_s",
+                        statistics.median(n / t for n, t in zip(tokens, times)),
+                        "tokens/s",
+                    ),
                     ("samples_per_s", args.rows / step, "samples/s"),
                 ):
-                    print(json.dumps({**base, "metric": metric, "value": round(value, 4), "unit": unit}), flush=True)
+                    print(
+                        json.dumps(
+                            {**base, "metric": metric, "value": round(value, 4), "unit": unit}
+                        ),
+                        flush=True,
+                    )
                 del trainer, model
                 if stage == "dpo":
                     del ref

@@ -1,4 +1,5 @@
-"""rlhf: supervised fine-tuning, reward models, PPO and its relatives, DPO (docs/architecture.md)."""
+"""rlhf: supervised fine-tuning, reward models, PPO and its relatives, DPO
+(docs/architecture.md)."""
 
 from rlhf.threads import tame_openmp
 

@@ -1,14 +1,16 @@
-"""Entry point: ``python -m rlhf stage=<stage> [hydra overrides...]`` (the stages: rlhf.config.STAGE_TABLE).
+"""Entry point: ``python -m rlhf stage=<stage> [hydra overrides...]`` (the stages:
+rlhf.config.STAGE_TABLE).
 
 Composes the Hydra config with the compose API (no output directory, no chdir, no timestamped
 folders: every rank of a torchrun job computes the same config and only rank 0 writes to
-``run.dir``), validates it, then runs ``stages.<stage>.run(cfg)``. With ``launcher.nproc_per_node>0``
-and not already under a launcher, it starts torch.distributed.run itself (docs/contract.md).
+``run.dir``), validates it, then runs ``stages.<stage>.run(cfg)``. With
+``launcher.nproc_per_node>0`` and not already under a launcher, it starts torch.distributed.run
+itself (docs/contract.md).
 
 Exit codes: 0 success, 2 bad configuration or input, 3 a peer rank died or stopped answering
-(rlhf/launcher/watchdog.py; the job can be rerun and resumes from its last checkpoint), 4 a checkpoint or
-export could not be written (disk full, I/O error: rlhf.errors.SaveError; the earlier checkpoints are
-intact and a rerun resumes), anything else a bug.
+(rlhf/launcher/watchdog.py; the job can be rerun and resumes from its last checkpoint), 4 a
+checkpoint or export could not be written (disk full, I/O error: rlhf.errors.SaveError; the earlier
+checkpoints are intact and a rerun resumes), anything else a bug.
 """
 
 from __future__ import annotations
@@ -30,15 +32,18 @@ Config groups and keys: see docs/keys.md and rlhf/config.py."""
 
 
 def _fail(msg: str, code: int = 2, kind: str = "error: ") -> None:
-    """One line on stderr (``rlhf: error: ...``; a stop by a signal: ``rlhf: stopped by ...``), exit ``code``."""
+    """One line on stderr (``rlhf: error: ...``; a stop by a signal: ``rlhf: stopped by ...``), exit
+    ``code``."""
     from rlhf.errors import one_line
     from rlhf.launcher.watchdog import hold_termination, write_error_file
 
-    printed = int(os.environ.get("RANK", "0")) == 0  # every rank sees the same error: print it once
+    # every rank sees the same error: print it once
+    printed = int(os.environ.get("RANK", "0")) == 0
     hold_termination()
     if printed:
         print(f"rlhf: {kind}{one_line(msg)}", file=sys.stderr, flush=True)
-    write_error_file(one_line(msg), printed)  # under a launcher: the root cause it reports
+    # under a launcher: the root cause it reports
+    write_error_file(one_line(msg), printed)
     sys.exit(code)
 
 
@@ -75,25 +80,31 @@ def main(argv: list[str] | None = None) -> None:
     from rlhf.launcher.interrupt import Interrupted
     from rlhf.outputs.log import keep_writing
 
-    keep_writing()  # a console reader that goes away (| tee, then Ctrl-C) does not end the run
+    # a console reader that goes away (| tee, then Ctrl-C) does not end the run
+    keep_writing()
     stage = importlib.import_module(f"stages.{cfg.stage}")
     try:
         stage.run(cfg)
-    except Interrupted as e:  # the stop a signal asked for, its checkpoint saved: 130 / 143
+    except Interrupted as e:
+        # the stop a signal asked for, its checkpoint saved: 130 / 143
         _fail(str(e), code=e.exit_code, kind="")
-    except SaveError as e:  # disk full or I/O error while saving: 4, the line says where a rerun resumes
+    except SaveError as e:
+        # disk full or I/O error while saving: 4, the line says where a rerun resumes
         _fail(str(e), code=e.exit_code)
     except UserError as e:
         _fail(str(e), code=getattr(e, "exit_code", 2))
-    except KeyboardInterrupt:  # before the stop handler listens, or a second Ctrl-C: no checkpoint here
+    except KeyboardInterrupt:
+        # before the stop handler listens, or a second Ctrl-C: no checkpoint here
         _fail(
-            "interrupted; the last checkpoint saved stands (rerun the same command to resume from it)",
+            "interrupted; the last checkpoint saved stands (rerun the same command to "
+            "resume from it)",
             code=130,
             kind="",
         )
     except Exception as e:
         # A peer that died or stopped answering: one clear line and exit code 3, not a traceback
-        # from deep inside FSDP (rlhf/launcher/watchdog.py). Anything else is a bug and keeps its traceback.
+        # from deep inside FSDP (rlhf/launcher/watchdog.py). Anything else is a bug and keeps its
+        # traceback.
         from rlhf.launcher import watchdog
 
         failure = watchdog.collective_failure(e, cfg.engine.timeout_s)
@@ -104,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    if "LOCAL_RANK" in os.environ:  # a torchrun worker ends without finalization (mesh.end_process says why)
+    if "LOCAL_RANK" in os.environ:
+        # a torchrun worker ends without finalization (mesh.end_process says why)
         from rlhf.engine.mesh import end_process
 
         end_process()

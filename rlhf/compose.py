@@ -26,10 +26,12 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _ABSENT = object()
 
 
-def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -> Tuple[Config, str]:
+def compose_config(
+    overrides: Sequence[str] = (), base: Optional[dict] = None
+) -> Tuple[Config, str]:
     """Returns the validated ``Config`` and its YAML text. Raises ``ConfigError`` on any problem.
-    ``base``: values (e.g. a run's saved ``data``/``eval``) that stand over the composed defaults and
-    under the keys the overrides name (``rlhf.eval --run-dir``)."""
+    ``base``: values (e.g. a run's saved ``data``/``eval``) that stand over the composed defaults
+    and under the keys the overrides name (``rlhf.eval --run-dir``)."""
     register()
     GlobalHydra.instance().clear()
     why = ""
@@ -39,15 +41,19 @@ def compose_config(overrides: Sequence[str] = (), base: Optional[dict] = None) -
             dcfg = compose(config_name="config", overrides=overrides)
         if base:
             merged = OmegaConf.merge(dcfg, base)
-            for o in OverridesParser.create().parse_overrides(overrides):  # the command line on top again
+            for o in OverridesParser.create().parse_overrides(overrides):
+                # the command line on top again
                 if OmegaConf.select(dcfg, o.key_or_group, default=_ABSENT) is not _ABSENT:
-                    OmegaConf.update(merged, o.key_or_group, OmegaConf.select(dcfg, o.key_or_group), merge=False)
+                    OmegaConf.update(
+                        merged, o.key_or_group, OmegaConf.select(dcfg, o.key_or_group), merge=False
+                    )
             dcfg = merged
         resolve_named_models(dcfg)
         hub_why = hub.settle(hub_settings(dcfg))
         lr_why = lora_learning_rate(dcfg, overrides)
         yaml_text = OmegaConf.to_yaml(dcfg)
-        cfg = OmegaConf.to_object(dcfg)  # builds the dataclasses: runs every __post_init__ check
+        # builds the dataclasses: runs every __post_init__ check
+        cfg = OmegaConf.to_object(dcfg)
     except ConfigError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
@@ -69,8 +75,8 @@ MODEL_PATH_KEYS = MODEL_KEYS + ("ppo.reward_model_path", "ppo.critic_path")
 
 
 def resolve_named_models(dcfg) -> None:
-    """Model path settings that name a model of rlhf/models/get.py's table (``smollm2-135m-instruct``)
-    become its directory in the cache, fetched there on first use."""
+    """Model path settings that name a model of rlhf/models/get.py's table
+    (``smollm2-135m-instruct``) become its directory in the cache, fetched there on first use."""
     for key in MODEL_PATH_KEYS:
         value = OmegaConf.select(dcfg, key, default=None)
         if not isinstance(value, str):
@@ -104,17 +110,28 @@ def hub_settings(dcfg) -> list:
 
 def lora_learning_rate(dcfg, overrides: Sequence[str]) -> str:
     """With LoRA (model.lora.r > 0) and a recipe's ``train.lora_lr``, that rate becomes ``train.lr``
-    unless the command line sets train.lr; returns what the log says of it ("" when nothing changed)."""
-    lora_lr, r = OmegaConf.select(dcfg, "train.lora_lr"), OmegaConf.select(dcfg, "model.lora.r") or 0
+    unless the command line sets train.lr; returns what the log says of it ("" when nothing
+    changed)."""
+    lora_lr, r = (
+        OmegaConf.select(dcfg, "train.lora_lr"),
+        OmegaConf.select(dcfg, "model.lora.r") or 0,
+    )
     if lora_lr is None or r <= 0:
         return ""
-    given = {o.key_or_group.lstrip("+~") for o in OverridesParser.create().parse_overrides(list(overrides))}
+    given = {
+        o.key_or_group.lstrip("+~")
+        for o in OverridesParser.create().parse_overrides(list(overrides))
+    }
     if "train.lr" in given:
         return (
-            f"train.lr={OmegaConf.select(dcfg, 'train.lr'):g} from the command line (LoRA's rate would be {lora_lr:g})"
+            f"train.lr={OmegaConf.select(dcfg, 'train.lr'):g} from the command line (LoRA's "
+            f"rate would be {lora_lr:g})"
         )
     OmegaConf.update(dcfg, "train.lr", lora_lr, merge=False)
-    return f"train.lr={lora_lr:g}: the recipe's rate for LoRA (model.lora.r={r}; train.lr=... on the command line wins)"
+    return (
+        f"train.lr={lora_lr:g}: the recipe's rate for LoRA (model.lora.r={r}; train.lr=... on "
+        "the command line wins)"
+    )
 
 
 def recipes() -> list:
@@ -123,8 +140,9 @@ def recipes() -> list:
 
 def choose_recipe(overrides: List[str]) -> Tuple[List[str], str]:
     """The recipe when the command line names none, and why: pretrained when it names a model of the
-    user's (model.path and the stages' own input paths), else the recipe the run's earlier stages used
-    (their saved config.yaml in run.dir), else embedded. An explicit recipe=... is kept as it is."""
+    user's (model.path and the stages' own input paths), else the recipe the run's earlier stages
+    used (their saved config.yaml in run.dir), else embedded. An explicit recipe=... is kept as it
+    is."""
     given = {}
     for o in OverridesParser.create().parse_overrides(overrides):
         value = o.value()
@@ -143,10 +161,13 @@ def choose_recipe(overrides: List[str]) -> Tuple[List[str], str]:
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )
-    for path in saved:  # the newest stage's (rlhf.runtime.stage.CONFIG_FILE)
+    for path in saved:
+        # the newest stage's (rlhf.runtime.stage.CONFIG_FILE)
         m = re.search(r"^recipe: *(\S+)", path.read_text(encoding="utf-8", errors="replace"), re.M)
         if m and m.group(1) in recipes():
-            return overrides + [f"recipe={m.group(1)}"], f"the recipe of this run's earlier stages ({path})"
+            return overrides + [
+                f"recipe={m.group(1)}"
+            ], f"the recipe of this run's earlier stages ({path})"
     return overrides + ["recipe=embedded"], "no model.path: the embedded model and task"
 
 
@@ -166,7 +187,11 @@ def _describe(e: Exception, recipe_why: str = "") -> str:
         text += hint
     m = re.search(r"Could not find 'recipe_stage/([\w.-]+)/(\w+)'", text)
     if m and m.group(1) in recipes():
-        have = [s for s in C.stage_names() if (CONF_DIR / "recipe_stage" / m.group(1) / f"{s}.yaml").is_file()]
+        have = [
+            s
+            for s in C.stage_names()
+            if (CONF_DIR / "recipe_stage" / m.group(1) / f"{s}.yaml").is_file()
+        ]
         return (
             f"recipe={m.group(1)} ({recipe_why}) has no {m.group(2)} stage (its stages: "
             f"{', '.join(have)}); pick another recipe for stage={m.group(2)}"
@@ -175,7 +200,10 @@ def _describe(e: Exception, recipe_why: str = "") -> str:
         name = re.search(r"Could not find 'recipe(?:_stage)?/([\w.-]+)", text).group(1)
         return f"unknown recipe '{name}' (expected {', '.join(recipes())})"
     if "Could not find 'stage/" in text:
-        return text.replace("Could not find 'stage/", "unknown stage '") + f" (expected {C.stage_choices()})"
+        return (
+            text.replace("Could not find 'stage/", "unknown stage '")
+            + f" (expected {C.stage_choices()})"
+        )
     return text or type(e).__name__
 
 
@@ -185,5 +213,7 @@ def _did_you_mean(text: str) -> str:
     cls = getattr(C, m.group(2), None) if m else None
     if cls is None or not dataclasses.is_dataclass(cls):
         return ""
-    close = difflib.get_close_matches(m.group(1), [f.name for f in dataclasses.fields(cls)], n=1, cutoff=0.75)
+    close = difflib.get_close_matches(
+        m.group(1), [f.name for f in dataclasses.fields(cls)], n=1, cutoff=0.75
+    )
     return f" (did you mean '{close[0]}'?)" if close else ""

@@ -24,25 +24,36 @@ from rlhf.errors import ConfigError, one_of
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: ``stages/<name>.py``, run as ``python -m rlhf stage=<name>``, writing ``<run.dir>/<name>/``.
-    STAGE_TABLE is the one list of stages: config validation, compose (recipes, earlier stages' configs),
-    the usage text, summary.json, report.png and scripts/run_all.sh all read it."""
+    """One stage: ``stages/<name>.py``, run as ``python -m rlhf stage=<name>``, writing
+    ``<run.dir>/<name>/``. STAGE_TABLE is the one list of stages: config validation, compose
+    (recipes, earlier stages' configs), the usage text, summary.json, report.png and
+    scripts/run_all.sh all read it."""
 
     name: str
-    pipeline: bool  # scripts/run_all.sh runs it when given no stages= (the pipeline, in the table's order)
-    # the metrics summary.json keeps for it (their last logged values; every stage also keeps its largest
-    # mem/peak_gb)
+    # scripts/run_all.sh runs it when given no stages= (the pipeline, in the table's order)
+    pipeline: bool
+    # the metrics summary.json keeps for it (their last logged values; every stage also keeps its
+    # largest mem/peak_gb)
     summary_keys: tuple = ()
 
 
 STAGE_TABLE = (
     Stage("sft", pipeline=True, summary_keys=("eval/loss", "gold/score", "gold/score_greedy")),
     Stage("reward", pipeline=True, summary_keys=("eval/accuracy",)),
-    Stage("ppo", pipeline=True, summary_keys=("gold/score", "gold/score_greedy", "kl/mean", "reward/mean")),
+    Stage(
+        "ppo",
+        pipeline=True,
+        summary_keys=("gold/score", "gold/score_greedy", "kl/mean", "reward/mean"),
+    ),
     Stage(
         "dpo",
         pipeline=False,
-        summary_keys=("gold/score", "gold/score_greedy", "eval/rewards/accuracy", "eval/rewards/margin"),
+        summary_keys=(
+            "gold/score",
+            "gold/score_greedy",
+            "eval/rewards/accuracy",
+            "eval/rewards/margin",
+        ),
     ),
 )
 
@@ -78,7 +89,8 @@ class RunConfig:
     # true: a rerun continues from the stage's newest checkpoint (if its model, tokenizer, data and
     # lengths match; else exit 2); false: start over; a path: resume from that step_<N> checkpoint
     resume: Any = True
-    cache_dir: Optional[str] = None  # tokenized-data cache; default <run.dir>/cache
+    # tokenized-data cache; default <run.dir>/cache
+    cache_dir: Optional[str] = None
 
     def __post_init__(self):
         _check(bool(self.dir), "run.dir", self.dir, "a directory path")
@@ -97,29 +109,37 @@ class LoraConfig:
 
     r: int = 0
     alpha: float = 16.0  # the update is B·A·alpha/r
-    dropout: float = 0.0  # on the adapters' input in training mode (0 keeps PPO's recomputed log-probs exact)
+    # on the adapters' input in training mode (0 keeps PPO's recomputed log-probs exact)
+    dropout: float = 0.0
     # module names (the last part, e.g. [q_proj, v_proj]); None = every linear layer of the decoder
     # blocks: the attention and MLP projections of the family
     target_modules: Optional[List[str]] = None
     # modules trained fully beside the adapters and saved with them (PEFT's modules_to_save), e.g.
-    # [embed_tokens]; None = none, except for the embedded default (random init with a tokenizer of its
-    # own: nothing pretrained to adapt), which trains its (tied) embeddings: [embed_tokens]
+    # [embed_tokens]; None = none, except for the embedded default (random init with a tokenizer of
+    # its own: nothing pretrained to adapt), which trains its (tied) embeddings: [embed_tokens]
     modules_to_save: Optional[List[str]] = None
-    critic: bool = False  # PPO: adapters on the critic too (else it trains fully)
+    # PPO: adapters on the critic too (else it trains fully)
+    critic: bool = False
 
     def __post_init__(self):
         _check(self.r >= 0, "model.lora.r", self.r, "a non-negative integer (0 = off)")
         _check(self.alpha > 0, "model.lora.alpha", self.alpha, "a positive number")
-        _check(0.0 <= self.dropout < 1.0, "model.lora.dropout", self.dropout, "a probability below 1")
+        _check(
+            0.0 <= self.dropout < 1.0, "model.lora.dropout", self.dropout, "a probability below 1"
+        )
         _check(
             self.target_modules is None
-            or (len(self.target_modules) > 0 and all(isinstance(t, str) and t for t in self.target_modules)),
+            or (
+                len(self.target_modules) > 0
+                and all(isinstance(t, str) and t for t in self.target_modules)
+            ),
             "model.lora.target_modules",
             self.target_modules,
             "a non-empty list of module names, e.g. [q_proj,v_proj]",
         )
         _check(
-            self.modules_to_save is None or all(isinstance(t, str) and t for t in self.modules_to_save),
+            self.modules_to_save is None
+            or all(isinstance(t, str) and t for t in self.modules_to_save),
             "model.lora.modules_to_save",
             self.modules_to_save,
             "a list of module names, e.g. [embed_tokens]",
@@ -128,21 +148,24 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # HF id or directory; None = previous stage's output or embedded default
+    # HF id or directory; None = previous stage's output or embedded default
+    path: Optional[str] = None
     trust_remote_code: bool = False
-    # With no model.path: a tiny Llama built from this config, random init (the agentic recipe's model;
-    # the embedded recipe's is 4 layers × 128, conf/recipe/embedded.yaml). 3 layers with a narrow MLP
-    # rather than 2 with 512: the same cost per step on a CPU (docs/history.md).
+    # With no model.path: a tiny Llama built from this config, random init (the agentic recipe's
+    # model; the embedded recipe's is 4 layers × 128, conf/recipe/embedded.yaml). 3 layers with a
+    # narrow MLP rather than 2 with 512: the same cost per step on a CPU (docs/history.md).
     hidden_size: int = 128
     num_layers: int = 3
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 128
-    vocab_size: int = 512  # upper bound for the tokenizer trained on the task text
-    # stage=ppo and dpo: every dropout probability of actor, reference, critic and reward model set to
-    # 0 (config and modules; TRL's disable_dropout), else the training-mode forwards that PPO's ratio
-    # and DPO's log-ratio compare each draw their own masks. SFT and reward keep the model's dropout.
+    # upper bound for the tokenizer trained on the task text
+    vocab_size: int = 512
+    # stage=ppo and dpo: every dropout probability of actor, reference, critic and reward model set
+    # to 0 (config and modules; TRL's disable_dropout), else the training-mode forwards that PPO's
+    # ratio and DPO's log-ratio compare each draw their own masks. SFT and reward keep the model's
+    # dropout.
     disable_dropout: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -180,10 +203,13 @@ class SourceConfig:
     format: str = "synthetic"
     weight: float = 1.0
     # the format's field names -> this dataset's, e.g. {prompt: instruction, response: output}
-    # (typed Any: a typed dict would refuse new keys from the command line under Hydra's struct mode)
+    # (typed Any: a typed dict would refuse new keys from the command line under Hydra's struct
+    # mode)
     columns: Any = None
-    hf_split: Optional[str] = None  # split of a DatasetDict folder or hub dataset; None = data.hf_split
-    hf_config: Optional[str] = None  # hub dataset config (subset); None = data.hf_config
+    # split of a DatasetDict folder or hub dataset; None = data.hf_split
+    hf_split: Optional[str] = None
+    # hub dataset config (subset); None = data.hf_config
+    hf_config: Optional[str] = None
 
     def __post_init__(self):
         _check(self.format in FORMATS, "data.format", self.format, "one of " + ", ".join(FORMATS))
@@ -226,24 +252,28 @@ def check_columns(columns, fmt: str, key: str) -> None:
 @dataclass
 class SyntheticConfig:
     """The embedded default task: 'What is 03 + 45?' -> ' The answer is 48.' (gold = exact sum); the
-    generated tool-use task (data.format=tool_arith: num_records and p_tool); arithmetic in words for
-    pretrained chat models (data.format=arith: num_records, min_operand, max_operand, rejected_kinds)."""
+    generated tool-use task (data.format=tool_arith: num_records and p_tool); arithmetic in words
+    for pretrained chat models (data.format=arith: num_records, min_operand, max_operand,
+    rejected_kinds)."""
 
     num_records: int = 20000
     max_operand: int = 49
     # data.format=arith: operands from min_operand to max_operand (the embedded tasks start at 0)
     min_operand: int = 0
-    p_correct: float = 0.65  # share of SFT responses that are right; the rest are off by 1..3
-    # tool_arith: share of SFT records that call the calculator (the rest answer at once): the SFT policy
-    # calls in about this share of its samples, leaving RL the rest (conf/recipe_stage/agentic/sft.yaml)
+    # share of SFT responses that are right; the rest are off by 1..3
+    p_correct: float = 0.65
+    # tool_arith: share of SFT records that call the calculator (the rest answer at once): the SFT
+    # policy calls in about this share of its samples, leaving RL the rest
+    # (conf/recipe_stage/agentic/sft.yaml)
     p_tool: float = 0.3
-    # the generated records' seed; null = the run's (run.seed, per data source). Set, it fixes the data
-    # while run.seed varies the rest (initialisation, order, dropout): e.g. separately trained members
-    # of a reward-model ensemble on the same pairs (docs/ppo.md)
+    # the generated records' seed; null = the run's (run.seed, per data source). Set, it fixes the
+    # data while run.seed varies the rest (initialisation, order, dropout): e.g. separately trained
+    # members of a reward-model ensemble on the same pairs (docs/ppo.md)
     seed: Optional[int] = None
-    # the kinds of rejected answer in the preference pairs, an equal share each (rlhf/data/synthetic.py):
-    # near (off by 1..3), digit (one digit wrong), length (one digit doubled or dropped), far (off by
-    # 4..15). Fewer: a reward model blind to the rest (docs/ppo.md: ensembles with different blind spots)
+    # the kinds of rejected answer in the preference pairs, an equal share each
+    # (rlhf/data/synthetic.py): near (off by 1..3), digit (one digit wrong), length (one digit
+    # doubled or dropped), far (off by 4..15). Fewer: a reward model blind to the rest (docs/ppo.md:
+    # ensembles with different blind spots)
     rejected_kinds: List[str] = field(default_factory=lambda: list(REJECTED_KINDS))
 
     def __post_init__(self):
@@ -254,56 +284,84 @@ class SyntheticConfig:
             kinds,
             f"a non-empty list of distinct kinds among {', '.join(REJECTED_KINDS)}",
         )
-        _check(self.num_records > 0, "data.synthetic.num_records", self.num_records, "a positive integer")
-        _check(0 < self.max_operand < 1000, "data.synthetic.max_operand", self.max_operand, "1..999")
+        _check(
+            self.num_records > 0,
+            "data.synthetic.num_records",
+            self.num_records,
+            "a positive integer",
+        )
+        _check(
+            0 < self.max_operand < 1000, "data.synthetic.max_operand", self.max_operand, "1..999"
+        )
         _check(
             0 <= self.min_operand < self.max_operand,
             "data.synthetic.min_operand",
             self.min_operand,
             f"0..{self.max_operand - 1} (below data.synthetic.max_operand)",
         )
-        _check(0.0 <= self.p_correct <= 1.0, "data.synthetic.p_correct", self.p_correct, "a probability")
+        _check(
+            0.0 <= self.p_correct <= 1.0,
+            "data.synthetic.p_correct",
+            self.p_correct,
+            "a probability",
+        )
         _check(0.0 <= self.p_tool <= 1.0, "data.synthetic.p_tool", self.p_tool, "a probability")
 
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = None  # a file, a directory of files, a datasets.save_to_disk folder, or a hub id
+    # a file, a directory of files, a datasets.save_to_disk folder, or a hub id
+    path: Optional[str] = None
     format: str = "synthetic"
-    # Blend several datasets: a list of {path, format, weight, columns, hf_split, hf_config}; empty =
-    # the single (path, format, columns, hf_split, hf_config) of this group.
+    # Blend several datasets: a list of {path, format, weight, columns, hf_split, hf_config}; empty
+    # = the single (path, format, columns, hf_split, hf_config) of this group.
     sources: List[SourceConfig] = field(default_factory=list)
-    # the format's field names -> the dataset's, e.g. {prompt: instruction, response: output} (Alpaca)
+    # the format's field names -> the dataset's, e.g. {prompt: instruction, response: output}
+    # (Alpaca)
     columns: Any = None
-    hf_split: str = "train"  # the split of a DatasetDict folder (save_to_disk) or of a hub dataset
-    hf_config: Optional[str] = None  # a hub dataset's config (subset), e.g. main for openai/gsm8k
+    # the split of a DatasetDict folder (save_to_disk) or of a hub dataset
+    hf_split: str = "train"
+    # a hub dataset's config (subset), e.g. main for openai/gsm8k
+    hf_config: Optional[str] = None
     # auto: the tokenizer's chat template where it has one (messages data and the embedded task);
     # none: no template (messages then render as plain "\n\nHuman: ...\n\nAssistant: ..." text);
     # or the path of a Jinja file (it is also saved with the exported tokenizer)
     chat_template: str = "auto"
-    # DeepSpeed-Chat's data_split, e.g. "2,4,4": disjoint seeded shares for sft/reward/ppo. None = all.
+    # DeepSpeed-Chat's data_split, e.g. "2,4,4": disjoint seeded shares for sft/reward/ppo. None =
+    # all.
     split: Optional[str] = None
     # held-out records (eval loss, gold prompts) from this file instead of carved out of data.path
     eval_path: Optional[str] = None
     eval_format: Optional[str] = None  # None = data.format
     eval_hf_split: Optional[str] = None  # None = data.hf_split
-    eval_size: int = 256  # held-out records (synthetic: held-out operand pairs) for eval and gold score
-    # None = per format (rlhf/data/formats.py: the synthetic task 64/64, hh 384/192, gsm8k 128/192, ...)
+    # held-out records (synthetic: held-out operand pairs) for eval and gold score
+    eval_size: int = 256
+    # None = per format (rlhf/data/formats.py: the synthetic task 64/64, hh 384/192, gsm8k 128/192,
+    # ...)
     max_prompt_len: Optional[int] = None
     max_response_len: Optional[int] = None
-    mask_prompt: bool = True  # SFT loss only on response (assistant) tokens
+    # SFT loss only on response (assistant) tokens
+    mask_prompt: bool = True
     on_bad_record: str = "error"  # or "skip" (count reported)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self):
         _check(self.format in FORMATS, "data.format", self.format, "one of " + ", ".join(FORMATS))
-        _check(self.on_bad_record in ("error", "skip"), "data.on_bad_record", self.on_bad_record, "error or skip")
+        _check(
+            self.on_bad_record in ("error", "skip"),
+            "data.on_bad_record",
+            self.on_bad_record,
+            "error or skip",
+        )
         _check(self.eval_size > 0, "data.eval_size", self.eval_size, "a positive integer")
         if not FORMATS[self.format].generated and not self.path and not self.sources:
             raise ConfigError(f"data.path is required for data.format={self.format}")
         if self.path and self.sources:
-            raise ConfigError(f"data.path={self.path} and data.sources are both set: use one of them")
-        if self.path and FORMATS[self.format].generated:  # would silently train on the generated task
+            raise ConfigError(
+                f"data.path={self.path} and data.sources are both set: use one of them"
+            )
+        if self.path and FORMATS[self.format].generated:
+            # would silently train on the generated task
             raise ConfigError(
                 f"data.path={self.path} is set but data.format={self.format} generates its data: "
                 f"set data.format ({', '.join(n for n, f in FORMATS.items() if not f.generated)})"
@@ -316,12 +374,14 @@ class DataConfig:
         self._check_eval_and_template()
         for key in ("max_prompt_len", "max_response_len"):
             v = getattr(self, key)
-            _check(v is None or v > 0, f"data.{key}", v, "a positive integer (unset = per data.format)")
+            _check(
+                v is None or v > 0, f"data.{key}", v, "a positive integer (unset = per data.format)"
+            )
 
     def resolve(self) -> "DataConfig":
-        """Unset lengths take the format's defaults (the longest of a blend's). Called when the whole
-        config is built (not in __post_init__: Hydra instantiates the default group while building
-        its schema, which would freeze the synthetic task's numbers for every format)."""
+        """Unset lengths take the format's defaults (the longest of a blend's). Called when the
+        whole config is built (not in __post_init__: Hydra instantiates the default group while
+        building its schema, which would freeze the synthetic task's numbers for every format)."""
         formats = [s.format for s in self.source_list()]
         for i, key in enumerate(("max_prompt_len", "max_response_len")):
             if getattr(self, key) is None:
@@ -330,9 +390,16 @@ class DataConfig:
 
     def _check_eval_and_template(self) -> None:
         if self.eval_format is not None:
-            _check(self.eval_format in FORMATS, "data.eval_format", self.eval_format, "one of " + ", ".join(FORMATS))
+            _check(
+                self.eval_format in FORMATS,
+                "data.eval_format",
+                self.eval_format,
+                "one of " + ", ".join(FORMATS),
+            )
             if not self.eval_path:
-                raise ConfigError(f"data.eval_format={self.eval_format} is set but data.eval_path is not")
+                raise ConfigError(
+                    f"data.eval_format={self.eval_format} is set but data.eval_path is not"
+                )
         if self.eval_path:
             fmt = self.eval_format or self.format
             if FORMATS[fmt].generated:
@@ -341,7 +408,9 @@ class DataConfig:
                     f"data.format={fmt} generates its data)"
                 )
         if self.eval_hf_split is not None and not self.eval_path:
-            raise ConfigError(f"data.eval_hf_split={self.eval_hf_split} is set but data.eval_path is not")
+            raise ConfigError(
+                f"data.eval_hf_split={self.eval_hf_split} is set but data.eval_path is not"
+            )
         if self.chat_template not in ("auto", "none"):
             import os
 
@@ -383,9 +452,9 @@ class DataConfig:
         )
 
     def default_new_tokens(self) -> int:
-        """What eval.max_new_tokens=None resolves to: the formats' own number where each has one (the
-        synthetic task: 16, its answers are short), else data.max_response_len (a GSM8K answer needs
-        room to reach its '####')."""
+        """What eval.max_new_tokens=None resolves to: the formats' own number where each has one
+        (the synthetic task: 16, its answers are short), else data.max_response_len (a GSM8K answer
+        needs room to reach its '####')."""
         new_tokens = [FORMATS[s.format].new_tokens for s in self.source_list()]
         if all(n is not None for n in new_tokens):
             return max(new_tokens)
@@ -397,15 +466,20 @@ class TrainConfig:
     # optimizer steps; null = from train.epochs over the stage's records (PPO: its prompts), which
     # the recipe for pretrained models uses. Set, it wins over train.epochs.
     max_steps: Optional[int] = 1000
-    epochs: Optional[float] = None  # passes over the stage's data when train.max_steps is null
-    global_batch: int = 64  # samples per optimizer step, summed over ranks and accumulation
-    micro_batch_per_rank: int = 0  # 0 = global_batch / world_size (no accumulation)
-    # SFT, reward, DPO: a rank's rows of the step in micro-batches of at most this many real tokens (a
-    # pair: chosen + rejected; a longer row alone), as many on every rank; 0 = micro_batch_per_rank rows
+    # passes over the stage's data when train.max_steps is null
+    epochs: Optional[float] = None
+    # samples per optimizer step, summed over ranks and accumulation
+    global_batch: int = 64
+    # 0 = global_batch / world_size (no accumulation)
+    micro_batch_per_rank: int = 0
+    # SFT, reward, DPO: a rank's rows of the step in micro-batches of at most this many real tokens
+    # (a pair: chosen + rejected; a longer row alone), as many on every rank; 0 =
+    # micro_batch_per_rank rows
     max_tokens_per_micro_batch: int = 0
     lr: float = 3e-3
-    # with LoRA (model.lora.r > 0) the learning rate instead of train.lr, unless train.lr is on the command
-    # line (rlhf/compose.py; the log says which it used): the recipes set LoRA's rates here; null = train.lr
+    # with LoRA (model.lora.r > 0) the learning rate instead of train.lr, unless train.lr is on the
+    # command line (rlhf/compose.py; the log says which it used): the recipes set LoRA's rates here;
+    # null = train.lr
     lora_lr: Optional[float] = None
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0  # never applied to norms and biases
@@ -429,7 +503,9 @@ class TrainConfig:
             self.max_steps,
             "a positive integer (null = from train.epochs)",
         )
-        _check(self.epochs is None or self.epochs > 0, "train.epochs", self.epochs, "a positive number")
+        _check(
+            self.epochs is None or self.epochs > 0, "train.epochs", self.epochs, "a positive number"
+        )
         if self.max_steps is None and self.epochs is None:
             raise ConfigError("train.max_steps and train.epochs are both null: set one of them")
         _check(self.global_batch > 0, "train.global_batch", self.global_batch, "a positive integer")
@@ -446,7 +522,12 @@ class TrainConfig:
             "a non-negative integer (0 = off)",
         )
         _check(self.lr > 0, "train.lr", self.lr, "a positive number")
-        _check(self.lora_lr is None or self.lora_lr > 0, "train.lora_lr", self.lora_lr, "a positive number or null")
+        _check(
+            self.lora_lr is None or self.lora_lr > 0,
+            "train.lora_lr",
+            self.lora_lr,
+            "a positive number or null",
+        )
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
         _check(
             self.scheduler in ("warmup", "warmup_decay", "cosine", "constant"),
@@ -467,35 +548,51 @@ class TrainConfig:
             "a share of the steps in [0, 1)",
         )
         if self.warmup_steps is None and self.warmup_ratio is None:
-            raise ConfigError("train.warmup_steps and train.warmup_ratio are both null: set one of them")
+            raise ConfigError(
+                "train.warmup_steps and train.warmup_ratio are both null: set one of them"
+            )
         _check(len(self.betas) == 2, "train.betas", self.betas, "two numbers")
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a non-negative number")
         _check(self.log_every > 0, "train.log_every", self.log_every, "a positive integer")
         _check(self.save_every >= 0, "train.save_every", self.save_every, "a non-negative integer")
-        _check(self.keep_checkpoints > 0, "train.keep_checkpoints", self.keep_checkpoints, "a positive integer")
+        _check(
+            self.keep_checkpoints > 0,
+            "train.keep_checkpoints",
+            self.keep_checkpoints,
+            "a positive integer",
+        )
 
-    def resolve_steps(self, items: int, per_step: int, what: str, updates_per_step: int = 1) -> Optional[str]:
-        """Fills a null train.max_steps from train.epochs (``items`` records or prompts, ``per_step``
-        of them a step) and a null train.warmup_steps (optimizer steps: ``updates_per_step`` a stage
-        step) from train.warmup_ratio. Called by each stage once its data is loaded; returns the line
-        that says what was derived (None: nothing was)."""
+    def resolve_steps(
+        self, items: int, per_step: int, what: str, updates_per_step: int = 1
+    ) -> Optional[str]:
+        """Fills a null train.max_steps from train.epochs (``items`` records or prompts,
+        ``per_step`` of them a step) and a null train.warmup_steps (optimizer steps:
+        ``updates_per_step`` a stage step) from train.warmup_ratio. Called by each stage once its
+        data is loaded; returns the line that says what was derived (None: nothing was)."""
         said = []
         if self.max_steps is not None and self.epochs is not None:
-            said.append(f"train.max_steps={self.max_steps} is set: train.epochs={self.epochs:g} does not apply")
+            said.append(
+                f"train.max_steps={self.max_steps} is set: train.epochs={self.epochs:g} "
+                "does not apply"
+            )
         if self.max_steps is None:
             self.max_steps = max(1, math.ceil(self.epochs * items / per_step))
             said.append(
-                f"train.max_steps={self.max_steps} (train.epochs={self.epochs:g} over {items} {what}, "
+                f"train.max_steps={self.max_steps} (train.epochs={self.epochs:g} over "
+                f"{items} {what}, "
                 f"{per_step} a step)"
             )
         if self.warmup_steps is None:
             self.warmup_steps = round(self.warmup_ratio * self.max_steps * updates_per_step)
         elif self.warmup_ratio is not None:
             said.append(
-                f"train.warmup_steps={self.warmup_steps} is set: train.warmup_ratio={self.warmup_ratio:g} "
+                f"train.warmup_steps={self.warmup_steps} is set: "
+                f"train.warmup_ratio={self.warmup_ratio:g} "
                 f"does not apply"
             )
-            said.append(f"train.warmup_steps={self.warmup_steps} (train.warmup_ratio={self.warmup_ratio:g})")
+            said.append(
+                f"train.warmup_steps={self.warmup_steps} (train.warmup_ratio={self.warmup_ratio:g})"
+            )
         return "; ".join(said) or None
 
 
@@ -506,14 +603,15 @@ ROLES = (
     "reward_model",
     "teacher",
     "judge",
-)  # the models a stage places (engine.<role>.*)
+    # the models a stage places (engine.<role>.*)
+)
 
 
 @dataclass
 class PlacementConfig:
-    """Where one model of a stage lives (engine.actor / critic / reference / reward_model / teacher / judge);
-    null = the
-    engine.* value. DeepSpeed-Chat's --actor_zero_stage, --critic_zero_stage, --offload_reference_model."""
+    """Where one model of a stage lives (engine.actor / critic / reference / reward_model / teacher
+    / judge); null = the engine.* value. DeepSpeed-Chat's --actor_zero_stage, --critic_zero_stage,
+    --offload_reference_model."""
 
     zero_stage: Optional[int] = None
     offload: Optional[str] = None
@@ -521,22 +619,24 @@ class PlacementConfig:
     activation_checkpointing: Optional[bool] = None
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # engine.precision and engine.inference_dtype, besides auto
+# engine.precision and engine.inference_dtype, besides auto
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
 class FP16Config:
-    """engine.fp16.*: the loss scaling of engine.precision=fp16 (rlhf/engine/loss_scale.py), DeepSpeed's
-    ``fp16`` keys and defaults. Dynamic (loss_scale=0): the first scale is 2**initial_scale_power; an
-    overflow (inf/NaN gradients) skips the step and, once ``hysteresis`` overflows have used up the
-    tolerance, halves the scale (not below min_loss_scale); after ``loss_scale_window`` steps without
-    overflow the next one doubles it."""
+    """engine.fp16.*: the loss scaling of engine.precision=fp16 (rlhf/engine/loss_scale.py),
+    DeepSpeed's ``fp16`` keys and defaults. Dynamic (loss_scale=0): the first scale is
+    2**initial_scale_power; an overflow (inf/NaN gradients) skips the step and, once ``hysteresis``
+    overflows have used up the tolerance, halves the scale (not below min_loss_scale); after
+    ``loss_scale_window`` steps without overflow the next one doubles it."""
 
     loss_scale: float = 0.0  # 0 = dynamic; > 0 = this static scale
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    consecutive_hysteresis: bool = False  # true: every step without overflow restores the hysteresis
+    # true: every step without overflow restores the hysteresis
+    consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
 
     def __post_init__(self):
@@ -553,7 +653,10 @@ class FP16Config:
             "an integer in [0, 64] (the first dynamic scale is 2**power)",
         )
         _check(
-            self.loss_scale_window > 0, "engine.fp16.loss_scale_window", self.loss_scale_window, "a positive integer"
+            self.loss_scale_window > 0,
+            "engine.fp16.loss_scale_window",
+            self.loss_scale_window,
+            "a positive integer",
         )
         _check(self.hysteresis > 0, "engine.fp16.hysteresis", self.hysteresis, "a positive integer")
         _check(
@@ -564,7 +667,8 @@ class FP16Config:
         )
         if self.loss_scale == 0 and self.min_loss_scale > 2.0**self.initial_scale_power:
             raise ConfigError(
-                f"engine.fp16.min_loss_scale={self.min_loss_scale:g} is above the first dynamic scale "
+                f"engine.fp16.min_loss_scale={self.min_loss_scale:g} is above the first "
+                "dynamic scale "
                 f"2**engine.fp16.initial_scale_power={2.0**self.initial_scale_power:g}"
             )
 
@@ -576,44 +680,49 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     zero_stage: int = 3
     offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy)
-    # fp32 | bf16 (bf16 compute, fp32 master weights and reductions) | fp16 (the same in fp16, with loss
-    # scaling: engine.fp16.*) | auto = bf16 on a CUDA device with native bf16 (compute capability ≥ 8),
-    # fp16 on an older one (V100, T4), fp32 on the CPU (resolved when the device is known; the log states it)
+    # fp32 | bf16 (bf16 compute, fp32 master weights and reductions) | fp16 (the same in fp16, with
+    # loss scaling: engine.fp16.*) | auto = bf16 on a CUDA device with native bf16 (compute
+    # capability ≥ 8), fp16 on an older one (V100, T4), fp32 on the CPU (resolved when the device is
+    # known; the log states it)
     precision: str = "auto"
     fp16: FP16Config = field(default_factory=FP16Config)
     activation_checkpointing: bool = False
-    # training forwards padding-free: a micro-batch's real tokens run as one packed sequence (positions
-    # per sequence, no attention across sequences, a prefix that rows share run once;
+    # training forwards padding-free: a micro-batch's real tokens run as one packed sequence
+    # (positions per sequence, no attention across sequences, a prefix that rows share run once;
     # rlhf/engine/packing.py); false = padded to the longest row (the reference path; also what a
     # family or attention kernel that cannot pack runs)
     packing: bool = True
     backend: Optional[str] = None  # None = nccl on CUDA, else gloo
-    timeout_s: int = 600  # collective timeout: a dead peer ends the job instead of hanging it
-    threads_per_rank: int = 0  # torch intra-op threads; 0 = cores / local ranks
+    # collective timeout: a dead peer ends the job instead of hanging it
+    timeout_s: int = 600
+    # torch intra-op threads; 0 = cores / local ranks
+    threads_per_rank: int = 0
     inference_tp_size: int = 1
     hybrid: bool = True
     release_inference_cache: bool = True
     # weights and activations of the hybrid engine's inference mode (log-softmax and sampling stay
-    # fp32); auto = engine.precision (fp16 training on the CPU: fp32, the CPU has no fast fp16 GEMMs).
-    # bf16 with fp32 training: faster rollouts (oneDNN AMX / AVX-512 BF16 GEMMs on CPU); rollout
-    # log-probs within ~2e-2 of the fp32 recompute (as HF's own bf16 model) instead of ~1e-6; PPO
-    # recomputes its old log-probs in training mode either way.
+    # fp32); auto = engine.precision (fp16 training on the CPU: fp32, the CPU has no fast fp16
+    # GEMMs). bf16 with fp32 training: faster rollouts (oneDNN AMX / AVX-512 BF16 GEMMs on CPU);
+    # rollout log-probs within ~2e-2 of the fp32 recompute (as HF's own bf16 model) instead of
+    # ~1e-6; PPO recomputes its old log-probs in training mode either way.
     inference_dtype: str = "auto"  # auto | fp32 | bf16 | fp16
-    # GEMM kernels of the inference mode: auto = the fast paths where they apply (CPU: MKL-packed fp32
-    # decode GEMMs, oneDNN-packed bf16), reference = plain GEMMs everywhere (fp32 results differ from
-    # auto's at rounding level only)
+    # GEMM kernels of the inference mode: auto = the fast paths where they apply (CPU: MKL-packed
+    # fp32 decode GEMMs, oneDNN-packed bf16), reference = plain GEMMs everywhere (fp32 results
+    # differ from auto's at rounding level only)
     inference_kernels: str = "auto"  # auto | reference
-    # the decode loop on CUDA: auto = a static decode step (fixed batch, finished rows masked, no host
-    # synchronisation) replayed as a CUDA graph per (batch bucket, cache span) — eager static step with
-    # inference_tp_size > 1; off = the row-removing loop with a host check per step (the CPU's loop,
-    # which the CPU always uses: there it is faster)
+    # the decode loop on CUDA: auto = a static decode step (fixed batch, finished rows masked, no
+    # host synchronisation) replayed as a CUDA graph per (batch bucket, cache span) — eager static
+    # step with inference_tp_size > 1; off = the row-removing loop with a host check per step (the
+    # CPU's loop, which the CPU always uses: there it is faster)
     cuda_graphs: str = "auto"  # auto | off
-    # the static step's "have all rows finished?" check (a host synchronisation) every this many steps
+    # the static step's "have all rows finished?" check (a host synchronisation) every this many
+    # steps
     decode_sync_every: int = 8
-    role: ClassVar[str] = ""  # set on the copy placement(role) returns
-    # per model: ZeRO stage, offload, precision and activation checkpointing of the policy (SFT, DPO,
-    # PPO's actor), PPO's critic, the frozen reference (PPO, DPO) and the reward model (trained by
-    # stage=reward, frozen in PPO); each key unset = the engine.* value above
+    # set on the copy placement(role) returns
+    role: ClassVar[str] = ""
+    # per model: ZeRO stage, offload, precision and activation checkpointing of the policy (SFT,
+    # DPO, PPO's actor), PPO's critic, the frozen reference (PPO, DPO) and the reward model (trained
+    # by stage=reward, frozen in PPO); each key unset = the engine.* value above
     actor: PlacementConfig = field(default_factory=PlacementConfig)
     critic: PlacementConfig = field(default_factory=PlacementConfig)
     reference: PlacementConfig = field(default_factory=PlacementConfig)
@@ -622,14 +731,40 @@ class EngineConfig:
     judge: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self):
-        _check(self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        _check(
+            self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3"
+        )
         _check(self.offload in ("none", "cpu"), "engine.offload", self.offload, "none or cpu")
-        _check(self.device in ("auto", "cpu", "cuda"), "engine.device", self.device, "auto, cpu or cuda")
-        _check(self.precision in ("auto", *PRECISIONS), "engine.precision", self.precision, "auto, fp32, bf16 or fp16")
-        _check(self.backend in (None, "gloo", "nccl"), "engine.backend", self.backend, "gloo or nccl")
-        _check(self.timeout_s > 0, "engine.timeout_s", self.timeout_s, "a positive number of seconds")
-        _check(self.threads_per_rank >= 0, "engine.threads_per_rank", self.threads_per_rank, "a non-negative integer")
-        _check(self.inference_tp_size > 0, "engine.inference_tp_size", self.inference_tp_size, "a positive integer")
+        _check(
+            self.device in ("auto", "cpu", "cuda"),
+            "engine.device",
+            self.device,
+            "auto, cpu or cuda",
+        )
+        _check(
+            self.precision in ("auto", *PRECISIONS),
+            "engine.precision",
+            self.precision,
+            "auto, fp32, bf16 or fp16",
+        )
+        _check(
+            self.backend in (None, "gloo", "nccl"), "engine.backend", self.backend, "gloo or nccl"
+        )
+        _check(
+            self.timeout_s > 0, "engine.timeout_s", self.timeout_s, "a positive number of seconds"
+        )
+        _check(
+            self.threads_per_rank >= 0,
+            "engine.threads_per_rank",
+            self.threads_per_rank,
+            "a non-negative integer",
+        )
+        _check(
+            self.inference_tp_size > 0,
+            "engine.inference_tp_size",
+            self.inference_tp_size,
+            "a positive integer",
+        )
         _check(
             self.inference_dtype in ("auto", *PRECISIONS),
             "engine.inference_dtype",
@@ -642,8 +777,18 @@ class EngineConfig:
             self.inference_kernels,
             "auto or reference",
         )
-        _check(self.cuda_graphs in ("auto", "off"), "engine.cuda_graphs", self.cuda_graphs, "auto or off")
-        _check(self.decode_sync_every > 0, "engine.decode_sync_every", self.decode_sync_every, "a positive integer")
+        _check(
+            self.cuda_graphs in ("auto", "off"),
+            "engine.cuda_graphs",
+            self.cuda_graphs,
+            "auto or off",
+        )
+        _check(
+            self.decode_sync_every > 0,
+            "engine.decode_sync_every",
+            self.decode_sync_every,
+            "a positive integer",
+        )
         for role in ROLES:
             p = getattr(self, role)
             _check(
@@ -666,8 +811,8 @@ class EngineConfig:
             )
 
     def placement(self, role: str) -> "EngineConfig":
-        """This engine configuration with ``engine.<role>.*`` applied: what the model of that role is
-        wrapped, offloaded and cast with."""
+        """This engine configuration with ``engine.<role>.*`` applied: what the model of that role
+        is wrapped, offloaded and cast with."""
         chosen = {k: v for k, v in dataclasses.asdict(getattr(self, role)).items() if v is not None}
         placed = dataclasses.replace(self, **chosen)
         placed.role = role
@@ -685,7 +830,8 @@ class EngineConfig:
         return any(self.placement(r).offload == "cpu" for r in roles)
 
     def placements(self, roles=ROLES) -> dict:
-        """role -> its resolved (zero_stage, offload, precision, activation_checkpointing), for the log."""
+        """role -> its resolved (zero_stage, offload, precision, activation_checkpointing), for the
+        log."""
         return {
             role: tuple(
                 getattr(self.placement(role), k)
@@ -706,7 +852,8 @@ class EvalConfig:
     # data.max_response_len; resolved when the whole config is built
     max_new_tokens: Optional[int] = None
     # held-out prompts keep their last this many tokens, as training prompts do (one rule for every
-    # prompt a stage or rlhf.eval generates from); None = data.max_prompt_len, resolved with the config
+    # prompt a stage or rlhf.eval generates from); None = data.max_prompt_len, resolved with the
+    # config
     max_prompt_len: Optional[int] = None
     seed: int = 4321
     batch_size: int = 256  # held-out prompts per generate call
@@ -748,7 +895,8 @@ class LoggerConfig:
     project: str = "rlhf"
     progress: bool = True  # tqdm on rank 0
     # every metrics.jsonl line also as TensorBoard scalars (rank 0), in <tensorboard_dir>/<stage>/;
-    # tensorboard_dir None = <run.dir>/tensorboard (DeepSpeed-Chat's --enable_tensorboard, --tensorboard_path)
+    # tensorboard_dir None = <run.dir>/tensorboard (DeepSpeed-Chat's --enable_tensorboard,
+    # --tensorboard_path)
     tensorboard: bool = False
     tensorboard_dir: Optional[str] = None
     # <stage>/samples.jsonl (and wandb / TensorBoard tables): the responses to the first `samples`
@@ -758,48 +906,70 @@ class LoggerConfig:
     samples_every: int = 10
 
     def __post_init__(self):
-        _check(self.samples >= 0, "logger.samples", self.samples, "a non-negative integer (0 = none)")
         _check(
-            self.samples_every >= 0, "logger.samples_every", self.samples_every, "a non-negative integer (0 = never)"
+            self.samples >= 0, "logger.samples", self.samples, "a non-negative integer (0 = none)"
         )
         _check(
-            self.wandb in ("disabled", "offline", "online"), "logger.wandb", self.wandb, "disabled, offline or online"
+            self.samples_every >= 0,
+            "logger.samples_every",
+            self.samples_every,
+            "a non-negative integer (0 = never)",
         )
-        if self.tensorboard:  # (the package torch.utils.tensorboard writes with: an optional extra)
+        _check(
+            self.wandb in ("disabled", "offline", "online"),
+            "logger.wandb",
+            self.wandb,
+            "disabled, offline or online",
+        )
+        if self.tensorboard:
+            # (the package torch.utils.tensorboard writes with: an optional extra)
             try:
                 import tensorboard  # noqa: F401
             except ImportError:
                 raise ConfigError(
-                    "logger.tensorboard=true needs the tensorboard package, which is not installed: "
-                    "pip install 'rlhf[tensorboard]' (or pip install 'tensorboard>=2.14'), or logger.tensorboard=false"
+                    "logger.tensorboard=true needs the tensorboard package, which is not "
+                    "installed: "
+                    "pip install 'rlhf[tensorboard]' (or pip install 'tensorboard>=2.14'), "
+                    "or logger.tensorboard=false"
                 ) from None
 
 
 @dataclass
 class RewardConfig:
-    margin: float = 0.0  # pairwise loss -log σ(r_chosen - r_rejected - margin)
+    # pairwise loss -log σ(r_chosen - r_rejected - margin)
+    margin: float = 0.0
     # the model the reward model starts from: None = the SFT output in run.dir, else model.path
     model_path: Optional[str] = None
     # members of a reward-model ensemble: k scalar heads on the one backbone, each with its own
     # initialisation and (reward.bootstrap) its own half of the pairs; exported as one
     # sequence classifier with k labels, member i = label i (docs/ppo.md, "Reward-model ensembles")
     ensemble: int = 1
-    bootstrap: bool = True  # each member's pairs: a double-or-nothing bootstrap of the data
+    # each member's pairs: a double-or-nothing bootstrap of the data
+    bootstrap: bool = True
 
     def __post_init__(self):
-        _check(self.ensemble >= 1, "reward.ensemble", self.ensemble, "a positive integer (1 = one reward model)")
+        _check(
+            self.ensemble >= 1,
+            "reward.ensemble",
+            self.ensemble,
+            "a positive integer (1 = one reward model)",
+        )
 
 
 @dataclass
 class DPOConfig:
-    """Direct preference optimisation (rlhf/algorithms/preference.py): the policy against a frozen reference."""
+    """Direct preference optimisation (rlhf/algorithms/preference.py): the policy against a frozen
+    reference."""
 
-    beta: float = 0.1  # β: strength of the implicit KL to the reference (rewards are β·log π/π_ref)
-    loss: str = "sigmoid"  # sigmoid (DPO; cDPO with label_smoothing) | ipo
+    # β: strength of the implicit KL to the reference (rewards are β·log π/π_ref)
+    beta: float = 0.1
+    # sigmoid (DPO; cDPO with label_smoothing) | ipo
+    loss: str = "sigmoid"
     # cDPO: the share of pairs assumed mislabelled (sigmoid loss only; 0 = plain DPO)
     label_smoothing: float = 0.0
-    # RPO: + sft_coef × the chosen response's NLL per token, per pair (0 = plain DPO; TRL's rpo_alpha).
-    # Keeps the chosen responses likely where pairs differ in a token or two (the embedded task)
+    # RPO: + sft_coef × the chosen response's NLL per token, per pair (0 = plain DPO; TRL's
+    # rpo_alpha). Keeps the chosen responses likely where pairs differ in a token or two (the
+    # embedded task)
     sft_coef: float = 0.0
     # the policy and reference to start from: None = the SFT output in run.dir, else model.path
     model_path: Optional[str] = None
@@ -807,7 +977,12 @@ class DPOConfig:
     def __post_init__(self):
         _check(self.beta > 0, "dpo.beta", self.beta, "a positive number")
         _check(self.loss in ("sigmoid", "ipo"), "dpo.loss", self.loss, "sigmoid or ipo")
-        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing, "a number in [0, 0.5)")
+        _check(
+            0.0 <= self.label_smoothing < 0.5,
+            "dpo.label_smoothing",
+            self.label_smoothing,
+            "a number in [0, 0.5)",
+        )
         _check(self.sft_coef >= 0, "dpo.sft_coef", self.sft_coef, "a non-negative number (0 = off)")
         if self.loss == "ipo" and self.label_smoothing:  # would be silently ignored
             raise ConfigError(
@@ -820,17 +995,21 @@ class DPOConfig:
 class AlgorithmConfig:
     """RL estimator and its coefficients (rlhf/algorithms/ppo.py)."""
 
-    # a row of rlhf/algorithms/estimators.py: gae (PPO with critic) | grpo | rloo | reinforce_pp (critic-free)
-    # | distill (on-policy distillation: each token's advantage its own reward; needs ppo.teacher_path)
+    # a row of rlhf/algorithms/estimators.py: gae (PPO with critic) | grpo | rloo | reinforce_pp
+    # (critic-free) | distill (on-policy distillation: each token's advantage its own reward; needs
+    # ppo.teacher_path)
     estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 0.95
-    kl_coef: float = 0.05  # β of the per-token KL penalty (GRPO: of the KL loss term)
-    kl_estimator: Optional[str] = None  # k1 | k2 | k3; None = k3 for GRPO's KL loss term, else k1
+    # β of the per-token KL penalty (GRPO: of the KL loss term)
+    kl_coef: float = 0.05
+    # k1 | k2 | k3; None = k3 for GRPO's KL loss term, else k1
+    kl_estimator: Optional[str] = None
     kl_target: Optional[float] = None  # adaptive β (Ziegler et al.) when set
     kl_horizon: int = 10000
     clip_ratio: float = 0.2
-    # asymmetric clipping: ratio clipped to [1 − low, 1 + high]; None = clip_ratio (DAPO's clip-higher: high 0.28)
+    # asymmetric clipping: ratio clipped to [1 − low, 1 + high]; None = clip_ratio (DAPO's
+    # clip-higher: high 0.28)
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
     dual_clip: Optional[float] = None  # e.g. 3.0
@@ -838,33 +1017,55 @@ class AlgorithmConfig:
     # world size): token_mean (over the global minibatch's tokens), seq_mean_token_mean,
     # seq_mean_token_sum, token_sum_norm (Dr.GRPO: token sum / (sequences × loss_norm_tokens))
     loss_agg: str = "token_mean"
-    loss_norm_tokens: int = 0  # token_sum_norm's constant; 0 = ppo.max_new_tokens
-    std_normalize: bool = True  # GRPO: divide by the group's std; false = Dr.GRPO
-    # rollout/training log-prob mismatch: none | tis (truncated importance weight min(π_train/π_rollout,
-    # tis_cap) per token) | mis (mask tokens whose ratio is outside [1/tis_cap, tis_cap])
+    # token_sum_norm's constant; 0 = ppo.max_new_tokens
+    loss_norm_tokens: int = 0
+    # GRPO: divide by the group's std; false = Dr.GRPO
+    std_normalize: bool = True
+    # rollout/training log-prob mismatch: none | tis (truncated importance weight
+    # min(π_train/π_rollout, tis_cap) per token) | mis (mask tokens whose ratio is outside
+    # [1/tis_cap, tis_cap])
     mismatch_correction: str = "none"
     tis_cap: float = 2.0
     value_clip: Optional[float] = 0.2
     whiten_advantages: bool = True
     entropy_coef: float = 0.0
-    ptx_coef: float = 0.0  # PPO-ptx: language-model loss on SFT data
+    # PPO-ptx: language-model loss on SFT data
+    ptx_coef: float = 0.0
     reward_clip: Optional[float] = 5.0
-    reward_norm: str = "stats"  # stats (reward stage's mean/std) | running | none
-    no_eos_penalty: float = -1.0  # added to the score of a response that never ends (0 = off)
-    # GKD (docs/ppo.md): a loss term gkd_coef × the generalised JSD between the teacher's (ppo.teacher_path)
-    # and the actor's next-token distributions at every policy token, over the vocabulary or the teacher's
-    # gkd_top_k likeliest tokens (0 = all); gkd_beta 0 = forward KL(teacher ‖ actor), 1 = reverse KL
+    # stats (reward stage's mean/std) | running | none
+    reward_norm: str = "stats"
+    # added to the score of a response that never ends (0 = off)
+    no_eos_penalty: float = -1.0
+    # GKD (docs/ppo.md): a loss term gkd_coef × the generalised JSD between the teacher's
+    # (ppo.teacher_path) and the actor's next-token distributions at every policy token, over the
+    # vocabulary or the teacher's gkd_top_k likeliest tokens (0 = all); gkd_beta 0 = forward
+    # KL(teacher ‖ actor), 1 = reverse KL
     gkd_coef: float = 0.0
     gkd_beta: float = 0.5
     gkd_top_k: int = 0
 
     def __post_init__(self):
-        _check(self.gkd_coef >= 0, "algorithm.gkd_coef", self.gkd_coef, "a non-negative number (0 = off)")
-        _check(0 <= self.gkd_beta <= 1, "algorithm.gkd_beta", self.gkd_beta, "0..1 (0 forward KL, 1 reverse KL)")
         _check(
-            self.gkd_top_k >= 0, "algorithm.gkd_top_k", self.gkd_top_k, "a non-negative integer (0 = the vocabulary)"
+            self.gkd_coef >= 0,
+            "algorithm.gkd_coef",
+            self.gkd_coef,
+            "a non-negative number (0 = off)",
         )
-        _check(self.estimator in ESTIMATORS, "algorithm.estimator", self.estimator, one_of(ESTIMATORS))
+        _check(
+            0 <= self.gkd_beta <= 1,
+            "algorithm.gkd_beta",
+            self.gkd_beta,
+            "0..1 (0 forward KL, 1 reverse KL)",
+        )
+        _check(
+            self.gkd_top_k >= 0,
+            "algorithm.gkd_top_k",
+            self.gkd_top_k,
+            "a non-negative integer (0 = the vocabulary)",
+        )
+        _check(
+            self.estimator in ESTIMATORS, "algorithm.estimator", self.estimator, one_of(ESTIMATORS)
+        )
         _check(
             self.kl_estimator is None or self.kl_estimator in KL_ESTIMATORS,
             "algorithm.kl_estimator",
@@ -877,7 +1078,12 @@ class AlgorithmConfig:
             self.reward_norm,
             "stats, running or none",
         )
-        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma/lam", (self.gamma, self.lam), "0..1")
+        _check(
+            0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
+            "algorithm.gamma/lam",
+            (self.gamma, self.lam),
+            "0..1",
+        )
         _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "a non-negative number")
         for key in ("clip_ratio_low", "clip_ratio_high"):
             v = getattr(self, key)
@@ -902,8 +1108,8 @@ class AlgorithmConfig:
 ROLLOUT_GUARD_MAX = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 # the default ppo.min_rm_accuracy: on the embedded task (a generated format), and on any other data
 MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER = 0.9, 0.55
-# ppo.sandbox.isolation: the strongest mode, the strongest or exit 2 without namespaces, or a mode by name
-# (rlhf/envs/sandbox/modes.py MODE_CHOICES, kept equal by tests/unit/test_sandbox.py)
+# ppo.sandbox.isolation: the strongest mode, the strongest or exit 2 without namespaces, or a mode
+# by name (rlhf/envs/sandbox/modes.py MODE_CHOICES, kept equal by tests/unit/test_sandbox.py)
 SANDBOX_ISOLATION = ("auto", "namespaces", "root", "user", "guard")
 
 
@@ -914,26 +1120,64 @@ class SandboxConfig:
     cpu_s: float = 2.0
     wall_s: float = 5.0
     memory_mb: int = 256
-    processes: int = 0  # processes the code may start besides itself
-    output_bytes: int = 10_000  # stdout + stderr kept (the rest cut, the run stopped)
-    file_bytes: int = 1_000_000  # the largest file it may write (in its own directory)
-    disk_bytes: int = 16_000_000  # all its files together (its directory is a tmpfs of this size)
-    files: int = 256  # files and directories it may have, main.py included
+    # processes the code may start besides itself
+    processes: int = 0
+    # stdout + stderr kept (the rest cut, the run stopped)
+    output_bytes: int = 10_000
+    # the largest file it may write (in its own directory)
+    file_bytes: int = 1_000_000
+    # all its files together (its directory is a tmpfs of this size)
+    disk_bytes: int = 16_000_000
+    # files and directories it may have, main.py included
+    files: int = 256
     open_files: int = 64  # file descriptors open at once
-    isolation: str = "auto"  # SANDBOX_ISOLATION: auto = the strongest the kernel allows
+    # SANDBOX_ISOLATION: auto = the strongest the kernel allows
+    isolation: str = "auto"
 
     def __post_init__(self):
-        for key in ("cpu_s", "wall_s", "memory_mb", "output_bytes", "file_bytes", "disk_bytes", "files"):
-            _check(getattr(self, key) > 0, f"ppo.sandbox.{key}", getattr(self, key), "a positive number")
-        _check(self.processes >= 0, "ppo.sandbox.processes", self.processes, "a non-negative integer")
+        for key in (
+            "cpu_s",
+            "wall_s",
+            "memory_mb",
+            "output_bytes",
+            "file_bytes",
+            "disk_bytes",
+            "files",
+        ):
+            _check(
+                getattr(self, key) > 0,
+                f"ppo.sandbox.{key}",
+                getattr(self, key),
+                "a positive number",
+            )
+        _check(
+            self.processes >= 0, "ppo.sandbox.processes", self.processes, "a non-negative integer"
+        )
         _check(self.open_files >= 8, "ppo.sandbox.open_files", self.open_files, "an integer >= 8")
-        _check(self.files >= 2, "ppo.sandbox.files", self.files, "an integer >= 2 (its directory and main.py)")
-        _check(self.memory_mb >= 16, "ppo.sandbox.memory_mb", self.memory_mb, "at least 16 (the interpreter's own)")
-        _check(self.isolation in SANDBOX_ISOLATION, "ppo.sandbox.isolation", self.isolation, one_of(SANDBOX_ISOLATION))
+        _check(
+            self.files >= 2,
+            "ppo.sandbox.files",
+            self.files,
+            "an integer >= 2 (its directory and main.py)",
+        )
+        _check(
+            self.memory_mb >= 16,
+            "ppo.sandbox.memory_mb",
+            self.memory_mb,
+            "at least 16 (the interpreter's own)",
+        )
+        _check(
+            self.isolation in SANDBOX_ISOLATION,
+            "ppo.sandbox.isolation",
+            self.isolation,
+            one_of(SANDBOX_ISOLATION),
+        )
 
 
-ENV_BUILTINS = ("auto", "single_turn", "tools")  # ppo.env: these, or a dotted path module.Class (rlhf/envs/builtin.py)
-ROLLOUT_GUARD = ("stop", "rebuild", "off")  # ppo.rollout_guard (rlhf/rl/rollout_guard.py)
+# ppo.env: these, or a dotted path module.Class (rlhf/envs/builtin.py)
+ENV_BUILTINS = ("auto", "single_turn", "tools")
+# ppo.rollout_guard (rlhf/rl/rollout_guard.py)
+ROLLOUT_GUARD = ("stop", "rebuild", "off")
 
 
 @dataclass
@@ -948,23 +1192,25 @@ class PPOConfig:
     # minibatch; results do not depend on it); 0 = auto: as many rows as keep one micro-batch's fp32
     # logits within 256 MiB (all rows for a small vocabulary, a few for a 152k one)
     micro_batch_per_rank: int = 0
-    # > 0: those forwards group rows by real tokens instead, at most this many a micro-batch (a longer
-    # row alone), as many on every rank; 0 = off (rows as above)
+    # > 0: those forwards group rows by real tokens instead, at most this many a micro-batch (a
+    # longer row alone), as many on every rank; 0 = off (rows as above)
     max_tokens_per_micro_batch: int = 0
     # None = per data format (DataConfig.default_new_tokens): 16 for the synthetic task, else
     # data.max_response_len; resolved when the whole config is built
     max_new_tokens: Optional[int] = None
     min_new_tokens: int = 0
-    temperature: float = 1.0  # 0 = greedy (log-probs then at temperature 1)
+    # 0 = greedy (log-probs then at temperature 1)
+    temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     critic_lr: float = 1e-4
     # the actor (and reference) to start from: None = the SFT output in run.dir, else model.path
     actor_path: Optional[str] = None
-    # an exported reward model (a sequence-classification directory) to score with: None = the reward
-    # stage's output in run.dir
+    # an exported reward model (a sequence-classification directory) to score with: None = the
+    # reward stage's output in run.dir
     reward_model_path: Optional[str] = None
-    # the critic's starting weights (GAE): None = the reward model (ppo.reward_model_path or run.dir's)
+    # the critic's starting weights (GAE): None = the reward model (ppo.reward_model_path or
+    # run.dir's)
     critic_path: Optional[str] = None
     use_reward_model: bool = True
     # refuse a reward model whose held-out pair accuracy (its reward_stats.json) is below this: PPO
@@ -972,63 +1218,70 @@ class PPOConfig:
     # hacked: gold falls), 0.55 on other data (just above chance: real preference data tops out
     # near 0.7); 0 = off
     min_rm_accuracy: Optional[float] = None
-    # a reward-model ensemble (reward.ensemble > 1; docs/ppo.md): its members, each normalised, combined
-    # into the reward by mean, lcb (mean − ppo.reward_lcb_coef × the members' std), min (the worst) or
-    # first (the first member alone; the others only watch: they count in the logged spread and mean)
+    # a reward-model ensemble (reward.ensemble > 1; docs/ppo.md): its members, each normalised,
+    # combined into the reward by mean, lcb (mean − ppo.reward_lcb_coef × the members' std), min
+    # (the worst) or first (the first member alone; the others only watch: they count in the logged
+    # spread and mean)
     reward_combine: str = "lcb"
     reward_lcb_coef: float = 1.0
-    # each member's score clipped to the range of its held-out scores (reward_stats.json), where it was calibrated
+    # each member's score clipped to the range of its held-out scores (reward_stats.json), where it
+    # was calibrated
     reward_clip: bool = False
-    # the reward model's part of each step's rewards with its linear dependence on response length taken
-    # out (every rank's rows: score - slope x (length - mean length), slope by least squares;
+    # the reward model's part of each step's rewards with its linear dependence on response length
+    # taken out (every rank's rows: score - slope x (length - mean length), slope by least squares;
     # reward/length_slope): a policy gains nothing from answering longer or shorter (docs/ppo.md)
     reward_length_debias: bool = False
-    # the gate (docs/ppo.md, "The over-optimisation gate"): stop the run and export the actor of the best
-    # step by the reward (mean over 5 steps) once, over the last 5 steps, the ensemble's disagreement
-    # passes this multiple of its first 5 steps' (ppo.stop_disagreement) or the KL per sequence passes
-    # ppo.stop_kl; null = off
+    # the gate (docs/ppo.md, "The over-optimisation gate"): stop the run and export the actor of the
+    # best step by the reward (mean over 5 steps) once, over the last 5 steps, the ensemble's
+    # disagreement passes this multiple of its first 5 steps' (ppo.stop_disagreement) or the KL per
+    # sequence passes ppo.stop_kl; null = off
     stop_disagreement: Optional[float] = None
     stop_kl: Optional[float] = None
-    # a warning when the final eval/reward_greedy (the reward model's reward of the exported actor's greedy
-    # answers to held-out prompts) is this far below step 0's: the policy may have got worse where it does
-    # not train (0.03 parts the embedded task's unseen seeds whose greedy gold PPO lowered; docs/ppo.md); null = off
+    # a warning when the final eval/reward_greedy (the reward model's reward of the exported actor's
+    # greedy answers to held-out prompts) is this far below step 0's: the policy may have got worse
+    # where it does not train (0.03 parts the embedded task's unseen seeds whose greedy gold PPO
+    # lowered; docs/ppo.md); null = off
     warn_heldout_drop: Optional[float] = 0.03
-    # a warning when the final evaluation's greedy answers to held-out prompts differ from step 0's on more
-    # than this share of them while the reward model prefers the new ones by less than rlhf/rl/gate.py's
-    # CHANGED_GAIN: it cannot tell them apart (docs/ppo.md); null = off
+    # a warning when the final evaluation's greedy answers to held-out prompts differ from step 0's
+    # on more than this share of them while the reward model prefers the new ones by less than
+    # rlhf/rl/gate.py's CHANGED_GAIN: it cannot tell them apart (docs/ppo.md); null = off
     warn_greedy_changed: Optional[float] = 0.05
-    reward_fn: Optional[str] = None  # dotted path of a rule reward, e.g. rlhf.rewards.gold
+    # dotted path of a rule reward, e.g. rlhf.rewards.gold
+    reward_fn: Optional[str] = None
     reward_fn_weight: float = 1.0
-    # on-policy distillation (docs/ppo.md): a frozen teacher (an HF causal LM with the actor's tokenizer)
-    # scores every sampled token, and each policy token's reward is −distill_coef × (log π_actor −
-    # log π_teacher), the per-token reverse KL, added to any other reward (none needed); distill_coef 0:
-    # the teacher only watched (distill/* logged, the run plain RL)
+    # on-policy distillation (docs/ppo.md): a frozen teacher (an HF causal LM with the actor's
+    # tokenizer) scores every sampled token, and each policy token's reward is −distill_coef × (log
+    # π_actor − log π_teacher), the per-token reverse KL, added to any other reward (none needed);
+    # distill_coef 0: the teacher only watched (distill/* logged, the run plain RL)
     teacher_path: Optional[str] = None
     distill_coef: float = 1.0
-    # a generative judge (docs/ppo.md, rlhf/rl/judge.py): an HF causal LM reads each prompt and response
-    # through the template file judge_template ({prompt}, {response}, {reference}); the reward is
-    # judge_weight × its probability of the first of judge_verdicts against the second (one token each)
+    # a generative judge (docs/ppo.md, rlhf/rl/judge.py): an HF causal LM reads each prompt and
+    # response through the template file judge_template ({prompt}, {response}, {reference}); the
+    # reward is judge_weight × its probability of the first of judge_verdicts against the second
+    # (one token each)
     judge_path: Optional[str] = None
     judge_template: Optional[str] = None
     judge_verdicts: List[str] = field(default_factory=lambda: ["Yes", "No"])
     judge_weight: float = 1.0
-    judge_max_tokens: int = 1024  # a longer rendering keeps its last tokens
+    # a longer rendering keeps its last tokens
+    judge_max_tokens: int = 1024
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
     max_nonfinite_in_a_row: int = 3
-    # the rollout-parity guard (docs/ppo.md): every step that generated in the inference mode compares its
-    # log-probs of the sampled tokens with the training recompute (rollout/logprob_abs_diff_mean) before
-    # the update; above ppo.rollout_guard_max: stop = exit 2 (the last checkpoint kept), rebuild = rebuild
-    # the inference weights and regenerate the step once, then exit 2 if still above; off = no check
+    # the rollout-parity guard (docs/ppo.md): every step that generated in the inference mode
+    # compares its log-probs of the sampled tokens with the training recompute
+    # (rollout/logprob_abs_diff_mean) before the update; above ppo.rollout_guard_max: stop = exit 2
+    # (the last checkpoint kept), rebuild = rebuild the inference weights and regenerate the step
+    # once, then exit 2 if still above; off = no check
     rollout_guard: str = "stop"
-    # the threshold on the mean |log π_rollout − log π_old| per response token, in nats; 0 = the default of
-    # the compared precision (ROLLOUT_GUARD_MAX: fp32 1e-3, bf16 5e-2, fp16 2e-2)
+    # the threshold on the mean |log π_rollout − log π_old| per response token, in nats; 0 = the
+    # default of the compared precision (ROLLOUT_GUARD_MAX: fp32 1e-3, bf16 5e-2, fp16 2e-2)
     rollout_guard_max: float = 0.0
-    # asynchronous rollouts (docs/ppo.md): 1 = each trainer rank starts a rollout worker process beside it
-    # (the inference mode only) that plays the episodes ahead of training, fed the weights after each
-    # update; 0 = the colocated hybrid engine (generation between updates)
+    # asynchronous rollouts (docs/ppo.md): 1 = each trainer rank starts a rollout worker process
+    # beside it (the inference mode only) that plays the episodes ahead of training, fed the weights
+    # after each update; 0 = the colocated hybrid engine (generation between updates)
     rollout_workers: int = 0
-    # a sample trained on at update t was generated by weights of version >= t - max_staleness (version
-    # v: after v updates); 0 = on-policy, the synchronous run's samples and updates
+    # a sample trained on at update t was generated by weights of version >= t - max_staleness
+    # (version v: after v updates); 0 = on-policy, the synchronous run's samples and updates
     max_staleness: int = 0
     # CPU threads of each rollout worker; 0 = its trainer rank's (engine.threads_per_rank)
     rollout_worker_threads: int = 0
@@ -1038,9 +1291,10 @@ class PPOConfig:
     # dropped groups)
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 3
-    overlong_filter: bool = False  # no loss on responses cut at max_new_tokens (no EOS)
-    # DAPO's soft overlong penalty: 0 up to max_new_tokens − overlong_buffer tokens, then linearly to
-    # −overlong_penalty at max_new_tokens (0 = off)
+    # no loss on responses cut at max_new_tokens (no EOS)
+    overlong_filter: bool = False
+    # DAPO's soft overlong penalty: 0 up to max_new_tokens − overlong_buffer tokens, then linearly
+    # to −overlong_penalty at max_new_tokens (0 = off)
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     # ---- multi-turn episodes (docs/agents.md) ----
@@ -1048,21 +1302,30 @@ class PPOConfig:
     # calls answered turn after turn until the policy answers without one), or module.Class of the
     # user's; auto = tools when ppo.tools is set, else single_turn
     env: str = "auto"
-    env_args: Any = None  # keyword arguments of the environment's constructor (a user's class)
+    # keyword arguments of the environment's constructor (a user's class)
+    env_args: Any = None
     # the tools offered: calculator, python (sandboxed: ppo.sandbox), or module.attr of a Tool
     tools: List[str] = field(default_factory=list)
-    tool_parser: str = "hermes"  # <tool_call>{json}</tool_call>; or module.function(text) -> Parsed
-    max_turns: Optional[int] = None  # policy turns per episode; None = 1 for single_turn, else 4
-    # tokens after the prompt (the policy's and the observations'); None = max_new_tokens for one turn,
-    # else 2 × max_turns × max_new_tokens
+    # <tool_call>{json}</tool_call>; or module.function(text) -> Parsed
+    tool_parser: str = "hermes"
+    # policy turns per episode; None = 1 for single_turn, else 4
+    max_turns: Optional[int] = None
+    # tokens after the prompt (the policy's and the observations'); None = max_new_tokens for one
+    # turn, else 2 × max_turns × max_new_tokens
     max_trajectory_tokens: Optional[int] = None
-    env_timeout_s: float = 30.0  # a reset or step that takes longer fails its trajectory
+    # a reset or step that takes longer fails its trajectory
+    env_timeout_s: float = 30.0
     # stop the run (exit 2) when more than this share of a generation's episodes fail
     env_max_failed_share: float = 0.1
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self):
-        for key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch"):
+        for key in (
+            "prompts_per_step",
+            "samples_per_prompt",
+            "ppo_epochs",
+            "minibatches_per_epoch",
+        ):
             _check(getattr(self, key) > 0, f"ppo.{key}", getattr(self, key), "a positive integer")
         _check(
             self.max_new_tokens is None or self.max_new_tokens > 0,
@@ -1082,7 +1345,12 @@ class PPOConfig:
             self.max_tokens_per_micro_batch,
             "a non-negative integer (0 = off)",
         )
-        _check(self.temperature >= 0, "ppo.temperature", self.temperature, "a non-negative number (0 = greedy)")
+        _check(
+            self.temperature >= 0,
+            "ppo.temperature",
+            self.temperature,
+            "a non-negative number (0 = greedy)",
+        )
         _check(self.top_k >= 0, "ppo.top_k", self.top_k, "a non-negative integer (0 = off)")
         _check(0 < self.top_p <= 1, "ppo.top_p", self.top_p, "a number in (0, 1]")
         _check(
@@ -1091,19 +1359,37 @@ class PPOConfig:
             self.dynamic_sampling_max_rounds,
             "a non-negative integer",
         )
-        _check(self.overlong_penalty >= 0, "ppo.overlong_penalty", self.overlong_penalty, "a non-negative number")
+        _check(
+            self.overlong_penalty >= 0,
+            "ppo.overlong_penalty",
+            self.overlong_penalty,
+            "a non-negative number",
+        )
         if self.judge_path and not self.judge_template:
             raise ConfigError(
-                f"ppo.judge_path={self.judge_path} needs ppo.judge_template: a file with the rubric and {{response}}"
+                f"ppo.judge_path={self.judge_path} needs ppo.judge_template: a file with "
+                f"the rubric and {{response}}"
             )
         _check(
-            len(self.judge_verdicts) == 2 and len(set(self.judge_verdicts)) == 2 and all(self.judge_verdicts),
+            len(self.judge_verdicts) == 2
+            and len(set(self.judge_verdicts)) == 2
+            and all(self.judge_verdicts),
             "ppo.judge_verdicts",
             list(self.judge_verdicts),
             "two different verdicts, the first the good one (e.g. [Yes, No])",
         )
-        _check(self.judge_max_tokens > 0, "ppo.judge_max_tokens", self.judge_max_tokens, "a positive integer")
-        _check(self.distill_coef >= 0, "ppo.distill_coef", self.distill_coef, "a non-negative number (0 = watch only)")
+        _check(
+            self.judge_max_tokens > 0,
+            "ppo.judge_max_tokens",
+            self.judge_max_tokens,
+            "a positive integer",
+        )
+        _check(
+            self.distill_coef >= 0,
+            "ppo.distill_coef",
+            self.distill_coef,
+            "a non-negative number (0 = watch only)",
+        )
         _check(
             self.min_rm_accuracy is None or 0 <= self.min_rm_accuracy <= 1,
             "ppo.min_rm_accuracy",
@@ -1116,15 +1402,30 @@ class PPOConfig:
             self.env,
             f"{one_of(ENV_BUILTINS)} or a dotted path module.Class",
         )
-        _check(self.reward_combine in COMBINE, "ppo.reward_combine", self.reward_combine, one_of(COMBINE))
-        _check(self.reward_lcb_coef >= 0, "ppo.reward_lcb_coef", self.reward_lcb_coef, "a non-negative number")
+        _check(
+            self.reward_combine in COMBINE,
+            "ppo.reward_combine",
+            self.reward_combine,
+            one_of(COMBINE),
+        )
+        _check(
+            self.reward_lcb_coef >= 0,
+            "ppo.reward_lcb_coef",
+            self.reward_lcb_coef,
+            "a non-negative number",
+        )
         _check(
             self.stop_disagreement is None or self.stop_disagreement > 1,
             "ppo.stop_disagreement",
             self.stop_disagreement,
             "a multiple of the first steps' disagreement above 1, or null (off)",
         )
-        _check(self.stop_kl is None or self.stop_kl > 0, "ppo.stop_kl", self.stop_kl, "a positive number or null")
+        _check(
+            self.stop_kl is None or self.stop_kl > 0,
+            "ppo.stop_kl",
+            self.stop_kl,
+            "a positive number or null",
+        )
         _check(
             self.warn_heldout_drop is None or self.warn_heldout_drop >= 0,
             "ppo.warn_heldout_drop",
@@ -1137,7 +1438,9 @@ class PPOConfig:
             self.warn_greedy_changed,
             "a share in [0, 1] or null",
         )
-        _check(self.rollout_workers in (0, 1), "ppo.rollout_workers", self.rollout_workers, "0 or 1")
+        _check(
+            self.rollout_workers in (0, 1), "ppo.rollout_workers", self.rollout_workers, "0 or 1"
+        )
         _check(self.max_staleness >= 0, "ppo.max_staleness", self.max_staleness, "an integer >= 0")
         _check(
             self.rollout_worker_threads >= 0,
@@ -1151,21 +1454,41 @@ class PPOConfig:
             self.max_staleness,
             "0 without rollout workers (set ppo.rollout_workers=1 to generate ahead of training)",
         )
-        _check(self.rollout_guard in ROLLOUT_GUARD, "ppo.rollout_guard", self.rollout_guard, one_of(ROLLOUT_GUARD))
+        _check(
+            self.rollout_guard in ROLLOUT_GUARD,
+            "ppo.rollout_guard",
+            self.rollout_guard,
+            one_of(ROLLOUT_GUARD),
+        )
         _check(
             0 <= self.rollout_guard_max < float("inf"),
             "ppo.rollout_guard_max",
             self.rollout_guard_max,
             "a non-negative number of nats per token (0 = the inference dtype's default)",
         )
-        _check(self.max_turns is None or self.max_turns > 0, "ppo.max_turns", self.max_turns, "a positive integer")
-        _check(self.env_timeout_s > 0, "ppo.env_timeout_s", self.env_timeout_s, "a positive number of seconds")
-        _check(0 <= self.env_max_failed_share <= 1, "ppo.env_max_failed_share", self.env_max_failed_share, "0..1")
+        _check(
+            self.max_turns is None or self.max_turns > 0,
+            "ppo.max_turns",
+            self.max_turns,
+            "a positive integer",
+        )
+        _check(
+            self.env_timeout_s > 0,
+            "ppo.env_timeout_s",
+            self.env_timeout_s,
+            "a positive number of seconds",
+        )
+        _check(
+            0 <= self.env_max_failed_share <= 1,
+            "ppo.env_max_failed_share",
+            self.env_max_failed_share,
+            "0..1",
+        )
 
     def resolve(self, data: "DataConfig") -> None:
         """ppo.max_new_tokens=None: per data format; ppo.env=auto, ppo.max_turns and
-        ppo.max_trajectory_tokens=None: from the environment and the tools; then the checks that depend
-        on them."""
+        ppo.max_trajectory_tokens=None: from the environment and the tools; then the checks that
+        depend on them."""
         if self.max_new_tokens is None:
             self.max_new_tokens = data.default_new_tokens()
         _check(
@@ -1184,11 +1507,14 @@ class PPOConfig:
             self.env = "tools" if self.tools else "single_turn"
         if self.tools and self.env == "single_turn":
             raise ConfigError(
-                f"ppo.tools={list(self.tools)} is set but ppo.env=single_turn never answers a tool call: "
+                f"ppo.tools={list(self.tools)} is set but ppo.env=single_turn never "
+                "answers a tool call: "
                 f"use ppo.env=tools (or leave ppo.env=auto)"
             )
         if self.env == "tools" and not self.tools:
-            raise ConfigError("ppo.env=tools needs tools: set ppo.tools, e.g. ppo.tools=[calculator]")
+            raise ConfigError(
+                "ppo.env=tools needs tools: set ppo.tools, e.g. ppo.tools=[calculator]"
+            )
         if self.max_turns is None:
             self.max_turns = 1 if self.env == "single_turn" else 4
         if self.max_trajectory_tokens is None:
@@ -1205,7 +1531,8 @@ class PPOConfig:
 
 @dataclass
 class LauncherConfig:
-    """Self-launch through torch.distributed.run (docs/keys.md); nproc_per_node=0 = no self-launch."""
+    """Self-launch through torch.distributed.run (docs/keys.md); nproc_per_node=0 = no
+    self-launch."""
 
     nnodes: int = 1
     nproc_per_node: int = 0
@@ -1223,8 +1550,10 @@ class Config:
     # says why: recipe_why); any explicit key=value wins over the recipe
     recipe: str = "embedded"
     recipe_why: ClassVar[str] = "the default"
-    hub_why: ClassVar[str] = ""  # why this process works offline (rlhf/hub.py; compose)
-    lr_why: ClassVar[str] = ""  # where train.lr came from when the recipe's LoRA rate replaced it (compose)
+    # why this process works offline (rlhf/hub.py; compose)
+    hub_why: ClassVar[str] = ""
+    # where train.lr came from when the recipe's LoRA rate replaced it (compose)
+    lr_why: ClassVar[str] = ""
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -1239,10 +1568,15 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self):
-        _check(self.stage in stage_names(), "stage", self.stage, "one of " + ", ".join(stage_names()))
-        self.data.resolve()  # unset data.max_prompt_len / max_response_len: per data format
-        self.eval.resolve(self.data)  # eval.max_new_tokens=None: per data format
-        self.ppo.resolve(self.data)  # ppo.max_new_tokens=None: per data format
+        _check(
+            self.stage in stage_names(), "stage", self.stage, "one of " + ", ".join(stage_names())
+        )
+        # unset data.max_prompt_len / max_response_len: per data format
+        self.data.resolve()
+        # eval.max_new_tokens=None: per data format
+        self.eval.resolve(self.data)
+        # ppo.max_new_tokens=None: per data format
+        self.ppo.resolve(self.data)
         if self.stage == "ppo":
             self.check_ppo()
         tp, m = self.engine.inference_tp_size, self.model
@@ -1257,9 +1591,9 @@ class Config:
                 )
 
     def roles(self) -> tuple:
-        """The models this stage places apart (engine.<role>.*): a reference under LoRA is the actor with
-        its adapters off, and PPO builds a critic for GAE only, a reference when the KL is on and a reward
-        model when it scores with one."""
+        """The models this stage places apart (engine.<role>.*): a reference under LoRA is the actor
+        with its adapters off, and PPO builds a critic for GAE only, a reference when the KL is on
+        and a reward model when it scores with one."""
         if self.stage == "sft":
             return ("actor",)
         if self.stage == "reward":
@@ -1292,28 +1626,38 @@ class Config:
             )
         if p.stop_kl is not None and a.kl_coef <= 0:
             raise ConfigError(
-                f"ppo.stop_kl={p.stop_kl:g} reads the KL to the reference, which algorithm.kl_coef={a.kl_coef:g} "
-                f"does not compute (no reference model): set algorithm.kl_coef > 0, or gate on ppo.stop_disagreement"
+                f"ppo.stop_kl={p.stop_kl:g} reads the KL to the reference, which "
+                f"algorithm.kl_coef={a.kl_coef:g} "
+                "does not compute (no reference model): set algorithm.kl_coef > 0, or "
+                "gate on ppo.stop_disagreement"
             )
         if a.gkd_coef and not p.teacher_path:
             raise ConfigError(
-                f"algorithm.gkd_coef={a.gkd_coef:g} compares the actor with a teacher: set ppo.teacher_path "
+                f"algorithm.gkd_coef={a.gkd_coef:g} compares the actor with a teacher: set "
+                "ppo.teacher_path "
                 f"(an HF causal LM with the actor's tokenizer)"
             )
         if ESTIMATORS[a.estimator].needs_teacher and p.teacher_path and not p.distill_coef:
             raise ConfigError(
-                f"algorithm.estimator={a.estimator} learns from the teacher's reward, which ppo.distill_coef=0 "
-                f"turns off: set ppo.distill_coef > 0, or another estimator to only watch the teacher"
+                f"algorithm.estimator={a.estimator} learns from the teacher's reward, "
+                "which ppo.distill_coef=0 "
+                "turns off: set ppo.distill_coef > 0, or another estimator to only watch "
+                "the teacher"
             )
         if ESTIMATORS[a.estimator].needs_teacher and not p.teacher_path:
             raise ConfigError(
-                f"algorithm.estimator={a.estimator} learns from a teacher's per-token log-probs: set ppo.teacher_path "
+                f"algorithm.estimator={a.estimator} learns from a teacher's per-token "
+                "log-probs: set ppo.teacher_path "
                 f"(an HF causal LM with the actor's tokenizer)"
             )
-        if p.rollout_workers:  # what the rollout workers do not (yet) do
+        if p.rollout_workers:
+            # what the rollout workers do not (yet) do
             e = self.engine
             why = (
-                (p.dynamic_sampling, "ppo.dynamic_sampling=true (its refills are generated in the trainer)"),
+                (
+                    p.dynamic_sampling,
+                    "ppo.dynamic_sampling=true (its refills are generated in the trainer)",
+                ),
                 (not e.hybrid, "engine.hybrid=false (a worker generates in the inference mode)"),
                 (
                     e.inference_tp_size > 1,
@@ -1331,13 +1675,14 @@ class Config:
             )
 
     def validate_world(self, world_size: int) -> None:
-        """Checks that need the world size (sizes that must divide). The parallel degrees are checked
-        where the mesh is built (``rlhf.engine.mesh.init_mesh``), before this can run."""
+        """Checks that need the world size (sizes that must divide). The parallel degrees are
+        checked where the mesh is built (``rlhf.engine.mesh.init_mesh``), before this can run."""
         t = self.train
         micro = t.micro_batch_per_rank or max(t.global_batch // world_size, 1)
         if t.global_batch % (micro * world_size) != 0:
             raise ConfigError(
-                f"train.global_batch={t.global_batch} is not divisible by train.micro_batch_per_rank={micro}"
+                f"train.global_batch={t.global_batch} is not divisible by "
+                f"train.micro_batch_per_rank={micro}"
                 f" x world size {world_size}"
             )
 

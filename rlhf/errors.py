@@ -21,10 +21,10 @@ class DataError(UserError):
 
 
 class SaveError(Exception):
-    """A checkpoint or an export could not be written (disk full, quota, I/O error). Not a UserError:
-    the input was fine and a rerun, once there is room, resumes from the last complete checkpoint,
-    which the failed save left intact. The message names what was being saved, the error and that
-    checkpoint, in one line."""
+    """A checkpoint or an export could not be written (disk full, quota, I/O error). Not a
+    UserError: the input was fine and a rerun, once there is room, resumes from the last complete
+    checkpoint, which the failed save left intact. The message names what was being saved, the error
+    and that checkpoint, in one line."""
 
     exit_code = EXIT_SAVE
 
@@ -38,7 +38,8 @@ def one_of(items, joined_by: str = "or") -> str:
 
 
 def first_line(e: BaseException) -> str:
-    """An exception's text, stripped, up to its first line break; its type's name when it has none."""
+    """An exception's text, stripped, up to its first line break; its type's name when it has
+    none."""
     text = str(e).strip()
     if not text:
         return type(e).__name__

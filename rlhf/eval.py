@@ -3,24 +3,25 @@
     python -m rlhf.eval RUN_DIR/ppo/actor [--run-dir RUN_DIR] [key=value ...]
     python -m rlhf.eval RUN_DIR/sft/model data.path=data/gsm8k.jsonl data.format=gsm8k
 
-The held-out prompts, the decoding and the scorer are the stages' own (``rlhf.runtime.evaluation.evaluate_gold``,
-docs/contract.md), with the run's settings: ``data.*``, ``eval.*`` and ``run.seed`` come from the
-configuration a stage saved in the run (``<run.dir>/<stage>/config.yaml``: the policy's own stage's when
-PATH lies in the run directory, else the newest in ``--run-dir``), and the Hydra overrides given here
-win over it. A run directory without one (a run older than those files) takes the overrides alone;
-then, without any ``data.*`` override, only a policy of the embedded task is scored (on the embedded
-task) and any other exits 2. Prints one JSON object: ``{"model", "gold/score", "gold/score_greedy",
-"prompts", "samples", "max_new_tokens", "temperature", "data", "config"}`` (``config``: the file read,
-or null). Runs on the GPU when there is one (``engine.device``). A path that is not an exported
-policy, or data without a gold scorer, exits 2 with one line.
+The held-out prompts, the decoding and the scorer are the stages' own
+(``rlhf.runtime.evaluation.evaluate_gold``, docs/contract.md), with the run's settings: ``data.*``,
+``eval.*`` and ``run.seed`` come from the configuration a stage saved in the run
+(``<run.dir>/<stage>/config.yaml``: the policy's own stage's when PATH lies in the run directory,
+else the newest in ``--run-dir``), and the Hydra overrides given here win over it. A run directory
+without one (a run older than those files) takes the overrides alone; then, without any ``data.*``
+override, only a policy of the embedded task is scored (on the embedded task) and any other exits 2.
+Prints one JSON object: ``{"model", "gold/score", "gold/score_greedy", "prompts", "samples",
+"max_new_tokens", "temperature", "data", "config"}`` (``config``: the file read, or null). Runs on
+the GPU when there is one (``engine.device``). A path that is not an exported policy, or data
+without a gold scorer, exits 2 with one line.
 
 An agentic policy is scored by episodes, as the PPO stage scores it: when the saved run played them
-(``ppo.tools`` set, or a ``ppo.env`` other than ``single_turn``) its environment settings come with it
-(``ENV_KEYS``), and overrides such as ``ppo.tools=[calculator]`` or ``ppo.env=module.Class`` ask for them
-on any run. Each held-out prompt is rendered with the tools and played by the stage's
-``EpisodeRunner`` (tool calls run, results appended, up to ``ppo.max_turns``), and the final answer is
-scored; the JSON object then also has ``gold/tool_use`` (and ``gold/tool_use_greedy``: the share of
-episodes that called a tool), ``env``, ``tools`` and ``max_turns``.
+(``ppo.tools`` set, or a ``ppo.env`` other than ``single_turn``) its environment settings come with
+it (``ENV_KEYS``), and overrides such as ``ppo.tools=[calculator]`` or ``ppo.env=module.Class`` ask
+for them on any run. Each held-out prompt is rendered with the tools and played by the stage's
+``EpisodeRunner`` (tool calls run, results appended, up to ``ppo.max_turns``), and the final answer
+is scored; the JSON object then also has ``gold/tool_use`` (and ``gold/tool_use_greedy``: the share
+of episodes that called a tool), ``env``, ``tools`` and ``max_turns``.
 """
 
 from __future__ import annotations
@@ -40,15 +41,22 @@ def main(argv=None) -> None:
     from rlhf.generate import OneLineParser
 
     ap = OneLineParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("path", help="an exported policy (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)")
-    ap.add_argument("--run-dir", help="the run's directory (run.dir): its saved data and eval settings")
-    ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
+    ap.add_argument(
+        "--run-dir", help="the run's directory (run.dir): its saved data and eval settings"
+    )
+    ap.add_argument(
+        "--trust-remote-code", action="store_true", help="allow a model that brings its own code"
+    )
     ap.add_argument(
         "overrides",
         nargs="*",
-        help="Hydra overrides of the run: data.*, eval.*, run.seed, engine.device, ppo.tools, ppo.env, ...",
+        help="Hydra overrides of the run: data.*, eval.*, run.seed, engine.device, ppo.tools, "
+        "ppo.env, ...",
     )
     args = ap.parse_intermixed_args(argv)  # options before or after the overrides
 
@@ -62,7 +70,9 @@ def main(argv=None) -> None:
     try:
         bad = [o for o in args.overrides if "=" not in o]
         if bad:
-            raise ConfigError(f"{bad[0]!r} is not a key=value override (one path only: {args.path})")
+            raise ConfigError(
+                f"{bad[0]!r} is not a key=value override (one path only: {args.path})"
+            )
         from rlhf.generate import check_policy_dir
 
         check_policy_dir(args.path)
@@ -90,16 +100,19 @@ def main(argv=None) -> None:
     print(json.dumps({**result, "config": None if saved is None else str(saved)}), flush=True)
 
 
-# what rlhf.eval takes from a run's saved configuration, with run.seed (engine.* stays this machine's)
+# what rlhf.eval takes from a run's saved configuration, with run.seed (engine.* stays this
+# machine's)
 RUN_KEYS = ("data", "eval")
-# and of its ppo group, when the run played episodes (env_of): the environment, its tools and budgets
+# and of its ppo group, when the run played episodes (env_of): the environment, its tools and
+# budgets
 ENV_KEYS = (
     "env",
     "env_args",
     "tools",
     "tool_parser",
     "max_turns",
-    "max_new_tokens",  # (what max_trajectory_tokens is checked against)
+    # (what max_trajectory_tokens is checked against)
+    "max_new_tokens",
     "max_trajectory_tokens",
     "env_timeout_s",
     "sandbox",
@@ -107,12 +120,15 @@ ENV_KEYS = (
 
 
 def env_of(run) -> dict:
-    """The saved run's ``ppo`` environment keys (ENV_KEYS) when its policy played episodes (``ppo.tools``
-    set, or an environment other than ``single_turn``); {} for a single-turn run (the defaults stay, and
-    ``ppo.tools=[...]`` on the command line makes one agentic). ``env: tools`` is carried as ``auto``
-    (the same while tools are set), so that ``ppo.tools=[]`` alone scores the policy without them."""
+    """The saved run's ``ppo`` environment keys (ENV_KEYS) when its policy played episodes
+    (``ppo.tools`` set, or an environment other than ``single_turn``); {} for a single-turn run (the
+    defaults stay, and ``ppo.tools=[...]`` on the command line makes one agentic). ``env: tools`` is
+    carried as ``auto`` (the same while tools are set), so that ``ppo.tools=[]`` alone scores the
+    policy without them."""
     ppo = run.get("ppo")
-    if ppo is None or (not ppo.get("tools") and ppo.get("env", "single_turn") in ("single_turn", "auto")):
+    if ppo is None or (
+        not ppo.get("tools") and ppo.get("env", "single_turn") in ("single_turn", "auto")
+    ):
         return {}
     out = {k: ppo[k] for k in ENV_KEYS if k in ppo}
     if out.get("env") == "tools":
@@ -126,9 +142,9 @@ def plays_episodes(ppo) -> bool:
 
 
 def run_config(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
-    """The configuration a stage saved (``<run.dir>/<stage>/config.yaml``) that the policy at ``path`` was
-    trained with: the one beside it (``path`` = ``<run.dir>/<stage>/<export>``, inside ``run_dir`` when
-    given), else the newest in ``run_dir``; None when there is none."""
+    """The configuration a stage saved (``<run.dir>/<stage>/config.yaml``) that the policy at
+    ``path`` was trained with: the one beside it (``path`` = ``<run.dir>/<stage>/<export>``, inside
+    ``run_dir`` when given), else the newest in ``run_dir``; None when there is none."""
     from rlhf.config import stage_names
     from rlhf.runtime.stage import CONFIG_FILE
 
@@ -137,13 +153,18 @@ def run_config(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
         return own
     if run_dir is None:
         return None
-    saved = [run_dir / stage / CONFIG_FILE for stage in stage_names() if (run_dir / stage / CONFIG_FILE).is_file()]
+    saved = [
+        run_dir / stage / CONFIG_FILE
+        for stage in stage_names()
+        if (run_dir / stage / CONFIG_FILE).is_file()
+    ]
     return max(saved, key=lambda p: p.stat().st_mtime) if saved else None
 
 
 def compose_for(saved: Optional[Path], run_dir: Optional[str], overrides: list):
-    """The configuration to evaluate with: the defaults, under the saved run's ``data``, ``eval`` and
-    ``run.seed`` (when ``saved``) and its environment (``env_of``), under the command line's overrides."""
+    """The configuration to evaluate with: the defaults, under the saved run's ``data``, ``eval``
+    and ``run.seed`` (when ``saved``) and its environment (``env_of``), under the command line's
+    overrides."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -157,30 +178,37 @@ def compose_for(saved: Optional[Path], run_dir: Optional[str], overrides: list):
         return compose_config(first + list(overrides))[0]
     try:
         run = OmegaConf.load(saved)
-        first[0] = f"stage={run.stage}"  # a recipe need not have an SFT stage (smollm2_arith: ppo only)
+        # a recipe need not have an SFT stage (smollm2_arith: ppo only)
+        first[0] = f"stage={run.stage}"
         base = {**{k: run[k] for k in RUN_KEYS}, "run": {"seed": run.run.seed}}
         base["ppo"] = env_of(run)
     except (OSError, OmegaConfBaseException, ValueError, KeyError, AttributeError) as e:
-        raise ConfigError(f"{saved}: not a configuration saved by a stage ({one_line(e)})") from None
+        raise ConfigError(
+            f"{saved}: not a configuration saved by a stage ({one_line(e)})"
+        ) from None
     overrides = first + list(overrides)
     try:
         return compose_config(overrides, base=base)[0]
     except ConfigError as e:
-        compose_config(overrides)  # a mistake of the command line's own is reported as such
+        # a mistake of the command line's own is reported as such
+        compose_config(overrides)
         raise ConfigError(f"{saved}: {e}") from None
 
 
 def check_embedded_task(path: str, run_dir: Optional[str], cfg, trust_remote_code: bool) -> None:
-    """Without a saved configuration and without data.* on the command line the embedded task is what
-    would be scored: exit 2 unless the policy was trained on it (its tokenizer is the one stage=sft
-    trains on the embedded task's text), rather than score another task's policy on arithmetic."""
+    """Without a saved configuration and without data.* on the command line the embedded task is
+    what would be scored: exit 2 unless the policy was trained on it (its tokenizer is the one
+    stage=sft trains on the embedded task's text), rather than score another task's policy on
+    arithmetic."""
     from rlhf.data.formats import FORMATS
     from rlhf.data.tokenizer import train_tokenizer
     from rlhf.errors import ConfigError
     from rlhf.models.loading import load_tokenizer
 
     embedded = train_tokenizer(
-        FORMATS[cfg.data.format].corpus(cfg.data.synthetic), cfg.model.vocab_size, cfg.model.max_position_embeddings
+        FORMATS[cfg.data.format].corpus(cfg.data.synthetic),
+        cfg.model.vocab_size,
+        cfg.model.max_position_embeddings,
     )
     if load_tokenizer(path, trust_remote_code).get_vocab() == embedded.get_vocab():
         return
@@ -202,13 +230,17 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     from rlhf.runtime.evaluation import evaluate_gold, gold_prompts
 
     if cfg.eval.gold_prompts == 0:
-        raise ConfigError("eval.gold_prompts=0: nothing to evaluate (set a positive eval.gold_prompts)")
-    env = None  # episodes: the stage's environment, its tools and parser built before anything loads
+        raise ConfigError(
+            "eval.gold_prompts=0: nothing to evaluate (set a positive eval.gold_prompts)"
+        )
+    # episodes: the stage's environment, its tools and parser built before anything loads
+    env = None
     if plays_episodes(cfg.ppo):
         from rlhf.envs.builtin import environment
 
         env = environment(cfg.ppo)
-    data = load_stage_data(cfg.data, cfg.stage, cfg.run.seed)  # the held-out records as the policy's stage read them
+    # the held-out records as the policy's stage read them
+    data = load_stage_data(cfg.data, cfg.stage, cfg.run.seed)
     if data.gold is None:
         raise ConfigError(
             f"data ({data.description}) has no gold scorer (there is one for data.format="
@@ -220,16 +252,21 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
         from rlhf.envs.base import check as check_env
 
         check_env(env[0], data.eval[0], cfg.ppo.env)
-    hybrid, tokenizer, mesh = load_policy(path, trust_remote_code=trust_remote_code, ecfg=cfg.engine)
+    hybrid, tokenizer, mesh = load_policy(
+        path, trust_remote_code=trust_remote_code, ecfg=cfg.engine
+    )
     chat = resolve_template(tokenizer, cfg.data.chat_template)
     held_out, play, played = data.eval, None, {}
-    if env is not None:  # as the PPO stage evaluates: prompts with the tools, episodes when they have turns
+    if env is not None:
+        # as the PPO stage evaluates: prompts with the tools, episodes when they have turns
         runner = EpisodeRunner.of(cfg.ppo, env, tokenizer, chat, mesh)
         held_out = runner.with_tools(data.eval)
         if runner.multi_turn:
             play = runner.player(hybrid)
         played = {"env": cfg.ppo.env, "tools": list(cfg.ppo.tools), "max_turns": cfg.ppo.max_turns}
-    res = evaluate_gold(hybrid.generate, tokenizer, held_out, data.gold, cfg.eval, mesh, chat, play=play)
+    res = evaluate_gold(
+        hybrid.generate, tokenizer, held_out, data.gold, cfg.eval, mesh, chat, play=play
+    )
     return {
         "model": str(path),
         **res,

@@ -2,7 +2,8 @@
 
     python -m rlhf.generate RUN_DIR/ppo/actor --prompt "What is 03 + 45?"
     python -m rlhf.generate RUN_DIR/sft/model --file prompts.jsonl --n 4 --temperature 0.7
-    python -m rlhf.generate RUN_DIR/ppo/actor --chat            # interactive, with the chat template
+    python -m rlhf.generate RUN_DIR/ppo/actor --chat            # interactive, with the chat
+    template
 
 PATH is an exported Hugging Face model directory (``RUN_DIR/sft/model``, ``RUN_DIR/ppo/actor``, any
 causal LM). Prompts come from ``--prompt`` (repeatable), ``--file`` (JSONL/JSON records with
@@ -20,13 +21,14 @@ Bad input exits 2 with one line.
     python -m rlhf.generate RUN_DIR/ppo/actor --prompt "What is 347 * 86?" --tools calculator,python
 
 ``--tools`` (``--max-turns``, ``--tool-parser``) plays each sample as the PPO stage's episodes do
-(``rlhf.rl.episodes.EpisodeRunner`` with the environment ``rlhf.envs.builtin.environment`` builds from
-``ppo.tools``): the prompt rendered with the tools by the chat template, the policy's tool calls run and
-their results appended, turn after turn, until it answers without a call. Each JSON object then also
-has the conversation after the prompt, ``"turns": [{"role": "assistant", "content"}, {"role": "tool",
-"name", "content"}, ...]``, and ``"tool_calls"``; ``"response"`` is the final answer and ``"tokens"``
-the policy's tokens over all turns (``--text``: the turns as ``assistant: ...`` / ``tool[name]: ...``
-lines, a blank line between samples). ``--chat`` plays an episode per message and shows its turns.
+(``rlhf.rl.episodes.EpisodeRunner`` with the environment ``rlhf.envs.builtin.environment`` builds
+from ``ppo.tools``): the prompt rendered with the tools by the chat template, the policy's tool
+calls run and their results appended, turn after turn, until it answers without a call. Each JSON
+object then also has the conversation after the prompt, ``"turns": [{"role": "assistant",
+"content"}, {"role": "tool", "name", "content"}, ...]``, and ``"tool_calls"``; ``"response"`` is the
+final answer and ``"tokens"`` the policy's tokens over all turns (``--text``: the turns as
+``assistant: ...`` / ``tool[name]: ...`` lines, a blank line between samples). ``--chat`` plays an
+episode per message and shows its turns.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def quiet_console() -> None:
 
 
 class _Policy:
-    """A single-process frozen causal LM in the shape the hybrid engine drives (``rlhf.engine.train``'s
-    FrozenModel, with the weights version the engine checks before reusing inference weights)."""
+    """A single-process frozen causal LM in the shape the hybrid engine drives
+    (``rlhf.engine.train``'s FrozenModel, with the weights version the engine checks before reusing
+    inference weights)."""
 
     def __init__(self, model, mesh, ecfg):
         from rlhf.engine.train import FrozenModel
@@ -87,11 +90,13 @@ def check_policy_dir(path: str, prog: str = PROG) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(
-            f"{path}: no such directory (pass an exported model, e.g. RUN_DIR/sft/model or RUN_DIR/ppo/actor)"
+            f"{path}: no such directory (pass an exported model, e.g. RUN_DIR/sft/model or "
+            "RUN_DIR/ppo/actor)"
         )
     if not p.is_dir() or not (p / "config.json").is_file():
         raise ConfigError(
-            f"{path}: no config.json (not an exported model; pass e.g. RUN_DIR/sft/model or RUN_DIR/ppo/actor)"
+            f"{path}: no config.json (not an exported model; pass e.g. RUN_DIR/sft/model "
+            "or RUN_DIR/ppo/actor)"
         )
     check_model_family(p / "config.json", path)
     spec = json.loads((p / "config.json").read_text(encoding="utf-8"))
@@ -104,7 +109,9 @@ def check_policy_dir(path: str, prog: str = PROG) -> Path:
     return p
 
 
-def load_policy(path: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, ecfg=None):
+def load_policy(
+    path: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, ecfg=None
+):
     """(hybrid engine, tokenizer, mesh) for the policy in ``path``, on ``device`` (auto: the GPU
     when there is one)."""
     from transformers import AutoModelForCausalLM
@@ -117,9 +124,12 @@ def load_policy(path: str, device: str = "auto", dtype: str = "auto", trust_remo
     check_policy_dir(path)
     if ecfg is None:
         ecfg = EngineConfig(device=device, precision=dtype, inference_dtype=dtype)
-    mesh = init_mesh(ecfg)  # one process: the device, the threads, engine.precision resolved
+    # one process: the device, the threads, engine.precision resolved
+    mesh = init_mesh(ecfg)
     tokenizer = loading.load_tokenizer(path, trust_remote_code)
-    model = loading.build_model(AutoModelForCausalLM, path=path, trust_remote_code=trust_remote_code)
+    model = loading.build_model(
+        AutoModelForCausalLM, path=path, trust_remote_code=trust_remote_code
+    )
     loading.resize_for_tokenizer(model, tokenizer)
     policy = _Policy(model, mesh, ecfg)
     return HybridEngine(policy, tokenizer, ecfg), tokenizer, mesh
@@ -127,8 +137,8 @@ def load_policy(path: str, device: str = "auto", dtype: str = "auto", trust_remo
 
 def prompt_limit(args, table: int) -> Optional[int]:
     """--max-prompt-len, or by default what a learned position table of ``table`` positions
-    (``HybridEngine.positions``; 0: none) leaves beside the new tokens (a ConfigError, one line, where it
-    leaves nothing); None: no limit."""
+    (``HybridEngine.positions``; 0: none) leaves beside the new tokens (a ConfigError, one line,
+    where it leaves nothing); None: no limit."""
     from rlhf.errors import ConfigError
 
     if not table:
@@ -136,7 +146,8 @@ def prompt_limit(args, table: int) -> Optional[int]:
     room = table - args.max_new_tokens
     if room <= 0:
         raise ConfigError(
-            f"--max-new-tokens={args.max_new_tokens}: the model's position table holds {table} positions, "
+            f"--max-new-tokens={args.max_new_tokens}: the model's position table holds "
+            f"{table} positions, "
             f"no room for a prompt (give fewer new tokens)"
         )
     return min(args.max_prompt_len or room, room)
@@ -172,7 +183,10 @@ def read_prompts(path: str) -> List[object]:
         elif isinstance(rec.get("prompt"), str) and rec["prompt"].strip():
             out.append(rec["prompt"])
         else:
-            raise DataError(f"{where}: record has no field 'prompt' (a string or a list of turns) nor 'messages'")
+            raise DataError(
+                f"{where}: record has no field 'prompt' (a string or a list of turns) nor "
+                "'messages'"
+            )
     if not out:
         raise DataError(f"--file {path}: no prompts")
     return out
@@ -213,7 +227,8 @@ def generate(hybrid, tokenizer, prompts: List[List[int]], sp, batch_size: int = 
     return out
 
 
-# the ppo.* keys --tools, --tool-parser and --max-turns set, and the template's: named as options in errors
+# the ppo.* keys --tools, --tool-parser and --max-turns set, and the template's: named as options in
+# errors
 _OPTION_OF = {
     "ppo.tools": "--tools",
     "ppo.tool_parser": "--tool-parser",
@@ -229,7 +244,9 @@ def _as_options(e: Exception) -> str:
     return msg
 
 
-def tool_environment(tools: str, max_turns: Optional[int], tool_parser: Optional[str], max_new_tokens: int):
+def tool_environment(
+    tools: str, max_turns: Optional[int], tool_parser: Optional[str], max_new_tokens: int
+):
     """(the PPO group, ``environment(ppo)``: the maker of its environments and their class) for
     ``--tools`` (comma-separated), ``--max-turns``, ``--tool-parser``: the stage's own construction
     (``rlhf.envs.builtin.environment``), before any model loads. A bad name is a ConfigError naming
@@ -243,17 +260,22 @@ def tool_environment(tools: str, max_turns: Optional[int], tool_parser: Optional
         raise ConfigError(f"--tools={tools!r}: give tool names, e.g. --tools calculator,python")
     try:
         parser = tool_parser or "hermes"
-        ppo = PPOConfig(tools=names, tool_parser=parser, max_turns=max_turns, max_new_tokens=max_new_tokens)
-        ppo.resolve(DataConfig())  # ppo.max_trajectory_tokens: 2 × turns × tokens a turn
+        ppo = PPOConfig(
+            tools=names, tool_parser=parser, max_turns=max_turns, max_new_tokens=max_new_tokens
+        )
+        # ppo.max_trajectory_tokens: 2 × turns × tokens a turn
+        ppo.resolve(DataConfig())
         return ppo, environment(ppo)
     except ConfigError as e:
         raise ConfigError(_as_options(e)) from None
 
 
-def play_episodes(hybrid, runner, tokenizer, examples, sp, batch_size: int = 32, max_prompt=None) -> List[dict]:
+def play_episodes(
+    hybrid, runner, tokenizer, examples, sp, batch_size: int = 32, max_prompt=None
+) -> List[dict]:
     """Each prompt's samples played as episodes (prompt-major, as ``generate``'s rows): per row
-    ``{"response", "tokens", "finished", "turns", "tool_calls"}`` (and ``"error"`` when its environment
-    failed). The prompts are rendered with the runner's tools."""
+    ``{"response", "tokens", "finished", "turns", "tool_calls"}`` (and ``"error"`` when its
+    environment failed). The prompts are rendered with the runner's tools."""
     from dataclasses import replace
 
     from rlhf.data.tokenize import encode_prompts
@@ -261,7 +283,8 @@ def play_episodes(hybrid, runner, tokenizer, examples, sp, batch_size: int = 32,
     examples = runner.with_tools(examples)
     ids = encode_prompts(examples, tokenizer, runner.template, max_prompt)
     out: List[dict] = []
-    with hybrid.holding():  # the inference model kept across the turns
+    with hybrid.holding():
+        # the inference model kept across the turns
         for b in range(0, len(ids), batch_size):
             ep = runner.run(
                 hybrid.generate,
@@ -304,10 +327,15 @@ def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
     from rlhf.data.tokenize import encode_prompts
 
     history: List[dict] = []
-    limit = prompt_limit(args, hybrid.positions)  # a long conversation keeps its end, as --file's prompts
+    # a long conversation keeps its end, as --file's prompts
+    limit = prompt_limit(args, hybrid.positions)
     tty = sys.stdin.isatty()
     if template is None:
-        print(f"{PROG}: no chat template: turns render as plain '\\n\\nHuman: …\\n\\nAssistant:' text", file=sys.stderr)
+        print(
+            f"{PROG}: no chat template: turns render as plain '\\n\\nHuman: "
+            "…\\n\\nAssistant:' text",
+            file=sys.stderr,
+        )
     turn = 0
     while True:
         if tty:
@@ -324,9 +352,12 @@ def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
         if not text.strip():
             continue
         history.append({"role": "user", "content": text})
-        if runner is not None:  # an episode: its tool turns shown and kept in the conversation
+        if runner is not None:
+            # an episode: its tool turns shown and kept in the conversation
             spt = replace(sp, samples_per_prompt=1, seed=sp.seed + turn)
-            (row,) = play_episodes(hybrid, runner, tokenizer, [as_example(history, args.system)], spt, 1, limit)
+            (row,) = play_episodes(
+                hybrid, runner, tokenizer, [as_example(history, args.system)], spt, 1, limit
+            )
             turn += 1
             for m in row["turns"]:
                 print(turn_line(m), flush=True)
@@ -337,7 +368,9 @@ def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
                 print(f"{PROG}: the episode failed: {row['error']}", file=sys.stderr, flush=True)
             continue
         ids = encode_prompts([as_example(history, args.system)], tokenizer, template, limit)
-        ((reply, _, _),) = generate(hybrid, tokenizer, ids, replace(sp, samples_per_prompt=1, seed=sp.seed + turn))
+        ((reply, _, _),) = generate(
+            hybrid, tokenizer, ids, replace(sp, samples_per_prompt=1, seed=sp.seed + turn)
+        )
         turn += 1
         history.append({"role": "assistant", "content": reply.strip()})
         print(reply.strip(), flush=True)
@@ -345,13 +378,24 @@ def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
 
 def main(argv=None) -> None:
     ap = OneLineParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("path", help="an exported model directory (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)")
+    ap.add_argument(
+        "path", help="an exported model directory (RUN_DIR/sft/model, RUN_DIR/ppo/actor, ...)"
+    )
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    ap.add_argument("--file", help="JSONL/JSON records with 'prompt' or 'messages', or a text file: one prompt a line")
-    ap.add_argument("--chat", action="store_true", help="interactive: turns from stdin, the conversation kept")
-    ap.add_argument("--chat-template", default="auto", help="auto (the tokenizer's), none, or a Jinja file")
+    ap.add_argument(
+        "--file",
+        help="JSONL/JSON records with 'prompt' or 'messages', or a text file: one prompt a line",
+    )
+    ap.add_argument(
+        "--chat", action="store_true", help="interactive: turns from stdin, the conversation kept"
+    )
+    ap.add_argument(
+        "--chat-template", default="auto", help="auto (the tokenizer's), none, or a Jinja file"
+    )
     ap.add_argument("--system", help="a system turn before every prompt")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -360,7 +404,8 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--max-prompt-len",
         type=int,
-        help="a longer prompt keeps its last this many tokens (as training's data.max_prompt_len); default: "
+        help="a longer prompt keeps its last this many tokens (as training's "
+        "data.max_prompt_len); default: "
         "what a learned position table (GPT-2, OPT) leaves beside --max-new-tokens, else no limit",
     )
     ap.add_argument("--n", type=int, default=1, help="samples per prompt")
@@ -378,11 +423,19 @@ def main(argv=None) -> None:
         choices=("auto", "fp32", "bf16"),
         help="of the inference mode; auto = bf16 on a GPU that has it, else fp32",
     )
-    ap.add_argument("--tools", help="play episodes with these tools, comma-separated: calculator, python, module.attr")
+    ap.add_argument(
+        "--tools",
+        help="play episodes with these tools, comma-separated: calculator, python, module.attr",
+    )
     ap.add_argument("--max-turns", type=int, help="with --tools: policy turns per episode (4)")
-    ap.add_argument("--tool-parser", help="with --tools: hermes (<tool_call>{json}</tool_call>) or module.function")
+    ap.add_argument(
+        "--tool-parser",
+        help="with --tools: hermes (<tool_call>{json}</tool_call>) or module.function",
+    )
     ap.add_argument("--text", action="store_true", help="print the responses only, not JSON")
-    ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
+    ap.add_argument(
+        "--trust-remote-code", action="store_true", help="allow a model that brings its own code"
+    )
     args = ap.parse_args(argv)
     if not (args.prompt or args.file or args.chat):
         ap.error("give --prompt, --file or --chat")
@@ -401,17 +454,29 @@ def main(argv=None) -> None:
             ("--n", args.n > 0, "a positive integer"),
             ("--batch-size", args.batch_size > 0, "a positive integer"),
             ("--max-turns", args.max_turns is None or args.max_turns > 0, "a positive integer"),
-            ("--max-prompt-len", args.max_prompt_len is None or args.max_prompt_len > 0, "a positive integer"),
+            (
+                "--max-prompt-len",
+                args.max_prompt_len is None or args.max_prompt_len > 0,
+                "a positive integer",
+            ),
         ):
             if not ok:
-                raise ConfigError(f"{key}={getattr(args, key[2:].replace('-', '_'))} is invalid: expected {expected}")
+                raise ConfigError(
+                    f"{key}={getattr(args, key[2:].replace('-', '_'))} is invalid: "
+                    f"expected {expected}"
+                )
         prompts: List[object] = list(args.prompt)
         if args.file:
             prompts += read_prompts(args.file)
         ppo, env = None, None
-        if args.tools is not None:  # the tools resolved before any model loads
-            ppo, env = tool_environment(args.tools, args.max_turns, args.tool_parser, args.max_new_tokens)
-        hybrid, tokenizer, mesh = load_policy(args.path, args.device, args.dtype, args.trust_remote_code)
+        if args.tools is not None:
+            # the tools resolved before any model loads
+            ppo, env = tool_environment(
+                args.tools, args.max_turns, args.tool_parser, args.max_new_tokens
+            )
+        hybrid, tokenizer, mesh = load_policy(
+            args.path, args.device, args.dtype, args.trust_remote_code
+        )
         from rlhf.data.chat import resolve_template
 
         template = resolve_template(tokenizer, args.chat_template, key="--chat-template")
@@ -441,14 +506,17 @@ def main(argv=None) -> None:
         examples = [as_example(p, args.system) for p in prompts]
         limit = prompt_limit(args, hybrid.positions)
         if runner is not None:
-            episodes = play_episodes(hybrid, runner, tokenizer, examples, sp, args.batch_size, limit)
+            episodes = play_episodes(
+                hybrid, runner, tokenizer, examples, sp, args.batch_size, limit
+            )
         else:
             full = encode_prompts(examples, tokenizer, template)
             ids = encode_prompts(examples, tokenizer, template, limit)
             cut = sum(len(a) != len(b) for a, b in zip(full, ids))
             if cut:
                 print(
-                    f"{PROG}: {cut} prompt(s) longer than {limit} tokens keep their last {limit} (--max-prompt-len)",
+                    f"{PROG}: {cut} prompt(s) longer than {limit} tokens keep their last "
+                    f"{limit} (--max-prompt-len)",
                     file=sys.stderr,
                 )
             results = generate(hybrid, tokenizer, ids, sp, args.batch_size)
@@ -459,7 +527,8 @@ def main(argv=None) -> None:
         print_episodes(prompts, episodes, args)
         return
     for i, (text, tokens, finished) in enumerate(results):
-        prompt_ix, sample = divmod(i, args.n)  # rows are prompt-major (rlhf.ops.sampling.prompt_major)
+        # rows are prompt-major (rlhf.ops.sampling.prompt_major)
+        prompt_ix, sample = divmod(i, args.n)
         if args.text:
             print(text, flush=True)
         else:
@@ -489,7 +558,9 @@ def print_episodes(prompts: List[object], episodes: List[dict], args) -> None:
                 print(turn_line(m), flush=True)
         else:
             print(
-                json.dumps({"prompt": prompts[prompt_ix], "sample": sample, **row}, ensure_ascii=False),
+                json.dumps(
+                    {"prompt": prompts[prompt_ix], "sample": sample, **row}, ensure_ascii=False
+                ),
                 flush=True,
             )
 

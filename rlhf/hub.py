@@ -1,12 +1,13 @@
 """The Hugging Face hub, asked once whether it can be reached.
 
-A setting that names a hub id (``data.path=Anthropic/hh-rlhf``, ``model.path=Qwen/Qwen2.5-0.5B``) and
-is no local path sends ``datasets`` / ``transformers`` to the hub. Offline, they retry with backoff:
-measured on a machine without network, ``data.path=Anthropic/hh-rlhf`` printed five "Retrying in 8s"
-lines (twice) and failed after about 30 s. Here, before anything loads, one TCP connection to the hub's
-host (``HF_ENDPOINT``, default huggingface.co:443) with a short timeout answers it; where it fails the
-process works offline (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``): a hub id in the local cache
-still loads, any other fails at once with the libraries' own offline error, and the log says why.
+A setting that names a hub id (``data.path=Anthropic/hh-rlhf``, ``model.path=Qwen/Qwen2.5-0.5B``)
+and is no local path sends ``datasets`` / ``transformers`` to the hub. Offline, they retry with
+backoff: measured on a machine without network, ``data.path=Anthropic/hh-rlhf`` printed five
+"Retrying in 8s" lines (twice) and failed after about 30 s. Here, before anything loads, one TCP
+connection to the hub's host (``HF_ENDPOINT``, default huggingface.co:443) with a short timeout
+answers it; where it fails the process works offline (``HF_HUB_OFFLINE=1``,
+``HF_DATASETS_OFFLINE=1``): a hub id in the local cache still loads, any other fails at once with
+the libraries' own offline error, and the log says why.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def _endpoint() -> Tuple[str, int]:
 
 
 def _connect(host: str, port: int, timeout: float) -> str:
-    """ "" when a TCP connection opens, else why not. Name resolution runs in a thread joined with the
-    timeout too: a resolver without network can hang far longer than the socket's own timeout."""
+    """ "" when a TCP connection opens, else why not. Name resolution runs in a thread joined with
+    the timeout too: a resolver without network can hang far longer than the socket's own
+    timeout."""
     result = ["timed out"]
 
     def attempt():
@@ -51,7 +53,8 @@ def _connect(host: str, port: int, timeout: float) -> str:
 
 
 def offline_why() -> str:
-    """Why this process works offline, for an error about a hub id that did not load ("" when online)."""
+    """Why this process works offline, for an error about a hub id that did not load ("" when
+    online)."""
     if not offline():
         return ""
     if _answer is not None and not _answer[0]:
@@ -72,8 +75,8 @@ def reachable(timeout: float = PROBE_TIMEOUT_S) -> Tuple[bool, str]:
 
 
 def go_offline() -> None:
-    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE for this process and its children; the libraries read them
-    when they load, so a module loaded already gets its constant set too."""
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE for this process and its children; the libraries read
+    them when they load, so a module loaded already gets its constant set too."""
     import sys
 
     for var in OFFLINE_VARS:
@@ -89,8 +92,9 @@ def go_offline() -> None:
 
 
 def looks_like_hub_id(value: str, file_suffixes: Tuple[str, ...] = ()) -> bool:
-    """``name`` or ``org/name`` that is no local path (what the libraries would look up on the hub) and
-    does not end with one of ``file_suffixes`` (a data file's name, mistyped or not there yet)."""
+    """``name`` or ``org/name`` that is no local path (what the libraries would look up on the hub)
+    and does not end with one of ``file_suffixes`` (a data file's name, mistyped or not there
+    yet)."""
     return (
         bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", value))
         and not value.startswith(".")
@@ -100,8 +104,9 @@ def looks_like_hub_id(value: str, file_suffixes: Tuple[str, ...] = ()) -> bool:
 
 
 def settle(hub_ids: Iterable[str]) -> str:
-    """Given the settings that name hub ids (``key=id`` strings; none: nothing is asked), works offline
-    when the hub cannot be reached. Returns the line the log gives ("" when there is nothing to say)."""
+    """Given the settings that name hub ids (``key=id`` strings; none: nothing is asked), works
+    offline when the hub cannot be reached. Returns the line the log gives ("" when there is nothing
+    to say)."""
     hub_ids = list(hub_ids)
     if not hub_ids or offline():
         return ""
@@ -111,5 +116,6 @@ def settle(hub_ids: Iterable[str]) -> str:
     go_offline()
     return (
         f"the Hugging Face hub cannot be reached ({why}): working offline, hub ids "
-        f"({', '.join(hub_ids)}) load from the local hub cache only (HF_HUB_OFFLINE=1 skips this check)"
+        f"({', '.join(hub_ids)}) load from the local hub cache only (HF_HUB_OFFLINE=1 "
+        "skips this check)"
     )

@@ -1,4 +1,5 @@
-"""report.png of a run: the curves of every stage that has metrics (docs/contract.md, run directory).
+"""report.png of a run: the curves of every stage that has metrics (docs/contract.md, run
+    directory).
 
     python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png (and RUN_DIR/answers.md)
 
@@ -27,11 +28,13 @@ from rlhf.config import stage_names
 from rlhf.outputs.fileio import atomic_write_bytes
 
 Series = Dict[str, Tuple[List[int], List[float]]]
-ANSWERS_FILE = "answers.md"  # held-out prompts with the SFT and the PPO policy's answers side by side
+# held-out prompts with the SFT and the PPO policy's answers side by side
+ANSWERS_FILE = "answers.md"
 
 
 def read_records(path: Path) -> List[dict]:
-    """The records of a JSONL file (none if it is absent); unreadable lines (a crash mid-write) are skipped."""
+    """The records of a JSONL file (none if it is absent); unreadable lines (a crash mid-write) are
+    skipped."""
     out = []
     if not path.is_file():
         return out
@@ -67,7 +70,8 @@ def _plot(ax, series: Series, key: str, label: str, **kw) -> bool:
 def render(run_dir: Path) -> bytes:
     """The PNG bytes of the report (matplotlib, headless)."""
     fig = figure(run_dir)
-    import matplotlib.pyplot as plt  # after figure(): the Agg backend is chosen there
+    # after figure(): the Agg backend is chosen there
+    import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)  # 8-point legends legible at 100%
@@ -77,13 +81,15 @@ def render(run_dir: Path) -> bytes:
 
 def figure(run_dir: Path):
     """The report's matplotlib figure (its panels are its axes, named by their titles)."""
-    # lazy: 0.5-0.8 s to import (measured); rlhf.summary --help and a summary without a report skip it
+    # lazy: 0.5-0.8 s to import (measured); rlhf.summary --help and a summary without a report skip
+    # it
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages = stage_names()  # rlhf.config.STAGE_TABLE: every stage's peak memory; the panels of these four
+    # rlhf.config.STAGE_TABLE: every stage's peak memory; the panels of these four
+    stages = stage_names()
     series = {s: read_series(run_dir / s / "metrics.jsonl") for s in stages}
     sft, rm, ppo, dpo = (series[s] for s in ("sft", "reward", "ppo", "dpo"))
     rows = 3 if dpo else 2
@@ -109,7 +115,12 @@ def figure(run_dir: Path):
             ("eval/baseline_bag_of_words", "bag of words", "-."),
         ):
             if key in rm:
-                acc.axhline(rm[key][1][-1], color="gray", linestyle=style, label=f"{label} ({rm[key][1][-1]:.3f})")
+                acc.axhline(
+                    rm[key][1][-1],
+                    color="gray",
+                    linestyle=style,
+                    label=f"{label} ({rm[key][1][-1]:.3f})",
+                )
         acc.legend(fontsize=8, loc="center right")
 
     if dpo:
@@ -119,7 +130,15 @@ def figure(run_dir: Path):
     _plot(a_gold, ppo, "gold/score", "PPO, sampled", marker="o")
     _plot(a_gold, ppo, "gold/score_greedy", "PPO, greedy", linestyle="--", marker=".")
     _plot(a_gold, dpo, "gold/score", "DPO, sampled", marker="s", color="tab:brown")
-    _plot(a_gold, dpo, "gold/score_greedy", "DPO, greedy", linestyle="--", marker=".", color="tab:olive")
+    _plot(
+        a_gold,
+        dpo,
+        "gold/score_greedy",
+        "DPO, greedy",
+        linestyle="--",
+        marker=".",
+        color="tab:olive",
+    )
     if "gold/score" in sft:
         base = sft["gold/score"][1][-1]
         a_gold.axhline(base, color="gray", linestyle=":", label=f"SFT, sampled ({base:.3f})")
@@ -129,22 +148,37 @@ def figure(run_dir: Path):
         a_gold.axhline(greedy, color="gray", linestyle="-.", label=f"SFT, greedy ({greedy:.3f})")
     # agentic runs: how often the episodes call a tool (the rollouts', and the held-out episodes')
     _plot(a_gold, ppo, "env/tool_use", "tool use, rollouts", color="tab:cyan", alpha=0.8)
-    _plot(a_gold, ppo, "gold/tool_use", "tool use, held-out", color="tab:cyan", marker="^", linestyle="none")
-    a_gold.set_ylim(0, 1.03)  # a greedy gold of 1.0 stays visible above the frame line
-    if "gold/score" not in ppo and "eval/reward_greedy" in ppo:  # no gold rule: the reward model's view
+    _plot(
+        a_gold,
+        ppo,
+        "gold/tool_use",
+        "tool use, held-out",
+        color="tab:cyan",
+        marker="^",
+        linestyle="none",
+    )
+    # a greedy gold of 1.0 stays visible above the frame line
+    a_gold.set_ylim(0, 1.03)
+    if "gold/score" not in ppo and "eval/reward_greedy" in ppo:
+        # no gold rule: the reward model's view
         _heldout_reward(a_gold, ppo)
 
     a_rew.set_title("PPO reward/mean, and how it tracks the gold rule")
     _plot(a_rew, ppo, "reward/mean", "reward/mean")
     _plot(a_rew, ppo, "reward/gold", "gold of the rollouts", color="tab:green")
-    if "reward/gold_corr" in ppo:  # falling correlation = the policy exploits the reward model's errors
+    if "reward/gold_corr" in ppo:
+        # falling correlation = the policy exploits the reward model's errors
         corr = a_rew.twinx()
         _plot(corr, ppo, "reward/gold_corr", "corr(reward model, gold)", color="tab:red", alpha=0.7)
         corr.set_ylim(-1, 1)
         corr.set_ylabel("correlation", color="tab:red")
-        # one legend for both axes, on the twin (drawn above the reward axis, whose own legend it hides)
+        # one legend for both axes, on the twin (drawn above the reward axis, whose own legend it
+        # hides)
         corr.legend(
-            a_rew.lines + corr.lines, [ln.get_label() for ln in a_rew.lines + corr.lines], fontsize=8, loc="lower right"
+            a_rew.lines + corr.lines,
+            [ln.get_label() for ln in a_rew.lines + corr.lines],
+            fontsize=8,
+            loc="lower right",
         )
     _kl_panel(a_kl, ppo)
     _time_panel(a_time, ppo)
@@ -152,17 +186,21 @@ def figure(run_dir: Path):
     if dpo:
         _dpo_row(axes[2], dpo)
 
-    for ax in [ax for row in axes for ax in row] + mem_axes:  # not the twin axes (their legends are set)
+    for ax in [ax for row in axes for ax in row] + mem_axes:
+        # not the twin axes (their legends are set)
         if ax in mem_axes and ax.lines:  # the title names the stage and the axis
             ax.grid(alpha=0.3)
             continue
         ax.set_xlabel("step")
         if ax is a_rew and "reward/gold_corr" in ppo:
-            continue  # its lines are in the twin axis's legend
+            # its lines are in the twin axis's legend
+            continue
         if ax.lines:
             ax.legend(fontsize=8, loc="best")
         else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray"
+            )
         ax.grid(alpha=0.3)
     fig.suptitle(f"rlhf run: {run_dir}")
     fig.tight_layout()
@@ -170,8 +208,8 @@ def figure(run_dir: Path):
 
 
 def _time_panel(ax, ppo: Series) -> None:
-    """PPO's seconds per step by phase; with asynchronous rollouts the trainer's and the worker's busy
-    shares over time on a twin axis (1 − their idle shares)."""
+    """PPO's seconds per step by phase; with asynchronous rollouts the trainer's and the worker's
+    busy shares over time on a twin axis (1 − their idle shares)."""
     ax.set_title("PPO seconds per step")
     for key, label in (
         ("time/generate_s", "generate"),
@@ -198,27 +236,32 @@ def _time_panel(ax, ppo: Series) -> None:
 
 
 def _kl_panel(ax, ppo: Series) -> None:
-    """PPO's KL to the reference per step, with what watches over-optimisation beside it: a reward-model
-    ensemble's disagreement, a distilled student's reverse KL to its teacher, where the gate stopped."""
+    """PPO's KL to the reference per step, with what watches over-optimisation beside it: a
+    reward-model ensemble's disagreement, a distilled student's reverse KL to its teacher, where the
+    gate stopped."""
     ax.set_title("PPO kl/mean (nats per response)")
     _plot(ax, ppo, "kl/mean", "kl/mean", color="tab:purple")
-    if "reward/ensemble_std" in ppo:  # the reward models' disagreement: over-optimisation without gold
+    if "reward/ensemble_std" in ppo:
+        # the reward models' disagreement: over-optimisation without gold
         ax.set_title("PPO kl/mean, and the reward models' disagreement")
         dis = ax.twinx()
         _plot(dis, ppo, "reward/ensemble_std", "ensemble disagreement (std)", color="tab:orange")
         dis.set_ylabel("members' std (normalised)", color="tab:orange")
         dis.legend(fontsize=8, loc="center right")
-    if "distill/reverse_kl_seq" in ppo:  # on-policy distillation: the student's distance to its teacher
+    if "distill/reverse_kl_seq" in ppo:
+        # on-policy distillation: the student's distance to its teacher
         ax.set_title("PPO kl/mean, and the distance to the teacher (nats per response)")
         _plot(ax, ppo, "distill/reverse_kl_seq", "reverse KL to the teacher", color="tab:brown")
     if "gate/stopped" in ppo:
-        ax.axvline(ppo["gate/stopped"][0][0], color="red", linestyle=":", label="the gate stopped the run")
+        ax.axvline(
+            ppo["gate/stopped"][0][0], color="red", linestyle=":", label="the gate stopped the run"
+        )
 
 
 def _heldout_reward(ax, ppo: Series) -> None:
     """Data without a gold rule: the reward model's score of the greedy answers to held-out prompts
-    (± its spread over them) and, on a twin axis, their mean length (a score that rises with the length
-    alone is length hacking)."""
+    (± its spread over them) and, on a twin axis, their mean length (a score that rises with the
+    length alone is length hacking)."""
     ax.set_title("Held-out greedy answers: reward-model score, length (PPO step)")
     steps, mean = ppo["eval/reward_greedy"]
     _plot(ax, ppo, "eval/reward_greedy", "reward-model score", marker="o", color="tab:blue")
@@ -231,16 +274,24 @@ def _heldout_reward(ax, ppo: Series) -> None:
     ax.autoscale()
     if "eval/response_tokens_greedy" in ppo:
         length = ax.twinx()
-        _plot(length, ppo, "eval/response_tokens_greedy", "answer tokens", color="tab:gray", marker="s")
+        _plot(
+            length,
+            ppo,
+            "eval/response_tokens_greedy",
+            "answer tokens",
+            color="tab:gray",
+            marker="s",
+        )
         length.set_ylabel("mean answer tokens", color="tab:gray")
         length.set_ylim(bottom=0)
         length.legend(fontsize=8, loc="lower right")
 
 
 def answers_table(run_dir: Path) -> Optional[str]:
-    """Markdown: each held-out prompt kept by PPO's evaluations (samples.jsonl, kind ``eval_reward``)
-    with the greedy answer of the policy PPO started from (its first evaluation: the SFT policy) beside
-    its last one's, and the reward model's score of each; None without two such evaluations."""
+    """Markdown: each held-out prompt kept by PPO's evaluations (samples.jsonl, kind
+    ``eval_reward``) with the greedy answer of the policy PPO started from (its first evaluation:
+    the SFT policy) beside its last one's, and the reward model's score of each; None without two
+    such evaluations."""
     rows: Dict[int, Dict[int, dict]] = {}
     for rec in read_records(run_dir / "ppo" / "samples.jsonl"):
         if rec.get("kind") == "eval_reward":
@@ -251,14 +302,20 @@ def answers_table(run_dir: Path) -> Optional[str]:
     out = [
         f"# Held-out prompts: the policy at PPO step {first} (the SFT policy) and at step {last}",
         "",
-        "Greedy answers; score: the reward model's (normalised as in training). From ppo/samples.jsonl.",
+        "Greedy answers; score: the reward model's (normalised as in training). From "
+        "ppo/samples.jsonl.",
         "",
         f"| # | prompt (its end) | step {first} answer | score | step {last} answer | score |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for i in sorted(set(rows[first]) & set(rows[last])):
         a, b = rows[first][i], rows[last][i]
-        cells = (_cell(a["prompt"][-300:]), _cell(a["response"]), f"{a['reward']:.2f}", _cell(b["response"]))
+        cells = (
+            _cell(a["prompt"][-300:]),
+            _cell(a["response"]),
+            f"{a['reward']:.2f}",
+            _cell(b["response"]),
+        )
         out.append(f"| {i} | " + " | ".join(cells) + f" | {b['reward']:.2f} |")
     return "\n".join(out) + "\n"
 
@@ -269,7 +326,8 @@ def _cell(text: str) -> str:
 
 
 def _memory_panels(fig, cell, series: dict, stages) -> list:
-    """Peak memory in ``cell``: one panel per stage that logged it, each on its own steps (the axes)."""
+    """Peak memory in ``cell``: one panel per stage that logged it, each on its own steps (the
+    axes)."""
     mem_stages = [st for st in stages if "mem/peak_gb" in series[st]] or [None]
     cells = cell.subgridspec(len(mem_stages), 1, hspace=0.7)
     axes = []
@@ -309,7 +367,8 @@ def _dpo_row(row, dpo: Series) -> None:
 
 
 def write_report(run_dir: Path) -> Path:
-    """report.png, and answers.md where PPO's evaluations kept held-out answers to set side by side."""
+    """report.png, and answers.md where PPO's evaluations kept held-out answers to set side by
+    side."""
     out = run_dir / "report.png"
     atomic_write_bytes(out, render(run_dir))
     table = answers_table(run_dir)

@@ -38,16 +38,20 @@ def gold(responses: List[str], examples: List[Example], fmt: str) -> List[float]
     the synthetic task's rule, GSM8K's final answer)."""
     scorer = FORMATS[fmt].gold if fmt in FORMATS else None
     if scorer is None:
-        raise ConfigError(f"rlhf.rewards.gold has no rule for data.format={fmt} ({', '.join(gold_formats())})")
+        raise ConfigError(
+            f"rlhf.rewards.gold has no rule for data.format={fmt} ({', '.join(gold_formats())})"
+        )
     return [scorer(r, e.reference) for r, e in zip(responses, examples)]
 
 
 def resolve(path: str) -> Callable:
-    hydra_log = logging.getLogger("hydra.utils")  # get_method logs the error it raises: ours is the one line
+    # get_method logs the error it raises: ours is the one line
+    hydra_log = logging.getLogger("hydra.utils")
     was_disabled, hydra_log.disabled = hydra_log.disabled, True
     try:
         return get_method(path)
-    except Exception as e:  # hydra raises ImportError/ValueError variants, their cause chained
+    except Exception as e:
+        # hydra raises ImportError/ValueError variants, their cause chained
         why = one_line(" ".join(x.strip() for x in str(e).splitlines() if x.strip()))
         cause = e.__cause__ or e.__context__
         if cause is not None and str(cause) not in why:
@@ -58,13 +62,15 @@ def resolve(path: str) -> Callable:
 
 
 def name_of(fn: Callable) -> str:
-    """The dotted path a reward function was given by (``ppo.reward_fn``): module and qualified name."""
+    """The dotted path a reward function was given by (``ppo.reward_fn``): module and qualified
+    name."""
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     return f"{module}.{name}" if module and name else repr(fn)
 
 
 def _raised_at(e: BaseException) -> str:
-    """' at file:line' of the innermost frame of ``e``'s traceback (where the user's code raised)."""
+    """' at file:line' of the innermost frame of ``e``'s traceback (where the user's code
+    raised)."""
     frames = traceback.extract_tb(e.__traceback__)
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
@@ -80,16 +86,18 @@ def call(
     """``fn(responses, examples, fmt)`` checked: one number per response (NaN and inf included: the
     update handles non-finite steps), as floats. Anything else — an exception inside ``fn``, a
     count that differs (one number for a whole batch), a value that is not a number — is a
-    ConfigError naming ``ppo.reward_fn`` (``path``; default the function's own dotted name). ``what``
-    says what it was called on (default: a batch of N responses)."""
+    ConfigError naming ``ppo.reward_fn`` (``path``; default the function's own dotted name).
+    ``what`` says what it was called on (default: a batch of N responses)."""
     path = path or name_of(fn)
     n = len(responses)
     what = what or f"a batch of {n} responses"
     try:
         out = fn(list(responses), list(examples), fmt)
-    except Exception as e:  # the user's code: named, with where it raised
+    except Exception as e:
+        # the user's code: named, with where it raised
         raise ConfigError(
-            f"ppo.reward_fn={path}: calling it on {what} failed: {type(e).__name__}: {one_line(str(e))}{_raised_at(e)}"
+            f"ppo.reward_fn={path}: calling it on {what} failed: {type(e).__name__}: "
+            f"{one_line(str(e))}{_raised_at(e)}"
         ) from None
     try:
         got = len(out)
@@ -110,7 +118,8 @@ def call(
             if isinstance(x, (str, bytes)):
                 raise TypeError("a string")
             values.append(float(x))
-        except (TypeError, ValueError) as e:  # None, a string, a tensor of several numbers, ...
+        except (TypeError, ValueError) as e:
+            # None, a string, a tensor of several numbers, ...
             raise ConfigError(
                 f"ppo.reward_fn={path}: value {i} of the {n} it returned is not a number "
                 f"({type(x).__name__} {x!r:.40}: {one_line(str(e))}); it must return one number "
@@ -120,13 +129,16 @@ def call(
 
 
 def check(fn: Callable, path: str, example: Example, fmt: str) -> None:
-    """Calls the reward function once, on two empty responses to one record, before any work: a wrong
-    signature or return (one number for the whole batch among them) fails here with one line instead
-    of after the models are loaded."""
+    """Calls the reward function once, on two empty responses to one record, before any work: a
+    wrong signature or return (one number for the whole batch among them) fails here with one line
+    instead of after the models are loaded."""
     try:
         inspect.signature(fn).bind([""], [example], fmt)
     except TypeError as e:
-        raise ConfigError(f"ppo.reward_fn={path}: it must take (responses, examples, fmt): {e}") from None
-    except ValueError:  # no signature to inspect (a builtin): the call below decides
+        raise ConfigError(
+            f"ppo.reward_fn={path}: it must take (responses, examples, fmt): {e}"
+        ) from None
+    except ValueError:
+        # no signature to inspect (a builtin): the call below decides
         pass
     call(fn, ["", ""], [example, example], fmt, path=path, what="one record")

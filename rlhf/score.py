@@ -1,22 +1,24 @@
 """Score (prompt, response) pairs with a saved reward model, or with a generative judge.
 
-    python -m rlhf.score RUN_DIR/reward/model --prompt $'Q: What is 03 + 45?\\nA:' --response " The answer is 48."
-    python -m rlhf.score RUN_DIR/reward/model --jsonl responses.jsonl   # prompt/response, or messages
-    python -m rlhf.score RUN_DIR/reward/model --jsonl pairs.jsonl       # prompt/chosen/rejected, hh, messages pairs
-    python -m rlhf.score JUDGE_DIR --judge rubric.txt [--verdicts Yes No] --jsonl pairs.jsonl
+    python -m rlhf.score RUN_DIR/reward/model --prompt $'Q: What is 03 + 45?\\nA:' --response " The
+    answer is 48." python -m rlhf.score RUN_DIR/reward/model --jsonl responses.jsonl   #
+    prompt/response, or messages python -m rlhf.score RUN_DIR/reward/model --jsonl pairs.jsonl
+    # prompt/chosen/rejected, hh, messages pairs python -m rlhf.score JUDGE_DIR --judge rubric.txt
+    [--verdicts Yes No] --jsonl pairs.jsonl
 
 Prints one JSON object per response: {"score": float, "normalized": float}; for preference pairs one
-per pair ({"chosen": float, "rejected": float, "correct": bool}) and then {"pairs": n, "accuracy": a}.
-``normalized`` uses the mean/std of held-out scores saved by the reward stage (reward_stats.json). An
-ensemble (reward.ensemble=k): the members' mean as the score, their spread (the std of the normalised
-members' scores) as ``spread`` (pairs: ``chosen_spread``, ``rejected_spread``), and each member's score
-in ``members``. ``--judge TEMPLATE``: MODEL_DIR is a causal LM read as PPO's judge reads it
-(rlhf/rl/judge.py: the template filled with {prompt}, {response}, {reference}, the judge's chat
-template, the score P(first verdict) against the second); the lines are the same, without ``normalized``.
-A file is read by the stages' readers in the format its first record has; turns (``messages``) are
-rendered through the model's chat template (``--chat-template``) exactly as the reward stage renders them.
-A prompt needs its real newlines: in bash write $'...\\n...' (in plain double quotes \\n stays a
-backslash and an n, which the model never saw). Runs on the GPU when there is one (--device).
+per pair ({"chosen": float, "rejected": float, "correct": bool}) and then {"pairs": n, "accuracy":
+a}. ``normalized`` uses the mean/std of held-out scores saved by the reward stage
+(reward_stats.json). An ensemble (reward.ensemble=k): the members' mean as the score, their spread
+(the std of the normalised members' scores) as ``spread`` (pairs: ``chosen_spread``,
+``rejected_spread``), and each member's score in ``members``. ``--judge TEMPLATE``: MODEL_DIR is a
+causal LM read as PPO's judge reads it (rlhf/rl/judge.py: the template filled with {prompt},
+{response}, {reference}, the judge's chat template, the score P(first verdict) against the second);
+the lines are the same, without ``normalized``. A file is read by the stages' readers in the format
+its first record has; turns (``messages``) are rendered through the model's chat template
+(``--chat-template``) exactly as the reward stage renders them. A prompt needs its real newlines: in
+bash write $'...\\n...' (in plain double quotes \\n stays a backslash and an n, which the model
+never saw). Runs on the GPU when there is one (--device).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-UNCUT = sys.maxsize  # data.max_*_len for scoring: nothing is cut
+# data.max_*_len for scoring: nothing is cut
+UNCUT = sys.maxsize
 
-# Imports of transformers and of the project's model code inside functions on purpose: --help answers in
-# 2 s (torch alone, measured on the CPU dev machine) rather than 5 s.
+# Imports of transformers and of the project's model code inside functions on purpose: --help
+# answers in 2 s (torch alone, measured on the CPU dev machine) rather than 5 s.
 
 
 class RewardScorer:
@@ -40,8 +43,9 @@ class RewardScorer:
     members) with its tokenizer.
 
     The score of (prompt, response) is the head's value at the last token of
-    prompt + response + EOS, exactly as the reward stage trains and evaluates it ([n, k] for an ensemble);
-    for a model whose pad is its EOS (a converted DeepSpeed-Chat one) at the token before the EOS."""
+    prompt + response + EOS, exactly as the reward stage trains and evaluates it ([n, k] for an
+    ensemble); for a model whose pad is its EOS (a converted DeepSpeed-Chat one) at the token before
+    the EOS."""
 
     def __init__(self, model_dir: str, device: str = "cpu", trust_remote_code: bool = False):
         from transformers import AutoModelForSequenceClassification
@@ -60,11 +64,13 @@ class RewardScorer:
         ).to(device)
         self.model.eval()
         self.values = ScalarHeadModel(self.model)
-        self.end_pad = end_pad(self.model.config)  # a pad that is the EOS: scored before it (Transformers' pooling)
+        # a pad that is the EOS: scored before it (Transformers' pooling)
+        self.end_pad = end_pad(self.model.config)
         self.members = members(self.model.config)
         self.device = device
         stats_file = self.dir / REWARD_STATS_FILE
-        self.stats = {"mean": 0.0, "std": 1.0}  # a reward model with no reward_stats.json: unnormalised
+        # a reward model with no reward_stats.json: unnormalised
+        self.stats = {"mean": 0.0, "std": 1.0}
         if stats_file.is_file():
             self.stats = json.loads(stats_file.read_text())
 
@@ -84,12 +90,18 @@ class RewardScorer:
             chunk = seqs[s : s + batch_size]
             ids = pad_right(chunk, self.tokenizer.pad_token_id).to(self.device)
             lengths = torch.tensor([len(x) for x in chunk], device=self.device)
-            mask = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
-            scores = sequence_scores(self.values(input_ids=ids, attention_mask=mask), mask, ids, self.end_pad)
+            mask = (
+                torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]
+            ).long()
+            scores = sequence_scores(
+                self.values(input_ids=ids, attention_mask=mask), mask, ids, self.end_pad
+            )
             out.append(scores.cpu())
         return torch.cat(out) if out else torch.zeros(0, device="cpu")
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64) -> torch.Tensor:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64
+    ) -> torch.Tensor:
         return self.score_ids(self.encode(prompts, responses), batch_size)
 
     def pair_ids(self, examples: Sequence, chat=None) -> Tuple[List[List[int]], List[List[int]]]:
@@ -101,7 +113,8 @@ class RewardScorer:
         return cols["chosen"], cols["rejected"]
 
     def response_ids(self, examples: Sequence, chat=None) -> List[List[int]]:
-        """prompt + response + EOS of each record, built as the stages build them (turns through ``chat``)."""
+        """prompt + response + EOS of each record, built as the stages build them (turns through
+        ``chat``)."""
         from rlhf.data.tokenize import tokenize_sft
 
         return tokenize_sft(list(examples), self.tokenizer, UNCUT, UNCUT, chat)["ids"]
@@ -136,8 +149,9 @@ def format_of(record) -> str:
 
 def read_records(path: str):
     """(kind, examples): 'pairs' when the records hold chosen/rejected (prompt_chosen_rejected, hh
-    dialogues or messages pairs), else 'responses' (prompt_response, or messages conversations ending
-    with the assistant turn to score). The format is the first record's; every record must have it."""
+    dialogues or messages pairs), else 'responses' (prompt_response, or messages conversations
+    ending with the assistant turn to score). The format is the first record's; every record must
+    have it."""
     from rlhf.data.records import data_files, iter_raw_records, read_examples
     from rlhf.errors import DataError
 
@@ -152,9 +166,14 @@ def read_records(path: str):
     kind = "pairs" if exs[0].chosen is not None else "responses"
     for e in exs:
         if kind == "pairs" and (e.chosen is None or e.rejected is None):
-            raise DataError(f"{e.where}: not a preference pair (chosen and rejected), as the file's first record is")
+            raise DataError(
+                f"{e.where}: not a preference pair (chosen and rejected), as the file's "
+                "first record is"
+            )
         if kind == "responses" and e.response is None:
-            raise DataError(f"{e.where}: no response to score (a messages record needs a last assistant turn)")
+            raise DataError(
+                f"{e.where}: no response to score (a messages record needs a last assistant turn)"
+            )
     return kind, exs
 
 
@@ -167,17 +186,24 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--chat-template",
         default="auto",
-        help="for turns (messages): auto (the tokenizer's, as the reward stage used it), none, or a Jinja file",
+        help="for turns (messages): auto (the tokenizer's, as the reward stage used it), none, "
+        "or a Jinja file",
     )
-    ap.add_argument("--trust-remote-code", action="store_true", help="allow a model that brings its own code")
+    ap.add_argument(
+        "--trust-remote-code", action="store_true", help="allow a model that brings its own code"
+    )
     ap.add_argument(
         "--device",
         default="auto",
         choices=("auto", "cpu", "cuda"),
         help="where the model runs (auto: the GPU when there is one, as engine.device)",
     )
-    ap.add_argument("--judge", metavar="TEMPLATE", help="MODEL_DIR is a generative judge; its template file")
-    ap.add_argument("--verdicts", nargs=2, default=["Yes", "No"], help="the judge's good and bad verdict")
+    ap.add_argument(
+        "--judge", metavar="TEMPLATE", help="MODEL_DIR is a generative judge; its template file"
+    )
+    ap.add_argument(
+        "--verdicts", nargs=2, default=["Yes", "No"], help="the judge's good and bad verdict"
+    )
     args = ap.parse_args(argv)
     from rlhf.errors import UserError, one_line
 
@@ -198,7 +224,9 @@ def main(argv=None) -> None:
         from rlhf.engine.mesh import choose_device
 
         scorer = RewardScorer(
-            args.model_dir, device=str(choose_device(args.device, 0, 1)), trust_remote_code=args.trust_remote_code
+            args.model_dir,
+            device=str(choose_device(args.device, 0, 1)),
+            trust_remote_code=args.trust_remote_code,
         )
         chat = resolve_template(scorer.tokenizer, args.chat_template, key="--chat-template")
         if kind == "pairs":
@@ -213,7 +241,8 @@ def main(argv=None) -> None:
     if kind == "pairs":
         chosen, rejected = (scorer.score_ids(ids) for ids in seqs)
         extra = [{}] * len(chosen)
-        if scorer.members > 1:  # an ensemble: the members' mean, and their spread
+        if scorer.members > 1:
+            # an ensemble: the members' mean, and their spread
             extra = [
                 {"chosen_spread": a, "rejected_spread": b}
                 for a, b in zip(scorer.spread(chosen).tolist(), scorer.spread(rejected).tolist())
@@ -227,7 +256,11 @@ def main(argv=None) -> None:
         return
     scores = scorer.score_ids(seqs)
     if scorer.members > 1:
-        rows = zip(scores.mean(1).tolist(), scorer.normalize(scores).mean(1).tolist(), scorer.spread(scores).tolist())
+        rows = zip(
+            scores.mean(1).tolist(),
+            scorer.normalize(scores).mean(1).tolist(),
+            scorer.spread(scores).tolist(),
+        )
         for (s, n, sp), m in zip(rows, scores.tolist()):
             print(json.dumps({"score": s, "normalized": n, "spread": sp, "members": m}))
         return
@@ -236,7 +269,8 @@ def main(argv=None) -> None:
 
 
 def judge_main(args, kind: str, exs) -> None:
-    """``--judge``: each response's (each pair's two) probability of the good verdict by the judge."""
+    """``--judge``: each response's (each pair's two) probability of the good verdict by the
+    judge."""
     from transformers import AutoModelForCausalLM
 
     from rlhf.data.records import Example
@@ -248,14 +282,20 @@ def judge_main(args, kind: str, exs) -> None:
     template = read_template(args.judge, "--judge")
     tokenizer = load_tokenizer(args.model_dir, args.trust_remote_code)
     device = choose_device(args.device, 0, 1)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=args.trust_remote_code)
-    judge = Judge(Plain(model.to(device).eval()), tokenizer, template, args.verdicts, 4096, args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, trust_remote_code=args.trust_remote_code
+    )
+    judge = Judge(
+        Plain(model.to(device).eval()), tokenizer, template, args.verdicts, 4096, args.model_dir
+    )
     if exs is None:
         exs = [Example(prompt=args.prompt, response=args.response)]
 
     def scores(texts: List[str]) -> List[float]:  # 16 responses a forward
         return [
-            p for i in range(0, len(exs), 16) for p in judge(texts[i : i + 16], exs[i : i + 16], 0, device).tolist()
+            p
+            for i in range(0, len(exs), 16)
+            for p in judge(texts[i : i + 16], exs[i : i + 16], 0, device).tolist()
         ]
 
     if kind == "pairs":

@@ -4,23 +4,35 @@ One place for the strides, so that no two streams are seeded with the same numbe
 new stream picks a stride of its own. Two forms, each kept exactly as those streams have always been
 seeded (fixed-seed numbers are a contract, docs/architecture.md habit 11):
 
-- ``offset(seed, i, stride) = seed + stride·i``: stream ``i`` of a family (``i = 0`` is ``seed`` itself);
+- ``offset(seed, i, stride) = seed + stride·i``: stream ``i`` of a family (``i = 0`` is ``seed``
+  itself);
 - ``nested(seed, i, stride) = seed·stride + i``: index ``i`` (an epoch, a step) under ``seed``.
 """
 
 from __future__ import annotations
 
-SOURCE = 7919  # offset: data source i of a blend (rlhf/data/pipeline.py)
-HELD_OUT = 104_729  # offset by 1: the order of data.eval_path's records (rlhf/data/pipeline.py)
-EPOCH = 1_000_003  # nested: an epoch's shuffle of the global batches (rlhf/data/sampler.py)
-RANK = 1_000_003  # offset: the sampling stream of a rank under HF generate (rlhf/engine/hybrid.py)
-SAMPLE = 1_299_709  # offset: the sampling stream of row key i of a generation (rlhf/ops/sampling.py)
-ROLLOUT = 7919  # nested: the PPO rollouts of step i (stages/ppo.py)
-MINIBATCH = 31  # offset: the minibatch order of PPO step i (stages/ppo.py)
-PTX = 17  # offset by 1: the PPO-ptx batches (rlhf/rl/ptx.py)
-REFILL = 104_729  # offset: dynamic sampling's extra round i (rlhf/rl/experience.py)
-TURN = 15_485_863  # offset: turn i (≥ 1) of a multi-turn rollout (rlhf/rl/episodes.py)
-BOOTSTRAP = 2_750_159  # nested: record i's bootstrap draw for an ensemble's members (rlhf/data/sampler.py)
+# offset: data source i of a blend (rlhf/data/pipeline.py)
+SOURCE = 7919
+# offset by 1: the order of data.eval_path's records (rlhf/data/pipeline.py)
+HELD_OUT = 104_729
+# nested: an epoch's shuffle of the global batches (rlhf/data/sampler.py)
+EPOCH = 1_000_003
+# offset: the sampling stream of a rank under HF generate (rlhf/engine/hybrid.py)
+RANK = 1_000_003
+# offset: the sampling stream of row key i of a generation (rlhf/ops/sampling.py)
+SAMPLE = 1_299_709
+# nested: the PPO rollouts of step i (stages/ppo.py)
+ROLLOUT = 7919
+# offset: the minibatch order of PPO step i (stages/ppo.py)
+MINIBATCH = 31
+# offset by 1: the PPO-ptx batches (rlhf/rl/ptx.py)
+PTX = 17
+# offset: dynamic sampling's extra round i (rlhf/rl/experience.py)
+REFILL = 104_729
+# offset: turn i (≥ 1) of a multi-turn rollout (rlhf/rl/episodes.py)
+TURN = 15_485_863
+# nested: record i's bootstrap draw for an ensemble's members (rlhf/data/sampler.py)
+BOOTSTRAP = 2_750_159
 
 
 def offset(seed: int, index: int, stride: int) -> int:

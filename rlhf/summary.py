@@ -12,11 +12,13 @@ from rlhf import config
 from rlhf.outputs.fileio import atomic_write_json
 from rlhf.report import read_series, write_report
 
-PEAKS = ("mem/peak_gb",)  # every stage: the largest logged value (the stage's peak), not the last
+# every stage: the largest logged value (the stage's peak), not the last
+PEAKS = ("mem/peak_gb",)
 
 
 def last_values(metrics_file: Path, keys, peaks=()) -> dict:
-    """The last logged value of each of ``keys`` in a metrics.jsonl, and the largest of each of ``peaks``."""
+    """The last logged value of each of ``keys`` in a metrics.jsonl, and the largest of each of
+    ``peaks``."""
     series = read_series(metrics_file)
     return {
         **{k: series[k][1][-1] for k in keys if k in series},
@@ -25,7 +27,8 @@ def last_values(metrics_file: Path, keys, peaks=()) -> dict:
 
 
 def build_summary(run_dir: Path, seconds: dict, seed=None) -> dict:
-    """Per stage of rlhf.config.STAGE_TABLE that logged any: its row's summary_keys (last values) and PEAKS."""
+    """Per stage of rlhf.config.STAGE_TABLE that logged any: its row's summary_keys (last values)
+    and PEAKS."""
     summary = {}
     for stage in config.STAGE_TABLE:
         vals = last_values(run_dir / stage.name / "metrics.jsonl", stage.summary_keys, PEAKS)
@@ -41,7 +44,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlhf.summary")
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--seconds", action="append", default=[], help="stage=seconds")
-    ap.add_argument("--seed", type=int, default=None, help="run.seed of the run (recorded in summary.json)")
+    ap.add_argument(
+        "--seed", type=int, default=None, help="run.seed of the run (recorded in summary.json)"
+    )
     args = ap.parse_args(argv)
     seconds = {k: float(v) for k, v in (s.split("=", 1) for s in args.seconds)}
     summary = build_summary(args.run_dir, seconds, args.seed)

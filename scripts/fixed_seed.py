@@ -7,7 +7,8 @@ the embedded default (fp32), a reward-model ensemble with PPO against it, and th
     python scripts/fixed_seed.py run /tmp/base --out /tmp/fs_base [--nproc 2]
     python scripts/fixed_seed.py run .          --out /tmp/fs_now  [--nproc 2]
     python scripts/fixed_seed.py compare /tmp/fs_base /tmp/fs_now
-    python scripts/fixed_seed.py run . --out /tmp/fs_padded --set engine.packing=false   # a setting's effect
+    python scripts/fixed_seed.py run . --out /tmp/fs_padded --set engine.packing=false   # a
+    setting's effect
 
 ``compare`` prints the number of identical metric values, every differing one (with its largest
 difference), and whether every exported safetensors file is byte-identical; it exits 1 on any
@@ -43,7 +44,8 @@ PPO = [
     "train.eval_every=0",
 ]
 # (name, stage, overrides, start): each step runs in <out>/<name>, made from a copy of <out>/<start>
-# without the stage it runs nor ppo/dpo (None: a fresh run dir); "base" holds SFT then the reward model
+# without the stage it runs nor ppo/dpo (None: a fresh run dir); "base" holds SFT then the reward
+# model
 STEPS = [
     ("base", "sft", ["train.max_steps=40", "train.warmup_steps=5", "train.eval_every=20"], None),
     ("base", "reward", ["train.max_steps=20", "train.eval_every=10"], None),
@@ -69,11 +71,22 @@ STEPS = [
         "base",
     ),
     ("dpo", "dpo", ["train.max_steps=10", "train.eval_every=5"], "base"),
-    # a reward-model ensemble (bootstrapped heads) and PPO against it, clipped and gated by disagreement
-    ("ensemble", "reward", ["train.max_steps=20", "train.eval_every=10", "reward.ensemble=2"], "base"),
+    # a reward-model ensemble (bootstrapped heads) and PPO against it, clipped and gated by
+    # disagreement
+    (
+        "ensemble",
+        "reward",
+        ["train.max_steps=20", "train.eval_every=10", "reward.ensemble=2"],
+        "base",
+    ),
     ("ensemble", "ppo", PPO + ["ppo.reward_clip=true", "ppo.stop_disagreement=100"], None),
     # the agentic path: SFT on the tool task, then GRPO episodes calling the calculator
-    ("agentic", "sft", ["recipe=agentic", "train.max_steps=40", "train.warmup_steps=5", "train.eval_every=20"], None),
+    (
+        "agentic",
+        "sft",
+        ["recipe=agentic", "train.max_steps=40", "train.warmup_steps=5", "train.eval_every=20"],
+        None,
+    ),
     ("agentic", "ppo", ["recipe=agentic", *PPO], None),
 ]
 
@@ -81,9 +94,11 @@ STEPS = [
 def run(tree: Path, out: Path, nproc: int, overrides: tuple = ()) -> None:
     import shutil
 
-    if out.is_dir() and any(out.iterdir()):  # its finished stages would not run again: stale numbers
+    if out.is_dir() and any(out.iterdir()):
+        # its finished stages would not run again: stale numbers
         print(
-            f"fixed_seed: {out} already holds a run (a finished stage is not run again); use a new --out",
+            f"fixed_seed: {out} already holds a run (a finished stage is not run again); "
+            "use a new --out",
             file=sys.stderr,
         )
         raise SystemExit(2)
@@ -99,9 +114,23 @@ def run(tree: Path, out: Path, nproc: int, overrides: tuple = ()) -> None:
     for name, stage, extra, start in STEPS:
         run_dir = out / name
         if start is not None and not run_dir.exists():
-            shutil.copytree(out / start, run_dir, ignore=shutil.ignore_patterns(stage, "ppo", "dpo"))
-        launch = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [py]
-        cmd = launch + ["-m", "rlhf", f"stage={stage}", f"run.dir={run_dir}", *COMMON, *extra, *overrides]
+            shutil.copytree(
+                out / start, run_dir, ignore=shutil.ignore_patterns(stage, "ppo", "dpo")
+            )
+        launch = (
+            [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+            if nproc > 1
+            else [py]
+        )
+        cmd = launch + [
+            "-m",
+            "rlhf",
+            f"stage={stage}",
+            f"run.dir={run_dir}",
+            *COMMON,
+            *extra,
+            *overrides,
+        ]
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr[-3000:])
@@ -116,7 +145,9 @@ def collect(out: Path):
         for line in p.read_text().splitlines():
             row = json.loads(line)
             for k, v in row.items():
-                if k != "step" and not k.startswith(("time/", "gen/tokens_per_s", "samples_per_s", "mem/")):
+                if k != "step" and not k.startswith(
+                    ("time/", "gen/tokens_per_s", "samples_per_s", "mem/")
+                ):
                     metrics[(str(rel), row["step"], k)] = v
     for p in sorted(out.rglob("*.safetensors")):
         files[str(p.relative_to(out))] = hashlib.sha256(p.read_bytes()).hexdigest()
@@ -131,7 +162,11 @@ def compare(a: Path, b: Path) -> int:
     print(f"metric values: {len(same)} identical, {len(diff)} differ, {len(only)} in one run only")
     for k in diff[:40]:
         print("  differs:", k, ma[k], mb[k])
-    gaps = [abs(ma[k] - mb[k]) for k in diff if isinstance(ma[k], (int, float)) and isinstance(mb[k], (int, float))]
+    gaps = [
+        abs(ma[k] - mb[k])
+        for k in diff
+        if isinstance(ma[k], (int, float)) and isinstance(mb[k], (int, float))
+    ]
     if gaps:
         rel = [g / max(abs(ma[k]), 1e-12) for g, k in zip(gaps, diff)]
         print(f"largest difference: {max(gaps):.3g} absolute, {max(rel):.3g} relative")
@@ -152,7 +187,12 @@ def main() -> None:
     r.add_argument("tree", type=Path)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--nproc", type=int, default=1)
-    r.add_argument("--set", nargs="*", default=[], help="extra overrides for every stage (e.g. engine.packing=false)")
+    r.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        help="extra overrides for every stage (e.g. engine.packing=false)",
+    )
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)

@@ -1,6 +1,7 @@
 """The CUDA-graph decode loop against the row-removing loop and HF generate, on a GPU (fp32).
 
-    python scripts/gpu_decode_check.py        # (scripts/gpu_check.sh runs it; exit 1 when a check fails)
+    python scripts/gpu_decode_check.py        # (scripts/gpu_check.sh runs it; exit 1 when a check
+    fails)
 
 One JSON line per check, ``{"check": ..., "ok": ..., ...}``, on stdout. The model is the ``small``
 bench workload (random Llama, fp32) with the EOS logit raised so that rows end at different steps;
@@ -129,7 +130,12 @@ def main() -> int:
     ids, mask = left_pad(prompts, PAD, device)
     with torch.no_grad():
         hf = engines["off"].engine.module.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=EOS
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=NEW,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
         )
     hf = hf[:, ids.shape[1] :]
     hf = torch.cat([hf, hf.new_full((hf.shape[0], NEW - hf.shape[1]), PAD)], 1)
@@ -145,7 +151,12 @@ def main() -> int:
     ok &= report("greedy_eq_hf_generate", torch.equal(out["auto"].responses, hf.to(device)))
 
     sampled = SamplingParams(
-        temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=4, samples_per_prompt=2, seed=3
+        temperature=1.0,
+        top_p=0.9,
+        max_new_tokens=NEW,
+        min_new_tokens=4,
+        samples_per_prompt=2,
+        seed=3,
     )
     out = {k: hy.generate(prompts, sampled) for k, hy in engines.items()}
     same = (out["auto"].sequences == out["off"].sequences).all(1).float().mean().item()
@@ -153,7 +164,8 @@ def main() -> int:
 
     syncs = {k: host_syncs(hy, prompts, greedy) for k, hy in engines.items()}
     k = engines["auto"].ecfg.decode_sync_every
-    # the row-removing loop (the positive control: the counter sees its per-step checks) vs the graphs
+    # the row-removing loop (the positive control: the counter sees its per-step checks) vs the
+    # graphs
     ok &= report(
         "host_syncs_per_generation",
         syncs["off"] >= NEW - 1 and syncs["auto"] <= NEW // k + 16,

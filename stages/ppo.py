@@ -131,7 +131,9 @@ def run(cfg: Config) -> None:
         try:
             train_stats = loop.updater.update(exp, step, kl_ctl.beta)
         except Diverged as e:
-            raise UserError(f"ppo: {e} at step {step + 1}; stopping (the last good checkpoint is kept)") from None
+            raise UserError(
+                f"ppo: {e} at step {step + 1}; stopping (the last good checkpoint is kept)"
+            ) from None
         row["time/train_s"] = time.perf_counter() - t1
         # asynchronous rollouts: the new weights go to the worker
         loop.updated(step)
@@ -199,13 +201,16 @@ def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prep
         )
     if ppo.prompts_per_step % mesh.world_size:
         raise ConfigError(
-            f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world size {mesh.world_size}"
+            f"ppo.prompts_per_step={ppo.prompts_per_step} is not divisible by the world "
+            f"size {mesh.world_size}"
         )
     tokenizer = loading.load_tokenizer(actor_src, cfg.model.trust_remote_code)
     for key, src in sources.named():
         if src is not None and key != "ppo.judge_path":
             # they read the actor's token ids (the judge: text)
-            loading.check_same_tokenizer(str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code)
+            loading.check_same_tokenizer(
+                str(src), key, tokenizer, actor_src, cfg.model.trust_remote_code
+            )
     chat = resolve_template(tokenizer, cfg.data.chat_template, records=data.train)  # as in SFT
     # (refuses a template that drops observations)
     runner = EpisodeRunner.of(ppo, env, tokenizer, chat, mesh)
@@ -214,7 +219,9 @@ def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prep
         data.train, tokenizer, cfg.data.max_prompt_len, chat, max_new_tokens=ppo.max_new_tokens
     )["prompt"]
     ptx = PtxTerm.load(cfg, tokenizer, ctx.cache_dir, mesh) if cfg.algorithm.ptx_coef > 0 else None
-    return Prepared(data, tokenizer, chat, runner, prompt_ids, ptx, RewardStats.of(cfg, sources.reward_models))
+    return Prepared(
+        data, tokenizer, chat, runner, prompt_ids, ptx, RewardStats.of(cfg, sources.reward_models)
+    )
 
 
 def fingerprint(cfg: Config, prep: Prepared, models: Models, sources: Sources) -> dict:
@@ -226,7 +233,9 @@ def fingerprint(cfg: Config, prep: Prepared, models: Models, sources: Sources) -
             # (runs without them keep the fingerprint they had)
             named += f" {key}={src}"
     models_read = [sources.actor] + [src for _, src in sources.named()]
-    found = run_fingerprint(models.actor.module.config, prep.tokenizer, prep.data, cfg, named, models_read)
+    found = run_fingerprint(
+        models.actor.module.config, prep.tokenizer, prep.data, cfg, named, models_read
+    )
     if prep.ptx is not None:  # PPO-ptx trains on the SFT records too
         found["ptx_records"] = prep.ptx.digest
     return found
@@ -250,7 +259,9 @@ class Loop:
         self.kl_ctl = AdaptiveKL(alg.kl_coef, alg.kl_target, alg.kl_horizon)
         # the rollout-parity guard: the inference mode's log-probs against the training recompute,
         # every step
-        self.guard = RolloutGuard.of(ppo, models.hybrid, precision_of(cfg.engine.placement("actor"), mesh.device))
+        self.guard = RolloutGuard.of(
+            ppo, models.hybrid, precision_of(cfg.engine.placement("actor"), mesh.device)
+        )
         prompts = PromptSource(
             prep.prompt_ids,
             prep.data.train,
@@ -359,9 +370,13 @@ class Loop:
         # ppo.max_tokens_per_micro_batch: forwards grouped by real tokens
         tokens_note = ""
         if ppo.max_tokens_per_micro_batch:
-            tokens_note = f", micro-batches of at most {ppo.max_tokens_per_micro_batch} tokens (as many on every rank)"
+            tokens_note = (
+                f", micro-batches of at most {ppo.max_tokens_per_micro_batch} tokens (as many on "
+                "every rank)"
+            )
         log.info(
-            "ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d minibatches%s",
+            "ppo (%s): %d prompts (%s), %d steps × %d prompts × %d samples, %d epochs × %d "
+            "minibatches%s",
             self.cfg.algorithm.estimator,
             len(prep.prompt_ids),
             prep.data.description,
@@ -450,7 +465,9 @@ class Loop:
                 show=cfg.logger.samples,
             )
             if answers:
-                changes, warning = self.gate.heldout(step, mean["eval/reward_greedy"], answers, final)
+                changes, warning = self.gate.heldout(
+                    step, mean["eval/reward_greedy"], answers, final
+                )
                 res.update(mean, **changes)
                 if warning:
                     log.warning("%s", warning)

@@ -81,14 +81,20 @@ def run(cfg: Config) -> None:
     require_pairs(data, data_cfg.format, "reward")
     tokenizer = loading.load_tokenizer(source, cfg.model.trust_remote_code)
     chat = resolve_template(tokenizer, data_cfg.chat_template, records=data.train)
-    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
-    train_cols, eval_cols = cached_pairs(data.train, data.eval, tokenizer, lens, ctx.cache_dir, mesh)
+    lens = dict(
+        max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat
+    )
+    train_cols, eval_cols = cached_pairs(
+        data.train, data.eval, tokenizer, lens, ctx.cache_dir, mesh
+    )
     require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
     resolve_steps(ctx, len(train_cols["chosen"]), train.global_batch, "pairs")
     if not eval_cols["chosen"]:
         raise DataError(f"data ({data.description}): no held-out pairs to evaluate on")
     model_cfg, model = scalar_head_model(cfg, source, tokenizer, mesh)
-    reward_model = TrainEngine(ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train)
+    reward_model = TrainEngine(
+        ScalarHeadModel(model), mesh, cfg.engine.placement("reward_model"), train
+    )
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     fingerprint = run_fingerprint(model_cfg, tokenizer, data, cfg, f"backbone={source}", [source])
@@ -102,7 +108,9 @@ def run(cfg: Config) -> None:
     # what train.max_tokens_per_micro_batch counts
     tokens = pair_tokens(train_cols)
     pad, k = tokenizer.pad_token_id, cfg.reward.ensemble
-    evaluate = partial(evaluate_logged, reward_model, eval_cols, pad, micro, cfg.reward.margin, metrics)
+    evaluate = partial(
+        evaluate_logged, reward_model, eval_cols, pad, micro, cfg.reward.margin, metrics
+    )
     checkpoint = partial(save_stage, ctx, {"reward": reward_model}, keep=train.keep_checkpoints)
 
     # ---- 2. the loop ----
@@ -113,7 +121,9 @@ def run(cfg: Config) -> None:
     stop = interrupt.listen()
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
-        ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
+        ixs = step_micro_batches(
+            batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens
+        )
         mbs = [collate(train_cols, ix, pad) for ix in ixs]
         weights = [member_weights(cfg, ix) for ix in ixs]
         lr = reward_model.lr
@@ -162,7 +172,9 @@ def say_plan(cfg: Config, pairs: int, description: str, source: str, micro: int,
     train, k = cfg.train, cfg.reward.ensemble
     ensemble_note = ""
     if k > 1:
-        ensemble_note = f", an ensemble of {k} heads" + (" (bootstrapped pairs)" if cfg.reward.bootstrap else "")
+        ensemble_note = f", an ensemble of {k} heads" + (
+            " (bootstrapped pairs)" if cfg.reward.bootstrap else ""
+        )
     log.info(
         "reward: %d pairs (%s) from %s, %d steps of %d pairs, %s%s",
         pairs,
@@ -215,7 +227,9 @@ def scalar_head_model(cfg: Config, source: str, tokenizer, mesh: Mesh):
 
 
 def collate(cols: dict, indices: List[int], pad: int) -> dict:
-    return collate_pairs([cols["chosen"][i] for i in indices], [cols["rejected"][i] for i in indices], pad)
+    return collate_pairs(
+        [cols["chosen"][i] for i in indices], [cols["rejected"][i] for i in indices], pad
+    )
 
 
 def member_weights(cfg: Config, indices: List[int]) -> Optional[torch.Tensor]:
@@ -224,7 +238,9 @@ def member_weights(cfg: Config, indices: List[int]) -> Optional[torch.Tensor]:
     k = cfg.reward.ensemble
     if k == 1 or not cfg.reward.bootstrap:
         return None
-    return torch.tensor(bootstrap_weights(indices, k, cfg.run.seed), dtype=torch.float32).view(-1, k)
+    return torch.tensor(bootstrap_weights(indices, k, cfg.run.seed), dtype=torch.float32).view(
+        -1, k
+    )
 
 
 def evaluate_logged(
@@ -242,7 +258,9 @@ def evaluate_logged(
         **evaluate_pairs(reward_model, cols, pad, micro, reward_model.mesh, margin),
         **(extra or {}),
     }
-    log_evaluation(metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model)
+    log_evaluation(
+        metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model
+    )
     return res
 
 
@@ -380,7 +398,10 @@ def evaluate_pairs(
         "scores/max": ens["max"],
     }
     if columns > 1:
-        members = [{key: m[key] for key in ("accuracy", "mean", "std", "min", "max")} for m in cols_stats[1:]]
+        members = [
+            {key: m[key] for key in ("accuracy", "mean", "std", "min", "max")}
+            for m in cols_stats[1:]
+        ]
         out["eval/loss"] = sum(m["loss"] for m in cols_stats[1:]) / len(members)
         out["eval/member_accuracy_min"] = min(m["accuracy"] for m in members)
         out["eval/member_accuracy_max"] = max(m["accuracy"] for m in members)

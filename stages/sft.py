@@ -67,12 +67,14 @@ def run(cfg: Config) -> None:
     # ---- 1. setup: everything is validated before anything is written ----
     if cfg.model.path:
         loading.check_model_path(cfg.model.path)
-    env = environment(cfg.ppo)  # the gold evaluation plays the run's episodes (ppo.tools, ppo.env)
+    # the gold evaluation plays the run's episodes (ppo.tools, ppo.env)
+    env = environment(cfg.ppo)
     data = load_stage_data(data_cfg, "sft", cfg.run.seed)
     require_batches(len(data.train), train.global_batch, f"data ({data.description})")
     ckpt = checkpoint_to_resume(ctx)
     tokenizer, model_cfg = tokenizer_and_config(cfg, data, ckpt, mesh)
-    chat = resolve_template(tokenizer, data_cfg.chat_template, records=data.train)  # (a file's is exported too)
+    # (a file's is exported too)
+    chat = resolve_template(tokenizer, data_cfg.chat_template, records=data.train)
     runner = EpisodeRunner.of(cfg.ppo, env, tokenizer, chat, mesh)
     train_cols, eval_cols = columns(cfg, ctx, data, tokenizer, chat)
     resolve_steps(ctx, len(train_cols["ids"]), train.global_batch, "records")
@@ -88,19 +90,33 @@ def run(cfg: Config) -> None:
     # model.lora.r > 0: the adapters train (and, for the embedded default, its embeddings)
     model = lora.adapt(model, cfg.model.lora, cfg.run.seed, embedded=not cfg.model.path)
     actor = TrainEngine(model, mesh, cfg.engine.placement("actor"), train)
-    hybrid = HybridEngine(actor, tokenizer, cfg.engine.placement("actor"))  # generation for the gold score
+    # generation for the gold score
+    hybrid = HybridEngine(actor, tokenizer, cfg.engine.placement("actor"))
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
     ctx.fingerprint = mesh.broadcast_object(
-        run_fingerprint(model.config, tokenizer, data, cfg, f"model={cfg.model.path or 'embedded'}", [cfg.model.path])
+        run_fingerprint(
+            model.config,
+            tokenizer,
+            data,
+            cfg,
+            f"model={cfg.model.path or 'embedded'}",
+            [cfg.model.path],
+        )
     )
-    if finished(ctx):  # a rerun of a finished stage: said in one line, nothing touched
+    if finished(ctx):
+        # a rerun of a finished stage: said in one line, nothing touched
         return shutdown(mesh)
     start, _, metrics = resume(ctx, {"actor": actor}, ckpt)
     micro = train.micro_batch_per_rank or train.global_batch // mesh.world_size
     batches = GlobalBatches(len(train_cols["ids"]), train.global_batch, cfg.run.seed)
-    tokens = [len(x) for x in train_cols["ids"]]  # what train.max_tokens_per_micro_batch counts
-    evaluate = Evaluation(cfg, actor, hybrid, runner, data, eval_cols, tokenizer, chat, micro, metrics)
-    checkpoint = partial(save_stage, ctx, {"actor": actor}, keep=train.keep_checkpoints, tokenizer=tokenizer)
+    # what train.max_tokens_per_micro_batch counts
+    tokens = [len(x) for x in train_cols["ids"]]
+    evaluate = Evaluation(
+        cfg, actor, hybrid, runner, data, eval_cols, tokenizer, chat, micro, metrics
+    )
+    checkpoint = partial(
+        save_stage, ctx, {"actor": actor}, keep=train.keep_checkpoints, tokenizer=tokenizer
+    )
 
     # ---- 2. the loop ----
     log.info(
@@ -109,14 +125,19 @@ def run(cfg: Config) -> None:
         data.description,
         train.max_steps,
         train.global_batch,
-        micro_batching(micro, train.max_tokens_per_micro_batch, train.global_batch, mesh.world_size),
+        micro_batching(
+            micro, train.max_tokens_per_micro_batch, train.global_batch, mesh.world_size
+        ),
     )
     actor.train()
     bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
-    stop = interrupt.listen()  # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
+    # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
+    stop = interrupt.listen()
     t0, seen = time.perf_counter(), 0
     for step in range(start, train.max_steps):
-        ixs = step_micro_batches(batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens)
+        ixs = step_micro_batches(
+            batches, step, mesh, micro, train.max_tokens_per_micro_batch, tokens
+        )
         mbs = [collate(train_cols, ix, tokenizer.pad_token_id, data_cfg.mask_prompt) for ix in ixs]
         lr = actor.lr
         loss, grad_norm = train_step(actor, mbs)
@@ -147,8 +168,8 @@ def run(cfg: Config) -> None:
 
 
 def tokenizer_and_config(cfg: Config, data, ckpt, mesh: Mesh):
-    """(tokenizer, model config): model.path's, else the embedded default's — a tokenizer trained on the
-    task's text (or the one a checkpoint being resumed saved) and a tiny Llama."""
+    """(tokenizer, model config): model.path's, else the embedded default's — a tokenizer trained on
+    the task's text (or the one a checkpoint being resumed saved) and a tiny Llama."""
     data_cfg = cfg.data
     if cfg.model.path:
         tokenizer = loading.load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
@@ -157,7 +178,8 @@ def tokenizer_and_config(cfg: Config, data, ckpt, mesh: Mesh):
         tokenizer = loading.load_tokenizer(str(ckpt / "tokenizer"))
         return tokenizer, loading.embedded_llama_config(cfg.model, tokenizer)
     if FORMATS[data_cfg.format].generated and not data_cfg.sources:  # the embedded task
-        corpus = FORMATS[data_cfg.format].corpus(data_cfg.synthetic)  # the generated task's own texts
+        # the generated task's own texts
+        corpus = FORMATS[data_cfg.format].corpus(data_cfg.synthetic)
     else:
         corpus = text_corpus(data.train)
     tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
@@ -167,9 +189,17 @@ def tokenizer_and_config(cfg: Config, data, ckpt, mesh: Mesh):
 def columns(cfg: Config, ctx: StageContext, data, tokenizer, chat) -> tuple:
     """(train, held-out or None) records tokenized, through the cache."""
     data_cfg, mesh = cfg.data, ctx.mesh
-    lens = dict(max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat)
+    lens = dict(
+        max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat
+    )
     train_cols = cached(
-        "sft", data.train, tokenizer, lens, ctx.cache_dir, mesh, lambda: tokenize_sft(data.train, tokenizer, **lens)
+        "sft",
+        data.train,
+        tokenizer,
+        lens,
+        ctx.cache_dir,
+        mesh,
+        lambda: tokenize_sft(data.train, tokenizer, **lens),
     )
     eval_cols = None
     if data.eval:
@@ -208,17 +238,23 @@ class Evaluation:
         results, kept = {}, []
         if self.eval_cols is not None:
             pad = self.tokenizer.pad_token_id
-            results["eval/loss"] = eval_loss(self.actor, self.eval_cols, pad, cfg.data.mask_prompt, self.micro, mesh)
+            results["eval/loss"] = eval_loss(
+                self.actor, self.eval_cols, pad, cfg.data.mask_prompt, self.micro, mesh
+            )
         if data.gold is not None:
-            play = self.runner.player(self.hybrid) if self.runner.multi_turn else None  # episodes: tools used
+            # episodes: tools used
+            play = self.runner.player(self.hybrid) if self.runner.multi_turn else None
             held_out = self.runner.with_tools(data.eval)
-            gold = stage_gold(cfg, self.hybrid, self.tokenizer, held_out, data.gold, mesh, self.chat, kept, play)
+            gold = stage_gold(
+                cfg, self.hybrid, self.tokenizer, held_out, data.gold, mesh, self.chat, kept, play
+            )
             results.update(gold)
         return log_evaluation(self.metrics, step, results, self.actor, kept)
 
 
 def train_step(actor: TrainEngine, micro_batches: List[dict]) -> tuple[float, float]:
-    """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global batch.
+    """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global
+    batch.
 
     Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
     gradient does not depend on how the batch is split over ranks and accumulation steps."""
@@ -234,7 +270,9 @@ def train_step(actor: TrainEngine, micro_batches: List[dict]) -> tuple[float, fl
     return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm
 
 
-def eval_loss(actor: TrainEngine, cols: dict, pad: int, mask_prompt: bool, micro: int, mesh: Mesh) -> float:
+def eval_loss(
+    actor: TrainEngine, cols: dict, pad: int, mask_prompt: bool, micro: int, mesh: Mesh
+) -> float:
     """Token-weighted NLL over the held-out records (split over ranks)."""
     total, count = 0.0, 0
     actor.eval()
@@ -248,6 +286,7 @@ def eval_loss(actor: TrainEngine, cols: dict, pad: int, mask_prompt: bool, micro
                 [cols["mask"][i] for i in ix or [0]],
             )
             nll, tokens = nll_sum(actor.forward, b, mesh.device)
-            if ix:  # a turn with no records of its own ran record 0 and ignores it
+            if ix:
+                # a turn with no records of its own ran record 0 and ignores it
                 total, count = total + float(nll), count + tokens
     return mesh.sum(total) / max(mesh.sum(count), 1)

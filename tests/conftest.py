@@ -1,4 +1,5 @@
-"""Shared helpers: the CLI as a subprocess, the vendored real-data samples (tests/data), a tiny-model factory."""
+"""Shared helpers: the CLI as a subprocess, the vendored real-data samples (tests/data), a
+tiny-model factory."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 REAL_DATA = ROOT / "tests" / "data"
 
 # Where the suite runs its stages and ranks: RLHF_TEST_DEVICE=cpu (default: every rank on CPU/gloo,
-# also on a GPU machine) or cuda (engine.device=auto: a GPU per rank where there are enough, else the
-# CPU — never two ranks on one GPU). Tests that compare numbers pin fp32 themselves.
+# also on a GPU machine) or cuda (engine.device=auto: a GPU per rank where there are enough, else
+# the CPU — never two ranks on one GPU). Tests that compare numbers pin fp32 themselves.
 TEST_DEVICE = os.environ.get("RLHF_TEST_DEVICE", "cpu")
 if TEST_DEVICE not in ("cpu", "cuda"):
     raise pytest.UsageError(f"RLHF_TEST_DEVICE={TEST_DEVICE!r}: expected cpu or cuda")
@@ -35,29 +36,47 @@ if TEST_DEVICE == "cpu":
 else:
     ENV.pop("RLHF_DEVICE", None)
 for k, v in ENV.items():
-    if k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "WANDB_MODE", "RLHF_DEVICE"):
+    if k in (
+        "HF_HUB_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "TOKENIZERS_PARALLELISM",
+        "WANDB_MODE",
+        "RLHF_DEVICE",
+    ):
         os.environ.setdefault(k, v)
 
 
-def run_worker(script, *args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
-    """A worker script under torchrun (``nproc`` ranks, standalone) with the test environment; fails the
-    test with the end of its stderr unless it exits 0."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
-    proc = subprocess.run([*cmd, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run_worker(
+    script, *args: str, nproc: int = 2, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """A worker script under torchrun (``nproc`` ranks, standalone) with the test environment; fails
+    the test with the end of its stderr unless it exits 0."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+    ]
+    proc = subprocess.run(
+        [*cmd, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
 
 def fault_env(name: str, arg: str = "") -> dict:
-    """``env=`` for ``run_cli``: the CLI with the test-only fault ``tests/faults/fault_<name>.py`` installed
-    (``install(arg)``; tests/faults/sitecustomize.py says how)."""
+    """``env=`` for ``run_cli``: the CLI with the test-only fault ``tests/faults/fault_<name>.py``
+    installed (``install(arg)``; tests/faults/sitecustomize.py says how)."""
     return {"PYTHONPATH": f"{ROOT / 'tests' / 'faults'}:{ROOT}", "RLHF_TEST_FAULT": f"{name}:{arg}"}
 
 
 def run_cli(
     *overrides: str, timeout: float = 600, nproc: int = 1, env: dict | None = None, **popen
 ) -> subprocess.CompletedProcess:
-    """``python -m rlhf <overrides>`` (or torchrun with ``nproc`` ranks) with the test environment."""
+    """``python -m rlhf <overrides>`` (or torchrun with ``nproc`` ranks) with the test
+    environment."""
     if nproc > 1:
         cmd = [
             sys.executable,
@@ -72,7 +91,13 @@ def run_cli(
     else:
         cmd = [sys.executable, "-m", "rlhf", *overrides]
     return subprocess.run(
-        cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout, **popen
+        cmd,
+        cwd=ROOT,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
     )
 
 
@@ -108,7 +133,8 @@ def quick_sft_args(run_dir: Path, steps: int = 20) -> list[str]:
         f"run.dir={run_dir}",
         f"train.max_steps={steps}",
         "logger.progress=false",
-        "engine.precision=fp32",  # numbers compared across runs: exact on every device
+        # numbers compared across runs: exact on every device
+        "engine.precision=fp32",
         "eval.gold_prompts=16",
         "eval.gold_samples=1",
         "data.synthetic.num_records=2000",
@@ -118,8 +144,11 @@ def quick_sft_args(run_dir: Path, steps: int = 20) -> list[str]:
 
 @pytest.fixture(scope="session")
 def real_data() -> Path:
-    """tests/data: HH-RLHF harmless-base test split, GSM8K train and a GSM8K test prefix (in the repository)."""
-    assert (REAL_DATA / "README.md").is_file(), f"{REAL_DATA} is missing: it is part of the repository"
+    """tests/data: HH-RLHF harmless-base test split, GSM8K train and a GSM8K test prefix (in the
+    repository)."""
+    assert (REAL_DATA / "README.md").is_file(), (
+        f"{REAL_DATA} is missing: it is part of the repository"
+    )
     return REAL_DATA
 
 
@@ -129,13 +158,15 @@ def default_sft_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("default") / "run"
     proc = run_cli("stage=sft", f"run.dir={run_dir}", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir.parent / "sft.stderr").write_text(proc.stderr)  # (the console, for the tests that read it)
+    # (the console, for the tests that read it)
+    (run_dir.parent / "sft.stderr").write_text(proc.stderr)
     return run_dir
 
 
 @pytest.fixture(scope="session")
 def default_reward_run(default_sft_run):
-    """`python -m rlhf stage=reward run.dir=D` with no other overrides, after the default SFT run."""
+    """`python -m rlhf stage=reward run.dir=D` with no other overrides, after the default SFT
+    run."""
     proc = run_cli("stage=reward", f"run.dir={default_sft_run}", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return default_sft_run
@@ -143,13 +174,20 @@ def default_reward_run(default_sft_run):
 
 @pytest.fixture(scope="session")
 def short_reward_run(default_sft_run, tmp_path_factory):
-    """A 600-step reward model (held-out accuracy ~0.95, 40 s) on the default SFT model: for the tests of
-    what a trained reward model's export does; the recipe's full 1500 steps are ``default_reward_run``'s."""
+    """A 600-step reward model (held-out accuracy ~0.95, 40 s) on the default SFT model: for the
+    tests of what a trained reward model's export does; the recipe's full 1500 steps are
+    ``default_reward_run``'s."""
     import shutil
 
     run_dir = tmp_path_factory.mktemp("short_reward") / "run"
     shutil.copytree(default_sft_run / "sft", run_dir / "sft")
-    proc = run_cli("stage=reward", f"run.dir={run_dir}", "train.max_steps=600", "logger.progress=false", timeout=900)
+    proc = run_cli(
+        "stage=reward",
+        f"run.dir={run_dir}",
+        "train.max_steps=600",
+        "logger.progress=false",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -170,10 +208,14 @@ def quick_reward(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def killed_at(args: list, marker: Path, timeout: float = 300) -> None:
-    """Runs ``python -m rlhf <args>`` and SIGKILLs it as soon as ``marker`` exists (e.g. a checkpoint's
-    trainer_state.json: the checkpoint is complete)."""
+    """Runs ``python -m rlhf <args>`` and SIGKILLs it as soon as ``marker`` exists (e.g. a
+    checkpoint's trainer_state.json: the checkpoint is complete)."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "rlhf", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "rlhf", *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + timeout
     while time.time() < deadline and not marker.exists():
@@ -203,7 +245,9 @@ def user_model(tmp_path_factory, real_data) -> Path:
 
     hh, _ = read_examples(str(real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz"), "hh")
     gsm, _ = read_examples(str(real_data / "gsm8k" / "train.jsonl.gz"), "gsm8k")
-    texts = [t for e in hh[:300] + gsm[:300] for t in (e.prompt, e.response, e.chosen, e.rejected) if t]
+    texts = [
+        t for e in hh[:300] + gsm[:300] for t in (e.prompt, e.response, e.chosen, e.rejected) if t
+    ]
     tok = train_tokenizer(texts, vocab_size=1200, model_max_length=1024)
     cfg = LlamaConfig(
         vocab_size=len(tok),

@@ -41,7 +41,8 @@ class DeviceError(AssertionError):
 class DeviceDiscipline(TorchFunctionMode):
     def __init__(self):
         super().__init__()
-        self.calls = 0  # factory calls of the project's code that were checked
+        # factory calls of the project's code that were checked
+        self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -50,15 +51,22 @@ class DeviceDiscipline(TorchFunctionMode):
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
             gen = kwargs.get("generator")
             device = kwargs.get("device")
-            if gen is not None and device is not None and torch.device(device).type != gen.device.type:
+            if (
+                gen is not None
+                and device is not None
+                and torch.device(device).type != gen.device.type
+            ):
                 raise DeviceError(
                     f"{where}: torch.{func.__name__} draws with a {gen.device} generator into "
                     f"a {torch.device(device)} tensor"
                 )
             if frame.f_code.co_filename.startswith(OWN):
                 self.calls += 1
-                if device is None and not (func is torch.as_tensor and args and isinstance(args[0], torch.Tensor)):
+                if device is None and not (
+                    func is torch.as_tensor and args and isinstance(args[0], torch.Tensor)
+                ):
                     raise DeviceError(
-                        f"{where}: torch.{func.__name__} without a device (on a GPU this tensor lands on the CPU)"
+                        f"{where}: torch.{func.__name__} without a device (on a GPU this "
+                        "tensor lands on the CPU)"
                     )
         return func(*args, **kwargs)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 PAD, BOS, EOS = 0, 1, 2
-LAYERNORM_FAMILIES = ("opt", "gpt2", "gpt_neox")  # LayerNorm, plain MLPs (OPT, GPT-2: learned positions)
+# LayerNorm, plain MLPs (OPT, GPT-2: learned positions)
+LAYERNORM_FAMILIES = ("opt", "gpt2", "gpt_neox")
 
 
 def tiny_config(
@@ -18,8 +19,9 @@ def tiny_config(
     intermediate: int = 128,
     **kw,
 ):
-    """``kw``: further config fields (biases, windows, RoPE scaling...). OPT, GPT-2 and GPT-NeoX: multi-head
-    attention (``kv`` unused), dropout off, their own defaults otherwise (OPT and GPT-2 tied, GPT-NeoX not)."""
+    """``kw``: further config fields (biases, windows, RoPE scaling...). OPT, GPT-2 and GPT-NeoX:
+    multi-head attention (``kv`` unused), dropout off, their own defaults otherwise (OPT and GPT-2
+    tied, GPT-NeoX not)."""
     from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if family in LAYERNORM_FAMILIES:
@@ -51,11 +53,14 @@ def tiny_config(
     return cls(**{**fields, **kw})
 
 
-def _layernorm_config(family: str, vocab: int, hidden: int, layers: int, heads: int, intermediate: int, **kw):
+def _layernorm_config(
+    family: str, vocab: int, hidden: int, layers: int, heads: int, intermediate: int, **kw
+):
     from transformers import GPT2Config, GPTNeoXConfig, OPTConfig
 
     ids = dict(vocab_size=vocab, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
-    if family == "gpt_neox":  # untied, parallel blocks, a quarter of each head rotating (its defaults)
+    if family == "gpt_neox":
+        # untied, parallel blocks, a quarter of each head rotating (its defaults)
         fields = dict(
             hidden_size=hidden,
             intermediate_size=intermediate,
@@ -92,15 +97,17 @@ def _layernorm_config(family: str, vocab: int, hidden: int, layers: int, heads: 
 
 
 def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
-    """``perturb``: random biases and q/k norm weights (HF initialises them to 0 and 1, where a dropped
-    bias or a misplaced norm weight would change nothing); OPT, GPT-2, GPT-NeoX: their LayerNorm weights too."""
+    """``perturb``: random biases and q/k norm weights (HF initialises them to 0 and 1, where a
+    dropped bias or a misplaced norm weight would change nothing); OPT, GPT-2, GPT-NeoX: their
+    LayerNorm weights too."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(tiny_config(family, **kw))
     if family in LAYERNORM_FAMILIES:
         return _spread(m, seed, perturb).eval()
-    with torch.no_grad():  # larger random weights: peaked distributions, fewer greedy ties
+    with torch.no_grad():
+        # larger random weights: peaked distributions, fewer greedy ties
         for p in m.parameters():
             if p.ndim == 2:
                 p.mul_(3.0)
@@ -113,7 +120,8 @@ def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
     return m.eval()
 
 
-# the token and position tables and an untied LM head (2-D, but not projections) of OPT, GPT-2, GPT-NeoX
+# the token and position tables and an untied LM head (2-D, but not projections) of OPT, GPT-2,
+# GPT-NeoX
 TABLES = (
     "embed_tokens.weight",
     "embed_positions.weight",
@@ -126,10 +134,11 @@ TABLES = (
 
 @torch.no_grad()
 def _spread(m, seed: int, perturb: bool):
-    """OPT, GPT-2 and GPT-NeoX weights whose every part shows in the greedy tokens: the residual stream is not a
-    LayerNorm'd copy of the last token (embeddings at std 0.3, projections at 10x HF's init) nor drowned in
-    biases (0.2); with ``perturb`` random biases and LayerNorm weights (HF: 0 and 1). At HF's scales a
-    tiny model repeats one token whatever its positions, biases or activation."""
+    """OPT, GPT-2 and GPT-NeoX weights whose every part shows in the greedy tokens: the residual
+    stream is not a LayerNorm'd copy of the last token (embeddings at std 0.3, projections at 10x
+    HF's init) nor drowned in biases (0.2); with ``perturb`` random biases and LayerNorm weights
+    (HF: 0 and 1). At HF's scales a tiny model repeats one token whatever its positions, biases or
+    activation."""
     g = torch.Generator().manual_seed(seed + 1)
     for name, p in m.named_parameters():
         if name.endswith(TABLES):

@@ -1,4 +1,5 @@
-"""A CPU-side guard against host synchronisation (CI has no GPU, so no torch.cuda.set_sync_debug_mode).
+"""A CPU-side guard against host synchronisation (CI has no GPU, so no
+torch.cuda.set_sync_debug_mode).
 
 ``HostSyncs`` records every operation that makes the host wait for the device on a GPU: reading a
 value (``.item()``, ``bool()``/``int()``/``float()`` of a tensor, ``.tolist()``, ``.numpy()``,
@@ -59,7 +60,8 @@ def _where() -> str:
 def _tensor_in_slice(index) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
     return any(
-        isinstance(p, slice) and any(isinstance(b, torch.Tensor) for b in (p.start, p.stop, p.step)) for p in parts
+        isinstance(p, slice) and any(isinstance(b, torch.Tensor) for b in (p.start, p.stop, p.step))
+        for p in parts
     )
 
 
@@ -72,12 +74,15 @@ class _Functions(TorchFunctionMode):
         what = None
         if func in READS:
             what = getattr(func, "__name__", str(func))
-        elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _tensor_in_slice(args[1]):
+        elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _tensor_in_slice(
+            args[1]
+        ):
             what = "a slice bound read from a tensor"
         if what is None or self.guard.inside:
             return func(*args, **(kwargs or {}))
         self.guard.log.append(f"{what} at {_where()}")
-        self.guard.inside = True  # one line per call: not the ops it runs too
+        # one line per call: not the ops it runs too
+        self.guard.inside = True
         try:
             return func(*args, **(kwargs or {}))
         finally:
@@ -86,7 +91,9 @@ class _Functions(TorchFunctionMode):
 
 def _boolean_index(args) -> bool:
     indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
 
 
 class _Ops(TorchDispatchMode):
@@ -97,7 +104,8 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func.overloadpacket
-        if self.guard.inside:  # inside a read the function mode has logged
+        if self.guard.inside:
+            # inside a read the function mode has logged
             return func(*args, **kwargs)
         if packet in DATA_DEPENDENT:
             self.guard.log.append(f"aten.{packet.__name__} at {_where()}")
@@ -106,13 +114,16 @@ class _Ops(TorchDispatchMode):
         elif packet in (aten._to_copy, aten.copy_):
             src = args[1] if packet is aten.copy_ else args[0]
             dst = args[0].device if packet is aten.copy_ else kwargs.get("device") or src.device
-            if isinstance(src, torch.Tensor) and (src.device.type == "cpu") != (torch.device(dst).type == "cpu"):
+            if isinstance(src, torch.Tensor) and (src.device.type == "cpu") != (
+                torch.device(dst).type == "cpu"
+            ):
                 self.guard.log.append(f"a copy {src.device} -> {dst} at {_where()}")
         return func(*args, **kwargs)
 
 
 class HostSyncs:
-    """``with HostSyncs() as syncs: ...`` then ``syncs.log``: one line (what, where) per synchronisation."""
+    """``with HostSyncs() as syncs: ...`` then ``syncs.log``: one line (what, where) per
+    synchronisation."""
 
     def __init__(self):
         self.log: List[str] = []

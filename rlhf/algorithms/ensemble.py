@@ -1,12 +1,13 @@
 """A reward-model ensemble's members combined into one reward (``ppo.reward_combine``), and their
-disagreement. Pure tensor functions on [B, k] member scores (each member already normalised); no torch
-import, so that the configuration validates names against ``COMBINE`` before torch loads.
+disagreement. Pure tensor functions on [B, k] member scores (each member already normalised); no
+torch import, so that the configuration validates names against ``COMBINE`` before torch loads.
 
 - ``mean``: the members' mean (an ensemble as a better single reward model);
 - ``lcb``: mean − λ·std over the members (``ppo.reward_lcb_coef`` = λ; uncertainty-weighted
   optimisation, Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization");
 - ``min``: the worst member (their worst-case optimisation);
-- ``first``: the first member alone; the others only watch (a reward model optimised, others held out
+- ``first``: the first member alone; the others only watch (a reward model optimised, others held
+  out
   to see whether the policy is exploiting its errors: they count in the logged spread and mean).
 """
 

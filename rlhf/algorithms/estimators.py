@@ -1,8 +1,8 @@
-"""The RL estimators (``algorithm.estimator``) as one table: each row is an estimator's traits and its
-advantage function. Everything that differs between estimators — whether the PPO stage builds a
+"""The RL estimators (``algorithm.estimator``) as one table: each row is an estimator's traits and
+its advantage function. Everything that differs between estimators — whether the PPO stage builds a
 critic, whether the baseline compares a prompt's samples, where the KL to the reference goes, which
-KL estimator is the default — is read from its row; adding an estimator is one row, one function
-and one test.
+KL estimator is the default — is read from its row; adding an estimator is one row, one function and
+one test.
 
 An advantage function takes the AlgorithmConfig and the step's ``Scored`` rows and returns
 (advantages [B, N], value targets [B, N] or None).
@@ -30,10 +30,10 @@ def _math():
 
 @dataclass
 class Scored:
-    """What an advantage function reads: ``scores`` [B] per sequence, ``kl`` [B, N] per token (masked),
-    ``values`` [B, N] (critic estimators; else None), ``mask`` [B, N], ``group_size`` a prompt's samples
-    (consecutive rows), ``beta`` the KL coefficient, ``all_reduce`` the global sum for whitening (None
-    in one process)."""
+    """What an advantage function reads: ``scores`` [B] per sequence, ``kl`` [B, N] per token
+    (masked), ``values`` [B, N] (critic estimators; else None), ``mask`` [B, N], ``group_size`` a
+    prompt's samples (consecutive rows), ``beta`` the KL coefficient, ``all_reduce`` the global sum
+    for whitening (None in one process)."""
 
     scores: Tensor
     kl: Tensor
@@ -42,9 +42,9 @@ class Scored:
     group_size: int
     beta: float
     all_reduce: AllReduce = None
-    # [B, N] rewards earned at a token, already in ``scores``: an environment's turn rewards at their turns'
-    # last tokens (multi-turn episodes) and the distillation reward at every policy token; None: none.
-    # Token-level estimators place them where they were earned.
+    # [B, N] rewards earned at a token, already in ``scores``: an environment's turn rewards at
+    # their turns' last tokens (multi-turn episodes) and the distillation reward at every policy
+    # token; None: none. Token-level estimators place them where they were earned.
     turn_rewards: Optional[Tensor] = None
 
     def token_rewards(self, clip: Optional[float]) -> Tensor:
@@ -57,11 +57,13 @@ class Scored:
         return m.token_rewards(final, self.kl, self.mask, self.beta, clip) + self.turn_rewards
 
 
-Advantages = Tuple[Tensor, Optional[Tensor]]  # (advantages [B, N], value targets [B, N] or None)
+# (advantages [B, N], value targets [B, N] or None)
+Advantages = Tuple[Tensor, Optional[Tensor]]
 
 
 def _gae(alg, s: Scored) -> Advantages:
-    """PPO: per-token rewards −β·KL plus the score at the last token, GAE over the critic's values."""
+    """PPO: per-token rewards −β·KL plus the score at the last token, GAE over the critic's
+    values."""
     m = _math()
     rewards = s.token_rewards(alg.reward_clip)
     adv, returns = m.gae(rewards, s.values, s.mask, alg.gamma, alg.lam)
@@ -71,11 +73,14 @@ def _gae(alg, s: Scored) -> Advantages:
 
 
 def _grpo(alg, s: Scored) -> Advantages:
-    """GRPO: the score against its group's mean (and std); already normalised, so no batch whitening."""
+    """GRPO: the score against its group's mean (and std); already normalised, so no batch
+    whitening."""
     scores, clip = s.scores, alg.reward_clip
     if clip:
         scores = scores.clamp(-clip, clip)
-    return _math().grpo_advantages(scores, s.group_size, s.mask, std_normalize=alg.std_normalize), None
+    return _math().grpo_advantages(
+        scores, s.group_size, s.mask, std_normalize=alg.std_normalize
+    ), None
 
 
 def _rloo(alg, s: Scored) -> Advantages:
@@ -91,13 +96,15 @@ def _reinforce_pp(alg, s: Scored) -> Advantages:
     """REINFORCE++: token-level KL-shaped returns, whitened over the global batch."""
     m = _math()
     rewards = s.token_rewards(alg.reward_clip)
-    return m.whiten(m.discounted_returns(rewards, s.mask, alg.gamma), s.mask, all_reduce=s.all_reduce), None
+    return m.whiten(
+        m.discounted_returns(rewards, s.mask, alg.gamma), s.mask, all_reduce=s.all_reduce
+    ), None
 
 
 def _distill(alg, s: Scored) -> Advantages:
     """On-policy distillation (ppo.teacher_path): each token's advantage is its own reward — the
-    teacher's −coef × reverse KL at that token (and an environment's turn reward at its turn's end) —
-    undiscounted and with no baseline, a signal per token (Agarwal et al. 2024, Thinking Machines
+    teacher's −coef × reverse KL at that token (and an environment's turn reward at its turn's end)
+    — undiscounted and with no baseline, a signal per token (Agarwal et al. 2024, Thinking Machines
     2025); the rest of the score (a rule, a reward model) against its prompt's mean (one sample per
     prompt: as it is) on every token. The KL to the reference is a loss term, as GRPO's."""
     m = _math()
@@ -113,14 +120,19 @@ def _distill(alg, s: Scored) -> Advantages:
 @dataclass(frozen=True)
 class Estimator:
     name: str
-    advantages: Callable[[Any, Scored], Advantages]  # (AlgorithmConfig, Scored) -> Advantages
-    critic: bool = False  # learns a value function: the PPO stage builds and trains a critic
-    grouped: bool = False  # its baseline compares a prompt's samples: ≥ 2 per prompt; dynamic sampling applies
-    kl_in_loss: bool = False  # the KL to the reference is a loss term (× β), not a per-token reward
-    kl_default: str = "k1"  # the KL estimator when algorithm.kl_estimator is unset (rlhf.algorithms.ppo)
-    # learns from a teacher's per-token log-probs alone: ppo.teacher_path is required (with the others it
-    # is optional: the per-token distillation reward reaches each as its turn rewards do — at its token
-    # for gae and reinforce_pp, summed into the sequence score for grpo and rloo)
+    # (AlgorithmConfig, Scored) -> Advantages
+    advantages: Callable[[Any, Scored], Advantages]
+    # learns a value function: the PPO stage builds and trains a critic
+    critic: bool = False
+    # its baseline compares a prompt's samples: ≥ 2 per prompt; dynamic sampling applies
+    grouped: bool = False
+    # the KL to the reference is a loss term (× β), not a per-token reward
+    kl_in_loss: bool = False
+    # the KL estimator when algorithm.kl_estimator is unset (rlhf.algorithms.ppo)
+    kl_default: str = "k1"
+    # learns from a teacher's per-token log-probs alone: ppo.teacher_path is required (with the
+    # others it is optional: the per-token distillation reward reaches each as its turn rewards do —
+    # at its token for gae and reinforce_pp, summed into the sequence score for grpo and rloo)
     needs_teacher: bool = False
 
 
@@ -137,16 +149,17 @@ ESTIMATORS: Dict[str, Estimator] = {
 }
 
 
-# KL(π || π_ref) per token from the log-ratio log π − log π_ref of the sampled tokens: k1 the log-ratio
-# (unbiased, can be negative); k2 ½(log-ratio)²; k3 exp(−log-ratio) + log-ratio − 1 (unbiased, ≥ 0;
-# Schulman's approximation)
+# KL(π || π_ref) per token from the log-ratio log π − log π_ref of the sampled tokens: k1 the
+# log-ratio (unbiased, can be negative); k2 ½(log-ratio)²; k3 exp(−log-ratio) + log-ratio − 1
+# (unbiased, ≥ 0; Schulman's approximation)
 KL_ESTIMATORS: Dict[str, Callable[[Tensor], Tensor]] = {
     "k1": lambda log_ratio: log_ratio,
     "k2": lambda log_ratio: 0.5 * log_ratio**2,
     "k3": lambda log_ratio: (-log_ratio).expm1() + log_ratio,
 }
 
-# how per-token policy losses become one number (rlhf.algorithms.ppo.loss_weights / loss_denominator)
+# how per-token policy losses become one number (rlhf.algorithms.ppo.loss_weights /
+# loss_denominator)
 LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
 
 

@@ -27,7 +27,10 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
 
 
 def whiten(
-    x: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
+    x: Tensor,
+    mask: Tensor,
+    eps: float = 1e-8,
+    all_reduce: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> Tensor:
     """(x − mean) / std over the masked entries of the whole global batch: ``all_reduce`` sums a
     float64 tensor over data-parallel ranks (None = this batch alone), so N ranks ≡ 1 process."""
@@ -41,20 +44,31 @@ def global_moments(
     """Mean and variance (float64, two passes) of the masked entries of ``x`` over every rank
     (``all_reduce`` as ``whiten``'s; None = this batch alone)."""
     reduce = all_reduce or (lambda t: t)
-    s = reduce(torch.tensor([float((x * mask).sum()), float(mask.sum())], dtype=torch.float64, device=x.device))
+    s = reduce(
+        torch.tensor(
+            [float((x * mask).sum()), float(mask.sum())], dtype=torch.float64, device=x.device
+        )
+    )
     mean = s[0] / s[1].clamp(min=1)
-    v = reduce(torch.tensor([float((((x - mean) ** 2) * mask).sum())], dtype=torch.float64, device=x.device))
+    v = reduce(
+        torch.tensor(
+            [float((((x - mean) ** 2) * mask).sum())], dtype=torch.float64, device=x.device
+        )
+    )
     return mean, v[0] / s[1].clamp(min=1)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
-    """Per-token KL(π || π_ref) by estimator ``kind`` (a key of ``rlhf.algorithms.estimators.KL_ESTIMATORS``)."""
+    """Per-token KL(π || π_ref) by estimator ``kind`` (a key of
+    ``rlhf.algorithms.estimators.KL_ESTIMATORS``)."""
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind}")
     return KL_ESTIMATORS[kind](logp - ref_logp)
 
 
-def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float, clip: Optional[float] = None) -> Tensor:
+def token_rewards(
+    scores: Tensor, kl: Tensor, mask: Tensor, beta: float, clip: Optional[float] = None
+) -> Tensor:
     """Per-token reward −β·KL_t, plus the (clipped) sequence score at the last response token
     (DeepSpeed-Chat's compute_rewards)."""
     if clip is not None:
@@ -64,11 +78,13 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float, clip: O
     return rewards.scatter_add(1, idx[:, None], scores[:, None].to(rewards.dtype))
 
 
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> Tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over the tokens of ``mask``. δ_t = r_t + γ V_{t'} − V_t, with t'
-    the next token of the mask (V = 0 after the last); A_t = δ_t + γλ A_{t'}. Positions outside the
-    mask (an observation between two turns) are skipped, not ends: the recursion runs through them.
-    Returns (advantages, returns = A + V), zero outside ``mask``."""
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> Tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the tokens of ``mask``. δ_t = r_t + γ V_{t'} − V_t,
+    with t' the next token of the mask (V = 0 after the last); A_t = δ_t + γλ A_{t'}. Positions
+    outside the mask (an observation between two turns) are skipped, not ends: the recursion runs
+    through them. Returns (advantages, returns = A + V), zero outside ``mask``."""
     values = values * mask
     rewards = rewards * mask
     adv = torch.zeros_like(rewards)
@@ -134,10 +150,11 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float)
 
 
 def loss_weights(mask: Tensor, mode: str) -> Tensor:
-    """Per-token weights w such that the loss is Σ w·ℓ over the global minibatch / ``loss_denominator``:
-    token_mean and the sum modes weight every token 1; seq_mean_token_mean weights a token
-    1/|its response| (each sequence's mean, then the mean over sequences). A row's weights depend on
-    that row only, so any split of the rows over micro-batches and ranks sums to the same loss."""
+    """Per-token weights w such that the loss is Σ w·ℓ over the global minibatch /
+    ``loss_denominator``: token_mean and the sum modes weight every token 1; seq_mean_token_mean
+    weights a token 1/|its response| (each sequence's mean, then the mean over sequences). A row's
+    weights depend on that row only, so any split of the rows over micro-batches and ranks sums to
+    the same loss."""
     if mode == "seq_mean_token_mean":
         return mask / mask.sum(1, keepdim=True).clamp(min=1)
     return mask
@@ -155,7 +172,9 @@ def loss_denominator(mode: str, tokens: float, rows: float, norm_tokens: int) ->
     raise ValueError(f"unknown loss aggregation {mode}")
 
 
-def mismatch_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str, cap: float) -> Tensor:
+def mismatch_weights(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str, cap: float
+) -> Tensor:
     """Per-token correction for rollouts sampled by an inference engine whose log-probs differ from
     the training recompute (π_train / π_rollout = ρ): ``tis`` truncated importance weight min(ρ, C)
     (Yao et al. 2025); ``mis`` masks tokens with ρ outside [1/C, C]; ``none`` ones. Detached."""
@@ -210,7 +229,11 @@ def policy_loss(
         loss = torch.where(adv < 0, torch.min(loss, -adv * dual_clip), loss)
     with torch.no_grad():
         m = mask.to(loss.dtype)
-        clipped, akl, count = ((loss2 > loss1).float() * m).sum(), (0.5 * log_ratio**2 * m).sum(), m.sum()
+        clipped, akl, count = (
+            ((loss2 > loss1).float() * m).sum(),
+            (0.5 * log_ratio**2 * m).sum(),
+            m.sum(),
+        )
         # means over this call's tokens, and the sums behind them (to average over micro-batches)
         stats = {
             "clipfrac": clipped / count.clamp(min=1),
@@ -242,15 +265,20 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def explained_variance(
-    values: Tensor, returns: Tensor, mask: Tensor, all_reduce: Optional[Callable[[Tensor], Tensor]] = None
+    values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    all_reduce: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> Tensor:
-    """1 − Var(returns − values) / Var(returns) over the masked tokens of every rank (``global_moments``)."""
+    """1 − Var(returns − values) / Var(returns) over the masked tokens of every rank
+    (``global_moments``)."""
     var_r = global_moments(returns, mask, all_reduce)[1]
     return 1.0 - global_moments(returns - values, mask, all_reduce)[1] / var_r.clamp(min=1e-8)
 
 
 class AdaptiveKL:
-    """Ziegler et al. 2019: β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon). Fixed when target is None."""
+    """Ziegler et al. 2019: β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon). Fixed when target is
+    None."""
 
     def __init__(self, beta: float, target: Optional[float] = None, horizon: int = 10000):
         self.beta, self.target, self.horizon = beta, target, horizon

@@ -3,7 +3,8 @@ Bradley-Terry loss (``pairwise_loss``) and direct preference optimisation.
 
 Every loss reads the *summed* log-probability of each pair's responses — the response tokens only,
 EOS included, never the prompt — under the policy (with gradient) and under the frozen reference
-(computed once, without gradient). With h = (log π(y_w) − log π(y_l)) − (log π_ref(y_w) − log π_ref(y_l)):
+(computed once, without gradient). With h = (log π(y_w) − log π(y_l)) − (log π_ref(y_w) − log
+π_ref(y_l)):
 
   sigmoid  −log σ(β h)                                   DPO (Rafailov et al., 2023)
   cDPO     −(1 − ε) log σ(β h) − ε log σ(−β h)           sigmoid with label_smoothing ε: ε of the
@@ -21,7 +22,8 @@ to sequences neither response holds (measured: " The answer is 4." where 38 was 
 keeps the chosen responses likely.
 
 The implicit rewards β (log π − log π_ref) of chosen and rejected responses come back detached: what
-the policy has learnt to prefer, for metrics (accuracy = share of pairs whose chosen reward is higher).
+the policy has learnt to prefer, for metrics (accuracy = share of pairs whose chosen reward is
+higher).
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def dpo_loss(
     sft_coef: float = 0.0,
     chosen_tokens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-pair losses [B], chosen rewards [B], rejected rewards [B]) from summed response log-probs;
-    ``chosen_tokens`` [B]: the chosen responses' token counts (needed with ``sft_coef``).
+    """(per-pair losses [B], chosen rewards [B], rejected rewards [B]) from summed response
+    log-probs; ``chosen_tokens`` [B]: the chosen responses' token counts (needed with ``sft_coef``).
 
     Per pair, not averaged: the caller divides the sum by the pair count of the whole global batch,
     so the gradient does not depend on how the batch is split over micro-batches and ranks."""
@@ -70,7 +72,8 @@ def dpo_loss(
     if sft_coef and chosen_tokens is None:
         raise ValueError("sft_coef needs chosen_tokens (the token count of each chosen response)")
     h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
-    h = h.to(torch.promote_types(h.dtype, torch.float32))  # fp32 at least (bf16 log-probs), fp64 kept
+    # fp32 at least (bf16 log-probs), fp64 kept
+    h = h.to(torch.promote_types(h.dtype, torch.float32))
     if loss == "sigmoid":
         losses = -F.logsigmoid(beta * h)
         if label_smoothing:
@@ -78,13 +81,17 @@ def dpo_loss(
     else:  # ipo
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     if sft_coef:
-        losses = losses - sft_coef * policy_chosen.to(h.dtype) / chosen_tokens.clamp(min=1).to(h.dtype)
+        losses = losses - sft_coef * policy_chosen.to(h.dtype) / chosen_tokens.clamp(min=1).to(
+            h.dtype
+        )
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach().to(h.dtype)
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach().to(h.dtype)
     return losses, chosen_rewards, rejected_rewards
 
 
-def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
-    """Bradley-Terry ranking loss per pair: -log σ(r_chosen - r_rejected - margin) (InstructGPT eq. 1;
-    the margin as in Llama 2)."""
+def pairwise_loss(
+    chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0
+) -> torch.Tensor:
+    """Bradley-Terry ranking loss per pair: -log σ(r_chosen - r_rejected - margin) (InstructGPT eq.
+    1; the margin as in Llama 2)."""
     return -F.logsigmoid(chosen.float() - rejected.float() - margin)

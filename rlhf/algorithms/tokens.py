@@ -1,6 +1,6 @@
-"""Per-token functions of logits and masks (pure tensor functions): log-probabilities, GKD's divergence
-between two models' next-token distributions, and what an attention or response mask says about its
-rows (positions, last index; left or right padding alike)."""
+"""Per-token functions of logits and masks (pure tensor functions): log-probabilities, GKD's
+divergence between two models' next-token distributions, and what an attention or response mask says
+about its rows (positions, last index; left or right padding alike)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# fp32 working set of one chunk of the log-softmax in ``response_logprobs`` (bytes): big enough that a
-# small vocabulary takes the whole response in one chunk, small enough that a 152k vocabulary never
-# holds [rows, tokens, vocab] in fp32 at once
+# fp32 working set of one chunk of the log-softmax in ``response_logprobs`` (bytes): big enough that
+# a small vocabulary takes the whole response in one chunk, small enough that a 152k vocabulary
+# never holds [rows, tokens, vocab] in fp32 at once
 LOGSOFTMAX_CHUNK_BYTES = 256 * 2**20
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log p(targets[t] | ...) from ``logits[t]`` (already aligned), in fp32, at ``temperature``."""
     logits = logits.float()
     if temperature != 1.0:
@@ -25,7 +27,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.gather(F.log_softmax(logits, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: Optional[str]):
+def _logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: Optional[str]
+):
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -33,9 +37,11 @@ def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatu
     logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1)
     if not entropy:
         return logp, None
-    if entropy == "loss":  # a loss term: its own log-softmax node, as the plain formula has it
+    if entropy == "loss":
+        # a loss term: its own log-softmax node, as the plain formula has it
         logp_all = F.log_softmax(logits, dim=-1)
-    else:  # "metric": the log-softmax computed above, detached, at no extra pass
+    else:
+        # "metric": the log-softmax computed above, detached, at no extra pass
         logp_all = logp_all.detach()
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
@@ -52,7 +58,8 @@ def chunked_logprobs(
     ``logits`` [B, N, V], computed over a few positions at a time so that the fp32 log-softmax
     never exists for all of [B, N, V] at once. Under autograd each chunk is
     recomputed in backward (activation checkpointing), so backward holds one chunk too. Each
-    position's numbers are those of ``token_logprobs`` on the whole tensor (the same ops per row)."""
+    position's numbers are those of ``token_logprobs`` on the whole tensor (the same ops per
+    row)."""
     B, N, V = logits.shape
     step = max(1, min(N, chunk_bytes // max(B * V * 4, 1)))
     if step >= N:
@@ -61,7 +68,8 @@ def chunked_logprobs(
     lps, ents = [], []
     for s in range(0, N, step):
         args = (logits[:, s : s + step], targets[:, s : s + step], temperature, entropy)
-        if grad:  # recomputed in backward: one chunk's activations held at a time
+        if grad:
+            # recomputed in backward: one chunk's activations held at a time
             lp, ent = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
         else:
             lp, ent = _logprobs_and_entropy(*args)
@@ -70,11 +78,14 @@ def chunked_logprobs(
     return torch.cat(lps, 1), (torch.cat(ents, 1) if entropy else None)
 
 
-def _divergence(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float, top_k: int):
+def _divergence(
+    student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float, top_k: int
+):
     s, t = student.float(), teacher.float()
     if temperature != 1.0:
         s, t = s / temperature, t / temperature
-    if top_k:  # the teacher's k likeliest tokens, both distributions renormalised over them
+    if top_k:
+        # the teacher's k likeliest tokens, both distributions renormalised over them
         idx = t.topk(top_k, dim=-1).indices
         s, t = s.gather(-1, idx), t.gather(-1, idx)
     ls, lt = F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
@@ -94,20 +105,23 @@ def chunked_divergence(
     top_k: int = 0,
     chunk_bytes: int = LOGSOFTMAX_CHUNK_BYTES,
 ) -> torch.Tensor:
-    """[B, N] GKD's generalised Jensen–Shannon divergence between the student's and the teacher's next-token
-    distributions at each position (aligned logits [B, N, V], at ``temperature``): with M = β·P_teacher +
-    (1 − β)·P_student, β·KL(P_teacher ‖ M) + (1 − β)·KL(P_student ‖ M); β = 0 is the forward KL(teacher ‖
-    student), β = 1 the reverse KL(student ‖ teacher) (Agarwal et al. 2024; TRL's ``beta``). ``top_k`` > 0:
-    over the teacher's k likeliest tokens alone, both renormalised there. Computed a few positions at a
-    time (each chunk recomputed in backward) so that fp32 [B, N, V] never exists at once; differentiable
-    in ``student``."""
+    """[B, N] GKD's generalised Jensen–Shannon divergence between the student's and the teacher's
+    next-token distributions at each position (aligned logits [B, N, V], at ``temperature``): with M
+    = β·P_teacher + (1 − β)·P_student, β·KL(P_teacher ‖ M) + (1 − β)·KL(P_student ‖ M); β = 0 is the
+    forward KL(teacher ‖ student), β = 1 the reverse KL(student ‖ teacher) (Agarwal et al. 2024;
+    TRL's ``beta``). ``top_k`` > 0: over the teacher's k likeliest tokens alone, both renormalised
+    there. Computed a few positions at a time (each chunk recomputed in backward) so that fp32 [B,
+    N, V] never exists at once; differentiable in ``student``."""
     B, N, V = student.shape
-    step = max(1, min(N, chunk_bytes // max(B * V * 4 * 4, 1)))  # (two log-softmaxes and the mixture)
+    # (two log-softmaxes and the mixture)
+    step = max(1, min(N, chunk_bytes // max(B * V * 4 * 4, 1)))
     grad = torch.is_grad_enabled() and student.requires_grad
     out = []
     for s in range(0, N, step):
         args = (student[:, s : s + step], teacher[:, s : s + step], beta, temperature, top_k)
-        out.append(checkpoint(_divergence, *args, use_reentrant=False) if grad else _divergence(*args))
+        out.append(
+            checkpoint(_divergence, *args, use_reentrant=False) if grad else _divergence(*args)
+        )
     return torch.cat(out, 1)
 
 

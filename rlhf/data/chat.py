@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from rlhf.data.records import Turn
 from rlhf.errors import ConfigError, DataError, first_line
 
-Tools = Optional[List[dict]]  # JSON-schema function dicts for apply_chat_template(tools=), or None
+# JSON-schema function dicts for apply_chat_template(tools=), or None
+Tools = Optional[List[dict]]
 
 # HH-RLHF's plain form (records.plain_text writes the same text). The newlines are string literals:
 # Transformers renders with trim_blocks, which would eat a newline right after a block tag.
@@ -61,11 +62,14 @@ def _template_text(tokenizer) -> Optional[str]:
     return t or None
 
 
-def resolve_template(tokenizer, setting: str, key: str = "data.chat_template", records: Sequence = ()) -> Optional[str]:
+def resolve_template(
+    tokenizer, setting: str, key: str = "data.chat_template", records: Sequence = ()
+) -> Optional[str]:
     """The template text ``setting`` (auto | none | a file) stands for with this tokenizer, or None
     (no template). A file's template is set on the tokenizer (it is saved with the exported model);
     a template that does not render a conversation is a ConfigError. ``records``: the stage's data —
-    conversations in them with a tokenizer that has no template are said to become plain text (once)."""
+    conversations in them with a tokenizer that has no template are said to become plain text
+    (once)."""
     setting = str(setting)
     if setting == "none":
         return None
@@ -73,7 +77,8 @@ def resolve_template(tokenizer, setting: str, key: str = "data.chat_template", r
         text = _template_text(tokenizer)
         if text is None and any(getattr(r, "chat", None) for r in records):
             log.warning(
-                "%s=auto and the tokenizer has no chat template: the records' conversations render as plain "
+                "%s=auto and the tokenizer has no chat template: the records' "
+                "conversations render as plain "
                 "'\\n\\nHuman: …\\n\\nAssistant:' text (%s=<file> gives them a template)",
                 key,
                 key,
@@ -81,14 +86,18 @@ def resolve_template(tokenizer, setting: str, key: str = "data.chat_template", r
         return text
     path = Path(setting).expanduser()
     if not path.is_file():
-        raise ConfigError(f"{key}={setting}: no such file (expected auto, none or the path of a Jinja chat template)")
+        raise ConfigError(
+            f"{key}={setting}: no such file (expected auto, none or the path of a Jinja "
+            "chat template)"
+        )
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{key}={setting}: cannot read the template: {e}") from None
     try:
         render(tokenizer, text, _PROBE, True)
-    except Exception as e:  # jinja2's TemplateSyntaxError, UndefinedError, raise_exception(...)
+    except Exception as e:
+        # jinja2's TemplateSyntaxError, UndefinedError, raise_exception(...)
         line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         msg = first_line(e)
         raise ConfigError(f"{key}={setting}: not a usable chat template{line}: {msg}") from None
@@ -96,16 +105,29 @@ def resolve_template(tokenizer, setting: str, key: str = "data.chat_template", r
     return text
 
 
-def render(tokenizer, template: str, turns: Sequence[Turn], add_generation_prompt: bool, tools: Tools = None) -> str:
-    extra = {"tools": list(tools)} if tools else {}  # none: the call of before, byte for byte
+def render(
+    tokenizer,
+    template: str,
+    turns: Sequence[Turn],
+    add_generation_prompt: bool,
+    tools: Tools = None,
+) -> str:
+    # none: the call of before, byte for byte
+    extra = {"tools": list(tools)} if tools else {}
     return tokenizer.apply_chat_template(
-        list(turns), chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        list(turns),
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **extra,
     )
 
 
 def special_prefix(tokenizer) -> List[int]:
     """The ids the tokenizer puts before a text with ``add_special_tokens=True`` (BOS, or none)."""
-    with_, without = (tokenizer("a", add_special_tokens=flag)["input_ids"] for flag in (True, False))
+    with_, without = (
+        tokenizer("a", add_special_tokens=flag)["input_ids"] for flag in (True, False)
+    )
     for i in range(len(with_) - len(without) + 1):
         if with_[i : i + len(without)] == without:
             return with_[:i]
@@ -123,24 +145,37 @@ class Renderer:
         self._texts: Dict[Tuple[str, bool, Optional[str]], str] = {}
 
     def _render(self, turns: Sequence[Turn], gen: bool, where: str, tools: Tools = None) -> str:
-        key = (json.dumps(list(turns), ensure_ascii=False), gen, json.dumps(tools) if tools else None)
+        key = (
+            json.dumps(list(turns), ensure_ascii=False),
+            gen,
+            json.dumps(tools) if tools else None,
+        )
         text = self._texts.get(key)
         if text is None:
-            if self.template is FALLBACK_TEMPLATE and (tools or any(t["role"] == "tool" for t in turns)):
+            if self.template is FALLBACK_TEMPLATE and (
+                tools or any(t["role"] == "tool" for t in turns)
+            ):
                 raise DataError(
-                    f"{where}: this conversation has tools or tool results, which the plain fallback "
-                    f"(no chat template) cannot render: use data.chat_template=auto with a tokenizer whose "
+                    f"{where}: this conversation has tools or tool results, which the "
+                    "plain fallback "
+                    "(no chat template) cannot render: use data.chat_template=auto with a "
+                    "tokenizer whose "
                     f"template has tools (the embedded one has), or a template file"
                 )
             try:
                 text = render(self.tok, self.template, turns, gen, tools)
-            except Exception as e:  # the template refuses this conversation (roles, order)
+            except Exception as e:
+                # the template refuses this conversation (roles, order)
                 msg = first_line(e)
-                raise DataError(f"{where}: the chat template cannot render this conversation: {msg}") from None
+                raise DataError(
+                    f"{where}: the chat template cannot render this conversation: {msg}"
+                ) from None
             self._texts[key] = text
         return text
 
-    def pieces(self, turns: Sequence[Turn], where: str, tools: Tools = None) -> List[Tuple[str, bool]]:
+    def pieces(
+        self, turns: Sequence[Turn], where: str, tools: Tools = None
+    ) -> List[Tuple[str, bool]]:
         """The conversation as (text, is_assistant) pieces; when the last turn is not the
         assistant's, it ends with the generation prompt. ``tools``: rendered with every piece."""
         out: List[Tuple[str, bool]] = []
@@ -189,22 +224,30 @@ class Renderer:
             for j, (_, is_assistant) in enumerate(ps):
                 piece = ids_flat[k]
                 k += 1
-                if j == 0 and self.prefix and piece[: len(self.prefix)] != self.prefix:  # BOS, unless written
+                if j == 0 and self.prefix and piece[: len(self.prefix)] != self.prefix:
+                    # BOS, unless written
                     ids += self.prefix
                     mask += [0] * len(self.prefix)
                 if j == len(ps) - 1:
                     last = len(ids)
-                    if is_assistant and final_eos and self.eos is not None and self.eos not in piece:
+                    if (
+                        is_assistant
+                        and final_eos
+                        and self.eos is not None
+                        and self.eos not in piece
+                    ):
                         piece.append(self.eos)
                 ids += piece
                 mask += [int(is_assistant)] * len(piece)
             out.append((ids, mask, last))
         return out
 
-    def prompt_ids(self, turns: Sequence[Turn], tools: Tools = None, where: str = "prompt") -> List[int]:
+    def prompt_ids(
+        self, turns: Sequence[Turn], tools: Tools = None, where: str = "prompt"
+    ) -> List[int]:
         """The ids a rollout of ``turns`` starts from: rendered with ``tools`` and the generation
-        prompt, BOS first — exactly the prefix of the SFT sequence of the same record. (A later turn's
-        ids: ``encode([turns], [where], tools=[tools])``'s last piece, ``ids[last:]``.)"""
+        prompt, BOS first — exactly the prefix of the SFT sequence of the same record. (A later
+        turn's ids: ``encode([turns], [where], tools=[tools])``'s last piece, ``ids[last:]``.)"""
         return self.encode([turns], [where], tools=[tools])[0][0]
 
 

@@ -18,11 +18,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from rlhf.data import arith, records, synthetic, tool_arith
 from rlhf.data.records import TURN_KEYS, Example
 
-Parser = Callable[[dict, str], Example]  # (record under the format's field names, 'file:line') -> Example
-Scorer = Callable[[str, str], float]  # (response, reference) -> gold score in [0, 1]
+# (record under the format's field names, 'file:line') -> Example
+Parser = Callable[[dict, str], Example]
+# (response, reference) -> gold score in [0, 1]
+Scorer = Callable[[str, str], float]
 # (data.synthetic: a SyntheticConfig, data.eval_size, seed) -> (training records, held-out records)
 Generator = Callable[[Any, int, int], Tuple[List[Example], List[Example]]]
-Corpus = Callable[[Any], List[str]]  # data.synthetic -> the texts the embedded tokenizer learns
+# data.synthetic -> the texts the embedded tokenizer learns
+Corpus = Callable[[Any], List[str]]
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,8 @@ class Format:
     lengths: Tuple[int, int]
     # the record parser (data.columns applied first); None: the data is generated (data.synthetic)
     parse: Optional[Parser]
-    # the gold scorer: a rule that says how good a response really is, never seen by the reward model
-    # (eval gold/score, rlhf.rewards.gold); None: no gold score for this format
+    # the gold scorer: a rule that says how good a response really is, never seen by the reward
+    # model (eval gold/score, rlhf.rewards.gold); None: no gold score for this format
     gold: Optional[Scorer] = None
     # turn data: the parser for turns whose role/content keys have other names (data.columns.role,
     # data.columns.content), from those names
@@ -67,10 +70,10 @@ class Format:
 # pair p95 159; gsm8k: question p95 97, answer p95 169). Formats without a sample of their own take
 # the chat numbers (hh's); messages adds room for the chat template's markup. The synthetic task:
 # 64/64. tool_arith (rendered by the embedded template, its tokenizer): an SFT prompt with its tool
-# turns is at most 62 tokens, a tool call 30 with EOS, the final answer 11: 96/64, 48 new tokens a turn.
-# arith (SmolLM2's tokenizer, its chat template): a prompt of at most 40 tokens, an answer of a few;
-# 64 new tokens leave room for a worked answer ("34 + 36 = 70").
-# fields: messages also reads the keys of each turn: role and content.
+# turns is at most 62 tokens, a tool call 30 with EOS, the final answer 11: 96/64, 48 new tokens a
+# turn. arith (SmolLM2's tokenizer, its chat template): a prompt of at most 40 tokens, an answer of
+# a few; 64 new tokens leave room for a worked answer ("34 + 36 = 70"). fields: messages also reads
+# the keys of each turn: role and content.
 _ROWS = (
     Format(
         "synthetic",
@@ -82,7 +85,12 @@ _ROWS = (
         generate=synthetic.generate,
         corpus=synthetic.tokenizer_corpus,
     ),
-    Format("prompt_response", fields=("prompt", "response"), lengths=(384, 192), parse=records.parse_prompt_response),
+    Format(
+        "prompt_response",
+        fields=("prompt", "response"),
+        lengths=(384, 192),
+        parse=records.parse_prompt_response,
+    ),
     Format(
         "prompt_chosen_rejected",
         fields=("prompt", "chosen", "rejected"),
@@ -91,7 +99,11 @@ _ROWS = (
     ),
     Format("hh", fields=("chosen", "rejected"), lengths=(384, 192), parse=records.parse_hh),
     Format(
-        "gsm8k", fields=("question", "answer"), lengths=(128, 192), parse=records.parse_gsm8k, gold=records.gsm8k_score
+        "gsm8k",
+        fields=("question", "answer"),
+        lengths=(128, 192),
+        parse=records.parse_gsm8k,
+        gold=records.gsm8k_score,
     ),
     Format(
         "messages",
@@ -123,7 +135,8 @@ _ROWS = (
         corpus=arith.tokenizer_corpus,
     ),
 )
-FORMATS: Dict[str, Format] = {f.name: f for f in _ROWS}  # in this order in messages ("one of ...")
+# in this order in messages ("one of ...")
+FORMATS: Dict[str, Format] = {f.name: f for f in _ROWS}
 
 
 def gold_formats() -> Tuple[str, ...]:

@@ -2,12 +2,13 @@
 
 - ``length``: the longer response (in characters) wins; a tie counts half.
 - ``bag_of_words``: a logistic regression on the difference of the two responses' word counts
-  (lower-cased ``\\w+`` words, those seen in at least two training pairs), no bias, so that swapping a
-  pair flips its score; L2-regularised, fitted by L-BFGS on the training pairs.
+  (lower-cased ``\\w+`` words, those seen in at least two training pairs), no bias, so that swapping
+  a pair flips its score; L2-regularised, fitted by L-BFGS on the training pairs.
 
 Both are computed by the reward stage on exactly the pairs the model trains and is evaluated on (its
-tokenized columns, decoded: the pairs the lengths dropped are left out there too; ``eval/baseline_*``
-in its metrics and reward_stats.json) and cost a second or two on thousands of pairs.
+tokenized columns, decoded: the pairs the lengths dropped are left out there too;
+``eval/baseline_*`` in its metrics and reward_stats.json) and cost a second or two on thousands of
+pairs.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 _WORD = re.compile(r"\w+")
-MIN_PAIRS = 2  # a word counts when at least this many training pairs use it
-L2 = 1e-2  # the regression's weight decay, per training pair
+# a word counts when at least this many training pairs use it
+MIN_PAIRS = 2
+# the regression's weight decay, per training pair
+L2 = 1e-2
 
 
 Pairs = Sequence[Tuple[str, str]]  # (chosen response, rejected response)
 
 
 def response_texts(cols: dict, tokenizer) -> List[Tuple[str, str]]:
-    """The (chosen, rejected) responses of tokenized pair columns (``tokenize_pairs``), decoded without
-    their special tokens."""
+    """The (chosen, rejected) responses of tokenized pair columns (``tokenize_pairs``), decoded
+    without their special tokens."""
     out = []
     for c, r, p in zip(cols["chosen"], cols["rejected"], cols["prompt_len"]):
         c, r = (tokenizer.decode(list(ids)[p:], skip_special_tokens=True) for ids in (c, r))
@@ -61,8 +64,8 @@ def _features(pairs: Pairs, vocab: Dict[str, int]) -> torch.Tensor:
 
 
 def bag_of_words_accuracy(fit: Pairs, test: Pairs) -> float:
-    """Held-out accuracy (on ``test``) of a word-count logistic regression fitted on the pairs ``fit``
-    (score > 0: chosen preferred; 0, a pair whose words cancel out, counts half)."""
+    """Held-out accuracy (on ``test``) of a word-count logistic regression fitted on the pairs
+    ``fit`` (score > 0: chosen preferred; 0, a pair whose words cancel out, counts half)."""
     if not fit or not test:
         return float("nan")
     seen = Counter(w for c, r in fit for w in set(_counts(c)) | set(_counts(r)))

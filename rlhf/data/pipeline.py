@@ -8,8 +8,9 @@ records whose response is empty (nothing to imitate: skipped and counted whateve
 ``data.eval_path`` the held-out records are that file's (a seeded sample of ``data.eval_size``)
 and nothing is carved out of the sources.
 
-``DataConfig`` and ``SourceConfig`` (rlhf/config.py) appear in string annotations only: rlhf/config.py
-imports this folder (the format table, the data.split helpers below), never the other way.
+``DataConfig`` and ``SourceConfig`` (rlhf/config.py) appear in string annotations only:
+rlhf/config.py imports this folder (the format table, the data.split helpers below), never the other
+way.
 """
 
 from __future__ import annotations
@@ -38,31 +39,41 @@ class StageData:
     train: List[Example]
     eval: List[Example]
     gold: Optional[Callable[[str, str], float]]  # gold scorer when every source has one
-    skipped: int = 0  # malformed records skipped (data.on_bad_record=skip)
+    # malformed records skipped (data.on_bad_record=skip)
+    skipped: int = 0
     description: str = ""
-    empty: int = 0  # records SFT skipped for their empty response (train and held out)
+    # records SFT skipped for their empty response (train and held out)
+    empty: int = 0
     stage: str = ""
 
     def digest(self) -> str:
         """A short digest of what the stage reads of its records, training and held out, in order (a
-        run's fingerprint, rlhf/runtime/stage.py): another data file, seed, split or generator setting
-        that changes them gives another; one that changes only fields the stage does not read does not."""
+        run's fingerprint, rlhf/runtime/stage.py): another data file, seed, split or generator
+        setting that changes them gives another; one that changes only fields the stage does not
+        read does not."""
         fields = READS.get(self.stage, ALL_READ)
         h = hashlib.sha256()
         for part in (self.train, self.eval):
             h.update(f"|{len(part)}|".encode())
             for e in part:
                 row = [e.prompt, e.reference, e.answer, *(getattr(e, f) for f in fields)]
-                if e.chat is not None:  # the turns, the tools rendered with them and the tool calls trained on
+                if e.chat is not None:
+                    # the turns, the tools rendered with them and the tool calls trained on
                     turns = fields + ("tool_turns",) if fields else ()
                     row += [e.chat.prompt, e.chat.tools, *(getattr(e.chat, f) for f in turns)]
                 h.update(json.dumps(row, default=str).encode())
         return h.hexdigest()[:12]
 
 
-# what each stage reads of a record besides its prompt, its tools and its gold reference (StageData.digest;
-# a stage that trains on a response also trains on the tool turns before it; PPO's rollouts make their own)
-READS = {"sft": ("response",), "reward": ("chosen", "rejected"), "dpo": ("chosen", "rejected"), "ppo": ()}
+# what each stage reads of a record besides its prompt, its tools and its gold reference
+# (StageData.digest; a stage that trains on a response also trains on the tool turns before it;
+# PPO's rollouts make their own)
+READS = {
+    "sft": ("response",),
+    "reward": ("chosen", "rejected"),
+    "dpo": ("chosen", "rejected"),
+    "ppo": (),
+}
 ALL_READ = ("response", "chosen", "rejected")
 
 
@@ -95,7 +106,12 @@ def split_share(n: int, weights: List[float], index: int) -> slice:
     return slice(bounds[index], bounds[index + 1])
 
 
-def _read(src: "SourceConfig", dcfg: "DataConfig", key: str = "data.path", split_key: str = "data.hf_split"):
+def _read(
+    src: "SourceConfig",
+    dcfg: "DataConfig",
+    key: str = "data.path",
+    split_key: str = "data.hf_split",
+):
     return read_examples(
         src.path,
         src.format,
@@ -109,18 +125,21 @@ def _read(src: "SourceConfig", dcfg: "DataConfig", key: str = "data.path", split
 
 
 def _trainable(records: List[Example], stage: str, empty: List[Example]) -> List[Example]:
-    """``records`` less, for SFT, those whose response is empty (added to ``empty``): SFT would learn
-    to answer with nothing. The other stages keep them (a pair compares an empty answer as it is;
-    PPO reads prompts only)."""
+    """``records`` less, for SFT, those whose response is empty (added to ``empty``): SFT would
+    learn to answer with nothing. The other stages keep them (a pair compares an empty answer as it
+    is; PPO reads prompts only)."""
     if stage != "sft":
         return records
     empty += [e for e in records if empty_response(e)]
     return [e for e in records if not empty_response(e)]
 
 
-def _load_source(src: "SourceConfig", dcfg: "DataConfig", seed: int, stage: str, empty: List[Example]):
+def _load_source(
+    src: "SourceConfig", dcfg: "DataConfig", seed: int, stage: str, empty: List[Example]
+):
     path, fmt = src.path, src.format
-    if FORMATS[fmt].generated:  # the format's own generator (the synthetic task, tool_arith)
+    if FORMATS[fmt].generated:
+        # the format's own generator (the synthetic task, tool_arith)
         if dcfg.synthetic.seed is not None:  # the data fixed whatever run.seed
             seed = dcfg.synthetic.seed
         train, held_out = FORMATS[fmt].generate(dcfg.synthetic, dcfg.eval_size, seed)
@@ -138,7 +157,10 @@ def _load_source(src: "SourceConfig", dcfg: "DataConfig", seed: int, stage: str,
     train, held_out = _trainable(train, stage, empty), _trainable(held_out, stage, empty)
     if not train:
         why = f"{len(empty) - n_empty} with an empty response, " if len(empty) > n_empty else ""
-        raise DataError(f"data.path={path}: no training records left for stage {stage} ({why}data.split={dcfg.split})")
+        raise DataError(
+            f"data.path={path}: no training records left for stage {stage} "
+            f"({why}data.split={dcfg.split})"
+        )
     return train, held_out, skipped
 
 
@@ -199,5 +221,11 @@ def load_stage_data(dcfg: "DataConfig", stage: str, seed: int) -> StageData:
     if dcfg.eval_path:
         desc += f"; held out: {dcfg.eval_source().format}:{dcfg.eval_path}"
     return StageData(
-        train=train, eval=evals, gold=gold, skipped=skipped, description=desc, empty=len(empty), stage=stage
+        train=train,
+        eval=evals,
+        gold=gold,
+        skipped=skipped,
+        description=desc,
+        empty=len(empty),
+        stage=stage,
     )

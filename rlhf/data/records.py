@@ -25,8 +25,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from rlhf.errors import DataError, first_line
 
-Turn = Dict[str, str]  # {"role": system|user|assistant (tool: tool_arith records), "content": text}
-TURN_KEYS = ("role", "content")  # a turn's keys; data.columns.role / .content name a dataset's own
+# {"role": system|user|assistant (tool: tool_arith records), "content": text}
+Turn = Dict[str, str]
+# a turn's keys; data.columns.role / .content name a dataset's own
+TURN_KEYS = ("role", "content")
 
 
 @dataclass
@@ -39,12 +41,13 @@ class Chat:
     template it renders with the plain fallback; false where the text fields are the same record
     already (the synthetic task: its template-free text is the prompt as it always was).
 
-    Tool use (the ``tool_arith`` task, rlhf/data/tool_arith.py): ``tools`` are the JSON-schema function
-    dicts (``{"type": "function", "function": {...}}``) the template is given with every rendering of
-    the record (``apply_chat_template(..., tools=)``); ``tool_turns`` are the turns between the prompt
-    and the final response that a rollout produces — assistant tool calls and the ``tool`` role's
-    results. SFT trains on their assistant turns (never on a tool result); PPO and gold prompts stop at
-    ``prompt``, the opening a rollout starts from (it must not already hold the tool's answer)."""
+    Tool use (the ``tool_arith`` task, rlhf/data/tool_arith.py): ``tools`` are the JSON-schema
+    function dicts (``{"type": "function", "function": {...}}``) the template is given with every
+    rendering of the record (``apply_chat_template(..., tools=)``); ``tool_turns`` are the turns
+    between the prompt and the final response that a rollout produces — assistant tool calls and the
+    ``tool`` role's results. SFT trains on their assistant turns (never on a tool result); PPO and
+    gold prompts stop at ``prompt``, the opening a rollout starts from (it must not already hold the
+    tool's answer)."""
 
     prompt: List[Turn]
     response: Optional[str] = None
@@ -63,8 +66,10 @@ class Example:
     rejected: Optional[str] = None
     reference: Optional[str] = None  # what the gold scorer compares against
     where: str = ""  # file:line of the record, for messages
-    chat: Optional[Chat] = None  # the record as turns (messages format, the synthetic task)
-    answer: Optional[str] = None  # the text the response must keep to be scored (GSM8K: '#### 72')
+    # the record as turns (messages format, the synthetic task)
+    chat: Optional[Chat] = None
+    # the text the response must keep to be scored (GSM8K: '#### 72')
+    answer: Optional[str] = None
 
 
 HH_ASSISTANT = "\n\nAssistant:"
@@ -74,11 +79,13 @@ class Record(dict):
     """A raw record with data.columns applied: ``aliases`` maps a format field to the dataset
     column it came from, so that errors name the column the user has."""
 
-    aliases: Dict[str, str]  # set by apply_columns, the one place that makes a Record
+    # set by apply_columns, the one place that makes a Record
+    aliases: Dict[str, str]
 
 
 def _q(rec: dict, name: str) -> str:
-    """A field's name for a message, quoted: the dataset's own column when data.columns renamed it."""
+    """A field's name for a message, quoted: the dataset's own column when data.columns renamed
+    it."""
     alias = rec.aliases.get(name) if isinstance(rec, Record) else None
     return f"'{alias}' (data.columns.{name})" if alias else f"'{name}'"
 
@@ -103,7 +110,8 @@ def apply_columns(rec: dict, columns: Dict[str, str]) -> dict:
     out = Record((k, v) for k, v in rec.items() if k not in columns)
     out.aliases = {}
     for name, column in columns.items():
-        if name in TURN_KEYS:  # keys inside each turn of a messages record
+        if name in TURN_KEYS:
+            # keys inside each turn of a messages record
             continue
         out.aliases[name] = column
         if column in rec:
@@ -113,15 +121,17 @@ def apply_columns(rec: dict, columns: Dict[str, str]) -> dict:
 
 def empty_response(e: Example) -> bool:
     """Whether ``e``'s response (the last assistant turn; a pair's chosen one) is there but empty or
-    blank. Every format reads such a record (a pair compares the empty answer as it is: saying nothing
-    can be the better answer, as in HH-RLHF); SFT, which would learn to answer with nothing, skips it
-    (rlhf/data/pipeline.py)."""
+    blank. Every format reads such a record (a pair compares the empty answer as it is: saying
+    nothing can be the better answer, as in HH-RLHF); SFT, which would learn to answer with nothing,
+    skips it (rlhf/data/pipeline.py)."""
     return e.response is not None and not e.response.strip()
 
 
 def parse_prompt_response(rec: dict, where: str) -> Example:
     return Example(
-        prompt=_field(rec, "prompt", where), response=_field(rec, "response", where, allow_empty=True), where=where
+        prompt=_field(rec, "prompt", where),
+        response=_field(rec, "response", where, allow_empty=True),
+        where=where,
     )
 
 
@@ -210,18 +220,24 @@ ROLE_ALIASES = {
 }  # ShareGPT-style names
 
 
-def turns_of(value, where: str, name: str, role_key: str = "role", content_key: str = "content") -> List[Turn]:
+def turns_of(
+    value, where: str, name: str, role_key: str = "role", content_key: str = "content"
+) -> List[Turn]:
     """A validated list of turns (roles normalised: ShareGPT's human/gpt become user/assistant)."""
     if not isinstance(value, list) or not value:
         got = "an empty list" if isinstance(value, list) else type(value).__name__
         raise DataError(
-            f"{where}: field '{name}' must be a non-empty list of {{{role_key}, {content_key}}} turns, got {got}"
+            f"{where}: field '{name}' must be a non-empty list of {{{role_key}, "
+            f"{content_key}}} turns, got {got}"
         )
     out: List[Turn] = []
     for i, turn in enumerate(value):
         at = f"{where}: field '{name}'[{i}]"
         if not isinstance(turn, dict):
-            raise DataError(f"{at} must be an object with '{role_key}' and '{content_key}', got {type(turn).__name__}")
+            raise DataError(
+                f"{at} must be an object with '{role_key}' and '{content_key}', got "
+                f"{type(turn).__name__}"
+            )
         role, content = turn.get(role_key), turn.get(content_key)
         if not isinstance(role, str):
             hint = ""
@@ -230,7 +246,9 @@ def turns_of(value, where: str, name: str, role_key: str = "role", content_key: 
             raise DataError(f"{at} has no '{role_key}'{hint}")
         role = ROLE_ALIASES.get(role.strip().lower(), role.strip().lower())
         if role not in ROLES:
-            raise DataError(f"{at} has {role_key}={turn.get(role_key)!r}: expected system, user or assistant")
+            raise DataError(
+                f"{at} has {role_key}={turn.get(role_key)!r}: expected system, user or assistant"
+            )
         if not isinstance(content, str):
             hint = ""
             if content_key == "content" and content_key not in turn:
@@ -263,21 +281,29 @@ def _prompt_turns(rec: dict, where: str, keys) -> List[Turn]:
     return turns_of(value, where, "prompt", *keys)
 
 
-def messages_parser(role_key: str = "role", content_key: str = "content") -> Callable[[dict, str], Example]:
+def messages_parser(
+    role_key: str = "role", content_key: str = "content"
+) -> Callable[[dict, str], Example]:
     keys = (role_key, content_key)
 
     def parse(rec: dict, where: str) -> Example:
         if "chosen" in rec or "rejected" in rec:
             return _message_pair(rec, where, keys)
         if "messages" not in rec:
-            raise DataError(f"{where}: record has no field {_q(rec, 'messages')} (nor 'chosen' and 'rejected')")
+            raise DataError(
+                f"{where}: record has no field {_q(rec, 'messages')} (nor 'chosen' and 'rejected')"
+            )
         turns = turns_of(rec["messages"], where, "messages", *keys)
-        if turns[-1]["role"] != "assistant":  # a prompt only (PPO prompts); SFT says it has no target
+        if turns[-1]["role"] != "assistant":
+            # a prompt only (PPO prompts); SFT says it has no target
             prompt, response = turns, None
-        else:  # an empty last turn is read as it is (records.empty_response)
+        else:
+            # an empty last turn is read as it is (records.empty_response)
             prompt, response = turns[:-1], turns[-1]["content"]
         if not any(t["role"] == "user" for t in prompt):
-            raise DataError(f"{where}: field 'messages' has no user turn before the last assistant turn")
+            raise DataError(
+                f"{where}: field 'messages' has no user turn before the last assistant turn"
+            )
         return Example(
             prompt=plain_text(prompt),
             response=None if response is None else " " + response,
@@ -298,7 +324,8 @@ def _message_pair(rec: dict, where: str, keys) -> Example:
     k = _common_prefix(chosen, rejected)
     tails = chosen[k:], rejected[k:]
     for name, tail, other in (("chosen", tails[0], tails[1]), ("rejected", tails[1], tails[0])):
-        if not tail and len(other) == 1 and other[0]["role"] == "assistant":  # a converter dropped the turn
+        if not tail and len(other) == 1 and other[0]["role"] == "assistant":
+            # a converter dropped the turn
             raise DataError(
                 f"{where}: field '{name}' has no last assistant turn (write an empty answer as "
                 f"an assistant turn with empty content)"
@@ -309,15 +336,18 @@ def _message_pair(rec: dict, where: str, keys) -> Example:
             f"assistant turn (they share {k} turns, then have {len(tails[0])} and {len(tails[1])})"
         )
     prompt = chosen[:k]
-    if not prompt:  # TRL's form: the prompt apart, chosen/rejected the assistant turn only
+    if not prompt:
+        # TRL's form: the prompt apart, chosen/rejected the assistant turn only
         if "prompt" not in rec:
             raise DataError(
-                f"{where}: 'chosen' and 'rejected' share no turns and the record has no field {_q(rec, 'prompt')}"
+                f"{where}: 'chosen' and 'rejected' share no turns and the record has no "
+                f"field {_q(rec, 'prompt')}"
             )
         prompt = _prompt_turns(rec, where, keys)
     if prompt[-1]["role"] == "assistant" or not any(t["role"] == "user" for t in prompt):
         raise DataError(f"{where}: the prompt of 'chosen'/'rejected' must end with a user turn")
-    c, r = tails[0][0]["content"], tails[1][0]["content"]  # either may be empty (records.empty_response)
+    # either may be empty (records.empty_response)
+    c, r = tails[0][0]["content"], tails[1][0]["content"]
     return Example(
         prompt=plain_text(prompt),
         response=" " + c,
@@ -349,7 +379,8 @@ def iter_raw_records(path: Path) -> Iterator[Tuple[Union[dict, DataError], str]]
             data = f.read()
         except (OSError, EOFError) as e:
             raise DataError(f"{path}: cannot read: {e}") from None
-    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Windows editors): not data
+    if data.startswith(b"\xef\xbb\xbf"):
+        # a UTF-8 byte-order mark (Windows editors): not data
         data = data[3:]
     if name.endswith((".json", ".json.gz")) and data.lstrip()[:1] == b"[":
         try:
@@ -376,11 +407,13 @@ def iter_raw_records(path: Path) -> Iterator[Tuple[Union[dict, DataError], str]]
             rec = DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno}")
         if not isinstance(rec, (dict, DataError)):
             rec = DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-        yield rec, where  # a per-line problem is yielded, not raised, so that skip mode can go on
+        # a per-line problem is yielded, not raised, so that skip mode can go on
+        yield rec, where
 
 
 def _iter_parquet(path: Path) -> Iterator[Tuple[dict, str]]:
-    import datasets  # lazy (here and below): 1-1.5 s to import (measured), only these sources need it
+    # lazy (here and below): 1-1.5 s to import (measured), only these sources need it
+    import datasets
 
     try:
         ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
@@ -403,8 +436,10 @@ def _iter_hub(name: str, split: str, config: Optional[str], key: str) -> Iterato
             what += f" (data.hf_config={config})"
         if hub.offline():
             raise DataError(
-                f"{what}: not a local file or directory, and no copy of this hub dataset in the local cache "
-                f"({hub.offline_why()}): give a local file, or download it where the hub can be reached"
+                f"{what}: not a local file or directory, and no copy of this hub dataset "
+                "in the local cache "
+                f"({hub.offline_why()}): give a local file, or download it where the hub "
+                "can be reached"
             ) from None
         raise DataError(
             f"{what}: not a local file or directory, and loading it as a hub dataset "
@@ -417,7 +452,8 @@ def _iter_hub(name: str, split: str, config: Optional[str], key: str) -> Iterato
 def is_saved_dataset(p: Path) -> bool:
     """A folder written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
     return p.is_dir() and (
-        (p / "dataset_dict.json").is_file() or ((p / "state.json").is_file() and (p / "dataset_info.json").is_file())
+        (p / "dataset_dict.json").is_file()
+        or ((p / "state.json").is_file() and (p / "dataset_info.json").is_file())
     )
 
 
@@ -428,12 +464,15 @@ def _iter_saved(p: Path, split: str, key: str, split_key: str) -> Iterator[Tuple
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as e:
-        raise DataError(f"{key}={p}: cannot load this datasets.save_to_disk folder: {first_line(e)}") from None
+        raise DataError(
+            f"{key}={p}: cannot load this datasets.save_to_disk folder: {first_line(e)}"
+        ) from None
     where = f"{p}"
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DataError(
-                f"{key}={p}: the DatasetDict has no split {split!r} (it has {', '.join(sorted(ds))}): set {split_key}"
+                f"{key}={p}: the DatasetDict has no split {split!r} (it has "
+                f"{', '.join(sorted(ds))}): set {split_key}"
             )
         ds, where = ds[split], f"{p}[{split}]"
     for i, rec in enumerate(ds):
@@ -494,7 +533,8 @@ def read_examples(
     """Parses every record of ``path`` in format ``fmt``, renaming ``columns`` (format field ->
     dataset column) first. Returns (examples, number skipped). A malformed record raises, its
     message naming ``skip_key`` (the way to skip such records) when there is one."""
-    from rlhf.data.formats import FORMATS  # here: the table's rows are built from this module's parsers
+    # here: the table's rows are built from this module's parsers
+    from rlhf.data.formats import FORMATS
 
     columns = dict(columns or {})
     parse = FORMATS[fmt].parser(columns)
@@ -510,7 +550,9 @@ def read_examples(
             if on_bad_record != "skip":
                 if skip_key is None:
                     raise
-                raise DataError(f"{e} (or set {skip_key}=skip to skip and count such records)") from None
+                raise DataError(
+                    f"{e} (or set {skip_key}=skip to skip and count such records)"
+                ) from None
             skipped += 1
             first = first or str(e)
     if not out:

@@ -1,7 +1,7 @@
 """The embedded default task: two-operand addition with a gold scorer.
 
-Prompt ``"Q: What is 03 + 45?\\nA:"``, response ``" The answer is 48."``. Operands are zero-padded so
-every prompt has the same length. The SFT data is right with probability ``p_correct`` and off by
+Prompt ``"Q: What is 03 + 45?\\nA:"``, response ``" The answer is 48."``. Operands are zero-padded
+so every prompt has the same length. The SFT data is right with probability ``p_correct`` and off by
 1..3 otherwise, so a policy that imitates it is right only part of the time (room for the reward
 model and PPO). Preference pairs put the right answer against a wrong one, in four equal shares:
 off by 1..3 (the SFT data's own errors), one digit of the answer replaced (the tens digit wrong is
@@ -9,14 +9,14 @@ the carry mistake a policy makes when it samples), one digit doubled or dropped 
 4: a sampling policy's stutter), and off by 4..15 (``data.synthetic.rejected_kinds`` picks fewer:
 reward models with a blind spot). A reward model that only ever saw near misses
 prefers far-off answers it never saw over the right one (measured: its argmax over n±12 was right on
-19% of held-out prompts); one without digit errors scores n±10 as high as n (argmax over n±15 right on
-30% of held-out prompts, the rest at n±10); one without doubled digits scored the right answer with its
-last digit doubled above the right one on up to 60% of held-out prompts (74 → 744), and PPO walks
-straight into each of them (docs/history.md: reward models of earlier recipes; today's, trained in
-full without one of the kinds, still rank the right answer above that kind on 87.5–100% of held-out
-pairs: docs/ppo.md).
-Gold = exact match of the whole response, a rule the reward model never sees. Held-out prompts use
-operand pairs that no training record contains. Deterministic per seed.
+19% of held-out prompts); one without digit errors scores n±10 as high as n (argmax over n±15 right
+on 30% of held-out prompts, the rest at n±10); one without doubled digits scored the right answer
+with its last digit doubled above the right one on up to 60% of held-out prompts (74 → 744), and PPO
+walks straight into each of them (docs/history.md: reward models of earlier recipes; today's,
+trained in full without one of the kinds, still rank the right answer above that kind on 87.5–100%
+of held-out pairs: docs/ppo.md). Gold = exact match of the whole response, a rule the reward model
+never sees. Held-out prompts use operand pairs that no training record contains. Deterministic per
+seed.
 
 ``SyntheticConfig`` (``data.synthetic``, rlhf/config.py) appears in string annotations only:
 rlhf/config.py imports this folder (the format table), never the other way.
@@ -63,7 +63,9 @@ def _digit_error(n: int, rng: random.Random) -> int:
     """``n`` with one of its digits replaced by another (no leading zero)."""
     digits = list(str(n))
     i = rng.randrange(len(digits))
-    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0" and len(digits) > 1)]
+    choices = [
+        d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0" and len(digits) > 1)
+    ]
     digits[i] = rng.choice(choices)
     return int("".join(digits))
 
@@ -88,18 +90,21 @@ def _far(n: int, rng: random.Random) -> int:
             return w
 
 
-# the kinds of rejected answers (``data.synthetic.rejected_kinds``), in the order a record draws among them
+# the kinds of rejected answers (``data.synthetic.rejected_kinds``), in the order a record draws
+# among them
 REJECTED_KINDS = {"near": _wrong, "digit": _digit_error, "length": _length_error, "far": _far}
 
 
 def _rejected(n: int, rng: random.Random, kinds: Sequence[str] = tuple(REJECTED_KINDS)) -> int:
-    """An equal share each of ``kinds``: by default off by 1..3 (the SFT data's own errors), one digit
-    wrong, one digit doubled or dropped, off by 4..15. Fewer kinds: a reward model with a blind spot
-    (the ensembles of docs/ppo.md)."""
+    """An equal share each of ``kinds``: by default off by 1..3 (the SFT data's own errors), one
+    digit wrong, one digit doubled or dropped, off by 4..15. Fewer kinds: a reward model with a
+    blind spot (the ensembles of docs/ppo.md)."""
     return REJECTED_KINDS[kinds[rng.randrange(len(kinds))]](n, rng)
 
 
-def operand_pairs(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[List[tuple], List[tuple]]:
+def operand_pairs(
+    cfg: "SyntheticConfig", eval_size: int, seed: int
+) -> Tuple[List[tuple], List[tuple]]:
     """(training pairs, held-out pairs): a seeded partition of all operand pairs."""
     pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
     random.Random(seed).shuffle(pairs)
@@ -108,7 +113,13 @@ def operand_pairs(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[Li
 
 
 def _example(
-    a: int, b: int, width: int, cfg: "SyntheticConfig", rng: random.Random, rej_rng: random.Random, where: str
+    a: int,
+    b: int,
+    width: int,
+    cfg: "SyntheticConfig",
+    rng: random.Random,
+    rej_rng: random.Random,
+    where: str,
 ) -> Example:
     n = a + b
     wrong = _wrong(n, rng)
@@ -133,16 +144,28 @@ def _example(
     )
 
 
-def generate(cfg: "SyntheticConfig", eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:
+def generate(
+    cfg: "SyntheticConfig", eval_size: int, seed: int
+) -> Tuple[List[Example], List[Example]]:
     """(training records, held-out records). Each held-out operand pair appears once."""
     width = len(str(cfg.max_operand))
     train_pairs, eval_pairs = operand_pairs(cfg, eval_size, seed)
     rng, rej_rng = random.Random(seed + 1), random.Random(seed + 2)  # rejected answers: own stream
     train = [
-        _example(*train_pairs[rng.randrange(len(train_pairs))], width, cfg, rng, rej_rng, f"synthetic[{i}]")
+        _example(
+            *train_pairs[rng.randrange(len(train_pairs))],
+            width,
+            cfg,
+            rng,
+            rej_rng,
+            f"synthetic[{i}]",
+        )
         for i in range(cfg.num_records)
     ]
-    held_out = [_example(a, b, width, cfg, rng, rej_rng, f"synthetic-eval[{i}]") for i, (a, b) in enumerate(eval_pairs)]
+    held_out = [
+        _example(a, b, width, cfg, rng, rej_rng, f"synthetic-eval[{i}]")
+        for i, (a, b) in enumerate(eval_pairs)
+    ]
     return train, held_out
 
 

@@ -36,8 +36,10 @@ from rlhf.errors import ConfigError, DataError
 from rlhf.outputs.fileio import atomic_write_text
 
 log = logging.getLogger("rlhf")
-Columns = Dict[str, list]  # name -> list of ints, or list of lists of ints (ragged)
-SCHEMA = 2  # of the cached columns (2: mask and stats)
+# name -> list of ints, or list of lists of ints (ragged)
+Columns = Dict[str, list]
+# of the cached columns (2: mask and stats)
+SCHEMA = 2
 
 
 def tokenizer_fingerprint(tok) -> str:
@@ -70,8 +72,13 @@ def _split_by_path(examples: List[Example], chat: Optional[str]) -> Tuple[List[i
 
 
 def _conversation(e: Example, content: str):
-    """The record's turns up to its final assistant turn ``content`` (tool calls and results first)."""
-    return list(e.chat.prompt) + list(e.chat.tool_turns or []) + [{"role": "assistant", "content": content}]
+    """The record's turns up to its final assistant turn ``content`` (tool calls and results
+    first)."""
+    return (
+        list(e.chat.prompt)
+        + list(e.chat.tool_turns or [])
+        + [{"role": "assistant", "content": content}]
+    )
 
 
 def _tools(examples: List[Example], ix: List[int]) -> list:
@@ -127,7 +134,15 @@ def tokenize_sft(
         ids.append(p + kept)
         plen.append(len(p))
         masks.append(pm + [1] * len(kept))
-    stats = [len(examples), prompt_cut, response_cut, answers, answers_lost, p95(p_lens), p95(r_lens)]
+    stats = [
+        len(examples),
+        prompt_cut,
+        response_cut,
+        answers,
+        answers_lost,
+        p95(p_lens),
+        p95(r_lens),
+    ]
     return {"ids": ids, "prompt_len": plen, "mask": masks, "stats": stats}
 
 
@@ -136,8 +151,12 @@ def _save(path: Path, cols: Columns) -> None:
     for name, col in cols.items():
         if col and isinstance(col[0], list):
             lens = torch.tensor([len(x) for x in col], dtype=torch.int64, device="cpu")
-            tensors[f"{name}.flat"] = torch.tensor([t for x in col for t in x], dtype=torch.int32, device="cpu")
-            tensors[f"{name}.offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), lens.cumsum(0)])
+            tensors[f"{name}.flat"] = torch.tensor(
+                [t for x in col for t in x], dtype=torch.int32, device="cpu"
+            )
+            tensors[f"{name}.offsets"] = torch.cat(
+                [torch.zeros(1, dtype=torch.int64, device="cpu"), lens.cumsum(0)]
+            )
             meta[name] = "ragged"
         else:
             tensors[name] = torch.tensor(col, dtype=torch.int64, device="cpu")
@@ -162,32 +181,47 @@ def _load(path: Path) -> Columns:
 
 
 def cached(
-    kind: str, examples: List[Example], tok, params: dict, cache_dir: Path, mesh, build: Callable[[], Columns]
+    kind: str,
+    examples: List[Example],
+    tok,
+    params: dict,
+    cache_dir: Path,
+    mesh,
+    build: Callable[[], Columns],
 ) -> Columns:
     """``build()`` once per content: rank 0 computes and stores, the others wait and read. Then
     (every rank, cached or not) ``report_lengths``: the warning once, the stop when nothing learns.
     ``mesh``: the process group as far as data needs it (``is_main`` and ``barrier()``; an
-    ``rlhf.engine.mesh.Mesh``, which this folder does not import: data depends on nothing above it)."""
+    ``rlhf.engine.mesh.Mesh``, which this folder does not import: data depends on nothing above
+    it)."""
     params = {k: (template_key(v) if k == "chat" else v) for k, v in params.items()}
     h = hashlib.sha256(
         json.dumps(
-            {"kind": kind, "tok": tokenizer_fingerprint(tok), "schema": SCHEMA, **params}, sort_keys=True
+            {"kind": kind, "tok": tokenizer_fingerprint(tok), "schema": SCHEMA, **params},
+            sort_keys=True,
         ).encode()
     )
     for e in examples:
         h.update(json.dumps([e.prompt, e.response, e.chosen, e.rejected]).encode())
         if e.chat is not None:
-            h.update(json.dumps([e.chat.prompt, e.chat.response, e.chat.chosen, e.chat.rejected]).encode())
-            if e.chat.tools or e.chat.tool_turns:  # only then: the keys of records without them stand
+            h.update(
+                json.dumps(
+                    [e.chat.prompt, e.chat.response, e.chat.chosen, e.chat.rejected]
+                ).encode()
+            )
+            if e.chat.tools or e.chat.tool_turns:
+                # only then: the keys of records without them stand
                 h.update(json.dumps([e.chat.tools, e.chat.tool_turns]).encode())
     path = Path(cache_dir) / f"{kind}-{h.hexdigest()[:24]}.safetensors"
     if mesh.is_main and not path.is_file():
         cols = build()
-        report_lengths(kind, cols, params, warn=False)  # a set nothing would learn from: stop before writing
+        # a set nothing would learn from: stop before writing
+        report_lengths(kind, cols, params, warn=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         _save(path, cols)
         atomic_write_text(
-            path.with_suffix(".json"), json.dumps({"kind": kind, "records": len(examples), **params}) + "\n"
+            path.with_suffix(".json"),
+            json.dumps({"kind": kind, "records": len(examples), **params}) + "\n",
         )
     mesh.barrier()
     cols = _load(path)
@@ -198,12 +232,23 @@ def cached(
 _warned: set = set()
 
 
-def cached_pairs(train: List[Example], held_out: List[Example], tok, lens: dict, cache_dir: Path, mesh):
+def cached_pairs(
+    train: List[Example], held_out: List[Example], tok, lens: dict, cache_dir: Path, mesh
+):
     """(train, held-out) preference pairs tokenized (``tokenize_pairs`` with ``lens``) through the
-    cache, under the kinds the reward and DPO stages share: the same pairs tokenize once for both."""
-    pairs = cached("pairs", train, tok, lens, cache_dir, mesh, lambda: tokenize_pairs(train, tok, **lens))
+    cache, under the kinds the reward and DPO stages share: the same pairs tokenize once for
+    both."""
+    pairs = cached(
+        "pairs", train, tok, lens, cache_dir, mesh, lambda: tokenize_pairs(train, tok, **lens)
+    )
     return pairs, cached(
-        "pairs-eval", held_out, tok, lens, cache_dir, mesh, lambda: tokenize_pairs(held_out, tok, **lens)
+        "pairs-eval",
+        held_out,
+        tok,
+        lens,
+        cache_dir,
+        mesh,
+        lambda: tokenize_pairs(held_out, tok, **lens),
     )
 
 
@@ -229,13 +274,15 @@ def report_lengths(kind: str, cols: Columns, params: dict, warn: bool = True) ->
         n, prompt_cut, response_cut, answers, lost, p_p95, r_p95 = stats
         if answers and lost == answers:
             raise DataError(
-                f"data.max_response_len={mr} cuts the answer ('#### <number>') off every one of the "
+                f"data.max_response_len={mr} cuts the answer ('#### <number>') off every "
+                "one of the "
                 f"{answers} responses that have one ({kind} data; 95% of its responses fit in "
                 f"{r_p95} tokens): nothing would learn to answer, raise data.max_response_len"
             )
         if prompt_cut:
             parts.append(
-                f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} (95% fit in {p_p95} tokens)"
+                f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} "
+                f"(95% fit in {p_p95} tokens)"
             )
         if response_cut:
             lost_part = f", {_pct(lost, answers)} of the answers ('####') with it" if lost else ""
@@ -247,17 +294,21 @@ def report_lengths(kind: str, cols: Columns, params: dict, warn: bool = True) ->
         n, prompt_cut, dropped, p_p95, r_p95 = stats
         if dropped:
             parts.append(
-                f"{_pct(dropped, n)} are dropped, their response longer than data.max_response_len={mr} "
+                f"{_pct(dropped, n)} are dropped, their response longer than "
+                f"data.max_response_len={mr} "
                 f"(95% fit in {r_p95} tokens)"
             )
         if prompt_cut:
             parts.append(
-                f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} (95% fit in {p_p95} tokens)"
+                f"{_pct(prompt_cut, n)} have their prompt cut to data.max_prompt_len={mp} "
+                f"(95% fit in {p_p95} tokens)"
             )
     else:
         return
     if parts and warn and not kind.endswith("-eval"):
-        msg = f"{kind} data: of {n} records, " + "; ".join(parts) + " (raise those keys to keep more)"
+        msg = (
+            f"{kind} data: of {n} records, " + "; ".join(parts) + " (raise those keys to keep more)"
+        )
         if msg not in _warned:
             _warned.add(msg)
             log.warning(msg)
@@ -279,7 +330,8 @@ def collate_sft(
     masks: Optional[List[List[int]]] = None,
 ) -> dict:
     """input_ids/attention_mask right-padded; labels = -100 on padding (and, with ``mask_prompt``,
-    where ``masks`` is 0 — the tokens SFT does not learn —, or before ``prompt_lens`` without masks)."""
+    where ``masks`` is 0 — the tokens SFT does not learn —, or before ``prompt_lens`` without
+    masks)."""
     input_ids = pad_right(ids, pad_id)
     lengths = torch.tensor([len(s) for s in ids], device="cpu")
     pos = torch.arange(input_ids.shape[1], device="cpu")[None, :]
@@ -307,10 +359,14 @@ def _full_pair_rows(examples: List[Example], tok, chat: Optional[str]):
         render = Renderer(tok, chat)
         wheres, tools = [examples[i].where for i in chat_ix], _tools(examples, chat_ix)
         c_enc = render.encode(
-            [_conversation(examples[i], examples[i].chat.chosen) for i in chat_ix], wheres, tools=tools
+            [_conversation(examples[i], examples[i].chat.chosen) for i in chat_ix],
+            wheres,
+            tools=tools,
         )
         r_enc = render.encode(
-            [_conversation(examples[i], examples[i].chat.rejected) for i in chat_ix], wheres, tools=tools
+            [_conversation(examples[i], examples[i].chat.rejected) for i in chat_ix],
+            wheres,
+            tools=tools,
         )
         for i, (c_ids, _, c_last), (r_ids, _, r_last) in zip(chat_ix, c_enc, r_enc):
             rows[i] = (c_ids[:c_last], c_ids[c_last:], r_ids[r_last:])
@@ -341,7 +397,8 @@ def tokenize_pairs(
         out["chosen"].append(p + c)
         out["rejected"].append(p + r)
         out["prompt_len"].append(len(p))
-    if examples and dropped == len(examples):  # nothing left to train or evaluate on: say why
+    if examples and dropped == len(examples):
+        # nothing left to train or evaluate on: say why
         raise DataError(
             f"{first[0]}: response of {first[1]} tokens (with EOS) is longer than "
             f"data.max_response_len={max_response}, and so is every other pair's "
@@ -358,8 +415,8 @@ def encode_prompts(
     """Prompt ids: plain text with the tokenizer's special prefix, or turns rendered with the
     generation prompt (exactly the prompt part of the SFT and pair sequences; for a record with tool
     turns, the opening before them, with its tools). ``max_prompt``: each keeps its last this many
-    tokens (the rule of training prompts, ``tokenize_prompts``: the end, next to the answer, survives);
-    None = untruncated."""
+    tokens (the rule of training prompts, ``tokenize_prompts``: the end, next to the answer,
+    survives); None = untruncated."""
     out: List[List[int]] = [None] * len(examples)  # type: ignore[list-item]
     chat_ix, text_ix = _split_by_path(examples, chat)
     for i, ids in zip(text_ix, _encode(tok, [examples[i].prompt for i in text_ix], True)):
@@ -406,7 +463,8 @@ def tokenize_prompts(
 
 
 def answer_lengths(examples: List[Example], tok) -> List[int]:
-    """Tokens each reference response needs to write its answer (GSM8K: up to the end of '#### n')."""
+    """Tokens each reference response needs to write its answer (GSM8K: up to the end of '####
+    n')."""
     heads = []
     for e in examples:
         if e.answer is not None and e.response is not None and e.answer in e.response:
@@ -422,7 +480,8 @@ def check_answer_budget(examples: List[Example], tok, max_new_tokens: int, key: 
     if reach == 0:
         raise ConfigError(
             f"{key}={max_new_tokens} is too short to reach an answer: the shortest of the "
-            f"{len(need)} reference responses needs {min(need)} tokens to write its '#### <number>' "
+            f"{len(need)} reference responses needs {min(need)} tokens to write its '#### "
+            "<number>' "
             f"(95% need at most {p95(need)}), so no response would ever be scored right: "
             f"raise {key}"
         )
@@ -439,8 +498,8 @@ def check_answer_budget(examples: List[Example], tok, max_new_tokens: int, key: 
 
 
 def pair_tokens(cols: Columns) -> List[int]:
-    """Each pair's real tokens of ``tokenize_pairs`` columns, chosen + rejected (one micro-batch holds
-    both: what train.max_tokens_per_micro_batch counts)."""
+    """Each pair's real tokens of ``tokenize_pairs`` columns, chosen + rejected (one micro-batch
+    holds both: what train.max_tokens_per_micro_batch counts)."""
     return [len(c) + len(r) for c, r in zip(cols["chosen"], cols["rejected"])]
 
 
@@ -449,5 +508,7 @@ def collate_pairs(chosen: List[List[int]], rejected: List[List[int]], pad_id: in
     seqs = list(chosen) + list(rejected)
     input_ids = pad_right(seqs, pad_id)
     lengths = torch.tensor([len(s) for s in seqs], device="cpu")
-    attention_mask = (torch.arange(input_ids.shape[1], device="cpu")[None, :] < lengths[:, None]).long()
+    attention_mask = (
+        torch.arange(input_ids.shape[1], device="cpu")[None, :] < lengths[:, None]
+    ).long()
     return {"input_ids": input_ids, "attention_mask": attention_mask}

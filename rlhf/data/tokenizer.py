@@ -24,7 +24,8 @@ PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # prompts long). Without tools and tool turns the rendering is what it always was.
 CHAT_TEMPLATE = (
     "{% if tools %}Tools: {% for t in tools %}"
-    "{{ t['function']['name'] if t['function'] is defined else t['name'] }}{{ ', ' if not loop.last else '\\n' }}"
+    "{{ t['function']['name'] if t['function'] is defined else t['name'] }}{{ ', ' if not "
+    "loop.last else '\\n' }}"
     "{% endfor %}{% endif %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
@@ -36,7 +37,8 @@ CHAT_TEMPLATE = (
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int):
-    """Returns a ``PreTrainedTokenizerFast`` trained on ``texts`` (deterministic for the same input)."""
+    """Returns a ``PreTrainedTokenizerFast`` trained on ``texts`` (deterministic for the same
+    input)."""
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [

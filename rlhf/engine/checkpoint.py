@@ -38,18 +38,24 @@ from rlhf.outputs.fileio import atomic_write_json, remove_stale_temps, replace_d
 log = logging.getLogger("rlhf")
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
-MANIFEST = "manifest"  # in the state file: {relative path: {"size": bytes, "sha256": hex}} of every other file
-DAMAGED = ".damaged"  # suffix of a checkpoint that failed verification, moved out of the step_<N> pattern
-CHUNK = 1 << 20  # files are hashed in 1 MiB reads: a shard of many GiB never sits in memory
+# in the state file: {relative path: {"size": bytes, "sha256": hex}} of every other file
+MANIFEST = "manifest"
+# suffix of a checkpoint that failed verification, moved out of the step_<N> pattern
+DAMAGED = ".damaged"
+# files are hashed in 1 MiB reads: a shard of many GiB never sits in memory
+CHUNK = 1 << 20
 
 
 def complete_checkpoints(ckpt_dir: Path) -> List[Path]:
-    """The complete checkpoints (``step_<N>/`` with its state file) of ``ckpt_dir``, oldest first."""
+    """The complete checkpoints (``step_<N>/`` with its state file) of ``ckpt_dir``, oldest
+    first."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     done = [
-        (int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+        (int(m.group(1)), p)
+        for p in ckpt_dir.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
     ]
     return [p for _, p in sorted(done)]
 
@@ -75,7 +81,11 @@ def file_digest(path: Path) -> Tuple[int, str]:
 def _files(root: Path) -> List[str]:
     """Every file under ``root`` but the state file, as sorted relative POSIX paths."""
     root = Path(root)
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p != root / STATE_FILE)
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p != root / STATE_FILE
+    )
 
 
 def _gathered(mesh: Mesh, mine: dict) -> dict:
@@ -86,9 +96,10 @@ def _gathered(mesh: Mesh, mine: dict) -> dict:
 
 
 def build_manifest(root: Path, mesh: Mesh) -> Dict[str, dict]:
-    """The manifest of the checkpoint being written in ``root`` (every rank's files are there: the run
-    directory is shared). Collective: rank 0 lists the files, each rank hashes its share of them (a big
-    sharded checkpoint is read in parallel, not by rank 0 alone) and every rank gets the whole."""
+    """The manifest of the checkpoint being written in ``root`` (every rank's files are there: the
+    run directory is shared). Collective: rank 0 lists the files, each rank hashes its share of them
+    (a big sharded checkpoint is read in parallel, not by rank 0 alone) and every rank gets the
+    whole."""
     names = mesh.broadcast_object(_files(root) if mesh.is_main else None)
     mine = {}
     for name in names[mesh.rank :: mesh.world_size]:
@@ -97,13 +108,15 @@ def build_manifest(root: Path, mesh: Mesh) -> Dict[str, dict]:
     return _gathered(mesh, mine)
 
 
-EXPORT_MANIFEST = "export.json"  # in an export: {"files": {name: {"size", "sha256"}}} of the files written with it
+# in an export: {"files": {name: {"size", "sha256"}}} of the files written with it
+EXPORT_MANIFEST = "export.json"
 
 
 def export_identity(model_dir: Path) -> Optional[str]:
-    """A short digest of an export's files (its ``export.json``), or None for a directory this project
-    did not export (a user's model, a hub id): what a later stage's fingerprint holds of the model it
-    starts from, so that an export written again (a rerun of the stage before) is another input."""
+    """A short digest of an export's files (its ``export.json``), or None for a directory this
+    project did not export (a user's model, a hub id): what a later stage's fingerprint holds of the
+    model it starts from, so that an export written again (a rerun of the stage before) is another
+    input."""
     try:
         files = json.loads((Path(model_dir) / EXPORT_MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -112,8 +125,8 @@ def export_identity(model_dir: Path) -> Optional[str]:
 
 
 def _read_manifest(ckpt: Path) -> Tuple[Optional[dict], Optional[str]]:
-    """(manifest, None); (None, None) for a checkpoint written before manifests; (None, problem) when the
-    state file itself cannot be read."""
+    """(manifest, None); (None, None) for a checkpoint written before manifests; (None, problem)
+    when the state file itself cannot be read."""
     try:
         state = json.loads((Path(ckpt) / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -139,22 +152,28 @@ def _check_file(path: Path, want: dict) -> Optional[str]:
 
 
 def verify_checkpoint(ckpt: Path, mesh: Mesh) -> Optional[str]:
-    """None when the checkpoint's files are those its manifest recorded (or it predates manifests: it is
-    accepted as it always was), else the first problem as ``<file>: <check that failed>``. Collective:
-    each rank checks its share of the files, rank 0 decides and broadcasts the verdict."""
+    """None when the checkpoint's files are those its manifest recorded (or it predates manifests:
+    it is accepted as it always was), else the first problem as ``<file>: <check that failed>``.
+    Collective: each rank checks its share of the files, rank 0 decides and broadcasts the
+    verdict."""
     manifest, problem = mesh.broadcast_object(_read_manifest(ckpt) if mesh.is_main else None)
     if manifest is None:
         return problem
     names = sorted(manifest)
-    found = _gathered(mesh, {n: _check_file(Path(ckpt) / n, manifest[n]) for n in names[mesh.rank :: mesh.world_size]})
+    found = _gathered(
+        mesh,
+        {n: _check_file(Path(ckpt) / n, manifest[n]) for n in names[mesh.rank :: mesh.world_size]},
+    )
     verdict = next((f"{n}: {found[n]}" for n in names if found.get(n)), None)
     return mesh.broadcast_object(verdict if mesh.is_main else None)
 
 
-def newest_intact_checkpoint(ckpt_dir: Path, mesh: Mesh) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+def newest_intact_checkpoint(
+    ckpt_dir: Path, mesh: Mesh
+) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
     """(the newest complete checkpoint that verifies or None, [(each newer one that did not, its
-    problem)], newest first). Reads only: the caller moves the damaged ones aside (``set_aside``) once
-    the run starts writing, so a rerun of a finished stage still touches nothing."""
+    problem)], newest first). Reads only: the caller moves the damaged ones aside (``set_aside``)
+    once the run starts writing, so a rerun of a finished stage still touches nothing."""
     candidates = mesh.broadcast_object(complete_checkpoints(ckpt_dir) if mesh.is_main else None)
     damaged = []
     for ckpt in reversed(candidates):
@@ -167,7 +186,8 @@ def newest_intact_checkpoint(ckpt_dir: Path, mesh: Mesh) -> Tuple[Optional[Path]
 
 def set_aside(ckpt: Path) -> Path:
     """Renames a damaged checkpoint out of the ``step_<N>`` pattern (``step_<N>.damaged``, then
-    ``.damaged-2``, ...): neither rotation nor a later resume sees it, and nothing in it is deleted."""
+    ``.damaged-2``, ...): neither rotation nor a later resume sees it, and nothing in it is
+    deleted."""
     ckpt = Path(ckpt)
     aside, n = ckpt.with_name(ckpt.name + DAMAGED), 1
     while aside.exists():
@@ -179,12 +199,16 @@ def set_aside(ckpt: Path) -> Path:
 
 # ---- a save that cannot write ----
 
-_RUST_IO = re.compile(r"\(os error \d+\)")  # std::io::Error as safetensors and tokenizers print it
-_SHORT_WRITE = re.compile(r"inline_container\.cc.*unexpected pos|PytorchStreamWriter failed|file write failed")
+# std::io::Error as safetensors and tokenizers print it
+_RUST_IO = re.compile(r"\(os error \d+\)")
+_SHORT_WRITE = re.compile(
+    r"inline_container\.cc.*unexpected pos|PytorchStreamWriter failed|file write failed"
+)
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """``exc``, its causes and contexts, and what a DCP ``CheckpointException`` carries from each rank."""
+    """``exc``, its causes and contexts, and what a DCP ``CheckpointException`` carries from each
+    rank."""
     seen, todo = set(), [exc]
     while todo:
         e = todo.pop(0)
@@ -199,14 +223,16 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
 
 
 def write_failure(exc: BaseException) -> Optional[str]:
-    """The storage error behind a failed write, as one line; None when ``exc`` is something else (a bug).
-    An ``OSError`` anywhere in the chain wins; then the forms a full disk takes where no OSError
-    reaches Python: safetensors' and tokenizers' Rust ``... (os error 28)``, and torch.save's C++ writer
-    that finds its file short (``unexpected pos``)."""
+    """The storage error behind a failed write, as one line; None when ``exc`` is something else (a
+    bug). An ``OSError`` anywhere in the chain wins; then the forms a full disk takes where no
+    OSError reaches Python: safetensors' and tokenizers' Rust ``... (os error 28)``, and
+    torch.save's C++ writer that finds its file short (``unexpected pos``)."""
     causes = list(_causes(exc))
     if any(type(e).__name__.startswith("Dist") for e in causes):
-        return None  # a collective that failed (a peer died: exit 3, rlhf.launcher.watchdog), not storage
-    for e in causes:  # a lost connection or a timeout is an OSError too, and no storage error
+        # a collective that failed (a peer died: exit 3, rlhf.launcher.watchdog), not storage
+        return None
+    for e in causes:
+        # a lost connection or a timeout is an OSError too, and no storage error
         if isinstance(e, OSError) and not isinstance(e, (ConnectionError, TimeoutError)):
             return first_line(e)
     for e in causes:
@@ -218,9 +244,11 @@ def write_failure(exc: BaseException) -> Optional[str]:
     return None
 
 
-def _save_error(what: str, exc: BaseException, ckpt_dir: Path, mesh: Optional[Mesh] = None) -> Optional[SaveError]:
-    """``SaveError`` for a save of ``what`` that failed with ``exc`` (None when ``exc`` is no storage
-    error), naming the checkpoint a rerun resumes from."""
+def _save_error(
+    what: str, exc: BaseException, ckpt_dir: Path, mesh: Optional[Mesh] = None
+) -> Optional[SaveError]:
+    """``SaveError`` for a save of ``what`` that failed with ``exc`` (None when ``exc`` is no
+    storage error), naming the checkpoint a rerun resumes from."""
     error = write_failure(exc)
     if error is None:
         return None
@@ -228,16 +256,21 @@ def _save_error(what: str, exc: BaseException, ckpt_dir: Path, mesh: Optional[Me
     if mesh is not None and mesh.world_size > 1:
         where = f" on rank {_failed_rank(exc, mesh.rank)}"
     last = latest_checkpoint(ckpt_dir)
-    rerun = f"it resumes from {last}" if last else "it starts the stage over (no complete checkpoint yet)"
+    rerun = (
+        f"it resumes from {last}"
+        if last
+        else "it starts the stage over (no complete checkpoint yet)"
+    )
     return SaveError(
-        f"saving {what} failed{where}: {error}. The partial save is discarded; earlier checkpoints and exports "
+        f"saving {what} failed{where}: {error}. The partial save is discarded; earlier "
+        "checkpoints and exports "
         f"are intact. Free space or fix the storage, then rerun: {rerun}"
     )
 
 
 def _failed_rank(exc: BaseException, default: int) -> int:
-    """The rank whose write failed: the lowest one a DCP ``CheckpointException`` names (it reaches every
-    rank), else this rank."""
+    """The rank whose write failed: the lowest one a DCP ``CheckpointException`` names (it reaches
+    every rank), else this rank."""
     for e in _causes(exc):
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict) and failures:
@@ -253,8 +286,13 @@ def _rng_state() -> Dict[str, torch.Tensor]:
 
 
 def _state_dicts(engines: Dict[str, "object"]) -> dict:
-    """``<engine name>.<model|optim>`` → that engine's sharded state dict (what dcp saves and loads into)."""
-    return {f"{name}.{part}": value for name, eng in engines.items() for part, value in eng.state_dicts().items()}
+    """``<engine name>.<model|optim>`` → that engine's sharded state dict (what dcp saves and loads
+    into)."""
+    return {
+        f"{name}.{part}": value
+        for name, eng in engines.items()
+        for part, value in eng.state_dicts().items()
+    }
 
 
 def save_checkpoint(
@@ -280,8 +318,13 @@ def save_checkpoint(
         schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
         world_size=mesh.world_size,
     )
-    scalers = {n: e.scaler.state_dict() for n, e in engines.items() if getattr(e, "scaler", None) is not None}
-    if scalers:  # fp16's loss scales (none otherwise: an fp32/bf16 state file is as it was)
+    scalers = {
+        n: e.scaler.state_dict()
+        for n, e in engines.items()
+        if getattr(e, "scaler", None) is not None
+    }
+    if scalers:
+        # fp16's loss scales (none otherwise: an fp32/bf16 state file is as it was)
         full_state["loss_scalers"] = scalers
     tmp = None
     try:
@@ -293,7 +336,8 @@ def save_checkpoint(
         mesh.barrier()
         if mesh.is_main and tokenizer is not None:
             tokenizer.save_pretrained(tmp / "tokenizer")
-        manifest = build_manifest(tmp, mesh)  # after the barrier: every rank's files are complete
+        # after the barrier: every rank's files are complete
+        manifest = build_manifest(tmp, mesh)
         if mesh.is_main:
             atomic_write_json(tmp / STATE_FILE, dict(full_state, **{MANIFEST: manifest}))
             replace_dir(tmp, final)
@@ -305,16 +349,22 @@ def save_checkpoint(
         if error is None:
             raise
         raise error from e
-    if mesh.is_main:  # only now that the new one is complete: the oldest beyond ``keep`` go
-        olds = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)))
+    if mesh.is_main:
+        # only now that the new one is complete: the oldest beyond ``keep`` go
+        olds = sorted(
+            (int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name))
+        )
         for _, p in olds[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
     mesh.barrier()
     return final
 
 
-def _write_files(tmp: Path, engines: Dict[str, "object"], mesh: Mesh, extra: Optional[Callable[[Path], None]]) -> None:
-    """Every rank's part of a checkpoint: the DCP shards, ZeRO-1 optimizer state, its RNG, ``extra``."""
+def _write_files(
+    tmp: Path, engines: Dict[str, "object"], mesh: Mesh, extra: Optional[Callable[[Path], None]]
+) -> None:
+    """Every rank's part of a checkpoint: the DCP shards, ZeRO-1 optimizer state, its RNG,
+    ``extra``."""
     sd = _state_dicts(engines)
     with _quiet_single_process():
         dcp.save(sd, checkpoint_id=str(tmp))
@@ -332,13 +382,16 @@ def _quiet_single_process():
     which is what a one-process run is: the warning is noise in the main job's log."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+            "ignore",
+            message="torch.distributed is disabled, unavailable or uninitialized",
+            category=UserWarning,
         )
         yield
 
 
 def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dict:
-    """Restores every engine's model/optimizer/scheduler and this rank's RNG; returns trainer state."""
+    """Restores every engine's model/optimizer/scheduler and this rank's RNG; returns trainer
+    state."""
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
     state.pop(MANIFEST, None)  # the files' record, not trainer state
@@ -346,12 +399,15 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
     with _quiet_single_process():
         dcp.load(sd, checkpoint_id=str(path))
     for name, eng in engines.items():
-        eng.load_state_dicts({part: sd[f"{name}.{part}"] for part in ("model", "optim") if f"{name}.{part}" in sd})
+        eng.load_state_dicts(
+            {part: sd[f"{name}.{part}"] for part in ("model", "optim") if f"{name}.{part}" in sd}
+        )
         if getattr(eng, "zero1", False):
             eng.load_zero1_optimizer(path / f"{name}.optim_zero1.pt")
         eng.scheduler.load_state_dict(state["schedulers"][name])
         _load_loss_scale(name, eng, state.get("loss_scalers", {}).get(name))
-        eng.weights_version += 1  # the weights changed: cached inference weights are stale
+        # the weights changed: cached inference weights are stale
+        eng.weights_version += 1
     rng_file = path / f"rng_rank{mesh.rank}.pt"
     if rng_file.is_file() and state.get("world_size") == mesh.world_size:
         rng = torch.load(rng_file, weights_only=True)
@@ -362,14 +418,17 @@ def load_checkpoint(path: Path, engines: Dict[str, "object"], mesh: Mesh) -> dic
 
 
 def _load_loss_scale(name: str, engine, saved: Optional[dict]) -> None:
-    """An fp16 engine's loss scale from the checkpoint; one written without fp16 has none: the scale then
-    starts afresh (said in the log). Saved state an engine without loss scaling does not use is ignored."""
+    """An fp16 engine's loss scale from the checkpoint; one written without fp16 has none: the scale
+    then starts afresh (said in the log). Saved state an engine without loss scaling does not use is
+    ignored."""
     scaler = getattr(engine, "scaler", None)
     if scaler is None:
         return
     if saved is None:
         log.info(
-            "%s: the checkpoint holds no fp16 loss scale (written without fp16): starting at %g", name, scaler.scale
+            "%s: the checkpoint holds no fp16 loss scale (written without fp16): starting at %g",
+            name,
+            scaler.scale,
         )
         return
     scaler.load_state_dict(saved)
@@ -384,8 +443,9 @@ def export_hf(
     adapter_dir: Optional[Path] = None,
 ) -> None:
     """Writes the unsharded model in Hugging Face format (safetensors) to ``out_dir``, atomically; a
-    LoRA model merged (W + B·A·α/r), and its adapter alone to ``adapter_dir`` (PEFT format) when given.
-    A write that fails raises ``SaveError`` on every rank (rank 0 says so in place of the barrier)."""
+    LoRA model merged (W + B·A·α/r), and its adapter alone to ``adapter_dir`` (PEFT format) when
+    given. A write that fails raises ``SaveError`` on every rank (rank 0 says so in place of the
+    barrier)."""
     sd = engine.full_state_dict()  # collective; full tensors on rank 0
     error = None
     if mesh.is_main:
@@ -411,7 +471,8 @@ def write_hf(
     """``module``'s full state dict ``sd`` as a Hugging Face model directory (one process writes). A
     write that fails removes what it was writing and raises ``SaveError``; the previous export (and
     adapter) stays."""
-    inner = getattr(module, "hf", None)  # ScalarHeadModel wraps the HF model it saves
+    # ScalarHeadModel wraps the HF model it saves
+    inner = getattr(module, "hf", None)
     if inner is not None:
         module, sd = inner, {k.removeprefix("hf."): v for k, v in sd.items()}
     peft = lora.is_peft(module)
@@ -438,9 +499,10 @@ def write_hf(
 
 @contextlib.contextmanager
 def _export(finals: List[Path]):
-    """Temporary directories to fill, put in place of ``finals`` when the block ends, together (a LoRA
-    model and its adapter are replaced as a pair); removed instead when it fails, a storage error then
-    raised as ``SaveError`` (the stage's checkpoints are in ``<stage>/checkpoints``, beside its exports)."""
+    """Temporary directories to fill, put in place of ``finals`` when the block ends, together (a
+    LoRA model and its adapter are replaced as a pair); removed instead when it fails, a storage
+    error then raised as ``SaveError`` (the stage's checkpoints are in ``<stage>/checkpoints``,
+    beside its exports)."""
     tmps: List[Path] = []
     try:
         for final in finals:

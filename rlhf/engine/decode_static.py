@@ -1,4 +1,5 @@
-"""The static decode step: fixed shapes, no host synchronisation (the CUDA decode loop, docs/gpu.md).
+"""The static decode step: fixed shapes, no host synchronisation (the CUDA decode loop,
+docs/gpu.md).
 
 The row-removing loop of ``InferenceModel._decode`` asks the host every step whether a row has
 ended, and shrinks the batch; on a GPU that synchronisation and the launches around it, not the
@@ -33,7 +34,8 @@ from rlhf.ops.sampling import sample
 
 log = logging.getLogger("rlhf")
 
-SPAN_CHUNK = 128  # key spans are multiples of this many cache slots (one CUDA graph each)
+# key spans are multiples of this many cache slots (one CUDA graph each)
+SPAN_CHUNK = 128
 
 
 def bucket(rows: int) -> int:
@@ -52,7 +54,8 @@ class StaticKey:
     """What a captured step bakes in: shapes and the sampling constants."""
 
     rows: int  # the batch bucket
-    length: int  # cache slots (a multiple of the span chunk)
+    # cache slots (a multiple of the span chunk)
+    length: int
     temperature: float
     top_k: int
     top_p: float
@@ -63,7 +66,12 @@ class StaticKey:
 
     @staticmethod
     def of(
-        rows: int, prompt_len: int, sp: SamplingParams, eos_id: int, pad_id: int, chunk: int = SPAN_CHUNK
+        rows: int,
+        prompt_len: int,
+        sp: SamplingParams,
+        eos_id: int,
+        pad_id: int,
+        chunk: int = SPAN_CHUNK,
     ) -> "StaticKey":
         return StaticKey(
             bucket(rows),
@@ -86,20 +94,30 @@ class StaticDecoder:
     def __init__(self, model, key: StaticKey, device: torch.device, graphs: bool = False):
         self.key, self.device = key, device
         self.sp = SamplingParams(
-            temperature=key.temperature, top_k=key.top_k, top_p=key.top_p, min_new_tokens=key.min_new_tokens
+            temperature=key.temperature,
+            top_k=key.top_k,
+            top_p=key.top_p,
+            min_new_tokens=key.min_new_tokens,
         )
         R, L = key.rows, key.length
-        self.cache = torch.zeros((len(model.layers), R, L, 2 * model.hk * model.d), dtype=model.dtype, device=device)
-        self.bias = torch.full((R, L), float("-inf"), dtype=model.dtype, device=device)  # additive key mask
+        self.cache = torch.zeros(
+            (len(model.layers), R, L, 2 * model.hk * model.d), dtype=model.dtype, device=device
+        )
+        # additive key mask
+        self.bias = torch.full((R, L), float("-inf"), dtype=model.dtype, device=device)
         self.slots = torch.arange(L, device=device)
-        # rotations (or learned table rows) of every position, looked up per step (model.position_table)
+        # rotations (or learned table rows) of every position, looked up per step
+        # (model.position_table)
         self.rot = model.position_table(L, device)
-        self.tok = torch.full((R,), key.pad_id, dtype=torch.long, device=device)  # the last sampled token
+        # the last sampled token
+        self.tok = torch.full((R,), key.pad_id, dtype=torch.long, device=device)
         self.pos = torch.zeros((R,), dtype=torch.long, device=device)  # its position
         self.slot = torch.zeros((1,), dtype=torch.long, device=device)  # its cache slot
-        self.t = torch.zeros((), dtype=torch.long, device=device)  # the response column sampled next
+        # the response column sampled next
+        self.t = torch.zeros((), dtype=torch.long, device=device)
         self.active = torch.zeros((R,), dtype=torch.bool, device=device)
-        self.draws = torch.zeros((R, L), dtype=torch.float32, device=device)  # row i's draw of column t
+        # row i's draw of column t
+        self.draws = torch.zeros((R, L), dtype=torch.float32, device=device)
         self.out_tok = torch.full((R, L), key.pad_id, dtype=torch.long, device=device)
         self.out_logp = torch.zeros((R, L), dtype=torch.float32, device=device)
         self.graphs: Optional[StepGraphs] = StepGraphs(device) if graphs else None
@@ -116,12 +134,14 @@ class StaticDecoder:
 
     # ---- what a step does, on the device only ----
     def take(self, logits: torch.Tensor) -> None:
-        """Samples column ``t`` from ``logits`` [rows, V] for the running rows; pad and 0 elsewhere."""
+        """Samples column ``t`` from ``logits`` [rows, V] for the running rows; pad and 0
+        elsewhere."""
         key, a = self.key, self.active
         u = None
         if key.temperature > 0:
             u = self.draws.index_select(1, self.t.view(1))
-        ban = None  # EOS, while the step is under min_new_tokens (ban_now)
+        # EOS, while the step is under min_new_tokens (ban_now)
+        ban = None
         if key.min_new_tokens:
             ban = key.eos_id
         tok, logp = sample(logits, self.sp, u, ban=ban, ban_now=self.t < key.min_new_tokens)
@@ -137,11 +157,12 @@ class StaticDecoder:
         self.bias.index_fill_(1, self.slot, 0.0)
         full = self.bias[:, None, None, :span]
         masks = {window: full for window in model.windows}
-        for window in {w for w in model.windows if w}:  # keys at or before slot - window: out of the window
+        for window in {w for w in model.windows if w}:
+            # keys at or before slot - window: out of the window
             masks[window] = full.masked_fill(self.slots[:span] <= self.slot - window, float("-inf"))
-        logits = model._forward(self.tok[:, None], self.rot[self.pos][:, None], masks, 0, slot=self.slot, span=span)[
-            :, -1
-        ]
+        logits = model._forward(
+            self.tok[:, None], self.rot[self.pos][:, None], masks, 0, slot=self.slot, span=span
+        )[:, -1]
         self.pos += 1
         self.slot += 1
         self.take(logits)
@@ -152,18 +173,30 @@ class StaticDecoder:
         self.t.zero_()
 
     # ---- one generation ----
-    def run(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, draws, sync_every: int):
-        """Tokens [B, N] and log-probs [B, N] (pad / 0 after a row's EOS) of ``ids`` [B, P] left-padded;
-        ``draws`` [B, N]: the rows' uniform draws (None when greedy)."""
+    def run(
+        self,
+        model,
+        ids: torch.Tensor,
+        pmask: torch.Tensor,
+        sp: SamplingParams,
+        draws,
+        sync_every: int,
+    ):
+        """Tokens [B, N] and log-probs [B, N] (pad / 0 after a row's EOS) of ``ids`` [B, P]
+        left-padded; ``draws`` [B, N]: the rows' uniform draws (None when greedy)."""
         B, P = ids.shape
         N, R = sp.max_new_tokens, self.key.rows
         model._kv = list(self.cache.unbind(0))
         if self.graphs is not None:
             spans = sorted({self.span(P + t) for t in range(1, N)})
-            try:  # before the state is set: the warm-up steps write into it
+            try:
+                # before the state is set: the warm-up steps write into it
                 self.graphs.capture(lambda span: self.step(model, span), self.park, spans)
-            except RuntimeError as e:  # an op the capture refuses: the same step, eagerly
-                log.warning("CUDA graph capture failed (%s); decoding with the eager static step", e)
+            except RuntimeError as e:
+                # an op the capture refuses: the same step, eagerly
+                log.warning(
+                    "CUDA graph capture failed (%s); decoding with the eager static step", e
+                )
                 self.release()
         self._start(model, ids, pmask, sp, draws)
         # the prefill: the real rows only, as the row-removing loop does it
@@ -179,22 +212,27 @@ class StaticDecoder:
                 self.graphs.replay(span)
             else:
                 self.step(model, span)
-            if t % sync_every == 0 and t < N - 1 and not bool(self.active.any()):  # the one host sync
+            if t % sync_every == 0 and t < N - 1 and not bool(self.active.any()):
+                # the one host sync
                 break
         return self.out_tok[:B, :N].clone(), self.out_logp[:B, :N].clone()
 
-    def _start(self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, draws) -> None:
+    def _start(
+        self, model, ids: torch.Tensor, pmask: torch.Tensor, sp: SamplingParams, draws
+    ) -> None:
         """The state for a new generation, written in place (the graphs read these very tensors)."""
         B, P = ids.shape
         N = sp.max_new_tokens
-        self.cache.zero_()  # finite everywhere: a masked key's value still meets a zero weight
+        # finite everywhere: a masked key's value still meets a zero weight
+        self.cache.zero_()
         self.bias.fill_(float("-inf"))
         self.bias[:B, :P].masked_fill_(pmask.bool(), 0.0)
         # the row-removing loop's table for P + N positions, bit for bit
         self.rot[: P + N].copy_(model.position_table(P + N, self.device))
         self.tok.fill_(self.key.pad_id)
         self.pos.zero_()
-        self.pos[:B].copy_(pmask.sum(-1).clamp(min=1))  # the position after the prompt's last token
+        # the position after the prompt's last token
+        self.pos[:B].copy_(pmask.sum(-1).clamp(min=1))
         self.slot.fill_(P)
         self.t.zero_()
         self.active.zero_()

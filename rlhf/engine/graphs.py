@@ -25,7 +25,8 @@ from typing import Callable, Dict, Iterable
 
 import torch
 
-WARMUP_STEPS = 2  # eager steps of a span on a side stream before its capture
+# eager steps of a span on a side stream before its capture
+WARMUP_STEPS = 2
 
 
 class StepGraphs:
@@ -34,10 +35,12 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
 
-    def capture(self, step: Callable[[int], None], park: Callable[[], None], spans: Iterable[int]) -> None:
+    def capture(
+        self, step: Callable[[int], None], park: Callable[[], None], spans: Iterable[int]
+    ) -> None:
         """Captures ``step(span)`` for each span not captured yet. The warm-up steps run for real:
-        ``park`` resets the step's counters before each (within the buffers), and the caller sets the
-        whole state afterwards."""
+        ``park`` resets the step's counters before each (within the buffers), and the caller sets
+        the whole state afterwards."""
         todo = [s for s in spans if s not in self.graphs]
         if not todo:
             return
@@ -50,7 +53,8 @@ class StepGraphs:
                         park()
                         step(span)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            for span in todo:  # (a capture records the kernels without running them)
+            for span in todo:
+                # (a capture records the kernels without running them)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     step(span)

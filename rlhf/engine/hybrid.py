@@ -3,9 +3,9 @@
 ``engine.hybrid=true``: switch the actor from ZeRO-3 training mode to the injected inference mode —
 gather the FSDP2 shards one decoder layer at a time (bounded extra memory: one gathered layer plus
 the inference copy), lay the weights out for ``engine.inference_tp_size``, allocate the KV cache,
-generate, release cache and weights, return to training mode. Each phase is timed (``Generation.timings``).
-``engine.hybrid=false``: HF ``generate`` on the training-mode model (the baseline). A model family
-without an injection policy also takes that path, with a one-line warning.
+generate, release cache and weights, return to training mode. Each phase is timed
+(``Generation.timings``). ``engine.hybrid=false``: HF ``generate`` on the training-mode model (the
+baseline). A model family without an injection policy also takes that path, with a one-line warning.
 """
 
 from __future__ import annotations
@@ -47,24 +47,35 @@ class HybridEngine:
             if why:
                 raise ConfigError(why)
         self.dtype = DTYPES[inference_dtype_of(ecfg, self.mesh.device)]  # of the inference mode
-        self._model: Optional[InferenceModel] = None  # kept when engine.release_inference_cache=false
-        self._model_version = -1  # the engine's weights_version when _model was built
-        self._hold = 0  # > 0 inside ``holding()``: the inference model is kept between calls
-        self.decode = decode_loop(ecfg, self.mesh.device, self.tp)  # (tests set it to "static" on the CPU)
+        # kept when engine.release_inference_cache=false
+        self._model: Optional[InferenceModel] = None
+        # the engine's weights_version when _model was built
+        self._model_version = -1
+        # > 0 inside ``holding()``: the inference model is kept between calls
+        self._hold = 0
+        # (tests set it to "static" on the CPU)
+        self.decode = decode_loop(ecfg, self.mesh.device, self.tp)
 
     @property
     def positions(self) -> int:
-        """Positions the policy's learned position table holds (a prompt and its new tokens must fit);
-        0 for rotary positions."""
-        return self.policy.max_positions if self.policy is not None and self.policy.positions == "learned" else 0
+        """Positions the policy's learned position table holds (a prompt and its new tokens must
+        fit); 0 for rotary positions."""
+        return (
+            self.policy.max_positions
+            if self.policy is not None and self.policy.positions == "learned"
+            else 0
+        )
 
     # ---- the one call the trainer makes ----
-    def generate(self, prompts: List[List[int]], sp: SamplingParams, keys: Optional[List[int]] = None) -> Generation:
-        """``sp.samples_per_prompt`` samples of each prompt. Collective: every rank calls it, the same number of
-        times; a rank with no prompts takes part with one stand-in row and gets none back. ``keys``: each
-        prompt's place in the global list of the call's prompts (default ``i·world + rank``: rank r holds
-        prompts r, r+W, … — ``PromptSource``'s layout); a sample's draws depend on its key alone
-        (``engine.draws.row_draws``), so the inference mode samples the same rollouts on any number of ranks."""
+    def generate(
+        self, prompts: List[List[int]], sp: SamplingParams, keys: Optional[List[int]] = None
+    ) -> Generation:
+        """``sp.samples_per_prompt`` samples of each prompt. Collective: every rank calls it, the
+        same number of times; a rank with no prompts takes part with one stand-in row and gets none
+        back. ``keys``: each prompt's place in the global list of the call's prompts (default
+        ``i·world + rank``: rank r holds prompts r, r+W, … — ``PromptSource``'s layout); a sample's
+        draws depend on its key alone (``engine.draws.row_draws``), so the inference mode samples
+        the same rollouts on any number of ranks."""
         if not prompts:
             return self.generate([[self.eos_id]], sp, [0]).rows(0, 0)
         if keys is None:
@@ -80,9 +91,9 @@ class HybridEngine:
 
     @contextmanager
     def holding(self) -> Iterator[None]:
-        """Keeps the inference model (weights in the inference layout) between the ``generate`` calls
-        inside — the turns of a multi-turn rollout, between which the weights do not change — and
-        releases it at the end as ``engine.release_inference_cache`` says."""
+        """Keeps the inference model (weights in the inference layout) between the ``generate``
+        calls inside — the turns of a multi-turn rollout, between which the weights do not change —
+        and releases it at the end as ``engine.release_inference_cache`` says."""
         self._hold += 1
         try:
             yield
@@ -93,9 +104,10 @@ class HybridEngine:
                 self._model = None
 
     def rebuild_inference(self) -> None:
-        """Drops the inference model kept between calls (engine.release_inference_cache=false, or inside
-        ``holding()``): the next generation builds it afresh from the training weights (the rollout-parity
-        guard's ``ppo.rollout_guard=rebuild``). Local to this rank; call it on every rank."""
+        """Drops the inference model kept between calls (engine.release_inference_cache=false, or
+        inside ``holding()``): the next generation builds it afresh from the training weights (the
+        rollout-parity guard's ``ppo.rollout_guard=rebuild``). Local to this rank; call it on every
+        rank."""
         if self._model is not None:
             self._model.release()
             self._model = None
@@ -104,10 +116,11 @@ class HybridEngine:
     # ---- inference mode ----
     @torch.no_grad()
     def inference_weights(self, tp: Optional[int] = None, copy=None) -> tuple:
-        """``(root, layers)``: the training weights gathered layer by layer into the inference layout of
-        TP degree ``tp`` (default the engine's; this TP rank's slices) in the inference dtype. ``copy``:
-        a function each layer's (and the root's) dict of tensors goes through while it is gathered (a
-        rollout worker's shared copy); without it a tensor may share storage with a training weight."""
+        """``(root, layers)``: the training weights gathered layer by layer into the inference
+        layout of TP degree ``tp`` (default the engine's; this TP rank's slices) in the inference
+        dtype. ``copy``: a function each layer's (and the root's) dict of tensors goes through while
+        it is gathered (a rollout worker's shared copy); without it a tensor may share storage with
+        a training weight."""
         module, fsdp, pol = self.engine.module, self.engine.is_fsdp, self.policy
         tp = tp or self.tp
         rank = self.mesh.tp_rank if tp > 1 else 0
@@ -117,27 +130,42 @@ class HybridEngine:
         for layer in decoder_layers(module):
             if fsdp:
                 layer.unshard()
-            layers.append(keep({k: v.to(self.dtype) for k, v in pol.layer_weights(layer, rank, tp).items()}))
+            layers.append(
+                keep({k: v.to(self.dtype) for k, v in pol.layer_weights(layer, rank, tp).items()})
+            )
             if fsdp:
                 layer.reshard()
         if fsdp:
             module.unshard()
         root = pol.root_weights(unwrap(module))
         root = keep(
-            {k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v) for k, v in root.items()}
+            {
+                k: (v.to(self.dtype) if v.is_floating_point() and k != "inv_freq" else v)
+                for k, v in root.items()
+            }
         )
         if fsdp:
             module.reshard()
         return root, layers
 
     def build_inference_model(self) -> InferenceModel:
-        """Gathers the training weights layer by layer into the inference layout (this TP rank's slices)."""
+        """Gathers the training weights layer by layer into the inference layout (this TP rank's
+        slices)."""
         root, layers = self.inference_weights()
         return inference_model(
-            root, layers, self.policy, self.ecfg, self.dtype, self.decode, self.tp, self.mesh.tp_group
+            root,
+            layers,
+            self.policy,
+            self.ecfg,
+            self.dtype,
+            self.decode,
+            self.tp,
+            self.mesh.tp_group,
         )
 
-    def _generate_injected(self, prompts: List[List[int]], sp: SamplingParams, keys: List[int]) -> Generation:
+    def _generate_injected(
+        self, prompts: List[List[int]], sp: SamplingParams, keys: List[int]
+    ) -> Generation:
         t0 = time.perf_counter()
         # A TP group generates the prompts of all its ranks together, then each keeps its own.
         per_rank, per_rank_keys = zip(*self.mesh.tp_all_gather_object((prompts, list(keys))))
@@ -146,7 +174,8 @@ class HybridEngine:
         # them while the training weights have not changed (no optimizer step since they were built:
         # e.g. the gold evaluation right after a rollout, or its sampled and greedy passes)
         reuse = self._model is not None and self._model_version == self.engine.weights_version
-        if not reuse and self._model is not None:  # stale: its weights, cache and graphs go first
+        if not reuse and self._model is not None:
+            # stale: its weights, cache and graphs go first
             self._model.release()
             self._model = None
         model = self._model if reuse else self.build_inference_model()
@@ -196,7 +225,8 @@ class HybridEngine:
         if sp.temperature > 0:
             kwargs["temperature"] = sp.temperature
         device = self.mesh.device
-        rng_devices = []  # the CPU generator only, and the GPU's when generating on one
+        # the CPU generator only, and the GPU's when generating on one
+        rng_devices = []
         if device.type == "cuda":
             rng_devices = [device]
         with torch.random.fork_rng(devices=rng_devices):
@@ -205,14 +235,23 @@ class HybridEngine:
         tokens = out.sequences[:, ids.shape[1] :]
         n = sp.max_new_tokens
         if tokens.shape[1] < n:  # HF stops when every row has ended
-            tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], n - tokens.shape[1]), self.pad_id)], 1)
+            tokens = torch.cat(
+                [tokens, tokens.new_full((tokens.shape[0], n - tokens.shape[1]), self.pad_id)], 1
+            )
         # HF pads after EOS itself; make sure the first EOS closes the response
         res = finish(ids, mask, tokens, None, self.eos_id, self.pad_id)
-        res.timings = {"switch_s": 0.0, "gather_s": 0.0, "generate_s": time.perf_counter() - t0, "release_s": 0.0}
+        res.timings = {
+            "switch_s": 0.0,
+            "gather_s": 0.0,
+            "generate_s": time.perf_counter() - t0,
+            "release_s": 0.0,
+        }
         return res
 
 
-def inference_model(root, layers, policy, ecfg: EngineConfig, dtype, decode: str, tp: int = 1, tp_group=None):
+def inference_model(
+    root, layers, policy, ecfg: EngineConfig, dtype, decode: str, tp: int = 1, tp_group=None
+):
     """The inference model over weights in its layout (``HybridEngine.inference_weights``), as
     ``engine.*`` configures it: the hybrid engine's and a rollout worker's."""
     return InferenceModel(
@@ -229,16 +268,20 @@ def inference_model(root, layers, policy, ecfg: EngineConfig, dtype, decode: str
 
 
 def decode_loop(ecfg: EngineConfig, device: torch.device, tp: int) -> str:
-    """The inference mode's decode loop (``InferenceModel.decode``): on CUDA with engine.cuda_graphs=auto
-    the static step as CUDA graphs (eager with TP > 1: NCCL collectives are not captured), else the
-    row-removing loop (the CPU, where it is faster, or engine.cuda_graphs=off)."""
+    """The inference mode's decode loop (``InferenceModel.decode``): on CUDA with
+    engine.cuda_graphs=auto the static step as CUDA graphs (eager with TP > 1: NCCL collectives are
+    not captured), else the row-removing loop (the CPU, where it is faster, or
+    engine.cuda_graphs=off)."""
     if ecfg.cuda_graphs == "off" or device.type != "cuda":
         return "dynamic"
     return "graphs" if tp == 1 else "static"
 
 
-def _rows(out: Generation, per_rank: List[List[List[int]]], tp_rank: int, samples_per_prompt: int) -> Generation:
-    """This rank's rows of a TP group's generation (``prompt_major``: a prompt's samples consecutive)."""
+def _rows(
+    out: Generation, per_rank: List[List[List[int]]], tp_rank: int, samples_per_prompt: int
+) -> Generation:
+    """This rank's rows of a TP group's generation (``prompt_major``: a prompt's samples
+    consecutive)."""
     start = sum(len(p) for p in per_rank[:tp_rank]) * samples_per_prompt
     stop = start + len(per_rank[tp_rank]) * samples_per_prompt
     # re-trim the common left padding so that this rank's prompt length is its own

@@ -3,19 +3,20 @@
 The weights arrive as plain tensors laid out by an injection policy (``rlhf.models.policies``):
 fused QKV and gate/up projections, this TP rank's slices when ``tp > 1`` (one all-reduce after the
 attention output and one after the MLP), in the inference dtype (``engine.inference_dtype``). The
-blocks are the policy's kinds: RMSNorm or LayerNorm (with bias), pre-norm, post-norm or parallel, rotary
-positions (rotated q/k) or a learned table (added to the embeddings; the root's ``wpe``), a SiLU-gated or
-plain MLP (``rlhf.ops.activation``), embedding-width projections in and out where the root has them; the
-GEMM operands are laid out once here (``rlhf.ops.linear``: pre-transposed, or oneDNN-packed bf16) and,
-for fp32 on an MKL CPU, packed again when a generation starts: the large matrices in oneDNN's layout
-(any rows: the prefill's and the decode steps'), the small ones by MKL for the decode batch
-(``engine.inference_kernels``: auto = those fast paths where they apply, reference = plain GEMMs).
-The cache [layers, batch, max_len, 2 · kv_heads · head_dim] is allocated once and written in place;
-rows whose sequence has ended leave the batch. Per decode step the loop only looks things up and
-writes in place (rotations from a per-call table, an additive key mask updated one slot a step);
-logits are cast to fp32 before log-softmax and sampling whatever the dtype. ``decode``: "dynamic"
-is that loop (the CPU's, and ``engine.cuda_graphs=off``); "static" the fixed-shape step without host
-synchronisation of ``rlhf.engine.decode_static``, "graphs" the same replayed as CUDA graphs.
+blocks are the policy's kinds: RMSNorm or LayerNorm (with bias), pre-norm, post-norm or parallel,
+rotary positions (rotated q/k) or a learned table (added to the embeddings; the root's ``wpe``), a
+SiLU-gated or plain MLP (``rlhf.ops.activation``), embedding-width projections in and out where the
+root has them; the GEMM operands are laid out once here (``rlhf.ops.linear``: pre-transposed, or
+oneDNN-packed bf16) and, for fp32 on an MKL CPU, packed again when a generation starts: the large
+matrices in oneDNN's layout (any rows: the prefill's and the decode steps'), the small ones by MKL
+for the decode batch (``engine.inference_kernels``: auto = those fast paths where they apply,
+reference = plain GEMMs). The cache [layers, batch, max_len, 2 · kv_heads · head_dim] is allocated
+once and written in place; rows whose sequence has ended leave the batch. Per decode step the loop
+only looks things up and writes in place (rotations from a per-call table, an additive key mask
+updated one slot a step); logits are cast to fp32 before log-softmax and sampling whatever the
+dtype. ``decode``: "dynamic" is that loop (the CPU's, and ``engine.cuda_graphs=off``); "static" the
+fixed-shape step without host synchronisation of ``rlhf.engine.decode_static``, "graphs" the same
+replayed as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -65,16 +66,19 @@ class Generation:
     """Prompts left-padded to one length P, responses right-padded to N (pad after EOS)."""
 
     sequences: torch.Tensor  # [B, P + N]
-    attention_mask: torch.Tensor  # [B, P + N] 1 on prompt and response tokens (EOS included)
-    response_mask: torch.Tensor  # [B, N] 1 on response tokens (EOS included)
+    # [B, P + N] 1 on prompt and response tokens (EOS included)
+    attention_mask: torch.Tensor
+    # [B, N] 1 on response tokens (EOS included)
+    response_mask: torch.Tensor
     # [B, N] log π(token) at the sampling temperature, 0 on padding; None from HF generate (which
     # would have to keep every step's full-vocabulary logits for them)
     logprobs: Optional[torch.Tensor]
     prompt_len: int
-    # seconds of the call that made it (HybridEngine.generate): switch_s, gather_s, generate_s, release_s
+    # seconds of the call that made it (HybridEngine.generate): switch_s, gather_s, generate_s,
+    # release_s
     timings: Dict[str, float] = field(default_factory=dict)
-    # [B, N] long: the version of the weights that sampled each response token (-1 elsewhere), from a
-    # rollout worker (rlhf/rl/rollout_worker.py); None: the trainer's weights of the moment
+    # [B, N] long: the version of the weights that sampled each response token (-1 elsewhere), from
+    # a rollout worker (rlhf/rl/rollout_worker.py); None: the trainer's weights of the moment
     versions: Optional[torch.Tensor] = None
 
     @property
@@ -98,10 +102,14 @@ class Generation:
 class Packed:
     """The real tokens of left-padded rows, back to back (``InferenceModel.prefill``)."""
 
-    tokens: torch.Tensor  # [total] their flat indices in the [B, P] prompt block
-    slots: torch.Tensor  # [total] their flat indices in one layer's cache [B, S] (row b, slot s: b·S + s)
-    cu: torch.Tensor  # [B + 1] int32, row b = packed tokens cu[b]:cu[b+1]
-    last: torch.Tensor  # [B] the packed index of each row's last token
+    # [total] their flat indices in the [B, P] prompt block
+    tokens: torch.Tensor
+    # [total] their flat indices in one layer's cache [B, S] (row b, slot s: b·S + s)
+    slots: torch.Tensor
+    # [B + 1] int32, row b = packed tokens cu[b]:cu[b+1]
+    cu: torch.Tensor
+    # [B] the packed index of each row's last token
+    last: torch.Tensor
     max_len: int
 
     @staticmethod
@@ -147,26 +155,34 @@ class InferenceModel:
         fast = kernels == "auto"
         self.packed = fast and can_pack(dtype, root["embed"].device)
         self.pack_rows = fast and can_pack_rows(dtype, root["embed"].device)
-        # a generation's large matrices packed by oneDNN (any number of rows; about twice MKL's packed
-        # sgemm at decode sizes on the CPU machine) where it exists, the others by MKL for the decode batch
+        # a generation's large matrices packed by oneDNN (any number of rows; about twice MKL's
+        # packed sgemm at decode sizes on the CPU machine) where it exists, the others by MKL for
+        # the decode batch
         self.onednn_rows = self.pack_rows and can_pack_onednn_fp32(dtype, root["embed"].device)
         try:
             self.root, self.layers = self._prepare(root), [self._prepare(w) for w in layers]
-        except RuntimeError as e:  # a oneDNN that cannot reorder: the plain layout gives the same numbers
-            log.warning("inference mode: packed %s weights unavailable (%s); using plain GEMMs", dtype, e)
+        except RuntimeError as e:
+            # a oneDNN that cannot reorder: the plain layout gives the same numbers
+            log.warning(
+                "inference mode: packed %s weights unavailable (%s); using plain GEMMs", dtype, e
+            )
             self.packed = False
             self.root, self.layers = self._prepare(root), [self._prepare(w) for w in layers]
         self.p, self.tp, self.tp_group, self.dtype = policy, tp, tp_group, dtype
         self.hq, self.hk = policy.num_heads // tp, policy.num_kv_heads // tp
         self.d = policy.head_dim
-        self.learned = "wpe" in self.root  # learned positions (a table), else rotary
+        # learned positions (a table), else rotary
+        self.learned = "wpe" in self.root
         # rotary: the attention scaling of the rotations, read once (not a host read per call)
         self.rope_scaling = 1.0 if self.learned else float(self.root["rope_scaling"])
         self.act = ACTIVATIONS.get(policy.activation)  # a plain MLP's
-        self.windows = tuple(policy.window(i) for i in range(len(self.layers)))  # per layer, None = full
+        # per layer, None = full
+        self.windows = tuple(policy.window(i) for i in range(len(self.layers)))
         # the prefill of left-padded prompts: the real tokens packed into one sequence for the flash
         # kernel (varlen) where it fits, else every slot with an additive mask (the CPU's reference)
-        self.packed_prefill = fast and varlen_kernel_fits(dtype, root["embed"].device, policy.head_dim)
+        self.packed_prefill = fast and varlen_kernel_fits(
+            dtype, root["embed"].device, policy.head_dim
+        )
         self.cache: Optional[torch.Tensor] = None
         self._kv: List[torch.Tensor] = []  # per-layer views of the cache
         if decode not in ("dynamic", "static", "graphs"):
@@ -179,14 +195,17 @@ class InferenceModel:
 
     def _prepare(self, d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return {
-            k: (prepare_weight(v, self.packed, for_rows=self.pack_rows) if k in MATRICES else v) for k, v in d.items()
+            k: (prepare_weight(v, self.packed, for_rows=self.pack_rows) if k in MATRICES else v)
+            for k, v in d.items()
         }
 
     # ---- cache: [layers, batch, max_len, 2 · kv_heads · head_dim], a slot's k and v side by side
     # (as the fused QKV output holds them: one write per layer and step) ----
     def allocate(self, batch: int, max_len: int, device) -> None:
         self.cache = torch.zeros(
-            (len(self.layers), batch, max_len, 2 * self.hk * self.d), dtype=self.dtype, device=device
+            (len(self.layers), batch, max_len, 2 * self.hk * self.d),
+            dtype=self.dtype,
+            device=device,
         )
         self._kv = list(self.cache.unbind(0))
 
@@ -213,26 +232,34 @@ class InferenceModel:
         self._drop_packs()
 
     def _drop_packs(self) -> None:
-        # while decoding (pack_rows): the matrices packed for ``_rows`` rows, per layer and the root's
+        # while decoding (pack_rows): the matrices packed for ``_rows`` rows, per layer and the
+        # root's
         self._rows = 0
         self._rw: List[Optional[Dict[str, torch.Tensor]]] = [None] * (len(self.layers) + 1)
 
     def pack_for_rows(self, rows: int) -> None:
-        """Packs the GEMM operands for decode steps of at most ``rows`` rows (no-op unless pack_rows)."""
+        """Packs the GEMM operands for decode steps of at most ``rows`` rows (no-op unless
+        pack_rows)."""
         if not self.pack_rows:
             return
         try:
             self._rw = [
-                {k: self._pack(v, rows) for k, v in d.items() if k in MATRICES} for d in self.layers + [self.root]
+                {k: self._pack(v, rows) for k, v in d.items() if k in MATRICES}
+                for d in self.layers + [self.root]
             ]
             self._rows = rows
-        except RuntimeError as e:  # a library that cannot pack: MKL's packing, or the plain layout, instead
+        except RuntimeError as e:
+            # a library that cannot pack: MKL's packing, or the plain layout, instead
             self._drop_packs()
             if self.onednn_rows:
-                log.warning("inference mode: oneDNN fp32 weights unavailable (%s); using MKL's packing", e)
+                log.warning(
+                    "inference mode: oneDNN fp32 weights unavailable (%s); using MKL's packing", e
+                )
                 self.onednn_rows = False
                 return self.pack_for_rows(rows)
-            log.warning("inference mode: packed fp32 weights unavailable (%s); using plain GEMMs", e)
+            log.warning(
+                "inference mode: packed fp32 weights unavailable (%s); using plain GEMMs", e
+            )
             self.pack_rows = False
 
     def _pack(self, wt: torch.Tensor, rows: int) -> torch.Tensor:
@@ -248,7 +275,8 @@ class InferenceModel:
         name: str,
         bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        if rw is not None and self.onednn_rows and onednn_pays(w[name]):  # any number of rows (prefills too)
+        if rw is not None and self.onednn_rows and onednn_pays(w[name]):
+            # any number of rows (prefills too)
             return linear(x, rw[name], bias, packed=True)
         if rw is not None and x.shape[0] <= self._rows:
             return linear_rows(x, rw[name], w[name], self._rows, bias)
@@ -263,19 +291,24 @@ class InferenceModel:
     def attention_bias(
         self, key_valid: torch.Tensor, start: int, end: int, window: Optional[int] = None
     ) -> torch.Tensor:
-        """Additive mask [B, 1, T, end] (0 = attend, -inf = not) for queries at cache slots [start, end):
-        causal, the sliding ``window`` if any, keys where ``key_valid`` [B, >=end] (bool); a query on
-        left padding attends to itself (so that no NaN can reach a value vector)."""
+        """Additive mask [B, 1, T, end] (0 = attend, -inf = not) for queries at cache slots [start,
+        end): causal, the sliding ``window`` if any, keys where ``key_valid`` [B, >=end] (bool); a
+        query on left padding attends to itself (so that no NaN can reach a value vector)."""
         q_idx = torch.arange(start, end, device=key_valid.device)[:, None]
         k_idx = torch.arange(end, device=key_valid.device)[None, :]
         allowed = k_idx <= q_idx
         if window:
             allowed = allowed & (q_idx - k_idx < window)
         mask = (allowed[None, None] & key_valid[:, None, None, :end]) | (q_idx == k_idx)[None, None]
-        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
+            ~mask, float("-inf")
+        )
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, start: int) -> torch.Tensor:
-        """Logits [B, T, V] of ``ids`` [B, T] at cache slots [start, start+T); ``key_valid`` [B, >=start+T]."""
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Logits [B, T, V] of ``ids`` [B, T] at cache slots [start, start+T); ``key_valid`` [B,
+        >=start+T]."""
         masks = self._masks(key_valid, start, start + ids.shape[1])
         return self._forward(ids, self.at_positions(positions), masks, start)
 
@@ -286,7 +319,9 @@ class InferenceModel:
             return F.embedding(positions, self.root["wpe"])
         return rotary_cos_sin(self.root["inv_freq"], positions, self.rope_scaling, self.dtype)
 
-    def _masks(self, key_valid: torch.Tensor, start: int, end: int) -> Dict[Optional[int], torch.Tensor]:
+    def _masks(
+        self, key_valid: torch.Tensor, start: int, end: int
+    ) -> Dict[Optional[int], torch.Tensor]:
         """``attention_bias`` for each window the layers use (None: full attention)."""
         return {w: self.attention_bias(key_valid, start, end, w) for w in set(self.windows)}
 
@@ -301,24 +336,27 @@ class InferenceModel:
         span: int = 0,
         packed: Optional["Packed"] = None,
     ) -> torch.Tensor:
-        """``pos``: the tokens' positions as ``at_positions`` gives them (rotary: [B, T, r/2] complex
-        rotations, r = the rotated dimensions of a head; learned: [B, T, hidden] table rows); ``masks``
-        additive [B, 1, T, start+T] per layer window (None: causal, from slot 0, no padding, no window);
-        ``last_only``: logits of the last position only [B, 1, V]. Activations stay 2-D [B·T, hidden]
-        between GEMMs. A row-parallel output's bias (``bo``, ``b_down``) is on TP rank 0 only.
-        The static step (rlhf/engine/decode_static.py): ``slot`` a [1] device tensor, the cache slot of
-        the one new token (``start`` unused), keys over the first ``span`` slots (``masks`` [B, 1, 1, span]).
-        ``packed`` (the prefill of ``prefill``): ``ids`` [1, total] the real prompt tokens of every row
-        back to back, written to their cache slots, attending within their own row (``masks`` unused)."""
+        """``pos``: the tokens' positions as ``at_positions`` gives them (rotary: [B, T, r/2]
+        complex rotations, r = the rotated dimensions of a head; learned: [B, T, hidden] table
+        rows); ``masks`` additive [B, 1, T, start+T] per layer window (None: causal, from slot 0, no
+        padding, no window); ``last_only``: logits of the last position only [B, 1, V]. Activations
+        stay 2-D [B·T, hidden] between GEMMs. A row-parallel output's bias (``bo``, ``b_down``) is
+        on TP rank 0 only. The static step (rlhf/engine/decode_static.py): ``slot`` a [1] device
+        tensor, the cache slot of the one new token (``start`` unused), keys over the first ``span``
+        slots (``masks`` [B, 1, 1, span]). ``packed`` (the prefill of ``prefill``): ``ids`` [1,
+        total] the real prompt tokens of every row back to back, written to their cache slots,
+        attending within their own row (``masks`` unused)."""
         B, T = ids.shape
         end = start + T if slot is None else span
         hq, hk, d, eps, lin = self.hq, self.hk, self.d, self.p.eps, self._linear
         pre, parallel, norm = self.p.prenorm, self.p.parallel, self._norm
         x = F.embedding(ids.reshape(-1), self.root["embed"]).to(self.dtype)
-        if "proj_in" in self.root:  # embedding width → hidden width (OPT-350m)
+        if "proj_in" in self.root:
+            # embedding width → hidden width (OPT-350m)
             x = lin(x, self.root, self._rw[-1], "proj_in")
         rot = None
-        if self.learned:  # HF: token embeddings + position embeddings
+        if self.learned:
+            # HF: token embeddings + position embeddings
             x.add_(pos.reshape(B * T, -1))
         else:
             rot = pos.reshape(B * T, 1, -1)
@@ -326,13 +364,15 @@ class InferenceModel:
             rw = self._rw[li]
             h = norm(x, w, "ln1") if pre else x
             qkv = lin(h, w, rw, "wqkv", w.get("bqkv"))
-            if "qk_norm" in w:  # RMSNorm of each q and k head (Qwen3), in place, before the rotation
+            if "qk_norm" in w:
+                # RMSNorm of each q and k head (Qwen3), in place, before the rotation
                 qk = qkv[:, : (hq + hk) * d].unflatten(-1, (hq + hk, d))
                 qk.copy_(F.rms_norm(qk, (d,), eps=eps).mul_(w["qk_norm"]))  # HF: weight · norm(x)
             if rot is not None:
                 apply_rotary_(qkv[:, : (hq + hk) * d], rot, d)  # q and k heads in one op, in place
             kv = self._kv[li]
-            if packed is not None:  # each token to its own slot; attention within its own row
+            if packed is not None:
+                # each token to its own slot; attention within its own row
                 kv.view(-1, kv.shape[-1]).index_copy_(0, packed.slots, qkv[:, hq * d :])
                 a = attend_varlen(
                     qkv[:, : hq * d].view(-1, hq, d),
@@ -345,7 +385,8 @@ class InferenceModel:
             else:
                 if slot is None:
                     kv[:, start:end] = qkv[:, hq * d :].view(B, T, 2 * hk * d)
-                else:  # a slot known on the device only: no host synchronisation
+                else:
+                    # a slot known on the device only: no host synchronisation
                     kv.index_copy_(1, slot, qkv[:, hq * d :].view(B, T, 2 * hk * d))
                 k = kv[:, :end, : hk * d].unflatten(-1, (hk, d)).transpose(1, 2)
                 v = kv[:, :end, hk * d :].unflatten(-1, (hk, d)).transpose(1, 2)
@@ -353,11 +394,13 @@ class InferenceModel:
                 a = attend(qkv[:, : hq * d].view(B, T, hq, d).transpose(1, 2), k, v, mask)
                 a = a.transpose(1, 2).reshape(B * T, hq * d)
             ao = self._all_reduce(lin(a, w, rw, "wo", w.get("bo")))
-            if parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), added as HF does: (mlp + attn) + x
+            if parallel:
+                # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), added as HF does: (mlp + attn) + x
                 x.add_(self._all_reduce(self._mlp(norm(x, w, "ln2"), w, rw)).add_(ao))
                 continue
             x.add_(ao)
-            if not pre:  # post-norm (OPT-350m): the norm after the residual add
+            if not pre:
+                # post-norm (OPT-350m): the norm after the residual add
                 x = norm(x, w, "ln1")
             h = norm(x, w, "ln2") if pre else x
             x.add_(self._all_reduce(self._mlp(h, w, rw)))
@@ -374,12 +417,15 @@ class InferenceModel:
         return lin(x, self.root, self._rw[-1], "lm_head").view(B, T, -1)
 
     def _norm(self, x: torch.Tensor, w: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """The norm ``name`` of ``w`` (a layer's or the root's): RMSNorm, or LayerNorm with ``<name>_b``."""
+        """The norm ``name`` of ``w`` (a layer's or the root's): RMSNorm, or LayerNorm with
+        ``<name>_b``."""
         if self.p.norm == "rms":
             return rms_norm(x, w[name], self.p.eps)
         return layer_norm(x, w[name], w[name + "_b"], self.p.eps)
 
-    def _mlp(self, h: torch.Tensor, w: Dict[str, torch.Tensor], rw: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
+    def _mlp(
+        self, h: torch.Tensor, w: Dict[str, torch.Tensor], rw: Optional[Dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
         """down(SiLU(gate) · up), or down(act(up)) for a plain MLP (before the all-reduce)."""
         lin = self._linear
         if self.p.mlp == "gated":
@@ -388,9 +434,9 @@ class InferenceModel:
         return lin(self.act(lin(h, w, rw, "w_up", w.get("b_up"))), w, rw, "w_down", w.get("b_down"))
 
     def position_table(self, n: int, device) -> torch.Tensor:
-        """What ``_forward`` takes for positions 0..n−1 (``at_positions``), looked up per step: [n, r/2]
-        rotations, or [n, hidden] rows of the learned table (a copy; zero rows past its end, which no
-        generation reaches: ``generate`` refuses one that would)."""
+        """What ``_forward`` takes for positions 0..n−1 (``at_positions``), looked up per step: [n,
+        r/2] rotations, or [n, hidden] rows of the learned table (a copy; zero rows past its end,
+        which no generation reaches: ``generate`` refuses one that would)."""
         if not self.learned:
             return self.at_positions(torch.arange(n, device=device)[None])[0]
         wpe = self.root["wpe"]
@@ -399,14 +445,16 @@ class InferenceModel:
         out[:rows] = wpe[:rows]
         return out
 
-    def prefill(self, ids: torch.Tensor, pmask: torch.Tensor, rot_table: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] at the last token of each left-padded prompt (``ids``, ``pmask`` [B, P]), the
-        prompts' keys and values written to cache slots [0, P) (``rot_table``: ``position_table``).
-        Unpadded rows with no sliding window on CUDA: plain causal attention (flash, no mask). Padded
-        rows where ``packed_prefill``: the real tokens of every row packed back to back, so that no GEMM
-        or attention computes padding and the flash kernel runs without a mask (varlen); the padding
-        slots of the cache keep what they held (the decode step masks them). Else (the CPU): every slot,
-        with an additive mask."""
+    def prefill(
+        self, ids: torch.Tensor, pmask: torch.Tensor, rot_table: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [B, V] at the last token of each left-padded prompt (``ids``, ``pmask`` [B, P]),
+        the prompts' keys and values written to cache slots [0, P) (``rot_table``:
+        ``position_table``). Unpadded rows with no sliding window on CUDA: plain causal attention
+        (flash, no mask). Padded rows where ``packed_prefill``: the real tokens of every row packed
+        back to back, so that no GEMM or attention computes padding and the flash kernel runs
+        without a mask (varlen); the padding slots of the cache keep what they held (the decode step
+        masks them). Else (the CPU): every slot, with an additive mask."""
         B, P = ids.shape
         positions = (pmask.cumsum(-1) - 1).clamp(min=0)
         if ids.device.type == "cuda" and not any(self.windows) and bool(pmask.all()):
@@ -415,11 +463,18 @@ class InferenceModel:
         if pk is not None:
             rot = rot_table[positions].reshape(B * P, -1)[pk.tokens][None]
             try:
-                return self._forward(ids.reshape(-1)[pk.tokens][None], rot, None, 0, packed=pk)[:, -1]
-            except RuntimeError as e:  # a kernel that refuses these operands: the masked path, from now on
-                log.warning("inference mode: packed prefill unavailable (%s); using the masked prefill", e)
+                return self._forward(ids.reshape(-1)[pk.tokens][None], rot, None, 0, packed=pk)[
+                    :, -1
+                ]
+            except RuntimeError as e:
+                # a kernel that refuses these operands: the masked path, from now on
+                log.warning(
+                    "inference mode: packed prefill unavailable (%s); using the masked prefill", e
+                )
                 self.packed_prefill = False
-        return self._forward(ids, rot_table[positions], self._masks(pmask.bool(), 0, P), 0, last_only=True)[:, -1]
+        return self._forward(
+            ids, rot_table[positions], self._masks(pmask.bool(), 0, P), 0, last_only=True
+        )[:, -1]
 
     # ---- decode loop ----
     @torch.no_grad()
@@ -433,25 +488,33 @@ class InferenceModel:
         keys: Optional[Sequence[int]] = None,
         device=None,
     ) -> Generation:
-        """``sp.samples_per_prompt`` samples of every prompt (prompt-major order). ``keys``: each prompt's
-        key (default: its index), whose samples draw from streams of their own (``row_draws``)."""
+        """``sp.samples_per_prompt`` samples of every prompt (prompt-major order). ``keys``: each
+        prompt's key (default: its index), whose samples draw from streams of their own
+        (``row_draws``)."""
         device = device or self.root["embed"].device
         rows = prompt_major(prompts, sp.samples_per_prompt)
-        reach = max(len(p) for p in prompts) + sp.max_new_tokens - 1  # positions fed: 0 .. reach - 1
+        # positions fed: 0 .. reach - 1
+        reach = max(len(p) for p in prompts) + sp.max_new_tokens - 1
         if self.learned and reach > self.root["wpe"].shape[0]:
             raise ConfigError(
                 f"inference mode: prompts of up to {reach + 1 - sp.max_new_tokens} tokens and "
-                f"{sp.max_new_tokens} new ones reach position {reach - 1}; the model's position table "
-                f"holds {self.root['wpe'].shape[0]} (max_position_embeddings): lower data.max_prompt_len "
+                f"{sp.max_new_tokens} new ones reach position {reach - 1}; the model's "
+                "position table "
+                f"holds {self.root['wpe'].shape[0]} (max_position_embeddings): lower "
+                "data.max_prompt_len "
                 f"(eval.max_prompt_len for held-out prompts) or the new tokens"
             )
         ids, pmask = left_pad(rows, pad_id, device)
-        draws = None  # [rows, max_new_tokens]; none when greedy
+        # [rows, max_new_tokens]; none when greedy
+        draws = None
         if sp.temperature > 0:
             keys = range(len(prompts)) if keys is None else keys
-            draws = row_draws(row_keys(keys, sp.samples_per_prompt), sp.max_new_tokens, sp.seed, device)
+            draws = row_draws(
+                row_keys(keys, sp.samples_per_prompt), sp.max_new_tokens, sp.seed, device
+            )
         try:
-            with torch.inference_mode():  # the loop's tensors never meet autograd; finish() copies out
+            with torch.inference_mode():
+                # the loop's tensors never meet autograd; finish() copies out
                 if self.decode == "dynamic":
                     tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, draws)
                 else:
@@ -463,7 +526,8 @@ class InferenceModel:
     def _decode_static(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, draws):
         key = StaticKey.of(ids.shape[0], ids.shape[1], sp, eos_id, pad_id, self.span_chunk)
         if self._static is None or self._static.key != key:
-            self.release()  # the previous key's state and graphs first
+            # the previous key's state and graphs first
+            self.release()
             self._static = StaticDecoder(self, key, ids.device, graphs=self.decode == "graphs")
         self.pack_for_rows(key.rows)
         return self._static.run(self, ids, pmask, sp, draws, self.sync_every)
@@ -476,7 +540,8 @@ class InferenceModel:
         self.pack_for_rows(B)
         # the rotations (or table rows) of every position this call can reach, looked up per step
         rot_table = self.position_table(P + N, device)
-        # additive key mask over the cache slots, kept up to date in place: 0 = a token, -inf = padding / empty
+        # additive key mask over the cache slots, kept up to date in place: 0 = a token, -inf =
+        # padding / empty
         bias = torch.full((B, P + N), float("-inf"), dtype=self.dtype, device=device)
         bias[:, :P].masked_fill_(pmask.bool(), 0.0)
         windows = set(self.windows)
@@ -514,10 +579,13 @@ class InferenceModel:
             masks = {}
             for window in windows:
                 masks[window] = full
-                if window and end > window:  # keys at or before slot end-1-window are out of the window
+                if window and end > window:
+                    # keys at or before slot end-1-window are out of the window
                     masks[window] = full.clone()
                     masks[window][..., : end - window] = float("-inf")
-            logits = self._forward(tok[:, None], rot_table[next_pos][:, None], masks, end - 1)[:, -1]
+            logits = self._forward(tok[:, None], rot_table[next_pos][:, None], masks, end - 1)[
+                :, -1
+            ]
             next_pos += 1
         return out_tokens, out_logp
 

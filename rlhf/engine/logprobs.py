@@ -1,5 +1,5 @@
-"""Log-probs of given tokens under a model in training mode: PPO's responses (what it recomputes), the
-SFT / PPO-ptx NLL and DPO's sequence log-probs (the logits of the positions they read only)."""
+"""Log-probs of given tokens under a model in training mode: PPO's responses (what it recomputes),
+the SFT / PPO-ptx NLL and DPO's sequence log-probs (the logits of the positions they read only)."""
 
 from __future__ import annotations
 
@@ -32,30 +32,40 @@ def response_stats(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """([B, N] log π(response token), [B, N] entropy or None) at ``temperature`` (1 when greedy;
     ``entropy``: None, "loss" or "metric", see ``chunked_logprobs``),
-    with mask-derived positions; ``forward`` is an engine's or a model's ``forward`` returning logits.
-    ``keep_logits``: ask the model for the logits of the response positions only (the same numbers,
-    less memory). The fp32 log-softmax runs a few positions at a time (``chunked_logprobs``)."""
+    with mask-derived positions; ``forward`` is an engine's or a model's ``forward`` returning
+    logits. ``keep_logits``: ask the model for the logits of the response positions only (the same
+    numbers, less memory). The fp32 log-softmax runs a few positions at a time
+    (``chunked_logprobs``)."""
     logits = response_logits(forward, sequences, attention_mask, prompt_len, keep_logits)
     return logits_stats(logits, sequences[:, prompt_len:], temperature, entropy)
 
 
-def logits_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: Optional[str] = None):
+def logits_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: Optional[str] = None
+):
     """``response_stats`` from the response's logits (``response_logits``) and tokens."""
     return chunked_logprobs(logits, targets, scoring_temperature(temperature), entropy=entropy)
 
 
 def scoring_temperature(temperature: float) -> float:
-    """The temperature responses are scored at: the sampling one, and 1 for greedy rollouts (temperature
+    """The temperature responses are scored at: the sampling one, and 1 for greedy rollouts
+    (temperature
     0), decided here only."""
     return temperature if temperature > 0 else 1.0
 
 
-def response_logits(forward, sequences, attention_mask, prompt_len: int, keep_logits: bool) -> torch.Tensor:
-    """[B, N, V] the logits that predict each response token (those of the positions before them)."""
+def response_logits(
+    forward, sequences, attention_mask, prompt_len: int, keep_logits: bool
+) -> torch.Tensor:
+    """[B, N, V] the logits that predict each response token (those of the positions before
+    them)."""
     n = sequences.shape[1] - prompt_len
     extra = {"logits_to_keep": n + 1} if keep_logits else {}
     logits = forward(
-        input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask), **extra
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        **extra,
     ).logits
     return logits[:, -(n + 1) : -1]
 
@@ -84,30 +94,42 @@ def response_logprobs(
     keep_logits: bool = False,
 ) -> torch.Tensor:
     """[B, N] log π(response token); see ``response_stats``."""
-    return response_stats(forward, sequences, attention_mask, prompt_len, temperature, keep_logits=keep_logits)[0]
+    return response_stats(
+        forward, sequences, attention_mask, prompt_len, temperature, keep_logits=keep_logits
+    )[0]
 
 
 def target_logprobs(
-    forward, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor, target_ids=None
+    forward,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
+    target_ids=None,
 ) -> torch.Tensor:
-    """[B, L−1] log p(token t+1 | ..t) at the positions ``targets`` ([B, L−1] bool; token t+1 real), zeros
-    elsewhere. Only those positions' logits are computed (``logits_at``: a packed forward runs the LM
-    head over them alone) and log-softmaxed; each value is the full forward's at that position.
-    ``target_ids``: [B, L−1] the tokens scored (default ``input_ids[:, 1:]``)."""
+    """[B, L−1] log p(token t+1 | ..t) at the positions ``targets`` ([B, L−1] bool; token t+1 real),
+    zeros elsewhere. Only those positions' logits are computed (``logits_at``: a packed forward runs
+    the LM head over them alone) and log-softmaxed; each value is the full forward's at that
+    position. ``target_ids``: [B, L−1] the tokens scored (default ``input_ids[:, 1:]``)."""
     if target_ids is None:
         target_ids = input_ids[:, 1:]
-    logits = forward(input_ids=input_ids, attention_mask=attention_mask, logits_at=F.pad(targets, (0, 1))).logits
+    logits = forward(
+        input_ids=input_ids, attention_mask=attention_mask, logits_at=F.pad(targets, (0, 1))
+    ).logits
     lp, _ = chunked_logprobs(logits[None], target_ids[targets][None])
     return lp.new_zeros(targets.shape).masked_scatter(targets, lp[0])
 
 
 def nll_sum(forward, batch: dict, device: torch.device) -> tuple[torch.Tensor, int]:
     """The SFT loss of a ``collate_sft`` batch: (sum over its learnt tokens of −log p, their count).
-    Summed, not averaged, so the caller divides by the whole global batch's count (a gradient that does
-    not depend on how the batch is split)."""
+    Summed, not averaged, so the caller divides by the whole global batch's count (a gradient that
+    does not depend on how the batch is split)."""
     labels = batch["labels"][:, 1:].to(device)
     targets = labels != -100
     lp = target_logprobs(
-        forward, batch["input_ids"].to(device), batch["attention_mask"].to(device), targets, labels.clamp(min=0)
+        forward,
+        batch["input_ids"].to(device),
+        batch["attention_mask"].to(device),
+        targets,
+        labels.clamp(min=0),
     )
     return -(lp * targets).sum(), int(targets.sum())

@@ -1,21 +1,24 @@
-"""Loss scaling for fp16 training (``engine.precision=fp16``, ``engine.fp16.*``), with DeepSpeed's rules.
+"""Loss scaling for fp16 training (``engine.precision=fp16``, ``engine.fp16.*``), with DeepSpeed's
+rules.
 
-fp16 keeps 5 exponent bits: gradients below ~6e-8 flush to zero and activations' gradients above 65504
-overflow to inf. The engine multiplies the loss by a scale S before backward (``TrainEngine.backward``)
-and divides the fp32 gradients by S before clipping and the optimizer (``TrainEngine.step``); a step
-whose unscaled gradients hold an inf or a NaN on any rank — the gradient norm, all-reduced over the
-shards (FSDP2) or taken over gradients DDP has already all-reduced, so every rank decides alike — is
-skipped: gradients dropped, weights, optimizer state and schedule unchanged.
+fp16 keeps 5 exponent bits: gradients below ~6e-8 flush to zero and activations' gradients above
+65504 overflow to inf. The engine multiplies the loss by a scale S before backward
+(``TrainEngine.backward``) and divides the fp32 gradients by S before clipping and the optimizer
+(``TrainEngine.step``); a step whose unscaled gradients hold an inf or a NaN on any rank — the
+gradient norm, all-reduced over the shards (FSDP2) or taken over gradients DDP has already
+all-reduced, so every rank decides alike — is skipped: gradients dropped, weights, optimizer state
+and schedule unchanged.
 
 The scale follows DeepSpeed's ``DynamicLossScaler`` (deepspeed/runtime/fp16/loss_scaler.py) and its
 ``fp16`` keys and defaults:
 
 - ``loss_scale`` > 0: that static scale for the whole run (an overflow still skips its step);
   0 (default): dynamic, starting at ``2**initial_scale_power`` (16).
-- An overflow with hysteresis left (the counter, starting at ``hysteresis`` = 2, above 1) only lowers
+- An overflow with hysteresis left (the counter, starting at ``hysteresis`` = 2, above 1) only
+  lowers
   the counter; otherwise the scale halves, never below ``min_loss_scale`` (1). An overflow at
-  ``min_loss_scale`` with no hysteresis left stops the run (``LossScaleError``, exit 2): the gradients
-  are non-finite whatever the scale, the run has diverged.
+  ``min_loss_scale`` with no hysteresis left stops the run (``LossScaleError``, exit 2): the
+  gradients are non-finite whatever the scale, the run has diverged.
 - A step without overflow that follows a positive multiple of ``loss_scale_window`` (1000) steps
   without overflow (counted from the start or the last overflow) doubles the scale and restores the
   hysteresis counter. ``consecutive_hysteresis=true``: every step without overflow restores it.
@@ -37,8 +40,8 @@ from rlhf.errors import UserError
 
 log = logging.getLogger("rlhf")
 
-# a warning for each of the first WARN_FIRST skipped steps, then at most one every WARN_EVERY_S seconds
-# (counting the ones in between): a run that overflows often does not flood its log
+# a warning for each of the first WARN_FIRST skipped steps, then at most one every WARN_EVERY_S
+# seconds (counting the ones in between): a run that overflows often does not flood its log
 WARN_FIRST, WARN_EVERY_S = 10, 30.0
 
 
@@ -47,18 +50,22 @@ class LossScaleError(UserError):
 
 
 class LossScaler:
-    """The loss scale of one trained model. ``name``: the model's role, for the log; ``main``: this rank
-    logs (every rank holds the same state: each decides from the same global norm)."""
+    """The loss scale of one trained model. ``name``: the model's role, for the log; ``main``: this
+    rank logs (every rank holds the same state: each decides from the same global norm)."""
 
     def __init__(self, cfg: FP16Config, name: str = "", main: bool = True):
         self.cfg, self.name, self.main = cfg, name, main
         self.dynamic = cfg.loss_scale == 0
         self.scale = float(cfg.loss_scale) if not self.dynamic else 2.0**cfg.initial_scale_power
-        self.good_steps = 0  # steps without overflow since the start or the last overflow
-        self.hysteresis = cfg.hysteresis  # DeepSpeed's cur_hysteresis: an overflow halves the scale at 1
-        self.steps = 0  # optimizer steps taken or skipped, over the whole run
+        # steps without overflow since the start or the last overflow
+        self.good_steps = 0
+        # DeepSpeed's cur_hysteresis: an overflow halves the scale at 1
+        self.hysteresis = cfg.hysteresis
+        # optimizer steps taken or skipped, over the whole run
+        self.steps = 0
         self.skipped = 0  # of which skipped for an overflow
-        self._last_warning = -float("inf")  # (time.monotonic of the last overflow warning)
+        # (time.monotonic of the last overflow warning)
+        self._last_warning = -float("inf")
         self._unsaid = 0  # overflows since then not warned of
 
     @property
@@ -69,20 +76,27 @@ class LossScaler:
     def describe(self) -> str:
         """The log line at the start: the settings in force."""
         if not self.dynamic:
-            return f"{self.who}: static loss scale {self.scale:g} (engine.fp16.loss_scale); an overflow skips its step"
+            return (
+                f"{self.who}: static loss scale {self.scale:g} (engine.fp16.loss_scale); an "
+                "overflow skips its step"
+            )
         c = self.cfg
         restored = "when the scale grows"
         if c.consecutive_hysteresis:
             restored = "by every step without overflow"
         return (
-            f"{self.who}: dynamic loss scale from 2**{c.initial_scale_power} = {self.scale:g}: an overflow skips its "
-            f"step; after {c.hysteresis - 1} tolerated (engine.fp16.hysteresis={c.hysteresis}, restored {restored}) "
-            f"each halves the scale, not below {c.min_loss_scale:g}; {c.loss_scale_window} steps without overflow "
+            f"{self.who}: dynamic loss scale from 2**{c.initial_scale_power} = "
+            f"{self.scale:g}: an overflow skips its "
+            f"step; after {c.hysteresis - 1} tolerated "
+            f"(engine.fp16.hysteresis={c.hysteresis}, restored {restored}) "
+            f"each halves the scale, not below {c.min_loss_scale:g}; {c.loss_scale_window} "
+            "steps without overflow "
             f"double it"
         )
 
     def unscale(self, grads: List[torch.Tensor]) -> None:
-        """Divides the (fp32) gradients by the scale in place (a power of two when dynamic: exact)."""
+        """Divides the (fp32) gradients by the scale in place (a power of two when dynamic:
+        exact)."""
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
 
@@ -93,7 +107,11 @@ class LossScaler:
         if not overflow:
             if self.cfg.consecutive_hysteresis:
                 self.hysteresis = self.cfg.hysteresis
-            if self.dynamic and self.good_steps > 0 and self.good_steps % self.cfg.loss_scale_window == 0:
+            if (
+                self.dynamic
+                and self.good_steps > 0
+                and self.good_steps % self.cfg.loss_scale_window == 0
+            ):
                 if not self.cfg.consecutive_hysteresis:
                     self.hysteresis = self.cfg.hysteresis
                 self.scale *= 2.0
@@ -108,9 +126,12 @@ class LossScaler:
             elif self.scale <= self.cfg.min_loss_scale:
                 raise LossScaleError(
                     f"{self.who}: the gradients overflowed (inf/NaN) at optimizer "
-                    f"step {self.steps} with the loss scale at engine.fp16.min_loss_scale={self.cfg.min_loss_scale:g} "
-                    f"and no hysteresis left: they are non-finite whatever the scale (the run diverged, or an fp16 "
-                    f"forward overflowed); stopped before the step's update (the last checkpoint is kept). "
+                    f"step {self.steps} with the loss scale at "
+                    f"engine.fp16.min_loss_scale={self.cfg.min_loss_scale:g} "
+                    "and no hysteresis left: they are non-finite whatever the scale (the "
+                    "run diverged, or an fp16 "
+                    "forward overflowed); stopped before the step's update (the last "
+                    "checkpoint is kept). "
                     f"A lower train.lr, engine.precision=bf16 or fp32 may train"
                 )
             else:
@@ -126,11 +147,19 @@ class LossScaler:
             self._unsaid += 1
             return
         more = f"; {self._unsaid} more since the previous warning" if self._unsaid else ""
-        then = f"loss scale {before:g} → {self.scale:g}" if self.scale != before else f"loss scale {self.scale:g} kept"
+        then = (
+            f"loss scale {before:g} → {self.scale:g}"
+            if self.scale != before
+            else f"loss scale {self.scale:g} kept"
+        )
         if self.dynamic and self.scale == before:
-            then += f" (engine.fp16.hysteresis: {self.hysteresis - 1} more overflow(s) tolerated before it halves)"
+            then += (
+                f" (engine.fp16.hysteresis: {self.hysteresis - 1} more overflow(s) tolerated "
+                "before it halves)"
+            )
         log.warning(
-            "%s: optimizer step %s: gradients overflowed (inf/NaN): step skipped, %s (%d skipped in all%s)",
+            "%s: optimizer step %s: gradients overflowed (inf/NaN): step skipped, %s (%d "
+            "skipped in all%s)",
             self.who,
             self.steps,
             then,

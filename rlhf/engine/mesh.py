@@ -35,10 +35,13 @@ class Mesh:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: Optional[str] = None
     inference_tp_size: int = 1
-    # one process with a process group of its own: FSDP2 can wrap a model there (CPU offload on a GPU)
+    # one process with a process group of its own: FSDP2 can wrap a model there (CPU offload on a
+    # GPU)
     single_group: bool = False
-    threads_why: str = ""  # the CPU threads a rank uses and why (empty on a GPU)
-    auto_threads: int = 0  # engine.threads_per_rank=0 on the CPU: the usable cores' share (threads.fit_to_model)
+    # the CPU threads a rank uses and why (empty on a GPU)
+    threads_why: str = ""
+    # engine.threads_per_rank=0 on the CPU: the usable cores' share (threads.fit_to_model)
+    auto_threads: int = 0
     _device_mesh: Any = None
     _dp_mesh: Any = None
 
@@ -50,10 +53,10 @@ class Mesh:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    # ---- the job's one DeviceMesh, 2-D: ("replica", "tp") ----
-    # Inference TP group g is ranks [g·tp, (g+1)·tp) (mesh["tp"]); the groups ("replica") generate
-    # different prompts. Training (FSDP2 / DDP) shards or replicates over every rank: the same mesh
-    # flattened to one dimension, "dp". Degrees are checked once, where the mesh is made (init_mesh).
+    # ---- the job's one DeviceMesh, 2-D: ("replica", "tp") ---- Inference TP group g is ranks
+    # [g·tp, (g+1)·tp) (mesh["tp"]); the groups ("replica") generate different prompts. Training
+    # (FSDP2 / DDP) shards or replicates over every rank: the same mesh flattened to one dimension,
+    # "dp". Degrees are checked once, where the mesh is made (init_mesh).
     @property
     def device_mesh(self):
         if self._device_mesh is None and (self.distributed or self.single_group):
@@ -102,7 +105,8 @@ class Mesh:
             dist.barrier()
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if t.device.type != self.device.type:  # NCCL takes CUDA tensors only: say where, not deep in c10d
+        if t.device.type != self.device.type:
+            # NCCL takes CUDA tensors only: say where, not deep in c10d
             raise RuntimeError(f"all_reduce of a {t.device} tensor in a job on {self.device}")
         if self.distributed:
             dist.all_reduce(t, op=op)
@@ -152,7 +156,9 @@ def choose_device(requested: str, local_rank: int, local_world: int) -> torch.de
         return torch.device("cpu")
     if requested == "cuda":
         if gpus == 0:
-            raise ConfigError("engine.device=cuda: this machine has no CUDA device (torch sees none)")
+            raise ConfigError(
+                "engine.device=cuda: this machine has no CUDA device (torch sees none)"
+            )
         if local_world > gpus:
             raise ConfigError(
                 f"engine.device=cuda: {local_world} processes on this node but {gpus} GPU(s); "
@@ -162,7 +168,8 @@ def choose_device(requested: str, local_rank: int, local_world: int) -> torch.de
         return torch.device("cuda", local_rank)
     if gpus and local_world > gpus:
         log.warning(
-            "engine.device=auto: %d processes on this node but %d GPU(s), and two ranks cannot share "
+            "engine.device=auto: %d processes on this node but %d GPU(s), and two ranks "
+            "cannot share "
             "a GPU under NCCL; running on the CPU (set engine.device=cuda to make this an error)",
             local_world,
             gpus,
@@ -187,9 +194,9 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def precision_of(ecfg: EngineConfig, device: torch.device) -> str:
-    """``engine.precision`` with auto resolved: bf16 on a CUDA device with native bf16, fp16 (with loss
-    scaling) on an older CUDA device — what DeepSpeed-Chat's ``--dtype fp16`` default runs there —, fp32
-    on the CPU."""
+    """``engine.precision`` with auto resolved: bf16 on a CUDA device with native bf16, fp16 (with
+    loss scaling) on an older CUDA device — what DeepSpeed-Chat's ``--dtype fp16`` default runs
+    there —, fp32 on the CPU."""
     if ecfg.precision != "auto":
         return ecfg.precision
     if device.type == "cuda":
@@ -198,9 +205,10 @@ def precision_of(ecfg: EngineConfig, device: torch.device) -> str:
 
 
 def inference_dtype_of(ecfg: EngineConfig, device: torch.device) -> str:
-    """``engine.inference_dtype`` with auto resolved: the training precision, except fp16 training on the
-    CPU, whose inference copy is fp32: x86 CPUs without AVX512-FP16 run fp16 GEMMs 10-60x slower than
-    fp32 (docs/architecture.md, measured), and the rollouts' log-probs are then exact."""
+    """``engine.inference_dtype`` with auto resolved: the training precision, except fp16 training
+    on the CPU, whose inference copy is fp32: x86 CPUs without AVX512-FP16 run fp16 GEMMs 10-60x
+    slower than fp32 (docs/architecture.md, measured), and the rollouts' log-probs are then
+    exact."""
     if ecfg.inference_dtype != "auto":
         return ecfg.inference_dtype
     precision = precision_of(ecfg, device)
@@ -212,7 +220,9 @@ def inference_dtype_of(ecfg: EngineConfig, device: torch.device) -> str:
 def check_tp(tp: int, world_size: int) -> None:
     """The inference TP degree must split the world into whole groups (exit 2 otherwise)."""
     if tp < 1 or world_size % tp != 0:
-        raise ConfigError(f"engine.inference_tp_size={tp} does not divide the world size {world_size}")
+        raise ConfigError(
+            f"engine.inference_tp_size={tp} does not divide the world size {world_size}"
+        )
 
 
 def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
@@ -229,8 +239,8 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
         torch.cuda.set_device(device)
     engine.precision = precision_of(engine, device)
     offload = use_cuda and engine.offloads(roles)
-    # FSDP2's CPU offload keeps parameters and gradients on the host: their collectives (the gradient
-    # norm, the EMA's full tensors) need a CPU backend beside NCCL
+    # FSDP2's CPU offload keeps parameters and gradients on the host: their collectives (the
+    # gradient norm, the EMA's full tensors) need a CPU backend beside NCCL
     backend = engine.backend
     if not backend:
         if not use_cuda:
@@ -258,7 +268,9 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
     if world_size > 1 and not dist.is_initialized():
         device_id = device if use_cuda else None
         dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(seconds=engine.timeout_s), device_id=device_id
+            backend=backend,
+            timeout=datetime.timedelta(seconds=engine.timeout_s),
+            device_id=device_id,
         )
         # Lets the rank that sees a collective time out name the peer that went silent.
         start_heartbeat(rank, world_size)
@@ -266,7 +278,8 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
     mesh_backend = None  # no process group
     if world_size > 1 or single_group:
         mesh_backend = backend
-    if single_group and not dist.is_initialized():  # FSDP2's CPU offload needs a (one-rank) process group
+    if single_group and not dist.is_initialized():
+        # FSDP2's CPU offload needs a (one-rank) process group
         dist.init_process_group(
             backend=backend,
             store=dist.HashStore(),
@@ -302,7 +315,8 @@ def end_process() -> None:
     2 loop and 4 worker threads per rank after ``destroy_process_group``); finalization then tears
     the groups down under a dying interpreter, and a thread that needs the GIL there aborts the
     process ("terminate called without an active exception", exit -6) after its work is done (seen
-    once in CI, on a 2-rank PPO run). A plain process (no ``LOCAL_RANK``) returns and ends as usual."""
+    once in CI, on a 2-rank PPO run). A plain process (no ``LOCAL_RANK``) returns and ends as
+    usual."""
     if "LOCAL_RANK" not in os.environ:
         return
     logging.shutdown()

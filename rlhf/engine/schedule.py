@@ -10,7 +10,9 @@ import math
 import torch
 
 
-def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
+def lr_factor(
+    step: int, *, kind: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.0
+) -> float:
     """warmup: linear 0→1 over warmup_steps then constant (DeepSpeed WarmupLR, linear type).
     warmup_decay: warmup, then linear decay to min_ratio at total_steps (WarmupDecayLR).
     cosine: warmup, then half a cosine down to min_ratio at total_steps. constant: 1."""

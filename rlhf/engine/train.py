@@ -4,12 +4,12 @@ ZeRO on FSDP2 (docs/architecture.md): ``fully_shard`` per decoder block and at t
   3: parameters, gradients, optimizer state sharded; parameters resharded after forward.
   2: as 3 but parameters stay gathered from forward to backward (``reshard_after_forward=False``).
   1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer). 0: DDP.
-``engine.offload=cpu``: FSDP2's CPUOffloadPolicy (on a GPU; in one process over a one-rank process group;
-refused with exit 2 where it cannot apply: on the CPU, and with ZeRO-0/1 on several processes).
-``engine.precision=bf16`` / ``fp16``: bf16 / fp16 compute with fp32 master weights and fp32 gradient
-reduction (FSDP2's MixedPrecisionPolicy; autocast for a bare or DDP model); fp16 with loss scaling
-(``rlhf/engine/loss_scale.py``: ``backward`` scales the loss, ``step`` unscales, skips an overflow and
-updates the scale).
+``engine.offload=cpu``: FSDP2's CPUOffloadPolicy (on a GPU; in one process over a one-rank process
+group; refused with exit 2 where it cannot apply: on the CPU, and with ZeRO-0/1 on several
+processes). ``engine.precision=bf16`` / ``fp16``: bf16 / fp16 compute with fp32 master weights and
+fp32 gradient reduction (FSDP2's MixedPrecisionPolicy; autocast for a bare or DDP model); fp16 with
+loss scaling (``rlhf/engine/loss_scale.py``: ``backward`` scales the loss, ``step`` unscales, skips
+an overflow and updates the scale).
 
 The stages never branch on any of this: they call ``forward``, ``backward``, ``step``.
 """
@@ -48,9 +48,10 @@ log = logging.getLogger("rlhf")
 
 
 def _broadcast_buffers(model: nn.Module, device: torch.device, kept: Optional[list] = None) -> None:
-    # Non-persistent buffers (rotary inv_freq) are in no state dict; after meta init they are garbage.
-    # They live on the compute device (a rank > 0 under CPU offload materialised them on the host).
-    # ``kept``: rank 0's buffers from before its own to_empty (``_buffers_of``), put back first.
+    # Non-persistent buffers (rotary inv_freq) are in no state dict; after meta init they are
+    # garbage. They live on the compute device (a rank > 0 under CPU offload materialised them on
+    # the host). ``kept``: rank 0's buffers from before its own to_empty (``_buffers_of``), put back
+    # first.
     for module, name, buf in kept or []:
         module._buffers[name] = buf
     for module in model.modules():
@@ -63,12 +64,20 @@ def _broadcast_buffers(model: nn.Module, device: torch.device, kept: Optional[li
 
 
 def _buffers_of(model: nn.Module) -> list:
-    return [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
+    return [
+        (m, name, buf)
+        for m in model.modules()
+        for name, buf in m._buffers.items()
+        if buf is not None
+    ]
 
 
-def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool = True) -> nn.Module:
-    """Applies activation checkpointing and the ZeRO stage; on ranks > 0 ``model`` may be on the meta
-    device (weights come from rank 0). A new parallelism is one more ``apply_*`` function here."""
+def wrap_model(
+    model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool = True
+) -> nn.Module:
+    """Applies activation checkpointing and the ZeRO stage; on ranks > 0 ``model`` may be on the
+    meta device (weights come from rank 0). A new parallelism is one more ``apply_*`` function
+    here."""
     check_offload(ecfg, mesh)
     apply_ac(model, ecfg)
     offload = ecfg.offload == "cpu"
@@ -78,14 +87,16 @@ def wrap_model(model: nn.Module, mesh: Mesh, ecfg: EngineConfig, trainable: bool
     if mesh.distributed and ecfg.zero_stage in (
         0,
         1,
-    ):  # replicated weights (DDP); ZeRO-1 shards only the optimizer state
+        # replicated weights (DDP); ZeRO-1 shards only the optimizer state
+    ):
         return apply_ddp(model, mesh, trainable)
-    return apply_fsdp(model, mesh, ecfg)  # one process with offload: FSDP2 over its one-rank group
+    # one process with offload: FSDP2 over its one-rank group
+    return apply_fsdp(model, mesh, ecfg)
 
 
 def check_offload(ecfg: EngineConfig, mesh: Mesh) -> None:
-    """``engine.offload=cpu`` (or ``engine.<role>.offload``) applies or stops the run (exit 2) saying why:
-    never silently ignored."""
+    """``engine.offload=cpu`` (or ``engine.<role>.offload``) applies or stops the run (exit 2)
+    saying why: never silently ignored."""
     if ecfg.offload != "cpu":
         return
     key = ecfg.key("offload")
@@ -109,8 +120,9 @@ def apply_ac(model: nn.Module, ecfg: EngineConfig) -> None:
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, trainable: bool) -> nn.Module:
-    """ZeRO-0/1: replicated weights, rank 0's everywhere; DDP reduces the gradients of a trained model.
-    The weights rank 0 left unloaded (rlhf/models/streaming.py) every rank reads whole from the files."""
+    """ZeRO-0/1: replicated weights, rank 0's everywhere; DDP reduces the gradients of a trained
+    model. The weights rank 0 left unloaded (rlhf/models/streaming.py) every rank reads whole from
+    the files."""
     plan = streaming.plan(model, mesh)
     if not mesh.is_main:
         model = model.to_empty(device=mesh.device)
@@ -118,7 +130,8 @@ def apply_ddp(model: nn.Module, mesh: Mesh, trainable: bool) -> nn.Module:
             model.tie_weights()
     streaming.fill(model, plan, mesh.device)
     model = model.to(mesh.device)
-    if not trainable or plan:  # replicate rank 0's weights (but those read from the files)
+    if not trainable or plan:
+        # replicate rank 0's weights (but those read from the files)
         read = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in plan}
         for t in [p for p in model.parameters() if id(p) not in read] + list(model.buffers()):
             dist.broadcast(t.data, src=0)
@@ -133,18 +146,27 @@ def apply_ddp(model: nn.Module, mesh: Mesh, trainable: bool) -> nn.Module:
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
     """ZeRO-2/3: FSDP2 ``fully_shard`` per decoder block and at the root (ZeRO-3 reshards the
-    parameters after forward), bf16 / fp16 through its mixed-precision policy, optional CPU offload."""
+    parameters after forward), bf16 / fp16 through its mixed-precision policy, optional CPU
+    offload."""
     # Rank 0's full weights, by reference: fully_shard copies its shard out of each parameter and
     # leaves the original tensor alone, so no second full copy is needed (the originals are freed
-    # once they are broadcast below). A new dict: set_model_state_dict replaces its entries.
-    # Those rank 0 left unloaded (rlhf/models/streaming.py) each rank reads its shard of from the files.
+    # once they are broadcast below). A new dict: set_model_state_dict replaces its entries. Those
+    # rank 0 left unloaded (rlhf/models/streaming.py) each rank reads its shard of from the files.
     plan = streaming.plan(model, mesh)
-    full_sd = {k: v.detach() for k, v in model.state_dict().items() if k not in plan} if mesh.is_main else {}
+    full_sd = (
+        {k: v.detach() for k, v in model.state_dict().items() if k not in plan}
+        if mesh.is_main
+        else {}
+    )
     kept = _buffers_of(model) if plan and mesh.is_main else None  # rank 0 empties its model too
     streaming.unload(model)
-    kwargs = dict(mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3 or not mesh.distributed)
+    kwargs = dict(
+        mesh=mesh.dp_mesh, reshard_after_forward=ecfg.zero_stage == 3 or not mesh.distributed
+    )
     if precision_of(ecfg, mesh.device) != "fp32":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype(ecfg, mesh), reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype(ecfg, mesh), reduce_dtype=torch.float32
+        )
     if ecfg.offload == "cpu":  # a GPU run (check_offload)
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
@@ -168,7 +190,8 @@ def compute_dtype(ecfg: EngineConfig, mesh: Mesh) -> torch.dtype:
 
 
 def autocast(mesh: Mesh, ecfg: EngineConfig, is_fsdp: bool):
-    """bf16 / fp16 compute for a bare or DDP model (FSDP2 casts through its MixedPrecisionPolicy instead)."""
+    """bf16 / fp16 compute for a bare or DDP model (FSDP2 casts through its MixedPrecisionPolicy
+    instead)."""
     dtype = compute_dtype(ecfg, mesh)
     if dtype != torch.float32 and not is_fsdp:
         return torch.autocast(mesh.device.type, dtype=dtype)
@@ -183,7 +206,9 @@ def loss_scaler(ecfg: EngineConfig, mesh: Mesh) -> Optional[LossScaler]:
     log.info("%s", scaler.describe())
     if mesh.device.type == "cpu":
         _say_once(
-            "fp16_cpu", "fp16 on the CPU: correct but slow (no fp16 GEMM units on x86: 10-60x fp32's time, measured)"
+            "fp16_cpu",
+            "fp16 on the CPU: correct but slow (no fp16 GEMM units on x86: 10-60x fp32's "
+            "time, measured)",
         )
     return scaler
 
@@ -201,7 +226,8 @@ def _say_once_single_process(ecfg: EngineConfig, mesh: Mesh) -> None:
     """In one process there is nothing to shard: ZeRO stages and offload do not apply. Said once."""
     _say_once(
         "single",
-        "one process: the model trains unwrapped on %s (engine.zero_stage=%d applies from 2 processes on)",
+        "one process: the model trains unwrapped on %s (engine.zero_stage=%d applies from "
+        "2 processes on)",
         mesh.device,
         ecfg.zero_stage,
     )
@@ -217,13 +243,16 @@ def param_groups(model: nn.Module, weight_decay: float):
             decay.append(p)
         else:
             no_decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def adam_kernel(model: nn.Module) -> dict:
-    """AdamW's implementation: the fused kernel (one pass over each parameter; on the CPU machine 3-8x
-    the foreach step, docs/performance.md) where every trainable parameter is a floating-point tensor on
-    a CPU or CUDA device, else foreach."""
+    """AdamW's implementation: the fused kernel (one pass over each parameter; on the CPU machine
+    3-8x the foreach step, docs/performance.md) where every trainable parameter is a floating-point
+    tensor on a CPU or CUDA device, else foreach."""
     params = [p for p in model.parameters() if p.requires_grad]
     if params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
         return {"fused": True}
@@ -231,10 +260,10 @@ def adam_kernel(model: nn.Module) -> dict:
 
 
 def run_forward(model: nn.Module, packs: bool, batch: dict):
-    """``model(**batch)``, packed (padding-free, rlhf/engine/packing.py) when ``packs`` and the batch
-    has an attention mask; the output in the padded layout either way. ``logits_at`` ([B, L] bool, real
-    tokens only) asks for the logits of those positions alone: ``logits`` is then [K, V] in row-major
-    order (the packed path runs the LM head over those K positions only)."""
+    """``model(**batch)``, packed (padding-free, rlhf/engine/packing.py) when ``packs`` and the
+    batch has an attention mask; the output in the padded layout either way. ``logits_at`` ([B, L]
+    bool, real tokens only) asks for the logits of those positions alone: ``logits`` is then [K, V]
+    in row-major order (the packed path runs the LM head over those K positions only)."""
     if packs and batch.get("attention_mask") is not None:
         return packing.forward(model, **batch)
     at = batch.pop("logits_at", None)
@@ -265,8 +294,9 @@ class FrozenModel:
 
 
 class AdaptersOff:
-    """A LoRA engine's base model, frozen: the same modules run with the adapters off (PPO's and DPO's
-    reference policy without a second copy of the weights; equal to the base model loaded apart)."""
+    """A LoRA engine's base model, frozen: the same modules run with the adapters off (PPO's and
+    DPO's reference policy without a second copy of the weights; equal to the base model loaded
+    apart)."""
 
     def __init__(self, engine: "TrainEngine"):
         self.engine = engine
@@ -290,7 +320,8 @@ def reference_for(engine: "TrainEngine", build, mesh: Mesh, ecfg: EngineConfig):
 
 
 class TrainEngine:
-    """A trainable model in training mode: forward/backward/step, state for checkpoints, full weights."""
+    """A trainable model in training mode: forward/backward/step, state for checkpoints, full
+    weights."""
 
     def __init__(
         self,
@@ -302,7 +333,8 @@ class TrainEngine:
         lr: Optional[float] = None,
     ):
         self.mesh, self.ecfg, self.tcfg = mesh, ecfg, tcfg
-        if mesh.auto_threads:  # a small model trains on one thread (rlhf/threads.py)
+        if mesh.auto_threads:
+            # a small model trains on one thread (rlhf/threads.py)
             said = fit_to_model(sum(p.numel() for p in model.parameters()), mesh.auto_threads)
             if said and mesh.is_main:
                 log.info("%s", said)
@@ -311,16 +343,23 @@ class TrainEngine:
         self.is_fsdp = isinstance(self.model, FSDPModule)
         self.is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
         self.zero1 = self.is_ddp and ecfg.zero_stage == 1
-        adam = dict(lr=lr or tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, **adam_kernel(self.model))
-        if self.zero1:  # ZeRO-1: each rank keeps the AdamW state of its share of the parameters
+        adam = dict(
+            lr=lr or tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, **adam_kernel(self.model)
+        )
+        if self.zero1:
+            # ZeRO-1: each rank keeps the AdamW state of its share of the parameters
             groups = [g for g in param_groups(self.model, tcfg.weight_decay) if g["params"]]
-            self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **adam)
+            self.optimizer = ZeroRedundancyOptimizer(
+                groups, optimizer_class=torch.optim.AdamW, **adam
+            )
         else:
             self.optimizer = torch.optim.AdamW(param_groups(self.model, tcfg.weight_decay), **adam)
         self.scheduler = make_scheduler(self.optimizer, tcfg, total_steps or tcfg.max_steps)
-        self.weights_version = 0  # bumped whenever the weights change (step, checkpoint load)
+        # bumped whenever the weights change (step, checkpoint load)
+        self.weights_version = 0
         self.scaler = loss_scaler(ecfg, mesh)  # fp16: the loss scale (checkpointed)
-        self.overflowed = False  # the last step() was skipped for an fp16 overflow (the scaler's to handle)
+        # the last step() was skipped for an fp16 overflow (the scaler's to handle)
+        self.overflowed = False
 
     # ---- the model as HF code knows it ----
     @property
@@ -340,8 +379,8 @@ class TrainEngine:
         return self
 
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
-        """``sync=False`` on all but the last micro-batch of an accumulation window. fp16: the loss is
-        multiplied by the loss scale first."""
+        """``sync=False`` on all but the last micro-batch of an accumulation window. fp16: the loss
+        is multiplied by the loss scale first."""
         if self.scaler is not None:
             loss = loss * self.scaler.scale
         if self.is_fsdp:
@@ -355,10 +394,10 @@ class TrainEngine:
 
     def step(self) -> float:
         """Clips, steps optimizer and schedule; returns the gradient norm before clipping. A
-        non-finite norm skips the update (gradients dropped, weights and schedule unchanged). fp16: the
-        gradients are unscaled first, the ranks agree on whether any of them overflowed (the FSDP2
-        norm's all-reduce, or one of its own over DDP), and the loss scaler takes a skip as an overflow
-        (``overflowed``) and updates the scale."""
+        non-finite norm skips the update (gradients dropped, weights and schedule unchanged). fp16:
+        the gradients are unscaled first, the ranks agree on whether any of them overflowed (the
+        FSDP2 norm's all-reduce, or one of its own over DDP), and the loss scaler takes a skip as an
+        overflow (``overflowed``) and updates the scale."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale([p.grad for p in params])
@@ -369,7 +408,8 @@ class TrainEngine:
         finite = bool(torch.isfinite(norm))
         if self.scaler is not None:
             if self.mesh.distributed and not self.is_fsdp:  # (FSDP2's norm is all-reduced already)
-                finite = self.mesh.max(int(not finite)) == 0  # one rank's overflow skips the step on all
+                # one rank's overflow skips the step on all
+                finite = self.mesh.max(int(not finite)) == 0
             self.overflowed = not finite
             self.scaler.update(overflow=not finite)  # (raises at the minimum scale)
         if not finite:
@@ -386,7 +426,8 @@ class TrainEngine:
         return self.optimizer.param_groups[0]["lr"]
 
     def scale_metrics(self, prefix: str) -> dict:
-        """fp16: ``<prefix>/loss_scale`` and ``<prefix>/skipped_steps`` for the step's line; else nothing."""
+        """fp16: ``<prefix>/loss_scale`` and ``<prefix>/skipped_steps`` for the step's line; else
+        nothing."""
         return self.scaler.metrics(prefix) if self.scaler is not None else {}
 
     # ---- state ----
@@ -406,14 +447,17 @@ class TrainEngine:
             set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
 
     def save_zero1_optimizer(self, path) -> None:
-        """ZeRO-1: gathers every rank's share of the AdamW state on rank 0, which writes it (collective);
-        the file loads on any world size (``load_zero1_optimizer`` re-partitions it)."""
+        """ZeRO-1: gathers every rank's share of the AdamW state on rank 0, which writes it
+        (collective); the file loads on any world size (``load_zero1_optimizer`` re-partitions
+        it)."""
         self.optimizer.consolidate_state_dict(to=0)
         if self.mesh.is_main:
             torch.save(self.optimizer.state_dict(), path)
 
     def load_zero1_optimizer(self, path) -> None:
-        self.optimizer.load_state_dict(torch.load(path, weights_only=True, map_location=self.mesh.device))
+        self.optimizer.load_state_dict(
+            torch.load(path, weights_only=True, map_location=self.mesh.device)
+        )
 
     def full_state_dict(self, all_ranks: bool = False) -> dict:
         """Unsharded weights: on rank 0 only, on CPU (default), or on every rank (``all_ranks``)."""

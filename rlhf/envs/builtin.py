@@ -3,10 +3,11 @@
 - ``single_turn``: one response to the record's prompt, nothing answered: PPO as it always was (the
   reward comes from the reward model and ``ppo.reward_fn``).
 - ``tools``: the policy may call the tools of ``ppo.tools`` (rendered into the prompt by the chat
-  template); each turn's calls (Hermes ``<tool_call>{json}</tool_call>`` by default, ``ppo.tool_parser``)
-  run and their results come back as ``tool`` messages; a malformed call, an unknown tool or bad
-  arguments come back as an error message the policy reads. A turn without a call is the answer: the
-  episode ends, and ``ppo.reward_fn`` / the reward model score that final answer.
+  template); each turn's calls (Hermes ``<tool_call>{json}</tool_call>`` by default,
+  ``ppo.tool_parser``) run and their results come back as ``tool`` messages; a malformed call, an
+  unknown tool or bad arguments come back as an error message the policy reads. A turn without a
+  call is the answer: the episode ends, and ``ppo.reward_fn`` / the reward model score that final
+  answer.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class SingleTurn(Environment):
 
 
 class ToolEnv(Environment):
-    """Tool calls answered until the policy answers without one (``tools``: Tool objects; ``parser``:
-    text -> Parsed, rlhf/envs/toolcalls.py)."""
+    """Tool calls answered until the policy answers without one (``tools``: Tool objects;
+    ``parser``: text -> Parsed, rlhf/envs/toolcalls.py)."""
 
     def __init__(self, tools: Sequence = (), parser: Optional[Callable] = None):
         from rlhf.envs.toolcalls import PARSERS
@@ -61,37 +62,42 @@ def environment(ppo) -> Tuple[Callable[[], object], type]:
         parser = resolve_parser(ppo.tool_parser)
         return (lambda: ToolEnv(tools, parser)), cls
     args = dict(ppo.env_args or {})
-    if tools:  # a class of the user's that takes the tools
+    if tools:
+        # a class of the user's that takes the tools
         args["tools"] = tools
-    make(cls, args)  # constructs once: arguments that do not fit fail here
+    # constructs once: arguments that do not fit fail here
+    make(cls, args)
     return (lambda: make(cls, args)), cls
 
 
 def sandbox_of(ppo):
-    """The Python tool's sandbox from ``ppo.sandbox``: its limits, and its isolation settled here (the
-    kernel probed once, the mode said in the log); ``namespaces`` where the kernel allows none is a
-    ConfigError saying what it refused."""
+    """The Python tool's sandbox from ``ppo.sandbox``: its limits, and its isolation settled here
+    (the kernel probed once, the mode said in the log); ``namespaces`` where the kernel allows none
+    is a ConfigError saying what it refused."""
     from rlhf.envs.sandbox import Limits, Sandbox
 
     fields = dataclasses.asdict(ppo.sandbox)
     found = settled(fields.pop("isolation"))
-    return Sandbox(Limits(**fields), mode=found.mode)  # the other ppo.sandbox.* are Limits' own fields
+    # the other ppo.sandbox.* are Limits' own fields
+    return Sandbox(Limits(**fields), mode=found.mode)
 
 
 def settled(choice: str):
-    """``ppo.sandbox.isolation`` settled (modes.py ``settle``); ``namespaces`` where the kernel allows
-    none is a ConfigError saying what it refused."""
+    """``ppo.sandbox.isolation`` settled (modes.py ``settle``); ``namespaces`` where the kernel
+    allows none is a ConfigError saying what it refused."""
     from rlhf.envs.sandbox.run import settle
 
     try:
         return settle(choice)
     except ValueError as e:
-        raise ConfigError(f"ppo.sandbox.isolation=namespaces, but the kernel allows none here: {e}") from None
+        raise ConfigError(
+            f"ppo.sandbox.isolation=namespaces, but the kernel allows none here: {e}"
+        ) from None
 
 
 def say_sandbox(ppo, log) -> None:
-    """The Python tool's isolation in the stage's log, once its logging is set up (a warning where it is
-    the guard alone); nothing without the tool."""
+    """The Python tool's isolation in the stage's log, once its logging is set up (a warning where
+    it is the guard alone); nothing without the tool."""
     if "python" in (ppo.tools or ()):
         found = settled(ppo.sandbox.isolation)
         (log.warning if found.weak else log.info)("%s", found.line())

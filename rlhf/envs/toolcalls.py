@@ -1,9 +1,9 @@
 """Tool calls in the policy's text: parsing them (``ppo.tool_parser``), writing them, running them.
 
 The default format is Hermes / Qwen's: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-any number per turn; ``format_call`` writes it (the embedded tool-use task's SFT data is written with
-it, rlhf/data/tool_arith.py). A parser is any ``(text) -> Parsed``: the calls, one readable error per
-malformed call (the policy reads it as the call's result), and the text outside the calls.
+any number per turn; ``format_call`` writes it (the embedded tool-use task's SFT data is written
+with it, rlhf/data/tool_arith.py). A parser is any ``(text) -> Parsed``: the calls, one readable
+error per malformed call (the policy reads it as the call's result), and the text outside the calls.
 ``execute`` runs a turn's calls and returns the ``tool`` messages that answer them with its counts.
 """
 
@@ -34,10 +34,11 @@ class Parsed:
     """What a parser found in one turn."""
 
     calls: List[ToolCall] = field(default_factory=list)
-    errors: List[str] = field(default_factory=list)  # one observation per malformed call: "error: tool call 2 ..."
+    # one observation per malformed call: "error: tool call 2 ..."
+    errors: List[str] = field(default_factory=list)
     content: str = ""  # the text outside the calls, stripped
-    # the calls and errors in the text's order (execute answers them so); a parser may leave it empty:
-    # the calls are then answered first, then the errors
+    # the calls and errors in the text's order (execute answers them so); a parser may leave it
+    # empty: the calls are then answered first, then the errors
     sequence: List[Union[ToolCall, str]] = field(default_factory=list)
 
     def add(self, item: Union[ToolCall, str]) -> None:
@@ -49,9 +50,9 @@ class Parsed:
 
 
 def parse_hermes(text: str) -> Parsed:
-    """``<tool_call>{json}</tool_call>`` blocks. ``arguments`` may be an object or a JSON string holding one
-    (missing or null: no arguments); a last block without its closing tag (generation stopped) counts
-    if what follows the tag parses."""
+    """``<tool_call>{json}</tool_call>`` blocks. ``arguments`` may be an object or a JSON string
+    holding one (missing or null: no arguments); a last block without its closing tag (generation
+    stopped) counts if what follows the tag parses."""
     parsed = Parsed()
     outside: List[str] = []
     pos, number = 0, 0
@@ -84,7 +85,10 @@ def _call_of(body: str, number: int, closed: bool) -> Union[ToolCall, str]:
             unclosed = f" (and has no closing {CLOSE})"
         return f"error: {what} is not valid JSON{unclosed}: {_json_error(e)}"
     if not isinstance(obj, dict):
-        return f'error: {what} must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {_kind(obj)}'
+        return (
+            f'error: {what} must be a JSON object {{"name": ..., "arguments": {{...}}}}, got '
+            f"{_kind(obj)}"
+        )
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return f'error: {what} needs a "name": the tool\'s name as a non-empty string'
@@ -96,9 +100,14 @@ def _call_of(body: str, number: int, closed: bool) -> Union[ToolCall, str]:
         try:
             arguments = json.loads(arguments)
         except (ValueError, RecursionError) as e:
-            return f"error: {what} ({name}): its arguments are a string that is not valid JSON: {_json_error(e)}"
+            return (
+                f"error: {what} ({name}): its arguments are a string that is not valid JSON: "
+                f"{_json_error(e)}"
+            )
     if not isinstance(arguments, dict):
-        return f"error: {what} ({name}): its arguments must be a JSON object, got {_kind(arguments)}"
+        return (
+            f"error: {what} ({name}): its arguments must be a JSON object, got {_kind(arguments)}"
+        )
     return ToolCall(name, arguments)
 
 
@@ -110,13 +119,19 @@ def _json_error(e: BaseException) -> str:
 
 def _kind(value) -> str:
     """A JSON value's type name for a message."""
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+    }
     return names.get(type(value), "a number")
 
 
 def format_call(call: ToolCall) -> str:
-    """The Hermes text of a call (json.dumps' default separators, non-ASCII kept): ``parse_hermes`` reads
-    it back as ``call``."""
+    """The Hermes text of a call (json.dumps' default separators, non-ASCII kept): ``parse_hermes``
+    reads it back as ``call``."""
     payload = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
     return f"{OPEN}{payload}{CLOSE}"
 
@@ -125,7 +140,8 @@ PARSERS: Dict[str, Callable[[str], Parsed]] = {"hermes": parse_hermes}
 
 
 def resolve_parser(spec: str) -> Callable[[str], Parsed]:
-    """``ppo.tool_parser``: a name of PARSERS or a dotted path to a function ``(text) -> Parsed``."""
+    """``ppo.tool_parser``: a name of PARSERS or a dotted path to a function ``(text) ->
+    Parsed``."""
     if spec in PARSERS:
         return PARSERS[spec]
     module, _, attr = str(spec).rpartition(".")
@@ -136,10 +152,15 @@ def resolve_parser(spec: str) -> Callable[[str], Parsed]:
         )
     try:
         fn = getattr(importlib.import_module(module), attr)
-    except Exception as e:  # ImportError, AttributeError, or the module raising on import
-        raise ConfigError(f"ppo.tool_parser={spec}: cannot import it: {type(e).__name__}: {first_line(e)}") from None
+    except Exception as e:
+        # ImportError, AttributeError, or the module raising on import
+        raise ConfigError(
+            f"ppo.tool_parser={spec}: cannot import it: {type(e).__name__}: {first_line(e)}"
+        ) from None
     if not callable(fn):
-        raise ConfigError(f"ppo.tool_parser={spec}: a {type(fn).__name__} is not callable (text -> Parsed)")
+        raise ConfigError(
+            f"ppo.tool_parser={spec}: a {type(fn).__name__} is not callable (text -> Parsed)"
+        )
     return fn
 
 

@@ -3,12 +3,12 @@
 A tool is a name, a description, the JSON schema of its arguments (what the chat template renders
 through ``tokenizer.apply_chat_template(..., tools=[t.schema() for t in tools])``) and a function
 called with the arguments as keywords that returns the observation text — or ``(text, kind)``, where
-kind says how the call went wrong (``KINDS``). ``Tool.call`` never raises: bad arguments and exceptions
-become an ``error: <tool>: ...`` observation the policy reads.
+kind says how the call went wrong (``KINDS``). ``Tool.call`` never raises: bad arguments and
+exceptions become an ``error: <tool>: ...`` observation the policy reads.
 
-Built-ins (``TOOLS``): ``calculator`` (arithmetic through ``ast``, bounded) and ``python`` (code run in
-a ``Sandbox``, rlhf/envs/sandbox/). A user's tool is a dotted path ``module.attr`` to a ``Tool`` or to a
-function of no arguments returning one (``resolve_tools``).
+Built-ins (``TOOLS``): ``calculator`` (arithmetic through ``ast``, bounded) and ``python`` (code run
+in a ``Sandbox``, rlhf/envs/sandbox/). A user's tool is a dotted path ``module.attr`` to a ``Tool``
+or to a function of no arguments returning one (``resolve_tools``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from rlhf.errors import ConfigError, first_line, one_of
 
 # how a call went wrong (None: it did not): the counts of rlhf/envs/toolcalls.execute
 KINDS = ("bad_arguments", "tool_error", "timeout", "limit")
-_MAX_ERROR = 200  # characters of an exception's message in an error observation
+# characters of an exception's message in an error observation
+_MAX_ERROR = 200
 
 # JSON-schema types and the Python values that are them (bool is not a number in JSON)
 _JSON_TYPES: Dict[str, Callable[[Any], bool]] = {
@@ -40,7 +41,8 @@ _JSON_TYPES: Dict[str, Callable[[Any], bool]] = {
 
 
 class ToolError(Exception):
-    """Raised inside a tool's function: the observation is ``error: <tool>: <message>`` (no type name)."""
+    """Raised inside a tool's function: the observation is ``error: <tool>: <message>`` (no type
+    name)."""
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,19 @@ class Tool:
 
     name: str
     description: str
-    parameters: dict  # a JSON schema: {"type": "object", "properties": {...}, "required": [...]}
+    # a JSON schema: {"type": "object", "properties": {...}, "required": [...]}
+    parameters: dict
     fn: Callable[..., Any]
 
     def schema(self) -> dict:
         """The OpenAI / Hugging Face form that chat templates take (``tools=[...]``)."""
         return {
             "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
         }
 
     def call(self, arguments: Any) -> Tuple[str, Optional[str]]:
@@ -68,7 +75,8 @@ class Tool:
             returned = self.fn(**arguments)
         except ToolError as e:
             return self._error(str(e)), "tool_error"
-        except Exception as e:  # the tool's own bug or refusal: the policy reads it, the rollout goes on
+        except Exception as e:
+            # the tool's own bug or refusal: the policy reads it, the rollout goes on
             message = str(e).strip()
             if message:
                 message = f": {message}"
@@ -77,7 +85,9 @@ class Tool:
         if isinstance(returned, tuple) and len(returned) == 2:
             text, kind = returned
         if not isinstance(text, str) or (kind is not None and kind not in KINDS):
-            return self._error(f"returned {type(returned).__name__}, not text or (text, kind)"), "tool_error"
+            return self._error(
+                f"returned {type(returned).__name__}, not text or (text, kind)"
+            ), "tool_error"
         return text, kind
 
     def check(self, arguments: Any) -> Optional[str]:
@@ -86,7 +96,10 @@ class Tool:
         if not isinstance(arguments, dict):
             return f"arguments must be a JSON object, got {_json_type(arguments)}"
         properties = self.parameters.get("properties") or {}
-        open_ended = "properties" not in self.parameters or self.parameters.get("additionalProperties") is True
+        open_ended = (
+            "properties" not in self.parameters
+            or self.parameters.get("additionalProperties") is True
+        )
         for key in self.parameters.get("required") or ():
             if key not in arguments:
                 return f"missing argument {key!r}"
@@ -125,7 +138,8 @@ def _json_type(value: Any) -> str:
 # ---- calculator ----
 
 _MAX_EXPRESSION = 200  # characters
-_MAX_DIGITS = 100  # of an integer, operands and results alike
+# of an integer, operands and results alike
+_MAX_DIGITS = 100
 _BINARY = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -181,7 +195,10 @@ def _evaluate(node: ast.AST):
         what = f"the operator {type(node.op).__name__}"
     elif isinstance(node, ast.Constant):
         what = f"the constant {node.value!r:.20}"
-    raise ToolError(f"not allowed: {what or type(node).__name__} (only numbers, + - * / // % ** and parentheses)")
+    raise ToolError(
+        f"not allowed: {what or type(node).__name__} (only numbers, + - * / // % ** and "
+        "parentheses)"
+    )
 
 
 def _check_power(base, exponent) -> None:
@@ -205,14 +222,15 @@ def _format(value) -> str:
     if isinstance(value, int):
         return str(value)
     rounded = float(f"{value:.10g}")
-    if rounded.is_integer() and abs(rounded) < 1e16:  # beyond, an int's digits would be float noise
+    if rounded.is_integer() and abs(rounded) < 1e16:
+        # beyond, an int's digits would be float noise
         return str(int(rounded))
     return repr(rounded)
 
 
 def calculator_tool(executor: Optional[Executor] = None) -> Tool:
-    """The calculator (``executor``: unused; every built-in factory takes it). Its schema is the one the
-    embedded tool-use task's SFT data renders (rlhf/data/tool_arith.py CALCULATOR)."""
+    """The calculator (``executor``: unused; every built-in factory takes it). Its schema is the one
+    the embedded tool-use task's SFT data renders (rlhf/data/tool_arith.py CALCULATOR)."""
     return Tool(
         name="calculator",
         description="Evaluates an arithmetic expression.",
@@ -240,7 +258,9 @@ def python_tool(executor: Optional[Executor] = None, limits: Optional[Limits] = 
     """Code run by ``executor`` (default: a ``Sandbox`` with ``limits``); the observation is what it
     printed, the end of its traceback, or the limit that stopped it (``Result.observation``)."""
     if executor is not None and limits is not None:
-        raise ValueError("python_tool: give an executor or limits, not both (the executor has its own)")
+        raise ValueError(
+            "python_tool: give an executor or limits, not both (the executor has its own)"
+        )
     runner = executor
     if runner is None:
         runner = Sandbox(limits or Limits())
@@ -252,27 +272,33 @@ def python_tool(executor: Optional[Executor] = None, limits: Optional[Limits] = 
     return Tool(
         name="python",
         description=(
-            "Runs a Python 3 program and returns what it prints (stdout; the end of the traceback if it "
-            "fails). Standard library only; no network; files only in its working directory; limited "
+            "Runs a Python 3 program and returns what it prints (stdout; the end of the "
+            "traceback if it "
+            "fails). Standard library only; no network; files only in its working "
+            "directory; limited "
             "time and memory."
         ),
         parameters={
             "type": "object",
-            "properties": {"code": {"type": "string", "description": "the program; print the results"}},
+            "properties": {
+                "code": {"type": "string", "description": "the program; print the results"}
+            },
             "required": ["code"],
         },
         fn=run,
     )
 
 
-# the built-in tools by name: factories taking an optional ``executor`` (what runs the Python tool's code)
+# the built-in tools by name: factories taking an optional ``executor`` (what runs the Python tool's
+# code)
 TOOLS: Dict[str, Callable[..., Tool]] = {"calculator": calculator_tool, "python": python_tool}
 
 
 def resolve_tools(names: Sequence[str], executor: Optional[Executor] = None) -> List[Tool]:
-    """The tools of ``ppo.tools``: built-in names (TOOLS; ``executor`` runs the Python tool's code, by
-    default a ``Sandbox()``) or dotted paths ``module.attr`` to a Tool or to a function of no arguments
-    returning one. ConfigError (one line naming the entry) otherwise, and for two tools of one name."""
+    """The tools of ``ppo.tools``: built-in names (TOOLS; ``executor`` runs the Python tool's code,
+    by default a ``Sandbox()``) or dotted paths ``module.attr`` to a Tool or to a function of no
+    arguments returning one. ConfigError (one line naming the entry) otherwise, and for two tools of
+    one name."""
     tools: List[Tool] = []
     for entry in names:
         if entry in TOOLS:
@@ -280,7 +306,9 @@ def resolve_tools(names: Sequence[str], executor: Optional[Executor] = None) -> 
         else:
             tool = _import_tool(entry)
         if any(t.name == tool.name for t in tools):
-            raise ConfigError(f"ppo.tools: two tools are named {tool.name!r} ({entry} is the second)")
+            raise ConfigError(
+                f"ppo.tools: two tools are named {tool.name!r} ({entry} is the second)"
+            )
         tools.append(tool)
     return tools
 
@@ -289,17 +317,23 @@ def _import_tool(entry: str) -> Tool:
     module, _, attr = str(entry).rpartition(".")
     if not module:
         raise ConfigError(
-            f"ppo.tools: {entry!r} is not a built-in tool ({one_of(sorted(TOOLS))}) nor a dotted path module.attr"
+            f"ppo.tools: {entry!r} is not a built-in tool ({one_of(sorted(TOOLS))}) nor a "
+            "dotted path module.attr"
         )
     try:
         obj = getattr(importlib.import_module(module), attr)
-    except Exception as e:  # ImportError, AttributeError, or the module raising on import
-        raise ConfigError(f"ppo.tools: cannot import {entry}: {type(e).__name__}: {first_line(e)}") from None
+    except Exception as e:
+        # ImportError, AttributeError, or the module raising on import
+        raise ConfigError(
+            f"ppo.tools: cannot import {entry}: {type(e).__name__}: {first_line(e)}"
+        ) from None
     if not isinstance(obj, Tool) and callable(obj):
         try:
             obj = obj()
         except Exception as e:
-            raise ConfigError(f"ppo.tools: {entry}() raised {type(e).__name__}: {first_line(e)}") from None
+            raise ConfigError(
+                f"ppo.tools: {entry}() raised {type(e).__name__}: {first_line(e)}"
+            ) from None
     if not isinstance(obj, Tool):
         raise ConfigError(
             f"ppo.tools: {entry} is a {type(obj).__name__}, not a Tool (rlhf.envs.tools.Tool) "

@@ -38,14 +38,16 @@ class StopRequest:
 
     def listen(self) -> "StopRequest":
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ
-        if threading.current_thread() is threading.main_thread() and not under_agent:  # handlers live there
+        if threading.current_thread() is threading.main_thread() and not under_agent:
+            # handlers live there
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handler)
         return self
 
     def _handler(self, signum, frame) -> None:
         self.signum = signum
-        # the next one is not deferred: Ctrl-C again raises KeyboardInterrupt, SIGTERM again terminates
+        # the next one is not deferred: Ctrl-C again raises KeyboardInterrupt, SIGTERM again
+        # terminates
         if signum == signal.SIGINT:
             signal.signal(signum, signal.default_int_handler)
         else:

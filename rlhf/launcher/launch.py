@@ -5,8 +5,8 @@ launcher.rdzv_endpoint=HOST:PORT launcher.max_restarts=K]``: start torch.distrib
 When workers fail and no restart is left, the launcher exits with the root cause's exit code (the
 first rank to fail: 2 for bad input, 3 for a lost or silent peer, 128+N for a worker killed by
 signal N) and makes sure the whole job ends: a short shutdown timeout turns a stopped worker into
-a killed one within seconds, and on several nodes ``rlhf.launcher.watchdog.JobWatch`` tells the other
-launchers to stop their workers too.
+a killed one within seconds, and on several nodes ``rlhf.launcher.watchdog.JobWatch`` tells the
+other launchers to stop their workers too.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def child_failure(e) -> Tuple[int, Optional[str], str]:
     rank, root = _root_cause(e.failures)
     if root.exitcode > 0:
         code = root.exitcode
-    elif root.exitcode < 0:  # killed by a signal: 128 + its number, as a shell says
+    elif root.exitcode < 0:
+        # killed by a signal: 128 + its number, as a shell says
         code = 128 + -root.exitcode
     else:
         code = 128 + 1
@@ -118,7 +119,10 @@ def child_failure(e) -> Tuple[int, Optional[str], str]:
     elif root.exitcode < 0:
         msg = f"worker rank {rank} (pid {root.pid}) was killed by {root.signal_name()}"
     else:
-        msg = f"worker rank {rank} (pid {root.pid}) exited with code {root.exitcode} (its traceback is above)"
+        msg = (
+            f"worker rank {rank} (pid {root.pid}) exited with code {root.exitcode} (its "
+            "traceback is above)"
+        )
     printed = {
         str(f.error_file_data.get("message"))
         for f in e.failures.values()
@@ -133,9 +137,11 @@ def self_launch(cfg, overrides: List[str]) -> int:
     if lc.max_restarts > 0:
         # torch's agent shares one store server across rendezvous rounds and its workers use it
         # without a per-attempt prefix, so a restarted gloo group reads the dead group's addresses
-        # ("connectFullMesh failed ... Connection refused"). Unshared, every attempt gets a new store.
+        # ("connectFullMesh failed ... Connection refused"). Unshared, every attempt gets a new
+        # store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    os.environ[HEARTBEAT_STORE_ENV] = lc.rdzv_endpoint  # workers inherit it (rlhf.launcher.watchdog.Heartbeat)
+    # workers inherit it (rlhf.launcher.watchdog.Heartbeat)
+    os.environ[HEARTBEAT_STORE_ENV] = lc.rdzv_endpoint
     _patch_worker_close(shutdown_timeout())
     watch = JobWatch(lc.rdzv_endpoint, lc.rdzv_id).start() if lc.nnodes > 1 else None
     try:
@@ -147,7 +153,8 @@ def self_launch(cfg, overrides: List[str]) -> int:
             _err(line)
         if watch is not None:
             watch.announce(code, cause)
-            time.sleep(1.5)  # if this node hosts the store, let the others read why (JobWatch polls 1/s)
+            # if this node hosts the store, let the others read why (JobWatch polls 1/s)
+            time.sleep(1.5)
         return code
     except SignalException as e:
         if watch is not None and watch.fired and watch.reason:
@@ -155,12 +162,14 @@ def self_launch(cfg, overrides: List[str]) -> int:
             return int(watch.reason.get("code", EXIT_PEER))
         _err(f"the launcher received {e.sigval.name}; its workers were stopped")
         return 128 + int(e.sigval)
-    except RendezvousError as e:  # e.g. the node hosting the rendezvous store went away
+    except RendezvousError as e:
+        # e.g. the node hosting the rendezvous store went away
         if watch is not None and watch.reason:
             _err(f"stopping: another node gave up: {watch.reason.get('message')}")
             return int(watch.reason.get("code", EXIT_PEER))
         _err(
-            f"the rendezvous at {lc.rdzv_endpoint} failed ({type(e).__name__}: {one_line(str(e))}); "
+            f"the rendezvous at {lc.rdzv_endpoint} failed ({type(e).__name__}: "
+            f"{one_line(str(e))}); "
             f"a node stopped, or the endpoint is unreachable"
         )
         return EXIT_PEER

@@ -38,11 +38,15 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 EXIT_PEER = 3
-HEARTBEAT_STORE_ENV = "RLHF_HEARTBEAT_STORE"  # host:port of a store the workers beat into (set by our launcher)
-BEAT_S = 1.0  # heartbeat period; a peer is silent when its counter does not move for 2.5 periods
+# host:port of a store the workers beat into (set by our launcher)
+HEARTBEAT_STORE_ENV = "RLHF_HEARTBEAT_STORE"
+# heartbeat period; a peer is silent when its counter does not move for 2.5 periods
+BEAT_S = 1.0
 _STORE_TIMEOUT = datetime.timedelta(seconds=5)
 
-_DIST = re.compile(r"gloo|nccl|c10d|TCPStore|ProcessGroup|DistBackendError|DistNetworkError|DistStoreError", re.I)
+_DIST = re.compile(
+    r"gloo|nccl|c10d|TCPStore|ProcessGroup|DistBackendError|DistNetworkError|DistStoreError", re.I
+)
 _TIMEOUT = re.compile(r"timed out|timeout|deadline exceeded", re.I)
 _WAITED = re.compile(r"Timed out waiting (\d+)ms")
 # checked first: "timed out connecting: Connection refused" is a missing peer, not a slow one
@@ -64,7 +68,9 @@ def _store(host: str, port: int):
     # imports it, and torch would take a config error from 0.3 s to 2 s (measured, CPU dev machine)
     import torch.distributed as dist
 
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+    return dist.TCPStore(
+        host, int(port), is_master=False, wait_for_workers=False, timeout=_STORE_TIMEOUT
+    )
 
 
 # ----------------------------------------------------------------------------------------- workers
@@ -98,7 +104,8 @@ class Heartbeat:
         try:
             self._store = _store(*self.addr)
             self._store.add(self._key("beat", self.rank), 1)
-        except Exception:  # no store reachable: run without the diagnosis
+        except Exception:
+            # no store reachable: run without the diagnosis
             self._store = None
             return self
         self._thread = threading.Thread(target=self._run, name="rlhf-heartbeat", daemon=True)
@@ -116,13 +123,14 @@ class Heartbeat:
                 errors = 0
             except Exception:
                 errors += 1
-                if errors >= 3:  # the store is gone: the job is ending anyway
+                if errors >= 3:
+                    # the store is gone: the job is ending anyway
                     return
 
     def stop(self) -> None:
-        """Ends the thread and waits for it (bounded): a daemon thread still inside a store call when
-        the interpreter finalizes is unwound through C++ frames, and the process aborts ("terminate
-        called without an active exception", exit 134) after its work is done."""
+        """Ends the thread and waits for it (bounded): a daemon thread still inside a store call
+        when the interpreter finalizes is unwound through C++ frames, and the process aborts
+        ("terminate called without an active exception", exit 134) after its work is done."""
         self._stop.set()
         _join(self._thread)
 
@@ -145,15 +153,21 @@ class Heartbeat:
             time.sleep(2.5 * BEAT_S)
             after = counts()
             exited = [
-                store.check([self._key("exiting", r)]) and store.get(self._key("exiting", r)).decode() == str(after[r])
+                store.check([self._key("exiting", r)])
+                and store.get(self._key("exiting", r)).decode() == str(after[r])
                 for r in range(self.world_size)
             ]
-            return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r] and not exited[r]]
+            return [
+                r
+                for r in range(self.world_size)
+                if r != self.rank and after[r] == before[r] and not exited[r]
+            ]
         except Exception:
             return None
 
     def first_to_report(self) -> bool:
-        """True for the first rank of this attempt to report a failure (one line, not one per rank)."""
+        """True for the first rank of this attempt to report a failure (one line, not one per
+        rank)."""
         if self._store is None:
             return True
         try:
@@ -174,7 +188,8 @@ def start_heartbeat(rank: int, world_size: int) -> Optional[Heartbeat]:
     global _heartbeat
     if world_size > 1 and _heartbeat is None:
         _heartbeat = Heartbeat(rank, world_size).start()
-        atexit.register(stop_heartbeat)  # every way out (errors included) stops it before finalization
+        # every way out (errors included) stops it before finalization
+        atexit.register(stop_heartbeat)
     return _heartbeat
 
 
@@ -210,7 +225,9 @@ def collective_failure(exc: BaseException, timeout_s: float) -> Optional[Failure
     text, is_dist = "", False
     for e in _chain(exc):
         text += f"\n{type(e).__name__}: {e}"
-        is_dist |= isinstance(e, getattr(dist, "DistError", ())) or bool(_DIST.search(f"{type(e).__name__} {e}"))
+        is_dist |= isinstance(e, getattr(dist, "DistError", ())) or bool(
+            _DIST.search(f"{type(e).__name__} {e}")
+        )
     if not is_dist:
         return None
     lost = bool(_LOST.search(text))
@@ -225,7 +242,8 @@ def collective_failure(exc: BaseException, timeout_s: float) -> Optional[Failure
     if timed_out:
         if silent:
             msg = (
-                f"collective timed out after {t} s waiting for a peer: {_ranks(silent)} stopped answering "
+                f"collective timed out after {t} s waiting for a peer: {_ranks(silent)} "
+                "stopped answering "
                 f"(hung, stopped, or its node is down)"
             )
         elif silent == []:
@@ -234,11 +252,16 @@ def collective_failure(exc: BaseException, timeout_s: float) -> Optional[Failure
                 f"different collectives, or one is slower than engine.timeout_s={t} allows"
             )
         else:
-            msg = f"collective timed out after {t} s waiting for a peer ({guess} stopped answering?)"
+            msg = (
+                f"collective timed out after {t} s waiting for a peer ({guess} stopped answering?)"
+            )
     elif silent:
         msg = f"lost the connection to a peer: {_ranks(silent)} died or its node went down"
     else:
-        msg = f"lost (or could not open) the connection to a peer ({guess} died or its node went down?)"
+        msg = (
+            f"lost (or could not open) the connection to a peer ({guess} died or its node went "
+            "down?)"
+        )
     return Failure(EXIT_PEER, msg)
 
 
@@ -249,7 +272,9 @@ def write_error_file(message: str, printed: bool) -> None:
         return
     try:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"message": message, "timestamp": int(time.time()), "rlhf": {"printed": printed}}, f)
+            json.dump(
+                {"message": message, "timestamp": int(time.time()), "rlhf": {"printed": printed}}, f
+            )
     except OSError:
         pass
 
@@ -306,7 +331,8 @@ class JobWatch:
                 if self.reason is None and self._store.check([self.key]):
                     self.reason = json.loads(self._store.get(self.key).decode())
             except Exception:
-                self._store = None  # not up yet, or gone (then the agent notices by itself)
+                # not up yet, or gone (then the agent notices by itself)
+                self._store = None
                 continue
             if self.reason is None:
                 continue
@@ -325,7 +351,8 @@ class JobWatch:
         """This node gives up: tell the other launchers (best effort)."""
         self.stop()
         try:
-            store = _store(self.host, self.port)  # its own connection: the thread may hold the other
+            # its own connection: the thread may hold the other
+            store = _store(self.host, self.port)
             if not store.check([self.key]):
                 store.set(self.key, json.dumps({"code": code, "message": message}))
         except Exception:

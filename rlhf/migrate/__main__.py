@@ -1,15 +1,17 @@
-"""``python -m rlhf.migrate``: DeepSpeed-Chat launch scripts and ``ds_config.json`` files → rlhf commands.
+"""``python -m rlhf.migrate``: DeepSpeed-Chat launch scripts and ``ds_config.json`` files → rlhf
+    commands.
 
-    python -m rlhf.migrate step1.sh step2.sh step3.sh [--ds-config ds_config.json] [--gpus N] [--nodes M]
-    python -m rlhf.migrate --ds-config ds_config.json [--stage sft]
-    python -m rlhf.migrate reward-model DSCHAT_DIR OUT_DIR
+    python -m rlhf.migrate step1.sh step2.sh step3.sh [--ds-config ds_config.json] [--gpus N]
+    [--nodes M] python -m rlhf.migrate --ds-config ds_config.json [--stage sft] python -m
+    rlhf.migrate reward-model DSCHAT_DIR OUT_DIR
 
 Prints, per ``main.py`` invocation, the ``python -m rlhf stage=...`` command line that runs it here,
-then what is mapped with a difference and every flag or key that has no target, with its kind and why
-(lines starting with ``#``: the output is a shell script). Scripts are read, never run. A script's
-positional arguments ($1, $2, ...) go after its path in one argument: ``"run_1.3b.sh out/step1 3"``.
-Scripts migrated together are linked: a step-3 ``--actor_model_name_or_path`` that is step 1's
-``--output_dir`` becomes step 1's export (``<run.dir>/sft/model``). docs/deepspeed.md has the tables.
+then what is mapped with a difference and every flag or key that has no target, with its kind and
+why (lines starting with ``#``: the output is a shell script). Scripts are read, never run. A
+script's positional arguments ($1, $2, ...) go after its path in one argument: ``"run_1.3b.sh
+out/step1 3"``. Scripts migrated together are linked: a step-3 ``--actor_model_name_or_path`` that
+is step 1's ``--output_dir`` becomes step 1's export (``<run.dir>/sft/model``). docs/deepspeed.md
+has the tables.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def world_of(inv: Invocation, gpus: Optional[int], nodes: Optional[int]) -> tupl
     try:
         return int(per), int(n), note
     except ValueError:
-        raise UserError(f"{inv.where}: the launcher's GPU count {per!r} / node count {n!r} is not a number") from None
+        raise UserError(
+            f"{inv.where}: the launcher's GPU count {per!r} / node count {n!r} is not a number"
+        ) from None
 
 
 def plan_invocation(
@@ -88,7 +92,10 @@ def plan_invocation(
     ctx = Context(stage, plan, {}, set(), per * n, exports)
     apply_flags(ctx, inv.flags)
     for name in inv.unresolved:
-        plan.note(f"{name} is the script's caller's (no default in the script): give it in the command line above")
+        plan.note(
+            f"{name} is the script's caller's (no default in the script): give it in the "
+            "command line above"
+        )
     return plan
 
 
@@ -113,7 +120,8 @@ def migrate(
         found = read_script(text, path, args)
         if not found:
             raise UserError(
-                f"{path}: no DeepSpeed-Chat main.py invocation in it (deepspeed/torchrun/python ... main.py --flags)"
+                f"{path}: no DeepSpeed-Chat main.py invocation in it "
+                "(deepspeed/torchrun/python ... main.py --flags)"
             )
         for inv in found:
             plan = plan_invocation(inv, exports, gpus, nodes, ds_config, recipe, p.parent)
@@ -135,13 +143,17 @@ def migrate(
 
 def _reward_model(argv: List[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlhf.migrate reward-model")
-    ap.add_argument("src", help="a DeepSpeed-Chat step-2 output directory (rwtransformer.* and v_head.weight)")
+    ap.add_argument(
+        "src", help="a DeepSpeed-Chat step-2 output directory (rwtransformer.* and v_head.weight)"
+    )
     ap.add_argument("dst", help="where to write the sequence-classification model")
     a = ap.parse_args(argv)
     from rlhf.models.dschat import convert_dschat_reward_model
 
     out = convert_dschat_reward_model(a.src, a.dst)
-    print(f"wrote {out}: a sequence classifier (num_labels=1) for ppo.reward_model_path or rlhf.score")
+    print(
+        f"wrote {out}: a sequence classifier (num_labels=1) for ppo.reward_model_path or rlhf.score"
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -150,19 +162,33 @@ def main(argv: Optional[List[str]] = None) -> None:
         if argv[:1] == ["reward-model"]:
             _reward_model(argv[1:])
             return
-        ap = argparse.ArgumentParser(prog="python -m rlhf.migrate", description=__doc__.split("\n\n")[0])
-        ap.add_argument("scripts", nargs="*", help='launch scripts; "script.sh ARG1 ARG2" gives its $1 $2')
-        ap.add_argument(
-            "--ds-config", help="a DeepSpeed ds_config.json (applied to every command; the scripts' flags win)"
+        ap = argparse.ArgumentParser(
+            prog="python -m rlhf.migrate", description=__doc__.split("\n\n")[0]
         )
-        ap.add_argument("--stage", default="sft", choices=STAGES, help="the stage of a --ds-config given alone")
-        ap.add_argument("--gpus", type=int, help="GPUs per node (else the launcher's --num_gpus, else 8)")
+        ap.add_argument(
+            "scripts", nargs="*", help='launch scripts; "script.sh ARG1 ARG2" gives its $1 $2'
+        )
+        ap.add_argument(
+            "--ds-config",
+            help="a DeepSpeed ds_config.json (applied to every command; the scripts' flags win)",
+        )
+        ap.add_argument(
+            "--stage", default="sft", choices=STAGES, help="the stage of a --ds-config given alone"
+        )
+        ap.add_argument(
+            "--gpus", type=int, help="GPUs per node (else the launcher's --num_gpus, else 8)"
+        )
         ap.add_argument("--nodes", type=int, help="nodes (else the launcher's --num_nodes, else 1)")
-        ap.add_argument("--tables", action="store_true", help="print the flag and key tables (markdown) and exit")
+        ap.add_argument(
+            "--tables",
+            action="store_true",
+            help="print the flag and key tables (markdown) and exit",
+        )
         ap.add_argument(
             "--recipe",
             default="dschat",
-            help="the recipe the commands name (dschat: DeepSpeed-Chat's PPO behaviour; 'none': rlhf picks)",
+            help="the recipe the commands name (dschat: DeepSpeed-Chat's PPO behaviour; 'none': "
+            "rlhf picks)",
         )
         a = ap.parse_args(argv)
         if a.tables:
@@ -177,10 +203,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"rlhf.migrate: error: {e}", file=sys.stderr)
         sys.exit(2)
     left = sum(len(p.unmapped) for p in plans)
-    text = "\n\n".join(["#!/bin/sh\n# python -m rlhf.migrate " + " ".join(argv)] + [p.render() for p in plans])
+    text = "\n\n".join(
+        ["#!/bin/sh\n# python -m rlhf.migrate " + " ".join(argv)] + [p.render() for p in plans]
+    )
     try:
-        print(f"{text}\n\n# {len(plans)} command(s); {left} flag(s)/key(s) not mapped (listed under each command)")
-    except BrokenPipeError:  # the reader stopped early (| head): not an error of ours
+        print(
+            f"{text}\n\n# {len(plans)} command(s); {left} flag(s)/key(s) not mapped "
+            "(listed under each command)"
+        )
+    except BrokenPipeError:
+        # the reader stopped early (| head): not an error of ours
         sys.stderr.close()
 
 

@@ -1,8 +1,8 @@
 """DeepSpeed ``ds_config.json`` keys → rlhf keys: one row per key (dotted path), CONFIG_TABLE.
 
 Sections that are all FSDP2's business (ZeRO's buckets and prefetch sizes) or have no counterpart
-(compression, curriculum learning, pipeline parallelism, ...) are rows of their own, so that every key
-a file holds gets a line: mapped, or not and why. ``"auto"`` values (the Hugging Face Trainer's
+(compression, curriculum learning, pipeline parallelism, ...) are rows of their own, so that every
+key a file holds gets a line: mapped, or not and why. ``"auto"`` values (the Hugging Face Trainer's
 integration) are left to rlhf, which derives them too.
 """
 
@@ -40,7 +40,8 @@ def _zero_stage(plan: Plan, key: str, value, cfg: dict) -> None:
 
 
 def _offload(plan: Plan, key: str, value, cfg: dict) -> None:
-    """cpu: `engine.offload=cpu` (parameters, gradients and optimizer state together); nvme: no equivalent"""
+    """cpu: `engine.offload=cpu` (parameters, gradients and optimizer state together); nvme: no
+    equivalent"""
     device = str(value)
     if device == "cpu":
         plan.set("engine.offload", "cpu", key)
@@ -48,11 +49,14 @@ def _offload(plan: Plan, key: str, value, cfg: dict) -> None:
         other = "offload_param" if key.endswith("offload_optimizer.device") else "offload_optimizer"
         if str(zero.get(other, {}).get("device", "none")) != "cpu":
             plan.note(
-                f"{key}=cpu: FSDP2's CPU offload moves parameters, gradients and optimizer state together "
+                f"{key}=cpu: FSDP2's CPU offload moves parameters, gradients and optimizer "
+                "state together "
                 f"(DeepSpeed's {other} was not set: rlhf offloads it too)"
             )
     elif device == "nvme":
-        plan.skip(f"{key}=nvme", "no equivalent", "no NVMe offload: engine.offload=cpu is the nearest")
+        plan.skip(
+            f"{key}=nvme", "no equivalent", "no NVMe offload: engine.offload=cpu is the nearest"
+        )
 
 
 def _precision(name: str) -> Callable:
@@ -79,22 +83,38 @@ def _optimizer_type(plan: Plan, key: str, value, cfg: dict) -> None:
     if kind in ("adamw", "adam", "fusedadam", "cpuadam", "deepspeedcpuadam"):
         params = cfg.get("optimizer", {}).get("params", {})
         if kind != "adamw" and params.get("adam_w_mode", True) is False:
-            plan.skip(f"{key}={value}", "no equivalent", "Adam with L2 weight decay: rlhf's optimizer is AdamW")
+            plan.skip(
+                f"{key}={value}",
+                "no equivalent",
+                "Adam with L2 weight decay: rlhf's optimizer is AdamW",
+            )
         elif kind not in ("adamw",):
-            plan.note(f"{key}={value}: rlhf trains with AdamW (DeepSpeed's Adam is AdamW by default, adam_w_mode)")
+            plan.note(
+                f"{key}={value}: rlhf trains with AdamW (DeepSpeed's Adam is AdamW by "
+                "default, adam_w_mode)"
+            )
     else:
-        plan.skip(f"{key}={value}", "no equivalent", "rlhf's optimizer is AdamW (train.lr, betas, eps, weight_decay)")
+        plan.skip(
+            f"{key}={value}",
+            "no equivalent",
+            "rlhf's optimizer is AdamW (train.lr, betas, eps, weight_decay)",
+        )
 
 
 def _scheduler(plan: Plan, key: str, value, cfg: dict) -> None:
-    """`train.scheduler`: WarmupLR → warmup, WarmupDecayLR → warmup_decay, WarmupCosineLR → cosine"""
+    """`train.scheduler`: WarmupLR → warmup, WarmupDecayLR → warmup_decay, WarmupCosineLR →
+    cosine"""
     table = {"WarmupLR": "warmup", "WarmupDecayLR": "warmup_decay", "WarmupCosineLR": "cosine"}
     if value in table:
         plan.set("train.scheduler", table[value], key)
         if value != "WarmupLR":
             plan.set("train.min_lr_ratio", 0.0, key)
     else:
-        plan.skip(f"{key}={value}", "no equivalent", "rlhf's schedules: warmup, warmup_decay, cosine, constant")
+        plan.skip(
+            f"{key}={value}",
+            "no equivalent",
+            "rlhf's schedules: warmup, warmup_decay, cosine, constant",
+        )
 
 
 def _warmup_max_lr(plan: Plan, key: str, value, cfg: dict) -> None:
@@ -170,8 +190,12 @@ CONFIG_TABLE: Dict[str, Rule] = {
     "fp16.hysteresis": _fp16_key("hysteresis", int),
     "fp16.consecutive_hysteresis": _fp16_key("consecutive_hysteresis", bool),
     "fp16.min_loss_scale": _fp16_key("min_loss_scale"),
-    "fp16.auto_cast": Off("not needed", "inputs are token ids; the compute dtype follows engine.precision"),
-    "fp16.fp16_master_weights_and_grads": Off("no equivalent", "master weights and gradient reductions are fp32"),
+    "fp16.auto_cast": Off(
+        "not needed", "inputs are token ids; the compute dtype follows engine.precision"
+    ),
+    "fp16.fp16_master_weights_and_grads": Off(
+        "no equivalent", "master weights and gradient reductions are fp32"
+    ),
     "bf16.enabled": _precision("bf16"),
     "bfloat16.enabled": _precision("bf16"),
     "bf16.immediate_grad_update": Off("not needed", "gradients are reduced in fp32"),
@@ -179,13 +203,19 @@ CONFIG_TABLE: Dict[str, Rule] = {
     "communication_data_type": Off("not needed", "gradients are reduced in fp32"),
     "data_types.grad_accum_dtype": Off("not needed", "gradients accumulate in fp32"),
     "prescale_gradients": Off("not needed", "gradients are averaged in fp32 after the reduction"),
-    "gradient_predivide_factor": Off("not needed", "gradients are averaged in fp32 after the reduction"),
+    "gradient_predivide_factor": Off(
+        "not needed", "gradients are averaged in fp32 after the reduction"
+    ),
     # ZeRO
     "zero_optimization.stage": _zero_stage,
     "zero_optimization.offload_optimizer.device": _offload,
     "zero_optimization.offload_param.device": _offload,
-    "zero_optimization.offload_optimizer.pin_memory": Off("not needed", "FSDP2's CPU offload pins its host memory"),
-    "zero_optimization.offload_param.pin_memory": Off("not needed", "FSDP2's CPU offload pins its host memory"),
+    "zero_optimization.offload_optimizer.pin_memory": Off(
+        "not needed", "FSDP2's CPU offload pins its host memory"
+    ),
+    "zero_optimization.offload_param.pin_memory": Off(
+        "not needed", "FSDP2's CPU offload pins its host memory"
+    ),
     "zero_optimization.offload_optimizer.nvme_path": Off("no equivalent", "no NVMe offload"),
     "zero_optimization.offload_param.nvme_path": Off("no equivalent", "no NVMe offload"),
     "zero_optimization.offload_optimizer.buffer_count": Off("no equivalent", "no NVMe offload"),
@@ -193,7 +223,9 @@ CONFIG_TABLE: Dict[str, Rule] = {
     "zero_optimization.offload_param.buffer_size": Off("no equivalent", "no NVMe offload"),
     "zero_optimization.offload_param.max_in_cpu": Off("no equivalent", "no NVMe offload"),
     "zero_optimization.offload_optimizer.fast_init": Off("not needed", FSDP2),
-    "zero_optimization.offload_optimizer.ratio": Off("no equivalent", "all or nothing: engine.offload=cpu"),
+    "zero_optimization.offload_optimizer.ratio": Off(
+        "no equivalent", "all or nothing: engine.offload=cpu"
+    ),
     "zero_optimization.overlap_comm": Off("not needed", FSDP2),
     "zero_optimization.contiguous_gradients": Off("not needed", FSDP2),
     "zero_optimization.reduce_bucket_size": Off("not needed", FSDP2),
@@ -202,7 +234,9 @@ CONFIG_TABLE: Dict[str, Rule] = {
     "zero_optimization.reduce_scatter": Off("not needed", FSDP2),
     "zero_optimization.round_robin_gradients": Off("not needed", FSDP2),
     "zero_optimization.sub_group_size": Off("not needed", FSDP2),
-    "zero_optimization.elastic_checkpoint": Off("not needed", "checkpoints reshard to any world size (DCP)"),
+    "zero_optimization.elastic_checkpoint": Off(
+        "not needed", "checkpoints reshard to any world size (DCP)"
+    ),
     "zero_optimization.load_from_fp32_weights": Off("not needed", "master weights are fp32"),
     "zero_optimization.stage3_prefetch_bucket_size": Off("not needed", FSDP2),
     "zero_optimization.stage3_param_persistence_threshold": Off("not needed", FSDP2),
@@ -211,16 +245,26 @@ CONFIG_TABLE: Dict[str, Rule] = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": Off(
         "not needed", "exports gather full weights always"
     ),
-    "zero_optimization.gather_16bit_weights_on_model_save": Off("not needed", "exports gather full weights always"),
+    "zero_optimization.gather_16bit_weights_on_model_save": Off(
+        "not needed", "exports gather full weights always"
+    ),
     "zero_optimization.memory_efficient_linear": Off("not needed", FSDP2),
     "zero_optimization.ignore_unused_parameters": Off("not needed", FSDP2),
-    "zero_optimization.zero_hpz_partition_size": Off("no equivalent", "ZeRO++ hierarchical partitioning"),
+    "zero_optimization.zero_hpz_partition_size": Off(
+        "no equivalent", "ZeRO++ hierarchical partitioning"
+    ),
     "zero_optimization.zero_quantized_weights": Off("no equivalent", "ZeRO++ quantized weights"),
-    "zero_optimization.zero_quantized_gradients": Off("no equivalent", "ZeRO++ quantized gradients"),
-    "zero_optimization.zero_quantized_nontrainable_weights": Off("no equivalent", "ZeRO++ quantized frozen weights"),
+    "zero_optimization.zero_quantized_gradients": Off(
+        "no equivalent", "ZeRO++ quantized gradients"
+    ),
+    "zero_optimization.zero_quantized_nontrainable_weights": Off(
+        "no equivalent", "ZeRO++ quantized frozen weights"
+    ),
     "zero_optimization.mics_shard_size": Off("no equivalent", "MiCS: FSDP2 shards over every rank"),
     "zero_allow_untested_optimizer": Off("not needed", "one optimizer, AdamW"),
-    "zero_force_ds_cpu_optimizer": Off("not needed", "FSDP2's offload steps torch's AdamW on the host"),
+    "zero_force_ds_cpu_optimizer": Off(
+        "not needed", "FSDP2's offload steps torch's AdamW on the host"
+    ),
     # optimizer and schedule
     "optimizer.type": _optimizer_type,
     "optimizer.params.lr": To("train.lr", float),
@@ -238,14 +282,22 @@ CONFIG_TABLE: Dict[str, Rule] = {
     "scheduler.params.total_num_steps": _total_steps,
     "scheduler.params.cos_min_ratio": To("train.min_lr_ratio", float),
     "scheduler.params.warmup_min_ratio": _warmup_min_lr,
-    "scheduler.params.last_batch_iteration": Off("not needed", "resume restores the schedule from the checkpoint"),
+    "scheduler.params.last_batch_iteration": Off(
+        "not needed", "resume restores the schedule from the checkpoint"
+    ),
     # hybrid engine (DeepSpeed-Chat's actor)
     "hybrid_engine.enabled": _hybrid,
     "hybrid_engine.inference_tp_size": To("engine.inference_tp_size", int),
     "hybrid_engine.release_inference_cache": To("engine.release_inference_cache", bool),
-    "hybrid_engine.pin_parameters": Off("not needed", "no pinned copy of the actor is kept for generation"),
-    "hybrid_engine.tp_gather_partition_size": Off("not needed", "the inference mode gathers each block's shards whole"),
-    "hybrid_engine.max_out_tokens": Off("not needed", "the KV cache is sized from the prompt and response lengths"),
+    "hybrid_engine.pin_parameters": Off(
+        "not needed", "no pinned copy of the actor is kept for generation"
+    ),
+    "hybrid_engine.tp_gather_partition_size": Off(
+        "not needed", "the inference mode gathers each block's shards whole"
+    ),
+    "hybrid_engine.max_out_tokens": Off(
+        "not needed", "the KV cache is sized from the prompt and response lengths"
+    ),
     # logging
     "tensorboard.enabled": _tensorboard,
     "tensorboard.output_path": _tensorboard_path,
@@ -262,11 +314,18 @@ CONFIG_TABLE: Dict[str, Rule] = {
     "dump_state": Off("not needed", "<stage>/config.yaml holds the resolved configuration"),
     # activation checkpointing of DeepSpeed's own API (models calling deepspeed.checkpointing)
     "activation_checkpointing.partition_activations": Off(
-        "no equivalent", "engine.activation_checkpointing recomputes each block (no partitioned activations)"
+        "no equivalent",
+        "engine.activation_checkpointing recomputes each block (no partitioned activations)",
     ),
-    "activation_checkpointing.cpu_checkpointing": Off("no equivalent", "activations are not offloaded"),
-    "activation_checkpointing.contiguous_memory_optimization": Off("not needed", "torch's non-reentrant checkpointing"),
-    "activation_checkpointing.number_checkpoints": Off("not needed", "one checkpoint per decoder block"),
+    "activation_checkpointing.cpu_checkpointing": Off(
+        "no equivalent", "activations are not offloaded"
+    ),
+    "activation_checkpointing.contiguous_memory_optimization": Off(
+        "not needed", "torch's non-reentrant checkpointing"
+    ),
+    "activation_checkpointing.number_checkpoints": Off(
+        "not needed", "one checkpoint per decoder block"
+    ),
     "activation_checkpointing.synchronize_checkpoint_boundary": Off(
         "not needed", "torch's non-reentrant checkpointing"
     ),
@@ -276,15 +335,21 @@ CONFIG_TABLE: Dict[str, Rule] = {
 SECTIONS: Dict[str, Off] = {
     "flops_profiler": Off("no equivalent", "use torch.profiler"),
     "comms_logger": Off("no equivalent", "use torch.profiler"),
-    "autotuning": Off("no equivalent", "set batch sizes by hand (bench/real_size.py measures them)"),
+    "autotuning": Off(
+        "no equivalent", "set batch sizes by hand (bench/real_size.py measures them)"
+    ),
     "aio": Off("no equivalent", "no NVMe offload"),
-    "elasticity": Off("different default", "elastic restarts: launcher.max_restarts, resume on any world size"),
+    "elasticity": Off(
+        "different default", "elastic restarts: launcher.max_restarts, resume on any world size"
+    ),
     "compression_training": Off("no equivalent", "no compression-aware training"),
     "data_efficiency": Off("no equivalent", "no curriculum or data routing"),
     "curriculum_learning": Off("no equivalent", "no curriculum learning"),
     "sparse_attention": Off("no equivalent", "attention is SDPA (packed where the family allows)"),
     "pipeline": Off("no equivalent", "no pipeline parallelism (FSDP2 + inference TP)"),
-    "checkpoint": Off("not needed", "checkpoints are torch.distributed.checkpoint, verified by manifest"),
+    "checkpoint": Off(
+        "not needed", "checkpoints are torch.distributed.checkpoint, verified by manifest"
+    ),
     "monitor_config": Off("different default", "metrics.jsonl, wandb, TensorBoard (logger.*)"),
     "nebula": Off("no equivalent", "checkpoints are written by DCP"),
     "quantize_training": Off("no equivalent", "no quantized training"),
@@ -315,12 +380,16 @@ def read_config(path: str) -> dict:
 
 
 def apply_config(plan: Plan, cfg: dict) -> None:
-    """Every leaf of ``cfg`` through CONFIG_TABLE (or its section's row): a key, a rule, or a reason. A
-    section switched off (``"enabled": false``) is rlhf's behaviour too: nothing to say about its keys."""
-    off = {k for k, v in cfg.items() if isinstance(v, dict) and v.get("enabled") in (False, "false")}
+    """Every leaf of ``cfg`` through CONFIG_TABLE (or its section's row): a key, a rule, or a
+    reason. A section switched off (``"enabled": false``) is rlhf's behaviour too: nothing to say
+    about its keys."""
+    off = {
+        k for k, v in cfg.items() if isinstance(v, dict) and v.get("enabled") in (False, "false")
+    }
     if "hybrid_engine" in off:
         plan.note(
-            "ds_config hybrid_engine.enabled=false: rlhf's hybrid engine stays on (engine.hybrid=true; "
+            "ds_config hybrid_engine.enabled=false: rlhf's hybrid engine stays on "
+            "(engine.hybrid=true; "
             "engine.hybrid=false generates with the training model, slower)"
         )
     for key, value in _leaves(cfg):
@@ -335,20 +404,24 @@ def apply_config(plan: Plan, cfg: dict) -> None:
             rule = SECTIONS[section]
         if rule is None:
             plan.skip(
-                f"ds_config {key}={json.dumps(value)}", "no equivalent", "a DeepSpeed key this migration does not know"
+                f"ds_config {key}={json.dumps(value)}",
+                "no equivalent",
+                "a DeepSpeed key this migration does not know",
             )
         elif isinstance(rule, To):
             plan.set(rule.key, rule.convert(value), f"ds_config {key}")
         elif isinstance(rule, Off):
             if value is False:
-                continue  # a feature said off: rlhf's behaviour too
+                # a feature said off: rlhf's behaviour too
+                continue
             plan.skip(f"ds_config {key}={json.dumps(value)}", rule.kind, rule.why)
         else:
             rule(plan, f"ds_config {key}", value, cfg)
 
 
 def config_table_markdown() -> str:
-    """docs/deepspeed.md's ds_config table, from CONFIG_TABLE and SECTIONS (kept equal by a test)."""
+    """docs/deepspeed.md's ds_config table, from CONFIG_TABLE and SECTIONS (kept equal by a
+    test)."""
     rows = ["| `ds_config.json` key | rlhf |", "| --- | --- |"]
     for key, rule in CONFIG_TABLE.items():
         if isinstance(rule, To):

@@ -1,9 +1,10 @@
-"""DeepSpeed-Chat's main.py flags (training/step1_supervised_finetuning, step2_reward_model_finetuning,
-step2_dpo_finetuning, step3_rlhf_finetuning) → rlhf keys: one row per flag, FLAG_TABLE.
+"""DeepSpeed-Chat's main.py flags (training/step1_supervised_finetuning,
+step2_reward_model_finetuning, step2_dpo_finetuning, step3_rlhf_finetuning) → rlhf keys: one row per
+flag, FLAG_TABLE.
 
-A row names the steps whose main.py has the flag, DeepSpeed-Chat's default there (a run that does not
-give the flag gets it: its learning rates, batch sizes, lengths and schedule are carried over too) and
-the rule: a key (``Key``), a reason it has no target (``Skip``), or a function of the whole
+A row names the steps whose main.py has the flag, DeepSpeed-Chat's default there (a run that does
+not give the flag gets it: its learning rates, batch sizes, lengths and schedule are carried over
+too) and the rule: a key (``Key``), a reason it has no target (``Skip``), or a function of the whole
 invocation (batch sizes, LoRA and the learning rate depend on several flags and on the world size).
 """
 
@@ -18,9 +19,9 @@ from rlhf.migrate.plan import Plan
 ALL = ("sft", "reward", "dpo", "ppo")
 TRAIN12 = ("sft", "reward", "dpo")
 
-# DeepSpeed-Chat's datasets (dschat/utils/data/raw_datasets.py) whose columns rlhf reads as they are:
-# prompt / chosen / rejected (the prompt holds "\n\nHuman: ... \n\nAssistant:"; SFT trains on prompt +
-# chosen) — or Anthropic's chosen / rejected transcripts
+# DeepSpeed-Chat's datasets (dschat/utils/data/raw_datasets.py) whose columns rlhf reads as they
+# are: prompt / chosen / rejected (the prompt holds "\n\nHuman: ... \n\nAssistant:"; SFT trains on
+# prompt + chosen) — or Anthropic's chosen / rejected transcripts
 DATASETS = {
     "Dahoas/rm-static": "prompt_chosen_rejected",
     "Dahoas/full-hh-rlhf": "prompt_chosen_rejected",
@@ -50,9 +51,11 @@ class Flag:
     name: str
     steps: Sequence[str]
     rule: Rule
-    # DeepSpeed-Chat's default where the flag is not given (per step where they differ); None = nothing
+    # DeepSpeed-Chat's default where the flag is not given (per step where they differ); None =
+    # nothing
     default: Any = None
-    takes: str = "one"  # one | many (--data_path) | switch (store_true)
+    # one | many (--data_path) | switch (store_true)
+    takes: str = "one"
 
     def default_for(self, step: str):
         return self.default.get(step) if isinstance(self.default, dict) else self.default
@@ -61,15 +64,16 @@ class Flag:
 @dataclass
 class Context:
     """What the rules read: the invocation's flags (given ones, else DeepSpeed-Chat's defaults), the
-    world size, and where earlier migrated steps export (a later step's input path that is an earlier
-    step's --output_dir becomes that stage's export)."""
+    world size, and where earlier migrated steps export (a later step's input path that is an
+    earlier step's --output_dir becomes that stage's export)."""
 
     step: str
     plan: Plan
     values: Dict[str, Any]
     given: set
     world: int
-    exports: Dict[str, str] = field(default_factory=dict)  # DeepSpeed-Chat output_dir -> rlhf export dir
+    # DeepSpeed-Chat output_dir -> rlhf export dir
+    exports: Dict[str, str] = field(default_factory=dict)
     done: set = field(default_factory=set)
 
     def once(self, name: str) -> bool:
@@ -106,29 +110,40 @@ def targets(text: str) -> Callable:
 # ---- rules over several flags ----
 
 
-@targets("train.micro_batch_per_rank = per device; train.global_batch = per device × world × accumulation")
+@targets(
+    "train.micro_batch_per_rank = per device; train.global_batch = per device × world × "
+    "accumulation"
+)
 def _batches(ctx: Context, name: str, value) -> None:
-    """Steps 1, 2: global batch = per-device batch × world × accumulation; micro-batch = per-device."""
+    """Steps 1, 2: global batch = per-device batch × world × accumulation; micro-batch =
+    per-device."""
     if not ctx.once("batches"):
         return
     per = int(ctx.values["per_device_train_batch_size"])
     acc = int(ctx.values.get("gradient_accumulation_steps") or 1)
     ctx.plan.set("train.micro_batch_per_rank", per, "--per_device_train_batch_size")
-    ctx.plan.set("train.global_batch", per * ctx.world * acc, "--per_device_train_batch_size × world × accumulation")
+    ctx.plan.set(
+        "train.global_batch",
+        per * ctx.world * acc,
+        "--per_device_train_batch_size × world × accumulation",
+    )
 
 
 @targets(
-    "ppo.prompts_per_step = generation batch × generation_batches × world; ppo.micro_batch_per_rank = "
+    "ppo.prompts_per_step = generation batch × generation_batches × world; "
+    "ppo.micro_batch_per_rank = "
     "training batch; ppo.minibatches_per_epoch = generated ÷ (training batch × accumulation); "
     "ppo.samples_per_prompt=1"
 )
 def _ppo_batches(ctx: Context, name: str, value) -> None:
-    """Step 3: each rank generates per_device_generation_batch_size × generation_batches prompts (one
-    answer each), then trains on per_device_training_batch_size × gradient_accumulation_steps rows an
-    optimizer step, ppo_epochs times over them."""
+    """Step 3: each rank generates per_device_generation_batch_size × generation_batches prompts
+    (one answer each), then trains on per_device_training_batch_size × gradient_accumulation_steps
+    rows an optimizer step, ppo_epochs times over them."""
     if not ctx.once("ppo_batches"):
         return
-    gen = int(ctx.values["per_device_generation_batch_size"]) * int(ctx.values.get("generation_batches") or 1)
+    gen = int(ctx.values["per_device_generation_batch_size"]) * int(
+        ctx.values.get("generation_batches") or 1
+    )
     train = int(ctx.values["per_device_training_batch_size"])
     acc = int(ctx.values.get("gradient_accumulation_steps") or 1)
     by = "--per_device_generation_batch_size × --generation_batches × world"
@@ -140,17 +155,21 @@ def _ppo_batches(ctx: Context, name: str, value) -> None:
         ctx.plan.skip(
             ctx.flag("per_device_training_batch_size"),
             "no equivalent",
-            f"{gen} generated rows a rank do not split into updates of {per_update}: rlhf's updates are "
+            f"{gen} generated rows a rank do not split into updates of {per_update}: "
+            "rlhf's updates are "
             f"equal shares (ppo.minibatches_per_epoch); {max(gen // per_update, 1)} used",
         )
     ctx.plan.set(
-        "ppo.minibatches_per_epoch", max(gen // per_update, 1), "generated rows ÷ (training batch × accumulation)"
+        "ppo.minibatches_per_epoch",
+        max(gen // per_update, 1),
+        "generated rows ÷ (training batch × accumulation)",
     )
 
 
 @targets("train.lr (LoRA: the LoRA learning rate); step 3: ppo.critic_lr")
 def _lr(ctx: Context, name: str, value) -> None:
-    """The learning rate; with LoRA and --only_optimize_lora DeepSpeed-Chat trains the adapters alone at
+    """The learning rate; with LoRA and --only_optimize_lora DeepSpeed-Chat trains the adapters
+    alone at
     --lora_learning_rate (as rlhf does: only the adapters train)."""
     if not ctx.once("lr"):
         return
@@ -167,7 +186,9 @@ def _lr(ctx: Context, name: str, value) -> None:
         ctx.plan.set("ppo.critic_lr", float(ctx.values[key]), f"--{key}")
 
 
-@targets("model.lora.r, model.lora.alpha = r (DeepSpeed-Chat's scaling 1); critic: model.lora.critic")
+@targets(
+    "model.lora.r, model.lora.alpha = r (DeepSpeed-Chat's scaling 1); critic: model.lora.critic"
+)
 def _lora(ctx: Context, name: str, value) -> None:
     if not ctx.once("lora"):
         return
@@ -182,13 +203,17 @@ def _lora(ctx: Context, name: str, value) -> None:
         ctx.plan.skip(
             ctx.flag(prefix + "lora_module_name"),
             "no equivalent",
-            "rlhf puts adapters on every linear layer of the decoder blocks, or on the module names of "
-            "model.lora.target_modules (e.g. [q_proj,v_proj]); a name prefix is not a scope it reads",
+            "rlhf puts adapters on every linear layer of the decoder blocks, or on the "
+            "module names of "
+            "model.lora.target_modules (e.g. [q_proj,v_proj]); a name prefix is not a "
+            "scope it reads",
         )
     if not ctx.values.get("only_optimize_lora"):
         ctx.plan.note(
-            "--only_optimize_lora not given: DeepSpeed-Chat then trains the base weights beside the "
-            "adapters; rlhf trains the adapters only (add modules to model.lora.modules_to_save to train them too)"
+            "--only_optimize_lora not given: DeepSpeed-Chat then trains the base weights "
+            "beside the "
+            "adapters; rlhf trains the adapters only (add modules to "
+            "model.lora.modules_to_save to train them too)"
         )
     if ctx.step == "ppo":
         critic_r = int(ctx.values.get("critic_lora_dim") or 0)
@@ -209,14 +234,18 @@ def _max_seq_len(ctx: Context, name: str, value) -> None:
     ctx.plan.set("data.max_prompt_len", prompt, "--max_seq_len / 2")
     ctx.plan.set("data.max_response_len", n - prompt, "--max_seq_len / 2")
     ctx.plan.note(
-        f"--max_seq_len {n}: DeepSpeed-Chat cuts prompt + response at {n} tokens; rlhf cuts each apart "
-        f"(data.max_prompt_len={prompt}, data.max_response_len={n - prompt}): a long prompt keeps its response"
+        f"--max_seq_len {n}: DeepSpeed-Chat cuts prompt + response at {n} tokens; rlhf "
+        "cuts each apart "
+        f"(data.max_prompt_len={prompt}, data.max_response_len={n - prompt}): a long "
+        "prompt keeps its response"
     )
 
 
 @targets(
-    "data.path + data.format (several: data.sources); known: Dahoas/rm-static, Dahoas/full-hh-rlhf, "
-    "Dahoas/synthetic-instruct-gptj-pairwise, yitingxie/rlhf-reward-datasets (prompt_chosen_rejected), "
+    "data.path + data.format (several: data.sources); known: Dahoas/rm-static, "
+    "Dahoas/full-hh-rlhf, "
+    "Dahoas/synthetic-instruct-gptj-pairwise, yitingxie/rlhf-reward-datasets "
+    "(prompt_chosen_rejected), "
     "Anthropic/hh-rlhf (hh), local/jsonfile, a local file"
 )
 def _data(ctx: Context, name: str, value) -> None:
@@ -228,8 +257,10 @@ def _data(ctx: Context, name: str, value) -> None:
         elif p == "local/jsonfile":
             sources.append(("data/train.json", "prompt_chosen_rejected"))
             ctx.plan.note(
-                "--data_path local/jsonfile: DeepSpeed-Chat reads <DeepSpeed-Chat>/data/train.json and "
-                "eval.json; mapped to data/train.json (give data.path and data.eval_path where yours are)"
+                "--data_path local/jsonfile: DeepSpeed-Chat reads "
+                "<DeepSpeed-Chat>/data/train.json and "
+                "eval.json; mapped to data/train.json (give data.path and data.eval_path "
+                "where yours are)"
             )
         elif Path(p).exists():
             sources.append((p, "prompt_chosen_rejected"))
@@ -239,7 +270,8 @@ def _data(ctx: Context, name: str, value) -> None:
         ctx.plan.skip(
             f"--data_path {p}",
             "no equivalent",
-            "a dataset whose columns this migration does not know: add it as a data.sources entry with its "
+            "a dataset whose columns this migration does not know: add it as a "
+            "data.sources entry with its "
             "data.format and data.columns (docs/contract.md, Data formats)",
         )
     if len(sources) == 1:
@@ -256,18 +288,26 @@ def _split(ctx: Context, name: str, value) -> None:
 
 
 @targets(
-    "train.scheduler: cosine, linear → warmup_decay, constant, constant_with_warmup → warmup (decaying "
+    "train.scheduler: cosine, linear → warmup_decay, constant, constant_with_warmup → "
+    "warmup (decaying "
     "ones to 0: train.min_lr_ratio=0)"
 )
 def _scheduler(ctx: Context, name: str, value) -> None:
-    table = {"cosine": "cosine", "linear": "warmup_decay", "constant": "constant", "constant_with_warmup": "warmup"}
+    table = {
+        "cosine": "cosine",
+        "linear": "warmup_decay",
+        "constant": "constant",
+        "constant_with_warmup": "warmup",
+    }
     if value in table:
         ctx.plan.set("train.scheduler", table[value], "--lr_scheduler_type")
         if table[value] in ("cosine", "warmup_decay"):
             ctx.plan.set("train.min_lr_ratio", 0.0, "--lr_scheduler_type (decays to 0)")
     else:
         ctx.plan.skip(
-            ctx.flag(name), "no equivalent", "rlhf's schedules: cosine, warmup_decay (linear), warmup, constant"
+            ctx.flag(name),
+            "no equivalent",
+            "rlhf's schedules: cosine, warmup_decay (linear), warmup, constant",
         )
 
 
@@ -287,12 +327,16 @@ def _warmup(ctx: Context, name: str, value) -> None:
 @targets("engine.precision (fp16: engine.fp16.loss_scale_window=100, DeepSpeed-Chat's ds_config)")
 def _dtype(ctx: Context, name: str, value) -> None:
     ctx.plan.set("engine.precision", value, "--dtype")
-    if value == "fp16":  # dschat/utils/ds_utils.py get_train_ds_config
-        ctx.plan.set("engine.fp16.loss_scale_window", 100, "--dtype fp16 (DeepSpeed-Chat's ds_config)")
+    if value == "fp16":
+        # dschat/utils/ds_utils.py get_train_ds_config
+        ctx.plan.set(
+            "engine.fp16.loss_scale_window", 100, "--dtype fp16 (DeepSpeed-Chat's ds_config)"
+        )
 
 
 @targets(
-    "model.path (step 1), reward.model_path (step 2), dpo.model_path (DPO); an earlier step's --output_dir: its export"
+    "model.path (step 1), reward.model_path (step 2), dpo.model_path (DPO); an earlier "
+    "step's --output_dir: its export"
 )
 def _model(ctx: Context, name: str, value) -> None:
     key = {"sft": "model.path", "reward": "reward.model_path", "dpo": "dpo.model_path"}[ctx.step]
@@ -318,34 +362,49 @@ def _dropout(ctx: Context, name: str, value) -> None:
 
 
 @targets(
-    "engine.zero_stage / engine.actor.zero_stage (+ engine.reference.zero_stage: 3 with the actor's 3, "
+    "engine.zero_stage / engine.actor.zero_stage (+ engine.reference.zero_stage: 3 with "
+    "the actor's 3, "
     "else 0) / engine.critic.zero_stage + engine.reward_model.zero_stage"
 )
 def _zero(ctx: Context, name: str, value) -> None:
     stage = int(value)
     if name == "zero_stage":
         ctx.plan.set("engine.zero_stage", stage, "--zero_stage")
-        if ctx.step == "dpo":  # DeepSpeed-Chat's reference: ZeRO-3 with the policy, else 0
-            ctx.plan.set("engine.reference.zero_stage", 3 if stage == 3 else 0, "--zero_stage (the reference)")
+        if ctx.step == "dpo":
+            # DeepSpeed-Chat's reference: ZeRO-3 with the policy, else 0
+            ctx.plan.set(
+                "engine.reference.zero_stage",
+                3 if stage == 3 else 0,
+                "--zero_stage (the reference)",
+            )
     elif name == "actor_zero_stage":
         ctx.plan.set("engine.actor.zero_stage", stage, "--actor_zero_stage")
-        ctx.plan.set("engine.reference.zero_stage", 3 if stage == 3 else 0, "--actor_zero_stage (the reference)")
+        ctx.plan.set(
+            "engine.reference.zero_stage",
+            3 if stage == 3 else 0,
+            "--actor_zero_stage (the reference)",
+        )
     else:
         ctx.plan.set("engine.critic.zero_stage", stage, "--critic_zero_stage")
-        ctx.plan.set("engine.reward_model.zero_stage", stage, "--critic_zero_stage (and the reward model)")
+        ctx.plan.set(
+            "engine.reward_model.zero_stage", stage, "--critic_zero_stage (and the reward model)"
+        )
 
 
 @targets("ppo.reward_model_path (the critic starts from the reward model)")
 def _critic_path(ctx: Context, name: str, value) -> None:
-    """DeepSpeed-Chat's critic and reward model both start from --critic_model_name_or_path (a step-2
-    reward model): rlhf's reward model is that path, and its critic starts from the reward model."""
+    """DeepSpeed-Chat's critic and reward model both start from --critic_model_name_or_path (a
+    step-2 reward model): rlhf's reward model is that path, and its critic starts from the reward
+    model."""
     ctx.plan.set("ppo.reward_model_path", ctx.path(value), "--critic_model_name_or_path")
 
 
 @targets("ppo.ema_decay=0.992")
 def _ema(ctx: Context, name: str, value) -> None:
     if value:
-        ctx.plan.set("ppo.ema_decay", 0.992, "--enable_ema (dschat/utils/utils.py moving_average beta)")
+        ctx.plan.set(
+            "ppo.ema_decay", 0.992, "--enable_ema (dschat/utils/utils.py moving_average beta)"
+        )
 
 
 @targets("logger.tensorboard=true")
@@ -356,10 +415,15 @@ def _tensorboard(ctx: Context, name: str, value) -> None:
 
 @targets("logger.tensorboard_dir (where it is not --output_dir)")
 def _tensorboard_path(ctx: Context, name: str, value) -> None:
-    """Events go to <run.dir>/tensorboard/<stage>/ unless the script names another directory than its
+    """Events go to <run.dir>/tensorboard/<stage>/ unless the script names another directory than
+    its
     --output_dir (DeepSpeed-Chat's scripts give the output directory)."""
     out = ctx.values.get("output_dir")
-    if ctx.values.get("enable_tensorboard") and name in ctx.given and Path(value) != Path(out or "."):
+    if (
+        ctx.values.get("enable_tensorboard")
+        and name in ctx.given
+        and Path(value) != Path(out or ".")
+    ):
         ctx.plan.set("logger.tensorboard_dir", value, "--tensorboard_path")
 
 
@@ -369,7 +433,9 @@ def _test_stop(ctx: Context, name: str, value) -> None:
         ctx.plan.set("train.max_steps", int(value), "--test_stop_step")
 
 
-@targets("algorithm.ptx_coef = --unsup_coef; the dataset: no equivalent (PPO-ptx trains on the SFT data)")
+@targets(
+    "algorithm.ptx_coef = --unsup_coef; the dataset: no equivalent (PPO-ptx trains on the SFT data)"
+)
 def _unsup(ctx: Context, name: str, value) -> None:
     if value is None:
         return
@@ -377,7 +443,8 @@ def _unsup(ctx: Context, name: str, value) -> None:
     ctx.plan.skip(
         ctx.flag(name),
         "no equivalent",
-        "rlhf's PPO-ptx (algorithm.ptx_coef) trains on the SFT data of data.*, not on a dataset of its own",
+        "rlhf's PPO-ptx (algorithm.ptx_coef) trains on the SFT data of data.*, not on a "
+        "dataset of its own",
     )
 
 
@@ -420,7 +487,11 @@ def _switch_skip(kind: str, why: str) -> Callable:
 def _critic_wd(ctx: Context, name: str, value) -> None:
     actor = float(ctx.values.get("actor_weight_decay") or 0.0)
     if float(value) != actor:
-        ctx.plan.skip(ctx.flag(name), "no equivalent", f"the critic trains with the actor's train.weight_decay={actor}")
+        ctx.plan.skip(
+            ctx.flag(name),
+            "no equivalent",
+            f"the critic trains with the actor's train.weight_decay={actor}",
+        )
 
 
 @targets("engine.hybrid=true (rlhf's default, given or not)")
@@ -429,8 +500,10 @@ def _hybrid(ctx: Context, name: str, value) -> None:
         ctx.plan.set("engine.hybrid", True, f"--{name}")
     else:
         ctx.plan.note(
-            "--enable_hybrid_engine not given: DeepSpeed-Chat then generates with the training model; rlhf's "
-            "hybrid engine is on (engine.hybrid=true): faster, and rollouts equal what training recomputes"
+            "--enable_hybrid_engine not given: DeepSpeed-Chat then generates with the "
+            "training model; rlhf's "
+            "hybrid engine is on (engine.hybrid=true): faster, and rollouts equal what "
+            "training recomputes"
         )
 
 
@@ -439,15 +512,20 @@ def _actor_path(ctx: Context, name: str, value) -> None:
     ctx.plan.set("ppo.actor_path", ctx.path(value), f"--{name}")
 
 
-@targets("folded into the batch sizes (see --per_device_train_batch_size / --per_device_training_batch_size)")
+@targets(
+    "folded into the batch sizes (see --per_device_train_batch_size / "
+    "--per_device_training_batch_size)"
+)
 def _accumulation(ctx: Context, name: str, value) -> None:
     (_ppo_batches if ctx.step == "ppo" else _batches)(ctx, name, value)
     if int(value or 1) > 1:
         into = (
-            "ppo.minibatches_per_epoch (an update takes --per_device_training_batch_size × this many rows a rank, "
+            "ppo.minibatches_per_epoch (an update takes --per_device_training_batch_size × "
+            "this many rows a rank, "
             "in micro-batches of ppo.micro_batch_per_rank)"
             if ctx.step == "ppo"
-            else "train.global_batch (rlhf accumulates micro-batches of train.micro_batch_per_rank up to it)"
+            else "train.global_batch (rlhf accumulates micro-batches of "
+            "train.micro_batch_per_rank up to it)"
         )
         ctx.plan.note(f"--{name} {value}: folded into {into}")
 
@@ -475,7 +553,8 @@ FLAG_TABLE: tuple = (
         ("sft",),
         Skip(
             "no equivalent",
-            "add those datasets to data.sources of the SFT command (they then also split by data.split)",
+            "add those datasets to data.sources of the SFT command (they then also split "
+            "by data.split)",
         ),
         takes="many",
     ),
@@ -484,7 +563,11 @@ FLAG_TABLE: tuple = (
     Flag("max_prompt_seq_len", ("ppo",), Key("data.max_prompt_len", int), default=256),
     Flag("max_answer_seq_len", ("ppo",), Key("ppo.max_new_tokens", int), default=256),
     Flag("unsupervised_dataset_name", ("ppo",), _unsup),
-    Flag("unsupervised_dataset_config_name", ("ppo",), Skip("no equivalent", "see --unsupervised_dataset_name")),
+    Flag(
+        "unsupervised_dataset_config_name",
+        ("ppo",),
+        Skip("no equivalent", "see --unsupervised_dataset_name"),
+    ),
     Flag(
         "unsup_coef",
         ("ppo",),
@@ -496,17 +579,23 @@ FLAG_TABLE: tuple = (
         ("reward", "ppo"),
         Skip(
             "not needed",
-            "rlhf's reward models score the last token that is not padding, wherever the padding is "
+            "rlhf's reward models score the last token that is not padding, wherever the "
+            "padding is "
             "(a DeepSpeed-Chat reward model is converted on load)",
         ),
     ),
-    Flag("preprocessing_num_workers", ("ppo",), Skip("not needed", "tokenization is cached in run.cache_dir")),
+    Flag(
+        "preprocessing_num_workers",
+        ("ppo",),
+        Skip("not needed", "tokenization is cached in run.cache_dir"),
+    ),
     Flag(
         "add_eot_token",
         ALL,
         _switch_skip(
             "no equivalent",
-            "responses end with the tokenizer's EOS; give a chat template (data.chat_template) for turn markers",
+            "responses end with the tokenizer's EOS; give a chat template "
+            "(data.chat_template) for turn markers",
         ),
         takes="switch",
     ),
@@ -526,7 +615,11 @@ FLAG_TABLE: tuple = (
         _accumulation,
         default=1,
     ),
-    Flag("per_device_eval_batch_size", TRAIN12, Skip("not needed", "held-out forwards take the training micro-batch")),
+    Flag(
+        "per_device_eval_batch_size",
+        TRAIN12,
+        Skip("not needed", "held-out forwards take the training micro-batch"),
+    ),
     Flag("per_device_generation_batch_size", ("ppo",), _ppo_batches, default=16),
     Flag("per_device_training_batch_size", ("ppo",), _ppo_batches, default=16),
     Flag("generation_batches", ("ppo",), _ppo_batches, default=1),
@@ -542,7 +635,11 @@ FLAG_TABLE: tuple = (
     Flag("num_warmup_steps", ALL, _warmup, default={"sft": 0, "reward": 0, "dpo": 0, "ppo": 100}),
     Flag("seed", ALL, Key("run.seed", int), default={"sft": 1234, "reward": 1234, "dpo": 1234}),
     Flag("eval_interval", ("reward",), Key("train.eval_every", int)),
-    Flag("eval_iters", ("reward",), Skip("no equivalent", "held-out evaluation scores data.eval_size records")),
+    Flag(
+        "eval_iters",
+        ("reward",),
+        Skip("no equivalent", "held-out evaluation scores data.eval_size records"),
+    ),
     Flag("beta", ("dpo",), Key("dpo.beta", float), default=0.1),
     Flag("label_smoothing", ("dpo",), Key("dpo.label_smoothing", float), default=0.0),
     # output, logging
@@ -599,19 +696,28 @@ FLAG_TABLE: tuple = (
     Flag(
         "enable_mixed_precision_lora",
         ("ppo",),
-        _switch_skip("no equivalent", "ZeRO++ quantized frozen weights: rlhf keeps them in the training precision"),
+        _switch_skip(
+            "no equivalent",
+            "ZeRO++ quantized frozen weights: rlhf keeps them in the training precision",
+        ),
         takes="switch",
     ),
     Flag(
         "compute_fp32_loss",
         ("ppo",),
-        _switch_skip("not needed", "rlhf computes every loss and log-prob in fp32 (logits cast before log-softmax)"),
+        _switch_skip(
+            "not needed",
+            "rlhf computes every loss and log-prob in fp32 (logits cast before log-softmax)",
+        ),
         takes="switch",
     ),
     Flag(
         "align_overflow",
         ("ppo",),
-        _switch_skip("no equivalent", "under fp16 each model skips its own overflowing step (actor and critic apart)"),
+        _switch_skip(
+            "no equivalent",
+            "under fp16 each model skips its own overflowing step (actor and critic apart)",
+        ),
         takes="switch",
     ),
     # LoRA
@@ -621,18 +727,27 @@ FLAG_TABLE: tuple = (
     Flag("lora_module_name", TRAIN12, _lora, default="decoder.layers."),
     Flag("actor_lora_module_name", ("ppo",), _lora, default="decoder.layers."),
     Flag(
-        "critic_lora_module_name", ("ppo",), Skip("different default", "the critic's adapters sit where the actor's do")
+        "critic_lora_module_name",
+        ("ppo",),
+        Skip("different default", "the critic's adapters sit where the actor's do"),
     ),
     Flag("only_optimize_lora", ALL, _lora, takes="switch"),
     Flag("lora_learning_rate", TRAIN12, _lr, default=5e-4),
     Flag("actor_lora_learning_rate", ("ppo",), _lr, default=5e-4),
     Flag("critic_lora_learning_rate", ("ppo",), _lr, default=5e-4),
-    # DeepSpeed's own (deepspeed.add_config_arguments); --deepspeed_config is read by rlhf.migrate.ds_config
-    Flag("deepspeed", ALL, Skip("not needed", "rlhf runs on FSDP2: no DeepSpeed engine to enable"), takes="switch"),
+    # DeepSpeed's own (deepspeed.add_config_arguments); --deepspeed_config is read by
+    # rlhf.migrate.ds_config
+    Flag(
+        "deepspeed",
+        ALL,
+        Skip("not needed", "rlhf runs on FSDP2: no DeepSpeed engine to enable"),
+        takes="switch",
+    ),
     Flag("deepscale", ALL, Skip("not needed", "rlhf runs on FSDP2"), takes="switch"),
 )
 FLAGS: Dict[str, Flag] = {f.name: f for f in FLAG_TABLE}
-CONFIG_FLAGS = ("deepspeed_config", "deepscale_config")  # a ds_config.json path: read by ds_config.py
+# a ds_config.json path: read by ds_config.py
+CONFIG_FLAGS = ("deepspeed_config", "deepscale_config")
 
 
 def value_of(flag: Flag, words: Optional[List[str]]):
@@ -651,9 +766,13 @@ def apply_flags(ctx: Context, flags: Dict[str, List[str]]) -> None:
             continue
         row = FLAGS.get(name)
         if row is None:
-            ctx.plan.skip(f"--{name}", "no equivalent", "not a DeepSpeed-Chat flag this migration knows")
+            ctx.plan.skip(
+                f"--{name}", "no equivalent", "not a DeepSpeed-Chat flag this migration knows"
+            )
         elif ctx.step not in row.steps:
-            ctx.plan.skip(f"--{name}", "no equivalent", f"not a flag of DeepSpeed-Chat's {ctx.step} step")
+            ctx.plan.skip(
+                f"--{name}", "no equivalent", f"not a flag of DeepSpeed-Chat's {ctx.step} step"
+            )
     for row in FLAG_TABLE:
         if ctx.step not in row.steps:
             continue
@@ -677,8 +796,12 @@ def apply_flags(ctx: Context, flags: Dict[str, List[str]]) -> None:
 
 
 def flag_table_markdown() -> str:
-    """docs/deepspeed.md's flag table, from FLAG_TABLE (tests/unit/test_migrate.py keeps the page equal)."""
-    rows = ["| DeepSpeed-Chat flag | steps | DeepSpeed-Chat default | rlhf |", "| --- | --- | --- | --- |"]
+    """docs/deepspeed.md's flag table, from FLAG_TABLE (tests/unit/test_migrate.py keeps the page
+    equal)."""
+    rows = [
+        "| DeepSpeed-Chat flag | steps | DeepSpeed-Chat default | rlhf |",
+        "| --- | --- | --- | --- |",
+    ]
     for f in FLAG_TABLE:
         rule = f.rule
         if isinstance(rule, Key):

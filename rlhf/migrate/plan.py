@@ -1,8 +1,10 @@
-"""The command a migration builds: ``stage``, the ``key=value`` overrides in the order they were set,
-notes (mapped, with a difference worth knowing), and what has no target — each with its kind and why.
+"""The command a migration builds: ``stage``, the ``key=value`` overrides in the order they were
+set, notes (mapped, with a difference worth knowing), and what has no target — each with its kind
+and why.
 
 Kinds of what is not mapped (docs/deepspeed.md):
-- ``no equivalent``: rlhf has nothing that does this; the behaviour is lost unless you act (the reason
+- ``no equivalent``: rlhf has nothing that does this; the behaviour is lost unless you act (the
+  reason
   says how, where there is a way).
 - ``not needed``: FSDP2 or rlhf's design does this without a setting (bucket sizes, prefetch,
   partition sizes, local_rank, ...).
@@ -20,7 +22,8 @@ KINDS = ("no equivalent", "not needed", "different default")
 
 @dataclass
 class Unmapped:
-    what: str  # "--flag value" or "ds_config zero_optimization.reduce_bucket_size=5e8"
+    # "--flag value" or "ds_config zero_optimization.reduce_bucket_size=5e8"
+    what: str
     kind: str
     why: str
 
@@ -42,12 +45,14 @@ class Plan:
     unmapped: List[Unmapped] = field(default_factory=list)
 
     def set(self, key: str, value, by: str) -> None:
-        """``key=value`` from ``by`` (a flag or ds_config key); a second source that disagrees is noted
-        and the later one wins (a script's flag is read after the ds_config it names)."""
+        """``key=value`` from ``by`` (a flag or ds_config key); a second source that disagrees is
+        noted and the later one wins (a script's flag is read after the ds_config it names)."""
         text = render_value(value)
         old = self.overrides.get(key)
         if old is not None and old != text:
-            self.notes.append(f"{key}: {self.setters[key]} gives {old}, {by} gives {text}: {text} kept")
+            self.notes.append(
+                f"{key}: {self.setters[key]} gives {old}, {by} gives {text}: {text} kept"
+            )
         self.overrides[key] = text
         self.setters[key] = by
 
@@ -58,7 +63,9 @@ class Plan:
         self.unmapped.append(Unmapped(what, kind, why))
 
     def command(self) -> str:
-        words = ["python", "-m", "rlhf", f"stage={self.stage}"] + [f"{k}={v}" for k, v in self.overrides.items()]
+        words = ["python", "-m", "rlhf", f"stage={self.stage}"] + [
+            f"{k}={v}" for k, v in self.overrides.items()
+        ]
         return " ".join(shlex.quote(w) for w in words)
 
     def render(self) -> str:
@@ -73,8 +80,8 @@ class Plan:
 
 
 def render_value(value) -> str:
-    """A value as a Hydra override writes it: booleans lower-case, lists ``[a,b]``, strings as they are
-    (quoted where Hydra would read them otherwise: commas, spaces, brackets)."""
+    """A value as a Hydra override writes it: booleans lower-case, lists ``[a,b]``, strings as they
+    are (quoted where Hydra would read them otherwise: commas, spaces, brackets)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:

@@ -55,7 +55,8 @@ class Invocation:
 
 
 def _logical_lines(text: str) -> List[tuple]:
-    """(line number of its first line, the line) with backslash continuations joined and comments dropped."""
+    """(line number of its first line, the line) with backslash continuations joined and comments
+    dropped."""
     out, buf, start = [], "", 0
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.rstrip()
@@ -101,12 +102,15 @@ def _step_of(script_word: str) -> Optional[str]:
     return None
 
 
-def read_script(text: str, name: str = "<script>", args: Optional[List[str]] = None) -> List[Invocation]:
+def read_script(
+    text: str, name: str = "<script>", args: Optional[List[str]] = None
+) -> List[Invocation]:
     """Every ``main.py`` invocation of a launch script. ``args``: the script's positional arguments
     ($1, $2, ...) where the caller knows them."""
     env: Dict[str, str] = {str(i + 1): a for i, a in enumerate(args or [])}
     found: List[Invocation] = []
-    depth = 0  # inside `if ... fi`: an assignment is a default, taken only where the name has no value
+    # inside `if ... fi`: an assignment is a default, taken only where the name has no value
+    depth = 0
     for lineno, line in _logical_lines(text):
         where = f"{name}:{lineno}"
         first = line.split()[0]
@@ -144,7 +148,8 @@ def _flag_words(words: List[str], where: str, launcher: bool = False) -> Dict[st
             flags[name] = [value] if eq else []
         elif name is not None:
             flags[name].append(w)
-        elif launcher:  # `-m module` / a script path before main.py: nothing to map
+        elif launcher:
+            # `-m module` / a script path before main.py: nothing to map
             continue
         else:
             raise UserError(f"{where}: '{w}' before any --flag after main.py")

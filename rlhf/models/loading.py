@@ -48,29 +48,35 @@ def embedded_llama_config(m: ModelConfig, tokenizer):
 def check_model_path(path: str, key: str = "model.path") -> None:
     """A local directory must hold a Hugging Face model. A path that does not exist is a hub id only
     where it reads as one (``name`` or ``org/name``) and nothing local says it is a path (``runs/x``
-    with a ``runs/`` directory here is a missing run, not a hub id); with HF_HUB_OFFLINE=1 that hub id
-    must be in the local cache. ``key``: the setting that named it (model.path, ppo.reward_model_path, ...)."""
+    with a ``runs/`` directory here is a missing run, not a hub id); with HF_HUB_OFFLINE=1 that hub
+    id must be in the local cache. ``key``: the setting that named it (model.path,
+    ppo.reward_model_path, ...)."""
     p = Path(os.path.expanduser(path))
     if p.exists():
         if not (p / "config.json").is_file():
-            raise ConfigError(f"{key}={path}: directory has no config.json (not a Hugging Face model)")
+            raise ConfigError(
+                f"{key}={path}: directory has no config.json (not a Hugging Face model)"
+            )
         check_model_family(p / "config.json", path)
         return
     if not _hub_id(path):
         raise ConfigError(f"{key}={path}: no such directory")
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+    if constants.HF_HUB_OFFLINE and not isinstance(
+        try_to_load_from_cache(path, "config.json"), str
+    ):
         raise ConfigError(
-            f"{key}={path}: no such directory, and no hub model {path} in the local cache ({hub.offline_why()})"
+            f"{key}={path}: no such directory, and no hub model {path} in the local cache "
+            f"({hub.offline_why()})"
         )
 
 
 def check_scalar_model(path: str, key: str, hint: str = "") -> None:
-    """Exit 2 unless ``path`` holds a saved reward model or critic: a local directory whose config.json
-    names a sequence classifier (what ``stage=reward`` and PPO's critic export; k labels: an ensemble's
-    k members, ``reward.ensemble``).
-    ``key``: the setting that named it; ``hint``: what to pass instead, for the message."""
+    """Exit 2 unless ``path`` holds a saved reward model or critic: a local directory whose
+    config.json names a sequence classifier (what ``stage=reward`` and PPO's critic export; k
+    labels: an ensemble's k members, ``reward.ensemble``). ``key``: the setting that named it;
+    ``hint``: what to pass instead, for the message."""
     p = Path(os.path.expanduser(path))
     if not p.is_dir():
         raise ConfigError(f"{key}={path}: no such directory{hint}")
@@ -83,20 +89,29 @@ def check_scalar_model(path: str, key: str, hint: str = "") -> None:
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         from rlhf.models.dschat import is_dschat_reward_model
 
-        if is_dschat_reward_model(p):  # (the stages convert one themselves: rlhf/models/dschat.py)
-            hint = f" (DeepSpeed-Chat's: python -m rlhf.migrate reward-model {path} DST converts it){hint}"
+        if is_dschat_reward_model(p):
+            # (the stages convert one themselves: rlhf/models/dschat.py)
+            hint = (
+                f" (DeepSpeed-Chat's: python -m rlhf.migrate reward-model {path} DST converts "
+                f"it){hint}"
+            )
         raise ConfigError(
             f"{key}={path}: not a reward model ({', '.join(archs) or 'no architecture'}, not a "
             f"sequence classifier){hint}"
         )
 
 
-def check_same_tokenizer(path: str, key: str, tokenizer, other: str, trust_remote_code: bool = False) -> None:
-    """Exit 2 when the model at ``path`` (``key``) has a tokenizer of its own that is not ``tokenizer``
-    (the one of ``other``): it would score token ids it does not know. A directory without tokenizer
-    files is taken to share it."""
+def check_same_tokenizer(
+    path: str, key: str, tokenizer, other: str, trust_remote_code: bool = False
+) -> None:
+    """Exit 2 when the model at ``path`` (``key``) has a tokenizer of its own that is not
+    ``tokenizer`` (the one of ``other``): it would score token ids it does not know. A directory
+    without tokenizer files is taken to share it."""
     p = Path(os.path.expanduser(path))
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+    if not any(
+        (p / f).is_file()
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    ):
         return
     own = load_tokenizer(path, trust_remote_code)
     if own.get_vocab() != tokenizer.get_vocab():
@@ -131,11 +146,13 @@ def _load_error(path: str, what: str, e: Exception) -> ConfigError:
         return ConfigError(f"model.path={path}: cannot load {what}: {_one_line(e)}")
     if hub.offline():
         return ConfigError(
-            f"model.path={path}: no such directory, and no copy of hub model {path} in the local cache to load "
+            f"model.path={path}: no such directory, and no copy of hub model {path} in the "
+            "local cache to load "
             f"{what} from ({hub.offline_why()})"
         )
     return ConfigError(
-        f"model.path={path}: no such directory, and no hub model {path} to load {what} from: {_one_line(e)}"
+        f"model.path={path}: no such directory, and no hub model {path} to load {what} "
+        f"from: {_one_line(e)}"
     )
 
 
@@ -145,7 +162,9 @@ def check_model_family(config_file: Path, path: str) -> None:
     try:
         spec = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model.path={path}: {config_file.name} is not valid JSON ({e})") from None
+        raise ConfigError(
+            f"model.path={path}: {config_file.name} is not valid JSON ({e})"
+        ) from None
     if not isinstance(spec, dict):
         raise ConfigError(f"model.path={path}: {config_file.name} does not hold a JSON object")
     family = spec.get("model_type")
@@ -179,8 +198,15 @@ TOKENIZER_FILES = (
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     local = Path(os.path.expanduser(path))
-    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) and not any(local.glob("*.tiktoken")):
-        raise ConfigError(f"model.path={path}: no tokenizer files ({' / '.join(TOKENIZER_FILES[:4])} / ...) in {path}")
+    if (
+        local.is_dir()
+        and not any((local / f).is_file() for f in TOKENIZER_FILES)
+        and not any(local.glob("*.tiktoken"))
+    ):
+        raise ConfigError(
+            f"model.path={path}: no tokenizer files ({' / '.join(TOKENIZER_FILES[:4])} / "
+            f"...) in {path}"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -205,17 +231,20 @@ def build_model(
     role: str = "model",
     **kwargs,
 ) -> torch.nn.Module:
-    """``model_cls`` (an HF Auto class or model class) from ``path`` or from ``config`` (seeded init).
+    """``model_cls`` (an HF Auto class or model class) from ``path`` or from ``config`` (seeded
+    init).
 
     ``on_meta``: build the architecture only (weights arrive when the engine wraps it). In a job of
-    several processes a model from ``path`` may come with its bulk unloaded (rlhf/models/streaming.py):
-    the engine's wrapping loads it; a model used without it needs ``streaming.materialise``.
-    ``tokenizer``: grow the embeddings to its length where it has more tokens than the model (the pad
-    ``load_tokenizer`` adds), on every rank — a meta model too, so that FSDP wraps the same shapes and
-    config as rank 0 and the broadcast fills them.
-    ``disable_dropout`` (model.disable_dropout, RL and DPO): true sets every dropout probability to 0,
-    false keeps it (both logged, naming the model's ``role``); None leaves the model as it is."""
-    model = _build_resized(model_cls, config, path, on_meta, seed, trust_remote_code, tokenizer, **kwargs)
+    several processes a model from ``path`` may come with its bulk unloaded
+    (rlhf/models/streaming.py): the engine's wrapping loads it; a model used without it needs
+    ``streaming.materialise``. ``tokenizer``: grow the embeddings to its length where it has more
+    tokens than the model (the pad ``load_tokenizer`` adds), on every rank — a meta model too, so
+    that FSDP wraps the same shapes and config as rank 0 and the broadcast fills them.
+    ``disable_dropout`` (model.disable_dropout, RL and DPO): true sets every dropout probability to
+    0, false keeps it (both logged, naming the model's ``role``); None leaves the model as it is."""
+    model = _build_resized(
+        model_cls, config, path, on_meta, seed, trust_remote_code, tokenizer, **kwargs
+    )
     if disable_dropout is not None:
         dropout.disable_dropout(model, role, disable_dropout)
     return model
@@ -229,7 +258,8 @@ def _build_resized(model_cls, config, path, on_meta, seed, trust_remote_code, to
         config = load_model_config(path, trust_remote_code)
     text = config.get_text_config()
     pad = text.pad_token_id
-    if pad is not None and pad >= text.vocab_size:  # not a row until the resize (nn.Embedding's padding_idx)
+    if pad is not None and pad >= text.vocab_size:
+        # not a row until the resize (nn.Embedding's padding_idx)
         text.pad_token_id = None
     try:
         model = _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs)
@@ -244,17 +274,23 @@ def _build(model_cls, config, path, on_meta, seed, trust_remote_code, **kwargs) 
     if on_meta:
         cfg = config if config is not None else load_model_config(path, trust_remote_code)
         with torch.device("meta"):
-            if hasattr(model_cls, "from_config"):  # fp32 as rank 0 loads it (not the config's bf16)
-                return model_cls.from_config(cfg, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs)
+            if hasattr(model_cls, "from_config"):
+                # fp32 as rank 0 loads it (not the config's bf16)
+                return model_cls.from_config(
+                    cfg, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs
+                )
             return model_cls(cfg)
     if path is not None:
         if config is not None:
             kwargs["config"] = config
 
         def load():
-            return model_cls.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs)
+            return model_cls.from_pretrained(
+                path, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs
+            )
 
-        if streaming.wanted():  # several processes: the bulk is read where it is sharded, at wrapping
+        if streaming.wanted():
+            # several processes: the bulk is read where it is sharded, at wrapping
             return streaming.load_deferred(load, f"model {path}")
         return load()
     with torch.random.fork_rng(devices=[]):
@@ -268,11 +304,11 @@ BASE_VOCAB_ROWS = "rlhf_base_vocab_rows"
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
-    """Embedding rows (and an untied LM head) grown to ``len(tokenizer)`` where the model has fewer; the
-    config's vocab_size follows, and the rows it had are kept as ``model.rlhf_base_vocab_rows``. A meta
-    model gets the shapes only (its weights arrive when wrapped). Unloaded embeddings (a streamed load)
-    are read for the resize, whose mean-resizing reads every row, and left unloaded again with their
-    new rows kept: the same new rows as a model loaded whole."""
+    """Embedding rows (and an untied LM head) grown to ``len(tokenizer)`` where the model has fewer;
+    the config's vocab_size follows, and the rows it had are kept as ``model.rlhf_base_vocab_rows``.
+    A meta model gets the shapes only (its weights arrive when wrapped). Unloaded embeddings (a
+    streamed load) are read for the resize, whose mean-resizing reads every row, and left unloaded
+    again with their new rows kept: the same new rows as a model loaded whole."""
     rows = model.get_input_embeddings().weight
     if rows.shape[0] < len(tokenizer):
         setattr(model, BASE_VOCAB_ROWS, getattr(model, BASE_VOCAB_ROWS, rows.shape[0]))
@@ -288,9 +324,9 @@ def causal_lm(
     disable_dropout: Optional[bool] = None,
     role: str = "model",
 ) -> torch.nn.Module:
-    """The causal LM at ``src`` (rank 0 builds it; the other ranks build it on meta; several ranks read
-    their shares of a safetensors checkpoint when the engine wraps it, see the module's docstring), grown to
-    the tokenizer's length; its dropout as ``build_model`` says."""
+    """The causal LM at ``src`` (rank 0 builds it; the other ranks build it on meta; several ranks
+    read their shares of a safetensors checkpoint when the engine wraps it, see the module's
+    docstring), grown to the tokenizer's length; its dropout as ``build_model`` says."""
     model_cfg = load_model_config(src, trust_remote_code)
     return build_model(
         AutoModelForCausalLM,
@@ -305,8 +341,13 @@ def causal_lm(
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of an HF model (``model.layers`` in Llama/Qwen2/Mistral, ``h`` in GPT-2)."""
+    """The transformer blocks of an HF model (``model.layers`` in Llama/Qwen2/Mistral, ``h`` in
+    GPT-2)."""
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks") and len(mod):
+        if (
+            isinstance(mod, nn.ModuleList)
+            and name.split(".")[-1] in ("layers", "h", "blocks")
+            and len(mod)
+        ):
             return mod
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")

@@ -5,9 +5,10 @@ PEFT is the well-kept implementation every RLHF library builds on (TRL, OpenRLHF
 use it for the adapters themselves — their init, scaling, dropout and file format — rather than a
 copy of our own. What PEFT does not do for us, and lives here:
   - ``delta_weight``/``merged``: W + B·A·α/r computed out of place, for the hybrid engine's gathered
-    inference weights (the training-mode weights stay unmerged: merging in place and back would change
-    them at rounding level).
-  - ``merged_state_dict``: a full (possibly FSDP-gathered) state dict of a PEFT model turned into the
+    inference weights (the training-mode weights stay unmerged: merging in place and back would
+    change them at rounding level).
+  - ``merged_state_dict``: a full (possibly FSDP-gathered) state dict of a PEFT model turned into
+    the
     plain model's names and merged weights, for the HF export.
   - ``adapters_disabled``: the base model, for PPO's and DPO's reference log-probs without a second
     copy of the weights.
@@ -29,7 +30,8 @@ from rlhf.errors import ConfigError
 from rlhf.models.loading import BASE_VOCAB_ROWS, decoder_layers
 
 log = logging.getLogger("rlhf")
-ADAPTER = "default"  # PEFT's name of the one adapter we train
+# PEFT's name of the one adapter we train
+ADAPTER = "default"
 
 
 def lora_enabled(lcfg) -> bool:
@@ -47,12 +49,14 @@ def is_lora_layer(module: nn.Module) -> bool:
 
 
 def is_saved_module(module: nn.Module) -> bool:
-    """PEFT's wrapper of a module that trains fully (modules_to_save): a trained copy beside the original."""
+    """PEFT's wrapper of a module that trains fully (modules_to_save): a trained copy beside the
+    original."""
     return hasattr(module, "original_module") and hasattr(module, "modules_to_save")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """The Hugging Face model inside a PEFT model (its LoRA layers injected in place), else ``module``."""
+    """The Hugging Face model inside a PEFT model (its LoRA layers injected in place), else
+    ``module``."""
     return module.get_base_model() if is_peft(module) else module
 
 
@@ -65,17 +69,26 @@ def default_targets(model: nn.Module) -> List[str]:
         for name, mod in layer.named_modules():
             if is_lora_layer(mod):
                 names.add(name.split(".")[-1])
-            elif isinstance(mod, (nn.Linear, Conv1D)) and ".lora_" not in name and not name.endswith("base_layer"):
+            elif (
+                isinstance(mod, (nn.Linear, Conv1D))
+                and ".lora_" not in name
+                and not name.endswith("base_layer")
+            ):
                 names.add(name.split(".")[-1])
     return sorted(names)
 
 
 def adapt(
-    model: nn.Module, lcfg, seed: int, head: Optional[str] = None, what: str = "model", embedded: bool = False
+    model: nn.Module,
+    lcfg,
+    seed: int,
+    head: Optional[str] = None,
+    what: str = "model",
+    embedded: bool = False,
 ) -> nn.Module:
-    """``model`` with LoRA adapters when ``model.lora.r > 0`` (logged with the trainable share), else as
-    is. ``embedded``: the embedded default (random init, its own tokenizer), whose embeddings train
-    fully unless model.lora.modules_to_save says otherwise."""
+    """``model`` with LoRA adapters when ``model.lora.r > 0`` (logged with the trainable share),
+    else as is. ``embedded``: the embedded default (random init, its own tokenizer), whose
+    embeddings train fully unless model.lora.modules_to_save says otherwise."""
     if not lora_enabled(lcfg):
         return model
     if lcfg.modules_to_save is not None:
@@ -102,13 +115,14 @@ def adapt(
 def apply_lora(
     model: nn.Module, lcfg, seed: int, head: Optional[str] = None, full: Optional[List[str]] = None
 ) -> nn.Module:
-    """``model`` with LoRA adapters (PEFT) on ``model.lora.target_modules`` (default: the attention and
-    MLP projections); every other weight frozen. ``head``: a module that stays fully trainable (the
-    score head of a reward model or critic), saved with the adapter (PEFT's modules_to_save), as are
-    the modules named in ``full`` (a tied LM head follows its embedding).
-    The adapters' init is seeded (A: Kaiming-uniform, B: zeros, so the adapted model starts as the
-    base); a model on the meta device gets the shapes only (its weights arrive by broadcast)."""
-    from peft import LoraConfig, get_peft_model  # lazy: 5 s to import (measured), used only with model.lora.r > 0
+    """``model`` with LoRA adapters (PEFT) on ``model.lora.target_modules`` (default: the attention
+    and MLP projections); every other weight frozen. ``head``: a module that stays fully trainable
+    (the score head of a reward model or critic), saved with the adapter (PEFT's modules_to_save),
+    as are the modules named in ``full`` (a tied LM head follows its embedding). The adapters' init
+    is seeded (A: Kaiming-uniform, B: zeros, so the adapted model starts as the base); a model on
+    the meta device gets the shapes only (its weights arrive by broadcast)."""
+    # lazy: 5 s to import (measured), used only with model.lora.r > 0
+    from peft import LoraConfig, get_peft_model
 
     targets = list(lcfg.target_modules) if lcfg.target_modules else default_targets(model)
     present = {name.split(".")[-1] for name, _ in model.named_modules()}
@@ -124,7 +138,8 @@ def apply_lora(
     missing = [t for t in saved if t not in present]
     if missing:
         raise ConfigError(
-            f"model.lora.modules_to_save={saved}: {', '.join(missing)} not a module of {type(model).__name__}"
+            f"model.lora.modules_to_save={saved}: {', '.join(missing)} not a module of "
+            f"{type(model).__name__}"
         )
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     config = LoraConfig(
@@ -138,14 +153,16 @@ def apply_lora(
     )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # PEFT asks the model about gradient checkpointing through a name Transformers deprecated
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
+        warnings.filterwarnings(
+            "ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*"
+        )
         torch.manual_seed(seed)
         return get_peft_model(model, config)
 
 
 def adapters_disabled(module: nn.Module):
-    """Context: ``module`` (a PEFT model, possibly wrapped by FSDP2 in place or by DDP) runs as its base
-    model — adapters off, a modules_to_save head back to its original weights."""
+    """Context: ``module`` (a PEFT model, possibly wrapped by FSDP2 in place or by DDP) runs as its
+    base model — adapters off, a modules_to_save head back to its original weights."""
     inner = getattr(module, "module", module)  # DDP
     return inner.disable_adapter() if is_peft(inner) else contextlib.nullcontext()
 
@@ -159,9 +176,10 @@ def scaling(module: nn.Module) -> float:
 
 
 def weight(module: nn.Module, what: str = "weight") -> torch.Tensor:
-    """A linear layer's ``weight`` with its adapter merged in (W + B·A·α/r, out of place) when it is a
-    LoRA layer with active adapters; its ``bias`` (or a plain layer's weight) as it is."""
-    if is_saved_module(module):  # a module trained fully: its trained copy unless the adapters are off
+    """A linear layer's ``weight`` with its adapter merged in (W + B·A·α/r, out of place) when it is
+    a LoRA layer with active adapters; its ``bias`` (or a plain layer's weight) as it is."""
+    if is_saved_module(module):
+        # a module trained fully: its trained copy unless the adapters are off
         if module.disable_adapters:
             return getattr(module.original_module, what)
         return getattr(module.modules_to_save[ADAPTER], what)
@@ -173,16 +191,19 @@ def weight(module: nn.Module, what: str = "weight") -> torch.Tensor:
     return base + module.get_delta_weight(ADAPTER).to(base.dtype)
 
 
-# a linear layer's ``<mod>.lora_A.default.weight``, an embedding's ``<mod>.lora_embedding_A.default``
-_LORA_KEY = re.compile(r"^(?P<mod>.*)\.lora_(?P<emb>embedding_)?(?P<ab>[AB])\.(?P<name>[^.]+)(?(emb)|\.weight)$")
+# a linear layer's ``<mod>.lora_A.default.weight``, an embedding's
+# ``<mod>.lora_embedding_A.default``
+_LORA_KEY = re.compile(
+    r"^(?P<mod>.*)\.lora_(?P<emb>embedding_)?(?P<ab>[AB])\.(?P<name>[^.]+)(?(emb)|\.weight)$"
+)
 
 
 def merged_state_dict(
     sd: Dict[str, torch.Tensor], scale: float, fan_in_fan_out: bool = False
 ) -> Dict[str, torch.Tensor]:
-    """A PEFT model's full state dict (``base_model.model.`` names) as the plain HF model's: each LoRA
-    layer's base weight + B·A·``scale`` (computed in fp32; an embedding's (B·A)ᵀ, as PEFT stores it),
-    adapters dropped, a modules_to_save head taken from its trained copy."""
+    """A PEFT model's full state dict (``base_model.model.`` names) as the plain HF model's: each
+    LoRA layer's base weight + B·A·``scale`` (computed in fp32; an embedding's (B·A)ᵀ, as PEFT
+    stores it), adapters dropped, a modules_to_save head taken from its trained copy."""
     out: Dict[str, torch.Tensor] = {}
     pairs: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, value in sd.items():
@@ -190,7 +211,9 @@ def merged_state_dict(
         m = _LORA_KEY.match(key)
         if m:
             if m.group("name") == ADAPTER:
-                pairs.setdefault(m.group("mod"), {"embedding": bool(m.group("emb"))})[m.group("ab")] = value
+                pairs.setdefault(m.group("mod"), {"embedding": bool(m.group("emb"))})[
+                    m.group("ab")
+                ] = value
             continue
         if ".original_module." in key:
             continue
@@ -199,21 +222,22 @@ def merged_state_dict(
     for mod, ab in pairs.items():
         w = out[f"{mod}.weight"]
         delta = (ab["B"].float() @ ab["A"].float()) * scale
-        if fan_in_fan_out or ab["embedding"]:  # the weight is [in, out] (GPT-2's Conv1D, an embedding)
+        if fan_in_fan_out or ab["embedding"]:
+            # the weight is [in, out] (GPT-2's Conv1D, an embedding)
             delta = delta.T
         out[f"{mod}.weight"] = (w.float() + delta).to(w.dtype)
     return out
 
 
 def save_adapter(peft_model: nn.Module, sd: Dict[str, torch.Tensor], out_dir) -> None:
-    """The adapter alone in PEFT's format (adapter_config.json + adapter_model.safetensors), from the
-    full state dict ``sd`` (PEFT names, as ``peft_model.state_dict()`` has them): loadable with
-    ``PeftModel.from_pretrained(base, out_dir)`` onto the base checkpoint as the user has it. When the
-    tokenizer's added pad grew the embeddings (``loading.resize_for_tokenizer``), the adapter is
-    written for the checkpoint's vocabulary: the pad row left out of what it carries of the embeddings
-    and LM head, and PEFT's copy of the resized base embeddings not saved (the base's rows are
-    unchanged), so it loads onto the original base and gives the merged export's logits on text
-    without the pad."""
+    """The adapter alone in PEFT's format (adapter_config.json + adapter_model.safetensors), from
+    the full state dict ``sd`` (PEFT names, as ``peft_model.state_dict()`` has them): loadable with
+    ``PeftModel.from_pretrained(base, out_dir)`` onto the base checkpoint as the user has it. When
+    the tokenizer's added pad grew the embeddings (``loading.resize_for_tokenizer``), the adapter is
+    written for the checkpoint's vocabulary: the pad row left out of what it carries of the
+    embeddings and LM head, and PEFT's copy of the resized base embeddings not saved (the base's
+    rows are unchanged), so it loads onto the original base and gives the merged export's logits on
+    text without the pad."""
     rows = getattr(unwrap(peft_model), BASE_VOCAB_ROWS, None)
     extra = {}
     if rows is not None:
@@ -222,13 +246,19 @@ def save_adapter(peft_model: nn.Module, sd: Dict[str, torch.Tensor], out_dir) ->
     peft_model.save_pretrained(str(out_dir), state_dict=sd, safe_serialization=True, **extra)
 
 
-def base_vocabulary(peft_model: nn.Module, sd: Dict[str, torch.Tensor], rows: int) -> Dict[str, torch.Tensor]:
+def base_vocabulary(
+    peft_model: nn.Module, sd: Dict[str, torch.Tensor], rows: int
+) -> Dict[str, torch.Tensor]:
     """``sd`` with the tensors of the input embeddings and LM head (their adapters, trained copies)
     cut back to the first ``rows`` tokens along every dimension of the grown vocabulary's size."""
     base = unwrap(peft_model)
     grown = base.config.get_text_config().vocab_size
-    layers = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
-    prefixes = tuple(f"{name}." for name, m in peft_model.named_modules() if any(m is layer for layer in layers))
+    layers = [
+        m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None
+    ]
+    prefixes = tuple(
+        f"{name}." for name, m in peft_model.named_modules() if any(m is layer for layer in layers)
+    )
     out = dict(sd)
     for key, t in sd.items():
         if key.startswith(prefixes):

@@ -7,19 +7,19 @@ Phi-3 fuses them in its HF layout (qkv_proj rows = [q; k; v], gate_up_proj rows 
 differ in biases (Qwen2: q/k/v; Qwen3 and Llama: q/k/v/o with ``attention_bias``; Llama: MLP with
 ``mlp_bias``), q/k RMSNorm per head before the rotation (Qwen3), partial rotary (Phi-3), and sliding
 windows (Mistral and Phi-3: every layer; Qwen2/Qwen3: the layers ``layer_types`` names). Each family
-is one row of FAMILY_TABLE (a ``Family``: those traits, each the HF modeling code's rule); the policy
-reads the row, never the family's name, so a family whose traits are all in it needs only its row.
-OPT and GPT-2 (DeepSpeed-Chat's own families) differ in kind, each a trait too: LayerNorm with bias
-instead of RMSNorm, learned absolute positions (a table; OPT's rows offset by 2) instead of rotary, a
-plain MLP (ReLU, GELU) with biases instead of the SiLU-gated one, post-LayerNorm blocks (OPT's
-``do_layer_norm_before=False``), projections between the embedding and hidden widths (OPT-350m's
-``project_in``/``project_out``), Conv1D weights stored [in, out] (GPT-2). Where a family keeps each weight
-is its ``Modules`` row (paths relative to the causal LM and to a decoder layer). GPT-NeoX combines
-kinds: LayerNorm, a plain GELU MLP, partial rotary, its fused ``query_key_value`` head by head, parallel
-blocks (``use_parallel_residual``: x + attn(ln1(x)) + mlp(ln2(x))).
-Anything the inference modules do not reproduce exactly (other activations, dynamic or LongRoPE
-frequencies, other layer types, MoE, the config switches a family's ``refuse`` names) has no policy: the
-caller falls back to HF generate with the one-line reason, never to wrong output.
+is one row of FAMILY_TABLE (a ``Family``: those traits, each the HF modeling code's rule); the
+policy reads the row, never the family's name, so a family whose traits are all in it needs only its
+row. OPT and GPT-2 (DeepSpeed-Chat's own families) differ in kind, each a trait too: LayerNorm with
+bias instead of RMSNorm, learned absolute positions (a table; OPT's rows offset by 2) instead of
+rotary, a plain MLP (ReLU, GELU) with biases instead of the SiLU-gated one, post-LayerNorm blocks
+(OPT's ``do_layer_norm_before=False``), projections between the embedding and hidden widths
+(OPT-350m's ``project_in``/``project_out``), Conv1D weights stored [in, out] (GPT-2). Where a family
+keeps each weight is its ``Modules`` row (paths relative to the causal LM and to a decoder layer).
+GPT-NeoX combines kinds: LayerNorm, a plain GELU MLP, partial rotary, its fused ``query_key_value``
+head by head, parallel blocks (``use_parallel_residual``: x + attn(ln1(x)) + mlp(ln2(x))). Anything
+the inference modules do not reproduce exactly (other activations, dynamic or LongRoPE frequencies,
+other layer types, MoE, the config switches a family's ``refuse`` names) has no policy: the caller
+falls back to HF generate with the one-line reason, never to wrong output.
 """
 
 from __future__ import annotations
@@ -35,24 +35,28 @@ from rlhf.ops.activation import ACTIVATIONS
 from rlhf.ops.rotary import interleave_permutation
 
 WINDOW_RULES = ("none", "every_layer", "layer_types")
-NORMS = ("rms", "layer")  # RMSNorm (weight only) | LayerNorm (weight and bias)
-POSITIONS = ("rotary", "learned")  # rotary embedding | a learned table added to the token embeddings
+# RMSNorm (weight only) | LayerNorm (weight and bias)
+NORMS = ("rms", "layer")
+# rotary embedding | a learned table added to the token embeddings
+POSITIONS = ("rotary", "learned")
 MLPS = ("gated", "plain")  # down(SiLU(gate) · up) | down(act(up))
 
 
 @dataclass(frozen=True)
 class Modules:
-    """Where a family's HF model keeps the weights the policy reads: ``base`` (the decoder stack) and
-    the root's modules relative to the causal LM and to ``base``, a block's relative to one decoder
-    layer ("": the family has none; a module the model sets to None, such as OPT's ``project_in`` at
-    equal widths or its final norm in post-LayerNorm models, is absent too)."""
+    """Where a family's HF model keeps the weights the policy reads: ``base`` (the decoder stack)
+    and the root's modules relative to the causal LM and to ``base``, a block's relative to one
+    decoder layer ("": the family has none; a module the model sets to None, such as OPT's
+    ``project_in`` at equal widths or its final norm in post-LayerNorm models, is absent too)."""
 
     base: str = "model"
     embed: str = "embed_tokens"
     positions: str = ""  # the learned position table
     norm: str = "norm"  # the final norm
-    project_in: str = ""  # embedding width → hidden width (after the lookup)
-    project_out: str = ""  # hidden width → embedding width (before the LM head)
+    # embedding width → hidden width (after the lookup)
+    project_in: str = ""
+    # hidden width → embedding width (before the LM head)
+    project_out: str = ""
     q: str = "self_attn.q_proj"
     k: str = "self_attn.k_proj"
     v: str = "self_attn.v_proj"
@@ -60,9 +64,11 @@ class Modules:
     o: str = "self_attn.o_proj"
     gate: str = "mlp.gate_proj"
     up: str = "mlp.up_proj"
-    gate_up: str = "mlp.gate_up_proj"  # fused, rows [gate; up] (Family.fused, gated MLP)
+    # fused, rows [gate; up] (Family.fused, gated MLP)
+    gate_up: str = "mlp.gate_up_proj"
     down: str = "mlp.down_proj"
-    ln1: str = "input_layernorm"  # before attention (pre-norm) or after its residual add (post-norm)
+    # before attention (pre-norm) or after its residual add (post-norm)
+    ln1: str = "input_layernorm"
     ln2: str = "post_attention_layernorm"  # the same around the MLP
     q_norm: str = "self_attn.q_norm"
     k_norm: str = "self_attn.k_norm"
@@ -118,43 +124,55 @@ def module_at(root, path: str):
 
 @dataclass(frozen=True)
 class Family:
-    """What the injection policy reads of one model family (HF ``config.model_type``): its HF modeling
-    code's rules. One row per family in FAMILY_TABLE; a family with no row has no policy."""
+    """What the injection policy reads of one model family (HF ``config.model_type``): its HF
+    modeling code's rules. One row per family in FAMILY_TABLE; a family with no row has no
+    policy."""
 
     model_type: str
-    # one fused input projection per block, HF rows qkv_proj = [q; k; v] and gate_up_proj = [gate; up]
-    # (Phi-3; GPT-2's c_attn; GPT-NeoX's query_key_value, with ``qkv_per_head``); else q/k/v_proj and gate/up_proj
+    # one fused input projection per block, HF rows qkv_proj = [q; k; v] and gate_up_proj = [gate;
+    # up] (Phi-3; GPT-2's c_attn; GPT-NeoX's query_key_value, with ``qkv_per_head``); else
+    # q/k/v_proj and gate/up_proj
     fused: bool = False
-    qkv_per_head: bool = False  # the fused rows head by head, [q_h; k_h; v_h] per head (GPT-NeoX)
-    # which layers slide: "every_layer" (one mask for all, windowed when sliding_window is set: Mistral,
-    # Phi-3), "layer_types" (layer i's mask is config.layer_types[i]'s: Qwen2/Qwen3), "none" (Llama)
+    # the fused rows head by head, [q_h; k_h; v_h] per head (GPT-NeoX)
+    qkv_per_head: bool = False
+    # which layers slide: "every_layer" (one mask for all, windowed when sliding_window is set:
+    # Mistral, Phi-3), "layer_types" (layer i's mask is config.layer_types[i]'s: Qwen2/Qwen3),
+    # "none" (Llama)
     windows: str = "none"
-    qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2)
-    # the attention's q/k/v and output biases, and the MLP's: "always" (GPT-2; GPT-NeoX's MLP), the config
-    # flag that switches them (attention_bias: Llama, Qwen3, GPT-NeoX; mlp_bias: Llama; enable_bias: both
-    # in OPT), or "" (none)
+    # q/k/v biases whatever the config says (Qwen2)
+    qkv_bias: bool = False
+    # the attention's q/k/v and output biases, and the MLP's: "always" (GPT-2; GPT-NeoX's MLP), the
+    # config flag that switches them (attention_bias: Llama, Qwen3, GPT-NeoX; mlp_bias: Llama;
+    # enable_bias: both in OPT), or "" (none)
     attn_bias: str = ""
     mlp_bias: str = ""
-    qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
-    partial_rotary: bool = False  # partial_rotary_factor honoured (Phi-3); the others rotate whole heads
+    # RMSNorm of each q and k head before the rotation (Qwen3)
+    qk_norm: bool = False
+    # partial_rotary_factor honoured (Phi-3); the others rotate whole heads
+    partial_rotary: bool = False
     # training forwards may run packed (rlhf/engine/packing.py): its HF attention goes through
     # Transformers' attention interface with the keyword arguments (sequence bounds, sliding window)
     packs: bool = False
     modules: Modules = LLAMA_MODULES
     norm: str = "rms"  # NORMS
-    eps_key: str = "rms_norm_eps"  # the config field of the norms' epsilon ("": nn.LayerNorm's 1e-5, OPT)
-    # the config flag that says pre-norm blocks, false = post-norm (OPT: do_layer_norm_before); "": pre-norm
+    # the config field of the norms' epsilon ("": nn.LayerNorm's 1e-5, OPT)
+    eps_key: str = "rms_norm_eps"
+    # the config flag that says pre-norm blocks, false = post-norm (OPT: do_layer_norm_before); "":
+    # pre-norm
     prenorm_key: str = ""
     # the config flag that says parallel blocks, x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX:
     # use_parallel_residual); "": sequential
     parallel_key: str = ""
     positions: str = "rotary"  # POSITIONS
-    position_offset: int = 0  # learned: the table row of position p is p + offset (OPT: 2)
+    # learned: the table row of position p is p + offset (OPT: 2)
+    position_offset: int = 0
     mlp: str = "gated"  # MLPS
-    act_key: str = "hidden_act"  # the config field naming the MLP's activation
+    # the config field naming the MLP's activation
+    act_key: str = "hidden_act"
     # the MLP's width: this config field; None there (GPT-2's n_inner) means 4 · hidden_size
     intermediate_key: str = "intermediate_size"
-    conv1d: bool = False  # weights stored [in, out] (GPT-2's Conv1D), transposed to a Linear's [out, in]
+    # weights stored [in, out] (GPT-2's Conv1D), transposed to a Linear's [out, in]
+    conv1d: bool = False
     # config switches the inference modules do not reproduce: (field, the only value served)
     refuse: Tuple[Tuple[str, object], ...] = ()
 
@@ -251,24 +269,36 @@ class InjectionPolicy:
     intermediate_size: int
     eps: float
     qkv_bias: bool
-    sliding_window: Optional[int]  # the window of the layers that slide (None: no layer does)
+    # the window of the layers that slide (None: no layer does)
+    sliding_window: Optional[int]
     tie_word_embeddings: bool
-    layer_windows: Tuple[Optional[int], ...] = ()  # per layer: its window, or None (full attention)
-    rotary_dim: int = 0  # dimensions of a head that rotate (the first ones); 0 = head_dim
-    qk_norm: bool = False  # RMSNorm of each q and k head before the rotation (Qwen3)
-    o_bias: bool = False  # bias of the attention output projection
-    mlp_bias: bool = False  # biases of gate/up/down (up/down of a plain MLP)
-    fused: bool = False  # HF layout qkv_proj = [q; k; v], gate_up_proj = [gate; up] (Family.fused)
-    qkv_per_head: bool = False  # the fused q/k/v rows head by head (Family.qkv_per_head)
+    # per layer: its window, or None (full attention)
+    layer_windows: Tuple[Optional[int], ...] = ()
+    # dimensions of a head that rotate (the first ones); 0 = head_dim
+    rotary_dim: int = 0
+    # RMSNorm of each q and k head before the rotation (Qwen3)
+    qk_norm: bool = False
+    # bias of the attention output projection
+    o_bias: bool = False
+    # biases of gate/up/down (up/down of a plain MLP)
+    mlp_bias: bool = False
+    # HF layout qkv_proj = [q; k; v], gate_up_proj = [gate; up] (Family.fused)
+    fused: bool = False
+    # the fused q/k/v rows head by head (Family.qkv_per_head)
+    qkv_per_head: bool = False
     modules: Modules = LLAMA_MODULES
     norm: str = "rms"  # NORMS
-    prenorm: bool = True  # False: each block's norms after its residual adds (OPT-350m)
-    parallel: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
+    # False: each block's norms after its residual adds (OPT-350m)
+    prenorm: bool = True
+    # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
+    parallel: bool = False
     positions: str = "rotary"  # POSITIONS
     position_offset: int = 0  # learned: table row of position p
-    max_positions: int = 0  # learned: positions the table holds (after the offset)
+    # learned: positions the table holds (after the offset)
+    max_positions: int = 0
     mlp: str = "gated"  # MLPS
-    activation: str = "silu"  # a plain MLP's (rlhf.ops.activation.ACTIVATIONS)
+    # a plain MLP's (rlhf.ops.activation.ACTIVATIONS)
+    activation: str = "silu"
     conv1d: bool = False  # HF weights stored [in, out]
 
     def __post_init__(self):
@@ -288,12 +318,16 @@ class InjectionPolicy:
                 return f"{name} ({n}) not divisible by engine.inference_tp_size={tp}"
         return None
 
-    # ---- weights of one decoder layer, full (unsharded) tensors in, this TP rank's fused slices out ----
+    # ---- weights of one decoder layer, full (unsharded) tensors in, this TP rank's fused slices
+    # out ----
     def layer_weights(self, layer, tp_rank: int, tp: int) -> Dict[str, torch.Tensor]:
         n = self.modules
         hq, hk = self.num_heads // tp, self.num_kv_heads // tp
         d = self.head_dim
-        qs, ks = slice(tp_rank * hq * d, (tp_rank + 1) * hq * d), slice(tp_rank * hk * d, (tp_rank + 1) * hk * d)
+        qs, ks = (
+            slice(tp_rank * hq * d, (tp_rank + 1) * hq * d),
+            slice(tp_rank * hk * d, (tp_rank + 1) * hk * d),
+        )
         i = self.intermediate_size // tp
         ms = slice(tp_rank * i, (tp_rank + 1) * i)
         q, k, v = self._qkv(layer, "weight")
@@ -304,7 +338,9 @@ class InjectionPolicy:
             w["w_gate_up"] = torch.cat([gate[ms], up[ms]])
         else:
             w["w_up"] = self._weight(layer, n.up)[ms].clone(memory_format=torch.contiguous_format)
-        w["w_down"] = self._weight(layer, n.down)[:, ms].clone(memory_format=torch.contiguous_format)
+        w["w_down"] = self._weight(layer, n.down)[:, ms].clone(
+            memory_format=torch.contiguous_format
+        )
         ln1, ln2 = module_at(layer, n.ln1), module_at(layer, n.ln2)
         w["ln1"], w["ln2"] = ln1.weight.detach().clone(), ln2.weight.detach().clone()
         if self.norm == "layer":
@@ -323,7 +359,8 @@ class InjectionPolicy:
                 w["b_up"] = self._weight(layer, n.up, "bias")[ms].clone()
             if tp_rank == 0:
                 w["b_down"] = self._weight(layer, n.down, "bias").detach().clone()
-        if self.qk_norm:  # one weight row per q and k head of this rank, in the interleaved layout
+        if self.qk_norm:
+            # one weight row per q and k head of this rank, in the interleaved layout
             qn, kn = module_at(layer, n.q_norm).weight, module_at(layer, n.k_norm).weight
             perm = self._perm(qn.device)
             w["qk_norm"] = torch.cat([qn[perm].expand(hq, d), kn[perm].expand(hk, d)])
@@ -336,9 +373,11 @@ class InjectionPolicy:
         return t.t() if self.conv1d and what == "weight" else t
 
     def _qkv(self, layer, what: str):
-        """(q, k, v) rows of the attention input projections' ``weight`` or ``bias`` (full tensors)."""
+        """(q, k, v) rows of the attention input projections' ``weight`` or ``bias`` (full
+        tensors)."""
         n = self.modules
-        if self.fused and self.qkv_per_head:  # rows [q_h; k_h; v_h] for each head h (multi-head attention)
+        if self.fused and self.qkv_per_head:
+            # rows [q_h; k_h; v_h] for each head h (multi-head attention)
             t = self._weight(layer, n.qkv, what)
             heads = t.reshape(self.num_heads, 3, self.head_dim, *t.shape[1:])
             return tuple(heads[:, i].reshape(-1, *t.shape[1:]) for i in range(3))
@@ -346,19 +385,27 @@ class InjectionPolicy:
             t = self._weight(layer, n.qkv, what)
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return t[:nq], t[nq : nq + nk], t[nq + nk :]
-        return self._weight(layer, n.q, what), self._weight(layer, n.k, what), self._weight(layer, n.v, what)
+        return (
+            self._weight(layer, n.q, what),
+            self._weight(layer, n.k, what),
+            self._weight(layer, n.v, what),
+        )
 
     def _gate_up(self, layer, what: str):
         n = self.modules
-        if self.fused:  # rows [gate; up] (HF: gate, up = gate_up_proj(x).chunk(2))
+        if self.fused:
+            # rows [gate; up] (HF: gate, up = gate_up_proj(x).chunk(2))
             t = self._weight(layer, n.gate_up, what)
             return t[: self.intermediate_size], t[self.intermediate_size :]
         return self._weight(layer, n.gate, what), self._weight(layer, n.up, what)
 
     def _perm(self, device) -> torch.Tensor:
-        """Per head: the rotated dimensions interleaved (rlhf.ops.rotary), the rest where they were."""
+        """Per head: the rotated dimensions interleaved (rlhf.ops.rotary), the rest where they
+        were."""
         r = self.rotary_dim
-        return torch.cat([interleave_permutation(r, device), torch.arange(r, self.head_dim, device=device)])
+        return torch.cat(
+            [interleave_permutation(r, device), torch.arange(r, self.head_dim, device=device)]
+        )
 
     def _interleave(self, w: torch.Tensor) -> torch.Tensor:
         """Rows of a q/k projection (per head) into the rotary-interleaved layout (rlhf.ops.rotary);
@@ -371,13 +418,14 @@ class InjectionPolicy:
     def root_weights(self, model) -> Dict[str, torch.Tensor]:
         """The weights outside the decoder layers: ``embed``, ``lm_head``, the final ``norm`` (and
         ``norm_b``) where the model has one, ``proj_in``/``proj_out`` where it has them, and the
-        positions: ``inv_freq`` and ``rope_scaling`` (rotary) or the table ``wpe`` (learned: row p is
-        position p, the family's offset dropped)."""
+        positions: ``inv_freq`` and ``rope_scaling`` (rotary) or the table ``wpe`` (learned: row p
+        is position p, the family's offset dropped)."""
         n = self.modules
         base = module_at(model, n.base)
         embeddings = module_at(base, n.embed)
         embed = weight(embeddings).detach().clone()  # LoRA-adapted where a user targets it
-        # tied embeddings: the LM head is the base embedding (an embedding adapter changes only the lookup, as in HF)
+        # tied embeddings: the LM head is the base embedding (an embedding adapter changes only the
+        # lookup, as in HF)
         if not self.tie_word_embeddings:
             head = weight(model.lm_head).detach().clone()
         elif is_lora_layer(embeddings):
@@ -397,7 +445,9 @@ class InjectionPolicy:
                 out[key] = weight(proj).detach().clone()
         if self.positions == "learned":
             table = weight(module_at(base, n.positions)).detach()
-            out["wpe"] = table[self.position_offset : self.position_offset + self.max_positions].clone()
+            out["wpe"] = table[
+                self.position_offset : self.position_offset + self.max_positions
+            ].clone()
             return out
         rot = base.rotary_emb
         if 2 * rot.inv_freq.numel() != self.rotary_dim:
@@ -406,7 +456,9 @@ class InjectionPolicy:
                 f"the policy expects {self.rotary_dim}"
             )
         out["inv_freq"] = rot.inv_freq.detach().clone().float()
-        out["rope_scaling"] = torch.tensor(float(getattr(rot, "attention_scaling", 1.0)), device="cpu")
+        out["rope_scaling"] = torch.tensor(
+            float(getattr(rot, "attention_scaling", 1.0)), device="cpu"
+        )
         return out
 
 
@@ -426,13 +478,17 @@ def _layer_windows(config, family: Family) -> Tuple[Optional[Tuple[Optional[int]
     """Each layer's sliding window (None: full attention), as the family's HF model masks it."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if family.windows == "every_layer":  # HF: one mask for every layer, windowed when sliding_window is set
+    if family.windows == "every_layer":
+        # HF: one mask for every layer, windowed when sliding_window is set
         return (window,) * n, ""
-    if family.windows == "layer_types":  # HF: layer i's mask is config.layer_types[i]'s
+    if family.windows == "layer_types":
+        # HF: layer i's mask is config.layer_types[i]'s
         # (sliding_window is None unless use_sliding_window; the rule below is the config's own
         # default for layer_types)
         types = getattr(config, "layer_types", None) or [
-            "sliding_attention" if window is not None and i >= config.max_window_layers else "full_attention"
+            "sliding_attention"
+            if window is not None and i >= config.max_window_layers
+            else "full_attention"
             for i in range(n)
         ]
         out = []
@@ -442,7 +498,11 @@ def _layer_windows(config, family: Family) -> Tuple[Optional[Tuple[Optional[int]
             elif t == "sliding_attention" and window:
                 out.append(window)
             elif t == "sliding_attention":
-                return None, "layer_types names sliding layers but sliding_window is not set (use_sliding_window)"
+                return (
+                    None,
+                    "layer_types names sliding layers but sliding_window is not set "
+                    "(use_sliding_window)",
+                )
             else:
                 return None, f"layer type '{t}' is not supported by the inference modules"
         return tuple(out), ""
@@ -483,13 +543,17 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         if rope_type not in STATIC_ROPE:
             return None, f"RoPE type '{rope_type}' is not supported by the inference modules"
         if partial != 1.0 and not traits.partial_rotary:  # HF's other families rotate whole heads
-            return None, f"partial rotary (partial_rotary_factor={partial}) is not supported for {family}"
+            return (
+                None,
+                f"partial rotary (partial_rotary_factor={partial}) is not supported for {family}",
+            )
         rotary_dim = int(head_dim * partial)
     windows, why = _layer_windows(config, traits)
     if windows is None:
         return None, why
     attn_bias, mlp_bias = _switch(config, traits.attn_bias), _switch(config, traits.mlp_bias)
-    eps = 1e-5  # nn.LayerNorm's default: OPT's norms read no epsilon from the config
+    # nn.LayerNorm's default: OPT's norms read no epsilon from the config
+    eps = 1e-5
     if traits.eps_key:
         eps = getattr(config, traits.eps_key)
     max_positions = 0

@@ -1,27 +1,30 @@
 """Loading a checkpoint where the engine shards it: each rank reads from the safetensors files the
-rows it holds, so that no process holds the whole model at load (what DeepSpeed's ``zero.Init`` does).
+rows it holds, so that no process holds the whole model at load (what DeepSpeed's ``zero.Init``
+does).
 
 In a job of several processes, ``build_model`` (rlhf/models/loading.py) runs Transformers' own
 ``from_pretrained`` on rank 0 with its safetensors reader swapped for one that hands out
 *placeholders* (``load_deferred``): a tensor of the checkpoint tensor's shape over one NaN element
-(stride 0), remembered with the file and the name it stands for. Everything else from_pretrained does
-happens as before, on the same random draws: the config and generation config, the key renames, the
-initialisation of weights the checkpoint lacks (a new score head), weight tying, eval mode. The
-placeholders of the decoder blocks' weights and of the embeddings (the bulk of a model) stay unloaded,
-each tagged with its ``Source``; every other weight (final norm, score head: what a stage may read or
-change before the model is wrapped, e.g. the critic's scaled head) is read from the file at once. The
-tokenizer-driven resize loads the embeddings for the time of the resize only (``loaded_for_resize``:
-Transformers' mean-resizing needs the old rows) and leaves them unloaded again, their new rows kept.
+(stride 0), remembered with the file and the name it stands for. Everything else from_pretrained
+does happens as before, on the same random draws: the config and generation config, the key renames,
+the initialisation of weights the checkpoint lacks (a new score head), weight tying, eval mode. The
+placeholders of the decoder blocks' weights and of the embeddings (the bulk of a model) stay
+unloaded, each tagged with its ``Source``; every other weight (final norm, score head: what a stage
+may read or change before the model is wrapped, e.g. the critic's scaled head) is read from the file
+at once. The tokenizer-driven resize loads the embeddings for the time of the resize only
+(``loaded_for_resize``: Transformers' mean-resizing needs the old rows) and leaves them unloaded
+again, their new rows kept.
 
-When the engine wraps the model (rlhf/engine/train.py), ``plan`` tells every rank which weights rank 0
-left unloaded, and ``fill`` has each rank read its part of each: its FSDP2 shard's rows (ZeRO-2/3), or
-the whole tensor (ZeRO-0/1, where every rank holds a full copy anyway: read from the files rather than
-broadcast from rank 0). Rank 0's other weights are broadcast as before.
+When the engine wraps the model (rlhf/engine/train.py), ``plan`` tells every rank which weights rank
+0 left unloaded, and ``fill`` has each rank read its part of each: its FSDP2 shard's rows
+(ZeRO-2/3), or the whole tensor (ZeRO-0/1, where every rank holds a full copy anyway: read from the
+files rather than broadcast from rank 0). Rank 0's other weights are broadcast as before.
 
 Where this cannot apply, rank 0 loads the model whole, as before, and one log line says why: a
-checkpoint that is not safetensors (``.bin``), one whose tensors Transformers transforms on load beyond
-renaming them (fused or split projections, stacked experts: the file's tensors are not the model's),
-or files some rank cannot read. One process loads as before (it holds the whole model anyway).
+checkpoint that is not safetensors (``.bin``), one whose tensors Transformers transforms on load
+beyond renaming them (fused or split projections, stacked experts: the file's tensors are not the
+model's), or files some rank cannot read. One process loads as before (it holds the whole model
+anyway).
 """
 
 from __future__ import annotations
@@ -39,10 +42,13 @@ from torch import nn
 
 log = logging.getLogger("rlhf")
 
-# False: rank 0 loads whole, as before (the reference of bench/memory.py and of the tests; no setting)
+# False: rank 0 loads whole, as before (the reference of bench/memory.py and of the tests; no
+# setting)
 ENABLED = True
-TAG = "_rlhf_source"  # the attribute of an unloaded parameter: its Source
-_READ: Dict[str, int] = {}  # "file:key" -> bytes this process read of it (through Source.read)
+# the attribute of an unloaded parameter: its Source
+TAG = "_rlhf_source"
+# "file:key" -> bytes this process read of it (through Source.read)
+_READ: Dict[str, int] = {}
 
 
 @dataclass
@@ -64,7 +70,9 @@ class Source:
             _READ[name] = _READ.get(name, 0) + part.numel() * part.element_size()
             parts.append(part.to(dtype))
         if stop > self.file_rows:
-            parts.append(self.tail[max(start - self.file_rows, 0) : stop - self.file_rows].to(dtype))
+            parts.append(
+                self.tail[max(start - self.file_rows, 0) : stop - self.file_rows].to(dtype)
+            )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -97,7 +105,8 @@ class _Reader:
     placeholders, each remembered with its file and name (by the storage it is the only user of)."""
 
     def __init__(self):
-        self.sources: Dict[int, tuple] = {}  # storage address -> (Source, the placeholder: kept alive)
+        # storage address -> (Source, the placeholder: kept alive)
+        self.sources: Dict[int, tuple] = {}
 
     def open(self, file, framework="pt", device="cpu", **_):
         from safetensors import safe_open
@@ -116,8 +125,13 @@ class _Reader:
 
             def __getitem__(self, index):
                 shape = self.slice.get_shape()
-                if index is not Ellipsis or math.prod(shape) < 2 or not self.slice.get_dtype().startswith(("F", "BF")):
-                    return self.slice[index]  # a part, a scalar, an integer tensor: read as it is
+                if (
+                    index is not Ellipsis
+                    or math.prod(shape) < 2
+                    or not self.slice.get_dtype().startswith(("F", "BF"))
+                ):
+                    # a part, a scalar, an integer tensor: read as it is
+                    return self.slice[index]
                 t = _placeholder(shape, torch.float32)  # the dtype build_model loads in
                 source = Source(str(file), self.key, shape[0])
                 reader.sources[t.untyped_storage().data_ptr()] = (source, t)
@@ -149,8 +163,9 @@ class _Reader:
 
 
 def load_deferred(load: Callable[[], nn.Module], what: str) -> nn.Module:
-    """``load()`` (a ``from_pretrained``) with the bulk of the weights left unloaded; where that cannot
-    apply, ``load()`` as it is (one log line naming ``what`` and why), on the same random draws."""
+    """``load()`` (a ``from_pretrained``) with the bulk of the weights left unloaded; where that
+    cannot apply, ``load()`` as it is (one log line naming ``what`` and why), on the same random
+    draws."""
     import transformers.modeling_utils as hf
 
     rng = torch.get_rng_state()
@@ -159,12 +174,18 @@ def load_deferred(load: Callable[[], nn.Module], what: str) -> nn.Module:
     hf.safe_open = reader.open
     try:
         model = load()
-    except Exception as e:  # e.g. model code writing into a weight at load: not on placeholders
-        model, why = None, f"loading on placeholders failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    except Exception as e:
+        # e.g. model code writing into a weight at load: not on placeholders
+        model, why = (
+            None,
+            f"loading on placeholders failed ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]})",
+        )
     finally:
         hf.safe_open = real_open
     if model is not None:
-        if not reader.sources:  # Transformers did not read safetensors slices: the model is whole
+        if not reader.sources:
+            # Transformers did not read safetensors slices: the model is whole
             log.info("%s: not a safetensors checkpoint: rank 0 loaded it whole, as before", what)
             return model
         why = _not_streamable(model, reader)
@@ -178,15 +199,26 @@ def load_deferred(load: Callable[[], nn.Module], what: str) -> nn.Module:
 
 
 def _not_streamable(model: nn.Module, reader: _Reader) -> Optional[str]:
-    """Why the model's tensors are not the checkpoint's as read (a transform beyond a rename), or None."""
+    """Why the model's tensors are not the checkpoint's as read (a transform beyond a rename), or
+    None."""
     try:
         from transformers.core_model_loading import WeightRenaming
-    except ImportError:  # another Transformers: any conversion counts
+    except ImportError:
+        # another Transformers: any conversion counts
         WeightRenaming = ()
-    converted = [c for c in getattr(model, "_weight_conversions", None) or [] if not isinstance(c, WeightRenaming)]
+    converted = [
+        c
+        for c in getattr(model, "_weight_conversions", None) or []
+        if not isinstance(c, WeightRenaming)
+    ]
     if converted:
-        return f"Transformers converts this family's checkpoint tensors on load ({type(converted[0]).__name__})"
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        return (
+            "Transformers converts this family's checkpoint tensors on load "
+            f"({type(converted[0]).__name__})"
+        )
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers()
+    ):
         source = reader.source(t)
         if source is not None:
             read = reader.sources[t.untyped_storage().data_ptr()][1]
@@ -203,7 +235,8 @@ def _bulk(model: nn.Module) -> set:
 
     try:
         params = {id(p) for p in decoder_layers(model).parameters()}
-    except ValueError:  # no decoder blocks found: the embeddings only
+    except ValueError:
+        # no decoder blocks found: the embeddings only
         params = set()
     return params | {id(p) for p in _embedding_weights(model).values()}
 
@@ -250,7 +283,8 @@ def _defer(p: torch.Tensor, source: Source) -> None:
 
 
 def materialise(model: nn.Module) -> None:
-    """Every unloaded parameter of ``model`` read whole (a model used without the engine's wrapping)."""
+    """Every unloaded parameter of ``model`` read whole (a model used without the engine's
+    wrapping)."""
     for p in model.parameters():
         source = unloaded(p)
         if source is not None:
@@ -268,16 +302,28 @@ def loaded_for_resize(model: nn.Module) -> Iterator[None]:
             _load(p, source)
             before[which] = source
     yield
-    after = _embedding_weights(model)  # the resize may have made new modules (an untied LM head)
+    # the resize may have made new modules (an untied LM head)
+    after = _embedding_weights(model)
     for which, source in before.items():
         p = after[which]
         if unloaded(p) is None and p.shape[0] >= source.file_rows and p.device.type == "cpu":
-            _defer(p, Source(source.file, source.key, source.file_rows, p.detach()[source.file_rows :].clone()))
+            _defer(
+                p,
+                Source(
+                    source.file,
+                    source.key,
+                    source.file_rows,
+                    p.detach()[source.file_rows :].clone(),
+                ),
+            )
 
 
 def _embedding_weights(model: nn.Module) -> Dict[str, torch.Tensor]:
     out = {}
-    for which, emb in (("input", model.get_input_embeddings()), ("output", model.get_output_embeddings())):
+    for which, emb in (
+        ("input", model.get_input_embeddings()),
+        ("output", model.get_output_embeddings()),
+    ):
         if emb is not None and getattr(emb, "weight", None) is not None:
             out[which] = emb.weight
     return out
@@ -298,14 +344,18 @@ def _adopt_saved_copies(model: nn.Module) -> None:
 
 
 def plan(model: nn.Module, mesh) -> Dict[str, Source]:
-    """Collective (at wrapping): {parameter name: Source} of the weights rank 0 left unloaded, the same
-    on every rank ({} when none: everything comes from rank 0, as before). Another rank's own
+    """Collective (at wrapping): {parameter name: Source} of the weights rank 0 left unloaded, the
+    same on every rank ({} when none: everything comes from rank 0, as before). Another rank's own
     placeholders (a model every rank built from the path) go to the meta device: its values arrive
     like any other rank's. Files a rank cannot read: rank 0 loads the weights whole, as before."""
     local: Dict[str, Source] = {}
     if mesh.is_main:
         _adopt_saved_copies(model)
-        local = {n: unloaded(p) for n, p in model.named_parameters(remove_duplicate=False) if unloaded(p) is not None}
+        local = {
+            n: unloaded(p)
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if unloaded(p) is not None
+        }
     else:
         unload(model)
     out = mesh.broadcast_object(local)
@@ -317,7 +367,8 @@ def plan(model: nn.Module, mesh) -> Dict[str, Source]:
         if mesh.is_main:
             materialise(model)
             log.info(
-                "%s: not every rank can read the checkpoint files: rank 0 loaded the weights whole, as before",
+                "%s: not every rank can read the checkpoint files: rank 0 loaded the "
+                "weights whole, as before",
                 os.path.dirname(next(iter(files))),
             )
         return {}
@@ -331,17 +382,19 @@ def plan(model: nn.Module, mesh) -> Dict[str, Source]:
 
 
 def unload(model: nn.Module) -> None:
-    """Each unloaded parameter onto the meta device, the same object (ties kept): FSDP2 shards a meta
-    parameter (or a contiguous one; a placeholder is neither)."""
+    """Each unloaded parameter onto the meta device, the same object (ties kept): FSDP2 shards a
+    meta parameter (or a contiguous one; a placeholder is neither)."""
     for p in model.parameters():
         if unloaded(p) is not None and p.device.type != "meta":
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+            torch.utils.swap_tensors(
+                p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            )
 
 
 def fill(model: nn.Module, plan: Dict[str, Source], device=None) -> None:
     """Each parameter of ``plan`` reads its part from the files: a DTensor (FSDP2, dim-0 shards) its
-    local rows, a plain tensor the whole (onto ``device``, default its own). One file open at a time:
-    the file pages a rank has read are mapped (resident) until its file is closed."""
+    local rows, a plain tensor the whole (onto ``device``, default its own). One file open at a
+    time: the file pages a rank has read are mapped (resident) until its file is closed."""
     if not plan:
         return
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -363,9 +416,20 @@ def fill(model: nn.Module, plan: Dict[str, Source], device=None) -> None:
                     if unloaded(p) is not None:
                         delattr(p, TAG)
                     continue
-                if any(not isinstance(x, (Shard, Replicate)) or (isinstance(x, Shard) and x.dim) for x in p.placements):
-                    raise RuntimeError(f"{name}: placements {p.placements} (a streamed load reads dim-0 shards)")
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if any(
+                    not isinstance(x, (Shard, Replicate)) or (isinstance(x, Shard) and x.dim)
+                    for x in p.placements
+                ):
+                    raise RuntimeError(
+                        f"{name}: placements {p.placements} (a streamed load reads dim-0 shards)"
+                    )
+                shape, offset = compute_local_shape_and_global_offset(
+                    p.shape, p.device_mesh, p.placements
+                )
                 if shape and shape[0]:
                     local = p.to_local()
-                    local.copy_(source.read(handle, offset[0], offset[0] + shape[0], p.dtype).to(local.device))
+                    local.copy_(
+                        source.read(handle, offset[0], offset[0] + shape[0], p.dtype).to(
+                            local.device
+                        )
+                    )

@@ -2,9 +2,9 @@
 
 The model is a standard ``AutoModelForSequenceClassification`` (num_labels=1), so the reward model
 is a plain Hugging Face artifact. Its head (``score``) runs on every position (the critic's values);
-the score of a sequence is the value at its last non-pad token (for a model whose pad is its EOS, the
-last before its trailing EOS, as Transformers' pooling reads it: ``end_pad``). Position ids come from
-the attention mask, so left and right padding score alike. A reward-model ensemble
+the score of a sequence is the value at its last non-pad token (for a model whose pad is its EOS,
+the last before its trailing EOS, as Transformers' pooling reads it: ``end_pad``). Position ids come
+from the attention mask, so left and right padding score alike. A reward-model ensemble
 (``reward.ensemble=k``) is the same model with k labels: member i is the head's row i, over the one
 backbone (docs/ppo.md).
 """
@@ -22,7 +22,8 @@ from rlhf.algorithms.tokens import position_ids as _positions
 from rlhf.models.lora import unwrap
 
 HEAD_NAMES = ("score", "classifier", "v_head")
-# beside an exported reward model: {mean, std, step, eval/*} of its held-out scores (PPO normalises by them)
+# beside an exported reward model: {mean, std, step, eval/*} of its held-out scores (PPO normalises
+# by them)
 REWARD_STATS_FILE = "reward_stats.json"
 
 
@@ -44,8 +45,8 @@ def members(config) -> int:
 
 def mean_head(model: nn.Module, scales=None) -> None:
     """Turns a k-member model into a one-label one whose score is the mean of the members' (each
-    first multiplied by ``scales[i]``): the critic's start from an ensemble. Linear, so exact. On the
-    meta device (ranks that receive their weights later) only the shape changes."""
+    first multiplied by ``scales[i]``): the critic's start from an ensemble. Linear, so exact. On
+    the meta device (ranks that receive their weights later) only the shape changes."""
     head = head_module(model)
     k = head.weight.shape[0]
     if k == 1 and scales is None:
@@ -55,7 +56,9 @@ def mean_head(model: nn.Module, scales=None) -> None:
     new = new.to(head.weight.dtype)
     if head.weight.device.type != "meta":
         with torch.no_grad():
-            new.weight.copy_((head.weight * w.to(head.weight.device)[:, None]).mean(0, keepdim=True))
+            new.weight.copy_(
+                (head.weight * w.to(head.weight.device)[:, None]).mean(0, keepdim=True)
+            )
             if head.bias is not None:
                 new.bias.copy_((head.bias * w.to(head.bias.device)).mean(0, keepdim=True))
     setattr(model, head_name(model), new)
@@ -91,8 +94,10 @@ class ScalarHeadModel(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> torch.Tensor:
-        """``kwargs``: a packed batch's sequence bounds (rlhf/engine/packing.py), passed to the backbone."""
-        hf = unwrap(self.hf)  # with LoRA: the HF model, its adapted layers in place
+        """``kwargs``: a packed batch's sequence bounds (rlhf/engine/packing.py), passed to the
+        backbone."""
+        # with LoRA: the HF model, its adapted layers in place
+        hf = unwrap(self.hf)
         backbone = getattr(hf, hf.base_model_prefix)
         if position_ids is None:
             position_ids = _positions(attention_mask)
@@ -102,16 +107,17 @@ class ScalarHeadModel(nn.Module):
         out = head_module(hf)(hidden)
         if out.shape[-1] > 1:  # an ensemble: [B, T, k]
             return out.float()
-        # sum over the size-1 head dimension: the same numbers as squeeze(-1), but a new tensor, not a
-        # view (FSDP2 warns that a module returning a view can break backward)
+        # sum over the size-1 head dimension: the same numbers as squeeze(-1), but a new tensor, not
+        # a view (FSDP2 warns that a module returning a view can break backward)
         return out.sum(-1).float()
 
 
 def end_pad(config) -> Optional[int]:
-    """The token a reward model's score is read before when it ends a row: its pad where the pad is also
-    its EOS — Transformers' pooling reads the last token that is not the pad, and DeepSpeed-Chat's reward
-    models (every family but Llama: rlhf/models/dschat.py) were trained on that position —; None for any
-    other model (rlhf's own: pad and EOS differ), read at the last real token."""
+    """The token a reward model's score is read before when it ends a row: its pad where the pad is
+    also its EOS — Transformers' pooling reads the last token that is not the pad, and
+    DeepSpeed-Chat's reward models (every family but Llama: rlhf/models/dschat.py) were trained on
+    that position —; None for any other model (rlhf's own: pad and EOS differ), read at the last
+    real token."""
     pad = getattr(config, "pad_token_id", None)
     eos = getattr(config, "eos_token_id", None)
     if pad is None or pad not in (eos if isinstance(eos, (list, tuple)) else [eos]):

@@ -16,15 +16,21 @@ import torch.nn.functional as F
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], fold_groups: Optional[bool] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    fold_groups: Optional[bool] = None,
 ) -> torch.Tensor:
-    """SDPA over the cache. q [B, H, Tq, d]; k, v [B, KV, Tk, d] (grouped-query: H = g·KV, query head h
-    uses KV head h // g); mask [B, 1, Tq, Tk] bool (True = attend) or additive in q's dtype (0 / -inf),
-    or None for plain causal attention (Tq == Tk); every row must allow at least one key (the caller
-    lets left-padding rows attend to themselves, so that no NaN can reach a value vector).
-    ``fold_groups``: fold the query groups into the query length (default: on CUDA)."""
+    """SDPA over the cache. q [B, H, Tq, d]; k, v [B, KV, Tk, d] (grouped-query: H = g·KV, query
+    head h uses KV head h // g); mask [B, 1, Tq, Tk] bool (True = attend) or additive in q's dtype
+    (0 / -inf), or None for plain causal attention (Tq == Tk); every row must allow at least one key
+    (the caller lets left-padding rows attend to themselves, so that no NaN can reach a value
+    vector). ``fold_groups``: fold the query groups into the query length (default: on CUDA)."""
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
     if fold_groups is None:
         fold_groups = q.device.type == "cuda"
     B, H, T, d = q.shape
@@ -33,7 +39,10 @@ def attend(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != kv)
     g = H // kv
     out = F.scaled_dot_product_attention(
-        q.reshape(B, kv, g * T, d), k, v, attn_mask=mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, g, 1)
+        q.reshape(B, kv, g * T, d),
+        k,
+        v,
+        attn_mask=mask.expand(B, 1, T, mask.shape[-1]).repeat(1, 1, g, 1),
     )
     return out.view(B, H, T, d)
 
@@ -45,28 +54,40 @@ def varlen_kernel_fits(dtype: torch.dtype, device: torch.device, head_dim: int) 
         from torch.nn.attention import varlen  # noqa: F401  (absent from older torch builds)
     except ImportError:
         return False
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
 
 
 def attend_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, window: Optional[int] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of packed sequences with no padding anywhere: q [total, H, d], k, v
     [total, KV, d] (grouped-query as in ``attend``), sequence i = rows cu[i]:cu[i+1] (``cu`` int32
     [n+1], ``max_len`` the longest); ``window``: keys at most window − 1 positions back (the
-    additive masks' rule). Returns [total, H, d]. Where the flash kernel fits (``varlen_kernel_fits``)
-    one ``varlen_attn`` call; elsewhere one causal SDPA per sequence — the reference the CPU tests
-    compare the packed prefill against (the CPU's prefill itself stays on the masked path)."""
+    additive masks' rule). Returns [total, H, d]. Where the flash kernel fits
+    (``varlen_kernel_fits``) one ``varlen_attn`` call; elsewhere one causal SDPA per sequence — the
+    reference the CPU tests compare the packed prefill against (the CPU's prefill itself stays on
+    the masked path)."""
     H, kv = q.shape[1], k.shape[1]
     if varlen_kernel_fits(q.dtype, q.device, q.shape[-1]):
         from torch.nn.attention.varlen import varlen_attn
 
-        left = -1  # window_size=(left, right) keys around the query; -1: no limit
+        # window_size=(left, right) keys around the query; -1: no limit
+        left = -1
         if window:
             left = window - 1
 
-        # q, k, v arrive as column slices of the fused QKV output (row stride = its width): dense copies
-        # for the kernel, a small cost beside the prefill's GEMMs
+        # q, k, v arrive as column slices of the fused QKV output (row stride = its width): dense
+        # copies for the kernel, a small cost beside the prefill's GEMMs
         return varlen_attn(
             q.contiguous(),
             k.contiguous(),

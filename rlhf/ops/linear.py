@@ -35,12 +35,15 @@ def _cpu_supports(dtype: torch.dtype, wanted: torch.dtype, device, probe) -> boo
 
 
 def can_pack(dtype: torch.dtype, device) -> bool:
-    """Whether ``prepare_weight(..., packed=True)`` applies: bf16 weights on a CPU oneDNN supports."""
+    """Whether ``prepare_weight(..., packed=True)`` applies: bf16 weights on a CPU oneDNN
+    supports."""
     return _cpu_supports(
         dtype,
         torch.bfloat16,
         device,
-        lambda: torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        lambda: (
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ),
     )
 
 
@@ -50,14 +53,17 @@ def can_pack_rows(dtype: torch.dtype, device) -> bool:
         dtype,
         torch.float32,
         device,
-        lambda: torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"),
+        lambda: (
+            torch.backends.mkl.is_available()
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+        ),
     )
 
 
 def prepare_weight(w: torch.Tensor, packed: bool, for_rows: bool = False) -> torch.Tensor:
-    """``w`` [out, in] (a Linear's weight) → the operand ``linear`` takes. ``for_rows``: Wᵀ as a view
-    of W, which stays contiguous — ``pack_rows`` packs it without a transpose (5-10x faster), and a
-    GEMM with many rows (a prefill) takes the transposed view as fast as a copy."""
+    """``w`` [out, in] (a Linear's weight) → the operand ``linear`` takes. ``for_rows``: Wᵀ as a
+    view of W, which stays contiguous — ``pack_rows`` packs it without a transpose (5-10x faster),
+    and a GEMM with many rows (a prefill) takes the transposed view as fast as a copy."""
     if packed:
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
     if for_rows:
@@ -65,7 +71,9 @@ def prepare_weight(w: torch.Tensor, packed: bool, for_rows: bool = False) -> tor
     return w.t().contiguous()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, packed: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, packed: bool = False
+) -> torch.Tensor:
     """x [..., in] → [..., out]. Unpacked: w is Wᵀ [in, out], one 2-D GEMM — a contiguous copy (no
     packing of a transposed operand on every call: about 2x faster than F.linear at decode sizes on
     CPU), or with ``for_rows`` a view of W (used for prefills only, where the GEMM is large)."""
@@ -85,16 +93,21 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> t
 
 
 def can_pack_onednn_fp32(dtype: torch.dtype, device) -> bool:
-    """Whether ``pack_onednn`` applies: fp32 weights on a CPU torch built with oneDNN (x86 builds)."""
+    """Whether ``pack_onednn`` applies: fp32 weights on a CPU torch built with oneDNN (x86
+    builds)."""
     return _cpu_supports(
         dtype,
         torch.float32,
         device,
-        lambda: torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"),
+        lambda: (
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        ),
     )
 
 
-# oneDNN's fp32 GEMM calls cost ~10 µs more than MKL's: it pays from about this many weights (0.5 MB)
+# oneDNN's fp32 GEMM calls cost ~10 µs more than MKL's: it pays from about this many weights (0.5
+# MB)
 ONEDNN_MIN_WEIGHTS = 1 << 17
 
 
@@ -112,12 +125,17 @@ def pack_onednn(wt: torch.Tensor) -> torch.Tensor:
 
 
 def pack_rows(wt: torch.Tensor, rows: int) -> torch.Tensor:
-    """Wᵀ [in, out] (``prepare_weight(..., for_rows=True)``) → MKL's packed operand for ``rows`` rows."""
+    """Wᵀ [in, out] (``prepare_weight(..., for_rows=True)``) → MKL's packed operand for ``rows``
+    rows."""
     return torch.ops.mkl._mkl_reorder_linear_weight(wt.t(), rows)
 
 
 def linear_rows(
-    x: torch.Tensor, packed: torch.Tensor, wt: torch.Tensor, rows: int, bias: Optional[torch.Tensor] = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    wt: torch.Tensor,
+    rows: int,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """x [m, in] with m <= rows → [m, out] on ``pack_rows(wt, rows)``."""
     m = x.shape[0]

@@ -15,14 +15,16 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     max_new_tokens: int = 16
     min_new_tokens: int = 0
-    samples_per_prompt: int = 1  # rows of a prompt: consecutive (``prompt_major``)
+    # rows of a prompt: consecutive (``prompt_major``)
+    samples_per_prompt: int = 1
     seed: int = 0
 
 
 def prompt_major(items: list, samples_per_prompt: int) -> list:
     """The row layout of every generation: each prompt's samples in consecutive rows
-    (``[a, a, b, b]`` for two samples of prompts ``a``, ``b``). What the rows of a ``Generation``, the
-    examples they are scored against and the groups of GRPO/RLOO (``scores.view(-1, samples)``) assume."""
+    (``[a, a, b, b]`` for two samples of prompts ``a``, ``b``). What the rows of a ``Generation``,
+    the examples they are scored against and the groups of GRPO/RLOO (``scores.view(-1, samples)``)
+    assume."""
     return [x for x in items for _ in range(samples_per_prompt)]
 
 
@@ -61,11 +63,13 @@ def sample(
 ):
     """Next tokens [B] and their log-probs [B] under softmax(logits / temperature) (the distribution
     PPO optimises; greedy reports the temperature-1 log-prob), by inverse CDF with the uniform draws
-    ``u`` ([B, 1] in [0, 1) on the logits' device, a column of ``rlhf.engine.draws.row_draws``; None when greedy).
-    ``ban``: a token that may not be drawn now (EOS before min_new_tokens) — everywhere, or where
-    ``ban_now`` (a 0-dim bool tensor on the device: static shapes and no host synchronisation, the
-    static decode step) is true; the log-probs stay those of the unmodified policy."""
-    fresh = logits.dtype != torch.float32  # .float() below copies: ours to write into
+    ``u`` ([B, 1] in [0, 1) on the logits' device, a column of ``rlhf.engine.draws.row_draws``; None
+    when greedy). ``ban``: a token that may not be drawn now (EOS before min_new_tokens) —
+    everywhere, or where ``ban_now`` (a 0-dim bool tensor on the device: static shapes and no host
+    synchronisation, the static decode step) is true; the log-probs stay those of the unmodified
+    policy."""
+    # .float() below copies: ours to write into
+    fresh = logits.dtype != torch.float32
     logits = logits.float()
     if p.temperature <= 0:
         logp = torch.log_softmax(logits, -1)
@@ -83,7 +87,8 @@ def sample(
         else:
             scaled = logits
         logp = torch.log_softmax(scaled, -1)
-        _ban_column(scaled, ban, ban_now)  # after the log-probs; -inf / T = -inf: the same as banning before scaling
+        # after the log-probs; -inf / T = -inf: the same as banning before scaling
+        _ban_column(scaled, ban, ban_now)
         probs = filter_logits(scaled, p.top_k, p.top_p).softmax(-1)
         # Inverse CDF: one uniform draw per row (torch.multinomial draws far more on CPU).
         cdf = probs.cumsum(-1)

@@ -1,5 +1,5 @@
-"""metrics.jsonl (docs/contract.md), wandb, TensorBoard, progress bars and the console log. Rank 0 writes;
-others no-op."""
+"""metrics.jsonl (docs/contract.md), wandb, TensorBoard, progress bars and the console log. Rank 0
+writes; others no-op."""
 
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ def setup_console(rank: int) -> None:
     their own progress."""
     level = logging.INFO if rank == 0 else logging.ERROR
     logging.basicConfig(
-        level=level, format="[%(asctime)s rlhf] %(message)s", datefmt="%H:%M:%S", stream=sys.stderr, force=True
+        level=level,
+        format="[%(asctime)s rlhf] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
     )
     for noisy in ("httpx", "urllib3", "datasets", "torch.distributed", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -41,7 +45,8 @@ def setup_console(rank: int) -> None:
 
 
 def quiet_hf_progress() -> None:
-    """No Hugging Face progress bars (transformers' and huggingface_hub's), in this process and its children."""
+    """No Hugging Face progress bars (transformers' and huggingface_hub's), in this process and its
+    children."""
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     try:
         from huggingface_hub.utils import disable_progress_bars
@@ -54,10 +59,10 @@ def quiet_hf_progress() -> None:
 
 
 class KeepWriting(io.TextIOBase):
-    """A console stream whose reader may vanish: ``python -m rlhf ... 2>&1 | tee log`` and Ctrl-C ends
-    ``tee`` too, and the next write would raise BrokenPipeError from inside a training step (a traceback,
-    exit 1, the stop's checkpoint and message lost). Once the pipe is gone, writes go nowhere and the
-    run finishes its stop as it would with a terminal."""
+    """A console stream whose reader may vanish: ``python -m rlhf ... 2>&1 | tee log`` and Ctrl-C
+    ends ``tee`` too, and the next write would raise BrokenPipeError from inside a training step (a
+    traceback, exit 1, the stop's checkpoint and message lost). Once the pipe is gone, writes go
+    nowhere and the run finishes its stop as it would with a terminal."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -110,11 +115,12 @@ def _clean(v):
     return v
 
 
-GIB = 2**30  # mem/peak_gb is in GiB, as the benches' peak_rss_gb / peak_gpu_gb
+# mem/peak_gb is in GiB, as the benches' peak_rss_gb / peak_gpu_gb
+GIB = 2**30
 
-# The largest peaks PeakMemory read before resetting the counters, in bytes ("rss"; on CUDA "gpu" and
-# "gpu_reserved"): a reader of the whole process's peak (bench/stage_peak.py) takes them into account,
-# since a reset also lowers what getrusage / torch.cuda.max_memory_* report afterwards.
+# The largest peaks PeakMemory read before resetting the counters, in bytes ("rss"; on CUDA "gpu"
+# and "gpu_reserved"): a reader of the whole process's peak (bench/stage_peak.py) takes them into
+# account, since a reset also lowers what getrusage / torch.cuda.max_memory_* report afterwards.
 _before_resets: dict = {}
 
 
@@ -127,20 +133,24 @@ def _keep(key: str, value: int) -> None:
 
 
 class PeakMemory:
-    """The peak memory of this process since the previous ``read()`` (the first: since it started), in GiB.
+    """The peak memory of this process since the previous ``read()`` (the first: since it started),
+    in GiB.
 
     On CUDA (once this process has initialised it): ``torch.cuda.max_memory_allocated`` of the
     current device — what tensors held at most, not the allocator's reserve — reset after each read.
     Otherwise the peak resident set size: ``VmHWM`` of /proc/self/status, reset to the current RSS
     after each read by writing 5 to /proc/self/clear_refs (Linux). Where that file cannot be written
-    (a locked-down /proc) or does not exist (macOS) no reset is possible and the figure is the lifetime
-    peak (``VmHWM``, or ``ru_maxrss``), never lower than the previous one; ``interval`` says which."""
+    (a locked-down /proc) or does not exist (macOS) no reset is possible and the figure is the
+    lifetime peak (``VmHWM``, or ``ru_maxrss``), never lower than the previous one; ``interval``
+    says which."""
 
     def __init__(self):
-        self.interval = True  # False once a reset failed: the figures are lifetime peaks
+        # False once a reset failed: the figures are lifetime peaks
+        self.interval = True
 
     def read(self) -> float:
-        torch = sys.modules.get("torch")  # a process that never imported torch never used CUDA
+        # a process that never imported torch never used CUDA
+        torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             peak = torch.cuda.max_memory_allocated()
             _keep("gpu", peak)
@@ -153,7 +163,8 @@ class PeakMemory:
 
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.interval = False
-            unit = 1024  # ru_maxrss is in KiB on Linux, in bytes on macOS
+            # ru_maxrss is in KiB on Linux, in bytes on macOS
+            unit = 1024
             if sys.platform == "darwin":
                 unit = 1
             return rss * unit / GIB
@@ -180,8 +191,8 @@ def _status_kb(field: str) -> Optional[int]:
 
 class JsonLines:
     """A run's JSON-lines record (one object with a ``step`` per line), opened at its first line: a
-    resume from step S keeps the lines up to S (those written after the checkpoint are dropped, so the
-    file describes one consistent run); a fresh run moves an earlier run's file aside to
+    resume from step S keeps the lines up to S (those written after the checkpoint are dropped, so
+    the file describes one consistent run); a fresh run moves an earlier run's file aside to
     ``<name>.prev``, whole. A rerun that fails before writing leaves the old file in place."""
 
     def __init__(self, path: Path, resume_step: Optional[int]):
@@ -222,12 +233,15 @@ class JsonLines:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to ``metrics.jsonl`` (and to wandb and TensorBoard when
-    enabled), each with ``mem/peak_gb``: rank 0's peak memory since the previous line (``PeakMemory``);
-    and what the policy wrote (``samples``) to ``samples.jsonl`` beside it, and to wandb and TensorBoard
-    as tables. On resume from step S, lines with step > S are dropped first (``JsonLines``)."""
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (and to wandb and TensorBoard
+    when enabled), each with ``mem/peak_gb``: rank 0's peak memory since the previous line
+    (``PeakMemory``); and what the policy wrote (``samples``) to ``samples.jsonl`` beside it, and to
+    wandb and TensorBoard as tables. On resume from step S, lines with step > S are dropped first
+    (``JsonLines``)."""
 
-    def __init__(self, path: Path, *, is_main: bool, resume_step: Optional[int], cfg=None, stage: str = ""):
+    def __init__(
+        self, path: Path, *, is_main: bool, resume_step: Optional[int], cfg=None, stage: str = ""
+    ):
         self.path = Path(path)
         self.is_main = is_main
         self._wandb = None
@@ -242,7 +256,11 @@ class MetricsWriter:
         if cfg is not None and cfg.logger.wandb != "disabled":
             self._wandb = _init_wandb(cfg, stage)
             where = getattr(self._wandb, "url", None) if cfg.logger.wandb == "online" else None
-            log.info("wandb (%s): %s", cfg.logger.wandb, where or getattr(self._wandb, "dir", None) or cfg.run.dir)
+            log.info(
+                "wandb (%s): %s",
+                cfg.logger.wandb,
+                where or getattr(self._wandb, "dir", None) or cfg.run.dir,
+            )
         if cfg is not None and cfg.logger.tensorboard:
             tb = Path(cfg.logger.tensorboard_dir or Path(cfg.run.dir) / "tensorboard") / stage
             self._tensorboard = TensorBoard(tb)
@@ -271,19 +289,24 @@ class MetricsWriter:
             self._tensorboard.log(rec)
 
     def samples(self, step: int, kind: str, rows: List[dict]) -> None:
-        """Rows of what the policy wrote at ``step`` (``kind``: ``eval``, ``eval_greedy``, ``rollout``),
-        each a dict of prompt, response and their figures, to samples.jsonl and the loggers' tables."""
+        """Rows of what the policy wrote at ``step`` (``kind``: ``eval``, ``eval_greedy``,
+        ``rollout``), each a dict of prompt, response and their figures, to samples.jsonl and the
+        loggers' tables."""
         if not self.is_main or not rows:
             return
         for row in rows:
-            self._samples.write({"step": int(step), "kind": kind, **{k: _clean(v) for k, v in row.items()}})
+            self._samples.write(
+                {"step": int(step), "kind": kind, **{k: _clean(v) for k, v in row.items()}}
+            )
         self._start()
         columns = list(dict.fromkeys(k for row in rows for k in row))
         table = [[_cell(row.get(c)) for c in columns] for row in rows]
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({f"samples/{kind}": wandb.Table(columns=columns, data=table)}, step=int(step))
+            self._wandb.log(
+                {f"samples/{kind}": wandb.Table(columns=columns, data=table)}, step=int(step)
+            )
         if self._tensorboard is not None:
             self._tensorboard.text(f"samples/{kind}", columns, table, step)
 
@@ -291,7 +314,8 @@ class MetricsWriter:
         if not self.is_main:
             return
         self._lines.close(touch=True)
-        self._samples.close(touch=self._samples.path.exists())  # an earlier run's: cut back or moved aside
+        # an earlier run's: cut back or moved aside
+        self._samples.close(touch=self._samples.path.exists())
         if self._wandb is not None:
             self._wandb.finish()
         if self._tensorboard is not None:
@@ -351,7 +375,8 @@ class TensorBoard:
 
 
 def _init_wandb(cfg, stage: str):
-    import wandb  # lazy: 0.6-0.9 s to import (measured), only with logger.wandb
+    # lazy: 0.6-0.9 s to import (measured), only with logger.wandb
+    import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")
     run_dir = Path(cfg.run.dir)
@@ -375,12 +400,18 @@ def _as_dict(cfg) -> dict:
 
 
 def progress(
-    total: int, initial: int, enabled: bool, desc: str, is_main: bool = True, unit: str = "step", leave: bool = True
+    total: int,
+    initial: int,
+    enabled: bool,
+    desc: str,
+    is_main: bool = True,
+    unit: str = "step",
+    leave: bool = True,
 ):
-    """Step progress on rank 0: a tqdm bar in a terminal (``logger.progress``), else — in a log file,
-    or with the bar turned off — a one-line status every 30 s; nothing on other ranks. ``unit``: what
-    is counted (``step``, or e.g. ``response``); ``leave=False``: the bar vanishes when closed (an
-    evaluation's, under the training bar)."""
+    """Step progress on rank 0: a tqdm bar in a terminal (``logger.progress``), else — in a log
+    file, or with the bar turned off — a one-line status every 30 s; nothing on other ranks.
+    ``unit``: what is counted (``step``, or e.g. ``response``); ``leave=False``: the bar vanishes
+    when closed (an evaluation's, under the training bar)."""
     tty = sys.stderr.isatty()
     return Progress(
         total,
@@ -402,7 +433,8 @@ class Pace:
     """Says once when the step rate falls far below the best this run measured while other processes
     take the cores (a load average above the usable cores): the collapse of a shared machine, named
     with its fix. Rates are taken over windows of at least ``window_s`` seconds and ``min_steps``
-    steps; two slow windows in a row are needed (an evaluation inside one window is not a slowdown)."""
+    steps; two slow windows in a row are needed (an evaluation inside one window is not a
+    slowdown)."""
 
     def __init__(
         self,
@@ -428,7 +460,8 @@ class Pace:
 
     def step(self, done: int) -> None:
         now = self.clock()
-        if self.mark is None:  # the first step (compilation, caches) starts the first window
+        if self.mark is None:
+            # the first step (compilation, caches) starts the first window
             self.mark = (now, done)
             return
         t0, d0 = self.mark
@@ -449,17 +482,20 @@ class Pace:
             load, cores = self.load(), self.cores()
         except OSError:
             return
-        if load <= cores * 1.25:  # the machine is not oversubscribed: a slower phase of the run itself
+        if load <= cores * 1.25:
+            # the machine is not oversubscribed: a slower phase of the run itself
             return
         self.warned = True
         threads = self.threads()
         fix = (
-            f"engine.threads_per_rank={max(1, threads // 2)} (this run uses {threads}) leaves them room"
+            f"engine.threads_per_rank={max(1, threads // 2)} (this run uses {threads}) "
+            "leaves them room"
             if threads > 1
             else "fewer processes on this machine, or a run on other cores (taskset), gives it back"
         )
         self.log.warning(
-            "%s: %.2f steps/s, %.1fx slower than earlier in this run (%.2f steps/s), with a load average "
+            "%s: %.2f steps/s, %.1fx slower than earlier in this run (%.2f steps/s), with "
+            "a load average "
             "of %.1f on %d usable cores: other processes are using the cores this run needs; %s "
             "(docs/performance.md#threads-on-a-shared-machine)",
             self.desc,
@@ -501,7 +537,8 @@ class Progress:
         self.pace = Pace(desc, clock, self.log) if unit == "step" and (bar or status) else None
         self.bar = None
         if bar:
-            unit_kw = {}  # tqdm's default unit is "it": steps keep it
+            # tqdm's default unit is "it": steps keep it
+            unit_kw = {}
             if unit != "step":
                 unit_kw = {"unit": unit}
             self.bar = tqdm(

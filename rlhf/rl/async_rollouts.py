@@ -4,9 +4,9 @@
 Versions count updates: version v is the actor after v updates, the weights the colocated run
 generates step v with. The trainer sends version v after the update of step v − 1 (its inference
 layout at TP 1, gathered layer by layer as the hybrid engine does, copied into shared memory: timed,
-bytes counted) and asks for step s's episodes as soon as version s − k exists, so the worker runs up to
-k steps ahead; step s's episodes start with the newest weights the worker holds, version ≥ s − k, and
-take newer ones between turns. A row whose oldest token is older than the bound would be dropped
+bytes counted) and asks for step s's episodes as soon as version s − k exists, so the worker runs up
+to k steps ahead; step s's episodes start with the newest weights the worker holds, version ≥ s − k,
+and take newer ones between turns. A row whose oldest token is older than the bound would be dropped
 (no loss) and counted; the requests make that impossible, and the count says so every step.
 
 k = 0 is the synchronous run: the worker waits for the weights of the step, so the samples and the
@@ -38,7 +38,8 @@ log = logging.getLogger("rlhf")
 
 
 class WorkerLost(UserError):
-    """The rollout worker died or stopped answering: exit 3, as for a silent peer (rerun to resume)."""
+    """The rollout worker died or stopped answering: exit 3, as for a silent peer (rerun to
+    resume)."""
 
     exit_code = EXIT_PEER
 
@@ -55,19 +56,27 @@ class AsyncRollouts:
         max_steps: int,
         timeout_s: float,
     ):
-        self.hybrid, self.spec, self.prompts, self.sampling, self.mesh = hybrid, spec, prompts, sampling, mesh
+        self.hybrid, self.spec, self.prompts, self.sampling, self.mesh = (
+            hybrid,
+            spec,
+            prompts,
+            sampling,
+            mesh,
+        )
         self.k, self.max_steps, self.timeout_s = max_staleness, max_steps, timeout_s
         self.proc = None
         self.asked = -1  # the last step asked for
         self.ready: Dict[int, object] = {}  # results received, by step
-        self.sent = collections.deque(maxlen=max_staleness + 2)  # CUDA IPC: the sender keeps them alive
+        # CUDA IPC: the sender keeps them alive
+        self.sent = collections.deque(maxlen=max_staleness + 2)
         self.transfer = {"async/transfer_s": 0.0, "async/transfer_bytes": 0.0}
         self.last_wait_s, self._last_ask = 0.0, None
         self.metrics: Dict[str, float] = {}
 
     # ---- the worker's life ----
     def spawn(self) -> None:
-        """Starts the worker process (its imports and environments get ready while the trainer evaluates)."""
+        """Starts the worker process (its imports and environments get ready while the trainer
+        evaluates)."""
         ctx = torch.multiprocessing.get_context("spawn")
         self.requests, self.results, self.weights = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(
@@ -87,7 +96,8 @@ class AsyncRollouts:
         for s in range(step, min(step + self.k + 1, self.max_steps)):
             self.ask(s)
         log.info(
-            "ppo: asynchronous rollouts: a worker process (pid %d) beside each trainer rank, at most %d step%s ahead",
+            "ppo: asynchronous rollouts: a worker process (pid %d) beside each trainer "
+            "rank, at most %d step%s ahead",
             self.proc.pid,
             self.k,
             "" if self.k == 1 else "s",
@@ -106,7 +116,8 @@ class AsyncRollouts:
 
     # ---- weights and requests ----
     def publish(self, version: int) -> None:
-        """Sends the actor's weights after ``version`` updates. Collective (an FSDP gather per layer)."""
+        """Sends the actor's weights after ``version`` updates. Collective (an FSDP gather per
+        layer)."""
         t0 = time.perf_counter()
         nbytes = [0]
 
@@ -119,12 +130,17 @@ class AsyncRollouts:
         w = Weights(version, root, layers)
         self.sent.append(w)
         self.weights.put(w)
-        self.transfer = {"async/transfer_s": time.perf_counter() - t0, "async/transfer_bytes": float(nbytes[0])}
+        self.transfer = {
+            "async/transfer_s": time.perf_counter() - t0,
+            "async/transfer_bytes": float(nbytes[0]),
+        }
 
     def ask(self, step: int) -> None:
         batch, sp = self.prompts.step(step), self.sampling(step)
         keys = strided_keys(len(batch.ids), self.mesh.rank, self.mesh.world_size)
-        self.requests.put(Request(step, batch.ids, batch.examples, sp, keys, max(step - self.k, self.first)))
+        self.requests.put(
+            Request(step, batch.ids, batch.examples, sp, keys, max(step - self.k, self.first))
+        )
         self.asked = step
 
     def updated(self, step: int) -> None:
@@ -139,8 +155,8 @@ class AsyncRollouts:
 
     # ---- results ----
     def episodes(self, step: int):
-        """Step ``step``'s episodes from the worker (waiting for them, bounded by engine.timeout_s), and
-        the step's ``async/*`` metrics in ``self.metrics``."""
+        """Step ``step``'s episodes from the worker (waiting for them, bounded by engine.timeout_s),
+        and the step's ``async/*`` metrics in ``self.metrics``."""
         now = time.perf_counter()
         self._drain()
         depth = len(self.ready)
@@ -159,7 +175,8 @@ class AsyncRollouts:
             "async/swaps": float(res.swaps),
             **self.transfer,
         }
-        if span is not None:  # the trainer's idle share of the step before this one's request
+        if span is not None:
+            # the trainer's idle share of the step before this one's request
             self.metrics["async/trainer_idle_share"] = min(self._prev_wait / max(span, 1e-9), 1.0)
         self._prev_wait = self.last_wait_s
         return res.episodes
@@ -181,11 +198,14 @@ class AsyncRollouts:
             pass
         who = f"the rollout worker of rank {self.mesh.rank} (pid {self.proc.pid})"
         if not self.proc.is_alive():
-            raise WorkerLost(f"{who} died (exit code {self.proc.exitcode}); rerun the same command to resume")
+            raise WorkerLost(
+                f"{who} died (exit code {self.proc.exitcode}); rerun the same command to resume"
+            )
         if time.perf_counter() - since > self.timeout_s:
             self.proc.kill()
             raise WorkerLost(
-                f"{who} sent no episodes for {self.timeout_s:g} s (engine.timeout_s); rerun the same command to resume"
+                f"{who} sent no episodes for {self.timeout_s:g} s (engine.timeout_s); "
+                "rerun the same command to resume"
             )
 
     def _keep(self, msg) -> None:
@@ -198,15 +218,16 @@ class AsyncRollouts:
 
 
 def worker_spec(cfg, prep, models) -> WorkerSpec:
-    """What the stage's rollout worker is built from: the run's configuration, the actor's config and
-    tokenizer, the chat template, this rank's threads, device and inference dtype."""
+    """What the stage's rollout worker is built from: the run's configuration, the actor's config
+    and tokenizer, the chat template, this rank's threads, device and inference dtype."""
     from rlhf.errors import ConfigError
     from rlhf.models.lora import unwrap
 
     hybrid = models.hybrid
     if not hybrid.inject:
         raise ConfigError(
-            f"ppo.rollout_workers=1 generates in the inference mode, which this model family has no injection "
+            "ppo.rollout_workers=1 generates in the inference mode, which this model "
+            "family has no injection "
             f"policy for ({type(unwrap(models.actor.module)).__name__}); set ppo.rollout_workers=0"
         )
     return WorkerSpec(
@@ -221,7 +242,9 @@ def worker_spec(cfg, prep, models) -> WorkerSpec:
     )
 
 
-def staleness(versions: Optional[torch.Tensor], step: int, mask: torch.Tensor) -> Optional[torch.Tensor]:
+def staleness(
+    versions: Optional[torch.Tensor], step: int, mask: torch.Tensor
+) -> Optional[torch.Tensor]:
     """[B, N] float: how many updates old the weights that sampled each policy token were at step
     ``step`` (0 elsewhere); None without versions (the colocated run)."""
     if versions is None:
@@ -230,9 +253,9 @@ def staleness(versions: Optional[torch.Tensor], step: int, mask: torch.Tensor) -
 
 
 def packed(tensors: Dict[str, torch.Tensor]) -> tuple:
-    """``(copies, bytes)``: the tensors copied into one buffer per dtype (in shared memory on the CPU:
-    one file descriptor each, however many tensors), the copies views of it; a tensor named twice (tied
-    embeddings) copied once."""
+    """``(copies, bytes)``: the tensors copied into one buffer per dtype (in shared memory on the
+    CPU: one file descriptor each, however many tensors), the copies views of it; a tensor named
+    twice (tied embeddings) copied once."""
     by_dtype: Dict[tuple, list] = {}
     seen: Dict[tuple, str] = {}
     for name, t in tensors.items():

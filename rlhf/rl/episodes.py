@@ -1,15 +1,15 @@
 """Multi-turn rollouts, token in and token out (docs/agents.md).
 
-``EpisodeRunner.run(generate, prompts, examples, sp)`` plays one environment per row: the first turn is
-one generation of every prompt's ``samples_per_prompt`` samples (the single-turn call, unchanged),
-then, while any row on any rank is still going, each environment answers its policy's turn (in
-parallel threads, each bounded by ``ppo.env_timeout_s``), the answer is rendered by the chat template
-and appended as tokens, and the rows still going are generated together for one more turn. The
-sampled ids are never decoded and re-encoded: a row's sequence is its prompt, its sampled tokens and
-the observations' tokens, back to back, and the inference mode's log-probs of the sampled tokens are
-kept beside them. Each turn re-prefills its rows from their full context (prefill is a small share of
-a turn: docs/agents.md). Collective: every rank runs as many turns (a rank with nothing left joins
-each generation with no rows).
+``EpisodeRunner.run(generate, prompts, examples, sp)`` plays one environment per row: the first turn
+is one generation of every prompt's ``samples_per_prompt`` samples (the single-turn call,
+unchanged), then, while any row on any rank is still going, each environment answers its policy's
+turn (in parallel threads, each bounded by ``ppo.env_timeout_s``), the answer is rendered by the
+chat template and appended as tokens, and the rows still going are generated together for one more
+turn. The sampled ids are never decoded and re-encoded: a row's sequence is its prompt, its sampled
+tokens and the observations' tokens, back to back, and the inference mode's log-probs of the sampled
+tokens are kept beside them. Each turn re-prefills its rows from their full context (prefill is a
+small share of a turn: docs/agents.md). Collective: every rank runs as many turns (a rank with
+nothing left joins each generation with no rows).
 
 The result is one ``Generation`` in the layout every PPO step uses — prompts left-padded, then the
 trajectories right-padded to the longest — whose ``response_mask`` marks the policy's tokens only:
@@ -39,21 +39,38 @@ from rlhf.errors import ConfigError, first_line
 from rlhf.ops import SamplingParams
 from rlhf.ops.sampling import prompt_major
 
-Generate = Callable[[List[List[int]], SamplingParams, Optional[List[int]]], Generation]  # HybridEngine.generate
-STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_limits", "used_tools", "failed", "truncated")
-INFO = "info:"  # Episodes.stats key prefix of an environment's own ``StepResult.info`` keys (metrics env/<key>)
+# HybridEngine.generate
+Generate = Callable[[List[List[int]], SamplingParams, Optional[List[int]]], Generation]
+STAT_KEYS = (
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "tool_timeouts",
+    "tool_limits",
+    "used_tools",
+    "failed",
+    "truncated",
+)
+# Episodes.stats key prefix of an environment's own ``StepResult.info`` keys (metrics env/<key>)
+INFO = "info:"
 
 
 @dataclass
 class Episodes:
     """One generation's trajectories (rows prompt-major, like ``Generation``'s)."""
 
-    gen: Generation  # response_mask: 1 on the policy's tokens only
-    texts: List[str]  # each row's last policy turn, decoded (what rule rewards and gold scorers read)
-    env_rewards: torch.Tensor  # [B] the sum of the environment's turn rewards
-    turn_rewards: Optional[torch.Tensor]  # [B, N] each turn's reward at its last policy token; None when all 0
-    failed: torch.Tensor  # [B] bool: the environment raised or timed out
-    stats: Dict[str, float]  # this rank's sums: STAT_KEYS, env_s, tokens_policy, tokens_observation, rows
+    # response_mask: 1 on the policy's tokens only
+    gen: Generation
+    # each row's last policy turn, decoded (what rule rewards and gold scorers read)
+    texts: List[str]
+    # [B] the sum of the environment's turn rewards
+    env_rewards: torch.Tensor
+    # [B, N] each turn's reward at its last policy token; None when all 0
+    turn_rewards: Optional[torch.Tensor]
+    # [B] bool: the environment raised or timed out
+    failed: torch.Tensor
+    # this rank's sums: STAT_KEYS, env_s, tokens_policy, tokens_observation, rows
+    stats: Dict[str, float]
     errors: List[str] = field(default_factory=list)  # one line per failed row
     # per row: the conversation after the prompt (its assistant turns as sampled, decoded, and the
     # observations appended after them, as the environment returned them) and its STAT_KEYS counts
@@ -66,10 +83,12 @@ class _Row:
     prompt: List[int]
     example: Example
     env: object = None
-    tokens: List[int] = field(default_factory=list)  # after the prompt: sampled and observation tokens
+    # after the prompt: sampled and observation tokens
+    tokens: List[int] = field(default_factory=list)
     policy: List[int] = field(default_factory=list)  # 1 on sampled tokens
     logprobs: List[float] = field(default_factory=list)
-    versions: List[int] = field(default_factory=list)  # the weights' version of each token (-1: an observation)
+    # the weights' version of each token (-1: an observation)
+    versions: List[int] = field(default_factory=list)
     rewards: List[Tuple[int, float]] = field(default_factory=list)  # (index in tokens, reward)
     text: str = ""
     done: bool = False
@@ -79,8 +98,8 @@ class _Row:
 
 
 class ObservationEncoder:
-    """An observation's token ids: the text the chat template writes after an assistant turn's EOS up
-    to the next generation prompt, tokenized on its own (no special prefix). ``check`` refuses a
+    """An observation's token ids: the text the chat template writes after an assistant turn's EOS
+    up to the next generation prompt, tokenized on its own (no special prefix). ``check`` refuses a
     template that does not render the observation's roles."""
 
     def __init__(self, tokenizer, template: Optional[str]):
@@ -91,14 +110,17 @@ class ObservationEncoder:
         self._before: Optional[str] = None
         self._tail = ""
 
-    MARKER = "\u2063ASSISTANT\u2063"  # an assistant content no template rewrites
+    # an assistant content no template rewrites
+    MARKER = "\u2063ASSISTANT\u2063"
     BASE = ({"role": "user", "content": "?"}, {"role": "assistant", "content": MARKER})
 
     def text(self, messages: Sequence[Turn]) -> str:
-        if self._before is None:  # the conversation before any observation, and what follows its EOS
+        if self._before is None:
+            # the conversation before any observation, and what follows its EOS
             self._before = render(self.tok, self.template, list(self.BASE), False)
             tail = self._before[self._before.rindex(self.MARKER) + len(self.MARKER) :]
-            if self.eos_text and self.eos_text in tail:  # the policy sampled up to its EOS: the rest follows it
+            if self.eos_text and self.eos_text in tail:
+                # the policy sampled up to its EOS: the rest follows it
                 tail = tail[tail.index(self.eos_text) + len(self.eos_text) :]
             self._tail = tail
         before = self._before
@@ -106,7 +128,8 @@ class ObservationEncoder:
         if not after.startswith(before):
             raise ConfigError(
                 "the chat template does not render an observation after an assistant turn without "
-                "rewriting the turn (docs/agents.md: templates); set data.chat_template to one that does"
+                "rewriting the turn (docs/agents.md: templates); set data.chat_template to "
+                "one that does"
             )
         return self._tail + after[len(before) :]
 
@@ -118,22 +141,28 @@ class ObservationEncoder:
         if probe not in self.text([{"role": role, "content": probe, "name": "probe"}]):
             raise ConfigError(
                 f"the chat template does not render '{role}' messages (their content is lost): an "
-                f"environment's observations cannot reach the policy; use a data.chat_template that "
+                "environment's observations cannot reach the policy; use a "
+                "data.chat_template that "
                 f"renders them (docs/agents.md)"
             )
 
 
-def parallel(calls: List[Callable[[], object]], timeout_s: float) -> List[Tuple[object, Optional[str]]]:
+def parallel(
+    calls: List[Callable[[], object]], timeout_s: float
+) -> List[Tuple[object, Optional[str]]]:
     """``(result, None)`` or ``(None, error)`` of each call, all started at once in daemon threads;
     a call still running after ``timeout_s`` is abandoned (its thread never blocks the exit) and is
     ``timed out``."""
-    out: List[Tuple[object, Optional[str]]] = [(None, f"timed out after {timeout_s:g} s")] * len(calls)
+    out: List[Tuple[object, Optional[str]]] = [(None, f"timed out after {timeout_s:g} s")] * len(
+        calls
+    )
     done = threading.Semaphore(0)
 
     def run(i: int, fn: Callable[[], object]) -> None:
         try:
             out[i] = (fn(), None)
-        except Exception as e:  # the environment's code: its error is the row's
+        except Exception as e:
+            # the environment's code: its error is the row's
             out[i] = (None, f"{type(e).__name__}: {first_line(e)}")
         finally:
             done.release()
@@ -162,19 +191,33 @@ class EpisodeRunner:
         timeout_s: float,
         single_turn: bool = False,
     ):
-        self.make_env, self.env_name, self.tok, self.template, self.mesh = make_env, env_name, tokenizer, template, mesh
+        self.make_env, self.env_name, self.tok, self.template, self.mesh = (
+            make_env,
+            env_name,
+            tokenizer,
+            template,
+            mesh,
+        )
         self.max_turns, self.max_tokens, self.timeout_s = max_turns, max_tokens, timeout_s
-        self.single_turn = single_turn  # the built-in single-turn environment: no turn, no reward of its own
+        # the built-in single-turn environment: no turn, no reward of its own
+        self.single_turn = single_turn
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.observations = ObservationEncoder(tokenizer, template)
         self.tools = list(getattr(make_env(), "tools", ()) or ())
 
     @classmethod
-    def of(cls, ppo, env: Tuple[Callable[[], object], type], tokenizer, template: Optional[str], mesh: Mesh):
+    def of(
+        cls,
+        ppo,
+        env: Tuple[Callable[[], object], type],
+        tokenizer,
+        template: Optional[str],
+        mesh: Mesh,
+    ):
         """The runner of the PPO group's episodes (``ppo.max_turns``, ``max_trajectory_tokens``,
         ``env_timeout_s``) for ``env = rlhf.envs.builtin.environment(ppo)``: the stage's, and
-        ``rlhf.generate`` / ``rlhf.eval``'s. A ConfigError when episodes can have several turns and the
-        chat template does not render the environment's observations."""
+        ``rlhf.generate`` / ``rlhf.eval``'s. A ConfigError when episodes can have several turns and
+        the chat template does not render the environment's observations."""
         from rlhf.envs.builtin import SingleTurn
 
         make_env, env_cls = env
@@ -189,7 +232,8 @@ class EpisodeRunner:
             ppo.env_timeout_s,
             single_turn=env_cls is SingleTurn,
         )
-        if runner.multi_turn:  # observations must reach the policy through the template
+        if runner.multi_turn:
+            # observations must reach the policy through the template
             runner.observations.check()
         return runner
 
@@ -198,7 +242,9 @@ class EpisodeRunner:
         """The built-in single-turn environment's runner: one generation, PPO as it always was."""
         from rlhf.envs.builtin import SingleTurn
 
-        return cls(SingleTurn, "single_turn", tokenizer, None, mesh, 1, None, 30.0, single_turn=True)
+        return cls(
+            SingleTurn, "single_turn", tokenizer, None, mesh, 1, None, 30.0, single_turn=True
+        )
 
     @property
     def multi_turn(self) -> bool:
@@ -209,8 +255,9 @@ class EpisodeRunner:
         return [t.schema() for t in self.tools] or None
 
     def with_tools(self, examples: List[Example]) -> List[Example]:
-        """The records with the environment's tools on their conversations, so that their prompts render
-        with them (a record without turns becomes one user turn of its prompt); unchanged without tools."""
+        """The records with the environment's tools on their conversations, so that their prompts
+        render with them (a record without turns becomes one user turn of its prompt); unchanged
+        without tools."""
         schemas = self.tool_schemas()
         if not schemas:
             return examples
@@ -221,8 +268,8 @@ class EpisodeRunner:
         return out
 
     def player(self, hybrid) -> Callable:
-        """``play(prompts, examples, sp, keys) -> (final texts, stats)`` of the gold evaluation: episodes on
-        the hybrid engine, the inference model kept across their turns."""
+        """``play(prompts, examples, sp, keys) -> (final texts, stats)`` of the gold evaluation:
+        episodes on the hybrid engine, the inference model kept across their turns."""
 
         def play(ids, examples, sp, keys):
             with hybrid.holding():
@@ -241,27 +288,36 @@ class EpisodeRunner:
         keys: Optional[List[int]] = None,
         positions: int = 0,
     ) -> Episodes:
-        """``keys``: the prompts' keys (``HybridEngine.generate``; default: the strided layout); every turn
-        of an episode samples under its first row's key, so the episodes are the same on any world size.
-        ``positions``: a learned position table's size (``HybridEngine.positions``; 0: none): an episode
-        whose next turn would not fit it ends there, cut (``env/truncated``), as at the token budget."""
+        """``keys``: the prompts' keys (``HybridEngine.generate``; default: the strided layout);
+        every turn of an episode samples under its first row's key, so the episodes are the same on
+        any world size. ``positions``: a learned position table's size (``HybridEngine.positions``;
+        0: none): an episode whose next turn would not fit it ends there, cut (``env/truncated``),
+        as at the token budget."""
         t_env = 0.0
-        budget = self.max_tokens or sp.max_new_tokens  # tokens after the prompt (None: one generation's)
+        # tokens after the prompt (None: one generation's)
+        budget = self.max_tokens or sp.max_new_tokens
         room = positions - sp.max_new_tokens if positions else None  # a later turn's prompt at most
         rows = [
             _Row(p, e)
-            for p, e in zip(prompt_major(prompts, sp.samples_per_prompt), prompt_major(examples, sp.samples_per_prompt))
+            for p, e in zip(
+                prompt_major(prompts, sp.samples_per_prompt),
+                prompt_major(examples, sp.samples_per_prompt),
+            )
         ]
         t0 = time.perf_counter()
         openings = self._start(rows)
         t_env += time.perf_counter() - t0
         if keys is None:
-            rank, world = (self.mesh.rank, self.mesh.world_size) if self.mesh is not None else (0, 1)
+            rank, world = (
+                (self.mesh.rank, self.mesh.world_size) if self.mesh is not None else (0, 1)
+            )
             keys = strided_keys(len(prompts), rank, world)
         keyed = row_keys(keys, sp.samples_per_prompt)  # each trajectory's key
-        if openings is None:  # every row opens with its record's prompt: the single-turn call
+        if openings is None:
+            # every row opens with its record's prompt: the single-turn call
             first = generate(prompts, sp, keys)
-        else:  # a row's environment chose its opening: one row per trajectory
+        else:
+            # a row's environment chose its opening: one row per trajectory
             first = generate([r.prompt for r in rows], replace(sp, samples_per_prompt=1), keyed)
         timings = dict(first.timings)
         self._take(rows, first, list(range(len(rows))), budget)
@@ -273,14 +329,23 @@ class EpisodeRunner:
             going = [i for i, r in enumerate(rows) if not r.done]
             if turn >= self.max_turns or not self.mesh.sum(float(len(going))):
                 break
-            spt = replace(sp, samples_per_prompt=1, seed=seeding.offset(sp.seed, turn, seeding.TURN))
-            gen = generate([rows[i].prompt + rows[i].tokens for i in going], spt, [keyed[i] for i in going])
+            spt = replace(
+                sp, samples_per_prompt=1, seed=seeding.offset(sp.seed, turn, seeding.TURN)
+            )
+            gen = generate(
+                [rows[i].prompt + rows[i].tokens for i in going], spt, [keyed[i] for i in going]
+            )
             for k, v in gen.timings.items():
                 timings[k] = timings.get(k, 0.0) + v
             self._take(rows, gen, going, budget)
             turn += 1
-        # one turn each with nothing appended, at the single-turn length: the first generation itself
-        single = openings is None and budget >= sp.max_new_tokens and all(0 not in r.policy for r in rows)
+        # one turn each with nothing appended, at the single-turn length: the first generation
+        # itself
+        single = (
+            openings is None
+            and budget >= sp.max_new_tokens
+            and all(0 not in r.policy for r in rows)
+        )
         out = self._assemble(rows, first, t_env, single)
         out.gen.timings = timings
         return out
@@ -300,20 +365,26 @@ class EpisodeRunner:
             if err is not None:
                 self._fail(r, f"reset: {err}")
             elif turns is not None:
-                ex = Example(prompt="", chat=Chat(prompt=turns, tools=self.tool_schemas()), where=r.example.where)
+                ex = Example(
+                    prompt="",
+                    chat=Chat(prompt=turns, tools=self.tool_schemas()),
+                    where=r.example.where,
+                )
                 r.prompt = encode_prompts([ex], self.tok, self.template)[0]
                 own = True
         return True if own else None
 
     def _take(self, rows: List[_Row], gen: Generation, which: List[int], budget: int) -> None:
-        """Appends each generated row's sampled tokens (to its EOS) within ``budget`` tokens after the prompt."""
+        """Appends each generated row's sampled tokens (to its EOS) within ``budget`` tokens after
+        the prompt."""
         resp, mask = gen.responses, gen.response_mask.bool()
         logp = gen.logprobs
         turns = [resp[k][mask[k]].tolist() for k in range(len(which))]
         texts = self.tok.batch_decode(turns, skip_special_tokens=True) if turns else []
         for k, i in enumerate(which):
             r = rows[i]
-            if r.done:  # a failed row generated with the others: its tokens are not kept
+            if r.done:
+                # a failed row generated with the others: its tokens are not kept
                 continue
             ids = turns[k]
             lps = [0.0] * len(ids) if logp is None else logp[k][mask[k]].tolist()
@@ -326,16 +397,21 @@ class EpisodeRunner:
             r.policy += [1] * len(ids)
             r.logprobs += lps
             r.versions += vers
-            r.text = texts[k] if len(ids) == len(turns[k]) else self.tok.decode(ids, skip_special_tokens=True)
+            r.text = (
+                texts[k]
+                if len(ids) == len(turns[k])
+                else self.tok.decode(ids, skip_special_tokens=True)
+            )
             r.turns.append({"role": "assistant", "content": r.text})
-            if not ended:  # cut at max_new_tokens or at the budget: the episode ends unanswered
+            if not ended:
+                # cut at max_new_tokens or at the budget: the episode ends unanswered
                 r.done = True
                 r.counts["truncated"] = 1.0
 
     def _answer(self, rows: List[_Row], last_turn: bool, budget: int, room: Optional[int]) -> None:
-        """Each going row's environment answers its last turn (in parallel); observations appended while
-        they fit ``budget`` tokens after the prompt and, with a learned position table, ``room`` (the
-        longest prompt a later turn may have)."""
+        """Each going row's environment answers its last turn (in parallel); observations appended
+        while they fit ``budget`` tokens after the prompt and, with a learned position table,
+        ``room`` (the longest prompt a later turn may have)."""
         going = [r for r in rows if not r.done]
         results = self._call([lambda r=r: check_step(r.env.step(r.text), "step") for r in going])
         for r, (res, err) in zip(going, results):
@@ -352,7 +428,11 @@ class EpisodeRunner:
             try:
                 obs = self.observations.ids(res.messages)
             except Exception as e:  # the template refuses these messages
-                self._fail(r, f"step: its observation cannot be rendered: {type(e).__name__}: {first_line(e)}")
+                self._fail(
+                    r,
+                    f"step: its observation cannot be rendered: {type(e).__name__}: "
+                    f"{first_line(e)}",
+                )
                 continue
             fits = room is None or len(r.prompt) + len(r.tokens) + len(obs) <= room
             if not obs or len(r.tokens) + len(obs) >= budget or not fits:
@@ -369,12 +449,14 @@ class EpisodeRunner:
                 env, r.env = r.env, None
                 try:
                     env.close()
-                except Exception:  # closing is best effort: the trajectory is complete
+                except Exception:
+                    # closing is best effort: the trajectory is complete
                     pass
 
     def _call(self, calls: List[Callable[[], object]]) -> List[Tuple[object, Optional[str]]]:
         """The environment's calls: in threads, bounded by the timeout (``parallel``); the built-in
-        single-turn environment's (which neither waits nor fails) in this thread, at no thread's cost."""
+        single-turn environment's (which neither waits nor fails) in this thread, at no thread's
+        cost."""
         if self.single_turn:
             return [(fn(), None) for fn in calls]
         return parallel(calls, self.timeout_s)
@@ -384,13 +466,16 @@ class EpisodeRunner:
         r.counts["failed"] = 1.0
 
     # ---- the trajectories as one Generation ----
-    def _assemble(self, rows: List[_Row], first: Generation, t_env: float, single: bool) -> Episodes:
+    def _assemble(
+        self, rows: List[_Row], first: Generation, t_env: float, single: bool
+    ) -> Episodes:
         device = first.sequences.device
         if single:
             gen = first
         else:
             ids, pmask = left_pad([r.prompt for r in rows] or [[self.eos_id]], self.pad_id, device)
-            n = max([len(r.tokens) for r in rows] + [1])  # the longest trajectory (within the budget)
+            # the longest trajectory (within the budget)
+            n = max([len(r.tokens) for r in rows] + [1])
             B = len(rows)
             tokens = torch.full((B, n), self.pad_id, dtype=torch.long)
             policy = torch.zeros((B, n), dtype=torch.long)
@@ -405,7 +490,8 @@ class EpisodeRunner:
                 logprobs[i, :k] = torch.tensor(r.logprobs, dtype=torch.float32)
                 versions[i, :k] = torch.tensor(r.versions, dtype=torch.long)
             ids, pmask = ids[:B], pmask[:B]
-            if first.versions is None:  # (the colocated run: the weights of the moment)
+            if first.versions is None:
+                # (the colocated run: the weights of the moment)
                 versions = None
             gen = Generation(
                 sequences=torch.cat([ids, tokens.to(device)], 1),
@@ -417,13 +503,17 @@ class EpisodeRunner:
                 versions=versions,
             )
         B, n = gen.response_mask.shape
-        if single:  # the rows' text as the single-turn path always decoded it
+        if single:
+            # the rows' text as the single-turn path always decoded it
             texts = self.tok.batch_decode(
-                [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)], skip_special_tokens=True
+                [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)],
+                skip_special_tokens=True,
             )
         else:
             texts = [r.text for r in rows]
-        env_rewards = torch.tensor([sum(v for _, v in r.rewards) for r in rows], dtype=torch.float32, device=device)
+        env_rewards = torch.tensor(
+            [sum(v for _, v in r.rewards) for r in rows], dtype=torch.float32, device=device
+        )
         turn_rewards = None
         if any(r.rewards for r in rows):
             turn_rewards = torch.zeros((B, n), dtype=torch.float32)
@@ -432,7 +522,8 @@ class EpisodeRunner:
                     turn_rewards[i, pos] += v
             turn_rewards = turn_rewards.to(device)
         stats = {k: sum(r.counts.get(k, 0.0) for r in rows) for k in STAT_KEYS}
-        own = sorted({k for r in rows for k in r.counts} - set(STAT_KEYS))  # the environment's own info keys
+        # the environment's own info keys
+        own = sorted({k for r in rows for k in r.counts} - set(STAT_KEYS))
         stats.update({INFO + k: sum(r.counts.get(k, 0.0) for r in rows) for k in own})
         stats["used_tools"] = float(sum(r.counts.get("tool_calls", 0.0) > 0 for r in rows))
         policy_tokens = float(gen.response_mask.sum())
@@ -445,13 +536,15 @@ class EpisodeRunner:
         failed = torch.tensor([r.error is not None for r in rows], dtype=torch.bool, device=device)
         errors = [r.error for r in rows if r.error]
         conversations, counts = [r.turns for r in rows], [r.counts for r in rows]
-        return Episodes(gen, texts, env_rewards, turn_rewards, failed, stats, errors, conversations, counts)
+        return Episodes(
+            gen, texts, env_rewards, turn_rewards, failed, stats, errors, conversations, counts
+        )
 
 
 def concat_episodes(parts: List[Episodes], pad_id: int) -> Episodes:
-    """The episodes of one generation played in groups of consecutive rows (a rollout worker's), laid out
-    as if played together: prompts left-padded to the longest, trajectories right-padded to the longest;
-    the groups' seconds and counts summed."""
+    """The episodes of one generation played in groups of consecutive rows (a rollout worker's),
+    laid out as if played together: prompts left-padded to the longest, trajectories right-padded to
+    the longest; the groups' seconds and counts summed."""
     if len(parts) == 1:
         return parts[0]
     P = max(p.gen.prompt_len for p in parts)
@@ -491,7 +584,10 @@ def concat_episodes(parts: List[Episodes], pad_id: int) -> Episodes:
         torch.cat([p.env_rewards for p in parts]),
         cat(lambda p: p.turn_rewards, False, 0.0),
         torch.cat([p.failed for p in parts]),
-        {**merge_stats([p.stats for p in parts]), "env_s": max(p.stats.get("env_s", 0.0) for p in parts)},
+        {
+            **merge_stats([p.stats for p in parts]),
+            "env_s": max(p.stats.get("env_s", 0.0) for p in parts),
+        },
         [e for p in parts for e in p.errors],
         [c for p in parts for c in p.conversations],
         [c for p in parts for c in p.row_counts],

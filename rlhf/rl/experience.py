@@ -37,7 +37,8 @@ from rlhf.rl.minibatch import auto_micro_batch
 from rlhf.rl.prompts import PromptBatch, PromptSource
 from rlhf.rl.shaping import distillation, fill_failed, length_debiased
 
-Model = Union[TrainEngine, FrozenModel]  # what scores: ``forward(**batch)`` in training or frozen mode
+# what scores: ``forward(**batch)`` in training or frozen mode
+Model = Union[TrainEngine, FrozenModel]
 
 
 @dataclass
@@ -47,35 +48,49 @@ class Experience:
 
     sequences: torch.Tensor  # [B, P + N]
     attention_mask: torch.Tensor  # [B, P + N]
-    mask: torch.Tensor  # [B, N] float, 1 on response tokens (EOS included)
+    # [B, N] float, 1 on response tokens (EOS included)
+    mask: torch.Tensor
     prompt_len: int
     samples_per_prompt: int
-    rollout_logprobs: Optional[torch.Tensor]  # [B, N] what the inference mode sampled with (None: HF generate)
-    old_logprobs: torch.Tensor  # [B, N] the actor in training mode, before the update
+    # [B, N] what the inference mode sampled with (None: HF generate)
+    rollout_logprobs: Optional[torch.Tensor]
+    # [B, N] the actor in training mode, before the update
+    old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor  # [B, N] the reference policy
-    values: Optional[torch.Tensor]  # [B, N] the critic's V(s_t) (GAE only), masked
-    scores: torch.Tensor  # [B] total sequence reward: reward model + rule + no-EOS penalty
-    score_parts: Dict[str, torch.Tensor]  # name -> [B]: "model", "rule", "penalty", "overlong" (those in use)
-    kl: torch.Tensor  # [B, N] per-token KL estimate (algorithm.kl_estimator), masked
-    kl_mean: float  # the k1 KL per sequence, mean over every rank's rows (what the KL controller reads)
+    # [B, N] the critic's V(s_t) (GAE only), masked
+    values: Optional[torch.Tensor]
+    # [B] total sequence reward: reward model + rule + no-EOS penalty
+    scores: torch.Tensor
+    # name -> [B]: "model", "rule", "penalty", "overlong" (those in use)
+    score_parts: Dict[str, torch.Tensor]
+    # [B, N] per-token KL estimate (algorithm.kl_estimator), masked
+    kl: torch.Tensor
+    # the k1 KL per sequence, mean over every rank's rows (what the KL controller reads)
+    kl_mean: float
     global_rows: int  # rows over every rank
     advantages: torch.Tensor  # [B, N]
     returns: Optional[torch.Tensor]  # [B, N] value targets (GAE only)
-    loss_mask: torch.Tensor  # [B, N] tokens that carry loss (mask less overlong-filtered and failed rows)
-    gold: Optional[torch.Tensor]  # [B] gold score of each rollout (a metric, never a reward)
-    timings: Dict[str, float]  # generate_s, switch_s, ... summed over the step's generations
+    # [B, N] tokens that carry loss (mask less overlong-filtered and failed rows)
+    loss_mask: torch.Tensor
+    # [B] gold score of each rollout (a metric, never a reward)
+    gold: Optional[torch.Tensor]
+    # generate_s, switch_s, ... summed over the step's generations
+    timings: Dict[str, float]
     extra_metrics: Dict[str, float]  # e.g. dynamic sampling's counts
-    score_s: float  # seconds spent scoring (after generation)
+    # seconds spent scoring (after generation)
+    score_s: float
     # multi-turn episodes: their statistics' sums on this rank (rlhf/rl/episodes.py, Episodes.stats)
     env_stats: Dict[str, float] = field(default_factory=dict)
-    turn_rewards: Optional[torch.Tensor] = None  # [B, N] the environment's turn rewards at their turns' last tokens
+    # [B, N] the environment's turn rewards at their turns' last tokens
+    turn_rewards: Optional[torch.Tensor] = None
     # name -> [B]: figures of each row logged beside the rewards, never part of them (a reward-model
     # ensemble's members' mean and disagreement, the share of its members clipped)
     watch: Dict[str, torch.Tensor] = field(default_factory=dict)
-    texts: List[str] = field(default_factory=list)  # each row's (last) response, decoded (samples.jsonl)
+    # each row's (last) response, decoded (samples.jsonl)
+    texts: List[str] = field(default_factory=list)
     examples: List[Example] = field(default_factory=list)  # each row's record
-    # [B, N] asynchronous rollouts: how many updates old the weights that sampled each policy token were
-    # (rlhf/rl/async_rollouts.py); None: sampled by the weights being updated
+    # [B, N] asynchronous rollouts: how many updates old the weights that sampled each policy token
+    # were (rlhf/rl/async_rollouts.py); None: sampled by the weights being updated
     staleness: Optional[torch.Tensor] = None
 
     @property
@@ -88,22 +103,23 @@ class Experience:
 
 
 class RewardNormaliser:
-    """The reward model's score, normalised (``algorithm.reward_norm``): ``stats`` by the reward stage's
-    held-out mean/std (its reward_stats.json), ``running`` by running moments over every rank's scores
-    so far (state it owns and checkpoints: ``state_dict``), ``none`` as is. An ensemble's scores
-    ([B, k]) are normalised member by member (each by its own statistics, ``stats["members"]``).
-    ``clip``: each score first clipped to the range of its member's held-out scores (``min``/``max``).
-    ``members``: how many the reward model has."""
+    """The reward model's score, normalised (``algorithm.reward_norm``): ``stats`` by the reward
+    stage's held-out mean/std (its reward_stats.json), ``running`` by running moments over every
+    rank's scores so far (state it owns and checkpoints: ``state_dict``), ``none`` as is. An
+    ensemble's scores ([B, k]) are normalised member by member (each by its own statistics,
+    ``stats["members"]``). ``clip``: each score first clipped to the range of its member's held-out
+    scores (``min``/``max``). ``members``: how many the reward model has."""
 
     def __init__(self, how: str, stats: dict, clip: bool = False, members: int = 1):
         self.how, self.clip_on = how, clip
-        # one reward model: its statistics alone; an ensemble without statistics of its members (not from
-        # stage=reward): the one set for each of them
+        # one reward model: its statistics alone; an ensemble without statistics of its members (not
+        # from stage=reward): the one set for each of them
         self.members = stats.get("members") or [stats] * max(members, 1)
         self.running = [ppo_math.RunningMoments() for _ in self.members]
 
     def clip(self, raw: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(``raw`` clipped to each member's held-out range, [B] the share of the row's members clipped)."""
+        """(``raw`` clipped to each member's held-out range, [B] the share of the row's members
+        clipped)."""
         cols = raw if raw.dim() > 1 else raw[:, None]
         if not self.clip_on:
             return raw, cols.new_zeros(cols.shape[0])
@@ -116,7 +132,9 @@ class RewardNormaliser:
     def __call__(self, raw: torch.Tensor, mesh: Mesh, update: bool = True) -> torch.Tensor:
         """``update=False``: the running moments as they are (an evaluation does not move them)."""
         if raw.dim() > 1:  # an ensemble: member by member
-            return torch.stack([self._one(raw[:, i], i, mesh, update) for i in range(raw.shape[1])], 1)
+            return torch.stack(
+                [self._one(raw[:, i], i, mesh, update) for i in range(raw.shape[1])], 1
+            )
         return self._one(raw, 0, mesh, update)
 
     def _one(self, raw: torch.Tensor, i: int, mesh: Mesh, update: bool) -> torch.Tensor:
@@ -130,7 +148,8 @@ class RewardNormaliser:
         return raw
 
     def state_dict(self) -> dict:
-        if len(self.running) == 1:  # one reward model: the state as it has always been saved
+        if len(self.running) == 1:
+            # one reward model: the state as it has always been saved
             return self.running[0].state_dict()
         return {"members": [r.state_dict() for r in self.running]}
 
@@ -140,16 +159,19 @@ class RewardNormaliser:
 
 
 class RewardModels:
-    """Several reward models (``ppo.reward_model_path=a,b,...``) scored as one ensemble: their scores
-    side by side, [B, K] with K their members in all (a model's own members in order)."""
+    """Several reward models (``ppo.reward_model_path=a,b,...``) scored as one ensemble: their
+    scores side by side, [B, K] with K their members in all (a model's own members in order)."""
 
     def __init__(self, models: List[Model]):
         self.models = models
 
 
-def reward_scores(model: Union[Model, RewardModels], seq: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+def reward_scores(
+    model: Union[Model, RewardModels], seq: torch.Tensor, att: torch.Tensor
+) -> torch.Tensor:
     """Each row's score by a reward model: its value at the row's last real token (before a trailing
-    EOS for a model whose pad is its EOS: ``end_pad``); several models' (``RewardModels``) side by side."""
+    EOS for a model whose pad is its EOS: ``end_pad``); several models' (``RewardModels``) side by
+    side."""
     if isinstance(model, RewardModels):
         outs = [reward_scores(m, seq, att) for m in model.models]
         return torch.cat([o if o.dim() > 1 else o[:, None] for o in outs], -1)
@@ -159,31 +181,37 @@ def reward_scores(model: Union[Model, RewardModels], seq: torch.Tensor, att: tor
 
 @dataclass
 class Scorers:
-    """What scores a rollout: the models (reference, critic, reward model, distillation teacher, judge:
-    None when not used), the reward model's normalisation, the rule reward and the weights of the
-    distillation and the judge's rewards."""
+    """What scores a rollout: the models (reference, critic, reward model, distillation teacher,
+    judge: None when not used), the reward model's normalisation, the rule reward and the weights of
+    the distillation and the judge's rewards."""
 
     ref: Optional[Model]
     critic: Optional[TrainEngine]
     reward_model: Optional[Model]
     normalise: RewardNormaliser
-    rule: Optional[Callable]  # rule(responses, examples, fmt) -> [float]
+    # rule(responses, examples, fmt) -> [float]
+    rule: Optional[Callable]
     rule_weight: float
     data_format: str
-    gold: Optional[Callable[[str, str], float]] = None  # gold(response, reference): watches the reward, never is one
-    teacher: Optional[Model] = None  # ppo.teacher_path: its log-probs of the sampled tokens
+    # gold(response, reference): watches the reward, never is one
+    gold: Optional[Callable[[str, str], float]] = None
+    # ppo.teacher_path: its log-probs of the sampled tokens
+    teacher: Optional[Model] = None
     distill_coef: float = 1.0
-    judge: Optional[Callable] = None  # ppo.judge_path: a Judge (rlhf/rl/judge.py)
+    # ppo.judge_path: a Judge (rlhf/rl/judge.py)
+    judge: Optional[Callable] = None
     judge_weight: float = 1.0
 
     def model_reward(
         self, seq: torch.Tensor, att: torch.Tensor, ppo: PPOConfig, mesh: Mesh, update: bool = True
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """The reward model's part of each row's reward (clipped, normalised, an ensemble's members
-        combined) and what is watched beside it (``Experience.watch``). Collective (sharded forwards).
-        ``update=False``: the running normalisation is read, not moved (an evaluation)."""
+        combined) and what is watched beside it (``Experience.watch``). Collective (sharded
+        forwards). ``update=False``: the running normalisation is read, not moved (an
+        evaluation)."""
         rows, watch = seq.shape[0], {}
-        micro = ppo.micro_batch_per_rank or rows  # a scalar head: no vocabulary-sized logits
+        # a scalar head: no vocabulary-sized logits
+        micro = ppo.micro_batch_per_rank or rows
         raw = in_micro_batches(
             lambda r: reward_scores(self.reward_model, seq[r], att[r]),
             row_groups(att, micro, ppo.max_tokens_per_micro_batch, mesh),
@@ -192,7 +220,8 @@ class Scorers:
         if self.normalise.clip_on:
             watch["clipped"] = clipped
         norm = self.normalise(raw, mesh, update)
-        if norm.dim() > 1:  # an ensemble: its members combined (ppo.reward_combine), their disagreement watched
+        if norm.dim() > 1:
+            # an ensemble: its members combined (ppo.reward_combine), their disagreement watched
             watch["ensemble_mean"], watch["ensemble_std"] = norm.mean(1), disagreement(norm)
             norm = combine(norm, ppo.reward_combine, ppo.reward_lcb_coef)
         return norm, watch
@@ -207,13 +236,15 @@ def micro_rows(engine: Model, rows: int, tokens: int, micro: int) -> int:
     return min(rows, auto_micro_batch(tokens, vocab))
 
 
-Rows = Union[slice, torch.Tensor]  # a micro-batch's rows: consecutive ones, or row indices
+# a micro-batch's rows: consecutive ones, or row indices
+Rows = Union[slice, torch.Tensor]
 
 
 def row_groups(att: torch.Tensor, micro: int, max_tokens: int, mesh: Mesh) -> List[Rows]:
     """The rows of the scoring forwards: consecutive slices of at most ``micro`` rows, or with
     ``max_tokens`` (ppo.max_tokens_per_micro_batch) the rows grouped within that many real tokens
-    (``att``'s ones) by ``token_micro_batches``, as many groups on every rank (agreed: a collective)."""
+    (``att``'s ones) by ``token_micro_batches``, as many groups on every rank (agreed: a
+    collective)."""
     rows = att.shape[0]
     if not max_tokens:
         return [slice(s, s + micro) for s in range(0, rows, micro)]
@@ -239,8 +270,10 @@ class Rollouts:
     examples: List[Example]  # one per row
     scores: torch.Tensor  # [B]
     parts: Dict[str, torch.Tensor]  # name -> [B]
-    gold: Optional[torch.Tensor] = None  # [B] the gold rule's score of each row, when the data has one
-    watch: Dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] (``Experience.watch``)
+    # [B] the gold rule's score of each row, when the data has one
+    gold: Optional[torch.Tensor] = None
+    # name -> [B] (``Experience.watch``)
+    watch: Dict[str, torch.Tensor] = field(default_factory=dict)
     # the episodes' statistics (multi-turn) of every generation these rows were chosen from
     env_stats: List[Dict[str, float]] = field(default_factory=list)
 
@@ -249,12 +282,15 @@ class Rollouts:
         return self.ep.gen
 
 
-def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, pad_id: int) -> Rollouts:
+def concat_groups(
+    chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, pad_id: int
+) -> Rollouts:
     """One ``Rollouts`` of the (rollouts, prompt index) pairs in ``chosen`` (a prompt's
     ``samples_per_prompt`` rows are consecutive: ``prompt_major``), prompts re-padded on the left
     to the longest prompt length among them (the episodes' statistics: the caller's to set)."""
     prompt_len = max(b.gen.prompt_len for b, _ in chosen)
-    n_resp = max(b.gen.response_mask.shape[1] for b, _ in chosen)  # episodes' rounds differ in length
+    # episodes' rounds differ in length
+    n_resp = max(b.gen.response_mask.shape[1] for b, _ in chosen)
     parts_keys, watch_keys = chosen[0][0].parts.keys(), chosen[0][0].watch.keys()
     seqs, atts, masks, logps, examples, scores, golds = [], [], [], [], [], [], []
     texts, env_rewards, turn_rewards, failed = [], [], [], []
@@ -266,13 +302,19 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
         if pad:
             seq = torch.cat([seq.new_full((samples_per_prompt, pad), pad_id), seq], 1)
             att = torch.cat([att.new_zeros((samples_per_prompt, pad)), att], 1)
-        mask, logp = b.gen.response_mask[rows], None if b.gen.logprobs is None else b.gen.logprobs[rows]
+        mask, logp = (
+            b.gen.response_mask[rows],
+            None if b.gen.logprobs is None else b.gen.logprobs[rows],
+        )
         tr = b.ep.turn_rewards
         tr = torch.zeros_like(mask, dtype=torch.float32) if tr is None else tr[rows]
         right = n_resp - mask.shape[1]
-        if right:  # right-padded to the longest round's responses
+        if right:
+            # right-padded to the longest round's responses
             seq = torch.cat([seq, seq.new_full((samples_per_prompt, right), pad_id)], 1)
-            att, mask, tr = (torch.cat([x, x.new_zeros((samples_per_prompt, right))], 1) for x in (att, mask, tr))
+            att, mask, tr = (
+                torch.cat([x, x.new_zeros((samples_per_prompt, right))], 1) for x in (att, mask, tr)
+            )
             if logp is not None:
                 logp = torch.cat([logp, logp.new_zeros((samples_per_prompt, right))], 1)
         seqs.append(seq)
@@ -291,7 +333,8 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
         failed.append(b.ep.failed[rows])
         turn_rewards.append(tr)
     sequences, attention_mask, response_mask = torch.cat(seqs), torch.cat(atts), torch.cat(masks)
-    logprobs = None  # the rollout's log-probs when every batch has them
+    # the rollout's log-probs when every batch has them
+    logprobs = None
     if not any(x is None for x in logps):
         logprobs = torch.cat(logps)
     gen = Generation(
@@ -324,9 +367,9 @@ def concat_groups(chosen: List[Tuple[Rollouts, int]], samples_per_prompt: int, p
 
 
 class Collector:
-    """One step's experience: this rank's prompts of the step (from the ``PromptSource``), generated in
-    inference mode (dynamic sampling's extra rounds included), rewarded, then scored in training mode
-    (log-probs of the actor and the reference, critic values, KL, advantages)."""
+    """One step's experience: this rank's prompts of the step (from the ``PromptSource``), generated
+    in inference mode (dynamic sampling's extra rounds included), rewarded, then scored in training
+    mode (log-probs of the actor and the reference, critic values, KL, advantages)."""
 
     def __init__(
         self,
@@ -344,7 +387,8 @@ class Collector:
         self.hybrid, self.actor, self.scorers, self.prompts = hybrid, actor, scorers, prompts
         self.alg, self.ppo, self.tokenizer, self.mesh, self.seed = alg, ppo, tokenizer, mesh, seed
         self.runner = runner or EpisodeRunner.single(tokenizer, mesh)  # (None: single-turn PPO)
-        self.remote = None  # ppo.rollout_workers=1: the rollout worker's client (AsyncRollouts), set by the stage
+        # ppo.rollout_workers=1: the rollout worker's client (AsyncRollouts), set by the stage
+        self.remote = None
 
     def sampling(self, step: int) -> SamplingParams:
         ppo = self.ppo
@@ -373,7 +417,8 @@ class Collector:
         mask = gen.response_mask.float()
         rows, n_resp = seq.shape[0], seq.shape[1] - prompt_len
         keep = keeps_logits(unwrap(self.actor.module))
-        if keep:  # the model computes logits for the response (and the token before it) only
+        if keep:
+            # the model computes logits for the response (and the token before it) only
             logits_len = n_resp + 1
         else:
             logits_len = seq.shape[1]
@@ -382,13 +427,17 @@ class Collector:
 
         def logprobs(model: Model, score=response_logprobs) -> torch.Tensor:
             return in_micro_batches(
-                lambda r: score(model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep), groups
+                lambda r: score(
+                    model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
+                ),
+                groups,
             )
 
         teacher = self.scorers.teacher
         if teacher is None:
             old_logp = logprobs(self.actor)
-        else:  # with the greedy tokens, compared with the teacher's
+        else:
+            # with the greedy tokens, compared with the teacher's
             actor_top1 = logprobs(self.actor, response_logprobs_top1)
             old_logp = actor_top1[..., 0]
         # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
@@ -396,9 +445,12 @@ class Collector:
         if self.scorers.ref is not None:
             ref_logp = logprobs(self.scorers.ref)
         turn_rewards, scores, parts = ro.ep.turn_rewards, ro.scores, ro.parts
-        if teacher is not None:  # on-policy distillation: a reward at every policy token
+        if teacher is not None:
+            # on-policy distillation: a reward at every policy token
             teacher_top1 = logprobs(teacher, response_logprobs_top1)
-            distill, dyn_d = distillation(old_logp, teacher_top1, actor_top1, mask, self.scorers.distill_coef, mesh)
+            distill, dyn_d = distillation(
+                old_logp, teacher_top1, actor_top1, mask, self.scorers.distill_coef, mesh
+            )
             dyn.update(dyn_d)
             turn_rewards = distill if turn_rewards is None else turn_rewards + distill
             parts = {**parts, "distill": distill.sum(1)}
@@ -406,12 +458,15 @@ class Collector:
         values = None
         if self.scorers.critic is not None:
             values = (
-                in_micro_batches(lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len), groups)
+                in_micro_batches(
+                    lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len), groups
+                )
                 * mask
             )
         kind = kl_kind(alg)
         kl = ppo_math.kl_penalty(old_logp, ref_logp, kind) * mask
-        # what the adaptive KL controller reads: the k1 estimate per sequence, whatever the penalty uses
+        # what the adaptive KL controller reads: the k1 estimate per sequence, whatever the penalty
+        # uses
         k1 = kl
         if kind != "k1":
             k1 = ppo_math.kl_penalty(old_logp, ref_logp, "k1") * mask
@@ -422,13 +477,16 @@ class Collector:
             alg, scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce, turn_rewards
         )
         loss_mask = mask
-        if ppo.overlong_filter:  # truncated responses (no EOS) carry no loss
+        if ppo.overlong_filter:
+            # truncated responses (no EOS) carry no loss
             loss_mask = mask * ended(gen, self.tokenizer.eos_token_id)[:, None].float()
-        if ro.ep.failed.any():  # the environment raised or timed out: no loss on the trajectory
+        if ro.ep.failed.any():
+            # the environment raised or timed out: no loss on the trajectory
             loss_mask = loss_mask * (~ro.ep.failed)[:, None].float()
         stale = staleness(gen.versions, step, mask)
         waited = timings.get("generate_s", 0.0) + timings.get("switch_s", 0.0)
-        if stale is not None:  # the worker's episodes: the trainer waited for them only
+        if stale is not None:
+            # the worker's episodes: the trainer waited for them only
             waited, loss_mask = self.remote.last_wait_s, self.within_bound(stale, loss_mask, dyn)
         return Experience(
             sequences=seq,
@@ -460,9 +518,11 @@ class Collector:
             staleness=stale,
         )
 
-    def within_bound(self, stale: torch.Tensor, loss_mask: torch.Tensor, dyn: Dict[str, float]) -> torch.Tensor:
-        """``loss_mask`` less the rows sampled by weights older than ppo.max_staleness (never trained on;
-        the requests rule them out), counted in ``async/dropped``."""
+    def within_bound(
+        self, stale: torch.Tensor, loss_mask: torch.Tensor, dyn: Dict[str, float]
+    ) -> torch.Tensor:
+        """``loss_mask`` less the rows sampled by weights older than ppo.max_staleness (never
+        trained on; the requests rule them out), counted in ``async/dropped``."""
         too_old = stale.amax(1) > self.ppo.max_staleness
         dyn["async/dropped"] = self.mesh.sum(float(too_old.sum()))
         return loss_mask * (~too_old)[:, None].float()
@@ -470,12 +530,12 @@ class Collector:
     def dynamic_sampling(
         self, first: Rollouts, step: int, sp: SamplingParams, timings: Dict[str, float]
     ) -> Tuple[Rollouts, Dict[str, float]]:
-        """DAPO's dynamic sampling: keep the prompt groups whose rewards differ; while a rank has fewer
-        than its share of prompts with a signal, generate for the prompt source's refills (each round
-        sampling with a seed of its own), at most ``ppo.dynamic_sampling_max_rounds`` times, adding
-        their generation times to ``timings``. Every rank takes part in every round (generation is
-        collective). A rank still short at the end tops up with groups it dropped, so every rank keeps
-        as many rows as it started with."""
+        """DAPO's dynamic sampling: keep the prompt groups whose rewards differ; while a rank has
+        fewer than its share of prompts with a signal, generate for the prompt source's refills
+        (each round sampling with a seed of its own), at most ``ppo.dynamic_sampling_max_rounds``
+        times, adding their generation times to ``timings``. Every rank takes part in every round
+        (generation is collective). A rank still short at the end tops up with groups it dropped, so
+        every rank keeps as many rows as it started with."""
         mesh, max_rounds = self.mesh, self.ppo.dynamic_sampling_max_rounds
         samples, quota = sp.samples_per_prompt, first.scores.numel() // sp.samples_per_prompt
         kept, dropped, rounds, n_dropped = [], [], 0, 0
@@ -505,18 +565,25 @@ class Collector:
         out.env_stats = env_stats  # every round's, the dropped groups' too
         return out, stats
 
-    def rollout(self, batch: PromptBatch, sp: SamplingParams, step: Optional[int] = None) -> Rollouts:
-        """Play ``sp.samples_per_prompt`` episodes of each prompt (inference mode; one turn each with
-        the single-turn environment; the rollout worker's of step ``step`` when there is one) and reward
-        them: the environment's turn rewards, reward model (normalised), rule reward on the final turn,
-        no-EOS penalty, soft overlong penalty."""
+    def rollout(
+        self, batch: PromptBatch, sp: SamplingParams, step: Optional[int] = None
+    ) -> Rollouts:
+        """Play ``sp.samples_per_prompt`` episodes of each prompt (inference mode; one turn each
+        with the single-turn environment; the rollout worker's of step ``step`` when there is one)
+        and reward them: the environment's turn rewards, reward model (normalised), rule reward on
+        the final turn, no-EOS penalty, soft overlong penalty."""
         scorers, alg, ppo, tokenizer = self.scorers, self.alg, self.ppo, self.tokenizer
         if self.remote is not None and step is not None:  # the same prompts, played by the worker
             ep = self.remote.episodes(step)
         else:
-            with self.hybrid.holding():  # the turns of a rollout share one inference model
+            with self.hybrid.holding():
+                # the turns of a rollout share one inference model
                 ep = self.runner.run(
-                    self.hybrid.generate, batch.ids, batch.examples, sp, positions=self.hybrid.positions
+                    self.hybrid.generate,
+                    batch.ids,
+                    batch.examples,
+                    sp,
+                    positions=self.hybrid.positions,
                 )
         self.check_failures(ep)
         gen = ep.gen
@@ -531,7 +598,8 @@ class Collector:
             score = score + parts["env"]
         if scorers.reward_model is not None:
             parts["model"], watch = scorers.model_reward(seq, att, ppo, self.mesh)
-            if ppo.reward_length_debias:  # no reward for answering longer or shorter
+            if ppo.reward_length_debias:
+                # no reward for answering longer or shorter
                 parts["model"], slope = length_debiased(parts["model"], mask.sum(1), self.mesh)
                 watch["length_slope"] = slope.expand(rows)
             score = score + parts["model"]
@@ -542,9 +610,12 @@ class Collector:
             parts["judge"] = scorers.judge_weight * judged
             score = score + parts["judge"]
             gen.timings["judge_s"] = gen.timings.get("judge_s", 0.0) + scorers.judge.seconds
-        if scorers.rule is not None:  # checked on every call: one number per response, or exit 2 naming it
+        if scorers.rule is not None:
+            # checked on every call: one number per response, or exit 2 naming it
             rule = torch.tensor(
-                rewards.call(scorers.rule, texts, examples, scorers.data_format), dtype=torch.float32, device=seq.device
+                rewards.call(scorers.rule, texts, examples, scorers.data_format),
+                dtype=torch.float32,
+                device=seq.device,
             )
             parts["rule"] = scorers.rule_weight * rule
             score = score + parts["rule"]
@@ -556,27 +627,37 @@ class Collector:
                 mask.sum(1), sp.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
             )
             score = score + parts["overlong"]
-        if ep.failed.any():  # a failed episode: its group's mean (no signal, no shift of the baseline)
+        if ep.failed.any():
+            # a failed episode: its group's mean (no signal, no shift of the baseline)
             score = fill_failed(score, ep.failed, sp.samples_per_prompt)
         gold = None
         if scorers.gold is not None and all(e.reference is not None for e in examples):
             gold = torch.tensor(
-                [scorers.gold(t, e.reference) for t, e in zip(texts, examples)], dtype=torch.float32, device=seq.device
+                [scorers.gold(t, e.reference) for t, e in zip(texts, examples)],
+                dtype=torch.float32,
+                device=seq.device,
             )
-        return Rollouts(ep, examples, score, parts, gold, watch, [ep.stats] if self.runner.multi_turn else [])
+        return Rollouts(
+            ep, examples, score, parts, gold, watch, [ep.stats] if self.runner.multi_turn else []
+        )
 
     def check_failures(self, ep: Episodes) -> None:
-        """Exit 2, naming the environment and an error, when more than ``ppo.env_max_failed_share`` of
-        a generation's episodes (every rank's) failed. Collective."""
-        if self.runner.single_turn:  # the built-in single-turn environment never fails (no collective)
+        """Exit 2, naming the environment and an error, when more than ``ppo.env_max_failed_share``
+        of a generation's episodes (every rank's) failed. Collective."""
+        if self.runner.single_turn:
+            # the built-in single-turn environment never fails (no collective)
             return
-        failed, rows = self.mesh.sum(float(ep.failed.sum())), self.mesh.sum(float(ep.failed.numel()))
+        failed, rows = (
+            self.mesh.sum(float(ep.failed.sum())),
+            self.mesh.sum(float(ep.failed.numel())),
+        )
         if not failed or failed <= self.ppo.env_max_failed_share * rows:
             return
         errors = [e for errs in self.mesh.all_gather_object(ep.errors[:1]) for e in errs]
         raise UserError(
             f"ppo.env={self.ppo.env}: {failed:.0f} of {rows:.0f} episodes failed in one generation "
-            f"(more than ppo.env_max_failed_share={self.ppo.env_max_failed_share:g}); first: {errors[0]}"
+            f"(more than ppo.env_max_failed_share={self.ppo.env_max_failed_share:g}); "
+            f"first: {errors[0]}"
         )
 
 
@@ -587,6 +668,8 @@ def ended(gen: Generation, eos_id: int) -> torch.Tensor:
     return gen.responses.gather(1, last[:, None])[:, 0].eq(eos_id) & mask.any(1)
 
 
-def critic_values(critic: TrainEngine, seq: torch.Tensor, att: torch.Tensor, prompt_len: int) -> torch.Tensor:
+def critic_values(
+    critic: TrainEngine, seq: torch.Tensor, att: torch.Tensor, prompt_len: int
+) -> torch.Tensor:
     """V(s_t) for each response token t: the value at the position just before it."""
     return critic.forward(input_ids=seq, attention_mask=att)[:, prompt_len - 1 : -1]

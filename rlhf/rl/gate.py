@@ -3,15 +3,15 @@
 Its signals, read every step from the experience before the update: the reward the policy is
 trained on (``reward/mean``), a reward-model ensemble's disagreement on the rollouts
 (``reward/ensemble_std``) and the KL per sequence (``kl/mean``), each as a mean over the last
-``WINDOW`` steps. The gate fires when the disagreement passes ``ppo.stop_disagreement`` times its mean
-over the run's first ``WINDOW`` steps (the SFT policy's own rollouts, where the reward model was
-calibrated), or the KL passes ``ppo.stop_kl``. It keeps a copy of the actor at the step with the best
-windowed reward (the weights that generated that step's rollouts), which the stage exports when the
-gate fires. Without a gate, an ensemble's disagreement passing ``WARN_RATIO`` times its start is said
-once in the log; so are, at the final evaluation, the policy's greedy held-out answers doing worse by
-the reward model's own judgement than step 0's (``Gate.heldout``: ``ppo.warn_heldout_drop``,
-``ppo.warn_greedy_changed``). State it owns: ``state_dict`` (trainer state, step 0's held-out answers
-with it) and the copy (``actor_best.safetensors`` in a checkpoint).
+``WINDOW`` steps. The gate fires when the disagreement passes ``ppo.stop_disagreement`` times its
+mean over the run's first ``WINDOW`` steps (the SFT policy's own rollouts, where the reward model
+was calibrated), or the KL passes ``ppo.stop_kl``. It keeps a copy of the actor at the step with the
+best windowed reward (the weights that generated that step's rollouts), which the stage exports when
+the gate fires. Without a gate, an ensemble's disagreement passing ``WARN_RATIO`` times its start is
+said once in the log; so are, at the final evaluation, the policy's greedy held-out answers doing
+worse by the reward model's own judgement than step 0's (``Gate.heldout``:
+``ppo.warn_heldout_drop``, ``ppo.warn_greedy_changed``). State it owns: ``state_dict`` (trainer
+state, step 0's held-out answers with it) and the copy (``actor_best.safetensors`` in a checkpoint).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from rlhf.rl.snapshot import ActorCopy
 log = logging.getLogger("rlhf")
 
 WINDOW = 5  # steps each signal is averaged over
-WARN_RATIO = 2.0  # an ensemble's disagreement this many times its start: a warning, gate or not
-# the reward model's mean gain (normalised units) on the held-out greedy answers PPO changed, below which
-# it "can hardly tell them from the old" (docs/ppo.md: measured on the embedded task)
+# an ensemble's disagreement this many times its start: a warning, gate or not
+WARN_RATIO = 2.0
+# the reward model's mean gain (normalised units) on the held-out greedy answers PPO changed, below
+# which it "can hardly tell them from the old" (docs/ppo.md: measured on the embedded task)
 CHANGED_GAIN = 0.5
 
 
@@ -47,27 +48,34 @@ class Gate:
         self.max_ratio, self.max_kl, self.max_drop = stop_disagreement, stop_kl, warn_heldout_drop
         self.max_changed = warn_greedy_changed
         self.heldout_start: Optional[float] = None  # eval/reward_greedy at step 0
-        self.heldout_answers: list = []  # step 0's [(digest, reward)] per held-out prompt
+        # step 0's [(digest, reward)] per held-out prompt
+        self.heldout_answers: list = []
         self.heldout_warned = False
-        self.first: list = []  # the disagreement of the run's first WINDOW steps
+        # the disagreement of the run's first WINDOW steps
+        self.first: list = []
         self.recent: dict = {"reward": [], "disagreement": [], "kl": []}  # the last WINDOW steps
         self.best_value, self.best_step, self.warned = -math.inf, None, False
-        self.best = ActorCopy(actor, "actor_best.safetensors") if self.on and actor is not None else None
+        self.best = (
+            ActorCopy(actor, "actor_best.safetensors") if self.on and actor is not None else None
+        )
 
     @property
     def on(self) -> bool:
         return self.max_ratio is not None or self.max_kl is not None
 
     def ratio(self) -> Optional[float]:
-        """The disagreement over the last WINDOW steps against the first WINDOW (None until known)."""
+        """The disagreement over the last WINDOW steps against the first WINDOW (None until
+        known)."""
         d = self.recent["disagreement"]
         if len(self.first) < WINDOW or len(d) < WINDOW or _mean(self.first) <= 0:
             return None
         return _mean(d) / _mean(self.first)
 
-    def observe(self, step: int, reward: float, disagreement: Optional[float], kl: float) -> Optional[str]:
-        """Step ``step``'s signals (1-based, before its update). Takes the actor's copy at a new best
-        windowed reward; returns why the gate fires, or None."""
+    def observe(
+        self, step: int, reward: float, disagreement: Optional[float], kl: float
+    ) -> Optional[str]:
+        """Step ``step``'s signals (1-based, before its update). Takes the actor's copy at a new
+        best windowed reward; returns why the gate fires, or None."""
         for key, v in (("reward", reward), ("disagreement", disagreement), ("kl", kl)):
             if v is not None:
                 self.recent[key] = (self.recent[key] + [v])[-WINDOW:]
@@ -81,7 +89,8 @@ class Gate:
         if ratio is not None and ratio > WARN_RATIO and not self.warned:
             self.warned = True
             log.warning(
-                "ppo: step %d: the reward models disagree %.1f× as much on the policy's samples as at the "
+                "ppo: step %d: the reward models disagree %.1f× as much on the policy's "
+                "samples as at the "
                 "start (reward/ensemble_std): the policy may be exploiting their errors%s",
                 step,
                 ratio,
@@ -89,32 +98,40 @@ class Gate:
             )
         if self.max_ratio is not None and ratio is not None and ratio > self.max_ratio:
             return (
-                f"the ensemble's disagreement over the last {WINDOW} steps is {ratio:.2f}× its first "
+                f"the ensemble's disagreement over the last {WINDOW} steps is {ratio:.2f}× "
+                "its first "
                 f"{WINDOW} steps' (ppo.stop_disagreement={self.max_ratio:g})"
             )
         kls = self.recent["kl"]
         if self.max_kl is not None and len(kls) == WINDOW and _mean(kls) > self.max_kl:
-            return f"the KL over the last {WINDOW} steps is {_mean(kls):.3f} per sequence (ppo.stop_kl={self.max_kl:g})"
+            return (
+                f"the KL over the last {WINDOW} steps is {_mean(kls):.3f} per sequence "
+                f"(ppo.stop_kl={self.max_kl:g})"
+            )
         return None
 
     def heldout(
         self, step: int, reward: float, answers: List[Tuple[str, float]], final: bool = False
     ) -> Tuple[dict, Optional[str]]:
-        """An evaluation's held-out greedy answers (``evaluate_reward``: their mean reward ``reward`` and one
-        ``(digest, reward)`` per prompt); the first evaluation's are the reference. Returns the metrics
-        ``eval/greedy_changed`` (the share of prompts whose greedy answer is no longer step 0's) and
-        ``eval/reward_gain_changed`` (the reward model's mean gain on those), and, at the final evaluation,
-        a warning (said once) when the reward fell more than ``warn_heldout_drop`` below step 0's, or when
-        more than ``warn_greedy_changed`` of the answers changed while the reward model prefers the new ones
-        by less than ``CHANGED_GAIN`` on average (it cannot tell them from the old: PPO moved answers
-        among near-ties of the reward model, where it may lose right ones). Mid-run evaluations are not
-        judged: on the embedded task they dip by 0.08–0.11 at 20–40 iterations on seeds that end within
-        0.02 of the start (the greedy dip of docs/history.md), as much as on a seed that ends 0.065 down."""
+        """An evaluation's held-out greedy answers (``evaluate_reward``: their mean reward
+        ``reward`` and one ``(digest, reward)`` per prompt); the first evaluation's are the
+        reference. Returns the metrics ``eval/greedy_changed`` (the share of prompts whose greedy
+        answer is no longer step 0's) and ``eval/reward_gain_changed`` (the reward model's mean gain
+        on those), and, at the final evaluation, a warning (said once) when the reward fell more
+        than ``warn_heldout_drop`` below step 0's, or when more than ``warn_greedy_changed`` of the
+        answers changed while the reward model prefers the new ones by less than ``CHANGED_GAIN`` on
+        average (it cannot tell them from the old: PPO moved answers among near-ties of the reward
+        model, where it may lose right ones). Mid-run evaluations are not judged: on the embedded
+        task they dip by 0.08–0.11 at 20–40 iterations on seeds that end within
+        0.02 of the start (the greedy dip of docs/history.md), as much as on a seed that ends 0.065
+           down."""
         if self.heldout_start is None:
             self.heldout_start, self.heldout_answers = reward, [list(a) for a in answers]
             return {"eval/greedy_changed": 0.0, "eval/reward_gain_changed": 0.0}, None
         ref = self.heldout_answers
-        changed = [i for i, (digest, _) in enumerate(answers) if i < len(ref) and digest != ref[i][0]]
+        changed = [
+            i for i, (digest, _) in enumerate(answers) if i < len(ref) and digest != ref[i][0]
+        ]
         share = len(changed) / max(len(answers), 1)
         gain = _mean([answers[i][1] - ref[i][1] for i in changed]) if changed else 0.0
         metrics = {"eval/greedy_changed": share, "eval/reward_gain_changed": gain}
@@ -124,23 +141,29 @@ class Gate:
         why = None
         if self.max_drop is not None and drop > self.max_drop:
             why = (
-                f"the reward model scores the policy's greedy answers to held-out prompts {drop:.3f} lower than "
+                "the reward model scores the policy's greedy answers to held-out prompts "
+                f"{drop:.3f} lower than "
                 f"at the start ({reward:.3f} against {self.heldout_start:.3f}, eval/reward_greedy; "
                 f"ppo.warn_heldout_drop={self.max_drop:g})"
             )
         elif self.max_changed is not None and share > self.max_changed and gain < CHANGED_GAIN:
             why = (
-                f"the policy's greedy answer changed on {len(changed)} of {len(answers)} held-out prompts "
-                f"(eval/greedy_changed={share:.3f}; ppo.warn_greedy_changed={self.max_changed:g}) and the reward "
-                f"model prefers the new answers by only {gain:+.3f} on average (eval/reward_gain_changed): it "
+                f"the policy's greedy answer changed on {len(changed)} of {len(answers)} "
+                "held-out prompts "
+                f"(eval/greedy_changed={share:.3f}; "
+                f"ppo.warn_greedy_changed={self.max_changed:g}) and the reward "
+                f"model prefers the new answers by only {gain:+.3f} on average "
+                "(eval/reward_gain_changed): it "
                 f"can hardly tell them from the old"
             )
         if why is None:
             return metrics, None
         self.heldout_warned = True
         return metrics, (
-            f"ppo: step {step}: {why}: the policy may be getting worse where it does not train (an SFT policy unsure "
-            f"of its answers, or a reward-model error it found; check them with a gold scorer: docs/ppo.md)"
+            f"ppo: step {step}: {why}: the policy may be getting worse where it does not "
+            "train (an SFT policy unsure "
+            "of its answers, or a reward-model error it found; check them with a gold "
+            "scorer: docs/ppo.md)"
         )
 
     def state_dict(self) -> dict:
@@ -156,8 +179,14 @@ class Gate:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.first, self.recent = list(state["first"]), {k: list(v) for k, v in state["recent"].items()}
+        self.first, self.recent = (
+            list(state["first"]),
+            {k: list(v) for k, v in state["recent"].items()},
+        )
         self.best_step, self.warned = state["best_step"], state["warned"]
-        self.heldout_start, self.heldout_warned = state.get("heldout_start"), state.get("heldout_warned", False)
+        self.heldout_start, self.heldout_warned = (
+            state.get("heldout_start"),
+            state.get("heldout_warned", False),
+        )
         self.heldout_answers = state.get("heldout_answers") or []
         self.best_value = state["best_value"] if state["best_value"] is not None else -math.inf

@@ -1,13 +1,14 @@
-"""A generative judge (``ppo.judge_path``): a causal LM that reads each prompt and response through a
-template with the rubric and answers with a verdict; the reward is its probability of the first verdict
-against the second, read from one forward (the next token's logits after the rendered question), so
-there is no text to parse and nothing to fail on.
+"""A generative judge (``ppo.judge_path``): a causal LM that reads each prompt and response through
+a template with the rubric and answers with a verdict; the reward is its probability of the first
+verdict against the second, read from one forward (the next token's logits after the rendered
+question), so there is no text to parse and nothing to fail on.
 
 The judge reads text, not the policy's token ids: its tokenizer may be another one. The template
 (``ppo.judge_template``, a UTF-8 file) holds ``{response}`` and may hold ``{prompt}`` and
-``{reference}`` (the record's reference answer, empty where it has none); the filled text is the user
-turn of the judge's chat template where its tokenizer has one, else the text as it is. A rendering
-longer than ``ppo.judge_max_tokens`` keeps its last tokens (where the question and the answer are).
+``{reference}`` (the record's reference answer, empty where it has none); the filled text is the
+user turn of the judge's chat template where its tokenizer has one, else the text as it is. A
+rendering longer than ``ppo.judge_max_tokens`` keeps its last tokens (where the question and the
+answer are).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def read_template(path: str, key: str = "ppo.judge_template") -> str:
         raise ConfigError(f"{key}={path}: cannot read the template: {e}") from None
     if "{response}" not in text:
         raise ConfigError(
-            f"{key}={path}: the template has no {{response}} (it may also hold {{prompt}}, {{reference}})"
+            f"{key}={path}: the template has no {{response}} (it may also hold {{prompt}}, "
+            f"{{reference}})"
         )
     return text
 
@@ -45,7 +47,8 @@ def verdict_ids(tokenizer, verdicts: Sequence[str], path: str) -> List[int]:
         tokens = tokenizer.encode(v, add_special_tokens=False)
         if len(tokens) != 1:
             raise ConfigError(
-                f"ppo.judge_verdicts: {v!r} is {len(tokens)} tokens for the tokenizer of ppo.judge_path={path}; "
+                f"ppo.judge_verdicts: {v!r} is {len(tokens)} tokens for the tokenizer of "
+                f"ppo.judge_path={path}; "
                 f"each verdict must be one token of it (try a leading space, or another word)"
             )
         ids += tokens
@@ -53,14 +56,17 @@ def verdict_ids(tokenizer, verdicts: Sequence[str], path: str) -> List[int]:
 
 
 class Plain:
-    """A plain HF causal LM with the frozen engine's ``forward(..., logits_at=)`` (rlhf.score's judge)."""
+    """A plain HF causal LM with the frozen engine's ``forward(..., logits_at=)`` (rlhf.score's
+    judge)."""
 
     def __init__(self, model):
         self.model = model
 
     @torch.no_grad()
     def forward(self, input_ids, attention_mask, position_ids, logits_at):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        )
         out.logits = out.logits[logits_at]
         return out
 
@@ -70,8 +76,15 @@ class Judge:
     ``seconds``: the time of the last call. Collective under FSDP (every rank runs as many forwards:
     the ranks hold as many rows)."""
 
-    def __init__(self, model, tokenizer, template: str, verdicts: Sequence[str], max_tokens: int, path: str):
-        self.model, self.tokenizer, self.template, self.max_tokens = model, tokenizer, template, max_tokens
+    def __init__(
+        self, model, tokenizer, template: str, verdicts: Sequence[str], max_tokens: int, path: str
+    ):
+        self.model, self.tokenizer, self.template, self.max_tokens = (
+            model,
+            tokenizer,
+            template,
+            max_tokens,
+        )
         self.ids = verdict_ids(tokenizer, verdicts, path)
         self.chat = getattr(tokenizer, "chat_template", None) is not None
         self.seconds = 0.0
@@ -88,25 +101,34 @@ class Judge:
 
     def encode(self, texts: List[str]) -> tuple:
         """Left-padded ids and mask, each row its last ``max_tokens`` tokens."""
-        chat = self.chat  # the chat template writes the special tokens it needs
-        rows = [ids[-self.max_tokens :] for ids in self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
+        # the chat template writes the special tokens it needs
+        chat = self.chat
+        rows = [
+            ids[-self.max_tokens :]
+            for ids in self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
+        ]
         width = max(len(r) for r in rows)
-        # the padding is masked out: id 0, which every vocabulary has (a pad added to the tokenizer may
-        # lie past the embeddings of a judge loaded as it is, rlhf.score's)
+        # the padding is masked out: id 0, which every vocabulary has (a pad added to the tokenizer
+        # may lie past the embeddings of a judge loaded as it is, rlhf.score's)
         ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         return ids, mask
 
     @torch.no_grad()
-    def __call__(self, texts: Sequence[str], examples: Sequence[Example], micro: int, device) -> torch.Tensor:
+    def __call__(
+        self, texts: Sequence[str], examples: Sequence[Example], micro: int, device
+    ) -> torch.Tensor:
         t0 = time.perf_counter()
         ids, mask = self.encode([self.text(e, t) for e, t in zip(examples, texts)])
         out, step = [], micro or ids.shape[0]
         for s in range(0, ids.shape[0], step):
             i, m = ids[s : s + step].to(device), mask[s : s + step].to(device)
             last = torch.zeros_like(m, dtype=torch.bool)
-            last[:, -1] = True  # left-padded: every row's last token is the last position
-            logits = self.model.forward(input_ids=i, attention_mask=m, position_ids=position_ids(m), logits_at=last)
+            # left-padded: every row's last token is the last position
+            last[:, -1] = True
+            logits = self.model.forward(
+                input_ids=i, attention_mask=m, position_ids=position_ids(m), logits_at=last
+            )
             pair = logits.logits.float()[:, self.ids].log_softmax(-1)
             out.append(pair[:, 0].exp())
         self.seconds = time.perf_counter() - t0

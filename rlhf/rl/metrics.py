@@ -27,47 +27,61 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
         "time/train_s": train_s,
         "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9),
     }
-    if "judge_s" in timings:  # the generative judge's forwards (part of time/score_s)
+    if "judge_s" in timings:
+        # the generative judge's forwards (part of time/score_s)
         row["time/judge_s"] = timings["judge_s"]
     for name, part in {**exp.score_parts, **exp.watch}.items():
         row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
     row.update(exp.extra_metrics)
-    if exp.gold is not None:  # how the reward the policy optimises tracks the truth (reward hacking shows here)
+    if exp.gold is not None:
+        # how the reward the policy optimises tracks the truth (reward hacking shows here)
         row["reward/gold"] = mesh.sum(float(exp.gold.sum())) / rows
         if "model" in exp.score_parts:
             row["reward/gold_corr"] = global_corr(exp.score_parts["model"], exp.gold, mesh)
-    fresh = exp.mask  # the tokens sampled by the weights being updated
-    if exp.staleness is not None:  # asynchronous rollouts: how old the sampling weights were
+    # the tokens sampled by the weights being updated
+    fresh = exp.mask
+    if exp.staleness is not None:
+        # asynchronous rollouts: how old the sampling weights were
         row.update(staleness_metrics(exp.staleness, exp.mask, mesh))
         fresh = exp.mask * (exp.staleness == 0).float()
-    if exp.rollout_logprobs is not None:  # what the inference mode sampled with vs the training recompute
+    if exp.rollout_logprobs is not None:
+        # what the inference mode sampled with vs the training recompute
         tokens = mesh.sum(float(fresh.sum()))
-        if tokens:  # (older weights' tokens differ by the updates since: not parity)
+        if tokens:
+            # (older weights' tokens differ by the updates since: not parity)
             diff = (exp.old_logprobs - exp.rollout_logprobs).abs() * fresh
             row["rollout/logprob_abs_diff_mean"] = mesh.sum(float(diff.sum())) / tokens
             row["rollout/logprob_abs_diff_max"] = max(mesh.all_gather_object(float(diff.max())))
-            k3 = ppo_math.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * fresh  # KL(rollout ‖ train)
+            # KL(rollout ‖ train)
+            k3 = ppo_math.kl_penalty(exp.rollout_logprobs, exp.old_logprobs, "k3") * fresh
             row["rollout/kl"] = mesh.sum(float(k3.sum())) / tokens
-    if exp.env_stats:  # multi-turn episodes (every generation of the step, dynamic sampling's too)
+    if exp.env_stats:
+        # multi-turn episodes (every generation of the step, dynamic sampling's too)
         row.update(episode_metrics(exp.env_stats, mesh))
     if exp.values is not None:
         row["values/explained_var"] = float(
-            ppo_math.explained_variance(exp.values, exp.returns, exp.mask, all_reduce=mesh.all_reduce)
+            ppo_math.explained_variance(
+                exp.values, exp.returns, exp.mask, all_reduce=mesh.all_reduce
+            )
         )
     return row
 
 
 def staleness_metrics(stale, mask, mesh: Mesh) -> Dict[str, float]:
-    """``async/staleness_mean`` (per policy token) and ``_max`` (the oldest token) over every rank, and
-    ``async/tokens_lag<j>``: the policy tokens sampled by weights j updates old, per row."""
+    """``async/staleness_mean`` (per policy token) and ``_max`` (the oldest token) over every rank,
+    and ``async/tokens_lag<j>``: the policy tokens sampled by weights j updates old, per row."""
     tokens, rows = mesh.sum(float(mask.sum())), mesh.sum(float(mask.shape[0]))
     out = {
         "async/staleness_mean": mesh.sum(float(stale.sum())) / max(tokens, 1.0),
-        "async/staleness_max": max(mesh.all_gather_object(float(stale.max()) if stale.numel() else 0.0)),
+        "async/staleness_max": max(
+            mesh.all_gather_object(float(stale.max()) if stale.numel() else 0.0)
+        ),
     }
     lags = int(out["async/staleness_max"])
     for j in range(lags + 1):
-        out[f"async/tokens_lag{j}"] = mesh.sum(float(((stale == j).float() * mask).sum())) / max(rows, 1.0)
+        out[f"async/tokens_lag{j}"] = mesh.sum(float(((stale == j).float() * mask).sum())) / max(
+            rows, 1.0
+        )
     return out
 
 
@@ -75,13 +89,18 @@ def episode_metrics(stats: Dict[str, float], mesh: Mesh) -> Dict[str, float]:
     """Per episode, over every rank: turns, tool calls and their errors / timeouts / limits, the
     share that used a tool, failed or were cut, tokens by source; and the environment's seconds."""
     keys = sorted(stats)
-    if mesh.distributed:  # an environment's own keys: the ranks' rows may not all have had them
+    if mesh.distributed:
+        # an environment's own keys: the ranks' rows may not all have had them
         keys = sorted({k for part in mesh.all_gather_object(keys) for k in part})
     total = {k: mesh.sum(stats.get(k, 0.0)) for k in keys}
     n = max(total["rows"], 1.0)
-    out = {f"env/{k}": total[k] / n for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_limits")}
+    out = {
+        f"env/{k}": total[k] / n
+        for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_limits")
+    }
     for k in keys:
-        if k.startswith(INFO):  # the environment's own info keys, per episode
+        if k.startswith(INFO):
+            # the environment's own info keys, per episode
             out.setdefault(f"env/{k[len(INFO) :]}", total[k] / n)
     out["env/tool_use"] = total["used_tools"] / n
     out["env/failed"] = total["failed"] / n
@@ -94,7 +113,10 @@ def episode_metrics(stats: Dict[str, float], mesh: Mesh) -> Dict[str, float]:
 
 def global_corr(x, y, mesh: Mesh) -> float:
     """Pearson correlation of x and y over every rank's rows (0 when either is constant)."""
-    sums = [mesh.sum(float(v)) for v in (x.numel(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum())]
+    sums = [
+        mesh.sum(float(v))
+        for v in (x.numel(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum())
+    ]
     n, sx, sy, sxx, syy, sxy = sums
     cov, vx, vy = sxy - sx * sy / n, sxx - sx * sx / n, syy - sy * sy / n
     if vx > 1e-12 and vy > 1e-12:
@@ -103,9 +125,9 @@ def global_corr(x, y, mesh: Mesh) -> float:
 
 
 def rollout_samples(exp: Experience, n: int) -> List[dict]:
-    """This rank's first ``n`` rollouts of a step for samples.jsonl: prompt, response, the reward and
-    its parts, the advantage (mean over the response's tokens), the gold score and reference where the
-    data has them."""
+    """This rank's first ``n`` rollouts of a step for samples.jsonl: prompt, response, the reward
+    and its parts, the advantage (mean over the response's tokens), the gold score and reference
+    where the data has them."""
     rows = []
     for i in range(min(n, len(exp.texts), len(exp.examples))):
         e, m = exp.examples[i], exp.mask[i]

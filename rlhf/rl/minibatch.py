@@ -28,7 +28,8 @@ def rank_of_row(global_ids: torch.Tensor, samples_per_prompt: int, world: int) -
 
 class Minibatch(NamedTuple):
     rows: torch.Tensor  # this rank's local row indices
-    weight: float  # 0.0: this rank holds no row of it and runs one stand-in row
+    # 0.0: this rank holds no row of it and runs one stand-in row
+    weight: float
     most: int  # the most rows any rank holds in it
     global_size: int  # rows over all ranks
 
@@ -46,7 +47,9 @@ def minibatches(
     perm = torch.randperm(total_rows, generator=generator, device="cpu")
     where = {int(gid): i for i, gid in enumerate(global_ids)}
     for chunk in perm.chunk(count):
-        most = int(torch.bincount(rank_of_row(chunk, samples_per_prompt, world), minlength=world).max())
+        most = int(
+            torch.bincount(rank_of_row(chunk, samples_per_prompt, world), minlength=world).max()
+        )
         local = [where[int(x)] for x in chunk if int(x) in where]
         if local:
             yield Minibatch(torch.tensor(local, device="cpu"), 1.0, most, len(chunk))

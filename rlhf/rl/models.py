@@ -1,7 +1,7 @@
 """PPO's models: which ones a run uses (``inputs``), the reward models' held-out statistics
-(``RewardStats``), and the set built from them (``build_models``: actor and its hybrid engine, critic,
-reference, reward models, the scorers over them, the EMA copy). stages/ppo.py reads top to bottom on
-these."""
+(``RewardStats``), and the set built from them (``build_models``: actor and its hybrid engine,
+critic, reference, reward models, the scorers over them, the EMA copy). stages/ppo.py reads top to
+bottom on these."""
 
 from __future__ import annotations
 
@@ -16,14 +16,27 @@ import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from rlhf.algorithms.estimators import estimator
-from rlhf.config import ENV_BUILTINS, MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER, Config, LoraConfig
+from rlhf.config import (
+    ENV_BUILTINS,
+    MIN_RM_ACCURACY_EMBEDDED,
+    MIN_RM_ACCURACY_OTHER,
+    Config,
+    LoraConfig,
+)
 from rlhf.data.formats import FORMATS
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import FrozenModel, TrainEngine, reference_for
 from rlhf.errors import ConfigError
 from rlhf.models import dschat, loading, lora
-from rlhf.models.value import REWARD_STATS_FILE, ScalarHeadModel, head_module, head_name, mean_head, members
+from rlhf.models.value import (
+    REWARD_STATS_FILE,
+    ScalarHeadModel,
+    head_module,
+    head_name,
+    mean_head,
+    members,
+)
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import RewardModels, RewardNormaliser, Scorers
 from rlhf.rl.judge import Judge, read_template, verdict_ids
@@ -32,9 +45,12 @@ from rlhf.runtime.stage import previous_output, stage_input
 log = logging.getLogger("rlhf")
 
 
-def check_reward_model(stats: dict, rm_src: Optional[Path], threshold: Optional[float], data_format: str) -> None:
-    """Exit 2 before any work when the reward model ranks too few held-out pairs right: PPO would train
-    the policy towards its errors (on the embedded task RMs at 0.65–0.87 lowered the gold score)."""
+def check_reward_model(
+    stats: dict, rm_src: Optional[Path], threshold: Optional[float], data_format: str
+) -> None:
+    """Exit 2 before any work when the reward model ranks too few held-out pairs right: PPO would
+    train the policy towards its errors (on the embedded task RMs at 0.65–0.87 lowered the gold
+    score)."""
     acc = stats.get("eval/accuracy")
     if threshold is None:
         threshold = MIN_RM_ACCURACY_OTHER
@@ -60,23 +76,34 @@ def check_ensemble_keys(ppo, stats: dict, n_members: int, rm_src: str) -> None:
     """Exit 2 before any model loads when a key needs what the reward model lacks: the gate's
     disagreement needs an ensemble (``n_members`` ≥ 2), ppo.reward_clip its held-out score range."""
     if ppo.stop_disagreement is not None and n_members < 2:
-        what = f"reward model {rm_src} has {n_members} member" if n_members else "run scores with no reward model"
+        what = (
+            f"reward model {rm_src} has {n_members} member"
+            if n_members
+            else "run scores with no reward model"
+        )
         raise ConfigError(
-            f"ppo.stop_disagreement={ppo.stop_disagreement:g} reads a reward-model ensemble's disagreement, but the "
+            f"ppo.stop_disagreement={ppo.stop_disagreement:g} reads a reward-model "
+            "ensemble's disagreement, but the "
             f"{what}: train one with reward.ensemble=k (k ≥ 2), or gate on ppo.stop_kl"
         )
-    if ppo.reward_clip and n_members and any("min" not in m for m in stats.get("members") or [stats]):
+    if (
+        ppo.reward_clip
+        and n_members
+        and any("min" not in m for m in stats.get("members") or [stats])
+    ):
         raise ConfigError(
-            f"ppo.reward_clip=true needs the reward model's held-out score range (min, max in {rm_src}/"
-            f"{REWARD_STATS_FILE}, written by stage=reward): retrain it with this version, or set ppo.reward_clip=false"
+            "ppo.reward_clip=true needs the reward model's held-out score range (min, max "
+            f"in {rm_src}/"
+            f"{REWARD_STATS_FILE}, written by stage=reward): retrain it with this version, "
+            "or set ppo.reward_clip=false"
         )
 
 
 @dataclass
 class RewardStats:
     """The reward models' held-out statistics: ``first`` (the first model's: the critic's scale),
-    ``members`` (what normalises the scores: one model's statistics, or every member's of several) and
-    ``n_members`` (the ensemble's size; 0 without a reward model)."""
+    ``members`` (what normalises the scores: one model's statistics, or every member's of several)
+    and ``n_members`` (the ensemble's size; 0 without a reward model)."""
 
     first: dict = field(default_factory=lambda: {"mean": 0.0, "std": 1.0})
     members: dict = field(default_factory=lambda: {"mean": 0.0, "std": 1.0})
@@ -84,8 +111,8 @@ class RewardStats:
 
     @classmethod
     def of(cls, cfg: Config, rm_srcs: List[Path]) -> "RewardStats":
-        """Read from ``rm_srcs`` and checked (ppo.min_rm_accuracy, the ensemble's keys): exit 2 before any
-        model loads."""
+        """Read from ``rm_srcs`` and checked (ppo.min_rm_accuracy, the ensemble's keys): exit 2
+        before any model loads."""
         ppo = cfg.ppo
         every = [reward_stats(src) for src in rm_srcs]
         first = every[0] if every else {"mean": 0.0, "std": 1.0}
@@ -93,15 +120,22 @@ class RewardStats:
         if ppo.use_reward_model:
             for src, st in zip(rm_srcs, every):
                 check_reward_model(st, src, ppo.min_rm_accuracy, cfg.data.source_list()[0].format)
-            n_members = sum(members(loading.load_model_config(str(s), cfg.model.trust_remote_code)) for s in rm_srcs)
-        merged = first if len(every) <= 1 else {"members": [m for st in every for m in st.get("members") or [st]]}
+            n_members = sum(
+                members(loading.load_model_config(str(s), cfg.model.trust_remote_code))
+                for s in rm_srcs
+            )
+        merged = (
+            first
+            if len(every) <= 1
+            else {"members": [m for st in every for m in st.get("members") or [st]]}
+        )
         check_ensemble_keys(ppo, merged, n_members, ", ".join(map(str, rm_srcs)))
         return cls(first, merged, n_members)
 
     def critic_scale(self, cfg: Config) -> Union[float, List[float]]:
-        """The critic starts as the reward model, its head divided by the held-out std of each member
-        (under algorithm.reward_norm=stats) so that it predicts the normalised rewards; a critic of its
-        own (ppo.critic_path) is taken as it is."""
+        """The critic starts as the reward model, its head divided by the held-out std of each
+        member (under algorithm.reward_norm=stats) so that it predicts the normalised rewards; a
+        critic of its own (ppo.critic_path) is taken as it is."""
         if cfg.algorithm.reward_norm != "stats" or cfg.ppo.critic_path:
             return 1.0
         scale = [1.0 / max(m["std"], 1e-8) for m in self.first.get("members") or [self.first]]
@@ -124,12 +158,17 @@ class Sources:
         """(the key that names it, source) of each model read besides the actor."""
         rms = [("ppo.reward_model_path", str(r)) for r in self.reward_models]
         critic = None if self.critic is None else str(self.critic)
-        return rms + [("ppo.critic_path", critic), ("ppo.teacher_path", self.teacher), ("ppo.judge_path", self.judge)]
+        return rms + [
+            ("ppo.critic_path", critic),
+            ("ppo.teacher_path", self.teacher),
+            ("ppo.judge_path", self.judge),
+        ]
 
 
 @dataclass
 class Models:
-    """What a PPO run trains and scores with; ``engines``: what checkpoints save and resume restores."""
+    """What a PPO run trains and scores with; ``engines``: what checkpoints save and resume
+    restores."""
 
     actor: TrainEngine
     hybrid: HybridEngine
@@ -141,50 +180,81 @@ class Models:
 
 
 def build_models(
-    cfg: Config, mesh: Mesh, tokenizer, sources: Sources, stats: RewardStats, rule, gold, total_updates: int
+    cfg: Config,
+    mesh: Mesh,
+    tokenizer,
+    sources: Sources,
+    stats: RewardStats,
+    rule,
+    gold,
+    total_updates: int,
 ) -> Models:
     """The actor (LoRA adapters with model.lora.r > 0) and its hybrid engine, the critic (GAE), the
-    reference (algorithm.kl_coef > 0: the actor with adapters off under LoRA, else a second copy), the
-    reward models, the distillation teacher (ppo.teacher_path), the judge (ppo.judge_path) and the
-    scorers over them, the EMA copy; ``sources``: ``inputs``'. Each model placed by engine.<role>.*."""
-    actor_src, rm_srcs, critic_src, teacher_src = sources.actor, sources.reward_models, sources.critic, sources.teacher
+    reference (algorithm.kl_coef > 0: the actor with adapters off under LoRA, else a second copy),
+    the reward models, the distillation teacher (ppo.teacher_path), the judge (ppo.judge_path) and
+    the scorers over them, the EMA copy; ``sources``: ``inputs``'. Each model placed by
+    engine.<role>.*."""
+    actor_src, rm_srcs, critic_src, teacher_src = (
+        sources.actor,
+        sources.reward_models,
+        sources.critic,
+        sources.teacher,
+    )
     train, ppo, alg, lcfg = cfg.train, cfg.ppo, cfg.algorithm, cfg.model.lora
     remote, place = cfg.model.trust_remote_code, cfg.engine.placement
 
-    def policy_model(role: str):  # the SFT model, once as the actor and once as the reference
-        return loading.causal_lm(actor_src, mesh, tokenizer, remote, cfg.model.disable_dropout, role)
+    def policy_model(role: str):
+        # the SFT model, once as the actor and once as the reference
+        return loading.causal_lm(
+            actor_src, mesh, tokenizer, remote, cfg.model.disable_dropout, role
+        )
 
     adapted = lora.adapt(policy_model("actor"), lcfg, cfg.run.seed, what="actor")
     actor = TrainEngine(adapted, mesh, place("actor"), train, total_steps=total_updates)
     hybrid = HybridEngine(actor, tokenizer, place("actor"))
     critic = None
     if estimator(alg).critic:
-        critic_lora = lcfg if lcfg.critic else None  # model.lora.critic: adapters on the critic too
-        model = scalar_model(cfg, critic_src, mesh, tokenizer, stats.critic_scale(cfg), critic_lora, "critic")
-        critic = TrainEngine(model, mesh, place("critic"), train, total_steps=total_updates, lr=ppo.critic_lr)
+        # model.lora.critic: adapters on the critic too
+        critic_lora = lcfg if lcfg.critic else None
+        model = scalar_model(
+            cfg, critic_src, mesh, tokenizer, stats.critic_scale(cfg), critic_lora, "critic"
+        )
+        critic = TrainEngine(
+            model, mesh, place("critic"), train, total_steps=total_updates, lr=ppo.critic_lr
+        )
     ref = None
-    if alg.kl_coef > 0:  # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
+    if alg.kl_coef > 0:
+        # algorithm.kl_coef=0: no reference model at all (its KL term is 0)
         ref = reference_for(actor, lambda: policy_model("reference"), mesh, place("reference"))
     reward_model = None
     if ppo.use_reward_model:
-        models = [FrozenModel(scalar_model(cfg, src, mesh, tokenizer), mesh, place("reward_model")) for src in rm_srcs]
+        models = [
+            FrozenModel(scalar_model(cfg, src, mesh, tokenizer), mesh, place("reward_model"))
+            for src in rm_srcs
+        ]
         reward_model = models[0] if len(models) == 1 else RewardModels(models)
     teacher = None
-    if teacher_src is not None:  # frozen, scored in the pass that scores the reference
+    if teacher_src is not None:
+        # frozen, scored in the pass that scores the reference
         model = loading.causal_lm(teacher_src, mesh, tokenizer, remote, True, "teacher")
         teacher = FrozenModel(model, mesh, place("teacher"))
     judge = None
-    if sources.judge is not None:  # its own tokenizer: it reads the responses' text
+    if sources.judge is not None:
+        # its own tokenizer: it reads the responses' text
         judge_tok = loading.load_tokenizer(sources.judge, cfg.model.trust_remote_code)
         model = loading.causal_lm(sources.judge, mesh, judge_tok, remote, True, "judge")
         template = read_template(ppo.judge_template)
         frozen = FrozenModel(model, mesh, place("judge"))
-        judge = Judge(frozen, judge_tok, template, ppo.judge_verdicts, ppo.judge_max_tokens, sources.judge)
+        judge = Judge(
+            frozen, judge_tok, template, ppo.judge_verdicts, ppo.judge_max_tokens, sources.judge
+        )
     scorers = Scorers(
         ref=ref,
         critic=critic,
         reward_model=reward_model,
-        normalise=RewardNormaliser(alg.reward_norm, stats.members, ppo.reward_clip, stats.n_members),
+        normalise=RewardNormaliser(
+            alg.reward_norm, stats.members, ppo.reward_clip, stats.n_members
+        ),
         rule=rule,
         rule_weight=ppo.reward_fn_weight,
         data_format=cfg.data.source_list()[0].format,
@@ -200,23 +270,28 @@ def build_models(
 
 
 def inputs(cfg: Config, mesh: Mesh) -> Sources:
-    """Where the models come from, checked: the SFT output (or model.path or ppo.actor_path), the reward
-    models (ppo.reward_model_path, comma-separated for several, or the reward stage's output; none when
-    unused), the critic's start (ppo.critic_path or the first reward model), the distillation teacher
-    (ppo.teacher_path) and the judge (ppo.judge_path, its template read). A DeepSpeed-Chat reward model
-    (or critic) given by path is converted into <run.dir>/converted/ first (rank 0; rlhf/models/dschat.py)."""
+    """Where the models come from, checked: the SFT output (or model.path or ppo.actor_path), the
+    reward models (ppo.reward_model_path, comma-separated for several, or the reward stage's output;
+    none when unused), the critic's start (ppo.critic_path or the first reward model), the
+    distillation teacher (ppo.teacher_path) and the judge (ppo.judge_path, its template read). A
+    DeepSpeed-Chat reward model (or critic) given by path is converted into <run.dir>/converted/
+    first (rank 0; rlhf/models/dschat.py)."""
     ppo, alg = cfg.ppo, cfg.algorithm
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
     others = ppo.reward_fn or (ppo.teacher_path and ppo.distill_coef) or ppo.judge_path
     if not ppo.use_reward_model and not others and ppo.env in ENV_BUILTINS:
         raise ConfigError(
-            f"ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold), "
-            f"a teacher to distill (ppo.teacher_path), a judge (ppo.judge_path) or an environment that gives "
+            "ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. "
+            "rlhf.rewards.gold), "
+            "a teacher to distill (ppo.teacher_path), a judge (ppo.judge_path) or an "
+            "environment that gives "
             f"rewards (ppo.env=module.Class; the built-in ppo.env={ppo.env} gives none)"
         )
     if not ppo.use_reward_model and not others and ppo.env not in ENV_BUILTINS:
-        log.info("ppo: the rewards are ppo.env=%s's alone (no reward model, no ppo.reward_fn)", ppo.env)
+        log.info(
+            "ppo: the rewards are ppo.env=%s's alone (no reward model, no ppo.reward_fn)", ppo.env
+        )
     if ppo.critic_path and not gae:
         raise ConfigError(
             f"ppo.critic_path={ppo.critic_path} is set but algorithm.estimator={alg.estimator} "
@@ -228,9 +303,11 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
     if ppo.reward_model_path and not needs_rm:
         raise ConfigError(
             f"ppo.reward_model_path={ppo.reward_model_path} is set but nothing uses it "
-            f"(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or there is none)"
+            "(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or "
+            "there is none)"
         )
-    if ppo.reward_model_path:  # several, comma-separated: their members together are one ensemble
+    if ppo.reward_model_path:
+        # several, comma-separated: their members together are one ensemble
         for given in [x.strip() for x in str(ppo.reward_model_path).split(",") if x.strip()]:
             path = dschat.reward_model_input(given, "ppo.reward_model_path", cfg.run.dir, mesh)
             loading.check_scalar_model(path, "ppo.reward_model_path")
@@ -240,7 +317,8 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
         if rm_srcs[0] is None:
             raise ConfigError(
                 f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first, set "
-                f"ppo.reward_model_path, or use algorithm.estimator=grpo ppo.use_reward_model=false "
+                "ppo.reward_model_path, or use algorithm.estimator=grpo "
+                "ppo.use_reward_model=false "
                 f"ppo.reward_fn=..."
             )
     critic_src = None
@@ -258,7 +336,12 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
         note = ""
         if not ppo.use_reward_model:
             note = " (ppo.use_reward_model=false: the critic's start only)"
-        log.info("ppo: reward model%s %s%s", "s" if len(rm_srcs) > 1 else "", ", ".join(map(str, rm_srcs)), note)
+        log.info(
+            "ppo: reward model%s %s%s",
+            "s" if len(rm_srcs) > 1 else "",
+            ", ".join(map(str, rm_srcs)),
+            note,
+        )
     if critic_src is not None:
         log.info("ppo: critic starts from %s", critic_src)
     teacher_src = None
@@ -266,18 +349,32 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
         loading.check_model_path(ppo.teacher_path, "ppo.teacher_path")
         teacher_src = os.path.expanduser(ppo.teacher_path)
         if ppo.distill_coef:
-            log.info("ppo: distilling from teacher %s (ppo.distill_coef=%g)", teacher_src, ppo.distill_coef)
+            log.info(
+                "ppo: distilling from teacher %s (ppo.distill_coef=%g)",
+                teacher_src,
+                ppo.distill_coef,
+            )
         else:
-            log.info("ppo: teacher %s watched only (ppo.distill_coef=0: distill/* logged, no reward)", teacher_src)
+            log.info(
+                "ppo: teacher %s watched only (ppo.distill_coef=0: distill/* logged, no reward)",
+                teacher_src,
+            )
     judge_src = None
     if ppo.judge_path:
         loading.check_model_path(ppo.judge_path, "ppo.judge_path")
         read_template(ppo.judge_template)  # exit 2 now, not after the models load
         verdict_ids(
-            loading.load_tokenizer(ppo.judge_path, cfg.model.trust_remote_code), ppo.judge_verdicts, ppo.judge_path
+            loading.load_tokenizer(ppo.judge_path, cfg.model.trust_remote_code),
+            ppo.judge_verdicts,
+            ppo.judge_path,
         )
         judge_src = os.path.expanduser(ppo.judge_path)
-        log.info("ppo: judge %s with %s (ppo.judge_weight=%g)", judge_src, ppo.judge_template, ppo.judge_weight)
+        log.info(
+            "ppo: judge %s with %s (ppo.judge_weight=%g)",
+            judge_src,
+            ppo.judge_template,
+            ppo.judge_weight,
+        )
     return Sources(str(actor_src), rm_srcs, critic_src, teacher_src, judge_src)
 
 
@@ -290,9 +387,9 @@ def scalar_model(
     lcfg: Optional[LoraConfig] = None,
     role: str = "reward model",
 ) -> ScalarHeadModel:
-    """The reward model's architecture and weights as a scalar-head model (the critic's head scaled, per
-    member of an ensemble by ``scale[i]``, and the members averaged into one head;
-    ``lcfg``: LoRA adapters on its backbone, the head fully trained; dropout per model.disable_dropout)."""
+    """The reward model's architecture and weights as a scalar-head model (the critic's head scaled,
+    per member of an ensemble by ``scale[i]``, and the members averaged into one head; ``lcfg``:
+    LoRA adapters on its backbone, the head fully trained; dropout per model.disable_dropout)."""
     model_cfg = loading.load_model_config(str(src), cfg.model.trust_remote_code)
     model = loading.build_model(
         AutoModelForSequenceClassification,
@@ -304,7 +401,8 @@ def scalar_model(
         disable_dropout=cfg.model.disable_dropout,
         role=role,
     )
-    if role == "critic" and members(model.config) > 1:  # from an ensemble: its one head, the members' mean
+    if role == "critic" and members(model.config) > 1:
+        # from an ensemble: its one head, the members' mean
         scales = scale if isinstance(scale, list) else [scale] * members(model.config)
         mean_head(model, scales)
     elif scale != 1.0 and mesh.is_main:

@@ -26,7 +26,13 @@ class PromptBatch:
 
 class PromptSource:
     def __init__(
-        self, ids: List[List[int]], examples: List[Example], per_step: int, seed: int, mesh: Mesh, max_rounds: int
+        self,
+        ids: List[List[int]],
+        examples: List[Example],
+        per_step: int,
+        seed: int,
+        mesh: Mesh,
+        max_rounds: int,
     ):
         self.ids, self.examples, self.mesh, self.max_rounds = ids, examples, mesh, max_rounds
         self.batches = GlobalBatches(len(ids), per_step, seed)
@@ -40,7 +46,8 @@ class PromptSource:
         return self._take(self.batches.global_indices(step))
 
     def refill(self, step: int, round_: int) -> PromptBatch:
-        """This rank's prompts of dynamic sampling's extra round ``round_`` (1, 2, …) of step ``step``."""
+        """This rank's prompts of dynamic sampling's extra round ``round_`` (1, 2, …) of step
+        ``step``."""
         return self._take(self.refills.global_indices(step * self.max_rounds + round_ - 1))
 
     def _take(self, global_indices) -> PromptBatch:

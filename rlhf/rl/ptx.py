@@ -20,21 +20,24 @@ from rlhf.errors import ConfigError
 
 
 class PtxTerm:
-    """The language-model loss of update ``u``: the SFT loss on global batch ``u`` of a seeded order of
-    the SFT records (as many records as the update's minibatch has rows), token-weighted over all
+    """The language-model loss of update ``u``: the SFT loss on global batch ``u`` of a seeded order
+    of the SFT records (as many records as the update's minibatch has rows), token-weighted over all
     ranks and scaled for the data-parallel average."""
 
     def __init__(self, cols: dict, seed: int, tokenizer, mesh: Mesh, digest: str = ""):
         self.cols, self.seed, self.tokenizer, self.mesh = cols, seed, tokenizer, mesh
-        self.digest = digest  # the SFT records' (StageData.digest): part of the PPO run's fingerprint
+        # the SFT records' (StageData.digest): part of the PPO run's fingerprint
+        self.digest = digest
 
     @classmethod
     def load(cls, cfg: Config, tokenizer, cache_dir: Path, mesh: Mesh) -> PtxTerm:
-        """The SFT share of the data, tokenized as the SFT stage does (chat template included, hence its cache)."""
+        """The SFT share of the data, tokenized as the SFT stage does (chat template included, hence
+        its cache)."""
         sft_data = load_stage_data(cfg.data, "sft", cfg.run.seed)
         if sft_data.train[0].response is None:
             raise ConfigError(
-                f"algorithm.ptx_coef needs SFT responses, and data.format={cfg.data.source_list()[0].format} has none"
+                "algorithm.ptx_coef needs SFT responses, and "
+                f"data.format={cfg.data.source_list()[0].format} has none"
             )
         lens = dict(
             max_prompt=cfg.data.max_prompt_len,

@@ -1,17 +1,20 @@
-"""A rollout worker: the process beside a trainer rank that plays its episodes (``ppo.rollout_workers=1``).
+"""A rollout worker: the process beside a trainer rank that plays its episodes
+(``ppo.rollout_workers=1``).
 
-The worker holds the inference mode only — an ``InferenceModel`` over weights the trainer sends in the
-inference layout, no training copy, no optimizer state — and the environments of its trainer's rows.
-It serves ``Request``s in order: each names a step, that step's prompts, sampling and keys (the rows'
-keys in the whole step, so a sample is the one the colocated run draws) and the oldest weights version
-it may be generated with (the staleness bound: ``rlhf/rl/async_rollouts.py``). Before every generation
-— each turn of a multi-turn episode — it takes the newest weights that have arrived: a trajectory in
-flight when an update lands continues with the new weights (a partial rollout), and every token
-carries the version that sampled it (``Generation.versions``) beside its behaviour log-prob.
+The worker holds the inference mode only — an ``InferenceModel`` over weights the trainer sends in
+the inference layout, no training copy, no optimizer state — and the environments of its trainer's
+rows. It serves ``Request``s in order: each names a step, that step's prompts, sampling and keys
+(the rows' keys in the whole step, so a sample is the one the colocated run draws) and the oldest
+weights version it may be generated with (the staleness bound: ``rlhf/rl/async_rollouts.py``).
+Before every generation — each turn of a multi-turn episode — it takes the newest weights that have
+arrived: a trajectory in flight when an update lands continues with the new weights (a partial
+rollout), and every token carries the version that sampled it (``Generation.versions``) beside its
+behaviour log-prob.
 
-Messages (``torch.multiprocessing`` queues; CPU tensors travel through shared memory, CUDA tensors by
-CUDA IPC): trainer → worker ``Weights`` and ``Request`` (None: stop); worker → trainer ``Result`` or
-``Failed`` (the worker's one line and exit code). The worker ends when its trainer process is gone.
+Messages (``torch.multiprocessing`` queues; CPU tensors travel through shared memory, CUDA tensors
+by CUDA IPC): trainer → worker ``Weights`` and ``Request`` (None: stop); worker → trainer ``Result``
+or ``Failed`` (the worker's one line and exit code). The worker ends when its trainer process is
+gone.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import torch
 
 from rlhf.ops import SamplingParams
 
-POLL_S = 1.0  # how often a waiting worker checks that its trainer is still there
+# how often a waiting worker checks that its trainer is still there
+POLL_S = 1.0
 # groups of episodes a worker plays at once (max_staleness > 0, multi-turn): one generates while the
 # others wait on their tools
 GROUPS = 4
@@ -39,14 +43,18 @@ GROUPS = 4
 class WorkerSpec:
     """What a worker builds its side from (pickled into the spawned process)."""
 
-    cfg: object  # the run's Config (ppo.* for the environment and episodes, engine.* for the inference mode)
-    model_config: object  # the actor's HF config: its injection policy
+    # the run's Config (ppo.* for the environment and episodes, engine.* for the inference mode)
+    cfg: object
+    # the actor's HF config: its injection policy
+    model_config: object
     tokenizer: object
-    chat: Optional[str]  # the chat template observations are rendered with
+    # the chat template observations are rendered with
+    chat: Optional[str]
     threads: int  # CPU threads (torch.set_num_threads)
     device: str
     dtype: torch.dtype  # the inference dtype
-    decode: str  # the decode loop (rlhf.engine.hybrid.decode_loop)
+    # the decode loop (rlhf.engine.hybrid.decode_loop)
+    decode: str
     parent: int = field(default_factory=os.getpid)
 
 
@@ -62,20 +70,26 @@ class Weights:
 @dataclass
 class Request:
     step: int
-    ids: List[List[int]]  # this trainer rank's prompts of the step
+    # this trainer rank's prompts of the step
+    ids: List[List[int]]
     examples: list
     sp: SamplingParams
-    keys: List[int]  # the prompts' keys in the step (the colocated run's)
-    min_version: int  # the oldest weights the step's episodes may start with
+    # the prompts' keys in the step (the colocated run's)
+    keys: List[int]
+    # the oldest weights the step's episodes may start with
+    min_version: int
 
 
 @dataclass
 class Result:
     step: int
-    episodes: object  # rlhf.rl.episodes.Episodes, versions on every policy token
-    idle_s: float  # waiting for this request or for weights new enough
+    # rlhf.rl.episodes.Episodes, versions on every policy token
+    episodes: object
+    # waiting for this request or for weights new enough
+    idle_s: float
     busy_s: float  # playing the episodes
-    swaps: int  # weights taken in during the episodes (partial rollouts)
+    # weights taken in during the episodes (partial rollouts)
+    swaps: int
 
 
 @dataclass
@@ -99,7 +113,8 @@ class Model:
 
         if self.model is not None:
             self.model.release()
-        self.model = None  # (the old weights go before the new model is built)
+        # (the old weights go before the new model is built)
+        self.model = None
         self.model = inference_model(
             w.root, w.layers, self.policy, self.spec.cfg.engine, self.spec.dtype, self.spec.decode
         )
@@ -148,13 +163,15 @@ def main(spec: WorkerSpec, requests, results, weights) -> None:
 
 
 class Turns:
-    """``generate`` of one request's episodes: each call (a turn) first takes the newest weights that
-    arrived, so the episodes go on with them (a partial rollout), and tags its tokens with their version.
-    Groups of episodes played in threads call it one at a time (the inference model is one)."""
+    """``generate`` of one request's episodes: each call (a turn) first takes the newest weights
+    that arrived, so the episodes go on with them (a partial rollout), and tags its tokens with
+    their version. Groups of episodes played in threads call it one at a time (the inference model
+    is one)."""
 
     def __init__(self, model: Model, eos_id: int, pad_id: int, device: torch.device):
         self.model, self.eos_id, self.pad_id, self.device = model, eos_id, pad_id, device
-        self.calls, self.swaps = 0, 0  # swaps: weights taken in after the first turn
+        # swaps: weights taken in after the first turn
+        self.calls, self.swaps = 0, 0
         self.lock = threading.Lock()
 
     def __call__(self, prompts, sp, keys):
@@ -165,16 +182,18 @@ class Turns:
             self.calls += 1
             t_gen = time.perf_counter()
             m = self.model
-            gen = m.model.generate(prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device)
+            gen = m.model.generate(
+                prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device
+            )
             gen.versions = torch.where(gen.response_mask.bool(), m.version, -1)
             gen.timings = {"switch_s": t_gen - t, "generate_s": time.perf_counter() - t_gen}
             return gen
 
 
 def play(runners: list, turns: Turns, req: Request, positions: int):
-    """The request's episodes: with several runners its prompts in as many groups of consecutive prompts,
-    played at once in threads, so that one group generates while another waits on its tools; laid out as
-    one generation (``concat_episodes``)."""
+    """The request's episodes: with several runners its prompts in as many groups of consecutive
+    prompts, played at once in threads, so that one group generates while another waits on its
+    tools; laid out as one generation (``concat_episodes``)."""
     from rlhf.rl.episodes import concat_episodes
 
     n = len(req.ids)
@@ -187,7 +206,9 @@ def play(runners: list, turns: Turns, req: Request, positions: int):
     def one(g: int) -> None:
         a, b = bounds[g], bounds[g + 1]
         try:
-            out[g] = runners[g].run(turns, req.ids[a:b], req.examples[a:b], req.sp, req.keys[a:b], positions)
+            out[g] = runners[g].run(
+                turns, req.ids[a:b], req.examples[a:b], req.sp, req.keys[a:b], positions
+            )
         except BaseException as e:  # (raised again in the worker's thread)
             errors.append(e)
 
@@ -209,8 +230,9 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
 
     ppo, device = spec.cfg.ppo, torch.device(spec.device)
     env = environment(ppo)
-    # k = 0: the rows played together (the colocated run's layout, to the last bit); k > 0 with tools or an
-    # environment: in groups, each with a tokenizer of its own (a fast tokenizer is not for two threads)
+    # k = 0: the rows played together (the colocated run's layout, to the last bit); k > 0 with
+    # tools or an environment: in groups, each with a tokenizer of its own (a fast tokenizer is not
+    # for two threads)
     runners = [EpisodeRunner.of(ppo, env, spec.tokenizer, spec.chat, Mesh(device=device))]
     if ppo.max_staleness and runners[0].multi_turn:
         for _ in range(GROUPS - 1):

@@ -25,7 +25,8 @@ class ActorCopy:
                 self.shadow[n].copy_(p.detach())
 
     def restore(self) -> None:
-        """Puts the copy into the actor (its optimizer state untouched: for an export, not for training on)."""
+        """Puts the copy into the actor (its optimizer state untouched: for an export, not for
+        training on)."""
         with torch.no_grad():
             for n, p in self.engine.model.named_parameters():
                 p.copy_(self.shadow[n])
@@ -48,7 +49,8 @@ class ActorCopy:
             return
         full = load_file(str(f))
         for n, t in self.shadow.items():
-            if hasattr(t, "to_local"):  # a DTensor: this rank's shard of the full tensor
+            if hasattr(t, "to_local"):
+                # a DTensor: this rank's shard of the full tensor
                 src = full[n].to(t.to_local().device)
                 t.copy_(distribute_tensor(src, t.device_mesh, t.placements))
             else:
@@ -57,6 +59,12 @@ class ActorCopy:
     def export(self, out_dir, tokenizer) -> None:
         full = self._full()
         mesh = self.engine.mesh
-        if mesh.is_main:  # as the actor is exported (a LoRA actor merged)
-            write_hf(self.engine.module, {k.removeprefix("module."): v for k, v in full.items()}, out_dir, tokenizer)
+        if mesh.is_main:
+            # as the actor is exported (a LoRA actor merged)
+            write_hf(
+                self.engine.module,
+                {k.removeprefix("module."): v for k, v in full.items()},
+                out_dir,
+                tokenizer,
+            )
         mesh.barrier()

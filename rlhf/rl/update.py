@@ -27,7 +27,8 @@ from rlhf.rl.experience import Experience, critic_values, micro_rows
 from rlhf.rl.minibatch import Minibatch, global_rows, micro_batches, minibatches
 from rlhf.rl.ptx import PtxTerm
 
-Part = Tuple[torch.Tensor, float]  # a micro-batch: this rank's local rows and their weight (0: a stand-in row)
+# a micro-batch: this rank's local rows and their weight (0: a stand-in row)
+Part = Tuple[torch.Tensor, float]
 
 
 class Diverged(Exception):
@@ -50,10 +51,10 @@ class Stats:
 
 
 class Updater:
-    """The PPO update of each step: ``ppo.ppo_epochs`` × ``ppo.minibatches_per_epoch`` optimizer steps
-    of the actor (and critic) on the step's experience, the PPO-ptx term on the last micro-batch of
-    each, the EMA after each epoch. Owns what carries from step to step: the count of updates in a
-    row that were skipped for a non-finite loss or gradient (``Diverged`` past
+    """The PPO update of each step: ``ppo.ppo_epochs`` × ``ppo.minibatches_per_epoch`` optimizer
+    steps of the actor (and critic) on the step's experience, the PPO-ptx term on the last
+    micro-batch of each, the EMA after each epoch. Owns what carries from step to step: the count of
+    updates in a row that were skipped for a non-finite loss or gradient (``Diverged`` past
     ``ppo.max_nonfinite_in_a_row``)."""
 
     def __init__(
@@ -70,7 +71,8 @@ class Updater:
     ):
         self.actor, self.critic, self.alg, self.ppo, self.mesh = actor, critic, alg, ppo, mesh
         self.seed, self.ptx, self.ema = seed, ptx, ema
-        self.teacher = teacher  # GKD's (algorithm.gkd_coef > 0): a FrozenModel
+        # GKD's (algorithm.gkd_coef > 0): a FrozenModel
+        self.teacher = teacher
         self.kl_in_loss = estimator(alg).kl_in_loss
         self.updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
         self.skipped_in_a_row = 0
@@ -83,25 +85,39 @@ class Updater:
         if critic is not None:
             critic.train()
         stats = Stats()
-        order = torch.Generator(device="cpu").manual_seed(seeding.offset(self.seed, step, seeding.MINIBATCH))
+        order = torch.Generator(device="cpu").manual_seed(
+            seeding.offset(self.seed, step, seeding.MINIBATCH)
+        )
         ids = global_rows(exp.rows, exp.samples_per_prompt, mesh.rank, mesh.world_size)
         total_rows = exp.rows * mesh.world_size
         micro = micro_rows(actor, exp.rows, exp.sequences.shape[1], ppo.micro_batch_per_rank)
-        tokens = exp.attention_mask.sum(1).tolist()  # each row's real tokens (ppo.max_tokens_per_micro_batch)
+        # each row's real tokens (ppo.max_tokens_per_micro_batch)
+        tokens = exp.attention_mask.sum(1).tolist()
         update = step * self.updates_per_step
         skipped = 0
         for _ in range(ppo.ppo_epochs):
             for mb in minibatches(
-                ids, total_rows, ppo.minibatches_per_epoch, exp.samples_per_prompt, mesh.world_size, order
+                ids,
+                total_rows,
+                ppo.minibatches_per_epoch,
+                exp.samples_per_prompt,
+                mesh.world_size,
+                order,
             ):
-                parts = []  # (rows, weight); a rank out of rows runs one at weight 0, as many passes as the others
-                for r in micro_batches(mb.rows, micro, mb.most, tokens, ppo.max_tokens_per_micro_batch, mesh):
+                # (rows, weight); a rank out of rows runs one at weight 0, as many passes as the
+                # others
+                parts = []
+                for r in micro_batches(
+                    mb.rows, micro, mb.most, tokens, ppo.max_tokens_per_micro_batch, mesh
+                ):
                     if len(r):
                         parts.append((r, mb.weight))
                     else:
                         parts.append((mb.rows[:1], 0.0))
                 normalizer, token_normalizer = _normalizer(exp, mb, self.alg, ppo, mesh)
-                ok = self._actor_step(exp, parts, normalizer, kl_beta, stats, update, mb.global_size)
+                ok = self._actor_step(
+                    exp, parts, normalizer, kl_beta, stats, update, mb.global_size
+                )
                 update += 1
                 if ok:
                     self.skipped_in_a_row = 0
@@ -111,13 +127,18 @@ class Updater:
                 if critic is not None:
                     self._critic_step(exp, parts, token_normalizer, stats)
                 if self.skipped_in_a_row >= ppo.max_nonfinite_in_a_row:
-                    raise Diverged(f"{self.skipped_in_a_row} updates in a row had a non-finite loss or gradient")
+                    raise Diverged(
+                        f"{self.skipped_in_a_row} updates in a row had a non-finite loss "
+                        "or gradient"
+                    )
             if self.ema is not None:
                 self.ema.update()
         means = stats.means(mesh)
-        if skipped:  # a count, not a mean (the same on every rank)
+        if skipped:
+            # a count, not a mean (the same on every rank)
             means["nonfinite_skipped"] = skipped
-        means.update(actor.scale_metrics("actor"))  # fp16: the loss scales and their skipped updates
+        # fp16: the loss scales and their skipped updates
+        means.update(actor.scale_metrics("actor"))
         if critic is not None:
             means.update(critic.scale_metrics("critic"))
         return means
@@ -132,25 +153,34 @@ class Updater:
         update: int,
         global_size: int,
     ) -> bool:
-        """Forward/backward of each micro-batch, then one optimizer step; False when skipped (non-finite)."""
+        """Forward/backward of each micro-batch, then one optimizer step; False when skipped
+        (non-finite)."""
         actor, alg, mesh = self.actor, self.alg, self.mesh
         seq, att, prompt_len = exp.sequences, exp.attention_mask, exp.prompt_len
         # Training forwards compute the logits of every position: asking for the response positions
         # only (logits_to_keep) gives the same forward but sums the LM head's weight gradient in
         # another order, and fixed-seed numbers are a contract.
         keep = False
-        loss_sum, sums, ok = 0.0, None, True  # sums: clipped tokens, Σ approx-KL, tokens, Σ entropy
-        gkd_sum = 0.0  # Σ GKD's divergence over the policy tokens (algorithm.gkd_coef > 0)
+        # sums: clipped tokens, Σ approx-KL, tokens, Σ entropy
+        loss_sum, sums, ok = 0.0, None, True
+        # Σ GKD's divergence over the policy tokens (algorithm.gkd_coef > 0)
+        gkd_sum = 0.0
         for i, (r, w) in enumerate(parts):
             mask = exp.loss_mask[r] * w
             weights = ppo_math.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
             pg_weights = weights
             if alg.mismatch_correction != "none" and exp.rollout_logprobs is not None:
                 correction = ppo_math.mismatch_weights(
-                    exp.old_logprobs[r], exp.rollout_logprobs[r], mask, alg.mismatch_correction, alg.tis_cap
+                    exp.old_logprobs[r],
+                    exp.rollout_logprobs[r],
+                    mask,
+                    alg.mismatch_correction,
+                    alg.tis_cap,
                 )
                 pg_weights = weights * correction
-                stats.add("rollout/correction_mean", float((correction * mask).sum()), float(mask.sum()))
+                stats.add(
+                    "rollout/correction_mean", float((correction * mask).sum()), float(mask.sum())
+                )
             entropy = "loss" if alg.entropy_coef else "metric"
             logits = response_logits(actor.forward, seq[r], att[r], prompt_len, keep)
             logp, ent = logits_stats(logits, seq[r][:, prompt_len:], self.ppo.temperature, entropy)
@@ -166,12 +196,14 @@ class Updater:
                 weights=pg_weights,
             )
             loss = pl
-            if self.kl_in_loss and kl_beta:  # (GRPO) the KL as a loss term, not in the reward
+            if self.kl_in_loss and kl_beta:
+                # (GRPO) the KL as a loss term, not in the reward
                 kl_term = ppo_math.kl_penalty(logp, exp.ref_logprobs[r], kl_kind(alg))
                 loss = loss + kl_beta * (kl_term * weights).sum() / normalizer
             if alg.entropy_coef:
                 loss = loss - alg.entropy_coef * (ent * weights).sum() / normalizer
-            if alg.gkd_coef:  # GKD: the teacher's whole next-token distribution, not the sampled token's
+            if alg.gkd_coef:
+                # GKD: the teacher's whole next-token distribution, not the sampled token's
                 gkd = self.divergence(logits, seq[r], att[r], prompt_len)
                 loss = loss + alg.gkd_coef * (gkd * weights).sum() / normalizer
                 gkd_sum += float((gkd.detach() * mask).sum())
@@ -187,7 +219,8 @@ class Updater:
                 ok = _all_finite(loss, mesh)
                 if ok:
                     actor.backward(loss, sync=last)
-        if ok:  # (an fp16 overflow is the loss scaler's to handle: skipped there, not counted here)
+        if ok:
+            # (an fp16 overflow is the loss scaler's to handle: skipped there, not counted here)
             ok = math.isfinite(actor.step()) or actor.overflowed
         else:
             actor.optimizer.zero_grad(set_to_none=True)
@@ -204,20 +237,29 @@ class Updater:
 
     def divergence(self, logits, seq, att, prompt_len: int):
         """[b, N] GKD's divergence (``chunked_divergence``) between the teacher's and the actor's
-        next-token distributions at each response position; differentiable in the actor's ``logits``."""
+        next-token distributions at each response position; differentiable in the actor's
+        ``logits``."""
         alg, t = self.alg, scoring_temperature(self.ppo.temperature)
         with torch.no_grad():
             teacher = response_logits(self.teacher.forward, seq, att, prompt_len, False)
         return chunked_divergence(logits, teacher, alg.gkd_beta, t, alg.gkd_top_k)
 
-    def _critic_step(self, exp: Experience, parts: List[Part], normalizer: float, stats: Stats) -> None:
+    def _critic_step(
+        self, exp: Experience, parts: List[Part], normalizer: float, stats: Stats
+    ) -> None:
         critic, alg, mesh = self.critic, self.alg, self.mesh
         seq, att, prompt_len = exp.sequences, exp.attention_mask, exp.prompt_len
         total, ok = 0.0, True
-        for i, (r, w) in enumerate(parts):  # the value loss is a token mean (algorithm.loss_agg is the actor's)
+        for i, (r, w) in enumerate(parts):
+            # the value loss is a token mean (algorithm.loss_agg is the actor's)
             v = critic_values(critic, seq[r], att[r], prompt_len)
             vl = ppo_math.value_loss(
-                v, exp.values[r], exp.returns[r], exp.loss_mask[r] * w, alg.value_clip, normalizer=normalizer
+                v,
+                exp.values[r],
+                exp.returns[r],
+                exp.loss_mask[r] * w,
+                alg.value_clip,
+                normalizer=normalizer,
             )
             total += float(vl.detach())
             if ok:
@@ -234,8 +276,8 @@ class Updater:
 def _normalizer(
     exp: Experience, mb: Minibatch, alg: AlgorithmConfig, ppo: PPOConfig, mesh: Mesh
 ) -> Tuple[float, float]:
-    """The global minibatch's loss denominators over the world size (data-parallel ranks average their
-    gradients), computed before the minibatch is split into micro-batches: the actor's
+    """The global minibatch's loss denominators over the world size (data-parallel ranks average
+    their gradients), computed before the minibatch is split into micro-batches: the actor's
     (algorithm.loss_agg) and the critic's (a token mean)."""
     lm = exp.loss_mask[mb.rows] * mb.weight
     tokens = mesh.sum(float(lm.sum()))

@@ -1,8 +1,9 @@
 """Gold score: how good the policy really is, by the rule the reward model never sees.
 
-Same seeded held-out prompts and decoding everywhere (docs/contract.md): the first ``eval.gold_prompts``
-held-out prompts, ``eval.gold_samples`` samples each at ``eval.temperature`` with seed ``eval.seed``.
-Greedy gold is reported beside as ``gold/score_greedy``, never as the headline.
+Same seeded held-out prompts and decoding everywhere (docs/contract.md): the first
+``eval.gold_prompts`` held-out prompts, ``eval.gold_samples`` samples each at ``eval.temperature``
+with seed ``eval.seed``. Greedy gold is reported beside as ``gold/score_greedy``, never as the
+headline.
 
 It can be long (256 prompts × 4 samples of a real model's full responses), so it says what it will
 generate before it starts and shows its progress on rank 0 (``logger.progress``, as training does);
@@ -44,20 +45,23 @@ def evaluate_gold(
     show: int = 0,
     kept: Optional[List[dict]] = None,
 ) -> dict:
-    """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params, keys)``
-    is a hybrid engine's (every rank calls it with its share of the prompts, keyed by their indices:
-    the same samples on any number of ranks); means are global.
-    ``play(prompts, examples, params, keys) -> (final texts, episode stats)``: multi-turn episodes instead
-    of one generation (rlhf/rl/episodes.py); then ``gold/tool_use`` (and ``gold/tool_use_greedy``) is
-    the share of episodes that called a tool.
-    ``chat``: the chat template the prompts go through (``chat.resolve_template``), as in training.
-    ``show_progress``: ``logger.progress`` (a bar in a terminal, else a status line every 30 s).
-    ``show``: the responses to the first ``show`` prompts (each mode's first sample), appended to
-    ``kept`` on every rank (``show_samples``). ``eval.gold_prompts=0``: nothing (said once), ``{}``."""
+    """``gold/score`` (sampled) and ``gold/score_greedy`` of a policy. ``generate(prompts, params,
+    keys)`` is a hybrid engine's (every rank calls it with its share of the prompts, keyed by their
+    indices: the same samples on any number of ranks); means are global. ``play(prompts, examples,
+    params, keys) -> (final texts, episode stats)``: multi-turn episodes instead of one generation
+    (rlhf/rl/episodes.py); then ``gold/tool_use`` (and ``gold/tool_use_greedy``) is the share of
+    episodes that called a tool. ``chat``: the chat template the prompts go through
+    (``chat.resolve_template``), as in training. ``show_progress``: ``logger.progress`` (a bar in a
+    terminal, else a status line every 30 s). ``show``: the responses to the first ``show`` prompts
+    (each mode's first sample), appended to ``kept`` on every rank (``show_samples``).
+    ``eval.gold_prompts=0``: nothing (said once), ``{}``."""
     if ecfg.gold_prompts == 0:
         if "off" not in _said:
             _said.add("off")
-            log.info("eval.gold_prompts=0: no gold evaluation (no gold/score in metrics.jsonl or summary.json)")
+            log.info(
+                "eval.gold_prompts=0: no gold evaluation (no gold/score in metrics.jsonl "
+                "or summary.json)"
+            )
         return {}
     examples = gold_prompts(held_out, ecfg)
     if not examples:
@@ -68,14 +72,17 @@ def evaluate_gold(
     modes = [("gold/score", ecfg.temperature, ecfg.gold_samples)]
     if ecfg.greedy_too and ecfg.temperature > 0:
         modes.append(("gold/score_greedy", 0.0, 1))
-    sizes = global_batch_sizes(len(examples), ecfg.batch_size, mesh.world_size)  # prompts per generate call
+    # prompts per generate call
+    sizes = global_batch_sizes(len(examples), ecfg.batch_size, mesh.world_size)
     responses = len(examples) * sum(samples for _, _, samples in modes)
     greedy = ""
     if len(modes) > 1:
         greedy = " + 1 greedy"
     log.info(
-        "gold: %d held-out prompts × %d sampled (temperature %g)%s = %d responses of at most %d new tokens, "
-        "in %d generate calls (eval.gold_prompts, eval.gold_samples, eval.greedy_too make it smaller; "
+        "gold: %d held-out prompts × %d sampled (temperature %g)%s = %d responses of at "
+        "most %d new tokens, "
+        "in %d generate calls (eval.gold_prompts, eval.gold_samples, eval.greedy_too make "
+        "it smaller; "
         "eval.gold_prompts=0 skips it)",
         len(examples),
         ecfg.gold_samples,
@@ -89,11 +96,13 @@ def evaluate_gold(
     tool_use = play is not None  # episodes: how often they call a tool
     if play is None:
         play = decoded(generate, tokenizer)
-    mine: List[dict] = []  # this rank's rows of the first `shown` prompts
+    # this rank's rows of the first `shown` prompts
+    mine: List[dict] = []
     shown = show if kept is not None else 0
     for key, temperature, samples in modes:
         total, count, used = 0.0, 0, 0.0
-        for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):  # collective calls
+        for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):
+            # collective calls
             sp = SamplingParams(
                 temperature=temperature,
                 max_new_tokens=max_new,
@@ -132,10 +141,18 @@ def evaluate_gold(
 
 
 def stage_gold(
-    cfg, hybrid, tokenizer, held_out: List[Example], scorer, mesh: Mesh, chat, kept: List[dict], play=None
+    cfg,
+    hybrid,
+    tokenizer,
+    held_out: List[Example],
+    scorer,
+    mesh: Mesh,
+    chat,
+    kept: List[dict],
+    play=None,
 ) -> dict:
-    """``evaluate_gold`` as a stage calls it: the stage's ``eval.*``, its progress setting, and the first
-    ``logger.samples`` responses kept in ``kept`` (samples.jsonl)."""
+    """``evaluate_gold`` as a stage calls it: the stage's ``eval.*``, its progress setting, and the
+    first ``logger.samples`` responses kept in ``kept`` (samples.jsonl)."""
     return evaluate_gold(
         hybrid.generate,
         tokenizer,
@@ -162,15 +179,15 @@ def evaluate_reward(
     kept: Optional[List[dict]] = None,
     show: int = 0,
 ) -> Tuple[dict, List[Tuple[str, float]]]:
-    """The policy's greedy answers to the first ``eval.gold_prompts`` held-out prompts, by the reward
-    model's own judgement (``score_rows(generation) -> [B]``, its part of the training reward) — any
-    data, no reference needed: how the policy does where it does not train. Returns
-    ``{"eval/reward_greedy": their mean reward, "eval/reward_greedy_std": the spread over the prompts,
-    "eval/response_tokens_greedy": the answers' mean length}`` and one ``(digest of the answer's tokens,
-    reward)`` per prompt, in prompt order, on every rank (rlhf/rl/gate.py compares them with step 0's);
-    the first ``show`` prompts' rows (prompt, answer, reward, tokens; kind ``eval_reward``) appended to
-    ``kept``. Collective (every rank generates and scores every turn, then the ranks' answers are
-    gathered)."""
+    """The policy's greedy answers to the first ``eval.gold_prompts`` held-out prompts, by the
+    reward model's own judgement (``score_rows(generation) -> [B]``, its part of the training
+    reward) — any data, no reference needed: how the policy does where it does not train. Returns
+    ``{"eval/reward_greedy": their mean reward, "eval/reward_greedy_std": the spread over the
+    prompts, "eval/response_tokens_greedy": the answers' mean length}`` and one ``(digest of the
+    answer's tokens, reward)`` per prompt, in prompt order, on every rank (rlhf/rl/gate.py compares
+    them with step 0's); the first ``show`` prompts' rows (prompt, answer, reward, tokens; kind
+    ``eval_reward``) appended to ``kept``. Collective (every rank generates and scores every turn,
+    then the ranks' answers are gathered)."""
     examples = held_out[: ecfg.gold_prompts]
     if not examples:
         return {}, []
@@ -180,12 +197,19 @@ def evaluate_reward(
     rows: List[dict] = []
     for b, ix in enumerate(rank_batches(len(examples), ecfg.batch_size, mesh)):
         sp = SamplingParams(
-            temperature=0.0, max_new_tokens=ecfg.max_new_tokens or 16, samples_per_prompt=1, seed=ecfg.seed + b
+            temperature=0.0,
+            max_new_tokens=ecfg.max_new_tokens or 16,
+            samples_per_prompt=1,
+            seed=ecfg.seed + b,
         )
         gen = generate([encoded[i] for i in ix or [0]], sp)  # (a turn with no prompt: one, unused)
         scores = score_rows(gen)
         if ix:
-            total, square, count = total + float(scores.sum()), square + float((scores * scores).sum()), count + len(ix)
+            total, square, count = (
+                total + float(scores.sum()),
+                square + float((scores * scores).sum()),
+                count + len(ix),
+            )
         rewards = scores.tolist()
         for j, i in enumerate(ix):
             tokens = gen.responses[j][gen.response_mask[j].bool()].tolist()
@@ -194,7 +218,12 @@ def evaluate_reward(
             length += len(tokens)
             if kept is not None and i < show:
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
-                row = {"index": i, "prompt": examples[i].prompt, "response": text, "reward": rewards[j]}
+                row = {
+                    "index": i,
+                    "prompt": examples[i].prompt,
+                    "response": text,
+                    "reward": rewards[j],
+                }
                 rows.append({"kind": "eval_reward", **row, "tokens": len(tokens)})
     gathered = {i: a for part in mesh.all_gather_object(mine) for i, a in part.items()}
     n = max(mesh.sum(count), 1)
@@ -205,7 +234,11 @@ def evaluate_reward(
         "eval/response_tokens_greedy": mesh.sum(length) / n,
     }
     if kept is not None and show:
-        kept.extend(sorted((r for part in mesh.all_gather_object(rows) for r in part), key=lambda r: r["index"]))
+        kept.extend(
+            sorted(
+                (r for part in mesh.all_gather_object(rows) for r in part), key=lambda r: r["index"]
+            )
+        )
     return res, [gathered[i] for i in range(len(examples))]
 
 
@@ -217,7 +250,8 @@ def decoded(generate, tokenizer) -> Callable:
     ) -> Tuple[List[str], Dict[str, float]]:
         gen = generate(ids, sp, keys)
         texts = tokenizer.batch_decode(
-            [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)], skip_special_tokens=True
+            [row[m.bool()].tolist() for row, m in zip(gen.responses, gen.response_mask)],
+            skip_special_tokens=True,
         )
         return texts, {}
 
@@ -225,8 +259,8 @@ def decoded(generate, tokenizer) -> Callable:
 
 
 def global_batch_sizes(n: int, micro: int, world_size: int) -> List[int]:
-    """Prompts of every rank together in each of ``rank_batches(n, micro, ...)``'s turns (what rank 0's
-    progress counts without asking the others)."""
+    """Prompts of every rank together in each of ``rank_batches(n, micro, ...)``'s turns (what rank
+    0's progress counts without asking the others)."""
     per_rank = [len(range(r, n, world_size)) for r in range(world_size)]
     turns = -(-n // world_size)
     return [sum(max(0, min(micro, k - s)) for k in per_rank) for s in range(0, turns, micro)]

@@ -1,5 +1,6 @@
-"""What every stage does around its loop: process group, console, seeds, finding its inputs, resuming
-(or finding the stage already done), and the end of each step (evaluate, checkpoint, stop on a signal)."""
+"""What every stage does around its loop: process group, console, seeds, finding its inputs,
+resuming (or finding the stage already done), and the end of each step (evaluate, checkpoint, stop
+on a signal)."""
 
 from __future__ import annotations
 
@@ -60,11 +61,13 @@ class StageContext:
 
 
 def save_stage(ctx: StageContext, engines: dict, step: int, keep: int, tokenizer=None) -> Path:
-    """A checkpoint of a stage whose state is its engines alone (SFT, reward, DPO): ``engines`` by name,
-    the stage and its fingerprint, ``keep`` kept (train.keep_checkpoints); ``tokenizer`` saved too (the
-    embedded default's is trained)."""
+    """A checkpoint of a stage whose state is its engines alone (SFT, reward, DPO): ``engines`` by
+    name, the stage and its fingerprint, ``keep`` kept (train.keep_checkpoints); ``tokenizer`` saved
+    too (the embedded default's is trained)."""
     state = {"stage": ctx.out.name, "fingerprint": ctx.fingerprint}
-    return save_checkpoint(ctx.ckpt_dir, step, engines, state, ctx.mesh, keep=keep, tokenizer=tokenizer)
+    return save_checkpoint(
+        ctx.ckpt_dir, step, engines, state, ctx.mesh, keep=keep, tokenizer=tokenizer
+    )
 
 
 def start_stage(cfg: Config, stage: str) -> StageContext:
@@ -93,20 +96,34 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
     if cfg.hub_why:
         log.warning("%s", cfg.hub_why)
     placed = cfg.engine.placements(cfg.roles())
-    if len(set(placed.values())) > 1:  # engine.<role>.* differ: say where each model lives
+    if len(set(placed.values())) > 1:
+        # engine.<role>.* differ: say where each model lives
         log.info(
             "placement (zero_stage, offload, precision, activation_checkpointing): %s",
             ", ".join(f"{role} {p}" for role, p in placed.items()),
         )
-    unused = [r for r in ROLES if r not in placed and any(v is not None for v in vars(getattr(cfg.engine, r)).values())]
-    if unused:  # set (e.g. by scripts/run_all.sh for every stage) but this stage builds no such model
-        log.info("engine.%s.* not used: stage=%s places no %s model here", "/".join(unused), stage, " or ".join(unused))
-    for role in placed:  # engine.offload=cpu applies or stops here, before any model loads
+    unused = [
+        r
+        for r in ROLES
+        if r not in placed and any(v is not None for v in vars(getattr(cfg.engine, r)).values())
+    ]
+    if unused:
+        # set (e.g. by scripts/run_all.sh for every stage) but this stage builds no such model
+        log.info(
+            "engine.%s.* not used: stage=%s places no %s model here",
+            "/".join(unused),
+            stage,
+            " or ".join(unused),
+        )
+    for role in placed:
+        # engine.offload=cpu applies or stops here, before any model loads
         check_offload(cfg.engine.placement(role), mesh)
     return StageContext(cfg=cfg, mesh=mesh, out=run_dir / stage, cache_dir=cache)
 
 
-def resolve_steps(ctx: StageContext, items: int, per_step: int, what: str, updates_per_step: int = 1) -> None:
+def resolve_steps(
+    ctx: StageContext, items: int, per_step: int, what: str, updates_per_step: int = 1
+) -> None:
     """The stage's step count once its data is known: train.max_steps from train.epochs and
     train.warmup_steps from train.warmup_ratio where they are null (the pretrained recipes), said in
     the log; ``updates_per_step``: optimizer steps per stage step (PPO), the unit of the warmup."""
@@ -116,7 +133,8 @@ def resolve_steps(ctx: StageContext, items: int, per_step: int, what: str, updat
         log.info("%s", said)
     if train.warmup_steps > train.max_steps * updates_per_step:
         log.warning(
-            "train.warmup_steps=%d is more than the stage's %d optimizer steps: the learning rate never "
+            "train.warmup_steps=%d is more than the stage's %d optimizer steps: the "
+            "learning rate never "
             "reaches train.lr",
             train.warmup_steps,
             train.max_steps * updates_per_step,
@@ -126,8 +144,9 @@ def resolve_steps(ctx: StageContext, items: int, per_step: int, what: str, updat
 def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
     """``run.resume``: true = the newest complete checkpoint of the stage that verifies against its
     manifest (if any; newer damaged ones are kept in ``ctx.damaged``), false = none, or a path: that
-    checkpoint (a ``step_<N>`` directory, absolute or inside <stage>/checkpoints/), which must verify
-    (else exit 2). Every rank calls it: the files are checked by all, the verdict is rank 0's."""
+    checkpoint (a ``step_<N>`` directory, absolute or inside <stage>/checkpoints/), which must
+    verify (else exit 2). Every rank calls it: the files are checked by all, the verdict is rank
+    0's."""
     choice = ctx.cfg.run.resume
     if choice is True or choice is None:
         ckpt, ctx.damaged = newest_intact_checkpoint(ctx.ckpt_dir, ctx.mesh)
@@ -145,28 +164,35 @@ def checkpoint_to_resume(ctx: StageContext) -> Optional[Path]:
     problem = verify_checkpoint(path, ctx.mesh)
     if problem is not None:
         raise ConfigError(
-            f"run.resume={choice}: checkpoint {path} is damaged ({problem}); resume from another one in "
+            f"run.resume={choice}: checkpoint {path} is damaged ({problem}); resume from "
+            "another one in "
             f"{ctx.ckpt_dir}, or run.resume=true to take the newest intact one"
         )
     return path
 
 
-def run_fingerprint(model_config, tokenizer, data, cfg: Config, inputs: str = "", input_models=()) -> dict:
-    """What a run's checkpoints depend on: the model's architecture (dropout aside: model.disable_dropout
-    sets it), the tokenizer, the data (``data``: the stage's ``StageData``; its sources, and its records'
-    content: another file, seed, split or generator setting is other data), the lengths, and ``inputs``:
-    the models the stage starts from (a short digest of each, and the data's description and the
-    inputs, for the message on a mismatch). ``input_models``: the directories of those models; the
-    identity of each that this project exported (its ``export.json``) is ``input_models``' value, so
-    that a model exported again since (the stage before rerun with other settings) is another input."""
+def run_fingerprint(
+    model_config, tokenizer, data, cfg: Config, inputs: str = "", input_models=()
+) -> dict:
+    """What a run's checkpoints depend on: the model's architecture (dropout aside:
+    model.disable_dropout sets it), the tokenizer, the data (``data``: the stage's ``StageData``;
+    its sources, and its records' content: another file, seed, split or generator setting is other
+    data), the lengths, and ``inputs``: the models the stage starts from (a short digest of each,
+    and the data's description and the inputs, for the message on a mismatch). ``input_models``: the
+    directories of those models; the identity of each that this project exported (its
+    ``export.json``) is ``input_models``' value, so that a model exported again since (the stage
+    before rerun with other settings) is another input."""
 
     def digest(obj) -> str:
-        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[
+            :12
+        ]
 
     arch = {
         k: v
         for k, v in model_config.to_dict().items()
-        if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
+        if k
+        not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
         and not any(w in k for w in ("dropout", "pdrop", "layerdrop"))
     }
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
@@ -175,7 +201,8 @@ def run_fingerprint(model_config, tokenizer, data, cfg: Config, inputs: str = ""
         "tokenizer": digest(sorted(vocab.items())),
         "data": data.description,
         "records": data.digest(),
-        "lengths": f"max_prompt_len={cfg.data.max_prompt_len} max_response_len={cfg.data.max_response_len}",
+        "lengths": f"max_prompt_len={cfg.data.max_prompt_len} "
+        f"max_response_len={cfg.data.max_response_len}",
     }
     if inputs:
         out["inputs"] = portable(inputs, cfg.run.dir)
@@ -183,14 +210,17 @@ def run_fingerprint(model_config, tokenizer, data, cfg: Config, inputs: str = ""
     if any(i is not None for _, i in ids):
         out["input_models"] = " ".join(f"{name}:{i}" for name, i in ids if i is not None)
     lcfg = cfg.model.lora
-    if lcfg.r:  # the adapters' shapes and targets (a full fine-tuning checkpoint has none)
-        out["lora"] = f"r={lcfg.r} target_modules={lcfg.target_modules or 'default'} critic={lcfg.critic}"
+    if lcfg.r:
+        # the adapters' shapes and targets (a full fine-tuning checkpoint has none)
+        out["lora"] = (
+            f"r={lcfg.r} target_modules={lcfg.target_modules or 'default'} critic={lcfg.critic}"
+        )
     return out
 
 
 def portable(text: str, run_dir) -> str:
-    """``text`` with the run directory's paths written ``<run.dir>/…``: a run directory that moves (another
-    mount, another node's scratch, a copy) still resumes from its own checkpoints."""
+    """``text`` with the run directory's paths written ``<run.dir>/…``: a run directory that moves
+    (another mount, another node's scratch, a copy) still resumes from its own checkpoints."""
     for root in dict.fromkeys((str(Path(run_dir)), str(Path(run_dir).resolve()))):
         text = text.replace(root.rstrip("/") + "/", "<run.dir>/")
     return text
@@ -201,29 +231,35 @@ def portable(text: str, run_dir) -> str:
 ADDED_LATER = ("records", "ptx_records", "input_models")
 # how a mismatch of a key is said, where its name alone would not say it
 SAY = {
-    "records": "other data records (the data's content: its file, run.seed, data.synthetic.*, data.split, "
-    "data.eval_size or ppo.tools changed since)",
+    "records": "other data records (the data's content: its file, run.seed, data.synthetic.*, "
+    "data.split, data.eval_size or ppo.tools changed since)",
     "ptx_records": "other SFT records for PPO-ptx (the data's content changed since)",
-    "input_models": "another export of the model(s) it starts from (written again since: the stage before it "
-    "was rerun)",
+    "input_models": "another export of the model(s) it starts from (written again since: the "
+    "stage before it was rerun)",
 }
 
 
 def same_setup(saved: dict, now: dict) -> bool:
-    """Whether ``saved`` (a done.json's fingerprint) is ``now``, keys of ``ADDED_LATER`` it lacks aside."""
+    """Whether ``saved`` (a done.json's fingerprint) is ``now``, keys of ``ADDED_LATER`` it lacks
+    aside."""
     return saved == {k: v for k, v in now.items() if k in saved or k not in ADDED_LATER}
 
 
 def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
-    """Exit 2 with one line when ``ckpt`` was written by another setup, or is past train.max_steps."""
+    """Exit 2 with one line when ``ckpt`` was written by another setup, or is past
+    train.max_steps."""
     how = "rerun with run.resume=false to start over (or use another run.dir)"
     saved = state.get("fingerprint") or {}
     for key, now in ctx.fingerprint.items():
         before = saved.get(key)
-        if key == "inputs" and before is not None:  # (written before paths were portable: absolute)
+        if key == "inputs" and before is not None:
+            # (written before paths were portable: absolute)
             before = portable(before, ctx.cfg.run.dir)
         if before is not None and before != now:
-            raise ConfigError(f"{ckpt} was written with {SAY.get(key, 'another ' + key)} ({before} → now {now}): {how}")
+            raise ConfigError(
+                f"{ckpt} was written with {SAY.get(key, 'another ' + key)} ({before} → now "
+                f"{now}): {how}"
+            )
     if state.get("step", 0) > ctx.cfg.train.max_steps:
         raise ConfigError(
             f"{ckpt} is at step {state['step']}, past train.max_steps={ctx.cfg.train.max_steps}: "
@@ -233,9 +269,9 @@ def check_resumable(ctx: StageContext, ckpt: Path, state: dict) -> None:
 
 def finished(ctx: StageContext) -> bool:
     """Whether a rerun finds the stage already done: ``run.resume`` is true, ``<stage>/done.json``
-    (``mark_finished``) records train.max_steps and this fingerprint, and every export it lists is still
-    there. Then it says so in one line and the stage returns without touching anything (a larger
-    train.max_steps resumes from the last checkpoint instead; run.resume=false starts over).
+    (``mark_finished``) records train.max_steps and this fingerprint, and every export it lists is
+    still there. Then it says so in one line and the stage returns without touching anything (a
+    larger train.max_steps resumes from the last checkpoint instead; run.resume=false starts over).
     Call it once ``ctx.fingerprint`` is known, before ``resume``; rank 0 decides for every rank."""
     line = _done_line(ctx) if ctx.mesh.is_main else None
     line = ctx.mesh.broadcast_object(line)
@@ -260,23 +296,28 @@ def _done_line(ctx: StageContext) -> Optional[str]:
         or not all(_exported(ctx.out / name) for name in outputs)
     ):
         return None
-    skip = {c for c, _ in ctx.damaged}  # failed verification: never what a larger train.max_steps continues
+    # failed verification: never what a larger train.max_steps continues
+    skip = {c for c, _ in ctx.damaged}
     last = next((c for c in reversed(complete_checkpoints(ctx.ckpt_dir)) if c not in skip), None)
     if last is not None:
         more = f"a larger train.max_steps continues it from {last}"
     else:
-        more = "a larger train.max_steps trains it again from the start (no checkpoint kept: train.save_every=0)"
+        more = (
+            "a larger train.max_steps trains it again from the start (no checkpoint kept: "
+            "train.save_every=0)"
+        )
     return (
         f"{ctx.out.name}: already done (step {done['step']} = train.max_steps, exported to "
-        f"{', '.join(str(ctx.out / name) for name in outputs)}; {marker}): nothing to do. {more[0].upper()}"
+        f"{', '.join(str(ctx.out / name) for name in outputs)}; {marker}): nothing to do. "
+        f"{more[0].upper()}"
         f"{more[1:]}; run.resume=false trains it again"
     )
 
 
 def mark_finished(ctx: StageContext, step: int, extra: Optional[dict] = None) -> None:
     """Records, after the stage's exports (rank 0, atomically), that it ran to ``step`` with this
-    fingerprint, and which exports it left: ``finished`` reads it on a rerun. ``extra``: more to record
-    (PPO: where its gate stopped it)."""
+    fingerprint, and which exports it left: ``finished`` reads it on a rerun. ``extra``: more to
+    record (PPO: where its gate stopped it)."""
     if not ctx.mesh.is_main:
         return
     outputs = sorted(p.name for p in ctx.out.iterdir() if _exported(p))
@@ -285,17 +326,21 @@ def mark_finished(ctx: StageContext, step: int, extra: Optional[dict] = None) ->
 
 
 def _exported(path: Path) -> bool:
-    """An export (written whole by ``export_hf``): a Hugging Face model or a PEFT adapter directory."""
+    """An export (written whole by ``export_hf``): a Hugging Face model or a PEFT adapter
+    directory."""
     return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
 
 
 def log_world_change(saved: Optional[int], now: int) -> None:
-    """One line when a checkpoint resumes on another number of processes, saying what carries over."""
+    """One line when a checkpoint resumes on another number of processes, saying what carries
+    over."""
     if saved is None or saved == now:
         return
     log.info(
-        "checkpoint written by %d process%s, resumed on %d: the model and optimizer state are resharded; the "
-        "data order, sampling (keyed per sample), schedulers, KL controller, reward statistics, EMA and gate "
+        "checkpoint written by %d process%s, resumed on %d: the model and optimizer state "
+        "are resharded; the "
+        "data order, sampling (keyed per sample), schedulers, KL controller, reward "
+        "statistics, EMA and gate "
         "continue as a %d-process run would; only the float order of reductions differs "
         "(docs/architecture.md, world-size invariance)",
         saved,
@@ -308,14 +353,16 @@ def log_world_change(saved: Optional[int], now: int) -> None:
 def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
     """Restores ``engines`` from ``ckpt`` (if any, after ``check_resumable``) and opens the stage's
     metrics.jsonl, keeping only the lines up to the checkpoint. Returns (start step, trainer state,
-    metrics writer). From here the run writes: rank 0 drops ``done.json`` and saves the configuration
-    the stage runs with to ``<stage>/config.yaml`` (``rlhf.eval --run-dir`` reads it)."""
+    metrics writer). From here the run writes: rank 0 drops ``done.json`` and saves the
+    configuration the stage runs with to ``<stage>/config.yaml`` (``rlhf.eval --run-dir`` reads
+    it)."""
     state, start, resume_step = {}, 0, None
     if ckpt is not None:
         check_resumable(ctx, ckpt, json.loads((ckpt / STATE_FILE).read_text()))
         state = load_checkpoint(ckpt, engines, ctx.mesh)
         start = resume_step = state.get("step", 0)
-    if ctx.mesh.is_main:  # the run starts writing: damaged checkpoints aside, not finished any more, ...
+    if ctx.mesh.is_main:
+        # the run starts writing: damaged checkpoints aside, not finished any more, ...
         set_aside_damaged(ctx, ckpt)
         (ctx.out / DONE_FILE).unlink(missing_ok=True)
         atomic_write_text(ctx.out / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.structured(ctx.cfg)))
@@ -334,11 +381,22 @@ def resume(ctx: StageContext, engines: dict, ckpt: Optional[Path]):
 
 def set_aside_damaged(ctx: StageContext, resumed: Optional[Path]) -> None:
     """Moves the checkpoints that failed verification out of the ``step_<N>`` pattern (rank 0; kept,
-    never deleted) with one warning each naming the file and the check, and says where the run goes on."""
-    then = f"resuming from {resumed}" if resumed is not None else "no intact checkpoint left: the stage starts over"
+    never deleted) with one warning each naming the file and the check, and says where the run goes
+    on."""
+    then = (
+        f"resuming from {resumed}"
+        if resumed is not None
+        else "no intact checkpoint left: the stage starts over"
+    )
     for ckpt, problem in ctx.damaged:
         aside = set_aside(ckpt)
-        log.warning("checkpoint %s is damaged (%s): moved aside to %s (kept); %s", ckpt, problem, aside.name, then)
+        log.warning(
+            "checkpoint %s is damaged (%s): moved aside to %s (kept); %s",
+            ckpt,
+            problem,
+            aside.name,
+            then,
+        )
     ctx.damaged = []
 
 
@@ -358,11 +416,17 @@ def end_of_step(
     checkpoint: Callable[[int], object],
     evaluate: Optional[Callable[[int], object]] = None,
 ) -> None:
-    """What every stage's loop does after its step ``done``: evaluate every ``train.eval_every`` steps
-    (the last step's evaluation is the export's), checkpoint every ``train.save_every`` and at the last
-    step (a finished stage keeps its final state: a larger train.max_steps continues it), and after a
-    first SIGINT/SIGTERM checkpoint (unless just done) and stop (``rlhf.launcher.interrupt``)."""
-    if evaluate is not None and train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
+    """What every stage's loop does after its step ``done``: evaluate every ``train.eval_every``
+    steps (the last step's evaluation is the export's), checkpoint every ``train.save_every`` and at
+    the last step (a finished stage keeps its final state: a larger train.max_steps continues it),
+    and after a first SIGINT/SIGTERM checkpoint (unless just done) and stop
+    (``rlhf.launcher.interrupt``)."""
+    if (
+        evaluate is not None
+        and train.eval_every
+        and done % train.eval_every == 0
+        and done != train.max_steps
+    ):
         evaluate(done)
     saved = train.save_every and (done % train.save_every == 0 or done == train.max_steps)
     if saved:
@@ -377,8 +441,8 @@ def end_of_step(
 
 
 def show_samples(metrics, step: int, rows: List[dict]) -> None:
-    """``evaluate_gold``'s kept rows (or rollouts') to samples.jsonl and the loggers' tables by kind, and the
-    first held-out one on the console."""
+    """``evaluate_gold``'s kept rows (or rollouts') to samples.jsonl and the loggers' tables by
+    kind, and the first held-out one on the console."""
     kinds: Dict[str, List[dict]] = {}
     for r in rows:
         kinds.setdefault(r["kind"], []).append({k: v for k, v in r.items() if k != "kind"})
@@ -387,7 +451,9 @@ def show_samples(metrics, step: int, rows: List[dict]) -> None:
     first = (kinds.get("eval") or kinds.get("eval_greedy") or kinds.get("eval_reward") or [None])[0]
     if first is not None:
         how = "sampled" if kinds.get("eval") else "greedy"
-        score = f"gold {first['gold']:g}" if "gold" in first else f"reward model {first['reward']:.3f}"
+        score = (
+            f"gold {first['gold']:g}" if "gold" in first else f"reward model {first['reward']:.3f}"
+        )
         log.info(
             "step %d sample (held-out prompt %d, %s): %s → %s (%s)",
             step,
@@ -400,17 +466,20 @@ def show_samples(metrics, step: int, rows: List[dict]) -> None:
 
 
 def short(text: str, limit: int = 160) -> str:
-    """``text`` on one line (JSON-quoted, so that newlines and spaces show), cut to ``limit`` characters."""
+    """``text`` on one line (JSON-quoted, so that newlines and spaces show), cut to ``limit``
+    characters."""
     import json
 
     quoted = json.dumps(text, ensure_ascii=False)
     return quoted if len(quoted) <= limit else quoted[: limit - 4] + '…"'
 
 
-def log_evaluation(metrics: MetricsWriter, step: int, results: dict, engine, kept: Optional[List[dict]] = None) -> dict:
-    """Logs a mid-run or final evaluation (metrics.jsonl and one console line) and puts the engine back
-    in training mode (evaluation left it in eval mode); returns ``results``. ``kept``: the responses
-    ``evaluate_gold`` kept (``show_samples``)."""
+def log_evaluation(
+    metrics: MetricsWriter, step: int, results: dict, engine, kept: Optional[List[dict]] = None
+) -> dict:
+    """Logs a mid-run or final evaluation (metrics.jsonl and one console line) and puts the engine
+    back in training mode (evaluation left it in eval mode); returns ``results``. ``kept``: the
+    responses ``evaluate_gold`` kept (``show_samples``)."""
     metrics.log(step, **results)
     log.info("step %d: %s", step, " ".join(f"{k}={v:.4f}" for k, v in results.items()))
     show_samples(metrics, step, kept or [])
@@ -418,9 +487,11 @@ def log_evaluation(metrics: MetricsWriter, step: int, results: dict, engine, kep
     return results
 
 
-def export_policy(engine, ctx: StageContext, mesh: Mesh, tokenizer, results: dict, step: int) -> None:
-    """A policy stage's export (SFT, DPO): ``<stage>/model`` (merged HF model, with its final evaluation
-    in rlhf_eval.json) and, with LoRA, ``<stage>/adapter``."""
+def export_policy(
+    engine, ctx: StageContext, mesh: Mesh, tokenizer, results: dict, step: int
+) -> None:
+    """A policy stage's export (SFT, DPO): ``<stage>/model`` (merged HF model, with its final
+    evaluation in rlhf_eval.json) and, with LoRA, ``<stage>/adapter``."""
     export_hf(
         engine,
         ctx.out / "model",
@@ -453,7 +524,8 @@ def require_pairs(data, data_format: str, stage: str) -> None:
     for e in data.train[:1] + data.eval[:1]:
         if e.chosen is None or e.rejected is None:
             raise ConfigError(
-                f"data.format={data_format} has no preference pairs (stage={stage} needs pairs: use "
+                f"data.format={data_format} has no preference pairs (stage={stage} needs "
+                "pairs: use "
                 f"prompt_chosen_rejected, hh, messages with chosen/rejected, or synthetic)"
             )
 
@@ -461,7 +533,8 @@ def require_pairs(data, data_format: str, stage: str) -> None:
 def require_batches(n_records: int, global_batch: int, what: str) -> None:
     if n_records < global_batch:
         raise DataError(
-            f"{what}: {n_records} training records, fewer than one batch (train.global_batch={global_batch})"
+            f"{what}: {n_records} training records, fewer than one batch "
+            f"(train.global_batch={global_batch})"
         )
 
 
@@ -479,8 +552,9 @@ def previous_output(run_dir: str, stage: str, what: str) -> Optional[Path]:
 
 def stage_input(cfg: Config, explicit: Optional[str], key: str, stage: str) -> str:
     """The model a later stage starts from: ``key`` (e.g. ppo.actor_path) when set, else the SFT
-    output in run.dir, else model.path (a stage run on its own). model.path is the SFT stage's input,
-    so a whole-pipeline run given model.path still hands each stage the previous one's output."""
+    output in run.dir, else model.path (a stage run on its own). model.path is the SFT stage's
+    input, so a whole-pipeline run given model.path still hands each stage the previous one's
+    output."""
     sft = previous_output(cfg.run.dir, "sft", "model")
     if explicit:
         source, why = explicit, key
@@ -489,6 +563,9 @@ def stage_input(cfg: Config, explicit: Optional[str], key: str, stage: str) -> s
     elif cfg.model.path:
         source, why = cfg.model.path, "model.path (no SFT output in run.dir)"
     else:
-        raise ConfigError(f"no SFT model in {cfg.run.dir}/sft/model: run stage=sft first or set model.path (or {key})")
+        raise ConfigError(
+            f"no SFT model in {cfg.run.dir}/sft/model: run stage=sft first or set "
+            f"model.path (or {key})"
+        )
     log.info("%s: starting from %s (%s)", stage, source, why)
     return source

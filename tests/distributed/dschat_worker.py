@@ -28,4 +28,5 @@ def main(src: str, run_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

@@ -1,6 +1,6 @@
-"""The real SFT step in fp16 with loss scaling on a tiny Llama, an overflow injected into chosen steps'
-gradients on chosen ranks; writes per step the loss, the loss scale, the skipped count and whether each
-rank's weights changed.
+"""The real SFT step in fp16 with loss scaling on a tiny Llama, an overflow injected into chosen
+steps' gradients on chosen ranks; writes per step the loss, the loss scale, the skipped count and
+whether each rank's weights changed.
 
 Run under torchrun (the distributed side) or imported (the single-process reference):
     torchrun --nproc-per-node=2 tests/distributed/fp16_worker.py OUT.json
@@ -27,14 +27,17 @@ from tests.distributed.parity_worker import GLOBAL_BATCH, PAD, records, tiny_mod
 from tests.faults.fault_fp16_overflow import digest, poison  # noqa: E402
 
 STEPS = 6
-POISONED = (3, 4)  # 1-based steps whose gradients overflow (hysteresis 2: the first tolerated, the second halves)
-POISON_RANK = 1  # on 2 ranks: on this rank only (on 1 process: there)
+# 1-based steps whose gradients overflow (hysteresis 2: the first tolerated, the second halves)
+POISONED = (3, 4)
+# on 2 ranks: on this rank only (on 1 process: there)
+POISON_RANK = 1
 ZERO_STAGES = (0, 1, 2, 3)
 FP16 = dict(initial_scale_power=12, hysteresis=2)
 
 
 def fp16_curve(mesh, zero_stage: int) -> dict:
-    """Per step: ``loss``, ``loss_scale`` and ``skipped`` after it, ``changed`` (per rank: did its weights move)."""
+    """Per step: ``loss``, ``loss_scale`` and ``skipped`` after it, ``changed`` (per rank: did its
+    weights move)."""
     recs = records()
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
     ecfg = EngineConfig(zero_stage=zero_stage, precision="fp16", fp16=FP16Config(**FP16))
@@ -45,13 +48,16 @@ def fp16_curve(mesh, zero_stage: int) -> dict:
     for step in range(1, STEPS + 1):
         mbs = [
             collate_sft([recs[i][0] for i in ix], [recs[i][1] for i in ix], PAD, True)
-            for ix in batches.micro_batches(step - 1, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size)
+            for ix in batches.micro_batches(
+                step - 1, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size
+            )
         ]
         before = digest(engine)
 
         def poisoned_step(step=step):
             if step in POISONED and mesh.rank == min(POISON_RANK, mesh.world_size - 1):
-                poison(engine)  # after backward (and DDP's all-reduce): this rank's gradients alone
+                # after backward (and DDP's all-reduce): this rank's gradients alone
+                poison(engine)
             return step_of_engine()
 
         engine.step = poisoned_step
@@ -74,4 +80,5 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

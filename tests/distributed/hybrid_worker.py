@@ -49,9 +49,10 @@ CONFIGS = {
 
 
 def check(mesh, family: str, tp: int, hybrid: bool = True, lora: bool = False, **kw) -> dict:
-    """Greedy tokens vs HF generate (of PEFT's own merged model with ``lora``), and the sampled tokens'
-    log-probs vs the training-mode recompute: the largest gap, and relative to the log-prob's size
-    (None from HF generate, which keeps no logits). Also the layernorm families' (layernorm_worker.py)."""
+    """Greedy tokens vs HF generate (of PEFT's own merged model with ``lora``), and the sampled
+    tokens' log-probs vs the training-mode recompute: the largest gap, and relative to the
+    log-prob's size (None from HF generate, which keeps no logits). Also the layernorm families'
+    (layernorm_worker.py)."""
     mesh.set_inference_tp(tp)
     ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=hybrid, precision="fp32")
     if lora:
@@ -68,7 +69,9 @@ def check(mesh, family: str, tp: int, hybrid: bool = True, lora: bool = False, *
     sp = SamplingParams(temperature=0.8, max_new_tokens=10, samples_per_prompt=2, seed=5)
     gen = hy.generate(prompts, sp)
     with torch.no_grad():
-        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+        lp = response_logprobs(
+            eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature
+        )
     lp_diff = rel_diff = None
     if gen.logprobs is not None:
         gap = (lp - gen.logprobs).abs() * gen.response_mask
@@ -85,7 +88,9 @@ def check(mesh, family: str, tp: int, hybrid: bool = True, lora: bool = False, *
 
 def no_corruption(mesh) -> list:
     batch = {
-        "input_ids": torch.randint(3, 97, (4, 12), generator=torch.Generator().manual_seed(mesh.rank), device="cpu")
+        "input_ids": torch.randint(
+            3, 97, (4, 12), generator=torch.Generator().manual_seed(mesh.rank), device="cpu"
+        )
     }
     out = []
     for do_generate in (False, True):
@@ -95,7 +100,9 @@ def no_corruption(mesh) -> list:
         hy = HybridEngine(eng, Tok, ecfg)
         step_loss(eng, batch)
         if do_generate:
-            hy.generate(mixed_prompts(seed=mesh.rank), SamplingParams(temperature=1.0, max_new_tokens=6))
+            hy.generate(
+                mixed_prompts(seed=mesh.rank), SamplingParams(temperature=1.0, max_new_tokens=6)
+            )
         out.append(step_loss(eng, batch))
     return out
 
@@ -118,4 +125,5 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

@@ -1,8 +1,8 @@
-"""The hybrid engine on 2 ranks (ZeRO-3 actor) for OPT and GPT-2 (learned positions, LayerNorm, plain
-MLPs) and GPT-NeoX (parallel blocks, partial rotary, per-head fused q/k/v): greedy tokens vs HF generate
-and log-probs vs the FSDP2 training-mode recompute at inference_tp_size 1 and 2 (heads and MLP columns
-sliced, the output projections' biases added once), LoRA-adapted ones included (GPT-2's Conv1D adapters:
-fan_in_fan_out).
+"""The hybrid engine on 2 ranks (ZeRO-3 actor) for OPT and GPT-2 (learned positions, LayerNorm,
+plain MLPs) and GPT-NeoX (parallel blocks, partial rotary, per-head fused q/k/v): greedy tokens vs
+HF generate and log-probs vs the FSDP2 training-mode recompute at inference_tp_size 1 and 2 (heads
+and MLP columns sliced, the output projections' biases added once), LoRA-adapted ones included
+(GPT-2's Conv1D adapters: fan_in_fan_out).
 
     torchrun --nproc-per-node=2 tests/distributed/layernorm_worker.py OUT.json
 """
@@ -47,4 +47,5 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

@@ -27,7 +27,12 @@ GLOBAL_BATCH, STEPS, PAD = 8, 5, 0
 # (name, zero_stage, micro_batch_per_rank at world size 2 — 0 means no accumulation)
 CASES = [("zero0", 0, 0), ("zero1", 1, 0), ("zero2", 2, 0), ("zero3", 3, 0), ("zero3_accum", 3, 2)]
 # the same with LoRA adapters (PEFT; frozen base weights next to trained adapters in each shard)
-LORA_CASES = [("lora_zero0", 0, 0), ("lora_zero1", 1, 0), ("lora_zero2", 2, 0), ("lora_zero3", 3, 2)]
+LORA_CASES = [
+    ("lora_zero0", 0, 0),
+    ("lora_zero1", 1, 0),
+    ("lora_zero2", 2, 0),
+    ("lora_zero3", 3, 2),
+]
 LORA = dict(r=4, alpha=8.0)
 
 
@@ -59,7 +64,8 @@ def records(n: int = 64, seed: int = 0):
     out = []
     for _ in range(n):
         length, plen = rng.randint(6, 20), rng.randint(1, 5)
-        start = rng.randint(3, 60)  # counting sequences: learnable in a few steps
+        # counting sequences: learnable in a few steps
+        start = rng.randint(3, 60)
         out.append(([3 + (start + k) % 58 for k in range(length)], plen))
     return out
 
@@ -74,12 +80,25 @@ def with_lora(model, lora: bool, head=None):
 
 
 def loss_curve(
-    mesh, zero_stage: int, micro: int, precision: str = "fp32", lora: bool = False, packing: bool = True
+    mesh,
+    zero_stage: int,
+    micro: int,
+    precision: str = "fp32",
+    lora: bool = False,
+    packing: bool = True,
 ) -> list[float]:
     recs = records()
     model = with_lora(tiny_model(on_meta=not mesh.is_main), lora)
-    tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch_per_rank=micro, lr=1e-2, warmup_steps=1)
-    engine = TrainEngine(model, mesh, EngineConfig(zero_stage=zero_stage, precision=precision, packing=packing), tcfg)
+    tcfg = TrainConfig(
+        max_steps=STEPS,
+        global_batch=GLOBAL_BATCH,
+        micro_batch_per_rank=micro,
+        lr=1e-2,
+        warmup_steps=1,
+    )
+    engine = TrainEngine(
+        model, mesh, EngineConfig(zero_stage=zero_stage, precision=precision, packing=packing), tcfg
+    )
     micro = micro or GLOBAL_BATCH // mesh.world_size
     batches = GlobalBatches(len(recs), GLOBAL_BATCH, seed=1)
     losses = []
@@ -93,8 +112,8 @@ def loss_curve(
 
 
 def tiny_reward_model(mesh, members: int = 1):
-    """The sequence-classification twin of ``tiny_model`` (head initialised as the reward stage does;
-    on the meta device on ranks > 0)."""
+    """The sequence-classification twin of ``tiny_model`` (head initialised as the reward stage
+    does; on the meta device on ranks > 0)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from rlhf.models.value import init_head
@@ -119,9 +138,12 @@ def tiny_reward_model(mesh, members: int = 1):
     return model
 
 
-def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = True, members: int = 1) -> list[float]:
+def reward_curve(
+    mesh, zero_stage: int = 3, lora: bool = False, packing: bool = True, members: int = 1
+) -> list[float]:
     """The reward stage's real step on a tiny sequence-classification Llama (pairs: a counting
-    sequence is chosen over a shuffled one); ``members`` > 1: an ensemble with bootstrapped pairs."""
+    sequence is chosen over a shuffled one); ``members`` > 1: an ensemble with bootstrapped
+    pairs."""
     from rlhf.data.sampler import bootstrap_weights
     from rlhf.data.tokenize import collate_pairs
     from rlhf.models.value import ScalarHeadModel
@@ -138,11 +160,17 @@ def reward_curve(mesh, zero_stage: int = 3, lora: bool = False, packing: bool = 
     batches = GlobalBatches(len(recs), GLOBAL_BATCH, seed=1)
     losses = []
     for step in range(STEPS):
-        ixs = batches.micro_batches(step, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size)
-        mbs = [collate_pairs([recs[i][0] for i in ix], [rejected[i] for i in ix], PAD) for ix in ixs]
+        ixs = batches.micro_batches(
+            step, mesh.rank, mesh.world_size, GLOBAL_BATCH // mesh.world_size
+        )
+        mbs = [
+            collate_pairs([recs[i][0] for i in ix], [rejected[i] for i in ix], PAD) for ix in ixs
+        ]
         weights = None
         if members > 1:
-            weights = [torch.tensor(bootstrap_weights(ix, members, 1)).view(-1, members) for ix in ixs]
+            weights = [
+                torch.tensor(bootstrap_weights(ix, members, 1)).view(-1, members) for ix in ixs
+            ]
         losses.append(reward_step(engine, mbs, 0.0, weights)[0])
     return losses
 
@@ -165,4 +193,5 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

@@ -32,7 +32,8 @@ def reference():
 def _close(got, ref, what):
     losses, weights = got
     ref_losses, ref_weights = ref
-    for a, b in zip(itertools.chain(*losses), itertools.chain(*ref_losses)):  # loss and gradient norm of each step
+    for a, b in zip(itertools.chain(*losses), itertools.chain(*ref_losses)):
+        # loss and gradient norm of each step
         assert abs(a - b) <= 1e-4 * abs(b), (what, losses, ref_losses)
     assert weights.keys() == ref_weights.keys()
     for k in weights:
@@ -57,5 +58,6 @@ def test_accumulation_matches_full_batch_single_process(reference):
 
 
 def test_padded_matches_packed_single_process(reference):
-    """The padded reference path ≡ the packed default (its 2-rank run: the zero3_padded case above)."""
+    """The padded reference path ≡ the packed default (its 2-rank run: the zero3_padded case
+    above)."""
     _close(w.dpo_run(Mesh(), zero_stage=3, micro=0, packing=False), reference, "padded")

@@ -1,5 +1,5 @@
-"""The DeepSpeed-Chat conversion on two ranks (tests/distributed/dschat_worker.py): each checks the source,
-rank 0 converts while rank 1 waits, both go on with the same complete directory."""
+"""The DeepSpeed-Chat conversion on two ranks (tests/distributed/dschat_worker.py): each checks the
+source, rank 0 converts while rank 1 waits, both go on with the same complete directory."""
 
 import json
 

@@ -1,5 +1,6 @@
-"""fp16 with loss scaling: 2 processes (torchrun, gloo) ≡ 1 process for ZeRO 0/1/2/3, and an overflow on
-one rank only (its gradients poisoned after backward and the reductions) skips the step on every rank."""
+"""fp16 with loss scaling: 2 processes (torchrun, gloo) ≡ 1 process for ZeRO 0/1/2/3, and an
+overflow on one rank only (its gradients poisoned after backward and the reductions) skips the step
+on every rank."""
 
 import json
 
@@ -11,8 +12,8 @@ from tests.distributed import fp16_worker as w
 
 pytestmark = pytest.mark.distributed
 
-# fp16 rounds every activation to 10 mantissa bits, and 2 ranks run each row in GEMMs of other shapes
-# than 1 process: measured up to 6.8e-5 relative on the CPU (fp32: ~1e-6)
+# fp16 rounds every activation to 10 mantissa bits, and 2 ranks run each row in GEMMs of other
+# shapes than 1 process: measured up to 6.8e-5 relative on the CPU (fp32: ~1e-6)
 REL = 1e-3
 
 
@@ -41,7 +42,8 @@ def test_reference_skips_the_poisoned_steps_and_learns(reference):
 def test_two_ranks_match_one_process_and_skip_together(two_ranks, reference, zero):
     assert two_ranks["world_size"] == 2
     got = two_ranks[f"zero{zero}"]
-    for step, changed in enumerate(got["changed"], 1):  # every rank skipped the poisoned steps, only those
+    for step, changed in enumerate(got["changed"], 1):
+        # every rank skipped the poisoned steps, only those
         assert changed == [step not in w.POISONED] * 2, (zero, step, changed)
     assert got["loss_scale"] == reference["loss_scale"] and got["skipped"] == reference["skipped"]
     for a, b in zip(got["loss"], reference["loss"]):

@@ -29,10 +29,12 @@ def test_greedy_tokens_and_logprobs(results, case):
         assert r["inject"] == (case != "llama_hf_fsdp")
         assert r["greedy_equal"], (rank, case)
         if case == "llama_hf_fsdp":
-            assert r["logprob_diff"] is None  # HF generate returns no rollout log-probs
+            # HF generate returns no rollout log-probs
+            assert r["logprob_diff"] is None
         else:
             assert r["logprob_diff"] <= 1e-5, (rank, case, r["logprob_diff"])
-        assert r["rows"] == 2 * (4 + rank)  # each rank gets back its own prompts × n
+        # each rank gets back its own prompts × n
+        assert r["rows"] == 2 * (4 + rank)
 
 
 def test_training_after_generate_is_unchanged(results):

@@ -1,5 +1,6 @@
-"""The hybrid engine on 2 ranks (gloo) with a ZeRO-3 actor for OPT, GPT-2 and GPT-NeoX, inference_tp_size 1
-and 2, LoRA included (tests/distributed/layernorm_worker.py); the other families: test_hybrid.py."""
+"""The hybrid engine on 2 ranks (gloo) with a ZeRO-3 actor for OPT, GPT-2 and GPT-NeoX,
+inference_tp_size 1 and 2, LoRA included (tests/distributed/layernorm_worker.py); the other
+families: test_hybrid.py."""
 
 import json
 from pathlib import Path
@@ -30,7 +31,13 @@ def test_greedy_tokens_and_logprobs(results, case):
         r = res[case]
         assert r["inject"], (rank, case)
         assert r["greedy_equal"], (rank, case)
-        # relative to the log-prob's size (tests/unit/test_policy_sweep.py::LOGPROB_TOL says why); absolute
-        # gaps measured 2.2e-6 to 1.05e-5
-        assert r["logprob_rel_diff"] <= LOGPROB_TOL, (rank, case, r["logprob_diff"], r["logprob_rel_diff"])
-        assert r["rows"] == 2 * (4 + rank)  # each rank gets back its own prompts × n
+        # relative to the log-prob's size (tests/unit/test_policy_sweep.py::LOGPROB_TOL says why);
+        # absolute gaps measured 2.2e-6 to 1.05e-5
+        assert r["logprob_rel_diff"] <= LOGPROB_TOL, (
+            rank,
+            case,
+            r["logprob_diff"],
+            r["logprob_rel_diff"],
+        )
+        # each rank gets back its own prompts × n
+        assert r["rows"] == 2 * (4 + rank)

@@ -7,12 +7,17 @@ padding_idx, PPO indexed out of range)."""
 import pytest
 
 from tests.conftest import run_cli
-from tests.e2e.test_tokenizer_pad import assert_hf_scores_like_rlhf_score, assert_vocab_agrees, raw_model
+from tests.e2e.test_tokenizer_pad import (
+    assert_hf_scores_like_rlhf_score,
+    assert_vocab_agrees,
+    raw_model,
+)
 
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.slow,
-]  # ~40 s; tests/e2e/test_tokenizer_pad.py covers the shapes in the default run
+    # ~40 s; tests/e2e/test_tokenizer_pad.py covers the shapes in the default run
+]
 COMMON = (
     "train.save_every=0",
     "logger.progress=false",

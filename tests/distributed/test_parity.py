@@ -69,7 +69,8 @@ def lora_reference():
 
 def test_lora_reference_learns_and_differs(lora_reference, reference):
     assert lora_reference[-1] < lora_reference[0] - 0.05
-    assert abs(lora_reference[-1] - reference[-1]) > 1e-3  # the adapters, not the full weights, trained
+    # the adapters, not the full weights, trained
+    assert abs(lora_reference[-1] - reference[-1]) > 1e-3
 
 
 @pytest.mark.parametrize("case", [c[0] for c in w.LORA_CASES])
@@ -87,7 +88,8 @@ def test_lora_reward_two_ranks_match_one_process(two_rank_curves):
 
 
 def test_reward_ensemble_two_ranks_match_one_process(two_rank_curves):
-    """A 3-member reward ensemble (bootstrapped pairs) on 2 ranks (ZeRO-3) ≡ 1 process, and it learns."""
+    """A 3-member reward ensemble (bootstrapped pairs) on 2 ranks (ZeRO-3) ≡ 1 process, and it
+    learns."""
     ref = w.reward_curve(Mesh(), members=3)
     assert ref[-1] < ref[0], ref
     assert ref != w.reward_curve(Mesh()), "the ensemble's curve is the single model's"

@@ -1,6 +1,6 @@
 """First PPO step: 2 ranks (ZeRO-3, inference TP 1 and 2, micro-batched with uneven rows per rank)
-≡ 1 process, and any micro-batch size ≡ all rows at once (fp32, greedy, same seeds); with a distillation
-teacher, GKD and a judge too."""
+≡ 1 process, and any micro-batch size ≡ all rows at once (fp32, greedy, same seeds); with a
+distillation teacher, GKD and a judge too."""
 
 import json
 import shutil
@@ -39,8 +39,15 @@ def first_step(src, dst, nproc, tp, *extra):
         nproc=nproc,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = next(json.loads(x) for x in (dst / "ppo" / "metrics.jsonl").read_text().splitlines() if "actor/loss" in x)
-    weights = {name: load_file(str(dst / "ppo" / name / "model.safetensors")) for name in ("actor", "critic")}
+    metrics = next(
+        json.loads(x)
+        for x in (dst / "ppo" / "metrics.jsonl").read_text().splitlines()
+        if "actor/loss" in x
+    )
+    weights = {
+        name: load_file(str(dst / "ppo" / name / "model.safetensors"))
+        for name in ("actor", "critic")
+    }
     return metrics, weights
 
 
@@ -56,11 +63,16 @@ def assert_same_update(got, ref, what):
 def test_micro_batches_and_two_ranks_match_one_process(small_pipeline, tmp_path):
     ref = first_step(small_pipeline, tmp_path / "one", 1, 1)  # micro-batch: all rows (auto)
     assert_same_update(
-        first_step(small_pipeline, tmp_path / "one_micro1", 1, 1, "ppo.micro_batch_per_rank=1"), ref, "micro-batch 1"
+        first_step(small_pipeline, tmp_path / "one_micro1", 1, 1, "ppo.micro_batch_per_rank=1"),
+        ref,
+        "micro-batch 1",
     )
-    for tp in (1, 2):  # ranks hold 3..5 rows of a minibatch: micro-batch 2 pads the shorter share
+    for tp in (1, 2):
+        # ranks hold 3..5 rows of a minibatch: micro-batch 2 pads the shorter share
         assert_same_update(
-            first_step(small_pipeline, tmp_path / f"two_tp{tp}", 2, tp, "ppo.micro_batch_per_rank=2"),
+            first_step(
+                small_pipeline, tmp_path / f"two_tp{tp}", 2, tp, "ppo.micro_batch_per_rank=2"
+            ),
             ref,
             f"2 ranks, tp {tp}",
         )
@@ -71,8 +83,8 @@ def test_micro_batches_and_two_ranks_match_one_process(small_pipeline, tmp_path)
 
 
 def test_lora_two_ranks_match_one_process(small_pipeline, tmp_path):
-    """The same with LoRA on actor and critic: ZeRO-3 shards of frozen weights and adapters, the merged
-    weights gathered for TP 2, the reference as the actor with its adapters off."""
+    """The same with LoRA on actor and critic: ZeRO-3 shards of frozen weights and adapters, the
+    merged weights gathered for TP 2, the reference as the actor with its adapters off."""
     lora = ("model.lora.r=8", "model.lora.critic=true", "train.lr=1e-3", "ppo.critic_lr=1e-3")
     ref = first_step(small_pipeline, tmp_path / "one", 1, 1, *lora)
     assert_same_update(
@@ -96,7 +108,9 @@ def test_mixed_placements_two_ranks_match_one_process(small_pipeline, tmp_path):
         "engine.reward_model.zero_stage=0",
         "ppo.micro_batch_per_rank=2",
     )
-    assert_same_update(first_step(small_pipeline, tmp_path / "two", 2, 1, *mixed), ref, "mixed placements, 2 ranks")
+    assert_same_update(
+        first_step(small_pipeline, tmp_path / "two", 2, 1, *mixed), ref, "mixed placements, 2 ranks"
+    )
 
 
 def test_multi_turn_episodes_two_ranks_match_one_process(small_pipeline, tmp_path):
@@ -112,7 +126,8 @@ def test_multi_turn_episodes_two_ranks_match_one_process(small_pipeline, tmp_pat
     )
 
 
-@pytest.mark.slow  # fast representatives: the ensemble reward stage's 2-rank parity (test_parity) and the test above
+# fast representatives: the ensemble reward stage's 2-rank parity (test_parity) and the test above
+@pytest.mark.slow
 def test_ensemble_reward_two_ranks_match_one_process(small_pipeline, tmp_path):
     """A 3-member reward ensemble (its critic from the members' mean head), lcb-combined: the first
     PPO step on 2 ranks ≡ 1 process, its disagreement included."""
@@ -128,8 +143,9 @@ def test_ensemble_reward_two_ranks_match_one_process(small_pipeline, tmp_path):
 
 
 def test_teacher_gkd_and_judge_two_ranks_match_one_process(small_pipeline, tmp_path):
-    """A distillation teacher (its per-token reward and GKD's term in the update) and a generative judge,
-    each a frozen model sharded by ZeRO-3 on 2 ranks: the first step equals the 1-process run's."""
+    """A distillation teacher (its per-token reward and GKD's term in the update) and a generative
+    judge, each a frozen model sharded by ZeRO-3 on 2 ranks: the first step equals the 1-process
+    run's."""
     teacher_run = tmp_path / "teacher"
     assert run_cli(*quick_sft_args(teacher_run, steps=20), "train.save_every=0").returncode == 0
     template = tmp_path / "judge.txt"
@@ -143,8 +159,22 @@ def test_teacher_gkd_and_judge_two_ranks_match_one_process(small_pipeline, tmp_p
         "ppo.judge_verdicts=[1,0]",
     )
     ref = first_step(small_pipeline, tmp_path / "one", 1, 1, *extra)
-    assert ref[0]["distill/reverse_kl"] > 0.01 and ref[0]["distill/gkd"] > 0 and 0 < ref[0]["reward/judge"] < 1
+    assert (
+        ref[0]["distill/reverse_kl"] > 0.01
+        and ref[0]["distill/gkd"] > 0
+        and 0 < ref[0]["reward/judge"] < 1
+    )
     got = first_step(small_pipeline, tmp_path / "two", 2, 2, *extra, "ppo.micro_batch_per_rank=2")
     assert_same_update(got, ref, "teacher, GKD and judge, 2 ranks, tp 2")
-    for k in ("distill/reverse_kl", "distill/agreement", "distill/gkd", "reward/judge", "reward/distill"):
-        assert abs(got[0][k] - ref[0][k]) <= 1e-5 * max(abs(ref[0][k]), 1.0), (k, got[0][k], ref[0][k])
+    for k in (
+        "distill/reverse_kl",
+        "distill/agreement",
+        "distill/gkd",
+        "reward/judge",
+        "reward/distill",
+    ):
+        assert abs(got[0][k] - ref[0][k]) <= 1e-5 * max(abs(ref[0][k]), 1.0), (
+            k,
+            got[0][k],
+            ref[0][k],
+        )

@@ -1,7 +1,7 @@
-"""Token-budget micro-batches (train.max_tokens_per_micro_batch) give the gradient of row-count ones:
-SFT's, the reward stage's and DPO's real train_step, fp32, in one process and over 2 real processes
-(torchrun, gloo, ZeRO-3), against the single-process step without accumulation. The losses divide by
-the global batch's token or pair count, so only the float summation order differs."""
+"""Token-budget micro-batches (train.max_tokens_per_micro_batch) give the gradient of row-count
+ones: SFT's, the reward stage's and DPO's real train_step, fp32, in one process and over 2 real
+processes (torchrun, gloo, ZeRO-3), against the single-process step without accumulation. The losses
+divide by the global batch's token or pair count, so only the float summation order differs."""
 
 import json
 
@@ -12,7 +12,8 @@ from rlhf.engine.mesh import Mesh
 from tests.conftest import run_worker
 from tests.distributed import token_budget_worker as w
 
-TOL = 1e-6  # relative: the whole gradient (every parameter as one vector) and the loss
+# relative: the whole gradient (every parameter as one vector) and the loss
+TOL = 1e-6
 
 
 def assert_same(got, ref, what):
@@ -34,7 +35,8 @@ def references():
 @pytest.mark.parametrize("stage", w.STAGES)
 def test_one_process_budgets_match_row_count_micro_batches(references, stage):
     counts = set()
-    for budget in (12, 30, 1000):  # rows over the budget alone ... everything in one micro-batch
+    for budget in (12, 30, 1000):
+        # rows over the budget alone ... everything in one micro-batch
         losses, grads, per_step = w.stage_grads(Mesh(), stage, budget)
         counts.update(n for n, _ in per_step)
         assert_same((losses, grads), references[stage], f"{stage} max_tokens={budget}")
@@ -55,7 +57,8 @@ def two_ranks(tmp_path_factory):
         if name != "world_size":
             flat = load_file(str(out / f"{name}.st"))
             grads[name] = [
-                {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(f"{s}/")} for s in range(w.STEPS)
+                {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(f"{s}/")}
+                for s in range(w.STEPS)
             ]
     return results, grads
 
@@ -68,7 +71,8 @@ def test_two_ranks_budgets_match_one_process(two_ranks, references):
     for stage in w.STAGES:
         for budget in w.BUDGETS[stage]:
             name = f"{stage}_{budget}"
-            counts = results[name]["counts"]  # per rank, per step: [micro-batches, the rank's own count]
+            # per rank, per step: [micro-batches, the rank's own count]
+            counts = results[name]["counts"]
             for (n0, own0), (n1, own1) in zip(*counts):
                 assert n0 == n1 == max(own0, own1), (name, counts)  # one agreed count, every rank
                 differed |= own0 != own1

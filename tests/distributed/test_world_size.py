@@ -45,11 +45,18 @@ STAGES = {
     "gae": (("sft", "reward"), ("stage=ppo", "ppo.min_rm_accuracy=0", *RL), ("actor", "critic")),
     "grpo": (
         ("sft",),
-        ("stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold", *RL),
+        (
+            "stage=ppo",
+            "algorithm.estimator=grpo",
+            "ppo.use_reward_model=false",
+            "ppo.reward_fn=rlhf.rewards.gold",
+            *RL,
+        ),
         ("actor",),
     ),
 }
-NOISE = ("gen/", "perf/", "rollout/logprob_abs_diff")  # throughput and float noise (besides the timings)
+# throughput and float noise (besides the timings)
+NOISE = ("gen/", "perf/", "rollout/logprob_abs_diff")
 
 
 def out_dir(run, stage: str):
@@ -72,13 +79,18 @@ def metrics(run, stage: str) -> dict:
 
 
 def exported(run, stage: str) -> dict:
-    return {name: load_file(str(out_dir(run, stage) / name / "model.safetensors")) for name in STAGES[stage][2]}
+    return {
+        name: load_file(str(out_dir(run, stage) / name / "model.safetensors"))
+        for name in STAGES[stage][2]
+    }
 
 
 def assert_same_run(got, ref, stage: str, after: int = -1) -> None:
-    """Per-step metrics (steps > ``after``) within float-order noise, and the same exported tensors within 1e-5."""
+    """Per-step metrics (steps > ``after``) within float-order noise, and the same exported tensors
+    within 1e-5."""
     m, m_ref = metrics(got, stage), metrics(ref, stage)
-    steps = [s for s in m_ref if s > after]  # (a resumed run also logs its first step)
+    # (a resumed run also logs its first step)
+    steps = [s for s in m_ref if s > after]
     assert steps and set(steps) <= set(m), (sorted(m), sorted(m_ref))
     for s in steps:
         assert m_ref[s].keys() <= m[s].keys(), (s, sorted(m_ref[s].keys() - m[s].keys()))
@@ -86,14 +98,18 @@ def assert_same_run(got, ref, stage: str, after: int = -1) -> None:
             assert abs(m[s][k] - v) <= 1e-5 + 1e-4 * abs(v), (stage, s, k, m[s][k], v)
     w, w_ref = exported(got, stage), exported(ref, stage)
     for name in w_ref:
-        assert w[name].keys() == w_ref[name].keys(), (name, sorted(w[name].keys() ^ w_ref[name].keys()))
+        assert w[name].keys() == w_ref[name].keys(), (
+            name,
+            sorted(w[name].keys() ^ w_ref[name].keys()),
+        )
         diff = max(float((w[name][k] - w_ref[name][k]).abs().max()) for k in w_ref[name])
         assert diff <= 1e-5, (stage, name, diff)
 
 
 def cut_after_first_checkpoint(run, dst, stage: str) -> None:
     """``dst``: ``run`` as a job killed right after its first checkpoint would have left it (later
-    checkpoints, the exports and done.json gone; metrics.jsonl keeps its later lines, which the resume drops)."""
+    checkpoints, the exports and done.json gone; metrics.jsonl keeps its later lines, which the
+    resume drops)."""
     shutil.copytree(run, dst)
     out = out_dir(dst, stage)
     for ckpt in sorted((out / "checkpoints").iterdir())[1:]:
@@ -122,21 +138,25 @@ def runs(small_pipeline, tmp_path_factory):
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("stage", ["gae", *(pytest.param(s, marks=SLOW) for s in ("sft", "reward", "dpo", "grpo"))])
+@pytest.mark.parametrize(
+    "stage", ["gae", *(pytest.param(s, marks=SLOW) for s in ("sft", "reward", "dpo", "grpo"))]
+)
 def test_two_ranks_follow_one_process_step_for_step(runs, stage):
     one, two = runs(stage)
     assert_same_run(two, one, stage)
 
 
-@pytest.mark.parametrize("stage", ["gae", *(pytest.param(s, marks=SLOW) for s in ("sft", "reward", "dpo"))])
+@pytest.mark.parametrize(
+    "stage", ["gae", *(pytest.param(s, marks=SLOW) for s in ("sft", "reward", "dpo"))]
+)
 def test_a_two_rank_checkpoint_resumes_on_one_process(runs, stage, tmp_path, small_pipeline):
     one, two = runs(stage)
     cut = tmp_path / "cut"
     cut_after_first_checkpoint(two, cut, stage)
     proc = run_stage(small_pipeline, cut, stage, 1)
-    assert f"(step {SAVE})" in proc.stderr and "written by 2 processes, resumed on 1" in proc.stderr, proc.stderr[
-        -3000:
-    ]
+    assert (
+        f"(step {SAVE})" in proc.stderr and "written by 2 processes, resumed on 1" in proc.stderr
+    ), proc.stderr[-3000:]
     assert_same_run(cut, one, stage, after=SAVE)
 
 

@@ -8,12 +8,18 @@ from safetensors.torch import load_file
 
 from tests.conftest import quick_sft_args, run_cli
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # ~35 s; ZeRO-1 parity runs by default (test_parity.py)
+# ~35 s; ZeRO-1 parity runs by default (test_parity.py)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_zero1_resume_matches_uninterrupted(tmp_path):
     # a constant rate: the schedule must not depend on train.max_steps, which the two halves change
-    common = ["engine.zero_stage=1", "train.save_every=2", "train.scheduler=constant", "train.warmup_steps=0"]
+    common = [
+        "engine.zero_stage=1",
+        "train.save_every=2",
+        "train.scheduler=constant",
+        "train.warmup_steps=0",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     proc = run_cli(*quick_sft_args(ref, steps=4), *common, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -25,5 +31,8 @@ def test_zero1_resume_matches_uninterrupted(tmp_path):
     a = load_file(str(ref / "sft/model/model.safetensors"))
     b = load_file(str(run / "sft/model/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    state = torch.load(run / "sft/checkpoints/step_00000004/actor.optim_zero1.pt", weights_only=True)
-    assert len(state["state"]) == len(list(a))  # every parameter's AdamW state, gathered
+    state = torch.load(
+        run / "sft/checkpoints/step_00000004/actor.optim_zero1.pt", weights_only=True
+    )
+    # every parameter's AdamW state, gathered
+    assert len(state["state"]) == len(list(a))

@@ -1,6 +1,6 @@
-"""The gradients of SFT's, the reward stage's and DPO's real ``train_step`` on tiny random Llamas, with
-row-count micro-batches or token-budget ones (``train.max_tokens_per_micro_batch``), for a few steps
-at fixed weights (each step's gradient is captured, then dropped: no optimizer step).
+"""The gradients of SFT's, the reward stage's and DPO's real ``train_step`` on tiny random Llamas,
+with row-count micro-batches or token-budget ones (``train.max_tokens_per_micro_batch``), for a few
+steps at fixed weights (each step's gradient is captured, then dropped: no optimizer step).
 
 Run under torchrun (the distributed side) or imported (the single-process reference):
     torchrun --nproc-per-node=2 tests/distributed/token_budget_worker.py OUT_DIR
@@ -56,8 +56,8 @@ def capture_grads(engine: TrainEngine, into: list) -> None:
 
 
 def stage_grads(mesh, stage: str, max_tokens: int, micro: int = 0, zero_stage: int = 3):
-    """([loss per step], [{parameter: gradient} per step], [(micro-batches, this rank's own count) per
-    step]); the own count: what this rank alone would need within ``max_tokens``."""
+    """([loss per step], [{parameter: gradient} per step], [(micro-batches, this rank's own count)
+    per step]); the own count: what this rank alone would need within ``max_tokens``."""
     from stages import dpo, reward, sft
 
     tcfg = TrainConfig(max_steps=STEPS, global_batch=GLOBAL_BATCH, lr=1e-2, warmup_steps=1)
@@ -70,7 +70,9 @@ def stage_grads(mesh, stage: str, max_tokens: int, micro: int = 0, zero_stage: i
         engine = TrainEngine(tiny_model(on_meta=not mesh.is_main), mesh, ecfg, tcfg)
 
         def collate(ix):
-            return collate_sft([cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], PAD, True)
+            return collate_sft(
+                [cols["ids"][i] for i in ix], [cols["prompt_len"][i] for i in ix], PAD, True
+            )
 
         def step(mbs):
             return sft.train_step(engine, mbs)[0]
@@ -81,7 +83,9 @@ def stage_grads(mesh, stage: str, max_tokens: int, micro: int = 0, zero_stage: i
             engine = TrainEngine(reward_model(mesh), mesh, ecfg, tcfg)
 
             def collate(ix):
-                return collate_pairs([cols["chosen"][i] for i in ix], [cols["rejected"][i] for i in ix], PAD)
+                return collate_pairs(
+                    [cols["chosen"][i] for i in ix], [cols["rejected"][i] for i in ix], PAD
+                )
 
             def step(mbs):
                 return reward.train_step(engine, mbs)[0]
@@ -101,7 +105,8 @@ def stage_grads(mesh, stage: str, max_tokens: int, micro: int = 0, zero_stage: i
     losses, counts = [], []
     for s in range(STEPS):
         ixs = step_micro_batches(batches, s, mesh, micro, max_tokens, tokens)
-        assert all(ixs), ixs  # every rank holds rows for every micro-batch here
+        # every rank holds rows for every micro-batch here
+        assert all(ixs), ixs
         own = 0
         if max_tokens:
             rows = batches.rank_rows(s, mesh.rank, mesh.world_size)
@@ -122,7 +127,10 @@ def main(out: str) -> None:
             name = f"{stage}_{budget}"
             results[name] = {"losses": losses, "counts": mesh.all_gather_object(counts)}
             if mesh.is_main:
-                save_file({f"{s}/{k}": g for s, gs in enumerate(grads) for k, g in gs.items()}, f"{out}/{name}.st")
+                save_file(
+                    {f"{s}/{k}": g for s, gs in enumerate(grads) for k, g in gs.items()},
+                    f"{out}/{name}.st",
+                )
     if mesh.is_main:
         (Path(out) / "results.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
@@ -130,4 +138,5 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    end_process()  # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    # (a torchrun worker: without finalization, rlhf/engine/mesh.py says why)
+    end_process()

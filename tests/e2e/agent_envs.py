@@ -1,4 +1,5 @@
-"""Environments for the agentic tests, used by dotted path (``ppo.env=tests.e2e.agent_envs.Echo``)."""
+"""Environments for the agentic tests, used by dotted path
+(``ppo.env=tests.e2e.agent_envs.Echo``)."""
 
 from rlhf.envs.base import Environment, StepResult
 
@@ -14,7 +15,8 @@ class Echo(Environment):
         return StepResult(
             messages=[{"role": "tool", "content": self.reply}],
             reward=0.01 * len(text),
-            info={"echoes": 1, "long_turns": len(text) > 8},  # its own counts: metrics env/echoes, env/long_turns
+            # its own counts: metrics env/echoes, env/long_turns
+            info={"echoes": 1, "long_turns": len(text) > 8},
         )
 
 

@@ -1,4 +1,5 @@
-"""Broken rule rewards: always NaN (the non-finite test); raising on a record (the bad-input table)."""
+"""Broken rule rewards: always NaN (the non-finite test); raising on a record (the bad-input
+table)."""
 
 
 def nan_reward(responses, examples, fmt):

@@ -1,6 +1,6 @@
-"""Agentic PPO through the CLI: a user's environment by dotted path plays multi-turn episodes (metrics
-by turn and by token source); a broken environment is one line before any model loads, and one that
-fails during the run stops it with exit 2 naming it."""
+"""Agentic PPO through the CLI: a user's environment by dotted path plays multi-turn episodes
+(metrics by turn and by token source); a broken environment is one line before any model loads, and
+one that fails during the run stops it with exit 2 naming it."""
 
 import json
 
@@ -43,9 +43,13 @@ def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # 
     assert 1 <= row["env/turns"] <= 3 and row["tokens/policy"] > 0
     assert row["env/failed"] == 0 and "reward/env" in row and "reward/rule" not in row
     assert "the rewards are ppo.env=tests.e2e.agent_envs.Echo's alone" in proc.stderr
-    if row["env/turns"] > 1:  # the environment answered: its own info keys are metrics
+    if row["env/turns"] > 1:
+        # the environment answered: its own info keys are metrics
         assert row["tokens/observation"] > 0
-        assert 0 < row["env/echoes"] <= row["env/turns"] and 0 <= row["env/long_turns"] <= row["env/echoes"]
+        assert (
+            0 < row["env/echoes"] <= row["env/turns"]
+            and 0 <= row["env/long_turns"] <= row["env/echoes"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -53,11 +57,16 @@ def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # 
     [
         ("nosuch.Env", "ppo.env=nosuch.Env: cannot import nosuch"),
         ("tests.e2e.agent_envs.NoStep", "it has no step() method"),
-        ("single", "ppo.env='single' is invalid: expected auto, single_turn or tools or a dotted path"),
+        (
+            "single",
+            "ppo.env='single' is invalid: expected auto, single_turn or tools or a dotted path",
+        ),
     ],
 )
 def test_a_broken_environment_is_one_line_before_any_model_loads(tmp_path, actor, env, says):  # noqa: F811
-    proc = run_cli(*grpo(tmp_path, actor, f"ppo.env={env}", "ppo.reward_fn=rlhf.rewards.gold"), timeout=120)
+    proc = run_cli(
+        *grpo(tmp_path, actor, f"ppo.env={env}", "ppo.reward_fn=rlhf.rewards.gold"), timeout=120
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = error_lines(proc.stderr)
     assert says in line, line
@@ -65,15 +74,27 @@ def test_a_broken_environment_is_one_line_before_any_model_loads(tmp_path, actor
 
 
 def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, actor, template):  # noqa: F811
-    env = ("ppo.env=tests.e2e.agent_envs.Flaky", "ppo.max_turns=2", "ppo.reward_fn=rlhf.rewards.gold", template)
-    # the environment steps on a turn that ended (EOS, 1 in 300 tokens of this random model): 32 rows of
-    # 64 tokens end some turns whatever the draws (4 rows of 4 tokens often end none), and any failure stops
+    env = (
+        "ppo.env=tests.e2e.agent_envs.Flaky",
+        "ppo.max_turns=2",
+        "ppo.reward_fn=rlhf.rewards.gold",
+        template,
+    )
+    # the environment steps on a turn that ended (EOS, 1 in 300 tokens of this random model): 32
+    # rows of 64 tokens end some turns whatever the draws (4 rows of 4 tokens often end none), and
+    # any failure stops
     cut = ("ppo.prompts_per_step", "ppo.samples_per_prompt", "ppo.max_new_tokens")
     args = [a for a in grpo(tmp_path, actor, *env) if not a.startswith(cut)]
-    more = ("ppo.prompts_per_step=8", "ppo.samples_per_prompt=4", "ppo.max_new_tokens=64", "ppo.env_max_failed_share=0")
+    more = (
+        "ppo.prompts_per_step=8",
+        "ppo.samples_per_prompt=4",
+        "ppo.max_new_tokens=64",
+        "ppo.env_max_failed_share=0",
+    )
     proc = run_cli(*args, *more, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]  # (after the loading bars)
+    # (after the loading bars)
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
     assert "ppo.env=tests.e2e.agent_envs.Flaky:" in line and "episodes failed" in line, line
     assert "RuntimeError: the tool server is down" in line, line
 
@@ -82,8 +103,20 @@ def test_the_agentic_recipe_runs_sft_then_grpo_with_the_calculator(tmp_path):
     """recipe=agentic, sizes cut: SFT on tool_arith (its gold evaluation plays episodes with the
     calculator), then GRPO episodes; the learning itself is measured by bench/seeds.py."""
     run = tmp_path / "run"
-    cut = ["logger.progress=false", "eval.gold_prompts=8", "eval.gold_samples=2", "data.synthetic.num_records=400"]
-    sft = run_cli("stage=sft", "recipe=agentic", f"run.dir={run}", "train.max_steps=20", "train.eval_every=0", *cut)
+    cut = [
+        "logger.progress=false",
+        "eval.gold_prompts=8",
+        "eval.gold_samples=2",
+        "data.synthetic.num_records=400",
+    ]
+    sft = run_cli(
+        "stage=sft",
+        "recipe=agentic",
+        f"run.dir={run}",
+        "train.max_steps=20",
+        "train.eval_every=0",
+        *cut,
+    )
     assert sft.returncode == 0, sft.stderr[-3000:]
     assert any("gold/tool_use" in m for m in metrics_of(run / "sft"))
     ppo = run_cli(
@@ -98,7 +131,9 @@ def test_the_agentic_recipe_runs_sft_then_grpo_with_the_calculator(tmp_path):
     assert ppo.returncode == 0, ppo.stderr[-3000:]
     assert "recipe=agentic" in ppo.stderr and "ppo (grpo)" in ppo.stderr
     rows = metrics_of(run / "ppo")
-    assert all(r["env/turns"] >= 1 for r in rows if "env/turns" in r) and any("env/tool_use" in r for r in rows)
+    assert all(r["env/turns"] >= 1 for r in rows if "env/turns" in r) and any(
+        "env/tool_use" in r for r in rows
+    )
     assert any("gold/tool_use" in r for r in rows)
 
 

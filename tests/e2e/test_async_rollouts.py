@@ -1,8 +1,8 @@
 """Asynchronous rollouts through the CLI (ppo.rollout_workers=1, ppo.max_staleness=k; docs/ppo.md):
 staleness 0 is the colocated run, metric for metric and weight for weight; the bound holds at every
 step of a run that runs ahead; a trajectory in flight when an update lands continues with the new
-weights; a worker that dies or freezes ends the run with exit 3 naming it; what it does not do is one
-line before any model loads."""
+weights; a worker that dies or freezes ends the run with exit 3 naming it; what it does not do is
+one line before any model loads."""
 
 import json
 
@@ -14,15 +14,21 @@ from tests.conftest import killed_at, run_cli
 from tests.e2e.test_agentic import TEMPLATE
 from tests.e2e.test_reward_fn_errors import actor, error_lines, grpo  # noqa: F401 (fixture)
 
-RULE = ("ppo.reward_fn=rlhf.rewards.gold", "ppo.samples_per_prompt=4", "ppo.prompts_per_step=4", "ppo.max_new_tokens=8")
-ONE_THREAD = "engine.threads_per_rank=1"  # the worker generates with its trainer's threads: the same float order
+RULE = (
+    "ppo.reward_fn=rlhf.rewards.gold",
+    "ppo.samples_per_prompt=4",
+    "ppo.prompts_per_step=4",
+    "ppo.max_new_tokens=8",
+)
+# the worker generates with its trainer's threads: the same float order
+ONE_THREAD = "engine.threads_per_rank=1"
 
 
 @pytest.fixture(scope="module")
 def ending_actor(tmp_path_factory, actor):  # noqa: F811
-    """The tiny random Llama made to end about half its turns within 4 tokens (EOS's logit ~5.3 above
-    the rest: a constant first dimension in every embedding, read by EOS's row of the head alone), so
-    that episodes have several turns."""
+    """The tiny random Llama made to end about half its turns within 4 tokens (EOS's logit ~5.3
+    above the rest: a constant first dimension in every embedding, read by EOS's row of the head
+    alone), so that episodes have several turns."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(actor)
@@ -43,14 +49,18 @@ def metrics(run_dir):
 
 def ppo_run(tmp_path, actor, name, *extra, nproc=1, timeout=300):  # noqa: F811
     run = tmp_path / name
-    args = [a.replace(str(tmp_path / "run"), str(run)) for a in grpo(tmp_path, actor, *RULE, ONE_THREAD, *extra)]
+    args = [
+        a.replace(str(tmp_path / "run"), str(run))
+        for a in grpo(tmp_path, actor, *RULE, ONE_THREAD, *extra)
+    ]
     proc = run_cli(*args, nproc=nproc, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run
 
 
 def same_run(a, b, tol=0.0):
-    """Every metric both runs logged (times and memory aside) within ``tol``, and the same exported actor."""
+    """Every metric both runs logged (times and memory aside) within ``tol``, and the same exported
+    actor."""
     ma, mb = metrics(a), metrics(b)
     assert len(ma) == len(mb)
     compared = 0
@@ -59,7 +69,10 @@ def same_run(a, b, tol=0.0):
             if k in y and not k.startswith(("time/", "mem/")) and "per_s" not in k:
                 assert abs(v - y[k]) <= tol, (x["step"], k, v, y[k])
                 compared += 1
-    wa, wb = load_file(a / "ppo/actor/model.safetensors"), load_file(b / "ppo/actor/model.safetensors")
+    wa, wb = (
+        load_file(a / "ppo/actor/model.safetensors"),
+        load_file(b / "ppo/actor/model.safetensors"),
+    )
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     return compared
 
@@ -77,12 +90,16 @@ def test_staleness_0_is_the_colocated_run(tmp_path, actor):  # noqa: F811
 @pytest.mark.slow
 def test_staleness_0_is_the_colocated_run_on_two_ranks(tmp_path, actor):  # noqa: F811
     sync = ppo_run(tmp_path, actor, "sync", "train.max_steps=2", nproc=2)
-    worker = ppo_run(tmp_path, actor, "worker", "train.max_steps=2", "ppo.rollout_workers=1", nproc=2)
+    worker = ppo_run(
+        tmp_path, actor, "worker", "train.max_steps=2", "ppo.rollout_workers=1", nproc=2
+    )
     assert same_run(sync, worker, tol=1e-6) > 25
 
 
 def test_the_bound_holds_at_every_step_of_a_run_that_runs_ahead(tmp_path, actor):  # noqa: F811
-    run = ppo_run(tmp_path, actor, "k2", "train.max_steps=8", "ppo.rollout_workers=1", "ppo.max_staleness=2")
+    run = ppo_run(
+        tmp_path, actor, "k2", "train.max_steps=8", "ppo.rollout_workers=1", "ppo.max_staleness=2"
+    )
     rows = metrics(run)
     assert len(rows) == 8
     for r in rows:
@@ -90,7 +107,8 @@ def test_the_bound_holds_at_every_step_of_a_run_that_runs_ahead(tmp_path, actor)
         assert r["async/dropped"] == 0
         lags = sum(v for k, v in r.items() if k.startswith("async/tokens_lag"))
         assert lags == pytest.approx(r["response/length"])  # every policy token has its version
-        if r["async/staleness_max"] > 0:  # the parity guard reads the fresh tokens only
+        if r["async/staleness_max"] > 0:
+            # the parity guard reads the fresh tokens only
             assert r.get("rollout/logprob_abs_diff_mean", 0.0) < 1e-3
     assert rows[0]["async/staleness_max"] == 0  # the first step: the weights there are
     assert max(r["async/staleness_max"] for r in rows) >= 1  # the worker ran ahead
@@ -117,12 +135,16 @@ def test_a_trajectory_in_flight_continues_with_the_new_weights(tmp_path, ending_
     # an update lands while the worker waits on a tool: the rest of the step's turns sample with it
     mixed = [r for r in rows if r["async/swaps"] > 0]
     assert mixed, [(r["step"], r["async/swaps"], r["async/staleness_max"]) for r in rows]
-    assert any(r.get("async/tokens_lag0", 0) > 0 and r.get("async/tokens_lag1", 0) > 0 for r in mixed)
+    assert any(
+        r.get("async/tokens_lag0", 0) > 0 and r.get("async/tokens_lag1", 0) > 0 for r in mixed
+    )
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     assert max(r["env/turns"] for r in rows) > 1.5
 
 
-@pytest.mark.parametrize("env, says", [("WorkerDies", "died"), ("WorkerHangs", "sent no episodes for 8 s")])
+@pytest.mark.parametrize(
+    "env, says", [("WorkerDies", "died"), ("WorkerHangs", "sent no episodes for 8 s")]
+)
 def test_a_lost_worker_ends_the_run_with_exit_3(tmp_path, ending_actor, env, says):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
@@ -141,16 +163,29 @@ def test_a_lost_worker_ends_the_run_with_exit_3(tmp_path, ending_actor, env, say
     proc = run_cli(*args, timeout=180)
     assert proc.returncode == 3, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
-    assert "the rollout worker of rank 0" in line and says in line and "rerun the same command to resume" in line
+    assert (
+        "the rollout worker of rank 0" in line
+        and says in line
+        and "rerun the same command to resume" in line
+    )
 
 
 @pytest.mark.parametrize(
     "extra, says",
     [
-        (("ppo.max_staleness=1",), "ppo.max_staleness=1 is invalid: expected 0 without rollout workers"),
+        (
+            ("ppo.max_staleness=1",),
+            "ppo.max_staleness=1 is invalid: expected 0 without rollout workers",
+        ),
         (("ppo.rollout_workers=2",), "ppo.rollout_workers=2 is invalid: expected 0 or 1"),
-        (("ppo.rollout_workers=1", "ppo.dynamic_sampling=true"), "does not work with ppo.dynamic_sampling=true"),
-        (("ppo.rollout_workers=1", "engine.hybrid=false"), "does not work with engine.hybrid=false"),
+        (
+            ("ppo.rollout_workers=1", "ppo.dynamic_sampling=true"),
+            "does not work with ppo.dynamic_sampling=true",
+        ),
+        (
+            ("ppo.rollout_workers=1", "engine.hybrid=false"),
+            "does not work with engine.hybrid=false",
+        ),
     ],
 )
 def test_what_the_workers_do_not_do_is_one_line(tmp_path, actor, extra, says):  # noqa: F811
@@ -169,5 +204,8 @@ def test_killed_and_resumed_at_staleness_0_is_the_uninterrupted_run(tmp_path, ac
     killed_at(args, run / "ppo/checkpoints/step_00000002/trainer_state.json")
     proc = run_cli(*args, timeout=300)
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
-    wa, wb = load_file(ref / "ppo/actor/model.safetensors"), load_file(run / "ppo/actor/model.safetensors")
+    wa, wb = (
+        load_file(ref / "ppo/actor/model.safetensors"),
+        load_file(run / "ppo/actor/model.safetensors"),
+    )
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

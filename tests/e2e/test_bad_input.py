@@ -29,7 +29,8 @@ def good_run(tmp_path_factory):
 
 @dataclass
 class Ctx:
-    good: Path  # the earlier good run (has sft/ output and a checkpoint, no reward/)
+    # the earlier good run (has sft/ output and a checkpoint, no reward/)
+    good: Path
     tmp: Path  # scratch space of this case
 
     @property
@@ -43,13 +44,20 @@ class Ctx:
         if isinstance(content, bytes):
             p.write_bytes(content)
         elif isinstance(content, list):  # records, one JSON line each
-            p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in content))
+            p.write_text(
+                "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in content)
+            )
         else:
             p.write_text(content)
         return p
 
     def data(self, name: str, content, fmt: str, *more: str) -> list:
-        return [f"run.dir={self.good}", f"data.path={self.file(name, content)}", f"data.format={fmt}", *more]
+        return [
+            f"run.dir={self.good}",
+            f"data.path={self.file(name, content)}",
+            f"data.format={fmt}",
+            *more,
+        ]
 
     def model_dir(self, config_text) -> Path:
         d = self.tmp / "model"
@@ -64,12 +72,15 @@ TRUNCATED_CONFIG = '{"model_type": "llama",'
 
 
 def weak_reward_model(c: Ctx) -> list:
-    """A run directory with the good SFT output and a reward model that ranks 0.7 of held-out pairs right."""
+    """A run directory with the good SFT output and a reward model that ranks 0.7 of held-out pairs
+    right."""
     run = c.tmp / "weak"
     (run / "reward" / "model").mkdir(parents=True)
     (run / "sft").symlink_to(c.good / "sft")
     shutil.copy(c.good / "sft" / "model" / "config.json", run / "reward" / "model" / "config.json")
-    (run / "reward" / "model" / "reward_stats.json").write_text(json.dumps({"mean": 0, "std": 1, "eval/accuracy": 0.7}))
+    (run / "reward" / "model" / "reward_stats.json").write_text(
+        json.dumps({"mean": 0, "std": 1, "eval/accuracy": 0.7})
+    )
     return [f"run.dir={run}", "stage=ppo"]
 
 
@@ -82,7 +93,9 @@ CASES = [
     (
         "broken_line",
         lambda c: c.data(
-            "bad.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": \n', "prompt_response"
+            "bad.jsonl",
+            '{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": \n',
+            "prompt_response",
         ),
         "bad.jsonl:2: malformed JSON",
     ),
@@ -97,7 +110,9 @@ CASES = [
     ),
     (
         "malformed_json_array",
-        lambda c: c.data("broken.json", '[{"prompt": "a", "response": "b"},\n {"prompt": }]', "prompt_response"),
+        lambda c: c.data(
+            "broken.json", '[{"prompt": "a", "response": "b"},\n {"prompt": }]', "prompt_response"
+        ),
         "broken.json:2: malformed JSON",
     ),
     (
@@ -110,10 +125,18 @@ CASES = [
         lambda c: c.data("corrupt.jsonl.gz", b"not gzip at all", "prompt_response"),
         "corrupt.jsonl.gz: cannot read",
     ),
-    ("empty_file", lambda c: c.data("empty.jsonl", "", "prompt_response"), "empty.jsonl: no records"),
+    (
+        "empty_file",
+        lambda c: c.data("empty.jsonl", "", "prompt_response"),
+        "empty.jsonl: no records",
+    ),
     (
         "dir_without_data_files",
-        lambda c: in_good(c, f"data.path={c.file('empty_dir/notes.txt', 'x').parent}", "data.format=prompt_response"),
+        lambda c: in_good(
+            c,
+            f"data.path={c.file('empty_dir/notes.txt', 'x').parent}",
+            "data.format=prompt_response",
+        ),
         "empty_dir: directory holds no .jsonl",
     ),
     # ---- data files: records ----
@@ -144,7 +167,11 @@ CASES = [
     ),
     (
         "hh_without_assistant_turn",
-        lambda c: c.data("hh.jsonl", [{"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi\n\nAssistant: no"}], "hh"),
+        lambda c: c.data(
+            "hh.jsonl",
+            [{"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi\n\nAssistant: no"}],
+            "hh",
+        ),
         "hh.jsonl:1: field 'chosen' has no '\\n\\nAssistant:' turn",
     ),
     # Prompts are truncated from the left by design (README); what truncation cannot fix is a
@@ -162,7 +189,11 @@ CASES = [
     ),
     (
         "smaller_than_one_batch",
-        lambda c: c.data("small.jsonl", [{"prompt": f"p{i}", "response": "r"} for i in range(3)], "prompt_response"),
+        lambda c: c.data(
+            "small.jsonl",
+            [{"prompt": f"p{i}", "response": "r"} for i in range(3)],
+            "prompt_response",
+        ),
         "small.jsonl): 3 training records, fewer than one batch (train.global_batch=64)",
     ),
     (
@@ -176,11 +207,17 @@ CASES = [
     (
         "bad_blend_weight",
         lambda c: in_good(
-            c, f"data.sources=[{{path: {c.file('w.jsonl', [OK])}, format: prompt_response, weight: -1}}]"
+            c,
+            f"data.sources=[{{path: {c.file('w.jsonl', [OK])}, format: prompt_response, "
+            f"weight: -1}}]",
         ),
         "data.sources[].weight=-1.0 is invalid",
     ),
-    ("bad_on_bad_record", lambda c: in_good(c, "data.on_bad_record=ignore"), "data.on_bad_record='ignore' is invalid"),
+    (
+        "bad_on_bad_record",
+        lambda c: in_good(c, "data.on_bad_record=ignore"),
+        "data.on_bad_record='ignore' is invalid",
+    ),
     # ---- engine and model ----
     ("zero_stage_7", lambda c: in_good(c, "engine.zero_stage=7"), "engine.zero_stage=7 is invalid"),
     (
@@ -196,7 +233,11 @@ CASES = [
     (
         "heads_not_divisible_by_tp",
         lambda c: in_good(
-            c, "engine.inference_tp_size=2", "model.num_heads=3", "model.hidden_size=96", "model.num_kv_heads=1"
+            c,
+            "engine.inference_tp_size=2",
+            "model.num_heads=3",
+            "model.hidden_size=96",
+            "model.num_kv_heads=1",
         ),
         "model.num_heads=3 is invalid: expected a multiple of engine.inference_tp_size=2",
     ),
@@ -217,13 +258,27 @@ CASES = [
     ),
     (
         "unknown_model_family",
-        lambda c: in_good(c, f"model.path={c.model_dir(json.dumps({'model_type': 'nosuchfamily'}))}"),
+        lambda c: in_good(
+            c, f"model.path={c.model_dir(json.dumps({'model_type': 'nosuchfamily'}))}"
+        ),
         "unknown model family model_type='nosuchfamily'",
     ),
     # ---- stages and run directory ----
-    ("reward_without_sft", lambda c: ["stage=reward", f"run.dir={c.fresh}"], "sft/model: run stage=sft first"),
-    ("ppo_without_sft", lambda c: ["stage=ppo", f"run.dir={c.fresh}"], "sft/model: run stage=sft first"),
-    ("ppo_without_reward", lambda c: in_good(c, "stage=ppo"), "reward/model: run stage=reward first"),
+    (
+        "reward_without_sft",
+        lambda c: ["stage=reward", f"run.dir={c.fresh}"],
+        "sft/model: run stage=sft first",
+    ),
+    (
+        "ppo_without_sft",
+        lambda c: ["stage=ppo", f"run.dir={c.fresh}"],
+        "sft/model: run stage=sft first",
+    ),
+    (
+        "ppo_without_reward",
+        lambda c: in_good(c, "stage=ppo"),
+        "reward/model: run stage=reward first",
+    ),
     (
         "run_dir_below_a_file",
         lambda c: [f"run.dir={c.file('plain_file', 'x') / 'run'}"],
@@ -263,19 +318,32 @@ CASES = [
     (
         "no_reward_model_and_no_rule",
         lambda c: in_good(c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false"),
-        "ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. rlhf.rewards.gold), a teacher",
+        "ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. "
+        "rlhf.rewards.gold), a teacher",
     ),
     # ---- keys, types, values ----
     ("unknown_key", lambda c: in_good(c, "train.nonexistent=1"), "'train.nonexistent'"),
     ("wrong_type", lambda c: in_good(c, "train.max_steps=abc"), "train.max_steps=abc"),
     ("negative_lr", lambda c: in_good(c, "train.lr=-1"), "train.lr=-1.0 is invalid"),
-    ("negative_max_steps", lambda c: in_good(c, "train.max_steps=-3"), "train.max_steps=-3 is invalid"),
+    (
+        "negative_max_steps",
+        lambda c: in_good(c, "train.max_steps=-3"),
+        "train.max_steps=-3 is invalid",
+    ),
     ("unknown_stage", lambda c: in_good(c, "stage=foo"), "unknown stage 'foo'"),
-    ("unknown_estimator", lambda c: in_good(c, "algorithm.estimator=foo"), "algorithm.estimator='foo' is invalid"),
+    (
+        "unknown_estimator",
+        lambda c: in_good(c, "algorithm.estimator=foo"),
+        "algorithm.estimator='foo' is invalid",
+    ),
     (
         "unknown_reward_fn",
         lambda c: in_good(
-            c, "stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.nope"
+            c,
+            "stage=ppo",
+            "algorithm.estimator=grpo",
+            "ppo.use_reward_model=false",
+            "ppo.reward_fn=rlhf.rewards.nope",
         ),
         "ppo.reward_fn=rlhf.rewards.nope: cannot import",
     ),
@@ -339,14 +407,24 @@ def test_bad_input_exits_2_and_alters_nothing(good_run, tmp_path, name, make_arg
     assert not ctx.fresh.exists(), "a failed run created its run directory"
 
 
-@pytest.mark.parametrize("stage,key", [("sft", "engine.offload"), ("dpo", "engine.reference.offload")])
+@pytest.mark.parametrize(
+    "stage,key", [("sft", "engine.offload"), ("dpo", "engine.reference.offload")]
+)
 def test_offload_on_the_cpu_is_refused_not_ignored(stage, key, tmp_path):
     """engine.offload=cpu applies or stops the run: on the CPU there is nothing to offload (exit 2,
     one line naming the key), before any model loads or anything is written."""
-    proc = run_cli(f"stage={stage}", f"run.dir={tmp_path / 'run'}", f"{key}=cpu", "train.max_steps=1", timeout=120)
+    proc = run_cli(
+        f"stage={stage}",
+        f"run.dir={tmp_path / 'run'}",
+        f"{key}=cpu",
+        "train.max_steps=1",
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: error:")]
-    assert len(errors) == 1 and f"{key}=cpu: this run trains on the CPU" in errors[0], proc.stderr[-2000:]
+    assert len(errors) == 1 and f"{key}=cpu: this run trains on the CPU" in errors[0], proc.stderr[
+        -2000:
+    ]
     assert not (tmp_path / "run" / stage).exists()
 
 
@@ -354,7 +432,10 @@ def test_a_placement_for_a_model_the_stage_does_not_build_is_said_not_refused(tm
     """scripts/run_all.sh passes every override to every stage: SFT builds no critic, so
     engine.critic.offload=cpu (which the CPU would refuse for a critic) is reported unused."""
     proc = run_cli(
-        *quick_sft_args(tmp_path / "run", steps=1), "engine.critic.offload=cpu", "train.save_every=0", timeout=300
+        *quick_sft_args(tmp_path / "run", steps=1),
+        "engine.critic.offload=cpu",
+        "train.save_every=0",
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "engine.critic.* not used: stage=sft places no critic model here" in proc.stderr

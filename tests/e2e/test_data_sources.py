@@ -48,7 +48,9 @@ def hh_turns(dialogue: str):
 def messages_file(real_data, path, n=120):
     """HH-RLHF pairs as messages: chosen/rejected message lists sharing their turns but the last."""
     out = []
-    with gzip.open(real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(
+        real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz", "rt", encoding="utf-8"
+    ) as f:
         for line in f:
             rec = json.loads(line)
             c, r = hh_turns(rec["chosen"]), hh_turns(rec["rejected"])
@@ -118,7 +120,8 @@ def test_messages_sft_reward_ppo_with_a_chat_template(real_data, tmp_path):
     ppo_rows = rows(run / "ppo" / "metrics.jsonl")
     last = [r for r in ppo_rows if "reward/mean" in r][-1]
     assert last["step"] == 2
-    # no gold rule on this data: the reward model's view of the held-out answers, at the start and the end
+    # no gold rule on this data: the reward model's view of the held-out answers, at the start and
+    # the end
     assert [r["step"] for r in ppo_rows if "eval/reward_greedy" in r] == [0, 2]
     assert AutoTokenizer.from_pretrained(run / "ppo" / "actor").chat_template == CHATML
 
@@ -127,7 +130,10 @@ def test_save_to_disk_folders_columns_and_bom(tmp_path):
     import datasets
 
     recs = [
-        {"prompt": f"Q: What is {i:02d} + {i + 1:02d}?\nA:", "response": f" The answer is {2 * i + 1}."}
+        {
+            "prompt": f"Q: What is {i:02d} + {i + 1:02d}?\nA:",
+            "response": f" The answer is {2 * i + 1}.",
+        }
         for i in range(40)
     ]
     datasets.Dataset.from_list(recs).save_to_disk(str(tmp_path / "ds"))
@@ -135,7 +141,11 @@ def test_save_to_disk_folders_columns_and_bom(tmp_path):
         {"train": datasets.Dataset.from_list(recs), "test": datasets.Dataset.from_list(recs[:8])}
     ).save_to_disk(str(tmp_path / "dd"))
     alpaca = tmp_path / "alpaca.json"
-    alpaca.write_text(json.dumps([{"instruction": r["prompt"], "input": "", "output": r["response"]} for r in recs]))
+    alpaca.write_text(
+        json.dumps(
+            [{"instruction": r["prompt"], "input": "", "output": r["response"]} for r in recs]
+        )
+    )
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in recs).encode())
     cases = {
@@ -174,11 +184,15 @@ def test_gsm8k_with_a_held_out_file(real_data, tmp_path):
         )
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gsm8k:" in proc.stderr and "held out: gsm8k:" in proc.stderr and "test.jsonl" in proc.stderr
+    assert (
+        "gsm8k:" in proc.stderr
+        and "held out: gsm8k:" in proc.stderr
+        and "test.jsonl" in proc.stderr
+    )
     final = rows(tmp_path / "sft" / "metrics.jsonl")[-1]
     assert "gold/score" in final and "eval/loss" in final
-    # the defaults fit GSM8K's answers with a real tokenizer; the embedded 512-token vocabulary needs
-    # more, and the run says how many are cut and which key to raise
+    # the defaults fit GSM8K's answers with a real tokenizer; the embedded 512-token vocabulary
+    # needs more, and the run says how many are cut and which key to raise
     assert "data.max_response_len=192" in proc.stderr and "raise those keys" in proc.stderr
 
 
@@ -193,7 +207,8 @@ def test_gsm8k_with_a_held_out_file(real_data, tmp_path):
         (
             "not a field",
             ["data.format=prompt_response", "data.columns={answer: output}"],
-            "data.columns.answer='output' is invalid: 'answer' is not a field of data.format=prompt_response",
+            "data.columns.answer='output' is invalid: 'answer' is not a field of "
+            "data.format=prompt_response",
         ),
         (
             "missing split",
@@ -233,5 +248,9 @@ def test_bad_data_settings_exit_2_with_one_line(tmp_path, case, extra, fragment)
     path = tmp_path / "dd" if case == "missing split" else alpaca
     proc = run_cli(*short_sft(tmp_path / "run", f"data.path={path}", *extra), timeout=300)
     lines = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
-    assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], (case, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()  # stopped before writing anything
+    assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], (
+        case,
+        proc.stderr[-2000:],
+    )
+    # stopped before writing anything
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

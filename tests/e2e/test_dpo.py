@@ -1,4 +1,5 @@
-"""DPO stage through the CLI: a short run on the embedded task from a short SFT run, resume, bad input."""
+"""DPO stage through the CLI: a short run on the embedded task from a short SFT run, resume, bad
+input."""
 
 import json
 
@@ -29,7 +30,8 @@ def dpo_args(run_dir, *extra):
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
-    """A short SFT run (≈ 25 s): right on the held-out prompts only now and then, so DPO has work."""
+    """A short SFT run (≈ 25 s): right on the held-out prompts only now and then, so DPO has
+    work."""
     run_dir = tmp_path_factory.mktemp("dpo") / "run"
     proc = run_cli(*quick_sft_args(run_dir, steps=300), "train.save_every=0")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -38,7 +40,8 @@ def sft_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dpo_run(sft_run):
-    """`python -m rlhf stage=dpo` on top of it, with the tuned recipe (conf/stage/dpo.yaml), ≈ 20 s."""
+    """`python -m rlhf stage=dpo` on top of it, with the tuned recipe (conf/stage/dpo.yaml), ≈ 20
+    s."""
     proc = run_cli(*dpo_args(sft_run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"dpo: starting from {sft_run / 'sft' / 'model'} (the SFT output" in proc.stderr
@@ -49,9 +52,14 @@ def test_outputs_and_metrics(dpo_run):
     from transformers import AutoModelForCausalLM
 
     out = dpo_run / "dpo"
-    assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
+    assert (out / "model" / "model.safetensors").is_file() and (
+        out / "model" / "tokenizer.json"
+    ).is_file()
     AutoModelForCausalLM.from_pretrained(out / "model")
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000060", "step_00000120"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000060",
+        "step_00000120",
+    ]
     rows = read_metrics(out / "metrics.jsonl")
     train = [r for r in rows if "loss" in r]
     for key in (
@@ -70,7 +78,10 @@ def test_outputs_and_metrics(dpo_run):
     for key in ("eval/rewards/accuracy", "eval/rewards/margin", "gold/score", "gold/score_greedy"):
         assert all(key in r for r in evals), key
     saved = json.loads((out / "model" / "rlhf_eval.json").read_text())
-    assert saved == {"step": DPO_STEPS, **{k: v for k, v in evals[-1].items() if k not in ("step", "mem/peak_gb")}}
+    assert saved == {
+        "step": DPO_STEPS,
+        **{k: v for k, v in evals[-1].items() if k not in ("step", "mem/peak_gb")},
+    }
 
 
 def test_held_out_preferences_are_learnt(dpo_run):
@@ -100,9 +111,9 @@ def test_rerun_of_the_finished_run_keeps_the_policy(dpo_run):
 
 
 def test_lora_dpo_trains_adapters_against_the_base(sft_run, tmp_path):
-    """model.lora.r > 0: the reference is the policy with its adapters off (every implicit reward 0 at
-    step 0), only the adapted projections move (norms equal the SFT model's in the merged export), the
-    adapter is saved in PEFT format, and the held-out pairs are learnt past 0.6."""
+    """model.lora.r > 0: the reference is the policy with its adapters off (every implicit reward 0
+    at step 0), only the adapted projections move (norms equal the SFT model's in the merged
+    export), the adapter is saved in PEFT format, and the held-out pairs are learnt past 0.6."""
     from safetensors.torch import load_file
 
     # dpo.model_path alone would pick the pretrained recipe: this SFT model is the embedded task's
@@ -131,7 +142,9 @@ def test_lora_dpo_trains_adapters_against_the_base(sft_run, tmp_path):
 
 def test_data_without_pairs_exits_2(sft_run, tmp_path):
     data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "response": f" A{i}."}) + "\n" for i in range(40)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Q{i}?", "response": f" A{i}."}) + "\n" for i in range(40))
+    )
     proc = run_cli(
         "stage=dpo",
         f"run.dir={tmp_path / 'run'}",
@@ -142,13 +155,18 @@ def test_data_without_pairs_exits_2(sft_run, tmp_path):
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: error:")]
-    assert len(errors) == 1 and "no preference pairs" in errors[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        len(errors) == 1 and "no preference pairs" in errors[0] and "Traceback" not in proc.stderr
+    ), proc.stderr
     assert not (tmp_path / "run" / "dpo").exists()
 
 
 def test_dpo_without_sft_exits_2(tmp_path):
     proc = run_cli("stage=dpo", f"run.dir={tmp_path}", timeout=120)
-    assert proc.returncode == 2 and "run stage=sft first or set model.path (or dpo.model_path)" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "run stage=sft first or set model.path (or dpo.model_path)" in proc.stderr
+    )
 
 
 def _run_all(*args, timeout=600):
@@ -172,9 +190,11 @@ def test_run_all_refuses_an_unknown_stage(tmp_path):
     assert not (tmp_path / "sft").exists()
 
 
-@pytest.mark.slow  # ~40 s on an idle machine, minutes under load
+# ~40 s on an idle machine, minutes under load
+@pytest.mark.slow
 def test_run_all_dpo_path(tmp_path):
-    """`scripts/run_all.sh stages=sft,dpo`: the leading stages= is the script's, the rest go to Hydra."""
+    """`scripts/run_all.sh stages=sft,dpo`: the leading stages= is the script's, the rest go to
+    Hydra."""
     proc = _run_all(
         "stages=sft,dpo",
         f"run.dir={tmp_path}",

@@ -1,7 +1,7 @@
-"""``python -m rlhf.generate --tools``' episodes, scripted: a fake policy that calls the calculator and
-then answers drives the stage's EpisodeRunner and ToolEnv (through ``environment``, as the stage builds
-them), and the conversation rlhf.generate prints is the one the policy saw. (A random model rarely
-writes a valid call; the CLI tests are in test_generate_eval.py.)"""
+"""``python -m rlhf.generate --tools``' episodes, scripted: a fake policy that calls the calculator
+and then answers drives the stage's EpisodeRunner and ToolEnv (through ``environment``, as the stage
+builds them), and the conversation rlhf.generate prints is the one the policy saw. (A random model
+rarely writes a valid call; the CLI tests are in test_generate_eval.py.)"""
 
 import contextlib
 import json
@@ -22,8 +22,8 @@ ANSWER = "The answer is 42."
 
 
 class ByteTok:
-    """Characters as ids (round trip), with the embedded task's kind of template: tools 'Tools: names\\n',
-    user 'Q: ..\\nA:', assistant ' ..</s>', tool 'R: ..\\nA:'."""
+    """Characters as ids (round trip), with the embedded task's kind of template: tools 'Tools:
+    names\\n', user 'Q: ..\\nA:', assistant ' ..</s>', tool 'R: ..\\nA:'."""
 
     eos_token, pad_token_id, eos_token_id, bos_token_id = "</s>", PAD, EOS, BOS
 
@@ -46,17 +46,21 @@ class ByteTok:
     def batch_decode(self, rows, skip_special_tokens=True):
         return [self.decode(r) for r in rows]
 
-    def apply_chat_template(self, turns, chat_template=None, tools=None, tokenize=False, add_generation_prompt=False):
+    def apply_chat_template(
+        self, turns, chat_template=None, tools=None, tokenize=False, add_generation_prompt=False
+    ):
         head = ""
         if tools:
             head = "Tools: " + ", ".join(t["function"]["name"] for t in tools) + "\n"
         roles = {"user": "Q: {}\nA:", "assistant": " {}</s>", "tool": "R: {}\nA:"}
-        return head + "".join(roles[m["role"]].format(m["content"]) for m in turns if m["role"] in roles)
+        return head + "".join(
+            roles[m["role"]].format(m["content"]) for m in turns if m["role"] in roles
+        )
 
 
 class ScriptedPolicy:
-    """A hybrid engine whose policy calls the calculator on a question and answers after a result; it
-    records the prompts it is given."""
+    """A hybrid engine whose policy calls the calculator on a question and answers after a result;
+    it records the prompts it is given."""
 
     positions = 0  # rotary: no position table to fit
 
@@ -96,21 +100,33 @@ def test_a_tool_call_runs_and_the_conversation_is_printed(capsys):
         {"role": "tool", "name": "calculator", "content": "42"},
         {"role": "assistant", "content": ANSWER},
     ]
-    expected = {"response": ANSWER, "tokens": len(CALL) + len(ANSWER) + 2, "finished": True, "turns": turns}
+    expected = {
+        "response": ANSWER,
+        "tokens": len(CALL) + len(ANSWER) + 2,
+        "finished": True,
+        "turns": turns,
+    }
     assert rows == [{**expected, "tool_calls": 1}] * 2
 
     print_episodes(["What is 6 * 7?"], rows, SimpleNamespace(n=2, text=False))
     out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [o["sample"] for o in out] == [0, 1] and out[0]["turns"] == turns and out[0]["prompt"] == "What is 6 * 7?"
+    assert (
+        [o["sample"] for o in out] == [0, 1]
+        and out[0]["turns"] == turns
+        and out[0]["prompt"] == "What is 6 * 7?"
+    )
     print_episodes(["What is 6 * 7?"], rows[:1], SimpleNamespace(n=1, text=True))
-    assert capsys.readouterr().out == f"assistant: {CALL}\ntool[calculator]: 42\nassistant: {ANSWER}\n"
+    assert (
+        capsys.readouterr().out == f"assistant: {CALL}\ntool[calculator]: 42\nassistant: {ANSWER}\n"
+    )
 
 
 def test_the_last_turn_ends_the_episode_with_its_call_unanswered():
     tok = ByteTok()
     ppo, env = tool_environment("calculator", 1, "hermes", 128)
     runner = EpisodeRunner.of(ppo, env, tok, "template", Mesh())
-    assert not runner.multi_turn  # one turn: the call is the episode's last word
+    # one turn: the call is the episode's last word
+    assert not runner.multi_turn
     sp = SamplingParams(max_new_tokens=128)
     (row,) = play_episodes(ScriptedPolicy(tok), runner, tok, [as_example("What is 6 * 7?")], sp)
     assert row["turns"] == [{"role": "assistant", "content": CALL}] and row["response"] == CALL

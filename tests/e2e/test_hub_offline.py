@@ -1,5 +1,6 @@
-"""A hub id on a machine that cannot reach the hub: one fast probe, then offline — one clear line and
-exit 2 in seconds (the libraries' own retries took ~30 s), the log saying why it works offline."""
+"""A hub id on a machine that cannot reach the hub: one fast probe, then offline — one clear line
+and exit 2 in seconds (the libraries' own retries took ~30 s), the log saying why it works
+offline."""
 
 import os
 import socket
@@ -13,7 +14,8 @@ from tests.conftest import ENV, ROOT
 
 
 def _closed_port() -> int:
-    with socket.socket() as s:  # a port nothing listens on: connecting is refused at once
+    with socket.socket() as s:
+        # a port nothing listens on: connecting is refused at once
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -30,12 +32,14 @@ def _online_env() -> dict:
         (
             "data.path=no-such-org/no-such-data",
             "data.path=no-such-org/no-such-data: not a local file or directory, "
-            "and no copy of this hub dataset in the local cache (working offline: the hub cannot be reached",
+            "and no copy of this hub dataset in the local cache (working offline: the hub "
+            "cannot be reached",
         ),
         (
             "model.path=no-such-org/no-such-model",
             "model.path=no-such-org/no-such-model: no such directory, and no hub "
-            "model no-such-org/no-such-model in the local cache (working offline: the hub cannot be reached",
+            "model no-such-org/no-such-model in the local cache (working offline: the hub "
+            "cannot be reached",
         ),
     ],
 )
@@ -84,7 +88,8 @@ def test_no_hub_id_no_probe(monkeypatch):
     assert hub.settle([]) == "" and not asked
     assert not hub.looks_like_hub_id(os.getcwd()) and not hub.looks_like_hub_id("./x/y")
     assert hub.looks_like_hub_id("Anthropic/hh-rlhf") and hub.looks_like_hub_id("gpt2")
-    assert not hub.looks_like_hub_id("trian.jsonl", (".jsonl",))  # a data file's name (mistyped): no probe
+    # a data file's name (mistyped): no probe
+    assert not hub.looks_like_hub_id("trian.jsonl", (".jsonl",))
 
 
 def test_every_setting_that_names_a_hub_id_is_found():
@@ -95,7 +100,11 @@ def test_every_setting_that_names_a_hub_id_is_found():
     dcfg = OmegaConf.create(
         {
             "model": {"path": "Qwen/Qwen2.5-0.5B"},
-            "ppo": {"reward_model_path": "org/rm-a,org/rm-b", "actor_path": None, "critic_path": None},
+            "ppo": {
+                "reward_model_path": "org/rm-a,org/rm-b",
+                "actor_path": None,
+                "critic_path": None,
+            },
             "data": {
                 "path": None,
                 "eval_path": "local.jsonl",

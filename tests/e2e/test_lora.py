@@ -1,7 +1,7 @@
 """LoRA through the CLI: resume is exact, PPO runs with the adapters-off reference and exports the
-merged actor and the adapter, and a model without an injection policy (a GPT-2 with Conv1D layers and
-attention scaled by layer, which the inference modules refuse) falls back to HF generate and still
-exports correctly."""
+merged actor and the adapter, and a model without an injection policy (a GPT-2 with Conv1D layers
+and attention scaled by layer, which the inference modules refuse) falls back to HF generate and
+still exports correctly."""
 
 import json
 import shutil
@@ -20,7 +20,12 @@ def _weights(model_dir):
 
 def test_lora_sft_resume_is_exact_and_exports_merged(tmp_path):
     run = tmp_path / "run"
-    args = [*quick_sft_args(run, steps=12), "train.save_every=6", "model.lora.r=8", "model.lora.alpha=16"]
+    args = [
+        *quick_sft_args(run, steps=12),
+        "train.save_every=6",
+        "model.lora.r=8",
+        "model.lora.alpha=16",
+    ]
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LoRA on the model: r=8" in proc.stderr
@@ -29,7 +34,8 @@ def test_lora_sft_resume_is_exact_and_exports_merged(tmp_path):
     assert not any("lora" in k for k in first)  # merged: a plain HF model
     cfg = json.loads((sft / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and cfg["peft_type"] == "LORA"
-    # drop the end of the run and rerun: it resumes from step 6 and lands on the same weights, bit for bit
+    # drop the end of the run and rerun: it resumes from step 6 and lands on the same weights, bit
+    # for bit
     shutil.rmtree(sft / "checkpoints" / "step_00000012")
     shutil.rmtree(sft / "model")
     proc = run_cli(*args)
@@ -40,18 +46,24 @@ def test_lora_sft_resume_is_exact_and_exports_merged(tmp_path):
     for k in first:
         assert torch.equal(first[k], again[k]), k
     # a rerun with other adapters does not resume from these checkpoints (exit 2, one line)
-    proc = run_cli(*[a for a in args if a != "model.lora.r=8"], "model.lora.r=4", "train.max_steps=13")
+    proc = run_cli(
+        *[a for a in args if a != "model.lora.r=8"], "model.lora.r=4", "train.max_steps=13"
+    )
     assert proc.returncode == 2 and "another lora" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_lora_ppo_uses_the_base_as_reference_and_exports(small_pipeline, tmp_path):
     shutil.copytree(small_pipeline, tmp_path / "run")
-    proc = run_cli(*quick_ppo(tmp_path / "run", "model.lora.r=8", "model.lora.critic=true", "train.lr=1e-3"))
+    proc = run_cli(
+        *quick_ppo(tmp_path / "run", "model.lora.r=8", "model.lora.critic=true", "train.lr=1e-3")
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LoRA on the actor" in proc.stderr and "LoRA on the critic" in proc.stderr
     r = [x for x in rows(tmp_path / "run" / "ppo" / "metrics.jsonl") if "reward/mean" in x]
-    assert r[0]["kl/mean"] == 0.0  # the reference is the actor's own base: no KL before the first update
-    assert r[-1]["kl/mean"] != 0.0  # ... and the adapters moved the policy away from it
+    # the reference is the actor's own base: no KL before the first update
+    assert r[0]["kl/mean"] == 0.0
+    # ... and the adapters moved the policy away from it
+    assert r[-1]["kl/mean"] != 0.0
     ppo = tmp_path / "run" / "ppo"
     for d in ("actor", "critic"):
         assert not any("lora" in k for k in _weights(ppo / d))
@@ -61,13 +73,14 @@ def test_lora_ppo_uses_the_base_as_reference_and_exports(small_pipeline, tmp_pat
     sft, actor = _weights(tmp_path / "run" / "sft" / "model"), _weights(ppo / "actor")
     assert torch.equal(sft["model.embed_tokens.weight"], actor["model.embed_tokens.weight"])
     assert not torch.equal(
-        sft["model.layers.0.self_attn.q_proj.weight"], actor["model.layers.0.self_attn.q_proj.weight"]
+        sft["model.layers.0.self_attn.q_proj.weight"],
+        actor["model.layers.0.self_attn.q_proj.weight"],
     )
 
 
 def tiny_gpt2(path, **config):
-    """A tiny GPT-2 (Conv1D projections) with a byte-level BPE tokenizer that has a pad token, saved as a
-    Hugging Face directory; ``config``: further GPT2Config fields."""
+    """A tiny GPT-2 (Conv1D projections) with a byte-level BPE tokenizer that has a pad token, saved
+    as a Hugging Face directory; ``config``: further GPT2Config fields."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -77,7 +90,9 @@ def tiny_gpt2(path, **config):
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    corpus = synthetic.tokenizer_corpus(SyntheticConfig()) + ["Human: hello Assistant: hi, how can I help?"]
+    corpus = synthetic.tokenizer_corpus(SyntheticConfig()) + [
+        "Human: hello Assistant: hi, how can I help?"
+    ]
     bpe.train_from_iterator(
         corpus,
         trainer=trainers.BpeTrainer(
@@ -137,11 +152,16 @@ def test_lora_on_a_model_without_policy_falls_back_and_exports(tmp_path, real_da
         "engine.precision=fp32",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "scale_attn_by_inverse_layer_idx=True is not supported by the inference modules" in proc.stderr
+    assert (
+        "scale_attn_by_inverse_layer_idx=True is not supported by the inference modules"
+        in proc.stderr
+    )
     assert "generating with HF generate instead" in proc.stderr
     assert "LoRA on the model: r=4 alpha=16 on c_attn,c_fc,c_proj" in proc.stderr
     merged = AutoModelForCausalLM.from_pretrained(run / "sft" / "model").eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), run / "sft" / "adapter").eval()
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), run / "sft" / "adapter"
+    ).eval()
     base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
     ids = torch.arange(3, 40)[None]
     with torch.no_grad():

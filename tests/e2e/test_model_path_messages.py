@@ -29,7 +29,11 @@ def no_tokenizer(tmp):
 
 CASES = [
     # a relative path under a directory that exists here reads as org/name, but is a missing run
-    ("missing_relative_path", lambda tmp: "tests/no_such_run", "model.path=tests/no_such_run: no such directory"),
+    (
+        "missing_relative_path",
+        lambda tmp: "tests/no_such_run",
+        "model.path=tests/no_such_run: no such directory",
+    ),
     (
         "missing_deep_relative_path",
         lambda tmp: "runs/no_such_run/sft/model",
@@ -39,13 +43,15 @@ CASES = [
     (
         "hub_id_offline",
         lambda tmp: "no-such-org/no-such-model",
-        "model.path=no-such-org/no-such-model: no such directory, and no hub model no-such-org/no-such-model in the "
+        "model.path=no-such-org/no-such-model: no such directory, and no hub model "
+        "no-such-org/no-such-model in the "
         "local cache (working offline: HF_HUB_OFFLINE=1)",
     ),
     (
         "config_without_tokenizer",
         no_tokenizer,
-        ": no tokenizer files (tokenizer.json / tokenizer_config.json / tokenizer.model / vocab.json / ...) in ",
+        ": no tokenizer files (tokenizer.json / tokenizer_config.json / tokenizer.model / "
+        "vocab.json / ...) in ",
     ),
 ]
 

@@ -20,8 +20,8 @@ def gold_of(path):
 
 
 # the least gain over 30 iterations each learning test accepts, from the default SFT model (and, for
-# GAE, the default reward model); measured (run.seed 1234, 128 prompts × 2, gold 0.531 at the start):
-# GAE +0.15 (reward/gold_corr 0.64 on average), GRPO +0.17, RLOO +0.15, REINFORCE++ +0.18.
+# GAE, the default reward model); measured (run.seed 1234, 128 prompts × 2, gold 0.531 at the
+# start): GAE +0.15 (reward/gold_corr 0.64 on average), GRPO +0.17, RLOO +0.15, REINFORCE++ +0.18.
 GAIN = {"gae": 0.1, "grpo": 0.1, "rloo": 0.1, "reinforce_pp": 0.1}
 
 
@@ -43,17 +43,20 @@ def quick_ppo(run_dir, *extra):
         "engine.precision=fp32",
         "ppo.min_rm_accuracy=0",
         *extra,
-    ]  # a 30-step reward model: below the default gate
+        # a 30-step reward model: below the default gate
+    ]
 
 
-@pytest.mark.slow  # about 3 minutes; the recipe's targets (docs/stages.md "Learning over seeds")
+# about 3 minutes; the recipe's targets (docs/stages.md "Learning over seeds")
+@pytest.mark.slow
 def test_default_ppo_beats_sft(default_reward_run):
     proc = run_cli("stage=ppo", f"run.dir={default_reward_run}", timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = default_reward_run / "ppo"
     gold = gold_of(out / "metrics.jsonl")
     sft_gold = gold_of(default_reward_run / "sft" / "metrics.jsonl")[-1]
-    assert gold[0] == pytest.approx(sft_gold)  # the same prompts and decoding as the SFT stage's
+    # the same prompts and decoding as the SFT stage's
+    assert gold[0] == pytest.approx(sft_gold)
     assert gold[-1] >= sft_gold + 0.25, (sft_gold, gold)
     steps = [r for r in rows(out / "metrics.jsonl") if "reward/mean" in r]
     assert max(r["kl/mean"] for r in steps) < 3.0
@@ -69,8 +72,9 @@ def test_default_ppo_beats_sft(default_reward_run):
 
 
 def test_grpo_with_rule_reward_raises_gold(default_sft_run, tmp_path):
-    """GRPO with the gold rule as reward, 30 iterations from the default SFT model (the recipe's full 80
-    are bench/seeds.py's and tests/e2e/test_seeds.py's): gold rises, and no critic is loaded or saved."""
+    """GRPO with the gold rule as reward, 30 iterations from the default SFT model (the recipe's
+    full 80 are bench/seeds.py's and tests/e2e/test_seeds.py's): gold rises, and no critic is loaded
+    or saved."""
     gold = short_learning_run(
         default_sft_run,
         tmp_path,
@@ -80,7 +84,8 @@ def test_grpo_with_rule_reward_raises_gold(default_sft_run, tmp_path):
     )
     assert gold[-1] >= gold[0] + GAIN["grpo"], gold
     assert not (tmp_path / "ppo" / "critic").exists()
-    # the first 4 rollouts at steps 1, 10, 20, 30 (logger.samples_every=10), with their reward's parts
+    # the first 4 rollouts at steps 1, 10, 20, 30 (logger.samples_every=10), with their reward's
+    # parts
     samples = [json.loads(x) for x in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
     rollouts = [s for s in samples if s["kind"] == "rollout"]
     assert [s["step"] for s in rollouts] == [k for k in (1, 10, 20, 30) for _ in range(4)]
@@ -117,17 +122,20 @@ def short_learning_run(sft_run, run_dir, *extra):
     return gold_of(run_dir / "ppo" / "metrics.jsonl")
 
 
-@pytest.mark.slow  # ~60 s; learning is bench/seeds.py's claim; the default run's representative: GRPO's above
+# ~60 s; learning is bench/seeds.py's claim; the default run's representative: GRPO's above
+@pytest.mark.slow
 def test_gae_ppo_with_the_reward_model_raises_gold(default_reward_run, tmp_path):
-    """PPO with a critic on the default reward model's scores (the pipeline's own path, no gold rule in
-    the reward): 30 iterations must raise the held-out gold, and the reward must track the gold."""
+    """PPO with a critic on the default reward model's scores (the pipeline's own path, no gold rule
+    in the reward): 30 iterations must raise the held-out gold, and the reward must track the
+    gold."""
     gold = short_learning_run(default_reward_run, tmp_path)
     assert gold[-1] >= gold[0] + GAIN["gae"], gold
     steps = [r for r in rows(tmp_path / "ppo" / "metrics.jsonl") if "reward/gold_corr" in r]
     assert sum(r["reward/gold_corr"] for r in steps) / len(steps) > 0.5, steps[-1]
 
 
-@pytest.mark.slow  # ~30 s each; their mechanics run by default (test_other_estimators_run), learning: GRPO's
+# ~30 s each; their mechanics run by default (test_other_estimators_run), learning: GRPO's
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
 def test_critic_free_estimators_raise_gold(default_sft_run, tmp_path, estimator):
     """RLOO and REINFORCE++ with the gold rule as reward: 30 iterations must raise the held-out gold
@@ -151,7 +159,9 @@ def test_other_estimators_run(small_pipeline, tmp_path, estimator):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = [x for x in rows(tmp_path / "run" / "ppo" / "metrics.jsonl") if "reward/mean" in x]
     assert len(r) == 4 and all("critic/loss" not in x for x in r)
-    for x in r:  # reward/mean is the sum of its logged parts: the reward model's score and the no-EOS penalty
+    for x in r:
+        # reward/mean is the sum of its logged parts: the reward model's score and the no-EOS
+        # penalty
         assert x["reward/model"] + x["reward/penalty"] == pytest.approx(x["reward/mean"], abs=1e-6)
         assert "reward/rule" not in x  # no rule reward in this run
 
@@ -179,7 +189,9 @@ def test_hybrid_and_hf_give_identical_greedy_experience(small_pipeline, tmp_path
     for hybrid in ("true", "false"):
         d = tmp_path / hybrid
         shutil.copytree(small_pipeline, d)
-        proc = run_cli(*quick_ppo(d, "ppo.temperature=0", f"engine.hybrid={hybrid}", "train.max_steps=1"))
+        proc = run_cli(
+            *quick_ppo(d, "ppo.temperature=0", f"engine.hybrid={hybrid}", "train.max_steps=1")
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         firsts.append(next(x for x in rows(d / "ppo" / "metrics.jsonl") if "reward/mean" in x))
     a, b = firsts
@@ -191,8 +203,11 @@ def test_hybrid_and_hf_give_identical_greedy_experience(small_pipeline, tmp_path
     "episodes",
     [
         (),
-        # 3-turn episodes, rewarded per turn (slow: the single-turn case is the default run's representative)
-        pytest.param(("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3"), marks=pytest.mark.slow),
+        # 3-turn episodes, rewarded per turn (slow: the single-turn case is the default run's
+        # representative)
+        pytest.param(
+            ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3"), marks=pytest.mark.slow
+        ),
     ],
     ids=["single_turn", "multi_turn"],
 )
@@ -202,7 +217,8 @@ def test_ppo_resume_after_sigkill(small_pipeline, tmp_path, episodes):
     ref, run = tmp_path / "ref", tmp_path / "run"
     shutil.copytree(small_pipeline, ref)
     shutil.copytree(small_pipeline, run)
-    args = ["train.max_steps=6", "train.save_every=2", "ppo.ema_decay=0.5", *episodes]  # the EMA resumes too
+    # the EMA resumes too
+    args = ["train.max_steps=6", "train.save_every=2", "ppo.ema_decay=0.5", *episodes]
     assert run_cli(*quick_ppo(ref, *args)).returncode == 0
     killed_at(quick_ppo(run, *args), run / "ppo/checkpoints/step_00000002/trainer_state.json")
     proc = run_cli(*quick_ppo(run, *args))
@@ -220,7 +236,11 @@ def test_nonfinite_rewards_skip_then_stop(small_pipeline, tmp_path):
 
     shutil.copytree(small_pipeline, tmp_path / "run")
     proc = run_cli(
-        *quick_ppo(tmp_path / "run", "ppo.reward_fn=tests.e2e.nan_reward.nan_reward", "ppo.max_nonfinite_in_a_row=2")
+        *quick_ppo(
+            tmp_path / "run",
+            "ppo.reward_fn=tests.e2e.nan_reward.nan_reward",
+            "ppo.max_nonfinite_in_a_row=2",
+        )
     )
     assert proc.returncode == 2
     assert "non-finite" in proc.stderr and "Traceback" not in proc.stderr
@@ -272,8 +292,9 @@ def test_ppo_gsm8k_smoke(real_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [r for r in rows(tmp_path / "ppo" / "metrics.jsonl") if "reward/rule" in r]
     assert len(steps) == 2
-    # a 3-step SFT model never writes the right '#### <n>' (reward/rule 0) and runs past 48 tokens on some
-    # rows (the no-EOS penalty); groups whose samples all scored alike were counted and refilled
+    # a 3-step SFT model never writes the right '#### <n>' (reward/rule 0) and runs past 48 tokens
+    # on some rows (the no-EOS penalty); groups whose samples all scored alike were counted and
+    # refilled
     for r in steps:
         assert r["reward/rule"] == 0.0 and r["reward/penalty"] < 0.0, r
         assert 0 <= r["dynamic/dropped_groups"] <= 4 * (r["dynamic/rounds"] + 1), r
@@ -286,8 +307,8 @@ def test_ppo_without_reward_model_exits_2(tmp_path):
 
 
 def test_grpo_with_current_practice(small_pipeline, tmp_path):
-    """Clip-higher, dynamic sampling, Dr.GRPO's token_sum_norm without std, the soft overlong penalty
-    and filter, MIS correction, and kl_coef=0 (no reference model at all) together."""
+    """Clip-higher, dynamic sampling, Dr.GRPO's token_sum_norm without std, the soft overlong
+    penalty and filter, MIS correction, and kl_coef=0 (no reference model at all) together."""
     import shutil
 
     shutil.copytree(small_pipeline, tmp_path / "run")
@@ -313,21 +334,29 @@ def test_grpo_with_current_practice(small_pipeline, tmp_path):
     r = [x for x in rows(tmp_path / "run" / "ppo" / "metrics.jsonl") if "reward/mean" in x]
     assert len(r) == 2
     for x in r:
-        assert x["kl/mean"] == 0.0  # no reference: the actor is its own reference
+        # no reference: the actor is its own reference
+        assert x["kl/mean"] == 0.0
         assert x["dynamic/dropped_groups"] >= 0 and "dynamic/rounds" in x and "reward/overlong" in x
-        assert x["rollout/logprob_abs_diff_max"] < 1e-4  # fp32: the inference mode matches training
+        # fp32: the inference mode matches training
+        assert x["rollout/logprob_abs_diff_max"] < 1e-4
         assert x["rollout/correction_mean"] == 1.0  # nothing to correct: MIS masks no token
 
 
 def test_sigterm_saves_a_ppo_checkpoint(small_pipeline, tmp_path):
-    """Slurm's SIGTERM before the kill: PPO saves where it is (actor, critic, trainer state) and exits 143."""
+    """Slurm's SIGTERM before the kill: PPO saves where it is (actor, critic, trainer state) and
+    exits 143."""
     import shutil
 
     from tests.e2e.test_sft import _stop_when_logging
 
     run = tmp_path / "run"
     shutil.copytree(small_pipeline, run)
-    cmd = [sys.executable, "-m", "rlhf", *quick_ppo(run, "train.max_steps=500", "train.log_every=1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf",
+        *quick_ppo(run, "train.max_steps=500", "train.log_every=1"),
+    ]
     code, err = _stop_when_logging(cmd, run / "ppo" / "metrics.jsonl", signal.SIGTERM, lines=3)
     assert code == 143, err[-2000:]
     assert "stopped by SIGTERM after step" in err
@@ -362,14 +391,20 @@ def test_a_failing_rerun_loses_no_metrics(small_pipeline, tmp_path):
 
 
 def test_models_from_anywhere(small_pipeline, tmp_path):
-    """ppo.actor_path, ppo.reward_model_path and ppo.critic_path start PPO from exported models outside
-    run.dir: the same first step as the run whose run.dir holds them (fp32, greedy, no reward scaling,
-    so the critic started from ppo.critic_path is the reward model as it is in both)."""
+    """ppo.actor_path, ppo.reward_model_path and ppo.critic_path start PPO from exported models
+    outside run.dir: the same first step as the run whose run.dir holds them (fp32, greedy, no
+    reward scaling, so the critic started from ppo.critic_path is the reward model as it is in
+    both)."""
     import shutil
 
     from safetensors.torch import load_file
 
-    same = ("recipe=embedded", "train.max_steps=1", "ppo.temperature=0", "algorithm.reward_norm=none")
+    same = (
+        "recipe=embedded",
+        "train.max_steps=1",
+        "ppo.temperature=0",
+        "algorithm.reward_norm=none",
+    )
     shutil.copytree(small_pipeline, tmp_path / "inside")
     assert run_cli(*quick_ppo(tmp_path / "inside", *same)).returncode == 0
     proc = run_cli(
@@ -391,15 +426,22 @@ def test_models_from_anywhere(small_pipeline, tmp_path):
     for k in ("reward/mean", "actor/loss", "critic/loss"):
         assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
     for name in ("actor", "critic"):
-        wa, wb = (load_file(str(tmp_path / d / "ppo" / name / "model.safetensors")) for d in ("inside", "outside"))
+        wa, wb = (
+            load_file(str(tmp_path / d / "ppo" / name / "model.safetensors"))
+            for d in ("inside", "outside")
+        )
         assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) == 0.0, name
     bad = run_cli(
         *quick_ppo(
-            tmp_path / "bad", f"ppo.actor_path={small_pipeline / 'sft' / 'model'}", "ppo.reward_model_path=/no/such/rm"
+            tmp_path / "bad",
+            f"ppo.actor_path={small_pipeline / 'sft' / 'model'}",
+            "ppo.reward_model_path=/no/such/rm",
         ),
         timeout=120,
     )
-    assert bad.returncode == 2 and "ppo.reward_model_path=/no/such/rm: no such directory" in bad.stderr
+    assert (
+        bad.returncode == 2 and "ppo.reward_model_path=/no/such/rm: no such directory" in bad.stderr
+    )
     actor = f"ppo.actor_path={small_pipeline / 'sft' / 'model'}"
     for extra, says in (
         ((f"ppo.reward_model_path={small_pipeline / 'sft' / 'model'}",), "not a reward model"),

@@ -8,12 +8,14 @@ import torch
 from tests.conftest import quick_sft_args, run_cli, score_cli
 
 
-@pytest.mark.slow  # the recipe's 1500 steps (~2 min); the export's behaviour: short_reward_run's tests below
+# the recipe's 1500 steps (~2 min); the export's behaviour: short_reward_run's tests below
+@pytest.mark.slow
 def test_default_reward_run(default_reward_run):
     out = default_reward_run / "reward"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if "eval/accuracy" in r][-1]
-    assert final["eval/accuracy"] >= 0.95, final  # the recipe's target (docs/stages.md "Learning over seeds")
+    # the recipe's target (docs/stages.md "Learning over seeds")
+    assert final["eval/accuracy"] >= 0.95, final
     assert final["eval/chosen_score"] > final["eval/rejected_score"]
     assert all(k in rows[0] for k in ("loss", "accuracy"))
     stats = json.loads((out / "model" / "reward_stats.json").read_text())
@@ -36,7 +38,8 @@ def test_hf_model_reproduces_stage_scores(short_reward_run):
     exs = held_out[:32]
     ours = scorer.score([e.prompt for e in exs], [e.chosen for e in exs])
     seqs = scorer.encode([e.prompt for e in exs], [e.chosen for e in exs])
-    with torch.no_grad():  # plain HF: one sequence at a time, no padding, HF's own pooling
+    with torch.no_grad():
+        # plain HF: one sequence at a time, no padding, HF's own pooling
         theirs = torch.stack([hf(input_ids=torch.tensor([s])).logits[0, 0] for s in seqs])
     assert (ours - theirs).abs().max().item() <= 1e-5
     right = scorer.score([e.prompt for e in exs], [e.chosen for e in exs])
@@ -51,7 +54,9 @@ def test_hf_model_reproduces_stage_scores(short_reward_run):
 
 def test_score_cli(short_reward_run, tmp_path):
     model_dir = short_reward_run / "reward" / "model"
-    proc = score_cli(model_dir, "--prompt", "Q: What is 03 + 45?\nA:", "--response", " The answer is 48.")
+    proc = score_cli(
+        model_dir, "--prompt", "Q: What is 03 + 45?\nA:", "--response", " The answer is 48."
+    )
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout.splitlines()[0])) == {"score", "normalized"}
 
@@ -63,7 +68,8 @@ def test_score_cli(short_reward_run, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(
         "".join(
-            json.dumps({"prompt": e.prompt, "chosen": e.chosen, "rejected": e.rejected}) + "\n" for e in held_out[:64]
+            json.dumps({"prompt": e.prompt, "chosen": e.chosen, "rejected": e.rejected}) + "\n"
+            for e in held_out[:64]
         )
     )
     proc = score_cli(model_dir, "--jsonl", pairs)
@@ -77,18 +83,22 @@ def test_score_cli(short_reward_run, tmp_path):
         (tmp_path / "nope", "no such directory"),
     ):
         proc = score_cli(bad, "--prompt", "x", "--response", "y")
-        assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert (
+            proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr
+        ), proc.stderr
 
 
 def test_reward_on_hh(default_sft_run, real_data, tmp_path):
-    """Real HH pairs end to end: the model must fit 32 of them (evaluated on the same 32). Scoring the
-    wrong position, swapping chosen and rejected or cutting the responses apart would leave it near
-    chance; a tiny arithmetic model cannot generalise on HH, so held-out accuracy would say nothing."""
+    """Real HH pairs end to end: the model must fit 32 of them (evaluated on the same 32). Scoring
+    the wrong position, swapping chosen and rejected or cutting the responses apart would leave it
+    near chance; a tiny arithmetic model cannot generalise on HH, so held-out accuracy would say
+    nothing."""
     import gzip
 
     pairs = tmp_path / "hh32.jsonl"
     with gzip.open(real_data / "hh-rlhf/harmless-base-test.jsonl.gz", "rt") as f:
-        lines = [x for x in f if len(x) < 1200][:32]  # short conversations: nothing is truncated away
+        # short conversations: nothing is truncated away
+        lines = [x for x in f if len(x) < 1200][:32]
     pairs.write_text("".join(lines))
     proc = run_cli(
         "stage=reward",
@@ -118,7 +128,8 @@ def test_reward_without_sft_exits_2(tmp_path):
 
 
 def test_reward_resume_after_checkpoint(tmp_path):
-    """A rerun with a larger train.max_steps resumes from the last checkpoint instead of starting over."""
+    """A rerun with a larger train.max_steps resumes from the last checkpoint instead of starting
+    over."""
     assert run_cli(*quick_sft_args(tmp_path, steps=10)).returncode == 0
     args = [
         "stage=reward",
@@ -132,13 +143,16 @@ def test_reward_resume_after_checkpoint(tmp_path):
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-2000:]
     again = run_cli(*args, "train.max_steps=9")
-    assert again.returncode == 0 and "resumed from" in again.stderr and "step_00000006" in again.stderr
+    assert (
+        again.returncode == 0 and "resumed from" in again.stderr and "step_00000006" in again.stderr
+    )
 
 
 @pytest.mark.slow  # ~36 s
 def test_later_stages_start_from_the_previous_output(tmp_path):
-    """model.path is the SFT stage's input: run_all.sh passes it to every stage, and the reward stage
-    must still start from the SFT output (reward.model_path chooses another start explicitly)."""
+    """model.path is the SFT stage's input: run_all.sh passes it to every stage, and the reward
+    stage must still start from the SFT output (reward.model_path chooses another start
+    explicitly)."""
     base, run = tmp_path / "base", tmp_path / "run"
     assert run_cli(*quick_sft_args(base, steps=2), "train.save_every=0").returncode == 0
     user_model = base / "sft" / "model"

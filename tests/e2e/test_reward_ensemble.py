@@ -1,6 +1,6 @@
-"""Reward-model ensembles through the CLI: the reward stage's k-member export (plain Hugging Face loads
-it, every member scores as rlhf.score says), PPO rewarded by the conservative combination with the
-disagreement logged every step, and the over-optimisation gate (fires, exports the best step's
+"""Reward-model ensembles through the CLI: the reward stage's k-member export (plain Hugging Face
+loads it, every member scores as rlhf.score says), PPO rewarded by the conservative combination with
+the disagreement logged every step, and the over-optimisation gate (fires, exports the best step's
 actor, resumes bit for bit)."""
 
 import json
@@ -40,18 +40,26 @@ def test_each_member_loads_in_hf_and_scores_like_rlhf_score(ensemble_pipeline, t
     ours = scorer.score([e.prompt for e in exs], [e.chosen for e in exs])
     assert ours.shape == (16, K)
     seqs = scorer.encode([e.prompt for e in exs], [e.chosen for e in exs])
-    with torch.no_grad():  # plain HF, one sequence at a time: member i is logit i
+    with torch.no_grad():
+        # plain HF, one sequence at a time: member i is logit i
         theirs = torch.stack([hf(input_ids=torch.tensor([s])).logits[0] for s in seqs])
     assert (ours - theirs).abs().max().item() <= 1e-5
     assert (ours[:, 0] - ours[:, 1]).abs().max().item() > 1e-3  # the members differ
     stats = json.loads((model_dir / "reward_stats.json").read_text())
     assert len(stats["members"]) == K
     assert stats["eval/member_accuracy_min"] <= stats["eval/member_accuracy_max"]
-    # each member's held-out mean is reproduced by the saved model (chosen and rejected of every pair)
-    rows = scorer.score([e.prompt for e in held_out] * 2, [e.chosen for e in held_out] + [e.rejected for e in held_out])
+    # each member's held-out mean is reproduced by the saved model (chosen and rejected of every
+    # pair)
+    rows = scorer.score(
+        [e.prompt for e in held_out] * 2,
+        [e.chosen for e in held_out] + [e.rejected for e in held_out],
+    )
     for i, m in enumerate(stats["members"]):
         assert abs(rows[:, i].mean().item() - m["mean"]) <= 1e-4, (i, m)
-        assert rows[:, i].min().item() >= m["min"] - 1e-4 and rows[:, i].max().item() <= m["max"] + 1e-4
+        assert (
+            rows[:, i].min().item() >= m["min"] - 1e-4
+            and rows[:, i].max().item() <= m["max"] + 1e-4
+        )
 
     proc = score_cli(model_dir, "--prompt", exs[0].prompt, "--response", exs[0].chosen)
     assert proc.returncode == 0, proc.stderr
@@ -79,18 +87,25 @@ def test_ppo_watches_disagreement_and_the_gate_stops(ensemble_pipeline, tmp_path
     assert len(stopped) == 1 and stopped[0] is steps[-1], steps[-1]
     best = int(stopped[0]["gate/best_step"])
     assert 5 <= best <= stopped[0]["step"] < 14
-    assert "the gate stops the run" in proc.stderr and f"exporting the actor of step {best}" in proc.stderr
+    assert (
+        "the gate stops the run" in proc.stderr
+        and f"exporting the actor of step {best}" in proc.stderr
+    )
     done = json.loads((run / "ppo" / "done.json").read_text())
     assert done["gate"]["best_step"] == best and done["gate"]["stopped_at"] == stopped[0]["step"]
     assert "ppo.stop_disagreement=1.05" in done["gate"]["why"]
-    rerun = run_cli(*quick_ppo(run, *GATE))  # a stopped run is finished: its rerun touches nothing
+    # a stopped run is finished: its rerun touches nothing
+    rerun = run_cli(*quick_ppo(run, *GATE))
     assert rerun.returncode == 0 and "already" in rerun.stderr.lower(), rerun.stderr[-1000:]
     # the critic started from the members' mean: one head
-    assert json.loads((run / "ppo" / "critic" / "config.json").read_text()).get("num_labels", 1) == 1
+    assert (
+        json.loads((run / "ppo" / "critic" / "config.json").read_text()).get("num_labels", 1) == 1
+    )
     assert (run / "ppo" / "actor" / "model.safetensors").is_file()
 
 
-@pytest.mark.slow  # three PPO runs; the copy's save/load is the EMA's (test_ppo), the gate's state a unit test's
+# three PPO runs; the copy's save/load is the EMA's (test_ppo), the gate's state a unit test's
+@pytest.mark.slow
 def test_gate_resumes_bit_exactly_after_sigkill(ensemble_pipeline, tmp_path):
     from safetensors.torch import load_file
 
@@ -102,9 +117,14 @@ def test_gate_resumes_bit_exactly_after_sigkill(ensemble_pipeline, tmp_path):
     proc = run_cli(*quick_ppo(run, *GATE))
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
 
-    def numbers(rows):  # the gate's line less what the machine's speed decides
+    def numbers(rows):
+        # the gate's line less what the machine's speed decides
         line = [r for r in rows if r.get("gate/stopped")][-1]
-        return {k: v for k, v in line.items() if k.startswith(("reward/", "kl/", "gate/", "rollout/", "step"))}
+        return {
+            k: v
+            for k, v in line.items()
+            if k.startswith(("reward/", "kl/", "gate/", "rollout/", "step"))
+        }
 
     assert numbers(_rows(run)) == numbers(_rows(ref))
     a = load_file(str(ref / "ppo" / "actor" / "model.safetensors"))
@@ -132,7 +152,8 @@ def test_several_reward_models_are_one_ensemble(ensemble_pipeline, small_pipelin
     assert "ppo: reward models " in proc.stderr
     steps = [r for r in _rows(run) if "reward/mean" in r]
     assert steps and all(r["reward/ensemble_std"] > 0 for r in steps)
-    assert all(r["reward/model"] < r["reward/ensemble_mean"] for r in steps)  # the worst member, below the mean
+    # the worst member, below the mean
+    assert all(r["reward/model"] < r["reward/ensemble_mean"] for r in steps)
 
 
 def test_held_out_reward_is_the_reward_models_view_of_greedy_answers(small_pipeline, tmp_path):
@@ -161,13 +182,19 @@ def test_held_out_reward_is_the_reward_models_view_of_greedy_answers(small_pipel
         for p in prompts:  # one at a time: no padding
             ids = torch.tensor([tok(p)["input_ids"]])
             with torch.no_grad():
-                out = policy.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+                out = policy.generate(
+                    ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id
+                )
             answers.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
         return answers
 
     answers, after = greedy(run / "sft" / "model"), greedy(run / "ppo" / "actor")
     scores, scores_after = (scorer.normalize(scorer.score(prompts, a)) for a in (answers, after))
-    assert abs(evals[0]["eval/reward_greedy"] - scores.mean().item()) <= 1e-4, (evals[0], scores, answers)
+    assert abs(evals[0]["eval/reward_greedy"] - scores.mean().item()) <= 1e-4, (
+        evals[0],
+        scores,
+        answers,
+    )
     # the answers that changed since step 0, and the reward model's mean gain on them
     changed = [i for i in range(len(prompts)) if after[i] != answers[i]]
     assert evals[0]["eval/greedy_changed"] == 0.0

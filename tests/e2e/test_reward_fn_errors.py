@@ -12,7 +12,8 @@ LOG_LINE = re.compile(r"^\[\d\d:\d\d:\d\d rlhf\] ")  # the stage's own progress 
 
 @pytest.fixture(scope="module")
 def actor(tmp_path_factory):
-    """A tiny random Llama with a tokenizer (no SFT run needed: these runs stop at the rule reward)."""
+    """A tiny random Llama with a tokenizer (no SFT run needed: these runs stop at the rule
+    reward)."""
     from tests.e2e.test_tokenizer_pad import raw_model
 
     return raw_model(tmp_path_factory.mktemp("actor") / "model")
@@ -49,14 +50,18 @@ def test_an_unimportable_reward_fn_is_one_line(tmp_path, actor):
     proc = run_cli(*grpo(tmp_path, actor, "ppo.reward_fn=nosuchmodule.fn"), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     # before: Hydra's own 'Error getting callable at nosuchmodule.fn : ...' (three lines) came first
-    assert error_lines(proc.stderr) == [x for x in proc.stderr.splitlines() if "nosuchmodule" in x], proc.stderr
+    assert error_lines(proc.stderr) == [
+        x for x in proc.stderr.splitlines() if "nosuchmodule" in x
+    ], proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.strip()]  # the run's only line
     assert line.startswith("rlhf: error: ppo.reward_fn=nosuchmodule.fn: cannot import it: "), line
     assert not (tmp_path / "run").exists()
 
 
 def test_one_number_for_the_batch_is_refused_before_the_run(tmp_path, actor):
-    proc = run_cli(*grpo(tmp_path, actor, "ppo.reward_fn=tests.e2e.batch_reward.batch_mean"), timeout=120)
+    proc = run_cli(
+        *grpo(tmp_path, actor, "ppo.reward_fn=tests.e2e.batch_reward.batch_mean"), timeout=120
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert error_lines(proc.stderr) == [
         "rlhf: error: ppo.reward_fn=tests.e2e.batch_reward.batch_mean: it returned "
@@ -65,12 +70,15 @@ def test_one_number_for_the_batch_is_refused_before_the_run(tmp_path, actor):
 
 
 def test_a_reward_fn_raising_during_the_run_exits_2_naming_it(tmp_path, actor):
-    proc = run_cli(*grpo(tmp_path, actor, "ppo.reward_fn=tests.e2e.batch_reward.fails_on_text"), timeout=300)
+    proc = run_cli(
+        *grpo(tmp_path, actor, "ppo.reward_fn=tests.e2e.batch_reward.fails_on_text"), timeout=300
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
     assert re.match(
-        r"rlhf: error: ppo\.reward_fn=tests\.e2e\.batch_reward\.fails_on_text: calling it on a batch "
+        r"rlhf: error: ppo\.reward_fn=tests\.e2e\.batch_reward\.fails_on_text: calling it "
+        r"on a batch "
         r"of 4 responses failed: KeyError: .* at .*tests/e2e/batch_reward\.py:\d+$",
         line,
     ), line

@@ -1,6 +1,7 @@
 """model.disable_dropout through the stages: PPO (actor, reference) and DPO (policy, reference) on a
 GPT-2 whose config carries dropout 0.1 train and export without it, and say so once per model;
-model.disable_dropout=false keeps it and says that instead. (The ratio's numbers: tests/unit/test_dropout.py.)"""
+model.disable_dropout=false keeps it and says that instead. (The ratio's numbers:
+tests/unit/test_dropout.py.)"""
 
 import json
 
@@ -46,7 +47,12 @@ def test_ppo_and_dpo_run_and_export_without_dropout(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for role in ("actor", "reference"):
-        assert proc.stderr.count(f"dropout off in the {role} (model.disable_dropout=true; it had resid_pdrop=0.1") == 1
+        assert (
+            proc.stderr.count(
+                f"dropout off in the {role} (model.disable_dropout=true; it had resid_pdrop=0.1"
+            )
+            == 1
+        )
     assert set(dropouts(run / "ppo" / "actor").values()) == {0.0}
 
     proc = run_cli(
@@ -59,5 +65,8 @@ def test_ppo_and_dpo_run_and_export_without_dropout(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for role in ("policy", "reference"):
-        assert f"dropout kept on in the {role} (model.disable_dropout=false): resid_pdrop=0.1" in proc.stderr
+        assert (
+            f"dropout kept on in the {role} (model.disable_dropout=false): resid_pdrop=0.1"
+            in proc.stderr
+        )
     assert set(dropouts(run / "dpo" / "model").values()) == {0.1}

@@ -1,8 +1,8 @@
 """The rollout-parity guard end to end: an inference copy that does not match the training weights
-(tests/faults/fault_corrupt_inference.py: one layer's matrix perturbed when the hybrid engine builds it)
-stops PPO before that step's update with exit 2 and one line; ppo.rollout_guard=rebuild rebuilds the
-inference weights, regenerates and goes on when the fault was passing. Healthy runs: every other PPO
-test runs with the guard on (its default)."""
+(tests/faults/fault_corrupt_inference.py: one layer's matrix perturbed when the hybrid engine builds
+it) stops PPO before that step's update with exit 2 and one line; ppo.rollout_guard=rebuild rebuilds
+the inference weights, regenerates and goes on when the fault was passing. Healthy runs: every other
+PPO test runs with the guard on (its default)."""
 
 import shutil
 
@@ -24,26 +24,33 @@ def stepped(metrics) -> dict:
 def test_a_corrupted_inference_copy_stops_the_first_step(small_pipeline, tmp_path):
     shutil.copytree(small_pipeline, tmp_path / "run")
     run = tmp_path / "run"
-    proc = run_cli(*quick_ppo(run, "train.max_steps=2"), env=fault_env("corrupt_inference", "always"))
+    proc = run_cli(
+        *quick_ppo(run, "train.max_steps=2"), env=fault_env("corrupt_inference", "always")
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     # the threshold in force is said at the start
-    assert "rollout guard: rollout/logprob_abs_diff_mean above 0.001 (the fp32 default" in proc.stderr
+    assert (
+        "rollout guard: rollout/logprob_abs_diff_mean above 0.001 (the fp32 default" in proc.stderr
+    )
     (line,) = error_lines(proc.stderr)
     assert "ppo: step 1:" in line and f"{METRIC}=" in line and "against 0.001" in line
     assert "llama, inference dtype fp32 (training fp32), TP 1, kernels auto, decode dynamic" in line
     measured = float(line.split(f"{METRIC}=")[1].split()[0])
-    assert measured > 0.1, line  # the corruption (~0.7) against fp32's healthy ~1e-7
+    # the corruption (~0.7) against fp32's healthy ~1e-7
+    assert measured > 0.1, line
     # stopped before the update: no step line, no checkpoint, no export
     assert stepped(run / "ppo" / "metrics.jsonl") == {}
-    assert not list((run / "ppo").glob("checkpoints/step_*")) and not (run / "ppo" / "actor").exists()
+    assert (
+        not list((run / "ppo").glob("checkpoints/step_*")) and not (run / "ppo" / "actor").exists()
+    )
 
 
 def test_rebuild_after_a_passing_fault_goes_on_and_a_lasting_one_stops(small_pipeline, tmp_path):
     """``once``: only the first inference copy is corrupted — kept between calls
-    (engine.release_inference_cache=false), so without a rebuild step 1 would regenerate with it; the
-    rebuild drops it and the run finishes. ``always`` on the resumed run: rebuilt, still off, stopped at
-    step 3 with the checkpoint of step 2 and its metrics as they were."""
+    (engine.release_inference_cache=false), so without a rebuild step 1 would regenerate with it;
+    the rebuild drops it and the run finishes. ``always`` on the resumed run: rebuilt, still off,
+    stopped at step 3 with the checkpoint of step 2 and its metrics as they were."""
     shutil.copytree(small_pipeline, tmp_path / "run")
     run = tmp_path / "run"
     rebuild = ("ppo.rollout_guard=rebuild", "engine.release_inference_cache=false")

@@ -1,6 +1,6 @@
-"""Learning that holds for seeds other than the default: the embedded pipeline (SFT → reward → PPO with
-the reward model, and GRPO with the rule reward from the same SFT policy) through bench/seeds.py, with
-the recipe's per-seed targets (docs/stages.md, "Learning over seeds")."""
+"""Learning that holds for seeds other than the default: the embedded pipeline (SFT → reward → PPO
+with the reward model, and GRPO with the rule reward from the same SFT policy) through
+bench/seeds.py, with the recipe's per-seed targets (docs/stages.md, "Learning over seeds")."""
 
 import json
 import subprocess
@@ -14,7 +14,8 @@ SEEDS = (1, 3)
 
 
 def figures(stdout: str) -> dict:
-    """{seed: {metric: value}} from the bench's JSON lines (the per-seed ones, not min/median/max)."""
+    """{seed: {metric: value}} from the bench's JSON lines (the per-seed ones, not
+    min/median/max)."""
     out = {}
     for line in stdout.splitlines():
         row = json.loads(line)
@@ -23,7 +24,8 @@ def figures(stdout: str) -> dict:
     return out
 
 
-@pytest.mark.slow  # two whole pipelines (≈ 15 minutes on 2 cores)
+# two whole pipelines (≈ 15 minutes on 2 cores)
+@pytest.mark.slow
 def test_two_other_seeds_meet_the_targets(tmp_path):
     proc = subprocess.run(
         [
@@ -51,4 +53,6 @@ def test_two_other_seeds_meet_the_targets(tmp_path):
         assert f["rm_accuracy"] >= 0.95, where
         assert "ppo_refused" not in f, where
         assert f["ppo_gain"] >= 0.25 and f["ppo_gold_greedy"] >= f["sft_gold_greedy"] - 0.02, where
-        assert f["grpo_gain"] >= 0.25 and f["grpo_gold_greedy"] >= f["sft_gold_greedy"] - 0.02, where
+        assert f["grpo_gain"] >= 0.25 and f["grpo_gold_greedy"] >= f["sft_gold_greedy"] - 0.02, (
+            where
+        )

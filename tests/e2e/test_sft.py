@@ -33,16 +33,18 @@ def test_default_sft_run(default_sft_run):
     assert losses[-1] <= 0.5 * losses[0], losses
     assert all(k in rows[0] for k in ("loss", "lr", "samples_per_s"))
     final = [r for r in rows if "gold/score" in r][-1]
-    # the recipe's targets (docs/stages.md "Learning over seeds"): the arithmetic learnt (greedy), the data's
-    # own errors still sampled (room for RL)
+    # the recipe's targets (docs/stages.md "Learning over seeds"): the arithmetic learnt (greedy),
+    # the data's own errors still sampled (room for RL)
     assert final["gold/score_greedy"] >= 0.8 and 0.25 <= final["gold/score"] <= 0.7, final
     assert "eval/loss" in final
     assert list((out / "checkpoints").iterdir()), "checkpoints are written by default"
-    # what the policy writes, while it trains: the first 4 held-out prompts at every evaluation, sampled
-    # and greedy, each scored by the gold rule; one shown on the console
+    # what the policy writes, while it trains: the first 4 held-out prompts at every evaluation,
+    # sampled and greedy, each scored by the gold rule; one shown on the console
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     last = [s for s in samples if s["step"] == final["step"]]
-    assert sorted((s["kind"], s["index"]) for s in last) == [(k, i) for k in ("eval", "eval_greedy") for i in range(4)]
+    assert sorted((s["kind"], s["index"]) for s in last) == [
+        (k, i) for k in ("eval", "eval_greedy") for i in range(4)
+    ]
     assert {s["step"] for s in samples} == {r["step"] for r in rows if "gold/score" in r}
     for s in last:
         assert "What is" in s["prompt"] and s["gold"] == gold(s["response"], s["reference"]), s
@@ -64,10 +66,13 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
 
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "rlhf", *quick_sft_args(run, steps=45), *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while (
-        time.time() < deadline and not (run / "sft" / "checkpoints" / "step_00000015" / "trainer_state.json").exists()
+        time.time() < deadline
+        and not (run / "sft" / "checkpoints" / "step_00000015" / "trainer_state.json").exists()
     ):
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
@@ -84,7 +89,9 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
     assert steps == sorted(set(steps)), "metrics.jsonl holds each step once after resume"
 
 
-@pytest.mark.parametrize("fmt, rel", [("gsm8k", "gsm8k/train.jsonl.gz"), ("hh", "hh-rlhf/harmless-base-test.jsonl.gz")])
+@pytest.mark.parametrize(
+    "fmt, rel", [("gsm8k", "gsm8k/train.jsonl.gz"), ("hh", "hh-rlhf/harmless-base-test.jsonl.gz")]
+)
 def test_real_data_sft(real_data, tmp_path, fmt, rel):
     proc = run_cli(
         "stage=sft",
@@ -108,7 +115,8 @@ def test_real_data_sft(real_data, tmp_path, fmt, rel):
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < 0.9 * first, (first, last)  # it learns the real data (measured: hh 6.04 → 5.14, gsm8k more)
+    # it learns the real data (measured: hh 6.04 → 5.14, gsm8k more)
+    assert last < 0.9 * first, (first, last)
     final = rows[-1]
     assert "eval/loss" in final
     assert ("gold/score" in final) == (fmt == "gsm8k")
@@ -116,7 +124,10 @@ def test_real_data_sft(real_data, tmp_path, fmt, rel):
 
 def test_wandb_offline_logging(tmp_path):
     proc = run_cli(
-        *quick_sft_args(tmp_path, steps=3), "train.save_every=0", "logger.wandb=offline", env={"WANDB_MODE": "offline"}
+        *quick_sft_args(tmp_path, steps=3),
+        "train.save_every=0",
+        "logger.wandb=offline",
+        env={"WANDB_MODE": "offline"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
@@ -128,8 +139,8 @@ def test_wandb_offline_logging(tmp_path):
 def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):
     """A rerun with other lengths, another model, other data records (another run.seed draws other
     records and another split; another generator setting other responses) or fewer steps than the
-    checkpoint's stops with one line saying what differs and how to start over; run.resume=<step dir>
-    resumes from that step."""
+    checkpoint's stops with one line saying what differs and how to start over; run.resume=<step
+    dir> resumes from that step."""
     args = [*quick_sft_args(tmp_path, steps=4), "train.save_every=2", "train.keep_checkpoints=3"]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -144,19 +155,29 @@ def test_rerun_that_does_not_match_its_checkpoint_exits_2(tmp_path):
         proc = run_cli(*args, *extra)
         assert proc.returncode == 2, (extra, proc.stderr[-2000:])
         lines = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
-        assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, (
+            proc.stderr[-2000:]
+        )
         assert tree_digest(tmp_path / "sft") == before  # nothing of the earlier run was touched
     chosen = tmp_path / "sft" / "checkpoints" / "step_00000002"
     proc = run_cli(*args, "run.resume=step_00000002")
-    assert proc.returncode == 0 and f"resumed from {chosen} (step 2)" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 0 and f"resumed from {chosen} (step 2)" in proc.stderr, proc.stderr[
+        -2000:
+    ]
     proc = run_cli(*args, "run.resume=step_00000099")
-    assert proc.returncode == 2 and "run.resume=step_00000099: not a complete checkpoint" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "run.resume=step_00000099: not a complete checkpoint" in proc.stderr
+    )
 
 
 def _stop_when_logging(cmd, metrics, sig, lines=3, timeout=300, reader_leaves=False):
-    """Starts ``cmd``, sends ``sig`` once ``metrics`` has ``lines`` lines, returns (exit code, stderr).
-    ``reader_leaves``: the console's reader closes its end first (``| tee log`` and Ctrl-C: tee ends too)."""
-    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """Starts ``cmd``, sends ``sig`` once ``metrics`` has ``lines`` lines, returns (exit code,
+    stderr). ``reader_leaves``: the console's reader closes its end first (``| tee log`` and Ctrl-C:
+    tee ends too)."""
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + timeout
     while time.time() < deadline and p.poll() is None:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= lines:
@@ -181,15 +202,19 @@ def test_sigint_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path, reader_
         reader_leaves=reader_leaves,
     )
     assert code == 130, err[-2000:]
-    if reader_leaves:  # nobody reads the line: the checkpoint it would name is there
+    if reader_leaves:
+        # nobody reads the line: the checkpoint it would name is there
         (ckpt,) = (tmp_path / "sft" / "checkpoints").iterdir()
         assert ckpt.name.startswith("step_") and (ckpt / "trainer_state.json").is_file()
         return
     line = [x for x in err.splitlines() if x.startswith("rlhf: ")][-1]
-    assert line.startswith("rlhf: stopped by SIGINT after step") and "rerun the same command to resume" in line
+    assert (
+        line.startswith("rlhf: stopped by SIGINT after step")
+        and "rerun the same command to resume" in line
+    )
     step = int(line.split("after step ")[1].split(";")[0])
     assert (tmp_path / "sft" / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").is_file()
     proc = run_cli(*quick_sft_args(tmp_path, steps=step + 2), "train.save_every=0")
-    assert proc.returncode == 0 and f"(step {step})" in proc.stderr and "resumed from" in proc.stderr, proc.stderr[
-        -2000:
-    ]
+    assert (
+        proc.returncode == 0 and f"(step {step})" in proc.stderr and "resumed from" in proc.stderr
+    ), proc.stderr[-2000:]

@@ -22,8 +22,10 @@ NAME = "smollm2-135m-instruct"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2's vocabulary
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+    "Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
@@ -36,14 +38,24 @@ def smol_shaped(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    texts = [arith.question_text(a, b) + f" {a + b}" for a in range(0, 100, 7) for b in range(3, 100, 11)]
-    texts += ["system user assistant You are a helpful AI assistant named SmolLM, trained by Hugging Face"] * 5
+    texts = [
+        arith.question_text(a, b) + f" {a + b}" for a in range(0, 100, 7) for b in range(3, 100, 11)
+    ]
+    texts += [
+        "system user assistant You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    ] * 5
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=SPECIALS[1], eos_token=SPECIALS[2], pad_token=SPECIALS[2], unk_token=SPECIALS[0]
+        tokenizer_object=tok,
+        bos_token=SPECIALS[1],
+        eos_token=SPECIALS[2],
+        pad_token=SPECIALS[2],
+        unk_token=SPECIALS[0],
     )
     fast.chat_template = SMOL_TEMPLATE
     cfg = LlamaConfig(
@@ -72,7 +84,9 @@ def fake_cache(tmp_path_factory):
     """A model cache holding the stand-in under the recipe's model name, as a finished fetch."""
     root = tmp_path_factory.mktemp("models")
     smol_shaped(root / NAME)
-    (root / NAME / get.PROVENANCE).write_text(json.dumps({"name": NAME, "note": "a test's stand-in"}))
+    (root / NAME / get.PROVENANCE).write_text(
+        json.dumps({"name": NAME, "note": "a test's stand-in"})
+    )
     return root
 
 
@@ -91,16 +105,33 @@ CUT = [
 
 def test_recipe_runs_on_a_model_of_its_kind_by_name(fake_cache, tmp_path):
     run = tmp_path / "run"
-    proc = run_cli("stage=ppo", "recipe=smollm2_arith", f"run.dir={run}", *CUT, env={get.CACHE_ENV: str(fake_cache)})
+    proc = run_cli(
+        "stage=ppo",
+        "recipe=smollm2_arith",
+        f"run.dir={run}",
+        *CUT,
+        env={get.CACHE_ENV: str(fake_cache)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"ppo: starting from {fake_cache / NAME} (model.path" in proc.stderr and "ppo (grpo)" in proc.stderr
+    assert (
+        f"ppo: starting from {fake_cache / NAME} (model.path" in proc.stderr
+        and "ppo (grpo)" in proc.stderr
+    )
     assert "first use" not in proc.stderr  # the cache's model, no fetch
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/rule" in r]
     assert len(steps) == 2 and all(r["rollout/logprob_abs_diff_mean"] < 1e-4 for r in steps)
-    assert "gold/score" in rows[0] and "gold/score_greedy" in rows[-1] and not any("critic/loss" in r for r in rows)
+    assert (
+        "gold/score" in rows[0]
+        and "gold/score_greedy" in rows[-1]
+        and not any("critic/loss" in r for r in rows)
+    )
     saved = (run / "ppo" / "config.yaml").read_text()
-    assert "format: arith" in saved and "min_operand: 10" in saved and f"path: {fake_cache / NAME}" in saved
+    assert (
+        "format: arith" in saved
+        and "min_operand: 10" in saved
+        and f"path: {fake_cache / NAME}" in saved
+    )
 
 
 def test_prompts_go_through_the_models_chat_template(fake_cache):
@@ -110,11 +141,15 @@ def test_prompts_go_through_the_models_chat_template(fake_cache):
     from rlhf.data.chat import Renderer, resolve_template
 
     tok = AutoTokenizer.from_pretrained(fake_cache / NAME)
-    _, held = arith.generate(SyntheticConfig(num_records=4, min_operand=10, max_operand=49), 2, seed=0)
+    _, held = arith.generate(
+        SyntheticConfig(num_records=4, min_operand=10, max_operand=49), 2, seed=0
+    )
     ids = Renderer(tok, resolve_template(tok, "auto")).prompt_ids(held[0].chat.prompt)
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert text.endswith(f"<|im_start|>user\n{held[0].chat.prompt[0]['content']}<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith(
+        f"<|im_start|>user\n{held[0].chat.prompt[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+    )
     # SFT's sequence of the same record: the prompt, then the answer closed by <|im_end|> (EOS)
     seq, mask, _ = Renderer(tok, resolve_template(tok, "auto")).encode(
         [held[0].chat.prompt + [{"role": "assistant", "content": held[0].chat.response}]], ["r"]
@@ -145,7 +180,11 @@ def test_real_model_greedy_equals_hf_generate(real_model):
     tok = AutoTokenizer.from_pretrained(real_model)
     model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
     render = Renderer(tok, resolve_template(tok, "auto"))
-    questions = ["What is the capital of France?", arith.question_text(34, 36), arith.question_text(17, 25)]
+    questions = [
+        "What is the capital of France?",
+        arith.question_text(34, 36),
+        arith.question_text(17, 25),
+    ]
     prompts = [render.prompt_ids([{"role": "user", "content": q}]) for q in questions]
     ref = hf_greedy(model, prompts, 40)
     eng = TrainEngine(model, Mesh(), EngineConfig(), TrainConfig(lr=1e-6, warmup_steps=0))
@@ -158,26 +197,36 @@ def test_real_model_greedy_equals_hf_generate(real_model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,bound", [("fp32", 1e-4), ("bf16", 0.05)])
-def test_real_model_rollout_logprobs_equal_the_training_recompute(real_model, tmp_path, precision, bound):
+def test_real_model_rollout_logprobs_equal_the_training_recompute(
+    real_model, tmp_path, precision, bound
+):
     run = tmp_path / "run"
-    cut = [c for c in CUT if not c.startswith("engine.precision")] + [f"engine.precision={precision}"]
+    cut = [c for c in CUT if not c.startswith("engine.precision")] + [
+        f"engine.precision={precision}"
+    ]
     proc = run_cli("stage=ppo", "recipe=smollm2_arith", f"run.dir={run}", *cut, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
-    diffs = [r["rollout/logprob_abs_diff_mean"] for r in rows if "rollout/logprob_abs_diff_mean" in r]
+    diffs = [
+        r["rollout/logprob_abs_diff_mean"] for r in rows if "rollout/logprob_abs_diff_mean" in r
+    ]
     assert len(diffs) == 2 and max(diffs) < bound, diffs
 
 
-def test_hh_recipe_runs_the_classic_pipeline_and_sets_the_answers_side_by_side(fake_cache, tmp_path, real_data):
-    """recipe=smollm2_hh, each stage cut to two steps: the reward stage reports its text-only baselines,
-    PPO (with a critic from the reward model) the reward model's view of held-out greedy answers with
-    their spread and length, and the report their SFT and PPO answers side by side."""
+def test_hh_recipe_runs_the_classic_pipeline_and_sets_the_answers_side_by_side(
+    fake_cache, tmp_path, real_data
+):
+    """recipe=smollm2_hh, each stage cut to two steps: the reward stage reports its text-only
+    baselines, PPO (with a critic from the reward model) the reward model's view of held-out greedy
+    answers with their spread and length, and the report their SFT and PPO answers side by side."""
     import gzip
 
     from rlhf import report
 
     data = tmp_path / "hh.jsonl"
-    with gzip.open(real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(
+        real_data / "hh-rlhf" / "harmless-base-test.jsonl.gz", "rt", encoding="utf-8"
+    ) as f:
         data.write_text("".join(next(f) for _ in range(64)), encoding="utf-8")
     run = tmp_path / "run"
     common = [
@@ -186,7 +235,8 @@ def test_hh_recipe_runs_the_classic_pipeline_and_sets_the_answers_side_by_side(f
         f"data.path={data}",
         "data.eval_size=8",
         "data.max_prompt_len=32",
-        "data.max_response_len=400",  # (the stand-in's BPE spells HH in bytes: a pair longer than this is dropped)
+        # (the stand-in's BPE spells HH in bytes: a pair longer than this is dropped)
+        "data.max_response_len=400",
         "ppo.max_new_tokens=8",
         "eval.max_new_tokens=8",
         "train.max_steps=2",
@@ -202,15 +252,25 @@ def test_hh_recipe_runs_the_classic_pipeline_and_sets_the_answers_side_by_side(f
         proc = run_cli(f"stage={stage}", *common, *extra, env=env)
         assert proc.returncode == 0, (stage, proc.stderr[-3000:])
         assert stage != "reward" or "longer response wins" in proc.stderr, proc.stderr[-2000:]
-    assert "step 2 sample (held-out prompt 0, greedy): " in proc.stderr and "(reward model " in proc.stderr
+    assert (
+        "step 2 sample (held-out prompt 0, greedy): " in proc.stderr
+        and "(reward model " in proc.stderr
+    )
     stats = json.loads((run / "reward" / "model" / "reward_stats.json").read_text())
-    assert 0.0 <= stats["eval/baseline_length"] <= 1.0 and 0.0 <= stats["eval/baseline_bag_of_words"] <= 1.0
+    assert (
+        0.0 <= stats["eval/baseline_length"] <= 1.0
+        and 0.0 <= stats["eval/baseline_bag_of_words"] <= 1.0
+    )
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/reward_greedy" in r]
     assert [r["step"] for r in evals] == [0, 2]
-    assert all(r["eval/reward_greedy_std"] >= 0 and 0 < r["eval/response_tokens_greedy"] <= 8 for r in evals)
+    assert all(
+        r["eval/reward_greedy_std"] >= 0 and 0 < r["eval/response_tokens_greedy"] <= 8
+        for r in evals
+    )
     assert any("critic/loss" in r for r in rows)  # PPO with a critic
     report.write_report(run)
     table = (run / "answers.md").read_text(encoding="utf-8").splitlines()
     assert table[0] == "# Held-out prompts: the policy at PPO step 0 (the SFT policy) and at step 2"
-    assert len([t for t in table if t.startswith("| ") and t[2].isdigit()]) == 4  # the 4 held-out prompts
+    # the 4 held-out prompts
+    assert len([t for t in table if t.startswith("| ") and t[2].isdigit()]) == 4

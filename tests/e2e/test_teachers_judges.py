@@ -1,9 +1,9 @@
 """On-policy distillation (ppo.teacher_path, algorithm.estimator=distill) and a generative judge
-(ppo.judge_path) through the CLI on the embedded task: a teacher equal to the student gives a reverse KL
-of 0 and full greedy agreement; another teacher a positive one, its reward the per-token −reverse KL
-(alone, or beside a rule with any estimator); a teacher with another tokenizer is refused before any
-model loads; GKD's divergence is 0 against itself and positive against another; the judge's reward is
-its verdict's probability."""
+(ppo.judge_path) through the CLI on the embedded task: a teacher equal to the student gives a
+reverse KL of 0 and full greedy agreement; another teacher a positive one, its reward the per-token
+−reverse KL (alone, or beside a rule with any estimator); a teacher with another tokenizer is
+refused before any model loads; GKD's divergence is 0 against itself and positive against another;
+the judge's reward is its verdict's probability."""
 
 import shutil
 
@@ -42,33 +42,60 @@ def weak_teacher(tmp_path_factory):
 def test_a_teacher_equal_to_the_student_gives_no_signal(small_pipeline, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
-    gkd = ["algorithm.gkd_coef=1.0", "algorithm.gkd_beta=0.5", "ppo.minibatches_per_epoch=1"]  # one update
+    # one update
+    gkd = ["algorithm.gkd_coef=1.0", "algorithm.gkd_beta=0.5", "ppo.minibatches_per_epoch=1"]
     proc = run_cli(*distill_run(run, small_pipeline / "sft" / "model", "train.max_steps=1", *gkd))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "distilling from teacher" in proc.stderr and "ppo (distill)" in proc.stderr
-    (first,) = steps_of(run)  # the actor before its first update is the teacher, token for token
+    # the actor before its first update is the teacher, token for token
+    (first,) = steps_of(run)
     assert abs(first["distill/reverse_kl"]) < 1e-6 and abs(first["reward/distill"]) < 1e-5
-    assert first["distill/agreement"] == 1.0 and first["reward/mean"] == pytest.approx(first["reward/distill"])
-    assert abs(first["distill/gkd"]) < 1e-6  # GKD's JSD, computed before the update: the same distributions
+    assert first["distill/agreement"] == 1.0 and first["reward/mean"] == pytest.approx(
+        first["reward/distill"]
+    )
+    # GKD's JSD, computed before the update: the same distributions
+    assert abs(first["distill/gkd"]) < 1e-6
 
 
-@pytest.mark.slow  # (two PPO runs and a second SFT model: about a minute each)
-def test_another_teacher_rewards_each_token_by_its_reverse_kl(small_pipeline, weak_teacher, tmp_path):
+# (two PPO runs and a second SFT model: about a minute each)
+@pytest.mark.slow
+def test_another_teacher_rewards_each_token_by_its_reverse_kl(
+    small_pipeline, weak_teacher, tmp_path
+):
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
     proc = run_cli(
-        *distill_run(run, weak_teacher, "train.max_steps=2", "algorithm.gkd_coef=0.5", "algorithm.gkd_top_k=8")
+        *distill_run(
+            run,
+            weak_teacher,
+            "train.max_steps=2",
+            "algorithm.gkd_coef=0.5",
+            "algorithm.gkd_top_k=8",
+        )
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in steps_of(run):
-        assert r["distill/reverse_kl"] > 0.01 and 0.0 < r["distill/agreement"] < 1.0 and r["distill/gkd"] > 1e-4
+        assert (
+            r["distill/reverse_kl"] > 0.01
+            and 0.0 < r["distill/agreement"] < 1.0
+            and r["distill/gkd"] > 1e-4
+        )
         assert r["reward/distill"] == pytest.approx(-r["distill/reverse_kl_seq"], rel=1e-5)
-        assert r["reward/mean"] == pytest.approx(r["reward/distill"] + r.get("reward/penalty", 0.0), abs=1e-5)
+        assert r["reward/mean"] == pytest.approx(
+            r["reward/distill"] + r.get("reward/penalty", 0.0), abs=1e-5
+        )
     # beside a rule, with a group estimator: the reverse KL summed into each sequence's score
     run2 = tmp_path / "run2"
     shutil.copytree(small_pipeline / "sft", run2 / "sft")
-    mixed = quick_ppo(run2, f"ppo.teacher_path={weak_teacher}", "ppo.distill_coef=0.5", "ppo.use_reward_model=false")
-    proc = run_cli(*mixed, "ppo.reward_fn=rlhf.rewards.gold", "algorithm.estimator=grpo", "train.max_steps=1")
+    mixed = quick_ppo(
+        run2,
+        f"ppo.teacher_path={weak_teacher}",
+        "ppo.distill_coef=0.5",
+        "ppo.use_reward_model=false",
+    )
+    proc = run_cli(
+        *mixed, "ppo.reward_fn=rlhf.rewards.gold", "algorithm.estimator=grpo", "train.max_steps=1"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (r,) = steps_of(run2)
     assert r["reward/distill"] == pytest.approx(-0.5 * r["distill/reverse_kl_seq"], rel=1e-5)
@@ -76,22 +103,26 @@ def test_another_teacher_rewards_each_token_by_its_reverse_kl(small_pipeline, we
     assert r["reward/mean"] == pytest.approx(parts, abs=1e-5)
 
 
-def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(small_pipeline, user_model, tmp_path):
+def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(
+    small_pipeline, user_model, tmp_path
+):
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
     proc = run_cli(*distill_run(run, user_model))
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
-    assert f"ppo.teacher_path={user_model}: its tokenizer" in line and "is not the one of" in line, line
+    assert (
+        f"ppo.teacher_path={user_model}: its tokenizer" in line and "is not the one of" in line
+    ), line
     assert not (run / "ppo" / "metrics.jsonl").exists()
     proc = run_cli(*quick_ppo(run, "algorithm.estimator=distill"))
     assert proc.returncode == 2 and "set ppo.teacher_path" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_a_generative_judge_rewards_by_its_verdicts_probability(small_pipeline, tmp_path):
-    """The embedded SFT model as the judge (its digits '1' / '0' as the verdicts): GRPO on its reward
-    alone; a verdict that is not one token of the judge's, and a template without {response}, exit 2
-    with one line before any model loads."""
+    """The embedded SFT model as the judge (its digits '1' / '0' as the verdicts): GRPO on its
+    reward alone; a verdict that is not one token of the judge's, and a template without {response},
+    exit 2 with one line before any model loads."""
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
     template = tmp_path / "judge.txt"
@@ -112,47 +143,74 @@ def test_a_generative_judge_rewards_by_its_verdicts_probability(small_pipeline, 
     assert f"ppo: judge {judge} with {template}" in proc.stderr
     (r,) = steps_of(run)
     assert 0.0 < r["reward/judge"] < 2.0 and 0.0 < r["time/judge_s"] <= r["time/score_s"]
-    assert r["reward/mean"] == pytest.approx(r["reward/judge"] + r.get("reward/penalty", 0.0), abs=1e-5)
+    assert r["reward/mean"] == pytest.approx(
+        r["reward/judge"] + r.get("reward/penalty", 0.0), abs=1e-5
+    )
     proc = run_cli(*args, "ppo.judge_verdicts=[Yes,No]")
     assert proc.returncode == 2
-    assert "ppo.judge_verdicts: 'Yes' is 3 tokens for the tokenizer of" in proc.stderr.strip().splitlines()[-1]
+    assert (
+        "ppo.judge_verdicts: 'Yes' is 3 tokens for the tokenizer of"
+        in proc.stderr.strip().splitlines()[-1]
+    )
     template.write_text("{prompt} right=")
     proc = run_cli(*args)
-    assert proc.returncode == 2 and "the template has no {response}" in proc.stderr.strip().splitlines()[-1]
+    assert (
+        proc.returncode == 2
+        and "the template has no {response}" in proc.stderr.strip().splitlines()[-1]
+    )
 
 
 def test_score_reads_pairs_with_the_judge(small_pipeline, tmp_path):
-    """rlhf.score --judge: each pair's two responses by the judge's verdict probability, then the accuracy."""
+    """rlhf.score --judge: each pair's two responses by the judge's verdict probability, then the
+    accuracy."""
     import json
 
     template = tmp_path / "judge.txt"
     template.write_text("{prompt} {response} right=")
     pairs = tmp_path / "pairs.jsonl"
     recs = [
-        {"prompt": f"Q: {a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"} for a, b in ((3, 4), (12, 7))
+        {"prompt": f"Q: {a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"}
+        for a, b in ((3, 4), (12, 7))
     ]
     pairs.write_text("".join(json.dumps(r) + "\n" for r in recs))
     judge = small_pipeline / "sft" / "model"
-    proc = score_cli(str(judge), "--judge", str(template), "--verdicts", "1", "0", "--jsonl", str(pairs))
+    proc = score_cli(
+        str(judge), "--judge", str(template), "--verdicts", "1", "0", "--jsonl", str(pairs)
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
-    assert len(lines) == 3 and all(0.0 < x["chosen"] < 1.0 and 0.0 < x["rejected"] < 1.0 for x in lines[:2])
-    assert lines[2]["pairs"] == 2 and lines[2]["accuracy"] == sum(x["correct"] for x in lines[:2]) / 2
-    proc = score_cli(str(judge), "--judge", str(template), "--jsonl", str(pairs))  # Yes / No: not one token
+    assert len(lines) == 3 and all(
+        0.0 < x["chosen"] < 1.0 and 0.0 < x["rejected"] < 1.0 for x in lines[:2]
+    )
+    assert (
+        lines[2]["pairs"] == 2 and lines[2]["accuracy"] == sum(x["correct"] for x in lines[:2]) / 2
+    )
+    # Yes / No: not one token
+    proc = score_cli(str(judge), "--judge", str(template), "--jsonl", str(pairs))
     assert proc.returncode == 2 and "'Yes' is 3 tokens" in proc.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.slow  # (two PPO runs and a second SFT model: about a minute each)
+# (two PPO runs and a second SFT model: about a minute each)
+@pytest.mark.slow
 def test_a_watched_teacher_changes_nothing(small_pipeline, weak_teacher, tmp_path):
-    """ppo.distill_coef=0: the teacher is scored and its distance logged, and the run is plain GRPO —
-    the same metrics and the same exported weights as without a teacher."""
+    """ppo.distill_coef=0: the teacher is scored and its distance logged, and the run is plain GRPO
+    — the same metrics and the same exported weights as without a teacher."""
     from safetensors.torch import load_file
 
     runs = []
-    for name, extra in (("plain", []), ("watched", [f"ppo.teacher_path={weak_teacher}", "ppo.distill_coef=0"])):
+    for name, extra in (
+        ("plain", []),
+        ("watched", [f"ppo.teacher_path={weak_teacher}", "ppo.distill_coef=0"]),
+    ):
         run = tmp_path / name
         shutil.copytree(small_pipeline / "sft", run / "sft")
-        args = quick_ppo(run, "algorithm.estimator=grpo", "ppo.use_reward_model=false", "train.max_steps=2", *extra)
+        args = quick_ppo(
+            run,
+            "algorithm.estimator=grpo",
+            "ppo.use_reward_model=false",
+            "train.max_steps=2",
+            *extra,
+        )
         proc = run_cli(*args, "ppo.reward_fn=rlhf.rewards.gold")
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(run)
@@ -160,7 +218,11 @@ def test_a_watched_teacher_changes_nothing(small_pipeline, weak_teacher, tmp_pat
     plain, watched = (steps_of(r) for r in runs)
     for a, b in zip(plain, watched):
         assert b["distill/reverse_kl"] > 0 and "reward/distill" in b
-        same = [k for k in a if not k.startswith("time/") and not k.endswith("per_s") and "mem/" not in k]
+        same = [
+            k
+            for k in a
+            if not k.startswith("time/") and not k.endswith("per_s") and "mem/" not in k
+        ]
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
     wa, wb = (load_file(r / "ppo" / "actor" / "model.safetensors") for r in runs)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

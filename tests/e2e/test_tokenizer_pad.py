@@ -1,6 +1,6 @@
-"""Tokenizers without a pad token (Llama-2/3, Mistral) or whose pad is EOS (Qwen3, Phi-3): a distinct
-pad is added, every model that meets it is resized (every rank, meta models included), and the
-exported reward model scores through plain ``AutoModelForSequenceClassification`` exactly as
+"""Tokenizers without a pad token (Llama-2/3, Mistral) or whose pad is EOS (Qwen3, Phi-3): a
+distinct pad is added, every model that meets it is resized (every rank, meta models included), and
+the exported reward model scores through plain ``AutoModelForSequenceClassification`` exactly as
 ``rlhf.score`` does (HF pools the last token that is not pad: our EOS only when pad ≠ EOS)."""
 
 from pathlib import Path
@@ -14,8 +14,8 @@ BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 
 
 def raw_model(path: Path, pad_is_eos: bool = False, vocab: int = 300) -> Path:
-    """A tiny untied Llama (random init) saved with a byte-level BPE tokenizer trained on the synthetic
-    task's text whose vocabulary has no pad token at all — pad unset, or set to EOS."""
+    """A tiny untied Llama (random init) saved with a byte-level BPE tokenizer trained on the
+    synthetic task's text whose vocabulary has no pad token at all — pad unset, or set to EOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -24,7 +24,10 @@ def raw_model(path: Path, pad_is_eos: bool = False, vocab: int = 300) -> Path:
 
     bpe = Tokenizer(models.BPE(unk_token=UNK))
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
     )
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(
@@ -37,7 +40,9 @@ def raw_model(path: Path, pad_is_eos: bool = False, vocab: int = 300) -> Path:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         ),
     )
-    bpe.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bpe.token_to_id(BOS))])
+    bpe.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, bpe.token_to_id(BOS))]
+    )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         bos_token=BOS,
@@ -81,14 +86,17 @@ def assert_vocab_agrees(model_dir: Path) -> None:
     assert tok.pad_token is not None and tok.pad_token_id != tok.eos_token_id
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         rows = {
-            k: f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith(("embed_tokens.weight", "lm_head.weight"))
+            k: f.get_slice(k).get_shape()[0]
+            for k in f.keys()
+            if k.endswith(("embed_tokens.weight", "lm_head.weight"))
         }
     assert rows and set(rows.values()) == {len(tok)}, (rows, len(tok))
     assert json.loads((model_dir / "config.json").read_text())["vocab_size"] == len(tok)
 
 
 def assert_hf_scores_like_rlhf_score(model_dir: Path) -> None:
-    """Plain AutoModelForSequenceClassification on a right-padded batch gives rlhf.score's scores."""
+    """Plain AutoModelForSequenceClassification on a right-padded batch gives rlhf.score's
+    scores."""
     from transformers import AutoModelForSequenceClassification
 
     from rlhf.data.tokenize import pad_right
@@ -120,8 +128,8 @@ def test_load_tokenizer_adds_a_distinct_pad(tmp_path):
 
 def test_every_rank_builds_the_same_resized_model(tmp_path):
     """Rank 0 loads and resizes, another rank builds on meta: the same parameter shapes and config
-    (what FSDP wraps and rank 0 broadcasts into), for a causal LM and a reward model whose config's pad
-    is the new token (not an embedding row until the resize)."""
+    (what FSDP wraps and rank 0 broadcasts into), for a causal LM and a reward model whose config's
+    pad is the new token (not an embedding row until the resize)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rlhf.models.loading import build_model, load_model_config, load_tokenizer
@@ -135,12 +143,20 @@ def test_every_rank_builds_the_same_resized_model(tmp_path):
             if head:
                 cfg.num_labels, cfg.pad_token_id = head, tok.pad_token_id
             built.append(
-                build_model(cls, config=cfg, path=None if on_meta else str(raw), on_meta=on_meta, tokenizer=tok)
+                build_model(
+                    cls,
+                    config=cfg,
+                    path=None if on_meta else str(raw),
+                    on_meta=on_meta,
+                    tokenizer=tok,
+                )
             )
         real, meta = built
         shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in built]
         assert shapes[0] == shapes[1]
-        assert real.get_input_embeddings().weight.shape[0] == len(tok) and meta.device.type == "meta"
+        assert (
+            real.get_input_embeddings().weight.shape[0] == len(tok) and meta.device.type == "meta"
+        )
         for m in built:
             assert m.config.vocab_size == len(tok)
             assert m.config.pad_token_id == (tok.pad_token_id if head else None)
@@ -152,9 +168,9 @@ def test_every_rank_builds_the_same_resized_model(tmp_path):
 
 @pytest.mark.parametrize("pad_is_eos", [True, False], ids=["pad_is_eos", "no_pad"])
 def test_exported_reward_model_scores_like_hf(tmp_path, pad_is_eos):
-    """pad == EOS in the base tokenizer (Qwen3/Phi-3 style), or no pad (Llama style): the reward stage
-    trains and exports with a distinct pad, so HF's pooling lands on the EOS rlhf.score scores (before:
-    the token before it; or no run at all)."""
+    """pad == EOS in the base tokenizer (Qwen3/Phi-3 style), or no pad (Llama style): the reward
+    stage trains and exports with a distinct pad, so HF's pooling lands on the EOS rlhf.score scores
+    (before: the token before it; or no run at all)."""
     raw = raw_model(tmp_path / "raw", pad_is_eos=pad_is_eos)
     proc = run_cli(
         "stage=reward",

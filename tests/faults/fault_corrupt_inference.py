@@ -1,22 +1,24 @@
-"""A fault for the rollout-parity guard: the hybrid engine's inference model, built from the training
-weights, gets one weight matrix of one decoder layer perturbed — what a wrong shard, a stale or corrupted
-copy or a broken layout would do — while the training weights stay as they are.
+"""A fault for the rollout-parity guard: the hybrid engine's inference model, built from the
+training weights, gets one weight matrix of one decoder layer perturbed — what a wrong shard, a
+stale or corrupted copy or a broken layout would do — while the training weights stay as they are.
 
-``arg``: ``always`` (every build; the default) or ``once`` (the first build only: a rebuild is healthy),
-optionally ``:<scale>``, the noise's size relative to the matrix's own std (default 4: a gross error, a
-mean log-prob gap of about 0.7 nats per token on the tests' quick models), e.g. ``once:0.05``.
+``arg``: ``always`` (every build; the default) or ``once`` (the first build only: a rebuild is
+healthy), optionally ``:<scale>``, the noise's size relative to the matrix's own std (default 4: a
+gross error, a mean log-prob gap of about 0.7 nats per token on the tests' quick models), e.g.
+``once:0.05``.
 
-``HybridEngine.build_inference_model`` is wrapped: during a corrupted build the ``InferenceModel`` it
-constructs receives the layers' weights with ``CORRUPTED`` of layer ``LAYER`` replaced by itself plus
-seeded Gaussian noise (out of place: the weights may be the training tensors themselves, in fp32), before
-the inference model lays them out (packed kernels included).
+``HybridEngine.build_inference_model`` is wrapped: during a corrupted build the ``InferenceModel``
+it constructs receives the layers' weights with ``CORRUPTED`` of layer ``LAYER`` replaced by itself
+plus seeded Gaussian noise (out of place: the weights may be the training tensors themselves, in
+fp32), before the inference model lays them out (packed kernels included).
 """
 
 from __future__ import annotations
 
 from sitecustomize import after_import
 
-LAYER, CORRUPTED = 0, "w_down"  # the MLP's down projection of the first decoder layer
+# the MLP's down projection of the first decoder layer
+LAYER, CORRUPTED = 0, "w_down"
 
 
 def install(arg: str) -> None:

@@ -1,14 +1,15 @@
-"""The disk fills up in the middle of a save: ``install(N)`` makes the N-th file the run writes into a
-save's temporary directory (a checkpoint's or an export's ``.<name>.tmp-<pid>/``, whatever is nested
-in it) fail with ``OSError(ENOSPC)``; every earlier write succeeds and so does everything the run
-writes elsewhere (metrics, config). As on a full disk the file is created, empty, before the error.
+"""The disk fills up in the middle of a save: ``install(N)`` makes the N-th file the run writes into
+a save's temporary directory (a checkpoint's or an export's ``.<name>.tmp-<pid>/``, whatever is
+nested in it) fail with ``OSError(ENOSPC)``; every earlier write succeeds and so does everything the
+run writes elsewhere (metrics, config). As on a full disk the file is created, empty, before the
+error.
 
 The writes counted are those of the layers a save goes through: Python's ``open`` / ``io.open`` for
-writing (DCP's shards and metadata, JSON files, tokenizer configs), ``torch.save`` to a path (the RNG
-and ZeRO-1 files) and ``safetensors.torch.save_file`` (exports, the EMA actor). Each process counts
-its own; ``N@R`` fails only in the process of global rank R (``$RANK``). ``N = 0`` fails nothing and
-prints every counted write on stderr as ``fault_enospc: write <i>: <path>``: how a test finds the N
-that hits the save it wants.
+writing (DCP's shards and metadata, JSON files, tokenizer configs), ``torch.save`` to a path (the
+RNG and ZeRO-1 files) and ``safetensors.torch.save_file`` (exports, the EMA actor). Each process
+counts its own; ``N@R`` fails only in the process of global rank R (``$RANK``). ``N = 0`` fails
+nothing and prints every counted write on stderr as ``fault_enospc: write <i>: <path>``: how a test
+finds the N that hits the save it wants.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import threading
 
 from sitecustomize import after_import
 
-TEMP_DIR = re.compile(r"^\..+\.tmp-\d+$")  # rlhf.outputs.fileio.temp_dir_for's names
+# rlhf.outputs.fileio.temp_dir_for's names
+TEMP_DIR = re.compile(r"^\..+\.tmp-\d+$")
 _lock = threading.Lock()
 _count = 0
 _fail_at = 0
@@ -92,6 +94,7 @@ def install(arg: str) -> None:
         return
     _fail_at = int(n)
     builtins.open = _open
-    io.open = _open  # pathlib's Path.open calls io.open (DCP opens its shards so)
+    # pathlib's Path.open calls io.open (DCP opens its shards so)
+    io.open = _open
     after_import("torch", _patch_torch)
     after_import("safetensors.torch", _patch_safetensors)

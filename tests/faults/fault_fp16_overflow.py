@@ -1,15 +1,16 @@
-"""An fp16 overflow: before chosen optimizer steps of a trained model, one gradient element becomes inf —
-what a backward that overflowed fp16 leaves — on every rank or on one rank only; each step's weights
-before and after are recorded, so a test sees what the engine did with it.
+"""An fp16 overflow: before chosen optimizer steps of a trained model, one gradient element becomes
+inf — what a backward that overflowed fp16 leaves — on every rank or on one rank only; each step's
+weights before and after are recorded, so a test sees what the engine did with it.
 
-``arg``: comma-separated ``key=value``: ``at=K`` (the K-th call of ``TrainEngine.step`` of each engine,
-1-based; required), ``times=N`` (N calls in a row from K, default 1), ``rank=R`` (on that rank only;
-default every rank), ``role=ROLE`` (engines of that role only: actor, critic, reward_model; default
-any), ``out=DIR`` (each rank appends one JSON line per step call to ``DIR/steps_rank<r>.jsonl``:
-``call``, ``role``, ``poisoned``, ``before`` and ``after`` (digests of this rank's parameters),
-``norm``, ``loss_scale``, ``skipped``).
+``arg``: comma-separated ``key=value``: ``at=K`` (the K-th call of ``TrainEngine.step`` of each
+engine, 1-based; required), ``times=N`` (N calls in a row from K, default 1), ``rank=R`` (on that
+rank only; default every rank), ``role=ROLE`` (engines of that role only: actor, critic,
+reward_model; default any), ``out=DIR`` (each rank appends one JSON line per step call to
+``DIR/steps_rank<r>.jsonl``: ``call``, ``role``, ``poisoned``, ``before`` and ``after`` (digests of
+this rank's parameters), ``norm``, ``loss_scale``, ``skipped``).
 
-``poison(engine)`` is importable as it is (the 2-rank workers of tests/distributed use it in-process).
+``poison(engine)`` is importable as it is (the 2-rank workers of tests/distributed use it
+in-process).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 
 
 def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank (a view)
+    # a DTensor's shard on this rank (a view)
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def poison(engine) -> None:
@@ -49,7 +51,9 @@ def _parse(arg: str) -> dict:
     opts = dict(kv.split("=", 1) for kv in arg.split(",") if kv)
     unknown = set(opts) - {"at", "times", "rank", "role", "out"}
     if "at" not in opts or unknown:
-        raise ValueError(f"fault fp16_overflow: {arg!r}: expected at=K[,times=N][,rank=R][,role=ROLE][,out=DIR]")
+        raise ValueError(
+            f"fault fp16_overflow: {arg!r}: expected at=K[,times=N][,rank=R][,role=ROLE][,out=DIR]"
+        )
     return opts
 
 

@@ -1,7 +1,7 @@
-"""SIGKILL at a chosen point: ``kill:<module>:<attribute>:<n>:<before|after>`` kills the process just
-before or just after the n-th call (1-based) of ``<module>.<attribute>`` (``Class.method`` allowed) —
-a seeded point of the run (mid-step, mid-save, mid-export, the switch to inference) instead of a
-timer's race."""
+"""SIGKILL at a chosen point: ``kill:<module>:<attribute>:<n>:<before|after>`` kills the process
+just before or just after the n-th call (1-based) of ``<module>.<attribute>`` (``Class.method``
+allowed) — a seeded point of the run (mid-step, mid-save, mid-export, the switch to inference)
+instead of a timer's race."""
 
 import functools
 import os

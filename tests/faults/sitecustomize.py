@@ -1,10 +1,10 @@
 """Test-only fault injection into ``python -m rlhf`` subprocesses (never imported by rlhf itself).
 
-A test runs the CLI with ``PYTHONPATH`` starting with this directory and ``RLHF_TEST_FAULT=<name>[:<arg>]``
-(``fault_env`` in tests/conftest.py); Python's ``site`` imports this file at start-up in every process
-(torchrun's workers too), which imports ``fault_<name>.py`` from here and calls its ``install(arg)``.
-A fault patches the code it targets once that module is imported (``after_import``), so the run is
-the real program up to the injected failure.
+A test runs the CLI with ``PYTHONPATH`` starting with this directory and
+``RLHF_TEST_FAULT=<name>[:<arg>]`` (``fault_env`` in tests/conftest.py); Python's ``site`` imports
+this file at start-up in every process (torchrun's workers too), which imports ``fault_<name>.py``
+from here and calls its ``install(arg)``. A fault patches the code it targets once that module is
+imported (``after_import``), so the run is the real program up to the injected failure.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name not in self.hooks:
             return None
-        sys.meta_path.remove(self)  # find the real spec, then wrap its loader
+        # find the real spec, then wrap its loader
+        sys.meta_path.remove(self)
         try:
             spec = importlib.util.find_spec(name)
         finally:

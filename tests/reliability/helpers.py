@@ -21,7 +21,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RUNNING: List["Job"] = []  # every Job started; tests/reliability/conftest.py ends a test's leftovers
+# every Job started; tests/reliability/conftest.py ends a test's leftovers
+RUNNING: List["Job"] = []
 
 
 class Job:
@@ -55,7 +56,11 @@ class Job:
         return self.log.read_text(errors="replace")[-n:]
 
     def error_lines(self) -> List[str]:
-        return [x for x in self.log.read_text(errors="replace").splitlines() if x.startswith("rlhf: error:")]
+        return [
+            x
+            for x in self.log.read_text(errors="replace").splitlines()
+            if x.startswith("rlhf: error:")
+        ]
 
     def kill_tree(self) -> None:
         for pid in list(workers(self.pid).values()) + [self.pid]:
@@ -68,7 +73,8 @@ def _stat(pid: int) -> List[str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text.rsplit(")", 1)[1].split()  # [state, ppid, ...]; the name may hold spaces
+    # [state, ppid, ...]; the name may hold spaces
+    return text.rsplit(")", 1)[1].split()
 
 
 def kill(pid: int) -> None:
@@ -119,7 +125,9 @@ def wait_until(cond: Callable[[], bool], timeout: float, jobs=(), what: str = ""
     while not cond():
         for j in jobs:
             if j.proc.poll() is not None:
-                raise AssertionError(f"job ended (exit {j.proc.returncode}) before {what}:\n{j.tail()}")
+                raise AssertionError(
+                    f"job ended (exit {j.proc.returncode}) before {what}:\n{j.tail()}"
+                )
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
@@ -129,7 +137,14 @@ class When:
     """Runs ``action()`` in a thread once ``cond()`` holds (polled every 20 ms, ``timeout`` s at
     most, given up when ``job`` ends first). ``result()`` joins it and re-raises its error."""
 
-    def __init__(self, cond: Callable[[], bool], action: Callable[[], object], job: "Job", timeout: float, what: str):
+    def __init__(
+        self,
+        cond: Callable[[], bool],
+        action: Callable[[], object],
+        job: "Job",
+        timeout: float,
+        what: str,
+    ):
         import threading
 
         self.value, self.error, self.at = None, None, None
@@ -171,13 +186,15 @@ TIMING_KEYS = ("time/", "samples_per_s", "gen/tokens_per_s", "mem/")
 
 
 def numbers(rows: List[dict]) -> List[dict]:
-    """metrics.jsonl rows without the wall-clock and memory figures (those differ between any two runs)."""
+    """metrics.jsonl rows without the wall-clock and memory figures (those differ between any two
+    runs)."""
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows]
 
 
 def numbers_by_step(path: Path, noise: tuple = ()) -> dict:
-    """step → every number a metrics.jsonl logged at it (training and evaluation lines merged), without
-    the wall-clock and memory figures (``TIMING_KEYS``, any ``*per_s``) and the keys starting with ``noise``."""
+    """step → every number a metrics.jsonl logged at it (training and evaluation lines merged),
+    without the wall-clock and memory figures (``TIMING_KEYS``, any ``*per_s``) and the keys
+    starting with ``noise``."""
     out: dict = {}
     for r in metrics(path):
         out.setdefault(r["step"], {}).update(

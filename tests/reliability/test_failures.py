@@ -103,7 +103,8 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.slow  # ~50 s; the one-node test above covers the worker side
+# ~50 s; the one-node test above covers the worker side
+@pytest.mark.slow
 def test_stopped_peer_on_the_store_node_ends_every_node(tmp_path):
     """Two nodes; the worker of the node hosting the rendezvous store stops. Its agent sees a live
     worker and torch's would wait forever; the other node's launcher gives up and says so in the
@@ -135,10 +136,17 @@ def test_stopped_peer_on_the_store_node_ends_every_node(tmp_path):
     t_stop = time.monotonic()
     rcs = [j.wait(TIMEOUT_S + 90) for j in (other, host)]
     took = time.monotonic() - t_stop
-    print(f"stopped rank {rank} on the store's node: both nodes ended {took:.1f} s later, exits {rcs}")
+    print(
+        f"stopped rank {rank} on the store's node: both nodes ended {took:.1f} s later, exits {rcs}"
+    )
     assert rcs == [3, 3], (other.tail(), host.tail())
     assert not alive(victim)
     assert took <= TIMEOUT_S + 30, took
-    cause = f"collective timed out after {TIMEOUT_S} s waiting for a peer: rank {rank} stopped answering"
-    assert len(other.error_lines()) == 1 and other.error_lines()[0].startswith(f"rlhf: error: {cause}")
+    cause = (
+        f"collective timed out after {TIMEOUT_S} s waiting for a peer: rank {rank} stopped "
+        "answering"
+    )
+    assert len(other.error_lines()) == 1 and other.error_lines()[0].startswith(
+        f"rlhf: error: {cause}"
+    )
     assert len(host.error_lines()) == 1 and cause in host.error_lines()[0], host.tail()

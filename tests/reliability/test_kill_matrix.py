@@ -1,10 +1,10 @@
-"""The kill matrix: each stage SIGKILLed at seeded points — mid-step (after an optimizer step, before
-the step ends), mid-save (a checkpoint's shards written, its state file not), mid-export (the model
-written into the export's temporary directory, not yet renamed) and, for the PPO family, right after
-the switch to inference — then rerun: it resumes and ends bit for bit where the uninterrupted run
-ends (fp32: every per-step metric but the timings, and every exported tensor). The kill is injected
-at the n-th call of a function (tests/faults/fault_kill.py), not by a timer, so each point is hit
-exactly. One cell runs in the default suite; the matrix under ``-m slow``.
+"""The kill matrix: each stage SIGKILLed at seeded points — mid-step (after an optimizer step,
+before the step ends), mid-save (a checkpoint's shards written, its state file not), mid-export (the
+model written into the export's temporary directory, not yet renamed) and, for the PPO family, right
+after the switch to inference — then rerun: it resumes and ends bit for bit where the uninterrupted
+run ends (fp32: every per-step metric but the timings, and every exported tensor). The kill is
+injected at the n-th call of a function (tests/faults/fault_kill.py), not by a timer, so each point
+is hit exactly. One cell runs in the default suite; the matrix under ``-m slow``.
 """
 
 import shutil
@@ -17,9 +17,12 @@ from tests.conftest import fault_env, quick_sft_args, run_cli
 from tests.reliability.helpers import numbers_by_step
 
 STEP = "rlhf.engine.train:TrainEngine.step"  # an optimizer step
-SAVE = "torch.distributed.checkpoint:save:2:after"  # the second checkpoint's shards are on disk
-EXPORT = "transformers.modeling_utils:PreTrainedModel.save_pretrained:1:after"  # the export's files, unrenamed
-SWITCH = "rlhf.engine.hybrid:HybridEngine.build_inference_model:4:after"  # inference weights built, no token yet
+# the second checkpoint's shards are on disk
+SAVE = "torch.distributed.checkpoint:save:2:after"
+# the export's files, unrenamed
+EXPORT = "transformers.modeling_utils:PreTrainedModel.save_pretrained:1:after"
+# inference weights built, no token yet
+SWITCH = "rlhf.engine.hybrid:HybridEngine.build_inference_model:4:after"
 RL = (
     "train.max_steps=4",
     "train.save_every=2",
@@ -35,10 +38,21 @@ STAGES = {
     "sft": ((), ("stage=sft",), ("model",), 5),
     "reward": (("sft",), ("stage=reward",), ("model",), 5),
     "dpo": (("sft",), ("stage=dpo",), ("model",), 5),
-    "gae": (("sft", "reward"), ("stage=ppo", "ppo.min_rm_accuracy=0", *RL), ("actor", "critic"), 19),
+    "gae": (
+        ("sft", "reward"),
+        ("stage=ppo", "ppo.min_rm_accuracy=0", *RL),
+        ("actor", "critic"),
+        19,
+    ),
     "grpo": (
         ("sft",),
-        ("stage=ppo", "algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold", *RL),
+        (
+            "stage=ppo",
+            "algorithm.estimator=grpo",
+            "ppo.use_reward_model=false",
+            "ppo.reward_fn=rlhf.rewards.gold",
+            *RL,
+        ),
         ("actor",),
         10,
     ),
@@ -46,9 +60,15 @@ STAGES = {
 
 
 def args(run, stage: str) -> list:
-    base = quick_sft_args(run)[2:]  # fp32, quick data and evaluation, no progress bars (not its stage / steps)
+    # fp32, quick data and evaluation, no progress bars (not its stage / steps)
+    base = quick_sft_args(run)[2:]
     extra = () if stage in ("gae", "grpo") else SUPERVISED
-    return [*STAGES[stage][1], f"run.dir={run}", *[a for a in base if not a.startswith("train.max_steps")], *extra]
+    return [
+        *STAGES[stage][1],
+        f"run.dir={run}",
+        *[a for a in base if not a.startswith("train.max_steps")],
+        *extra,
+    ]
 
 
 def out_dir(run, stage: str):
@@ -74,7 +94,9 @@ def assert_same_numbers(got: dict, want: dict) -> None:
 
 
 def exported(run, stage: str) -> dict:
-    return {n: load_file(str(out_dir(run, stage) / n / "model.safetensors")) for n in STAGES[stage][2]}
+    return {
+        n: load_file(str(out_dir(run, stage) / n / "model.safetensors")) for n in STAGES[stage][2]
+    }
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +115,11 @@ def uninterrupted(small_pipeline, tmp_path_factory):
 
 
 def points(stage: str) -> list:
-    out = [("mid-step", f"{STEP}:{STAGES[stage][3]}:after"), ("mid-save", SAVE), ("mid-export", EXPORT)]
+    out = [
+        ("mid-step", f"{STEP}:{STAGES[stage][3]}:after"),
+        ("mid-save", SAVE),
+        ("mid-export", EXPORT),
+    ]
     if stage in ("gae", "grpo"):
         out.append(("switch", SWITCH))
     return out
@@ -105,9 +131,14 @@ FAST = {("grpo", "mid-save")}
 
 @pytest.mark.parametrize(
     "stage,name,point",
-    [pytest.param(*c, marks=() if c[:2] in FAST else pytest.mark.slow, id=f"{c[0]}-{c[1]}") for c in CELLS],
+    [
+        pytest.param(*c, marks=() if c[:2] in FAST else pytest.mark.slow, id=f"{c[0]}-{c[1]}")
+        for c in CELLS
+    ],
 )
-def test_killed_at_a_seeded_point_resumes_bit_for_bit(uninterrupted, small_pipeline, tmp_path, stage, name, point):
+def test_killed_at_a_seeded_point_resumes_bit_for_bit(
+    uninterrupted, small_pipeline, tmp_path, stage, name, point
+):
     ref = uninterrupted(stage)
     run = prepare(small_pipeline, tmp_path / "run", stage)
     killed = run_cli(*args(run, stage), env=fault_env("kill", point))

@@ -8,7 +8,8 @@ from tests.reliability.conftest import PPO_STEPS, one_node, two_nodes
 from tests.reliability.helpers import Job, max_weight_diff, metrics, numbers
 
 pytestmark = pytest.mark.distributed
-TOL = 1e-6  # fp32; measured 0.0 (bit-identical) on this machine
+# fp32; measured 0.0 (bit-identical) on this machine
+TOL = 1e-6
 
 
 def assert_same_numbers(a_rows, b_rows, keys):
@@ -20,14 +21,20 @@ def assert_same_numbers(a_rows, b_rows, keys):
 
 def test_ppo_two_nodes_match_one_node(ppo_reference, ppo_two_nodes):
     run, ref = ppo_two_nodes.result(), ppo_reference.result()
-    assert "world_size=2" in "".join(j.log.read_text() for j in ppo_two_nodes.jobs)  # rank 0 logs it
+    # rank 0 logs it
+    assert "world_size=2" in "".join(j.log.read_text() for j in ppo_two_nodes.jobs)
     for name in ("actor", "critic"):
         diff = max_weight_diff(ref / "ppo" / name, run / "ppo" / name)
         print(f"ppo {name}: max |two nodes - one node| = {diff:.3g}")
         assert diff <= TOL, (name, diff)
-    a, b = numbers(metrics(ref / "ppo" / "metrics.jsonl")), numbers(metrics(run / "ppo" / "metrics.jsonl"))
+    a, b = (
+        numbers(metrics(ref / "ppo" / "metrics.jsonl")),
+        numbers(metrics(run / "ppo" / "metrics.jsonl")),
+    )
     assert len([r for r in a if "actor/loss" in r]) == PPO_STEPS
-    assert_same_numbers(a, b, {"actor/loss", "critic/loss", "reward/mean", "kl/mean", "response/length"})
+    assert_same_numbers(
+        a, b, {"actor/loss", "critic/loss", "reward/mean", "kl/mean", "response/length"}
+    )
 
 
 def test_sft_two_nodes_match_one_node(tmp_path):
@@ -47,6 +54,9 @@ def test_sft_two_nodes_match_one_node(tmp_path):
     diff = max_weight_diff(ref_dir / "sft" / "model", two_dir / "sft" / "model")
     print(f"sft: max |two nodes - one node| = {diff:.3g}")
     assert diff <= TOL
-    a, b = numbers(metrics(ref_dir / "sft" / "metrics.jsonl")), numbers(metrics(two_dir / "sft" / "metrics.jsonl"))
+    a, b = (
+        numbers(metrics(ref_dir / "sft" / "metrics.jsonl")),
+        numbers(metrics(two_dir / "sft" / "metrics.jsonl")),
+    )
     assert len([r for r in a if "loss" in r]) == 8
     assert_same_numbers(a, b, {"loss", "eval/loss", "grad_norm", "gold/score"})

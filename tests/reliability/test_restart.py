@@ -11,12 +11,14 @@ pytestmark = pytest.mark.distributed
 
 
 def test_killed_rank_restarts_and_matches_uninterrupted(ppo_restarted, ppo_reference):
-    killed = ppo_restarted.extra["kill"].result()  # {rank: pid} of the first attempt; rank 0 got SIGKILL
+    # {rank: pid} of the first attempt; rank 0 got SIGKILL
+    killed = ppo_restarted.extra["kill"].result()
     run = ppo_restarted.result()
     job, ppo = ppo_restarted.jobs[0], run / "ppo"
     log = job.log.read_text()
     assert not any(alive(p) for p in killed.values())
-    assert workers(job.pid) == {}  # the launcher has exited, and nothing of it is left
+    # the launcher has exited, and nothing of it is left
+    assert workers(job.pid) == {}
     ckpt = ppo / "checkpoints" / f"step_{PPO_SAVE_EVERY:08d}"
     assert log.count(f"resumed from {ckpt} (step {PPO_SAVE_EVERY})") == 1, log
     assert "rlhf: error:" not in log

@@ -14,10 +14,12 @@ GLOO_TIMEOUT = (
     "Timed out waiting 20000ms for send operation to complete"
 )
 GLOO_CLOSED = (
-    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4567"
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
+    "by peer [127.0.0.1]:4567"
 )
 GLOO_CONNECT = (
-    "Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] "
+    "Gloo connectFullMesh failed with "
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] "
     "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:35227"
 )
 
@@ -32,11 +34,17 @@ def two_ranks(monkeypatch):
 def test_collective_failures_are_recognised(two_ranks):
     f = watchdog.collective_failure(RuntimeError(GLOO_TIMEOUT), 600)
     assert f.code == watchdog.EXIT_PEER == 3
-    assert f.message == "collective timed out after 20 s waiting for a peer (rank 1 stopped answering?)"
+    assert (
+        f.message
+        == "collective timed out after 20 s waiting for a peer (rank 1 stopped answering?)"
+    )
     for text in (GLOO_CLOSED, GLOO_CONNECT):
         f = watchdog.collective_failure(RuntimeError(text), 600)
-        assert f.message.startswith("lost (or could not open) the connection to a peer (rank 1 died"), f
-    try:  # wrapped (e.g. by torch.distributed.checkpoint): the cause counts
+        assert f.message.startswith(
+            "lost (or could not open) the connection to a peer (rank 1 died"
+        ), f
+    try:
+        # wrapped (e.g. by torch.distributed.checkpoint): the cause counts
         try:
             raise RuntimeError(GLOO_TIMEOUT)
         except RuntimeError as e:
@@ -45,7 +53,9 @@ def test_collective_failures_are_recognised(two_ranks):
         assert watchdog.collective_failure(e, 600) is not None
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("CUDA out of memory"), ValueError("request timed out"), KeyError("peer")])
+@pytest.mark.parametrize(
+    "exc", [RuntimeError("CUDA out of memory"), ValueError("request timed out"), KeyError("peer")]
+)
 def test_other_errors_are_bugs(two_ranks, exc):
     assert watchdog.collective_failure(exc, 600) is None
 
@@ -59,7 +69,8 @@ def test_heartbeat_names_the_silent_rank(monkeypatch):
     import torch.distributed as dist
 
     port = free_port()
-    _server = dist.TCPStore(  # held for the test: the store serves while it lives
+    # held for the test: the store serves while it lives
+    _server = dist.TCPStore(
         "127.0.0.1",
         port,
         is_master=True,
@@ -70,7 +81,8 @@ def test_heartbeat_names_the_silent_rank(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "unit")
     beats = [watchdog.Heartbeat(r, 3).start() for r in range(3)]
     try:
-        assert beats[0].silent_peers() == []  # everyone alive; rank 0 now exits (stops beating)
+        # everyone alive; rank 0 now exits (stops beating)
+        assert beats[0].silent_peers() == []
         beats[2].stop()  # rank 2 "stops answering"
         assert beats[1].silent_peers() == [2]  # not rank 0: it said it was exiting
         assert beats[1].first_to_report() and not beats[0].first_to_report()
@@ -86,7 +98,9 @@ def _failure(rank, pid, exitcode, tmp_path, message=None, printed=False):
     if message is not None:
         import json
 
-        path.write_text(json.dumps({"message": message, "timestamp": 1, "rlhf": {"printed": printed}}))
+        path.write_text(
+            json.dumps({"message": message, "timestamp": 1, "rlhf": {"printed": printed}})
+        )
     return ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file=str(path))
 
 
@@ -132,7 +146,10 @@ def test_launcher_reports_the_root_cause(tmp_path, monkeypatch):
     assert (code, line) == (2, "bad record")
     # a bug: its own exit code, its traceback is above
     code, line, _ = _child_failure({0: _failure(0, 105, 1, tmp_path)})
-    assert (code, line) == (1, "worker rank 0 (pid 105) exited with code 1 (its traceback is above)")
+    assert (code, line) == (
+        1,
+        "worker rank 0 (pid 105) exited with code 1 (its traceback is above)",
+    )
 
 
 EXIT_WITH_A_BUSY_HEARTBEAT = r"""
@@ -194,7 +211,8 @@ if sys.argv[2] == "end_process":
 
 def test_a_finished_worker_ends_with_its_output_and_without_finalization(tmp_path):
     """``end_process`` (the last call of every torchrun worker): exit 0 with stdout and the log file
-    flushed, where the interpreter's finalization with a thread inside a C++ call aborts some exits."""
+    flushed, where the interpreter's finalization with a thread inside a C++ call aborts some
+    exits."""
     import subprocess
     import sys
 
@@ -202,13 +220,25 @@ def test_a_finished_worker_ends_with_its_output_and_without_finalization(tmp_pat
 
     def launch(i, how):
         env = {**ENV, "LOCAL_RANK": "0"}
-        cmd = [sys.executable, "-c", FINISH_WITH_A_BUSY_THREAD, str(tmp_path / f"{how}{i}.log"), how]
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cmd = [
+            sys.executable,
+            "-c",
+            FINISH_WITH_A_BUSY_THREAD,
+            str(tmp_path / f"{how}{i}.log"),
+            how,
+        ]
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     procs = [launch(i, "end_process") for i in range(6)]
     control = [launch(i, "finalize") for i in range(4)]  # measured: 24 of 24 such exits abort
     results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
     assert [code for code, _, _ in results] == [0] * 6, [err[-300:] for _, _, err in results]
-    assert any(p.wait(timeout=120) == -6 for p in control), "finalization no longer aborts: the control shows nothing"
+    assert any(p.wait(timeout=120) == -6 for p in control), (
+        "finalization no longer aborts: the control shows nothing"
+    )
     assert all(out == "written, not flushed" for _, out, _ in results)
-    assert all("logged before the end" in (tmp_path / f"end_process{i}.log").read_text() for i in range(6))
+    assert all(
+        "logged before the end" in (tmp_path / f"end_process{i}.log").read_text() for i in range(6)
+    )

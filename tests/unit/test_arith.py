@@ -1,5 +1,5 @@
-"""data.format=arith (rlhf/data/arith.py): arithmetic in words for pretrained chat models, its exact-answer
-rule, its records and split, and data.synthetic.min_operand."""
+"""data.format=arith (rlhf/data/arith.py): arithmetic in words for pretrained chat models, its
+exact-answer rule, its records and split, and data.synthetic.min_operand."""
 
 import pytest
 
@@ -20,7 +20,8 @@ from rlhf.rewards import gold
         ("70 is wrong, it is 71", 0.0),  # the last number is the answer
         ("", 0.0),
         ("seventy", 0.0),
-        ("7,0", 0.0),  # a comma that is no thousands separator leaves two numbers
+        # a comma that is no thousands separator leaves two numbers
+        ("7,0", 0.0),
     ],
 )
 def test_gold_rule_reads_the_last_integer(response, score):
@@ -40,20 +41,27 @@ def test_records_split_and_determinism():
     assert [e.prompt for e in train] == [e.prompt for e in again]
     assert [e.prompt for e in train] != [e.prompt for e in other]
     assert len(train) == 500 and len(held) == 64 and len({e.prompt for e in held}) == 64
-    assert not {e.prompt for e in held} & {e.prompt for e in train}  # held-out pairs never trained on
+    # held-out pairs never trained on
+    assert not {e.prompt for e in held} & {e.prompt for e in train}
     for e in train + held:
         q = e.chat.prompt[0]["content"]
         a, b = (int(x) for x in q.split("?")[0].removeprefix("What is ").split(" + "))
         assert 10 <= a <= 49 and 10 <= b <= 49 and e.reference == str(a + b)
-        assert q.endswith(arith.INSTRUCTION) and e.chat.needs_template  # through the model's own template
+        # through the model's own template
+        assert q.endswith(arith.INSTRUCTION) and e.chat.needs_template
         assert e.chat.response == e.chat.chosen == e.reference and e.chat.rejected != e.reference
-        assert arith.gold_score(e.response, e.reference) == 1.0 and arith.gold_score(e.rejected, e.reference) == 0.0
+        assert (
+            arith.gold_score(e.response, e.reference) == 1.0
+            and arith.gold_score(e.rejected, e.reference) == 0.0
+        )
 
 
 def test_format_row_and_reward_function():
     row = FORMATS["arith"]
     assert row.generated and row.gold is arith.gold_score and row.new_tokens == 64
-    _, held = arith.generate(SyntheticConfig(num_records=10, min_operand=10, max_operand=20), 8, seed=0)
+    _, held = arith.generate(
+        SyntheticConfig(num_records=10, min_operand=10, max_operand=20), 8, seed=0
+    )
     responses = [f"{e.reference}" for e in held[:4]] + ["0"] * 4
     assert gold(responses, held, "arith") == [1.0] * 4 + [0.0] * 4
 

@@ -1,5 +1,5 @@
-"""Asynchronous rollouts' parts (rlhf/rl/async_rollouts.py, rlhf/rl/rollout_worker.py): every token of
-an episode keeps the version of the weights that sampled it across turns (a partial rollout), the
+"""Asynchronous rollouts' parts (rlhf/rl/async_rollouts.py, rlhf/rl/rollout_worker.py): every token
+of an episode keeps the version of the weights that sampled it across turns (a partial rollout), the
 staleness it is trained at, the metrics over it, and the weights' shared copy (one buffer per dtype,
 tied tensors once). The processes: tests/e2e/test_async_rollouts.py."""
 
@@ -25,12 +25,16 @@ class Versioned(FakeGen):
 def test_each_token_keeps_the_version_that_sampled_it_across_turns():
     tok = CharTok(2)
     ep = runner(tok, max_turns=3, max_tokens=200).run(
-        Versioned(2), [[BOS, 7], [BOS, 8]], [None, None], SamplingParams(max_new_tokens=4, samples_per_prompt=2)
+        Versioned(2),
+        [[BOS, 7], [BOS, 8]],
+        [None, None],
+        SamplingParams(max_new_tokens=4, samples_per_prompt=2),
     )
     g = ep.gen
     assert g.versions.shape == g.response_mask.shape
     policy = g.response_mask.bool()
-    for row in range(4):  # three turns of [5, 6, EOS], observations between them
+    for row in range(4):
+        # three turns of [5, 6, EOS], observations between them
         assert g.versions[row][policy[row]].tolist() == [10] * 3 + [11] * 3 + [12] * 3
         assert (g.versions[row][~policy[row]] == -1).all()  # observations and padding: no version
     stale = staleness(g.versions, 12, g.response_mask.float())
@@ -41,7 +45,9 @@ def test_each_token_keeps_the_version_that_sampled_it_across_turns():
 
 
 def test_the_colocated_run_has_no_versions():
-    ep = runner(CharTok(2), max_turns=2).run(FakeGen(2), [[BOS, 7]], [None], SamplingParams(max_new_tokens=4))
+    ep = runner(CharTok(2), max_turns=2).run(
+        FakeGen(2), [[BOS, 7]], [None], SamplingParams(max_new_tokens=4)
+    )
     assert ep.gen.versions is None and staleness(None, 3, ep.gen.response_mask.float()) is None
 
 
@@ -72,9 +78,15 @@ def test_episodes_played_in_groups_lay_out_as_one_generation():
     from rlhf.rl.episodes import concat_episodes
 
     tok = CharTok(2)
-    prompts, sp = [[BOS, 7], [BOS, 8, 9, 10], [BOS, 11, 12]], SamplingParams(max_new_tokens=4, samples_per_prompt=2)
+    prompts, sp = (
+        [[BOS, 7], [BOS, 8, 9, 10], [BOS, 11, 12]],
+        SamplingParams(max_new_tokens=4, samples_per_prompt=2),
+    )
     whole = runner(tok, max_turns=2).run(Versioned(2), prompts, [None] * 3, sp)
-    parts = [runner(tok, max_turns=2).run(Versioned(2), p, [None] * len(p), sp) for p in (prompts[:1], prompts[1:])]
+    parts = [
+        runner(tok, max_turns=2).run(Versioned(2), p, [None] * len(p), sp)
+        for p in (prompts[:1], prompts[1:])
+    ]
     merged = concat_episodes(parts, tok.pad_token_id)
     for name in ("sequences", "attention_mask", "response_mask", "logprobs", "versions"):
         assert torch.equal(getattr(merged.gen, name), getattr(whole.gen, name)), name

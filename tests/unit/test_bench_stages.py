@@ -8,7 +8,18 @@ import sys
 
 from tests.conftest import ENV, ROOT
 
-KEYS = {"bench", "workload", "variant", "metric", "value", "unit", "world_size", "threads_per_rank", "torch", "device"}
+KEYS = {
+    "bench",
+    "workload",
+    "variant",
+    "metric",
+    "value",
+    "unit",
+    "world_size",
+    "threads_per_rank",
+    "torch",
+    "device",
+}
 
 
 def test_bench_stages_tiny_prints_schema_lines():
@@ -38,10 +49,13 @@ def test_bench_stages_tiny_prints_schema_lines():
     assert lines, "no JSON lines on stdout"
     for line in lines:
         assert KEYS <= line.keys(), KEYS - line.keys()
-        assert line["bench"] == "stages" and line["workload"] == "tiny" and line["variant"] == "rlhf"
+        assert (
+            line["bench"] == "stages" and line["workload"] == "tiny" and line["variant"] == "rlhf"
+        )
         assert line["device"] == "cpu"
     figures = {(x["stage"], x["metric"]): x["value"] for x in lines}
     for stage in ("sft", "reward", "dpo"):
         assert figures[(stage, "s_per_step")] > 0
         assert figures[(stage, "tokens_per_s")] > 0
-        assert figures[(stage, "padding_share")] == 0.0  # the tiny workload's rows have one length
+        # the tiny workload's rows have one length
+        assert figures[(stage, "padding_share")] == 0.0

@@ -14,7 +14,8 @@ from rlhf.data.tokenize import encode_prompts, tokenize_pairs, tokenize_prompts,
 from rlhf.data.tokenizer import train_tokenizer
 from rlhf.errors import ConfigError, DataError
 
-# A ChatML template (Qwen's form) for a tokenizer that has <|im_start|>/<|im_end|> as special tokens.
+# A ChatML template (Qwen's form) for a tokenizer that has <|im_start|>/<|im_end|> as special
+# tokens.
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -36,13 +37,18 @@ def write_jsonl(path, records):
 
 @pytest.fixture(scope="module")
 def tok():
-    texts = synthetic.tokenizer_corpus(SyntheticConfig()) + [json.dumps(MULTI), "Human: Assistant: Be brief."]
+    texts = synthetic.tokenizer_corpus(SyntheticConfig()) + [
+        json.dumps(MULTI),
+        "Human: Assistant: Be brief.",
+    ]
     return train_tokenizer(texts, 400, 128)
 
 
 @pytest.fixture(scope="module")
 def chatml_tok():
-    t = train_tokenizer(synthetic.tokenizer_corpus(SyntheticConfig()) + [json.dumps(MULTI)], 400, 128)
+    t = train_tokenizer(
+        synthetic.tokenizer_corpus(SyntheticConfig()) + [json.dumps(MULTI)], 400, 128
+    )
     t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     t.eos_token = "<|im_end|>"
     t.chat_template = CHATML
@@ -83,17 +89,33 @@ def test_messages_records_parse(tmp_path):
     sft, pair, trl = read_examples(str(f), "messages")[0]
     assert sft.chat.prompt == MULTI[:4] and sft.chat.response == "The answer is 30."
     assert sft.prompt == plain_text(MULTI[:4]) and sft.response == " The answer is 30."
-    assert sft.prompt.endswith("\n\nHuman: And 10 + 20?\n\nAssistant:") and sft.prompt.startswith("Be brief.")
-    assert pair.chat.prompt == MULTI[:4] and (pair.chat.chosen, pair.chat.rejected) == ("30.", "31.")
+    assert sft.prompt.endswith("\n\nHuman: And 10 + 20?\n\nAssistant:") and sft.prompt.startswith(
+        "Be brief."
+    )
+    assert pair.chat.prompt == MULTI[:4] and (pair.chat.chosen, pair.chat.rejected) == (
+        "30.",
+        "31.",
+    )
     assert (pair.chosen, pair.rejected, pair.response) == (" 30.", " 31.", " 30.")
-    assert trl.chat.prompt == [{"role": "user", "content": "Hi?"}] and trl.chat.rejected == "Go away."
+    assert (
+        trl.chat.prompt == [{"role": "user", "content": "Hi?"}] and trl.chat.rejected == "Go away."
+    )
     # ShareGPT's keys and role names through data.columns
     g = write_jsonl(
         tmp_path / "g.jsonl",
-        [{"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}],
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "Hi?"},
+                    {"from": "gpt", "value": "Hello."},
+                ]
+            }
+        ],
     )
     (ex,), _ = read_examples(
-        str(g), "messages", columns={"messages": "conversations", "role": "from", "content": "value"}
+        str(g),
+        "messages",
+        columns={"messages": "conversations", "role": "from", "content": "value"},
     )
     assert ex.chat.prompt == [{"role": "user", "content": "Hi?"}] and ex.chat.response == "Hello."
 
@@ -103,25 +125,37 @@ def test_messages_records_parse(tmp_path):
     [
         ({"messages": "hi"}, "field 'messages' must be a non-empty list"),
         ({"messages": [{"role": "user"}]}, "field 'messages'[0] has no string 'content'"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot': expected system, user or assistant"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "role='robot': expected system, user or assistant",
+        ),
         ({"messages": [{"role": "assistant", "content": "x"}]}, "no user turn"),
         # an empty answer is a record (tests/unit/test_empty_turns.py); a dropped last turn is not
         (
             {
                 "chosen": [{"role": "user", "content": "q"}],
-                "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
+                "rejected": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "b"},
+                ],
             },
             "field 'chosen' has no last assistant turn",
         ),
         (
             {
                 "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-                "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "b"}],
+                "rejected": [
+                    {"role": "user", "content": "Q"},
+                    {"role": "assistant", "content": "b"},
+                ],
             },
             "must differ only in their last turn",
         ),
         (
-            {"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
+            {
+                "chosen": [{"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "assistant", "content": "b"}],
+            },
             "share no turns and the record has no field 'prompt'",
         ),
         (
@@ -140,7 +174,9 @@ def test_bad_messages_name_file_line_and_field(tmp_path, record, fragment):
 
 def test_a_mapped_column_that_is_missing_is_named(tmp_path):
     f = write_jsonl(tmp_path / "x.jsonl", [{"msgs": MULTI}])
-    with pytest.raises(DataError, match=r"x.jsonl:1: record has no field 'conversations' \(data.columns.messages\)"):
+    with pytest.raises(
+        DataError, match=r"x.jsonl:1: record has no field 'conversations' \(data.columns.messages\)"
+    ):
         read_examples(str(f), "messages", columns={"messages": "conversations"})
 
 
@@ -153,20 +189,35 @@ def test_synthetic_task_through_the_embedded_template_is_token_identical(tok):
     template = resolve_template(tok, "auto")
     assert template and tok("Q: x")["input_ids"][0] == tok.bos_token_id
     for lens in ((64, 64), (7, 8)):
-        a, b = tokenize_sft(data.train, tok, *lens, chat=template), tokenize_sft(data.train, tok, *lens)
-        assert a["ids"] == b["ids"] and a["prompt_len"] == b["prompt_len"] and a["mask"] == b["mask"]
-        assert tokenize_pairs(data.train, tok, *lens, chat=template) == tokenize_pairs(data.train, tok, *lens)
+        a, b = (
+            tokenize_sft(data.train, tok, *lens, chat=template),
+            tokenize_sft(data.train, tok, *lens),
+        )
+        assert (
+            a["ids"] == b["ids"] and a["prompt_len"] == b["prompt_len"] and a["mask"] == b["mask"]
+        )
+        assert tokenize_pairs(data.train, tok, *lens, chat=template) == tokenize_pairs(
+            data.train, tok, *lens
+        )
     ids = encode_prompts(data.eval, tok, template)
-    assert ids == encode_prompts(data.eval, tok, None) == tok([e.prompt for e in data.eval])["input_ids"]
-    sft = tokenize_sft(data.train[:1], tok, 64, 64, chat=template)
-    assert sft["ids"][0][-1] == tok.eos_token_id and sft["mask"][0] == [0] * sft["prompt_len"][0] + [1] * (
-        len(sft["ids"][0]) - sft["prompt_len"][0]
+    assert (
+        ids
+        == encode_prompts(data.eval, tok, None)
+        == tok([e.prompt for e in data.eval])["input_ids"]
     )
+    sft = tokenize_sft(data.train[:1], tok, 64, 64, chat=template)
+    assert sft["ids"][0][-1] == tok.eos_token_id and sft["mask"][0] == [0] * sft["prompt_len"][
+        0
+    ] + [1] * (len(sft["ids"][0]) - sft["prompt_len"][0])
 
 
 @pytest.mark.parametrize("which", ["embedded", "chatml", "fallback"])
 def test_multi_turn_mask_covers_exactly_the_assistant_turns(tok, chatml_tok, which):
-    t, template = {"embedded": (tok, tok.chat_template), "chatml": (chatml_tok, CHATML), "fallback": (tok, None)}[which]
+    t, template = {
+        "embedded": (tok, tok.chat_template),
+        "chatml": (chatml_tok, CHATML),
+        "fallback": (tok, None),
+    }[which]
     ex = Example(
         prompt=plain_text(MULTI[:4]),
         response=" " + MULTI[4]["content"],
@@ -187,7 +238,8 @@ def test_multi_turn_mask_covers_exactly_the_assistant_turns(tok, chatml_tok, whi
         assert (
             text
             == t.bos_token
-            + "Be brief.\nQ: What is 03 + 45?\nA: The answer is 48.</s>Q: And 10 + 20?\nA: The answer is 30.</s>"
+            + "Be brief.\nQ: What is 03 + 45?\nA: The answer is 48.</s>Q: And 10 + 20?\nA: "
+            "The answer is 30.</s>"
         )
     # the masked-out tokens are exactly the rest: system, user turns, markup
     # and the last turn ends with EOS (ChatML: <|im_end|> then a newline), learnt
@@ -203,7 +255,10 @@ def test_multi_turn_mask_covers_exactly_the_assistant_turns(tok, chatml_tok, whi
     learnt = [i for i, lab in zip(ids, b["labels"][0].tolist()) if lab != -100]
     assert learnt == [i for i, m in zip(ids, mask) if m]
     assert (
-        collate_sft(cols["ids"], cols["prompt_len"], t.pad_token_id, False, cols["mask"])["labels"][0] != -100
+        collate_sft(cols["ids"], cols["prompt_len"], t.pad_token_id, False, cols["mask"])["labels"][
+            0
+        ]
+        != -100
     ).all()
 
 
@@ -218,7 +273,11 @@ def test_pairs_and_prompts_through_a_template(chatml_tok):
     )
     cols = tokenize_pairs([ex], chatml_tok, 512, 512, chat=CHATML)
     p = cols["prompt_len"][0]
-    assert cols["chosen"][0][:p] == cols["rejected"][0][:p] == encode_prompts([ex], chatml_tok, CHATML)[0]
+    assert (
+        cols["chosen"][0][:p]
+        == cols["rejected"][0][:p]
+        == encode_prompts([ex], chatml_tok, CHATML)[0]
+    )
     tail = chatml_tok.decode(cols["rejected"][0][p:], skip_special_tokens=False)
     assert tail == "It is 31.<|im_end|>\n"
     prompt_text = chatml_tok.decode(tokenize_prompts([ex], chatml_tok, 512, CHATML)["prompt"][0])
@@ -239,10 +298,13 @@ def test_template_setting(tok, tmp_path):
     assert resolve_template(t, "none") is None and resolve_template(t, "auto") == t.chat_template
     f = tmp_path / "chatml.jinja"
     f.write_text(CHATML)
-    assert resolve_template(t, str(f)) == CHATML and t.chat_template == CHATML  # exported with the model
+    # exported with the model
+    assert resolve_template(t, str(f)) == CHATML and t.chat_template == CHATML
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m['content'] }")
-    with pytest.raises(ConfigError, match=r"data.chat_template=.*bad.jinja: not a usable chat template"):
+    with pytest.raises(
+        ConfigError, match=r"data.chat_template=.*bad.jinja: not a usable chat template"
+    ):
         resolve_template(t, str(bad))
     with pytest.raises(ConfigError, match=r"data.chat_template=/no/such.jinja: no such file"):
         DataConfig(chat_template="/no/such.jinja")
@@ -254,7 +316,9 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
         "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
         "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
     )
-    with pytest.raises(DataError, match="m:1: the chat template does not render this conversation turn by turn"):
+    with pytest.raises(
+        DataError, match="m:1: the chat template does not render this conversation turn by turn"
+    ):
         Renderer(tok, rewriting).encode([MULTI], ["m:1"])
 
 
@@ -276,8 +340,18 @@ def test_conversations_without_a_template_are_said_to_become_plain_text(caplog):
 
     no_template = SimpleNamespace(chat_template=None)
     with caplog.at_level(logging.WARNING, logger="rlhf"):
-        assert resolve_template(no_template, "auto", records=[SimpleNamespace(chat=None, prompt="x")]) is None
+        assert (
+            resolve_template(no_template, "auto", records=[SimpleNamespace(chat=None, prompt="x")])
+            is None
+        )
         assert not caplog.records  # plain-text records: nothing to say
-        assert resolve_template(no_template, "auto", records=[SimpleNamespace(chat=[{"role": "user"}])]) is None
+        assert (
+            resolve_template(
+                no_template, "auto", records=[SimpleNamespace(chat=[{"role": "user"}])]
+            )
+            is None
+        )
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line.startswith("data.chat_template=auto and the tokenizer has no chat template: the records' conversations")
+    assert line.startswith(
+        "data.chat_template=auto and the tokenizer has no chat template: the records' conversations"
+    )

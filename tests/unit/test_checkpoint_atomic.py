@@ -30,7 +30,9 @@ class RecordingTokenizer:
 
 def test_the_tokenizer_is_inside_the_checkpoint_before_it_is_complete(tmp_path):
     mesh = Mesh()
-    eng = TrainEngine(tiny_model("llama"), mesh, EngineConfig(), TrainConfig(lr=1e-2, warmup_steps=0))
+    eng = TrainEngine(
+        tiny_model("llama"), mesh, EngineConfig(), TrainConfig(lr=1e-2, warmup_steps=0)
+    )
     ckpt_dir = tmp_path / "checkpoints"
     tok = RecordingTokenizer(ckpt_dir)
     extras = []
@@ -38,11 +40,19 @@ def test_the_tokenizer_is_inside_the_checkpoint_before_it_is_complete(tmp_path):
     def extra(d):  # as the EMA actor is saved
         (d / "ema.bin").write_bytes(b"x")
         extras.append(
-            {"dir": d.name, "state_written": (d / STATE_FILE).exists(), "complete": latest_checkpoint(ckpt_dir)}
+            {
+                "dir": d.name,
+                "state_written": (d / STATE_FILE).exists(),
+                "complete": latest_checkpoint(ckpt_dir),
+            }
         )
 
-    first = save_checkpoint(ckpt_dir, 5, {"actor": eng}, {"stage": "sft"}, mesh, tokenizer=tok, extra=extra)
-    second = save_checkpoint(ckpt_dir, 10, {"actor": eng}, {"stage": "sft"}, mesh, tokenizer=tok, extra=extra)
+    first = save_checkpoint(
+        ckpt_dir, 5, {"actor": eng}, {"stage": "sft"}, mesh, tokenizer=tok, extra=extra
+    )
+    second = save_checkpoint(
+        ckpt_dir, 10, {"actor": eng}, {"stage": "sft"}, mesh, tokenizer=tok, extra=extra
+    )
     # written into the temporary directory, before the state file, while the newest complete
     # checkpoint was still the previous one
     for seen in (tok.seen, extras):

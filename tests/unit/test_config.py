@@ -27,8 +27,14 @@ def test_defaults_compose_per_stage():
         ("no.such_key=1", "no"),
         ("data.format=hh", "data.path is required"),
         ("model.num_heads=3", "model.num_heads"),
-        ("train.max_tokens_per_micro_batch=-1", "train.max_tokens_per_micro_batch=-1 is invalid: expected a non-neg"),
-        ("ppo.max_tokens_per_micro_batch=-8", "ppo.max_tokens_per_micro_batch=-8 is invalid: expected a non-neg"),
+        (
+            "train.max_tokens_per_micro_batch=-1",
+            "train.max_tokens_per_micro_batch=-1 is invalid: expected a non-neg",
+        ),
+        (
+            "ppo.max_tokens_per_micro_batch=-8",
+            "ppo.max_tokens_per_micro_batch=-8 is invalid: expected a non-neg",
+        ),
     ],
 )
 def test_bad_config_is_one_clear_error(override, fragment):
@@ -41,14 +47,23 @@ def test_world_size_checks(monkeypatch):
     cfg, _ = compose_config(["train.global_batch=10", "train.micro_batch_per_rank=3"])
     with pytest.raises(ConfigError, match="not divisible"):
         cfg.validate_world(2)
-    cfg, _ = compose_config(["engine.inference_tp_size=2", "train.global_batch=12", "engine.device=cpu"])
+    cfg, _ = compose_config(
+        ["engine.inference_tp_size=2", "train.global_batch=12", "engine.device=cpu"]
+    )
     cfg.validate_world(4)
     # the parallel degrees: checked once, where the mesh is built (before any process group starts)
     from rlhf.engine.mesh import init_mesh
 
-    for key, value in (("WORLD_SIZE", "3"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "3")):
+    for key, value in (
+        ("WORLD_SIZE", "3"),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("LOCAL_WORLD_SIZE", "3"),
+    ):
         monkeypatch.setenv(key, value)
-    with pytest.raises(ConfigError, match=r"engine.inference_tp_size=2 does not divide the world size 3"):
+    with pytest.raises(
+        ConfigError, match=r"engine.inference_tp_size=2 does not divide the world size 3"
+    ):
         init_mesh(cfg.engine)
 
 
@@ -96,7 +111,9 @@ def test_dpo_config_and_its_data_split():
     from rlhf.data.pipeline import split_share_of
 
     cfg, _ = compose_config(["stage=dpo"])
-    assert cfg.dpo.loss == "sigmoid" and cfg.dpo.label_smoothing == 0.0 and cfg.dpo.model_path is None
+    assert (
+        cfg.dpo.loss == "sigmoid" and cfg.dpo.label_smoothing == 0.0 and cfg.dpo.model_path is None
+    )
     with pytest.raises(ConfigError, match=r"applies to dpo.loss=sigmoid"):
         compose_config(["stage=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
     compose_config(["stage=dpo", "dpo.loss=ipo"])

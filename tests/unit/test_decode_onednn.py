@@ -1,6 +1,7 @@
 """The decode GEMMs on oneDNN's fp32 layout (rlhf/ops/linear.py ``pack_onednn``): large matrices
 take it, small ones keep MKL's packing. The test models are small, so the threshold is lowered to
-send every matrix through oneDNN: the same numbers as the reference kernels and the training mode."""
+send every matrix through oneDNN: the same numbers as the reference kernels and the training
+mode."""
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from rlhf.ops.linear import can_pack_onednn_fp32, linear, onednn_pays, pack_oned
 from tests.infer_helpers import mixed_prompts, tiny_model
 from tests.unit.test_inference import hybrid
 
-needs_onednn = pytest.mark.skipif(not can_pack_onednn_fp32(torch.float32, "cpu"), reason="torch without oneDNN")
+needs_onednn = pytest.mark.skipif(
+    not can_pack_onednn_fp32(torch.float32, "cpu"), reason="torch without oneDNN"
+)
 
 
 @pytest.fixture
@@ -22,11 +25,13 @@ def every_matrix_on_onednn(monkeypatch):
 
 def test_threshold_picks_large_matrices():
     assert onednn_pays(torch.empty(512, 1024).t()) and not onednn_pays(torch.empty(128, 256).t())
-    assert not can_pack_onednn_fp32(torch.bfloat16, "cpu")  # bf16 has its own oneDNN layout (packed)
+    # bf16 has its own oneDNN layout (packed)
+    assert not can_pack_onednn_fp32(torch.bfloat16, "cpu")
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 5, 8, 96])  # decode batches, fewer rows after some ended, a prefill
+# decode batches, fewer rows after some ended, a prefill
+@pytest.mark.parametrize("rows", [1, 5, 8, 96])
 def test_onednn_linear_matches_plain(rows):
     torch.manual_seed(0)
     w, b = torch.randn(160, 64) / 8, torch.randn(160)
@@ -47,7 +52,9 @@ def test_onednn_decode_logprobs_match_training_mode(family, every_matrix_on_oned
     sp = SamplingParams(temperature=0.7, max_new_tokens=10, samples_per_prompt=2, seed=3)
     gen = hy.generate(mixed_prompts(), sp)
     with torch.no_grad():
-        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+        lp = response_logprobs(
+            eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature
+        )
     assert ((lp - gen.logprobs) * gen.response_mask).abs().max().item() <= 1e-5
 
 
@@ -55,7 +62,8 @@ def test_onednn_decode_logprobs_match_training_mode(family, every_matrix_on_oned
 def test_onednn_decode_equals_reference_while_rows_leave(every_matrix_on_onednn):
     model = tiny_model("llama")
     with torch.no_grad():
-        model.lm_head.weight[2] += 0.6 * model.lm_head.weight.abs().max()  # EOS-prone: rows end early
+        # EOS-prone: rows end early
+        model.lm_head.weight[2] += 0.6 * model.lm_head.weight.abs().max()
     sp = SamplingParams(temperature=0, max_new_tokens=12)
     _, fast = hybrid(model)
     _, ref = hybrid(model, inference_kernels="reference")

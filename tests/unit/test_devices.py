@@ -1,5 +1,5 @@
-"""Device choice (engine.device, engine.precision=auto) and the CPU-side guard against device mixing:
-sampling on fake CUDA logits, one PPO iteration in-process under ``DeviceDiscipline``."""
+"""Device choice (engine.device, engine.precision=auto) and the CPU-side guard against device
+mixing: sampling on fake CUDA logits, one PPO iteration in-process under ``DeviceDiscipline``."""
 
 import shutil
 
@@ -21,7 +21,8 @@ def test_device_choice(monkeypatch):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert choose_device("cpu", 0, 1) == torch.device("cpu")
     assert choose_device("auto", 0, 1).type == ("cuda" if gpus else "cpu")
-    monkeypatch.setenv("RLHF_DEVICE", "cpu")  # how the suite pins the CPU on a GPU machine
+    # how the suite pins the CPU on a GPU machine
+    monkeypatch.setenv("RLHF_DEVICE", "cpu")
     assert choose_device("auto", 0, 1) == torch.device("cpu")
     monkeypatch.setenv("RLHF_DEVICE", "tpu")
     with pytest.raises(ConfigError, match="RLHF_DEVICE"):
@@ -41,13 +42,14 @@ def test_precision_auto_is_fp32_on_cpu_and_explicit_values_stay():
 
 
 @pytest.mark.parametrize(
-    "params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=0.0)]
+    "params",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=0.0)],
 )
 def test_sampling_on_device_logits_with_a_cpu_generator(params):
     """The first GPU run died here: a CPU generator drawing into a CUDA tensor. Logits on a second
     device type (``meta``: no data, but device checks as strict as CUDA's — a CPU tensor meeting a
-    meta one raises) stand in for CUDA; the rows' draws are made on the CPU and moved; the guard also
-    names a draw whose generator is on another device."""
+    meta one raises) stand in for CUDA; the rows' draws are made on the CPU and moved; the guard
+    also names a draw whose generator is on another device."""
     sp = SamplingParams(**params)
     with DeviceDiscipline():
         logits = torch.empty(4, 50, device="meta")
@@ -66,7 +68,8 @@ def test_the_guard_catches_a_cross_device_draw_and_an_implicit_device():
             torch.rand((4, 1), generator=gen, device=torch.device("cuda"))
     import rlhf.algorithms.ppo as A
 
-    with DeviceDiscipline() as guard:  # project code that names no device fails at its own line
+    with DeviceDiscipline() as guard:
+        # project code that names no device fails at its own line
         A.whiten(torch.ones(2, 3, device="cpu"), torch.ones(2, 3, device="cpu"))
         assert guard.calls >= 2
         code = compile("torch.zeros(3)", A.__file__, "eval")  # as if written in rlhf/
@@ -88,7 +91,8 @@ def test_pure_rl_functions_keep_the_device_of_their_inputs():
         torch.empty(8, 5, device="meta"),
     )
     with DeviceDiscipline():
-        for est in ("gae", "rloo", "grpo"):  # (whitening reads its statistics back: checked on CPU below)
+        for est in ("gae", "rloo", "grpo"):
+            # (whitening reads its statistics back: checked on CPU below)
             alg = AlgorithmConfig(estimator=est, whiten_advantages=False)
             adv, _ = advantages(alg, scores, kl, values, m, 4, 0.05)
             assert adv.device.type == "meta", est
@@ -108,15 +112,23 @@ def test_gqa_folded_attention_equals_enable_gqa():
     assert torch.allclose(attend(q, k, v, mask, fold_groups=True), ref, atol=1e-6)
     one = mask[:, :, -1:]  # a decode step: one query row
     assert torch.allclose(
-        attend(q[:, :, -1:], k, v, one, fold_groups=True), attend(q[:, :, -1:], k, v, one, fold_groups=False), atol=1e-6
+        attend(q[:, :, -1:], k, v, one, fold_groups=True),
+        attend(q[:, :, -1:], k, v, one, fold_groups=False),
+        atol=1e-6,
     )
 
 
 @pytest.mark.parametrize(
     "variant",
     [
-        [],  # hybrid engine, GAE with the reward model and a rule reward, running normalisation
-        ["engine.hybrid=false", "algorithm.ptx_coef=0.1", "ppo.ema_decay=0.9", "algorithm.entropy_coef=0.01"],
+        # hybrid engine, GAE with the reward model and a rule reward, running normalisation
+        [],
+        [
+            "engine.hybrid=false",
+            "algorithm.ptx_coef=0.1",
+            "ppo.ema_decay=0.9",
+            "algorithm.entropy_coef=0.01",
+        ],
     ],
 )
 def test_one_ppo_iteration_names_every_device(small_pipeline, tmp_path, variant):
@@ -152,5 +164,6 @@ def test_one_ppo_iteration_names_every_device(small_pipeline, tmp_path, variant)
     )
     with DeviceDiscipline() as guard:
         ppo.run(cfg)
-    assert guard.calls > 10  # the guard saw the project's tensor factories
+    # the guard saw the project's tensor factories
+    assert guard.calls > 10
     assert (run / "ppo" / "actor" / "model.safetensors").is_file()

@@ -13,11 +13,13 @@ PAIR = dict(policy_chosen=-1.0, policy_rejected=-3.0, ref_chosen=-2.0, ref_rejec
 BETA = 0.5
 # sigmoid: −log σ(0.75) = log(1 + e^−0.75) = log(1.4723665527) = 0.3868710061
 SIGMOID = 0.3868710061
-# cDPO, ε = 0.1: 0.9 log(1 + e^−0.75) + 0.1 log(1 + e^0.75) = 0.3868710061 + 0.1 × 0.75 = 0.4618710061
+# cDPO, ε = 0.1: 0.9 log(1 + e^−0.75) + 0.1 log(1 + e^0.75) = 0.3868710061 + 0.1 × 0.75 =
+# 0.4618710061
 CDPO = 0.4618710061
 # IPO: (h − 1/(2β))² = (1.5 − 1)² = 0.25
 IPO = 0.25
-# implicit rewards: β (log π − log π_ref): chosen 0.5 × (−1 + 2) = 0.5, rejected 0.5 × (−3 + 2.5) = −0.25
+# implicit rewards: β (log π − log π_ref): chosen 0.5 × (−1 + 2) = 0.5, rejected 0.5 × (−3 + 2.5) =
+# −0.25
 REWARDS = (0.5, -0.25)
 
 
@@ -100,19 +102,22 @@ def test_response_mask_skips_prompt_and_padding_and_keeps_eos():
     attention = torch.tensor([[1, 1, 1, 1, 1, 0]])
     mask = response_mask(attention, torch.tensor([2]))
     assert mask.tolist() == [[False, True, True, True, False]]  # targets p, r, r, EOS, pad
-    token_lp = torch.tensor([[-100.0, -1.0, -2.0, -0.5, float("-inf")]])  # prompt and pad must not count
+    # prompt and pad must not count
+    token_lp = torch.tensor([[-100.0, -1.0, -2.0, -0.5, float("-inf")]])
     assert sequence_logprobs(token_lp, mask).item() == -3.5
 
 
 def test_pair_logprobs_sum_response_tokens_only():
-    """The stage's log-probs of a collated pair: prompt tokens, and padding, change nothing; the EOS counts."""
+    """The stage's log-probs of a collated pair: prompt tokens, and padding, change nothing; the EOS
+    counts."""
     from stages.dpo import chosen_tokens, collate, pair_logprobs
 
     # prompt [1, 5]; chosen response [6, EOS=2]; rejected response [7, 8, EOS]; pad 0; vocabulary 10
     cols = {"chosen": [[1, 5, 6, 2]], "rejected": [[1, 5, 7, 8, 2]], "prompt_len": [2]}
     batch = collate(cols, [0], pad=0)
     assert batch["input_ids"].tolist() == [[1, 5, 6, 2, 0], [1, 5, 7, 8, 2]]
-    assert chosen_tokens(batch).tolist() == [2]  # 6 and EOS: what dpo.sft_coef's NLL is per token of
+    # 6 and EOS: what dpo.sft_coef's NLL is per token of
+    assert chosen_tokens(batch).tolist() == [2]
 
     class Out:
         def __init__(self, logits):
@@ -122,12 +127,16 @@ def test_pair_logprobs_sum_response_tokens_only():
         c, r = pair_logprobs(lambda **kw: Out(logits[kw["logits_at"]]), batch, torch.device("cpu"))
         return c.item(), r.item()
 
-    logits = torch.zeros(2, 5, 10)  # every token: log(1/10) = −2.302585093 (fp32 log-softmax: 1e-6)
+    # every token: log(1/10) = −2.302585093 (fp32 log-softmax: 1e-6)
+    logits = torch.zeros(2, 5, 10)
     # chosen: 2 response tokens (6, EOS) = −4.605170186; rejected: 3 (7, 8, EOS) = −6.907755279
     assert run(logits) == pytest.approx((-4.605170186, -6.907755279), abs=1e-6)
-    logits[:, 0, 5] = 50.0  # the prediction of prompt token 5: not summed
-    logits[0, 3, :] = torch.linspace(-9, 9, 10)  # predicts the chosen row's padding: not summed
+    # the prediction of prompt token 5: not summed
+    logits[:, 0, 5] = 50.0
+    # predicts the chosen row's padding: not summed
+    logits[0, 3, :] = torch.linspace(-9, 9, 10)
     logits[0, 4, :] = float("nan")  # after the last token: predicts nothing
     assert run(logits) == pytest.approx((-4.605170186, -6.907755279), abs=1e-6)
-    logits[0, 2, 2] = 3.0  # the chosen row's EOS: 3 − log(9 + e^3) = −0.370241038
+    # the chosen row's EOS: 3 − log(9 + e^3) = −0.370241038
+    logits[0, 2, 2] = 3.0
     assert run(logits)[0] == pytest.approx(-2.302585093 - 0.370241038, abs=1e-6)

@@ -1,6 +1,7 @@
-"""model.disable_dropout (default true): PPO's and DPO's models run without dropout, so the first PPO
-update's ratio π/π_old is exactly 1 on a family whose config carries dropout (GPT-2: 0.1 everywhere);
-with model.disable_dropout=false every training-mode forward draws its own masks and it is not."""
+"""model.disable_dropout (default true): PPO's and DPO's models run without dropout, so the first
+PPO update's ratio π/π_old is exactly 1 on a family whose config carries dropout (GPT-2: 0.1
+everywhere); with model.disable_dropout=false every training-mode forward draws its own masks and it
+is not."""
 
 import logging
 
@@ -54,21 +55,29 @@ def tiny_gpt2(path):
     return str(path)
 
 
-def digit_sum(texts, examples, fmt):  # a rule reward that differs between the samples of a prompt
+def digit_sum(texts, examples, fmt):
+    # a rule reward that differs between the samples of a prompt
     return [float(sum(int(t) for t in text.split()) % 7) for text in texts]
 
 
 def first_update(path, disable: bool):
     """(experience, stats) of one PPO step as stages/ppo.py makes it: actor and reference built by
     ``loading.causal_lm`` with model.disable_dropout=``disable``, GRPO with a rule reward, one
-    epoch of one minibatch (the update's forward sees the weights the rollouts were scored with). The
-    actor is in training mode when it scores, as from the second step on (the update leaves it there)."""
+    epoch of one minibatch (the update's forward sees the weights the rollouts were scored with).
+    The actor is in training mode when it scores, as from the second step on (the update leaves it
+    there)."""
     torch.manual_seed(1)
     mesh, tok = Mesh(), Tok()
     ecfg = EngineConfig(precision="fp32")
     alg, ppo = (
         AlgorithmConfig(estimator="grpo"),
-        PPOConfig(ppo_epochs=1, minibatches_per_epoch=1, max_new_tokens=8, samples_per_prompt=4, prompts_per_step=4),
+        PPOConfig(
+            ppo_epochs=1,
+            minibatches_per_epoch=1,
+            max_new_tokens=8,
+            samples_per_prompt=4,
+            prompts_per_step=4,
+        ),
     )
     actor = TrainEngine(
         loading.causal_lm(path, mesh, tok, disable_dropout=disable, role="actor"),
@@ -78,7 +87,10 @@ def first_update(path, disable: bool):
         total_steps=1,
     )
     ref = reference_for(
-        actor, lambda: loading.causal_lm(path, mesh, tok, disable_dropout=disable, role="reference"), mesh, ecfg
+        actor,
+        lambda: loading.causal_lm(path, mesh, tok, disable_dropout=disable, role="reference"),
+        mesh,
+        ecfg,
     )
     scorers = Scorers(
         ref=ref,
@@ -91,9 +103,16 @@ def first_update(path, disable: bool):
     )
     actor.train()
     prompts = PromptSource(
-        mixed_prompts(4, vocab=VOCAB), [None] * 4, ppo.prompts_per_step, seed=0, mesh=mesh, max_rounds=0
+        mixed_prompts(4, vocab=VOCAB),
+        [None] * 4,
+        ppo.prompts_per_step,
+        seed=0,
+        mesh=mesh,
+        max_rounds=0,
     )
-    collector = Collector(HybridEngine(actor, tok, ecfg), actor, scorers, prompts, alg, ppo, tok, mesh, seed=3)
+    collector = Collector(
+        HybridEngine(actor, tok, ecfg), actor, scorers, prompts, alg, ppo, tok, mesh, seed=3
+    )
     exp = collector.collect(0, alg.kl_coef)
     stats = Updater(actor, None, alg, ppo, mesh, seed=0).update(exp, 0, alg.kl_coef)
     return exp, stats
@@ -104,7 +123,8 @@ def test_first_ppo_update_has_ratio_one_without_dropout_and_not_with_it(tmp_path
     with caplog.at_level(logging.INFO, logger="rlhf"):
         exp, stats = first_update(path, disable=True)
     assert (
-        "dropout off in the actor (model.disable_dropout=true; it had resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1"
+        "dropout off in the actor (model.disable_dropout=true; it had resid_pdrop=0.1, "
+        "embd_pdrop=0.1, attn_pdrop=0.1"
     ) in caplog.text
     assert "dropout off in the reference" in caplog.text
     assert exp.mask.sum() > 0 and exp.advantages.abs().sum() > 0  # rollouts with a signal
@@ -114,8 +134,11 @@ def test_first_ppo_update_has_ratio_one_without_dropout_and_not_with_it(tmp_path
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="rlhf"):
         exp, stats = first_update(path, disable=False)
-    assert "dropout kept on in the actor (model.disable_dropout=false): resid_pdrop=0.1" in caplog.text
-    assert not torch.equal(exp.old_logprobs, exp.ref_logprobs)  # the actor's own masks (the reference: eval mode)
+    assert (
+        "dropout kept on in the actor (model.disable_dropout=false): resid_pdrop=0.1" in caplog.text
+    )
+    # the actor's own masks (the reference: eval mode)
+    assert not torch.equal(exp.old_logprobs, exp.ref_logprobs)
     assert stats["approx_kl"] > 1e-5, stats  # the ratio is noise before any update
 
 
@@ -129,8 +152,8 @@ def test_first_ppo_update_has_ratio_one_without_dropout_and_not_with_it(tmp_path
     ],
 )
 def test_every_dropout_of_a_family_goes_to_zero_and_training_mode_is_deterministic(family, config):
-    """Config (what an export writes) and modules (nn.Dropout, and the floats attention/decoder layers
-    copy from the config when built): train-mode forwards equal the eval-mode forward."""
+    """Config (what an export writes) and modules (nn.Dropout, and the floats attention/decoder
+    layers copy from the config when built): train-mode forwards equal the eval-mode forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     small = dict(
@@ -152,7 +175,8 @@ def test_every_dropout_of_a_family_goes_to_zero_and_training_mode_is_determinist
     ids = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 23]])
     model.train()
     with torch.no_grad():
-        assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # dropout on
+        # dropout on
+        assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
     disable_dropout(model, "actor")
     assert all(model.config.to_dict()[k] == 0.0 for k in config)  # what save_pretrained writes
     with torch.no_grad():
@@ -163,8 +187,8 @@ def test_every_dropout_of_a_family_goes_to_zero_and_training_mode_is_determinist
 
 
 def test_a_model_without_dropout_is_left_as_it_is_and_the_key_defaults_on(caplog):
-    """The embedded Llama (attention_dropout=0.0): nothing to change, nothing logged; the key is on by
-    default for every stage (only PPO and DPO read it)."""
+    """The embedded Llama (attention_dropout=0.0): nothing to change, nothing logged; the key is on
+    by default for every stage (only PPO and DPO read it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(
@@ -181,4 +205,6 @@ def test_a_model_without_dropout_is_left_as_it_is_and_the_key_defaults_on(caplog
     with caplog.at_level(logging.INFO, logger="rlhf"):
         assert disable_dropout(model, "actor") is model
     assert model.config.to_dict() == before and "dropout" not in caplog.text
-    assert ModelConfig().disable_dropout is True and Config(stage="ppo").model.disable_dropout is True
+    assert (
+        ModelConfig().disable_dropout is True and Config(stage="ppo").model.disable_dropout is True
+    )

@@ -1,7 +1,8 @@
-"""DeepSpeed-Chat reward models in (rlhf/models/dschat.py): a DeepSpeed-Chat-shaped RewardModel on a tiny
-random OPT (word_embed_proj_dim ≠ hidden size, BOS = EOS = pad) and a tiny Llama, saved in its layout,
-converted, and scored by plain Transformers, rlhf's PPO reward path and rlhf.score against DeepSpeed-Chat's
-own end-score rules (``forward``'s chosen scores and ``forward_value``'s), right-padded and in the PPO layout."""
+"""DeepSpeed-Chat reward models in (rlhf/models/dschat.py): a DeepSpeed-Chat-shaped RewardModel on a
+tiny random OPT (word_embed_proj_dim ≠ hidden size, BOS = EOS = pad) and a tiny Llama, saved in its
+layout, converted, and scored by plain Transformers, rlhf's PPO reward path and rlhf.score against
+DeepSpeed-Chat's own end-score rules (``forward``'s chosen scores and ``forward_value``'s),
+right-padded and in the PPO layout."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaModel, OPTConfig, OPTModel
+from transformers import (
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    LlamaModel,
+    OPTConfig,
+    OPTModel,
+)
 
 from rlhf.config import EngineConfig, SyntheticConfig
 from rlhf.data import synthetic
@@ -28,14 +35,15 @@ TOL = 1e-5
 
 
 class DSChatRewardModel(nn.Module):
-    """DeepSpeed-Chat's RewardModel (dschat/utils/model/reward_model.py) as far as its scores go: the base
-    transformer ``rwtransformer`` (called as they call it: no position ids) and ``v_head`` on every
-    position; a row's end score by their two rules, one row at a time as they loop."""
+    """DeepSpeed-Chat's RewardModel (dschat/utils/model/reward_model.py) as far as its scores go:
+    the base transformer ``rwtransformer`` (called as they call it: no position ids) and ``v_head``
+    on every position; a row's end score by their two rules, one row at a time as they loop."""
 
     def __init__(self, base, pad_id: int, num_padding_at_beginning: int = 0):
         super().__init__()
         self.config = base.config
-        if hasattr(self.config, "word_embed_proj_dim"):  # OPT's output is word_embed_proj_dim wide
+        if hasattr(self.config, "word_embed_proj_dim"):
+            # OPT's output is word_embed_proj_dim wide
             self.v_head = nn.Linear(self.config.word_embed_proj_dim, 1, bias=False)
         else:
             self.config.n_embd = self.config.hidden_size
@@ -50,7 +58,8 @@ class DSChatRewardModel(nn.Module):
 
     @torch.no_grad()
     def chosen_scores(self, input_ids, attention_mask):
-        """``forward``'s chosen_mean_scores (step 2): before the pad after ``num_padding_at_beginning`` pads."""
+        """``forward``'s chosen_mean_scores (step 2): before the pad after
+        ``num_padding_at_beginning`` pads."""
         values, seq_len, out = self.values(input_ids, attention_mask), input_ids.shape[1], []
         for i in range(input_ids.shape[0]):
             c_inds = (input_ids[i] == self.PAD_ID).nonzero()
@@ -61,7 +70,8 @@ class DSChatRewardModel(nn.Module):
 
     @torch.no_grad()
     def forward_value(self, input_ids, attention_mask, prompt_length):
-        """``forward_value(...)['chosen_end_scores']`` (step 3's reward): before the first pad after the prompt."""
+        """``forward_value(...)['chosen_end_scores']`` (step 3's reward): before the first pad after
+        the prompt."""
         assert prompt_length > 1
         values, seq_len, out = self.values(input_ids, attention_mask), input_ids.shape[1], []
         for i in range(input_ids.shape[0]):
@@ -77,14 +87,17 @@ def tokenizer():
 
 def save_dschat(tmp_path, family: str):
     """A DeepSpeed-Chat step-2 output: create_hf_model's config changes, RewardModel's state dict in
-    pytorch_model.bin (save_hf_format), the base config, the tokenizer's files. Returns (dir, model)."""
+    pytorch_model.bin (save_hf_format), the base config, the tokenizer's files. Returns (dir,
+    model)."""
     tok = tokenizer()
     torch.manual_seed(0)
-    if family == "opt":  # OPT: BOS = EOS = </s>; DeepSpeed-Chat pads with the EOS (get_tokenizer)
+    if family == "opt":
+        # OPT: BOS = EOS = </s>; DeepSpeed-Chat pads with the EOS (get_tokenizer)
         cfg = OPTConfig(
             vocab_size=len(tok),
             hidden_size=32,
-            word_embed_proj_dim=16,  # project_in / project_out, and a 16-wide v_head
+            # project_in / project_out, and a 16-wide v_head
+            word_embed_proj_dim=16,
             ffn_dim=64,
             num_hidden_layers=2,
             num_attention_heads=4,
@@ -96,7 +109,8 @@ def save_dschat(tmp_path, family: str):
             pad_token_id=tok.pad_token_id,
         )
         base, pad_id, skip = OPTModel(cfg), tok.eos_token_id, 1
-    else:  # Llama: the tokenizer without a pad, DeepSpeed-Chat appends [PAD]
+    else:
+        # Llama: the tokenizer without a pad, DeepSpeed-Chat appends [PAD]
         cfg = LlamaConfig(
             vocab_size=len(tok),
             hidden_size=32,
@@ -148,14 +162,16 @@ def right_padded(family, rm, pad, gen):
 
 
 def ppo_layout(family, rm, pad, gen, prompt_len=6, n_resp=7):
-    """Step-3 rows: prompts left-padded to ``prompt_len``, responses right-padded to ``n_resp`` (some end
-    with the EOS, one is cut at the length), and rlhf's mask (every real token)."""
+    """Step-3 rows: prompts left-padded to ``prompt_len``, responses right-padded to ``n_resp``
+    (some end with the EOS, one is cut at the length), and rlhf's mask (every real token)."""
     bos = rm.config.eos_token_id if family == "opt" else rm.config.bos_token_id
     eos, vocab = rm.config.eos_token_id, 200
     rows, mask = [], []
     for i in range(6):
         prompt = [bos] + words(1 + i % 5, gen, vocab)
-        resp = words(2 + i, gen, vocab)[: n_resp - 1] + [eos] if i != 5 else words(n_resp, gen, vocab)
+        resp = (
+            words(2 + i, gen, vocab)[: n_resp - 1] + [eos] if i != 5 else words(n_resp, gen, vocab)
+        )
         left, right = prompt_len - len(prompt), n_resp - len(resp)
         rows.append([pad] * left + prompt + resp + [pad] * right)
         mask.append([0] * left + [1] * (len(prompt) + len(resp)) + [0] * right)
@@ -163,8 +179,8 @@ def ppo_layout(family, rm, pad, gen, prompt_len=6, n_resp=7):
 
 
 def rlhf_reward_path(dst):
-    """The converted model as PPO builds its reward model (rlhf/rl/models.py scalar_model): FrozenModel over
-    ScalarHeadModel, packed forwards where the family packs."""
+    """The converted model as PPO builds its reward model (rlhf/rl/models.py scalar_model):
+    FrozenModel over ScalarHeadModel, packed forwards where the family packs."""
     tok = loading.load_tokenizer(str(dst))
     model = loading.build_model(AutoModelForSequenceClassification, path=str(dst), tokenizer=tok)
     return FrozenModel(ScalarHeadModel(model), Mesh(), EngineConfig(precision="fp32")), tok
@@ -173,9 +189,12 @@ def rlhf_reward_path(dst):
 def test_converted_layout(converted):
     family, src, dst, rm = converted
     spec = json.loads((dst / "config.json").read_text())
-    assert spec["architectures"] == [f"{'OPT' if family == 'opt' else 'Llama'}ForSequenceClassification"]
+    assert spec["architectures"] == [
+        f"{'OPT' if family == 'opt' else 'Llama'}ForSequenceClassification"
+    ]
     assert len(spec["id2label"]) == 1
-    assert spec["pad_token_id"] == rm.PAD_ID  # DeepSpeed-Chat's pad: OPT's EOS, Llama's appended [PAD]
+    # DeepSpeed-Chat's pad: OPT's EOS, Llama's appended [PAD]
+    assert spec["pad_token_id"] == rm.PAD_ID
     from safetensors.torch import load_file
 
     w = load_file(str(dst / "model.safetensors"))
@@ -193,15 +212,17 @@ def test_converted_layout(converted):
 
 
 def test_scores_equal_dschat(converted):
-    """Right-padded (DeepSpeed-Chat's forward and forward_value) and PPO-layout rows (forward_value with
-    the prompt length): plain Transformers on rows padded with the converted pad, and rlhf's PPO reward
-    path on the same tokens padded with rlhf's pad, equal DeepSpeed-Chat's scores within 1e-5."""
+    """Right-padded (DeepSpeed-Chat's forward and forward_value) and PPO-layout rows (forward_value
+    with the prompt length): plain Transformers on rows padded with the converted pad, and rlhf's
+    PPO reward path on the same tokens padded with rlhf's pad, equal DeepSpeed-Chat's scores within
+    1e-5."""
     family, _, dst, rm = converted
     gen = torch.Generator().manual_seed(1)
     hf = AutoModelForSequenceClassification.from_pretrained(str(dst), dtype=torch.float32).eval()
     frozen, tok = rlhf_reward_path(dst)
     pad = tok.pad_token_id
-    assert pad != rm.PAD_ID  # rlhf pads with a pad of its own (OPT: not the EOS; Llama: not the [PAD])
+    # rlhf pads with a pad of its own (OPT: not the EOS; Llama: not the [PAD])
+    assert pad != rm.PAD_ID
 
     def check(ids_ds, mask, want, ids_rlhf):
         with torch.no_grad():
@@ -221,9 +242,11 @@ def test_scores_equal_dschat(converted):
     ds_mask = ids.ne(rm.PAD_ID).long()
     ours_ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad))
     check(ids, ds_mask, rm.forward_value(ids, ds_mask, prompt_length=6), ours_ids)
-    if family == "llama":  # the pad is no real token: DeepSpeed-Chat's mask is rlhf's
+    if family == "llama":
+        # the pad is no real token: DeepSpeed-Chat's mask is rlhf's
         assert torch.equal(ds_mask, mask)
-    else:  # OPT: the same score position under rlhf's own mask (the BOS and the EOS attended)
+    else:
+        # OPT: the same score position under rlhf's own mask (the BOS and the EOS attended)
         ours = reward_scores(frozen, ours_ids, mask)
         with torch.no_grad():
             values = rm.values(ids, mask)
@@ -243,21 +266,26 @@ def test_score_cli_reads_like_dschat(converted):
 
 
 def test_ensemble_of_a_converted_and_another(converted):
-    """Several reward models side by side (ppo.reward_model_path=a,b): each read at its own position —
-    the converted one as DeepSpeed-Chat reads it, the other (its pad not its EOS: an rlhf reward model)
-    at the last real token —, each column what the model gives alone."""
+    """Several reward models side by side (ppo.reward_model_path=a,b): each read at its own position
+    — the converted one as DeepSpeed-Chat reads it, the other (its pad not its EOS: an rlhf reward
+    model) at the last real token —, each column what the model gives alone."""
     family, _, dst, rm = converted
     frozen, tok = rlhf_reward_path(dst)
     other, _ = rlhf_reward_path(dst)
-    other.module.config.pad_token_id = tok.pad_token_id  # the same weights, read as rlhf's own models are
+    # the same weights, read as rlhf's own models are
+    other.module.config.pad_token_id = tok.pad_token_id
     ids, mask = ppo_layout(family, rm, tok.pad_token_id, torch.Generator().manual_seed(3))
     both = reward_scores(RewardModels([frozen, other]), ids, mask)
     assert both.shape == (len(ids), 2)
     assert torch.equal(both[:, 0], reward_scores(frozen, ids, mask))
     assert torch.equal(both[:, 1], reward_scores(other, ids, mask))
-    ends = ids.gather(1, (torch.arange(ids.shape[1]) * mask).argmax(-1, keepdim=True))[:, 0] == rm.config.eos_token_id
+    ends = (
+        ids.gather(1, (torch.arange(ids.shape[1]) * mask).argmax(-1, keepdim=True))[:, 0]
+        == rm.config.eos_token_id
+    )
     differs = (both[:, 0] - both[:, 1]).abs() > 1e-6
-    # OPT (its pad is its EOS): the rows that end with the EOS are read one token earlier; Llama: nowhere
+    # OPT (its pad is its EOS): the rows that end with the EOS are read one token earlier; Llama:
+    # nowhere
     assert torch.equal(differs, ends) if family == "opt" else not differs.any()
 
 
@@ -276,13 +304,18 @@ def test_reuse_and_refusals(tmp_path):
     stamp = (tmp_path / "run").stat().st_mtime_ns
     mtime = (dschat.Path(first) / "model.safetensors").stat().st_mtime_ns
     assert dschat.reward_model_input(str(src), "ppo.reward_model_path", run, OneProcess()) == first
-    assert (dschat.Path(first) / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
+    # reused, not rewritten
+    assert (dschat.Path(first) / "model.safetensors").stat().st_mtime_ns == mtime
     (src / "pytorch_model.bin").touch()  # the source changed: converted again
     dschat.reward_model_input(str(src), "ppo.reward_model_path", run, OneProcess())
     assert (dschat.Path(first) / "model.safetensors").stat().st_mtime_ns != mtime
     assert stamp  # (the run directory existed)
-    with pytest.raises(ConfigError, match=r"DeepSpeed-Chat's: python -m rlhf.migrate reward-model .* DST converts it"):
-        loading.check_scalar_model(str(src), "MODEL_DIR")  # (rlhf.score's check says how to convert it)
+    with pytest.raises(
+        ConfigError,
+        match=r"DeepSpeed-Chat's: python -m rlhf.migrate reward-model .* DST converts it",
+    ):
+        # (rlhf.score's check says how to convert it)
+        loading.check_scalar_model(str(src), "MODEL_DIR")
     other = tmp_path / "rlhf_rm"  # not DeepSpeed-Chat's: as it is
     other.mkdir()
     assert dschat.reward_model_input(str(other), "k", run, OneProcess()) == str(other)
@@ -303,7 +336,11 @@ def test_reuse_and_refusals(tmp_path):
             {k: v for k, v in sd.items() if "layers.1.mlp" not in k},
             "weights of LlamaForSequenceClassification missing",
         ),
-        "shape": (spec, {**sd, "v_head.weight": torch.zeros(1, 7)}, "v_head.weight has shape [1, 7]"),
+        "shape": (
+            spec,
+            {**sd, "v_head.weight": torch.zeros(1, 7)},
+            "v_head.weight has shape [1, 7]",
+        ),
     }
     for name, (cfg, state, says) in cases.items():
         bad = tmp_path / f"bad_{name}"
@@ -314,23 +351,33 @@ def test_reuse_and_refusals(tmp_path):
         with pytest.raises(ConfigError) as e:
             dschat.reward_model_input(str(bad), "ppo.reward_model_path", run, OneProcess())
         msg = str(e.value)
-        assert msg.startswith(f"ppo.reward_model_path={bad}: a DeepSpeed-Chat reward model that cannot be converted")
+        assert msg.startswith(
+            f"ppo.reward_model_path={bad}: a DeepSpeed-Chat reward model that cannot be converted"
+        )
         assert says in msg and "\n" not in msg, msg
-        assert not any(p.name.startswith(f"reward_model_{bad.name}") for p in (run / "converted").iterdir())
+        assert not any(
+            p.name.startswith(f"reward_model_{bad.name}") for p in (run / "converted").iterdir()
+        )
 
 
 def test_safetensors_and_sharded_saves(tmp_path):
-    """The same RewardModel saved as model.safetensors, and as two shards with an index: recognised by
-    their keys (the index's, for shards) and converted to the same weights as from pytorch_model.bin."""
+    """The same RewardModel saved as model.safetensors, and as two shards with an index: recognised
+    by their keys (the index's, for shards) and converted to the same weights as from
+    pytorch_model.bin."""
     from safetensors.torch import load_file, save_file
 
     src, _ = save_dschat(tmp_path, "llama")
     sd = torch.load(src / "pytorch_model.bin")
-    want = load_file(str(dschat.convert_dschat_reward_model(src, tmp_path / "from_bin") / "model.safetensors"))
+    want = load_file(
+        str(dschat.convert_dschat_reward_model(src, tmp_path / "from_bin") / "model.safetensors")
+    )
     keys = sorted(sd)
     layouts = {
         "single": {"model.safetensors": keys},
-        "sharded": {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]},
+        "sharded": {
+            "model-00001-of-00002.safetensors": keys[::2],
+            "model-00002-of-00002.safetensors": keys[1::2],
+        },
     }
     for name, shards in layouts.items():
         d = tmp_path / name
@@ -342,7 +389,14 @@ def test_safetensors_and_sharded_saves(tmp_path):
             save_file({k: sd[k].contiguous() for k in ks}, str(d / file), metadata={"format": "pt"})
         if len(shards) > 1:
             weight_map = {k: file for file, ks in shards.items() for k in ks}
-            (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+            (d / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": weight_map})
+            )
         assert dschat.is_dschat_reward_model(d), name
-        got = load_file(str(dschat.convert_dschat_reward_model(d, tmp_path / f"from_{name}") / "model.safetensors"))
+        got = load_file(
+            str(
+                dschat.convert_dschat_reward_model(d, tmp_path / f"from_{name}")
+                / "model.safetensors"
+            )
+        )
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name

@@ -57,11 +57,15 @@ class CharTok:
     def batch_decode(self, rows, skip_special_tokens=True):
         return [self.decode(r) for r in rows]
 
-    def apply_chat_template(self, turns, chat_template=None, tools=None, tokenize=False, add_generation_prompt=False):
+    def apply_chat_template(
+        self, turns, chat_template=None, tools=None, tokenize=False, add_generation_prompt=False
+    ):
         out = "".join(
-            {"user": f"U:{m['content']}\n", "assistant": f"A:{m['content']}</s>", "tool": f"T:{m['content']}\n"}.get(
-                m["role"], ""
-            )
+            {
+                "user": f"U:{m['content']}\n",
+                "assistant": f"A:{m['content']}</s>",
+                "tool": f"T:{m['content']}\n",
+            }.get(m["role"], "")
             for m in turns
         )
         return out + ("A:" if add_generation_prompt else "")
@@ -87,7 +91,8 @@ EOS = 50
 
 def ending_model():
     """A random Qwen2 that samples EOS often enough for turns of 1–12 tokens: embedding dimension 0
-    is a large constant, so the final hidden state's dimension 0 is too, and EOS's head row reads it."""
+    is a large constant, so the final hidden state's dimension 0 is too, and EOS's head row reads
+    it."""
     model = tiny_model("qwen2")
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 3.0
@@ -97,7 +102,9 @@ def ending_model():
 
 
 def runner(tok, env_cls=Chatty, max_turns=4, max_tokens=96, timeout_s=10.0):
-    return EpisodeRunner(lambda: env_cls(), "test", tok, "template", Mesh(), max_turns, max_tokens, timeout_s)
+    return EpisodeRunner(
+        lambda: env_cls(), "test", tok, "template", Mesh(), max_turns, max_tokens, timeout_s
+    )
 
 
 def test_multi_turn_logprobs_equal_the_training_recompute():
@@ -116,7 +123,8 @@ def test_multi_turn_logprobs_equal_the_training_recompute():
     observation = real & ~policy
     # several turns with observations in between, the observation tokens carrying no policy mask
     turns = ep.stats["turns"] / len(ep.texts)
-    assert max(ep.gen.response_mask.diff(dim=1).eq(1).sum(1)) >= 2, ep.stats  # a row of 3+ policy turns
+    # a row of 3+ policy turns
+    assert max(ep.gen.response_mask.diff(dim=1).eq(1).sum(1)) >= 2, ep.stats
     assert observation.any(), (ep.stats, turns)
     assert (ep.gen.logprobs[observation] == 0).all()
     # every observation is 'T:ok 7\n' + 'A:' tokenized on its own
@@ -125,7 +133,9 @@ def test_multi_turn_logprobs_equal_the_training_recompute():
     seq = gen.responses[row][observation[row]].tolist()
     assert seq[: len(obs_ids)] == obs_ids
     with torch.no_grad():
-        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+        lp = response_logprobs(
+            eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature
+        )
     diff = ((lp - gen.logprobs) * policy).abs().max().item()
     assert diff <= 1e-6, diff
     # the environment's per-turn rewards sit at the last token of each of their turns
@@ -176,14 +186,17 @@ class FakeGen:
         return g.rows(0, len(prompts) * sp.samples_per_prompt)
 
 
-@pytest.mark.parametrize("env_cls, error", [(Raises, "RuntimeError: tool server down"), (Hangs, "timed out after 1 s")])
+@pytest.mark.parametrize(
+    "env_cls, error", [(Raises, "RuntimeError: tool server down"), (Hangs, "timed out after 1 s")]
+)
 def test_a_failing_or_hanging_environment_fails_its_trajectory_only(env_cls, error):
     tok = CharTok(2)
     t0 = time.perf_counter()
     ep = runner(tok, env_cls, timeout_s=1.0).run(
         FakeGen(2), [[BOS, 7], [BOS, 8]], [None, None], SamplingParams(max_new_tokens=4)
     )
-    assert time.perf_counter() - t0 < 5  # the hanging step is abandoned at its timeout
+    # the hanging step is abandoned at its timeout
+    assert time.perf_counter() - t0 < 5
     assert ep.failed.all() and ep.stats["failed"] == 2
     assert error in ep.errors[0] and ep.errors[0].startswith("test: step: ")
 
@@ -197,11 +210,18 @@ def test_parallel_runs_calls_concurrently():
 def test_turns_stop_at_the_budget_and_at_max_turns():
     tok = CharTok(2)
     gen = FakeGen(2)
-    ep = runner(tok, max_turns=3, max_tokens=200).run(gen, [[BOS, 7]], [None], SamplingParams(max_new_tokens=4))
+    ep = runner(tok, max_turns=3, max_tokens=200).run(
+        gen, [[BOS, 7]], [None], SamplingParams(max_new_tokens=4)
+    )
     assert gen.calls == 3 and ep.stats["turns"] == 3
     assert int(ep.gen.response_mask.sum()) == 9  # three turns of [5, 6, EOS]
-    ep = runner(tok, max_turns=10, max_tokens=12).run(FakeGen(2), [[BOS, 7]], [None], SamplingParams(max_new_tokens=4))
-    assert int(ep.gen.attention_mask[:, ep.gen.prompt_len :].sum()) <= 12 and ep.stats["truncated"] == 1
+    ep = runner(tok, max_turns=10, max_tokens=12).run(
+        FakeGen(2), [[BOS, 7]], [None], SamplingParams(max_new_tokens=4)
+    )
+    assert (
+        int(ep.gen.attention_mask[:, ep.gen.prompt_len :].sum()) <= 12
+        and ep.stats["truncated"] == 1
+    )
 
 
 def test_a_template_that_drops_tool_messages_is_refused():
@@ -230,7 +250,9 @@ def compressed(fn, rewards, values, mask):
 def test_gae_and_returns_run_through_observation_tokens():
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(3, 12, generator=g), torch.randn(3, 12, generator=g)
-    mask = torch.tensor([[1] * 3 + [0] * 2 + [1] * 4 + [0] * 3, [1] * 12, [1, 0, 1, 0, 1, 1, 0, 0, 1, 0, 0, 0]]).float()
+    mask = torch.tensor(
+        [[1] * 3 + [0] * 2 + [1] * 4 + [0] * 3, [1] * 12, [1, 0, 1, 0, 1, 1, 0, 0, 1, 0, 0, 0]]
+    ).float()
     adv, ret = ppo_math.gae(rewards, values, mask, 0.9, 0.8)
     ref = compressed(lambda r, v, m: ppo_math.gae(r, v, m, 0.9, 0.8)[0], rewards, values, mask)
     assert torch.allclose(adv, ref, atol=1e-6)
@@ -243,8 +265,10 @@ def test_gae_and_returns_run_through_observation_tokens():
 def test_turn_rewards_count_where_they_were_earned():
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]]).float()
     turn = torch.zeros(1, 7)
-    turn[0, 1] = 0.5  # the first turn's reward at its last token
-    scores = torch.tensor([1.5])  # the final reward 1.0 plus the turn's 0.5
+    # the first turn's reward at its last token
+    turn[0, 1] = 0.5
+    # the final reward 1.0 plus the turn's 0.5
+    scores = torch.tensor([1.5])
     kl = torch.zeros(1, 7)
     alg = AlgorithmConfig(estimator="reinforce_pp", whiten_advantages=False, gamma=1.0)
     rewards = ppo_math.token_rewards(scores - turn.sum(1), kl, mask, 0.0) + turn
@@ -253,7 +277,8 @@ def test_turn_rewards_count_where_they_were_earned():
     ret = ppo_math.discounted_returns(rewards, mask, 1.0)
     assert ret[0].tolist() == [1.5, 1.5, 0, 0, 1.0, 1.0, 0]
     adv, _ = advantages(alg, scores, kl, None, mask, 1, 0.0, None, turn)
-    assert adv[0, 0] > adv[0, 4]  # whitened, still ordered: the first turn's tokens earned more
+    # whitened, still ordered: the first turn's tokens earned more
+    assert adv[0, 0] > adv[0, 4]
 
 
 class Counting(Chatty):
@@ -261,7 +286,12 @@ class Counting(Chatty):
 
     def step(self, text):
         res = super().step(text)
-        res.info = {"echoes": 1, "solved": text.endswith("6"), "score_sum": np.float32(0.25), "t": torch.tensor(2)}
+        res.info = {
+            "echoes": 1,
+            "solved": text.endswith("6"),
+            "score_sum": np.float32(0.25),
+            "t": torch.tensor(2),
+        }
         return res
 
 
@@ -275,7 +305,10 @@ class BadInfo(Chatty):
 def test_an_environments_own_info_keys_become_env_metrics():
     tok = CharTok(2)
     ep = runner(tok, Counting, max_turns=3, max_tokens=200).run(
-        FakeGen(2), [[BOS, 7], [BOS, 8]], [None, None], SamplingParams(max_new_tokens=4, samples_per_prompt=2)
+        FakeGen(2),
+        [[BOS, 7], [BOS, 8]],
+        [None, None],
+        SamplingParams(max_new_tokens=4, samples_per_prompt=2),
     )
     # 4 episodes × 3 turns: step() answers the first two turns of each (the third is the last turn)
     assert ep.stats["turns"] == 12
@@ -288,7 +321,10 @@ def test_an_info_value_that_is_no_number_fails_the_episode_naming_it():
     tok = CharTok(2)
     ep = runner(tok, BadInfo).run(FakeGen(2), [[BOS, 7]], [None], SamplingParams(max_new_tokens=4))
     assert ep.failed.all()
-    assert "step() info['verdict'] must be a finite number (summed into env/verdict), got 'solved'" in ep.errors[0]
+    assert (
+        "step() info['verdict'] must be a finite number (summed into env/verdict), got 'solved'"
+        in ep.errors[0]
+    )
 
 
 def test_a_turn_that_would_not_fit_the_position_table_ends_the_episode_cut():
@@ -296,8 +332,12 @@ def test_a_turn_that_would_not_fit_the_position_table_ends_the_episode_cut():
     sp = SamplingParams(max_new_tokens=4)
     free = runner(tok, max_turns=3, max_tokens=200).run(FakeGen(2), [[BOS, 7]], [None], sp)
     obs = len(tok("T:ok 7\nA:", add_special_tokens=False)["input_ids"])
-    table = 2 + 3 + obs + 4  # room for the second turn's prompt and its new tokens, not for a third
-    cut = runner(tok, max_turns=3, max_tokens=200).run(FakeGen(2), [[BOS, 7]], [None], sp, positions=table)
+    # room for the second turn's prompt and its new tokens, not for a third
+    table = 2 + 3 + obs + 4
+    cut = runner(tok, max_turns=3, max_tokens=200).run(
+        FakeGen(2), [[BOS, 7]], [None], sp, positions=table
+    )
     assert free.stats["turns"] == 3 and free.stats["truncated"] == 0
     assert cut.stats["turns"] == 2 and cut.stats["truncated"] == 1
-    assert cut.gen.sequences.shape[1] <= table  # every turn's generation fitted the table
+    # every turn's generation fitted the table
+    assert cut.gen.sequences.shape[1] <= table

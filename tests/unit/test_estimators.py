@@ -29,10 +29,15 @@ def test_a_new_estimator_is_one_row_and_one_function(toy):
     scores, mask = torch.tensor([1.0, 3.0]), torch.ones(2, 3)
     adv, returns = E.advantages(alg, scores, torch.zeros(2, 3), None, mask, 2, 0.1)
     assert torch.equal(adv, torch.tensor([[-1.0] * 3, [1.0] * 3])) and returns is None
-    # the stage builds no critic for it (critic=False), and its grouped baseline brings the group checks
-    cfg = Config(stage="ppo", algorithm=alg, ppo=PPOConfig(samples_per_prompt=2, dynamic_sampling=True))
+    # the stage builds no critic for it (critic=False), and its grouped baseline brings the group
+    # checks
+    cfg = Config(
+        stage="ppo", algorithm=alg, ppo=PPOConfig(samples_per_prompt=2, dynamic_sampling=True)
+    )
     assert cfg.roles() == ("actor", "reference", "reward_model")
-    with pytest.raises(ConfigError, match=r"samples_per_prompt=1 is invalid for algorithm.estimator=toy"):
+    with pytest.raises(
+        ConfigError, match=r"samples_per_prompt=1 is invalid for algorithm.estimator=toy"
+    ):
         Config(stage="ppo", algorithm=alg, ppo=PPOConfig(samples_per_prompt=1))
     # messages list it with the others
     with pytest.raises(ConfigError, match="expected gae, grpo, rloo, reinforce_pp, distill or toy"):
@@ -40,7 +45,10 @@ def test_a_new_estimator_is_one_row_and_one_function(toy):
 
 
 def test_the_table_holds_each_estimators_traits():
-    traits = {n: (e.critic, e.grouped, e.kl_in_loss, e.kl_default, e.needs_teacher) for n, e in E.ESTIMATORS.items()}
+    traits = {
+        n: (e.critic, e.grouped, e.kl_in_loss, e.kl_default, e.needs_teacher)
+        for n, e in E.ESTIMATORS.items()
+    }
     assert traits == {
         "gae": (True, False, False, "k1", False),
         "grpo": (False, True, True, "k3", False),
@@ -48,7 +56,9 @@ def test_the_table_holds_each_estimators_traits():
         "reinforce_pp": (False, False, False, "k1", False),
         "distill": (False, False, True, "k3", True),
     }
-    with pytest.raises(ConfigError, match=r"needs a group estimator \(algorithm.estimator=grpo or rloo\), not gae"):
+    with pytest.raises(
+        ConfigError, match=r"needs a group estimator \(algorithm.estimator=grpo or rloo\), not gae"
+    ):
         Config(stage="ppo", ppo=PPOConfig(dynamic_sampling=True))
 
 
@@ -65,29 +75,45 @@ def test_the_tables_do_not_import_torch():
 def test_distillation_gives_each_token_its_own_reward_and_the_rest_of_the_score_a_group_baseline():
     alg = AlgorithmConfig(estimator="distill")
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    tokens = torch.tensor([[-0.5, -0.1, 0.0], [0.2, -0.3, -0.4], [-1.0, 0.0, 0.0], [0.0, 0.0, -0.2]])
+    tokens = torch.tensor(
+        [[-0.5, -0.1, 0.0], [0.2, -0.3, -0.4], [-1.0, 0.0, 0.0], [0.0, 0.0, -0.2]]
+    )
     rule = torch.tensor([1.0, 0.0, 1.0, 1.0])  # the rest of the score: a rule reward
-    scores = rule + tokens.sum(1)  # (the per-token rewards are in the score, as turn rewards are)
-    kl = torch.full((4, 3), 9.0)  # (a loss term for this estimator: never in the advantages)
+    # (the per-token rewards are in the score, as turn rewards are)
+    scores = rule + tokens.sum(1)
+    # (a loss term for this estimator: never in the advantages)
+    kl = torch.full((4, 3), 9.0)
     adv, returns = E.advantages(alg, scores, kl, None, mask, 2, 0.5, turn_rewards=tokens)
     baseline = torch.tensor([0.5, -0.5, 0.0, 0.0])[:, None]  # the rule against its pair's mean
     assert returns is None and torch.allclose(adv, (tokens + baseline) * mask)
-    adv1, _ = E.advantages(alg, scores, kl, None, mask, 1, 0.5, turn_rewards=tokens)  # one sample a prompt
+    # one sample a prompt
+    adv1, _ = E.advantages(alg, scores, kl, None, mask, 1, 0.5, turn_rewards=tokens)
     assert torch.allclose(adv1, (tokens + rule[:, None]) * mask)
-    alone, _ = E.advantages(alg, tokens.sum(1), kl, None, mask, 2, 0.5, turn_rewards=tokens)  # distillation alone
+    # distillation alone
+    alone, _ = E.advantages(alg, tokens.sum(1), kl, None, mask, 2, 0.5, turn_rewards=tokens)
     assert torch.allclose(alone, tokens * mask)
 
 
 def test_distillation_needs_a_teacher_and_a_teacher_needs_a_weight():
-    with pytest.raises(ConfigError, match=r"algorithm.estimator=distill learns from a teacher.*set ppo.teacher_path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithm.estimator=distill learns from a teacher.*set ppo.teacher_path",
+    ):
         Config(stage="ppo", algorithm=AlgorithmConfig(estimator="distill"))
     with pytest.raises(ConfigError, match=r"ppo.distill_coef=-1.0"):
         PPOConfig(teacher_path="t", distill_coef=-1.0)
-    with pytest.raises(ConfigError, match=r"algorithm.estimator=distill learns from the teacher's reward, which ppo"):
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithm.estimator=distill learns from the teacher's reward, which ppo",
+    ):
         Config(
-            stage="ppo", algorithm=AlgorithmConfig(estimator="distill"), ppo=PPOConfig(teacher_path="t", distill_coef=0)
+            stage="ppo",
+            algorithm=AlgorithmConfig(estimator="distill"),
+            ppo=PPOConfig(teacher_path="t", distill_coef=0),
         )
-    cfg = Config(stage="ppo", algorithm=AlgorithmConfig(estimator="distill"), ppo=PPOConfig(teacher_path="t"))
+    cfg = Config(
+        stage="ppo", algorithm=AlgorithmConfig(estimator="distill"), ppo=PPOConfig(teacher_path="t")
+    )
     assert cfg.roles() == ("actor", "reference", "reward_model", "teacher")
 
 
@@ -101,8 +127,10 @@ def test_gkd_divergence_is_the_generalised_jsd_chunked_and_exact():
     def kl(p, q):
         return (p * (p.log() - q.log())).sum(-1)
 
-    assert torch.allclose(chunked_divergence(s, t, 0.0), kl(pt, ps).float(), atol=1e-6)  # forward KL
-    assert torch.allclose(chunked_divergence(s, t, 1.0), kl(ps, pt).float(), atol=1e-6)  # reverse KL
+    # forward KL
+    assert torch.allclose(chunked_divergence(s, t, 0.0), kl(pt, ps).float(), atol=1e-6)
+    # reverse KL
+    assert torch.allclose(chunked_divergence(s, t, 1.0), kl(ps, pt).float(), atol=1e-6)
     m = 0.3 * pt + 0.7 * ps
     jsd = 0.3 * kl(pt, m) + 0.7 * kl(ps, m)
     assert torch.allclose(chunked_divergence(s, t, 0.3), jsd.float(), atol=1e-6)
@@ -112,7 +140,9 @@ def test_gkd_divergence_is_the_generalised_jsd_chunked_and_exact():
     small.sum().backward()
     whole = s.float().requires_grad_()
     chunked_divergence(whole, t.float(), 0.3).sum().backward()
-    assert torch.allclose(small, jsd.float(), atol=1e-6) and torch.allclose(s32.grad, whole.grad, atol=1e-6)
+    assert torch.allclose(small, jsd.float(), atol=1e-6) and torch.allclose(
+        s32.grad, whole.grad, atol=1e-6
+    )
     # top-k: over the teacher's k likeliest tokens, both renormalised there
     idx = t.topk(4, -1).indices
     sk, tk = s.gather(-1, idx).softmax(-1), t.gather(-1, idx).softmax(-1)
@@ -121,15 +151,17 @@ def test_gkd_divergence_is_the_generalised_jsd_chunked_and_exact():
 
 
 def test_gkd_needs_a_teacher():
-    with pytest.raises(ConfigError, match=r"algorithm.gkd_coef=0.5 compares the actor with a teacher"):
+    with pytest.raises(
+        ConfigError, match=r"algorithm.gkd_coef=0.5 compares the actor with a teacher"
+    ):
         Config(stage="ppo", algorithm=AlgorithmConfig(gkd_coef=0.5))
     with pytest.raises(ConfigError, match=r"algorithm.gkd_beta"):
         AlgorithmConfig(gkd_beta=1.5)
 
 
 def test_the_sampled_reverse_kl_reward_is_exact_in_expectation_and_in_its_gradient():
-    """Every token of a small vocabulary as a sampled row, weighted by the student's probability: the
-    distillation reward's mean is −KL(student ‖ teacher) and its policy gradient is −∇KL."""
+    """Every token of a small vocabulary as a sampled row, weighted by the student's probability:
+    the distillation reward's mean is −KL(student ‖ teacher) and its policy gradient is −∇KL."""
     from rlhf.engine.mesh import Mesh
     from rlhf.rl.shaping import distillation
 
@@ -139,13 +171,19 @@ def test_the_sampled_reverse_kl_reward_is_exact_in_expectation_and_in_its_gradie
     ls, lt = s_logits.log_softmax(-1), t_logits.log_softmax(-1)
     p = ls.exp()
     kl = (p * (ls - lt)).sum()
-    tokens = torch.arange(7.0, dtype=torch.float64)[:, None]  # (a row per token; its greedy id unused)
+    # (a row per token; its greedy id unused)
+    tokens = torch.arange(7.0, dtype=torch.float64)[:, None]
     student = torch.stack([ls.detach()[:, None], tokens], -1)
     teacher = torch.stack([lt[:, None], tokens], -1)
-    reward, metrics = distillation(ls.detach()[:, None], teacher, student, torch.ones(7, 1), 1.0, Mesh())
+    reward, metrics = distillation(
+        ls.detach()[:, None], teacher, student, torch.ones(7, 1), 1.0, Mesh()
+    )
     assert torch.allclose((p.detach() * reward[:, 0]).sum(), -kl.detach())
-    surrogate = -(p.detach() * reward[:, 0] * ls).sum()  # the policy gradient's loss, advantage = reward
+    # the policy gradient's loss, advantage = reward
+    surrogate = -(p.detach() * reward[:, 0] * ls).sum()
     (grad_pg,) = torch.autograd.grad(surrogate, s_logits, retain_graph=True)
     (grad_kl,) = torch.autograd.grad(kl, s_logits)
     assert torch.allclose(grad_pg, grad_kl)
-    assert metrics["distill/agreement"] == 1.0 and metrics["distill/reverse_kl"] == -float(reward.mean())
+    assert metrics["distill/agreement"] == 1.0 and metrics["distill/reverse_kl"] == -float(
+        reward.mean()
+    )

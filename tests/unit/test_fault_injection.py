@@ -8,7 +8,10 @@ from tests.conftest import ENV, ROOT, fault_env
 
 
 def test_a_fault_patches_its_module_on_import_in_a_subprocess():
-    code = "import sys; assert 'rlhf.errors' not in sys.modules; import rlhf.errors as e; print(e.INJECTED)"
+    code = (
+        "import sys; assert 'rlhf.errors' not in sys.modules; import rlhf.errors as e; "
+        "print(e.INJECTED)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,

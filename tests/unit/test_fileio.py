@@ -22,7 +22,10 @@ def test_stale_temps_of_dead_writers_are_removed_live_ones_kept(tmp_path):
     (tmp_path / f".step_00000006.tmp-{live}").mkdir()
     (tmp_path / "step_00000002").mkdir()
     remove_stale_temps(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".step_00000006.tmp-{live}", "step_00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f".step_00000006.tmp-{live}",
+        "step_00000002",
+    ]
 
 
 def test_replace_dir_swaps_whole_directories(tmp_path):
@@ -31,5 +34,7 @@ def test_replace_dir_swaps_whole_directories(tmp_path):
         tmp = temp_dir_for(final)
         atomic_write_json(tmp / "v.json", {"v": version})
         replace_dir(tmp, final)
-    assert (final / "v.json").read_text().strip().endswith("}") and '"v": 2' in (final / "v.json").read_text()
+    assert (final / "v.json").read_text().strip().endswith("}") and '"v": 2' in (
+        final / "v.json"
+    ).read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["model"]

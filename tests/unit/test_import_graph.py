@@ -1,7 +1,7 @@
 """The folders of the package depend one way (docs/architecture.md, "Layout and dependencies").
 
-Every module under ``rlhf/`` and ``stages/`` is parsed with ``ast`` — imports inside functions included, since a
-lazy import is still a dependency — and mapped to its unit: the folder it lives in
+Every module under ``rlhf/`` and ``stages/`` is parsed with ``ast`` — imports inside functions
+included, since a lazy import is still a dependency — and mapped to its unit: the folder it lives in
 (``rlhf/engine/train.py`` → ``rlhf.engine``), or the module itself for the few entry modules at the
 package root (``rlhf/generate.py`` → ``rlhf.generate``); each recipe is its own unit
 (``stages.ppo``). The graph of units must have no cycle, and the bottom folders stay at the bottom.
@@ -40,7 +40,8 @@ def imported_modules(path: Path, module: str) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against this module's package
+            if node.level:
+                # relative: resolve against this module's package
                 base = module.split(".")
                 base = base if is_package else base[:-1]
                 base = base[: len(base) - (node.level - 1)]
@@ -56,7 +57,10 @@ def imported_modules(path: Path, module: str) -> set[str]:
 def folder_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """unit → the units it imports (itself and the bare package left out)."""
     modules = {
-        module_name(p, root): p for top in SCANNED if (root / top).is_dir() for p in sorted((root / top).rglob("*.py"))
+        module_name(p, root): p
+        for top in SCANNED
+        if (root / top).is_dir()
+        for p in sorted((root / top).rglob("*.py"))
     }
     graph: dict[str, set[str]] = {unit_of(m): set() for m in modules}
     for module, path in modules.items():
@@ -126,16 +130,26 @@ def test_bottom_folders_import_nothing_of_the_project_and_nothing_imports_stages
     graph = folder_graph()
     assert graph["rlhf.algorithms"] == set() and graph["rlhf.ops"] == set()
     # rlhf/__main__.py runs a stage through importlib (by name), the one way in
-    assert not [u for u, deps in graph.items() if u.startswith(PACKAGE) and any(d.startswith("stages") for d in deps)]
+    assert not [
+        u
+        for u, deps in graph.items()
+        if u.startswith(PACKAGE) and any(d.startswith("stages") for d in deps)
+    ]
 
 
-# Import cycles between the files of one folder known today (issue 52): none may be added, and one that
-# is gone must leave this list.
+# Import cycles between the files of one folder known today (issue 52): none may be added, and one
+# that is gone must leave this list.
 KNOWN_FILE_CYCLES = {
     frozenset({"rlhf.algorithms.estimators", "rlhf.algorithms.ppo"}),
     # (the issue counted four; data.arith, the real model's task, joined them as tool_arith did)
     frozenset(
-        {"rlhf.data.arith", "rlhf.data.formats", "rlhf.data.records", "rlhf.data.synthetic", "rlhf.data.tool_arith"}
+        {
+            "rlhf.data.arith",
+            "rlhf.data.formats",
+            "rlhf.data.records",
+            "rlhf.data.synthetic",
+            "rlhf.data.tool_arith",
+        }
     ),
     frozenset({"rlhf.models.loading", "rlhf.models.streaming"}),
 }
@@ -144,7 +158,10 @@ KNOWN_FILE_CYCLES = {
 def file_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """module → the modules of its own folder it imports (at any depth of the file)."""
     modules = {
-        module_name(p, root): p for top in SCANNED if (root / top).is_dir() for p in sorted((root / top).rglob("*.py"))
+        module_name(p, root): p
+        for top in SCANNED
+        if (root / top).is_dir()
+        for p in sorted((root / top).rglob("*.py"))
     }
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
@@ -152,7 +169,8 @@ def file_graph(root: Path = ROOT) -> dict[str, set[str]]:
             while target not in modules and "." in target:
                 target = target.rsplit(".", 1)[0]
             if target in modules and target != module and unit_of(target) == unit_of(module):
-                if not path.name == "__init__.py":  # a package's __init__ re-exports its files
+                if not path.name == "__init__.py":
+                    # a package's __init__ re-exports its files
                     graph[module].add(target)
     return graph
 

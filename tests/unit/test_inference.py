@@ -41,7 +41,8 @@ def test_greedy_equals_hf_generate(family):
 
 def test_greedy_equals_hf_generate_with_sliding_window():
     model = tiny_model("mistral")
-    model.config.sliding_window = 5  # shorter than most prompts: prefill and decode both cut keys
+    # shorter than most prompts: prefill and decode both cut keys
+    model.config.sliding_window = 5
     prompts = mixed_prompts()
     ref = hf_greedy(model, prompts, 12)
     _, hy = hybrid(model)
@@ -57,7 +58,10 @@ CONFIGS = {
     "llama_mlp_bias": ("llama", dict(mlp_bias=True)),
     "qwen3_attention_bias": ("qwen3", dict(attention_bias=True)),
     # a window on the layers from max_window_layers on only (HF's rule), and from layer_types
-    "qwen2_window_upper_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen2_window_upper_layers": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
     "qwen2_window_layer_types": (
         "qwen2",
         dict(
@@ -67,7 +71,10 @@ CONFIGS = {
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         ),
     ),
-    "qwen3_window_upper_layers": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen3_window_upper_layers": (
+        "qwen3",
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
     "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5)),
     "phi3_window": ("phi3", dict(sliding_window=5)),
 }
@@ -80,11 +87,17 @@ def test_greedy_equals_hf_generate_with_config(case):
 
 
 def test_per_layer_windows_follow_hf():
-    """Qwen2/Qwen3: the window is on the layers ``layer_types`` names (from max_window_layers by default)."""
+    """Qwen2/Qwen3: the window is on the layers ``layer_types`` names (from max_window_layers by
+    default)."""
     for family in ("qwen2", "qwen3"):
-        _, hy = hybrid(tiny_model(family, layers=4, use_sliding_window=True, sliding_window=5, max_window_layers=3))
+        _, hy = hybrid(
+            tiny_model(
+                family, layers=4, use_sliding_window=True, sliding_window=5, max_window_layers=3
+            )
+        )
         assert hy.policy.layer_windows == (None, None, None, 5)
-        _, hy = hybrid(tiny_model(family, layers=4, sliding_window=5, max_window_layers=0))  # use_sliding_window=False
+        # use_sliding_window=False
+        _, hy = hybrid(tiny_model(family, layers=4, sliding_window=5, max_window_layers=0))
         assert hy.policy.layer_windows == (None,) * 4 and hy.policy.sliding_window is None
 
 
@@ -97,7 +110,9 @@ def test_logprobs_match_training_mode(family):
     sp = SamplingParams(temperature=0.7, max_new_tokens=10, samples_per_prompt=2, seed=3)
     gen = hy.generate(mixed_prompts(), sp)
     with torch.no_grad():
-        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+        lp = response_logprobs(
+            eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature
+        )
     diff = ((lp - gen.logprobs) * gen.response_mask).abs().max().item()
     assert diff <= 1e-5, diff
 
@@ -148,7 +163,8 @@ def test_inference_weights_and_cache_are_released():
 
 
 def _live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage alive in this process (what the CPU allocator must hold)."""
+    """Bytes of every distinct tensor storage alive in this process (what the CPU allocator must
+    hold)."""
     import gc
 
     gc.collect()
@@ -169,22 +185,29 @@ def _live_tensor_bytes() -> int:
 def test_memory_after_generate_returns_to_the_level_before():
     eng, hy = hybrid(tiny_model("llama", hidden=128, layers=3, vocab=512, intermediate=256))
     sp = SamplingParams(temperature=1.0, max_new_tokens=12, samples_per_prompt=4, seed=5)
-    hy.generate(mixed_prompts(8, vocab=512), sp)  # warm-up: lazily created state exists from here on
+    # warm-up: lazily created state exists from here on
+    hy.generate(mixed_prompts(8, vocab=512), sp)
     before = _live_tensor_bytes()
     gen = hy.generate(mixed_prompts(8, vocab=512), sp)
     del gen
     after = _live_tensor_bytes()
     weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
-    assert weights > 1_000_000  # the inference copy and cache would be a visible share of ``before``
+    # the inference copy and cache would be a visible share of ``before``
+    assert weights > 1_000_000
     assert after <= 1.05 * before, (before, after)
 
 
 def test_fixed_seed_gives_identical_samples():
     _, hy = hybrid(tiny_model("llama"))
-    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, samples_per_prompt=3, seed=11)
+    sp = SamplingParams(
+        temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, samples_per_prompt=3, seed=11
+    )
     a, b = hy.generate(mixed_prompts(), sp), hy.generate(mixed_prompts(), sp)
     assert torch.equal(a.sequences, b.sequences)
-    c = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=10, samples_per_prompt=3, seed=12))
+    c = hy.generate(
+        mixed_prompts(),
+        SamplingParams(temperature=1.0, max_new_tokens=10, samples_per_prompt=3, seed=12),
+    )
     assert not torch.equal(a.sequences, c.sequences)
 
 
@@ -193,7 +216,9 @@ def test_min_new_tokens_and_eos_handling():
     with torch.no_grad():
         model.lm_head.weight[2] += 5.0 * model.lm_head.weight.abs().max()  # make EOS (id 2) likely
     _, hy = hybrid(model)
-    gen = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=8, min_new_tokens=3, seed=0))
+    gen = hy.generate(
+        mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=8, min_new_tokens=3, seed=0)
+    )
     lengths = gen.response_mask.sum(1)
     assert (lengths >= 4).all()  # ≥ 3 tokens, then EOS (counted)
     for row, n in zip(gen.responses, lengths):
@@ -226,8 +251,9 @@ def test_sampling_distributions_match_reference():
 
 
 def test_kept_inference_weights_are_reused_until_the_weights_change():
-    """engine.release_inference_cache=false: the gathered inference weights serve the next generation
-    while no optimizer step (or checkpoint load) has changed the training weights, and are rebuilt after."""
+    """engine.release_inference_cache=false: the gathered inference weights serve the next
+    generation while no optimizer step (or checkpoint load) has changed the training weights, and
+    are rebuilt after."""
     model = tiny_model("llama")
     prompts = mixed_prompts()
     greedy = SamplingParams(temperature=0, max_new_tokens=8, min_new_tokens=8)
@@ -242,5 +268,6 @@ def test_kept_inference_weights_are_reused_until_the_weights_change():
     eng.step()
     after = hy.generate(prompts, greedy)
     assert hy._model is not kept  # rebuilt from the new weights
-    _fresh_eng, fresh = hybrid(eng.model)  # a fresh engine on the updated weights generates the same
+    # a fresh engine on the updated weights generates the same
+    _fresh_eng, fresh = hybrid(eng.model)
     assert torch.equal(after.sequences, fresh.generate(prompts, greedy).sequences)

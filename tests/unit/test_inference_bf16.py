@@ -24,7 +24,8 @@ from tests.infer_helpers import EOS, PAD, Tok, hf_greedy, mixed_prompts, tiny_mo
 
 BF16_MAX_GAP = 0.06
 BF16_MEAN_GAP = 0.012
-MARGIN = 0.06  # HF bf16 top-2 logit gap above which our bf16 greedy token must be HF's
+# HF bf16 top-2 logit gap above which our bf16 greedy token must be HF's
+MARGIN = 0.06
 
 
 def hybrid(model, **ecfg):
@@ -36,7 +37,8 @@ def test_config_key_and_resolution():
     with pytest.raises(ConfigError, match=r"engine.inference_dtype"):
         EngineConfig(inference_dtype="fp8")
     model = tiny_model("llama")
-    assert hybrid(model)[1].dtype == torch.float32  # default: auto = engine.precision = fp32
+    # default: auto = engine.precision = fp32
+    assert hybrid(model)[1].dtype == torch.float32
     assert hybrid(model, precision="bf16")[1].dtype == torch.bfloat16
     assert hybrid(model, inference_dtype="bf16")[1].dtype == torch.bfloat16
     assert hybrid(model, precision="bf16", inference_dtype="fp32")[1].dtype == torch.float32
@@ -45,7 +47,10 @@ def test_config_key_and_resolution():
 def test_inference_copy_is_bf16_and_training_weights_stay_fp32():
     eng, hy = hybrid(tiny_model("llama"), inference_dtype="bf16")
     model = hy.build_inference_model()
-    assert model.root["embed"].dtype == torch.bfloat16 and model.layers[0]["ln1"].dtype == torch.bfloat16
+    assert (
+        model.root["embed"].dtype == torch.bfloat16
+        and model.layers[0]["ln1"].dtype == torch.bfloat16
+    )
     assert model.packed == can_pack(torch.bfloat16, "cpu")
     assert all(p.dtype == torch.float32 for p in eng.model.parameters())
 
@@ -60,12 +65,20 @@ def test_bf16_logprobs_close_to_fp32_training_recompute(family):
         gen = hy.generate(mixed_prompts(), sp)
         assert gen.logprobs.dtype == torch.float32
         with torch.no_grad():
-            lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, temp)
-            lp16 = response_logprobs(hf16.forward, gen.sequences, gen.attention_mask, gen.prompt_len, temp)
+            lp = response_logprobs(
+                eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, temp
+            )
+            lp16 = response_logprobs(
+                hf16.forward, gen.sequences, gen.attention_mask, gen.prompt_len, temp
+            )
         n = gen.response_mask.sum()
         gap = ((lp - gen.logprobs) * gen.response_mask).abs()
         hf_gap = ((lp - lp16) * gen.response_mask).abs()  # HF's own bf16 model on the same tokens
-        assert gap.max() <= BF16_MAX_GAP and gap.sum() / n <= BF16_MEAN_GAP, (temp, gap.max(), gap.sum() / n)
+        assert gap.max() <= BF16_MAX_GAP and gap.sum() / n <= BF16_MEAN_GAP, (
+            temp,
+            gap.max(),
+            gap.sum() / n,
+        )
         assert gap.sum() <= 2 * hf_gap.sum() + 1e-3 * n, (temp, gap.sum() / n, hf_gap.sum() / n)
 
 
@@ -92,10 +105,17 @@ def test_bf16_greedy_agrees_with_hf_bf16(family):
 def test_bf16_fixed_seed_reproduces_and_eos_leaves_batch():
     model = tiny_model("llama")
     with torch.no_grad():
-        model.lm_head.weight[2] += 2.0 * model.lm_head.weight.abs().max()  # EOS (id 2) likely: rows end early
+        # EOS (id 2) likely: rows end early
+        model.lm_head.weight[2] += 2.0 * model.lm_head.weight.abs().max()
     _, hy = hybrid(model, inference_dtype="bf16")
     sp = SamplingParams(
-        temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, min_new_tokens=2, samples_per_prompt=3, seed=11
+        temperature=1.0,
+        top_k=20,
+        top_p=0.9,
+        max_new_tokens=10,
+        min_new_tokens=2,
+        samples_per_prompt=3,
+        seed=11,
     )
     a, b = hy.generate(mixed_prompts(), sp), hy.generate(mixed_prompts(), sp)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.logprobs, b.logprobs)
@@ -103,7 +123,10 @@ def test_bf16_fixed_seed_reproduces_and_eos_leaves_batch():
     assert (lengths >= 3).all() and (lengths < 10).any()  # ≥ 2 tokens then EOS; some rows ended
     for row, n in zip(a.responses, lengths):
         assert (row[n:] == PAD).all()
-    c = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=10, samples_per_prompt=3, seed=12))
+    c = hy.generate(
+        mixed_prompts(),
+        SamplingParams(temperature=1.0, max_new_tokens=10, samples_per_prompt=3, seed=12),
+    )
     assert not torch.equal(a.sequences, c.sequences)
 
 
@@ -112,7 +135,9 @@ def test_bf16_sliding_window_matches_hf_bf16_where_clear():
     model.config.sliding_window = 5
     hf16 = copy.deepcopy(model).to(torch.bfloat16)
     _, hy = hybrid(model, inference_dtype="bf16")
-    gen = hy.generate(mixed_prompts(), SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=10))
+    gen = hy.generate(
+        mixed_prompts(), SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=10)
+    )
     with torch.no_grad():
         step = hf16(input_ids=gen.sequences, attention_mask=gen.attention_mask).logits.float()[
             :, gen.prompt_len - 1 : -1
@@ -139,7 +164,8 @@ def test_packed_bf16_linear_matches_plain_bf16():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16()
-    for rows in (1, 5, 8, 40):  # rows leave the batch; prefill is wider than decode
+    for rows in (1, 5, 8, 40):
+        # rows leave the batch; prefill is wider than decode
         x = torch.randn(rows, 64, generator=g).bfloat16()
         ref = torch.addmm(b.float(), x.float(), w.float().t())
         for packed in (True, False):
@@ -170,7 +196,9 @@ def test_mismatch_correction_on_real_rollouts(dtype):
     gen = hy.generate(mixed_prompts(), sp)
     m = gen.response_mask.float()
     with torch.no_grad():
-        train = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, 1.0)
+        train = response_logprobs(
+            eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, 1.0
+        )
     w = A.mismatch_weights(train, gen.logprobs, m, "tis", cap=1.01)
     golden = torch.exp(train - gen.logprobs).clamp(max=1.01) * m
     assert torch.equal(w, golden)
@@ -179,7 +207,10 @@ def test_mismatch_correction_on_real_rollouts(dtype):
     corrected, _ = A.policy_loss(train, train, adv, m, normalizer=float(m.sum()), weights=w)
     assert float(corrected) == pytest.approx(float((-adv * w).sum() / m.sum()), rel=1e-5)
     if dtype == "bf16":
-        assert (w - m).abs().max() > 1e-3 and (w <= 1.01 + 1e-6).all()  # the gaps are real and capped
+        # the gaps are real and capped
+        assert (w - m).abs().max() > 1e-3 and (w <= 1.01 + 1e-6).all()
         assert abs(float(corrected) - float(plain)) > 1e-6
     else:
-        assert (w - m).abs().max() < 1e-5 and float(corrected) == pytest.approx(float(plain), abs=1e-6)
+        assert (w - m).abs().max() < 1e-5 and float(corrected) == pytest.approx(
+            float(plain), abs=1e-6
+        )

@@ -27,7 +27,10 @@ needs_mkl = pytest.mark.skipif(not MKL, reason="torch without MKL (non-x86 build
 
 def test_config_values():
     assert EngineConfig().inference_kernels == "auto"
-    assert compose_config(["engine.inference_kernels=reference"])[0].engine.inference_kernels == "reference"
+    assert (
+        compose_config(["engine.inference_kernels=reference"])[0].engine.inference_kernels
+        == "reference"
+    )
     with pytest.raises(ConfigError, match=r"engine.inference_kernels"):
         EngineConfig(inference_kernels="fast")
 
@@ -54,7 +57,8 @@ def test_linear_rows_pads_and_matches_plain(in_f, out_f, bias):
     full = linear_rows(x, packed, wt, 8, b)
     plain = linear(x, prepare_weight(w, False), b)
     torch.testing.assert_close(full, plain, rtol=1e-5, atol=1e-5)
-    for m in (1, 5, 7):  # fewer rows than packed for: zero-padded; a row's result does not change
+    for m in (1, 5, 7):
+        # fewer rows than packed for: zero-padded; a row's result does not change
         part = linear_rows(x[:m], packed, wt, 8, b)
         assert part.shape == (m, out_f)
         assert torch.equal(part, full[:m])
@@ -65,7 +69,8 @@ def test_linear_rows_pads_and_matches_plain(in_f, out_f, bias):
 def test_fast_kernels_agree_with_reference_while_rows_leave(family):
     """Greedy decoding with an EOS-prone model, so that rows leave the batch at different steps
     (the packed GEMMs then run on zero-padded inputs): the same tokens as the reference kernels,
-    log-probs within fp32 rounding (test_inference.py checks the fast kernels against HF generate)."""
+    log-probs within fp32 rounding (test_inference.py checks the fast kernels against HF
+    generate)."""
     model = tiny_model(family)
     with torch.no_grad():
         model.lm_head.weight[2] += 0.6 * model.lm_head.weight.abs().max()
@@ -75,19 +80,23 @@ def test_fast_kernels_agree_with_reference_while_rows_leave(family):
     _, ref = hybrid(model, inference_kernels="reference")
     a, b = fast.generate(prompts, sp), ref.generate(prompts, sp)
     lengths = a.response_mask.sum(1)
-    assert 1 < len(set(lengths.tolist())) and int(lengths.min()) < 12  # rows did leave, at different steps
+    # rows did leave, at different steps
+    assert 1 < len(set(lengths.tolist())) and int(lengths.min()) < 12
     assert torch.equal(a.sequences, b.sequences)
     assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
 
 
 @needs_mkl
 def test_fast_kernels_logprobs_match_training_mode():
-    model = tiny_model("qwen2")  # q/k/v biases: the packed GEMM's bias path
+    # q/k/v biases: the packed GEMM's bias path
+    model = tiny_model("qwen2")
     eng, hy = hybrid(model)
     sp = SamplingParams(temperature=0.7, max_new_tokens=10, samples_per_prompt=2, seed=3)
     gen = hy.generate(mixed_prompts(), sp)
     with torch.no_grad():
-        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+        lp = response_logprobs(
+            eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature
+        )
     assert ((lp - gen.logprobs) * gen.response_mask).abs().max().item() <= 1e-4
 
 

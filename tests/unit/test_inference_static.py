@@ -24,11 +24,13 @@ from tests.sync_guard import HostSyncs
 from tests.unit.test_inference import hybrid
 
 NEW = 12
-CHUNK = 8  # key spans of 8 slots: the prompts (4-14 tokens) + 12 new tokens cross two or three of them
+# key spans of 8 slots: the prompts (4-14 tokens) + 12 new tokens cross two or three of them
+CHUNK = 8
 
 
 def eos_prone(family: str, boost: float = 1.0, **kw):
-    """A tiny model whose rows end (EOS) at different steps, some before NEW (``boost``: per model)."""
+    """A tiny model whose rows end (EOS) at different steps, some before NEW (``boost``: per
+    model)."""
     m = tiny_model(family, perturb=True, **kw)
     with torch.no_grad():
         m.lm_head.weight[EOS] += boost * m.lm_head.weight.abs().max()
@@ -49,15 +51,20 @@ def hf_greedy_until_eos(model, prompts, max_new: int) -> torch.Tensor:
 
     ids, mask = left_pad(prompts, PAD)
     out = model.generate(
-        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, pad_token_id=PAD, eos_token_id=EOS
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
     )[:, ids.shape[1] :]
     return torch.cat([out, out.new_full((out.shape[0], max_new - out.shape[1]), PAD)], 1)
 
 
 def assert_logprobs_close(a: torch.Tensor, b: torch.Tensor) -> None:
     """fp32: within 4e-6 of each other, relative to the log-prob's size (a few ulps of the logits,
-    through the log-softmax: 1.2e-6 seen; the static step's keys span masked slots and its GEMMs more
-    rows, which changes roundings)."""
+    through the log-softmax: 1.2e-6 seen; the static step's keys span masked slots and its GEMMs
+    more rows, which changes roundings)."""
     gap = ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
     assert gap <= 4e-6, gap
 
@@ -82,7 +89,9 @@ def test_buckets_and_spans():
     assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 72]
     key = decode_static.StaticKey.of(5, 13, SamplingParams(max_new_tokens=12), EOS, PAD, chunk=8)
     assert (key.rows, key.length) == (8, 32)
-    dec = StaticDecoder(hybrid(tiny_model("llama"))[1].build_inference_model(), key, torch.device("cpu"))
+    dec = StaticDecoder(
+        hybrid(tiny_model("llama"))[1].build_inference_model(), key, torch.device("cpu")
+    )
     assert dec.cache.shape[1:3] == (8, 32) and dec.out_tok.shape == (8, 32)
     assert [dec.span(end) for end in (1, 8, 9, 25, 32)] == [8, 8, 16, 32, 32]
 
@@ -106,11 +115,14 @@ def test_static_greedy_equals_the_row_removing_loop_and_hf(case):
     sp = SamplingParams(temperature=0, max_new_tokens=NEW)
     _, ref = generate(hy, "dynamic", sp, prompts)
     ends = set(ref.response_mask.sum(1).tolist())
-    assert len(ends) >= 3 and min(ends) < NEW  # rows end at different steps, some early
+    # rows end at different steps, some early
+    assert len(ends) >= 3 and min(ends) < NEW
     assert torch.equal(ref.responses, hf_greedy_until_eos(model, prompts, NEW))
     for sync_every in (1, 4, 100):
         _, out = generate(hy, "static", sp, prompts, sync_every=sync_every)
-        assert torch.equal(out.sequences, ref.sequences) and torch.equal(out.response_mask, ref.response_mask)
+        assert torch.equal(out.sequences, ref.sequences) and torch.equal(
+            out.response_mask, ref.response_mask
+        )
         assert_logprobs_close(out.logprobs, ref.logprobs)
         assert (out.logprobs[ref.response_mask == 0] == 0).all()
 
@@ -121,14 +133,24 @@ def test_static_sampling_draws_what_the_row_removing_loop_draws(family):
     also across min_new_tokens (EOS banned), top-k/top-p, several samples per prompt."""
     _, hy = hybrid(eos_prone(family))
     sp = SamplingParams(
-        temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW, min_new_tokens=2, samples_per_prompt=2, seed=4
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        max_new_tokens=NEW,
+        min_new_tokens=2,
+        samples_per_prompt=2,
+        seed=4,
     )
     _, ref = generate(hy, "dynamic", sp, mixed_prompts(5))
     _, out = generate(hy, "static", sp, mixed_prompts(5))
-    assert len(set(ref.response_mask.sum(1).tolist())) >= 3 and (ref.response_mask.sum(1) >= 3).all()
+    assert (
+        len(set(ref.response_mask.sum(1).tolist())) >= 3 and (ref.response_mask.sum(1) >= 3).all()
+    )
     assert torch.equal(out.sequences, ref.sequences)
     assert_logprobs_close(out.logprobs, ref.logprobs)
-    _, other = generate(hy, "static", SamplingParams(**{**sp.__dict__, "seed": 5}), mixed_prompts(5))
+    _, other = generate(
+        hy, "static", SamplingParams(**{**sp.__dict__, "seed": 5}), mixed_prompts(5)
+    )
     assert not torch.equal(other.sequences, ref.sequences)
 
 
@@ -136,7 +158,9 @@ def test_same_shapes_give_the_same_bits():
     """With keys spanning exactly the filled slots and a full bucket running to the end, the static
     step computes what the row-removing loop computes, bit for bit."""
     _, hy = hybrid(tiny_model("llama", perturb=True), inference_kernels="reference")
-    sp = SamplingParams(temperature=0.8, max_new_tokens=NEW, min_new_tokens=NEW, samples_per_prompt=2, seed=1)
+    sp = SamplingParams(
+        temperature=0.8, max_new_tokens=NEW, min_new_tokens=NEW, samples_per_prompt=2, seed=1
+    )
     _, ref = generate(hy, "dynamic", sp, mixed_prompts(4))
     _, out = generate(hy, "static", sp, mixed_prompts(4), chunk=1)
     assert torch.equal(out.sequences, ref.sequences) and torch.equal(out.logprobs, ref.logprobs)
@@ -176,7 +200,9 @@ def test_a_static_step_never_synchronises_with_the_host():
     in a step; in a whole generation only the every-k-steps check; the row-removing loop, the
     positive control, synchronises every step."""
     _, hy = hybrid(eos_prone("llama"))
-    sp = SamplingParams(temperature=1.0, top_k=10, top_p=0.9, max_new_tokens=NEW, min_new_tokens=2, seed=2)
+    sp = SamplingParams(
+        temperature=1.0, top_k=10, top_p=0.9, max_new_tokens=NEW, min_new_tokens=2, seed=2
+    )
     model, _ = generate(hy, "static", sp, mixed_prompts(6))
     dec = model._static
     model._kv = list(dec.cache.unbind(0))
@@ -192,7 +218,9 @@ def test_a_static_step_never_synchronises_with_the_host():
         with HostSyncs() as syncs:
             model.generate(prompts, sp, eos_id=EOS, pad_id=PAD)
         checks = len([t for t in range(1, NEW - 1) if t % sync_every == 0])
-        assert len(syncs.log) == checks and all("decode_static.py" in line for line in syncs.log), syncs.log
+        assert len(syncs.log) == checks and all("decode_static.py" in line for line in syncs.log), (
+            syncs.log
+        )
     dynamic = hy.build_inference_model()
     with HostSyncs() as syncs:
         dynamic.generate(prompts, sp, eos_id=EOS, pad_id=PAD)
@@ -213,7 +241,8 @@ def _compile_and_compare(backend: str):
 
     # fullgraph: a graph break is an error; dynamic=False: one graph per span, as CUDA graphs are
     dec.step = torch.compile(dec.step, backend=counting, fullgraph=True, dynamic=False)
-    out = model.generate(mixed_prompts(6), sp, eos_id=EOS, pad_id=PAD)  # the same key: the same decoder
+    # the same key: the same decoder
+    out = model.generate(mixed_prompts(6), sp, eos_id=EOS, pad_id=PAD)
     assert model._static is dec
     spans = {dec.span(ref.prompt_len + t) for t in range(1, NEW)}
     assert len(graphs) == len(spans) >= 2
@@ -271,7 +300,14 @@ def test_graph_path_bookkeeping(monkeypatch, caplog):
     prompts = mixed_prompts(6)
     for sp in (
         SamplingParams(temperature=0, max_new_tokens=NEW),
-        SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=NEW, min_new_tokens=3, samples_per_prompt=2, seed=3),
+        SamplingParams(
+            temperature=1.0,
+            top_p=0.9,
+            max_new_tokens=NEW,
+            min_new_tokens=3,
+            samples_per_prompt=2,
+            seed=3,
+        ),
     ):
         _, ref = generate(hy, "dynamic", sp, prompts, sync_every=100)
         model, out = generate(hy, "graphs", sp, prompts, sync_every=100)
@@ -295,7 +331,8 @@ def test_graph_path_bookkeeping(monkeypatch, caplog):
 
 def test_static_state_lives_with_the_inference_weights():
     """engine.release_inference_cache=true: the static state goes with the weights after each call;
-    false: kept and reused while the key (bucket, cache length, sampling) stays, replaced when not."""
+    false: kept and reused while the key (bucket, cache length, sampling) stays, replaced when
+    not."""
     for release in (True, False):
         _, hy = hybrid(tiny_model("llama"), release_inference_cache=release)
         hy.decode = "static"
@@ -317,5 +354,8 @@ def test_static_loop_names_every_device():
     _, hy = hybrid(eos_prone("llama"))
     hy.decode = "static"
     with DeviceDiscipline() as guard:
-        hy.generate(mixed_prompts(4), SamplingParams(temperature=1.0, max_new_tokens=6, samples_per_prompt=2, seed=0))
+        hy.generate(
+            mixed_prompts(4),
+            SamplingParams(temperature=1.0, max_new_tokens=6, samples_per_prompt=2, seed=0),
+        )
     assert guard.calls >= 10

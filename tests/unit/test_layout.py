@@ -1,5 +1,6 @@
 """Every module of the package has its tests named: ``tests/unit/test_<name>.py``, or a row of
-tests/unit/README.md whose test files exist (the table a newcomer reads to find where a test goes)."""
+tests/unit/README.md whose test files exist (the table a newcomer reads to find where a test
+goes)."""
 
 import re
 from pathlib import Path
@@ -18,22 +19,31 @@ def table() -> dict:
 
 def test_every_module_has_its_tests_named():
     rows = table()
-    modules = [p for top in ("rlhf", "stages") for p in sorted((ROOT / top).rglob("*.py")) if p.name != "__init__.py"]
+    modules = [
+        p
+        for top in ("rlhf", "stages")
+        for p in sorted((ROOT / top).rglob("*.py"))
+        if p.name != "__init__.py"
+    ]
     unnamed = []
     for path in modules:
         rel = str(path.relative_to(ROOT))
         if rel not in rows and not (ROOT / "tests" / "unit" / f"test_{path.stem}.py").exists():
             unnamed.append(rel)
-    assert not unnamed, f"modules with no test file of their name and no row in tests/unit/README.md: {unnamed}"
-    missing = [f"{m}: {t}" for m, tests in rows.items() for t in tests if not (ROOT / "tests" / t).exists()]
+    assert not unnamed, (
+        f"modules with no test file of their name and no row in tests/unit/README.md: {unnamed}"
+    )
+    missing = [
+        f"{m}: {t}" for m, tests in rows.items() for t in tests if not (ROOT / "tests" / t).exists()
+    ]
     gone = [m for m in rows if not (ROOT / m).exists()]
     assert not missing, f"rows naming test files that do not exist: {missing}"
     assert not gone, f"rows of modules that no longer exist: {gone}"
 
 
 def test_each_recipe_reads_in_one_screen():
-    """stages/*.py: run() at most 120 lines, with no function defined inside it (setup → loop → export;
-    the parts live in functions and objects of their own)."""
+    """stages/*.py: run() at most 120 lines, with no function defined inside it (setup → loop →
+    export; the parts live in functions and objects of their own)."""
     import ast
 
     for path in sorted((ROOT / "stages").glob("*.py")):
@@ -42,7 +52,11 @@ def test_each_recipe_reads_in_one_screen():
             if isinstance(node, ast.FunctionDef) and node.name == "run":
                 lines = node.end_lineno - node.lineno + 1
                 assert lines <= 120, f"{path.name}: run() is {lines} lines"
-                inner = [n.name for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n is not node]
+                inner = [
+                    n.name
+                    for n in ast.walk(node)
+                    if isinstance(n, ast.FunctionDef) and n is not node
+                ]
                 assert not inner, f"{path.name}: run() defines {inner}"
 
 
@@ -51,6 +65,9 @@ def test_the_front_door_and_the_performance_page_stay_references():
     30 KB of today's figures (the history in docs/history.md), docs/contract.md at most 40 KB."""
     readme = (ROOT / "README.md").read_text()
     assert len(readme.encode()) <= 12_000, len(readme.encode())
-    assert "scripts/run_all.sh" in "\n".join(readme.splitlines()[:25]) and "scripts/test.sh" in readme[:2500]
+    assert (
+        "scripts/run_all.sh" in "\n".join(readme.splitlines()[:25])
+        and "scripts/test.sh" in readme[:2500]
+    )
     assert len((ROOT / "docs" / "performance.md").read_bytes()) <= 30_000
     assert len((ROOT / "docs" / "contract.md").read_bytes()) <= 40_000  # every key: docs/keys.md

@@ -26,17 +26,24 @@ SCANNED = ("rlhf", "stages")
 
 def _ruff(*args: str) -> subprocess.CompletedProcess:
     assert importlib.util.find_spec("ruff") is not None, (
-        f"ruff is not installed in {sys.executable}: it is a dev dependency (pip install -e '.[dev]' "
+        f"ruff is not installed in {sys.executable}: it is a dev dependency (pip install "
+        "-e '.[dev]' "
         f"-c requirements/constraints.txt, or scripts/test.sh, which installs it)"
     )
     # the paths are the configuration's ([tool.ruff] include); no cache written into the tree
     return subprocess.run(
-        [sys.executable, "-m", "ruff", *args, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "ruff", *args, "--no-cache"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 def _failure(proc: subprocess.CompletedProcess, fix: str) -> str:
-    version = subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run(
+        [sys.executable, "-m", "ruff", "--version"], capture_output=True, text=True
+    ).stdout
     return f"{proc.stdout}{proc.stderr}\n({version.strip()}; {fix})"
 
 
@@ -87,7 +94,9 @@ def conditional_expressions(sources) -> dict:
         for node in ast.walk(tree):
             if isinstance(node, ast.IfExp):
                 every.append(f"{name}:{node.lineno}")
-                if any(isinstance(inner, ast.IfExp) for inner in ast.walk(node) if inner is not node):
+                if any(
+                    isinstance(inner, ast.IfExp) for inner in ast.walk(node) if inner is not node
+                ):
                     nested.append(f"{name}:{node.lineno}")
         for unit, found in _units(tree):
             if len(found) > 1:
@@ -114,7 +123,8 @@ def test_the_counts_see_what_they_count():
     got = conditional_expressions([("m.py", src)])
     assert len(got["every"]) == 9 and got["lines"] == 8
     assert got["nested"] == ["m.py:2"]
-    # the if statement's test and its body's statement count apart, as do the lambda and its statement
+    # the if statement's test and its body's statement count apart, as do the lambda and its
+    # statement
     assert sorted(got["packed"]) == ["m.py:2 (2)", "m.py:3 (2)"]
 
 
@@ -141,7 +151,8 @@ def test_conditional_expressions_stay_rare(found):
         by_file.setdefault(name, []).append(line)
     densest = sorted(by_file.items(), key=lambda kv: -len(kv[1]))[:10]
     assert per_1000 <= MAX_PER_1000_LINES, (
-        f"{count} conditional expressions in {lines} lines of {' and '.join(SCANNED)}/ ({per_1000:.1f} per 1,000 "
+        f"{count} conditional expressions in {lines} lines of {' and '.join(SCANNED)}/ "
+        f"({per_1000:.1f} per 1,000 "
         f"lines, at most {MAX_PER_1000_LINES}): write the longer ones as if blocks. Most in: "
         + "; ".join(f"{name}:{','.join(lines_)}" for name, lines_ in densest)
     )

@@ -22,8 +22,11 @@ FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 
 def adapted(family: str, r: int = 4, full=None, **kw):
     """A tiny model of ``family`` with adapters whose B is random (PEFT starts B at zero, where a
-    dropped adapter would change nothing); ``full``: modules trained fully (their copies perturbed)."""
-    model = lora.apply_lora(tiny_model(family, perturb=True, **kw), LoraConfig(r=r, alpha=2.0 * r), seed=0, full=full)
+    dropped adapter would change nothing); ``full``: modules trained fully (their copies
+    perturbed)."""
+    model = lora.apply_lora(
+        tiny_model(family, perturb=True, **kw), LoraConfig(r=r, alpha=2.0 * r), seed=0, full=full
+    )
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,7 +56,8 @@ def test_hybrid_greedy_equals_hf_generate_on_the_merged_model(family):
     assert hy.inject
     gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
     assert torch.equal(gen.responses, ref)
-    with lora.adapters_disabled(model):  # the adapters matter: the base model says something else
+    with lora.adapters_disabled(model):
+        # the adapters matter: the base model says something else
         assert not torch.equal(hf_greedy(model, prompts, 12), ref)
 
 
@@ -85,7 +89,9 @@ def test_training_weights_stay_unmerged_and_rollout_logprobs_match_training():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # bit for bit: nothing merged in place
     with torch.no_grad():
-        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+        lp = response_logprobs(
+            eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature
+        )
     assert ((lp - gen.logprobs) * gen.response_mask).abs().max().item() <= 1e-5
 
 
@@ -98,15 +104,21 @@ def test_reference_with_adapters_off_equals_the_base_model_loaded_apart():
     ids = torch.tensor(mixed_prompts(4)[3:4] * 2)
     eng.backward(eng.forward(input_ids=ids).logits.logsumexp(-1).mean())
     eng.step()
-    ref = reference_for(eng, lambda: pytest.fail("a LoRA policy needs no second model"), eng.mesh, EngineConfig())
+    ref = reference_for(
+        eng, lambda: pytest.fail("a LoRA policy needs no second model"), eng.mesh, EngineConfig()
+    )
     assert isinstance(ref, AdaptersOff)
     gen = hy.generate(mixed_prompts(), SamplingParams(temperature=1.0, max_new_tokens=8, seed=2))
     args = (gen.sequences, gen.attention_mask, gen.prompt_len)
-    ref_lp, apart_lp = response_logprobs(ref.forward, *args), response_logprobs(apart.forward, *args)
+    ref_lp, apart_lp = (
+        response_logprobs(ref.forward, *args),
+        response_logprobs(apart.forward, *args),
+    )
     policy_lp = response_logprobs(eng.forward, *args).detach()
     assert torch.equal(ref_lp, apart_lp)
     assert (policy_lp - ref_lp).abs().max() > 1e-4  # the policy itself moved
-    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)  # adapters back on
+    # adapters back on
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
 
 
 def test_only_adapters_train():
@@ -123,7 +135,8 @@ def test_only_adapters_train():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
     state = eng.optimizer.state
-    assert sum(1 for p in model.parameters() if p in state) == len(trained)  # AdamW state of adapters only
+    # AdamW state of adapters only
+    assert sum(1 for p in model.parameters() if p in state) == len(trained)
 
 
 def test_export_merges_and_adapter_reloads_with_peft(tmp_path):
@@ -150,11 +163,14 @@ def test_export_merges_and_adapter_reloads_with_peft(tmp_path):
 
 
 def merged_base(base):
-    """``base`` (the HF model with LoRA layers inside) back to a plain model with the base weights."""
+    """``base`` (the HF model with LoRA layers inside) back to a plain model with the base
+    weights."""
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_config(base.config)
-    sd = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+    sd = {
+        k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k
+    }
     plain.load_state_dict(sd)
     return plain
 
@@ -177,11 +193,15 @@ def test_merged_state_dict_golden():
 
 def test_unknown_target_module_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model.lora.target_modules.*nope_proj"):
-        lora.apply_lora(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "nope_proj"]), seed=0)
+        lora.apply_lora(
+            tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "nope_proj"]), seed=0
+        )
 
 
 def test_default_targets_are_the_block_projections():
     assert lora.default_targets(tiny_model("llama")) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    assert lora.default_targets(tiny_model("phi3")) == sorted(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    assert lora.default_targets(tiny_model("phi3")) == sorted(
+        ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    )

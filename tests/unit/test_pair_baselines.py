@@ -1,5 +1,6 @@
-"""The reward model's text-only baselines (rlhf/data/pair_baselines.py) and PPO's held-out view by the
-reward model (rlhf/runtime/evaluation.py: evaluate_reward's spread, lengths and kept answers)."""
+"""The reward model's text-only baselines (rlhf/data/pair_baselines.py) and PPO's held-out view by
+the reward model (rlhf/runtime/evaluation.py: evaluate_reward's spread, lengths and kept
+answers)."""
 
 import math
 import random
@@ -19,7 +20,12 @@ def _pair(chosen: str, rejected: str):
 
 
 def test_longer_response_wins_with_ties_counted_half():
-    pairs = [_pair(" long answer", " no"), _pair(" no", " long answer"), _pair(" same", " same"), _pair(" ab", " cd")]
+    pairs = [
+        _pair(" long answer", " no"),
+        _pair(" no", " long answer"),
+        _pair(" same", " same"),
+        _pair(" ab", " cd"),
+    ]
     assert pair_baselines.length_accuracy(pairs) == (1 + 0 + 0.5 + 0.5) / 4
     assert math.isnan(pair_baselines.length_accuracy([]))
 
@@ -31,14 +37,16 @@ def test_bag_of_words_learns_the_words_that_decide_and_a_swap_flips_it():
     def text(word):
         return " " + " ".join(rng.choices(filler, k=6) + [word] + rng.choices(filler, k=3))
 
-    def pairs(n):  # chosen says sorry, rejected says sure: words alone decide, length never
+    def pairs(n):
+        # chosen says sorry, rejected says sure: words alone decide, length never
         return [_pair(text("sorry"), text("sure")) for _ in range(n)]
 
     train, held_out = pairs(80), pairs(40)
     assert pair_baselines.bag_of_words_accuracy(train, held_out) == 1.0
     swapped = [(r, c) for c, r in held_out]
     assert pair_baselines.bag_of_words_accuracy(train, swapped) == 0.0
-    unseen = [_pair(text("maybe"), text("perhaps")) for _ in range(10)]  # no word it learnt: scores cancel
+    # no word it learnt: scores cancel
+    unseen = [_pair(text("maybe"), text("perhaps")) for _ in range(10)]
     assert 0.0 < pair_baselines.bag_of_words_accuracy(train, unseen) < 1.0
     res = pair_baselines.baselines(train, held_out)
     assert list(res) == list(pair_baselines.KEYS) and res["eval/baseline_bag_of_words"] == 1.0
@@ -46,8 +54,13 @@ def test_bag_of_words_learns_the_words_that_decide_and_a_swap_flips_it():
 
 
 def test_the_pairs_are_the_tokenized_columns_decoded():
-    """The baselines read the pairs the reward model reads: its columns' responses, special tokens out."""
-    cols = {"chosen": [[1, 5, 6, 2], [1, 7, 2]], "rejected": [[1, 5, 7, 7, 2], [1, 6, 2]], "prompt_len": [2, 1]}
+    """The baselines read the pairs the reward model reads: its columns' responses, special tokens
+    out."""
+    cols = {
+        "chosen": [[1, 5, 6, 2], [1, 7, 2]],
+        "rejected": [[1, 5, 7, 7, 2], [1, 6, 2]],
+        "prompt_len": [2, 1],
+    }
     assert pair_baselines.response_texts(cols, _Tok()) == [("w6", "w7 w7"), ("w7", "w6")]
 
 
@@ -65,7 +78,8 @@ def test_held_out_reward_says_its_spread_and_lengths_and_keeps_the_first_answers
     prompts = [Example(prompt=f"question {i}") for i in range(5)]
     lengths = [1, 2, 3, 4, 2]  # prompt i's answer: lengths[i] tokens
 
-    def gen(encoded, sp):  # one call (eval.batch_size 8 > 5 prompts): prompt i answers 7, 8, ... lengths[i] tokens
+    def gen(encoded, sp):
+        # one call (eval.batch_size 8 > 5 prompts): prompt i answers 7, 8, ... lengths[i] tokens
         assert len(encoded) == len(lengths)
         width = max(lengths)
         responses = torch.tensor([[7 + t for t in range(k)] + [0] * (width - k) for k in lengths])
@@ -81,10 +95,28 @@ def test_held_out_reward_says_its_spread_and_lengths_and_keeps_the_first_answers
     res, answers = evaluate_reward(gen, _Tok(), prompts, score, ecfg, Mesh(), kept=kept, show=2)
     mean = sum(lengths) / 5
     assert res["eval/reward_greedy"] == mean and res["eval/response_tokens_greedy"] == mean
-    assert abs(res["eval/reward_greedy_std"] - (sum((x - mean) ** 2 for x in lengths) / 5) ** 0.5) < 1e-12
+    assert (
+        abs(res["eval/reward_greedy_std"] - (sum((x - mean) ** 2 for x in lengths) / 5) ** 0.5)
+        < 1e-12
+    )
     assert [r for _, r in answers] == [float(x) for x in lengths]
     assert kept == [
-        {"kind": "eval_reward", "index": 0, "prompt": "question 0", "response": "w7", "reward": 1.0, "tokens": 1},
-        {"kind": "eval_reward", "index": 1, "prompt": "question 1", "response": "w7 w8", "reward": 2.0, "tokens": 2},
+        {
+            "kind": "eval_reward",
+            "index": 0,
+            "prompt": "question 0",
+            "response": "w7",
+            "reward": 1.0,
+            "tokens": 1,
+        },
+        {
+            "kind": "eval_reward",
+            "index": 1,
+            "prompt": "question 1",
+            "response": "w7 w8",
+            "reward": 2.0,
+            "tokens": 2,
+        },
     ]
-    assert evaluate_reward(gen, _Tok(), prompts, score, ecfg, Mesh())[0] == res  # nothing kept: the same figures
+    # nothing kept: the same figures
+    assert evaluate_reward(gen, _Tok(), prompts, score, ecfg, Mesh())[0] == res

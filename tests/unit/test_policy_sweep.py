@@ -4,11 +4,11 @@ says why — never an approximate injection.
 
 Biases and q/k norm weights are random (``perturb``), windows shorter than the prompts, and the
 RoPE variants change the frequencies, so that a part the inference modules got wrong would show in
-the tokens. OPT, GPT-2 (learned positions, LayerNorm, plain MLPs) and GPT-NeoX (parallel blocks, partial
-rotary, LayerNorm, plain MLP): shrunk shapes of their real
-sizes, random biases and LayerNorm weights, weights spread so that positions, biases, norms and the
-activation all show in the tokens (``tests.infer_helpers._spread``); their sampled log-probs match
-the training recompute (``LOGPROB_TOL``) and LoRA adapters (GPT-2's Conv1D: fan_in_fan_out) are merged. TP 2:
+the tokens. OPT, GPT-2 (learned positions, LayerNorm, plain MLPs) and GPT-NeoX (parallel blocks,
+partial rotary, LayerNorm, plain MLP): shrunk shapes of their real sizes, random biases and
+LayerNorm weights, weights spread so that positions, biases, norms and the activation all show in
+the tokens (``tests.infer_helpers._spread``); their sampled log-probs match the training recompute
+(``LOGPROB_TOL``) and LoRA adapters (GPT-2's Conv1D: fan_in_fan_out) are merged. TP 2:
 tests/distributed/test_hybrid_layernorm.py.
 """
 
@@ -21,7 +21,15 @@ import torch
 from rlhf.engine.logprobs import response_logprobs
 from rlhf.models import lora
 from rlhf.ops import SamplingParams
-from tests.infer_helpers import BOS, EOS, LAYERNORM_FAMILIES, PAD, hf_greedy, mixed_prompts, tiny_model
+from tests.infer_helpers import (
+    BOS,
+    EOS,
+    LAYERNORM_FAMILIES,
+    PAD,
+    hf_greedy,
+    mixed_prompts,
+    tiny_model,
+)
 from tests.unit.test_inference import hybrid
 from tests.unit.test_lora import adapted, engine_of, merged_copy
 
@@ -33,7 +41,12 @@ LLAMA3 = {
     "original_max_position_embeddings": 8,
     "rope_theta": 10000.0,
 }
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
 
 
 def longrope(rotary_dim: int = 16):
@@ -52,15 +65,35 @@ CASES = {
     # biases
     "llama_mlp_bias": ("llama", dict(mlp_bias=True), None),
     "llama_attention_bias": ("llama", dict(attention_bias=True), None),
-    "llama_all_biases_untied": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False), None),
+    "llama_all_biases_untied": (
+        "llama",
+        dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+        None,
+    ),
     "qwen2_qkv_bias": ("qwen2", {}, None),
     "qwen3_attention_bias": ("qwen3", dict(attention_bias=True), None),
     # sliding windows: every layer, some layers, none
     "mistral_window_all_layers": ("mistral", dict(sliding_window=4), None),
-    "qwen2_window_all_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0), None),
-    "qwen2_window_some_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), None),
-    "qwen2_window_off": ("qwen2", dict(use_sliding_window=False, sliding_window=4, max_window_layers=0), None),
-    "qwen3_window_some_layers": ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), None),
+    "qwen2_window_all_layers": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        None,
+    ),
+    "qwen2_window_some_layers": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+        None,
+    ),
+    "qwen2_window_off": (
+        "qwen2",
+        dict(use_sliding_window=False, sliding_window=4, max_window_layers=0),
+        None,
+    ),
+    "qwen3_window_some_layers": (
+        "qwen3",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+        None,
+    ),
     "phi3_window": ("phi3", dict(sliding_window=4), None),
     # RoPE variants: static frequencies are served, frequencies that change with the length are not
     "llama_rope_linear": (
@@ -90,8 +123,9 @@ CASES = {
     "qwen3_head_dim": ("qwen3", dict(head_dim=32), None),
     # other activations
     "llama_gelu": ("llama", dict(hidden_act="gelu"), "activation gelu"),
-    # OPT (DeepSpeed-Chat's examples), shrunk: 125m-like (pre-LN, final LayerNorm, head_dim 16 as 12 heads
-    # of 64 shrink), 350m-like (post-LN, project_in/out to a narrower embedding, no final norm), 1.3b-like
+    # OPT (DeepSpeed-Chat's examples), shrunk: 125m-like (pre-LN, final LayerNorm, head_dim 16 as 12
+    # heads of 64 shrink), 350m-like (post-LN, project_in/out to a narrower embedding, no final
+    # norm), 1.3b-like
     "opt_125m_like": ("opt", {}, None),
     "opt_350m_like": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32), None),
     "opt_1.3b_like": ("opt", dict(hidden=128, heads=8, intermediate=512, layers=3), None),
@@ -99,7 +133,11 @@ CASES = {
     "opt_no_biases": ("opt", dict(enable_bias=False), None),
     "opt_final_norm_removed": ("opt", dict(_remove_final_layer_norm=True), None),
     "opt_silu": ("opt", dict(activation_function="silu"), "activation silu"),
-    "opt_no_affine_norms": ("opt", dict(layer_norm_elementwise_affine=False), "layer_norm_elementwise_affine=False"),
+    "opt_no_affine_norms": (
+        "opt",
+        dict(layer_norm_elementwise_affine=False),
+        "layer_norm_elementwise_affine=False",
+    ),
     # GPT-2: Conv1D weights, fused c_attn, gelu_new; n_inner unset = 4 · hidden
     "gpt2_small_like": ("gpt2", {}, None),
     "gpt2_medium_like": ("gpt2", dict(hidden=96, heads=6, layers=3, n_inner=None), None),
@@ -109,17 +147,26 @@ CASES = {
         dict(scale_attn_by_inverse_layer_idx=True),
         "scale_attn_by_inverse_layer_idx=True",
     ),
-    "gpt2_reorder_and_upcast": ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=True"),
+    "gpt2_reorder_and_upcast": (
+        "gpt2",
+        dict(reorder_and_upcast_attn=True),
+        "reorder_and_upcast_attn=True",
+    ),
     "gpt2_unscaled_attention": ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights=False"),
     "gpt2_cross_attention": ("gpt2", dict(add_cross_attention=True), "add_cross_attention=True"),
     "gpt2_gelu_fast": ("gpt2", dict(activation_function="gelu_fast"), "activation gelu_fast"),
-    # GPT-NeoX (Pythia-like): parallel blocks, a quarter of each head rotating, per-head fused q/k/v, untied
+    # GPT-NeoX (Pythia-like): parallel blocks, a quarter of each head rotating, per-head fused
+    # q/k/v, untied
     "gpt_neox_pythia_like": ("gpt_neox", {}, None),
     "gpt_neox_sequential": ("gpt_neox", dict(use_parallel_residual=False), None),
     "gpt_neox_full_rotary_tied": (
         "gpt_neox",
         dict(
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 1.0,
+            },
             tie_word_embeddings=True,
         ),
         None,
@@ -140,7 +187,11 @@ CASES = {
     "gpt_neox_gelu_fast": ("gpt_neox", dict(hidden_act="gelu_fast"), "activation gelu_fast"),
 }
 # the injected OPT, GPT-2 and GPT-NeoX cases
-LAYERNORM = [c for c, (family, _, expected) in CASES.items() if family in LAYERNORM_FAMILIES and expected is None]
+LAYERNORM = [
+    c
+    for c, (family, _, expected) in CASES.items()
+    if family in LAYERNORM_FAMILIES and expected is None
+]
 
 
 def _other(family: str, **kw):
@@ -148,7 +199,10 @@ def _other(family: str, **kw):
     import transformers
 
     cls = getattr(
-        transformers, {"gemma2": "Gemma2Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig"}[family]
+        transformers,
+        {"gemma2": "Gemma2Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig"}[
+            family
+        ],
     )
     cfg = cls(
         vocab_size=97,
@@ -168,11 +222,19 @@ def _other(family: str, **kw):
 
 
 OTHERS = {
-    "gemma2_softcapping": ("gemma2", dict(head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
+    "gemma2_softcapping": (
+        "gemma2",
+        dict(head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    ),
     "mixtral_moe": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": (
         "qwen2_moe",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        ),
     ),
 }
 
@@ -204,11 +266,13 @@ def _check(model, expected):
         logger.setLevel(level)
     warnings = catch.lines
     gen = hy.generate(prompts, GREEDY)
-    if expected is None:  # injected: exactly HF's tokens, and not a word of warning
+    if expected is None:
+        # injected: exactly HF's tokens, and not a word of warning
         assert hy.inject, warnings
         assert not warnings, warnings
         assert gen.logprobs is not None
-    else:  # HF generate, with one line that says why
+    else:
+        # HF generate, with one line that says why
         assert not hy.inject
         assert len(warnings) == 1 and "\n" not in warnings[0], warnings
         assert expected in warnings[0] and "HF generate" in warnings[0], warnings
@@ -233,10 +297,14 @@ def test_a_family_row_is_all_a_new_family_needs(monkeypatch):
     model_type gives that type Llama's policy, and the injection serves it exactly."""
     from rlhf.models import policies
 
-    model = tiny_model("llama", perturb=True, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    model = tiny_model(
+        "llama", perturb=True, attention_bias=True, mlp_bias=True, tie_word_embeddings=False
+    )
     llama_policy, _ = policies.policy_for(model.config)
     model.config.model_type = "llama_copy"
-    assert policies.policy_for(model.config)[1].startswith("model family 'llama_copy' has no injection policy")
+    assert policies.policy_for(model.config)[1].startswith(
+        "model family 'llama_copy' has no injection policy"
+    )
     row = dataclasses.replace(policies.family_of("llama"), model_type="llama_copy")
     monkeypatch.setattr(policies, "FAMILY_TABLE", policies.FAMILY_TABLE + (row,))
     policy, why = policies.policy_for(model.config)
@@ -245,30 +313,33 @@ def test_a_family_row_is_all_a_new_family_needs(monkeypatch):
     _check(model, None)
 
 
-# Sampled tokens' log-probs against the training recompute, relative to the log-prob's size: |Δ| ≤ 1e-5 ·
-# max(1, |log p|). The OPT/GPT-2 weights spread to make every part show (``tests.infer_helpers._spread``)
-# give logits ~5x the Llama-like tiny models' (std 2.4 against ~0.5; 11.5 in a pre-LN OPT without its final
-# norm) and fp32 rounding with them: absolute gaps of 2e-6 to 1.3e-5 (the others' ~1e-6); a wrong part of
-# the model is off by 1e-3 and more. The OPT without a final norm (its unnormalised residual into the LM
-# head: logits 5x larger again) gets 5x the tolerance.
+# Sampled tokens' log-probs against the training recompute, relative to the log-prob's size: |Δ| ≤
+# 1e-5 · max(1, |log p|). The OPT/GPT-2 weights spread to make every part show
+# (``tests.infer_helpers._spread``) give logits ~5x the Llama-like tiny models' (std 2.4 against
+# ~0.5; 11.5 in a pre-LN OPT without its final norm) and fp32 rounding with them: absolute gaps of
+# 2e-6 to 1.3e-5 (the others' ~1e-6); a wrong part of the model is off by 1e-3 and more. The OPT
+# without a final norm (its unnormalised residual into the LM head: logits 5x larger again) gets 5x
+# the tolerance.
 LOGPROB_TOL = 1e-5
 LOGPROB_SCALE = {"opt_final_norm_removed": 5.0}
 
 
 def _logprob_gap(eng, hy, prompts) -> float:
-    """The largest |rollout log-prob − training recompute| / max(1, |log-prob|) of sampled tokens (two
-    samples per prompt)."""
+    """The largest |rollout log-prob − training recompute| / max(1, |log-prob|) of sampled tokens
+    (two samples per prompt)."""
     sp = SamplingParams(temperature=0.7, max_new_tokens=10, samples_per_prompt=2, seed=3)
     gen = hy.generate(prompts, sp)
     with torch.no_grad():
-        lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature)
+        lp = response_logprobs(
+            eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature
+        )
     return ((lp - gen.logprobs).abs() * gen.response_mask / lp.abs().clamp(min=1.0)).max().item()
 
 
 @pytest.mark.parametrize("case", LAYERNORM)
 def test_layernorm_families_logprobs_match_training(case):
-    """OPT, GPT-2 and GPT-NeoX: the sampled tokens' log-probs of left-padded mixed-length prompts match the
-    training-mode recompute (``LOGPROB_TOL``)."""
+    """OPT, GPT-2 and GPT-NeoX: the sampled tokens' log-probs of left-padded mixed-length prompts
+    match the training-mode recompute (``LOGPROB_TOL``)."""
     family, kw, _ = CASES[case]
     eng, hy = hybrid(tiny_model(family, perturb=True, **kw))
     assert hy.inject and hy.policy.norm == "layer"
@@ -277,9 +348,10 @@ def test_layernorm_families_logprobs_match_training(case):
 
 @pytest.mark.parametrize("case", ["opt_350m_like", "gpt2_small_like", "gpt_neox_pythia_like"])
 def test_layernorm_families_serve_lora_merged(case):
-    """LoRA on every block projection (OPT: q/k/v/out_proj, fc1/fc2; GPT-2: the Conv1D c_attn/c_proj/c_fc,
-    where PEFT stores B·A transposed, fan_in_fan_out; GPT-NeoX: query_key_value, dense, dense_h_to_4h,
-    dense_4h_to_h): greedy tokens of PEFT's own merged model, and the adapters matter."""
+    """LoRA on every block projection (OPT: q/k/v/out_proj, fc1/fc2; GPT-2: the Conv1D
+    c_attn/c_proj/c_fc, where PEFT stores B·A transposed, fan_in_fan_out; GPT-NeoX: query_key_value,
+    dense, dense_h_to_4h, dense_4h_to_h): greedy tokens of PEFT's own merged model, and the adapters
+    matter."""
     family, kw, _ = CASES[case]
     model = adapted(family, **kw)
     if family == "gpt2":

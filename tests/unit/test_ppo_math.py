@@ -49,13 +49,15 @@ def test_gae_vectorised_equals_loop_and_ignores_padding():
     adv, ret = A.gae(r, v, m, 0.99, 0.95)
     assert torch.allclose(adv, gae_reference(r, v, m, 0.99, 0.95), atol=1e-5)
     r2, v2 = r.clone(), v.clone()
-    r2[m == 0], v2[m == 0] = 123.0, -77.0  # garbage beyond the response changes nothing
+    # garbage beyond the response changes nothing
+    r2[m == 0], v2[m == 0] = 123.0, -77.0
     adv2, ret2 = A.gae(r2, v2, m, 0.99, 0.95)
     assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
 
 
 def test_deepspeed_chat_reward_formula():
-    """DeepSpeed-Chat compute_rewards: −β(log π − log π_ref), clipped score added at the last token."""
+    """DeepSpeed-Chat compute_rewards: −β(log π − log π_ref), clipped score added at the last
+    token."""
     logp = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -0.4, -9.0, -9.0]])
     ref = torch.tensor([[-1.5, -1.0, -0.5, -2.0], [-0.1, -0.9, -9.0, -9.0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).float()
@@ -79,9 +81,15 @@ def test_deepspeed_chat_actor_and_critic_losses():
     loss, stats = A.policy_loss(logp, old, adv, mask, clip=0.2)
     assert torch.allclose(loss, expected, atol=1e-6)
     assert 0.0 <= stats["clipfrac"] <= 1.0
-    values, old_v, ret = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    values, old_v, ret = (
+        torch.randn(3, 5, generator=g),
+        torch.randn(3, 5, generator=g),
+        torch.randn(3, 5, generator=g),
+    )
     clipped = values.clamp(old_v - 0.2, old_v + 0.2)
-    expected = 0.5 * (torch.max((values - ret) ** 2, (clipped - ret) ** 2) * mask).sum() / mask.sum()
+    expected = (
+        0.5 * (torch.max((values - ret) ** 2, (clipped - ret) ** 2) * mask).sum() / mask.sum()
+    )
     assert torch.allclose(A.value_loss(values, old_v, ret, mask, clip=0.2), expected, atol=1e-6)
 
 
@@ -111,7 +119,8 @@ def test_critic_free_estimators():
     grpo = A.grpo_advantages(scores, 4, m)
     s = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()
     assert torch.allclose(grpo[:4, 0], (torch.tensor([1.0, 0, 0, 1]) - 0.5) / (s + 1e-6))
-    assert torch.allclose(grpo[4:], torch.zeros(4, 2))  # no signal when every sample scores alike
+    # no signal when every sample scores alike
+    assert torch.allclose(grpo[4:], torch.zeros(4, 2))
     rloo = A.rloo_advantages(scores, 4, m)
     assert torch.allclose(rloo[:4, 0], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]))
     ret = A.discounted_returns(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0, 1.0, 0.0]]))
@@ -126,15 +135,20 @@ def test_whiten_and_adaptive_kl_and_running_moments():
     assert A.masked_mean(w * w, m).item() == pytest.approx(1.0, rel=1e-5)
     # with an all_reduce, the statistics are those of every rank's rows together
     halves = [(x[:, :2], m[:, :2]), (x[:, 2:], m[:, 2:])]
-    sums = [torch.tensor([float((a * b).sum()), float(b.sum())], dtype=torch.float64) for a, b in halves]
+    sums = [
+        torch.tensor([float((a * b).sum()), float(b.sum())], dtype=torch.float64) for a, b in halves
+    ]
     calls = []
 
-    def fake_all_reduce(t):  # the other "rank" contributes its part of the same statistic
+    def fake_all_reduce(t):
+        # the other "rank" contributes its part of the same statistic
         calls.append(t.clone())
         other = (
             sums[1]
             if len(calls) == 1
-            else torch.tensor([float((((halves[1][0] - 2.0) ** 2) * halves[1][1]).sum())], dtype=torch.float64)
+            else torch.tensor(
+                [float((((halves[1][0] - 2.0) ** 2) * halves[1][1]).sum())], dtype=torch.float64
+            )
         )
         return t + other
 

@@ -1,7 +1,7 @@
-"""ppo.max_tokens_per_micro_batch: the scoring forwards (actor and reference log-probs, critic values,
-reward-model scores) and the update's micro-batches grouped by real tokens give the scored tensors and
-the actor's and critic's gradients of the row-count path (fp32, one process; the loss denominators
-are the global minibatch's, computed before the split)."""
+"""ppo.max_tokens_per_micro_batch: the scoring forwards (actor and reference log-probs, critic
+values, reward-model scores) and the update's micro-batches grouped by real tokens give the scored
+tensors and the actor's and critic's gradients of the row-count path (fp32, one process; the loss
+denominators are the global minibatch's, computed before the split)."""
 
 import pytest
 import torch
@@ -70,15 +70,26 @@ class BusierPeer(Mesh):
 
 
 def run(max_tokens: int, micro: int = 0, update_mesh: Mesh | None = None, mesh: Mesh | None = None):
-    """(experience, [actor gradients per update], [critic gradients per update]) of one GAE step: the
-    updates' gradients at the scoring weights (each captured, then dropped)."""
+    """(experience, [actor gradients per update], [critic gradients per update]) of one GAE step:
+    the updates' gradients at the scoring weights (each captured, then dropped)."""
     torch.manual_seed(1)
-    mesh, alg, ppo = mesh or Mesh(), AlgorithmConfig(estimator="gae", kl_coef=0.1), ppo_cfg(max_tokens, micro)
+    mesh, alg, ppo = (
+        mesh or Mesh(),
+        AlgorithmConfig(estimator="gae", kl_coef=0.1),
+        ppo_cfg(max_tokens, micro),
+    )
     actor, critic, scorers, hybrid = models(mesh)
     prompts = PromptSource(
-        mixed_prompts(4, vocab=VOCAB), [None] * 4, ppo.prompts_per_step, seed=0, mesh=mesh, max_rounds=0
+        mixed_prompts(4, vocab=VOCAB),
+        [None] * 4,
+        ppo.prompts_per_step,
+        seed=0,
+        mesh=mesh,
+        max_rounds=0,
     )
-    exp = Collector(hybrid, actor, scorers, prompts, alg, ppo, Tok(), mesh, seed=3).collect(0, alg.kl_coef)
+    exp = Collector(hybrid, actor, scorers, prompts, alg, ppo, Tok(), mesh, seed=3).collect(
+        0, alg.kl_coef
+    )
     actor_grads, critic_grads = [], []
     capture_grads(actor, actor_grads)
     capture_grads(critic, critic_grads)

@@ -1,9 +1,9 @@
 """The packed prefill (the CUDA prefill of left-padded prompts, issue 18 item 4) checked on the CPU,
-where it is not the default: the real tokens of every row back to back, no padding computed, each row
-attending within itself. The CPU stands in for the flash varlen kernel with one causal SDPA per
-sequence (``rlhf.ops.attention.attend_varlen``); what is checked here is everything around the kernel:
-the packing, the rotations by position, the cache slots written, the last token per row, windows,
-biases, q/k norms, partial rotary heads, both decode loops."""
+where it is not the default: the real tokens of every row back to back, no padding computed, each
+row attending within itself. The CPU stands in for the flash varlen kernel with one causal SDPA per
+sequence (``rlhf.ops.attention.attend_varlen``); what is checked here is everything around the
+kernel: the packing, the rotations by position, the cache slots written, the last token per row,
+windows, biases, q/k norms, partial rotary heads, both decode loops."""
 
 import pytest
 import torch
@@ -17,7 +17,10 @@ from tests.unit.test_inference_static import FAMILIES, NEW, eos_prone, hf_greedy
 CASES = {
     **FAMILIES,
     "qwen2_bias": ("qwen2", {}),
-    "qwen2_window_3": ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
+    "qwen2_window_3": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
+    ),
 }
 
 
@@ -36,9 +39,13 @@ def generate(hy, decode: str, packed: bool, sp: SamplingParams, prompts):
 
 def test_the_packed_prefill_is_for_the_flash_kernel_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert not varlen_kernel_fits(torch.float32, cpu, 64) and not varlen_kernel_fits(torch.bfloat16, cpu, 64)
+    assert not varlen_kernel_fits(torch.float32, cpu, 64) and not varlen_kernel_fits(
+        torch.bfloat16, cpu, 64
+    )
     assert not varlen_kernel_fits(torch.float32, cuda, 64)  # flash: half precision only
-    assert varlen_kernel_fits(torch.bfloat16, cuda, 64) and not varlen_kernel_fits(torch.bfloat16, cuda, 60)
+    assert varlen_kernel_fits(torch.bfloat16, cuda, 64) and not varlen_kernel_fits(
+        torch.bfloat16, cuda, 60
+    )
     _, hy = hybrid(tiny_model("llama"))
     assert not hy.build_inference_model().packed_prefill  # the CPU keeps the masked prefill
 
@@ -81,10 +88,14 @@ def test_packed_prefill_generates_what_the_masked_prefill_generates(case, decode
     greedy = SamplingParams(temperature=0, max_new_tokens=NEW)
     ref = generate(hy, decode, False, greedy, prompts)
     out = generate(hy, decode, True, greedy, prompts)
-    assert torch.equal(out.sequences, ref.sequences) and torch.equal(out.response_mask, ref.response_mask)
+    assert torch.equal(out.sequences, ref.sequences) and torch.equal(
+        out.response_mask, ref.response_mask
+    )
     assert torch.equal(out.responses, hf_greedy_until_eos(model, prompts, NEW))
     assert_logprobs_close(out.logprobs, ref.logprobs)
-    sampled = SamplingParams(temperature=0.9, top_k=30, max_new_tokens=NEW, samples_per_prompt=2, seed=3)
+    sampled = SamplingParams(
+        temperature=0.9, top_k=30, max_new_tokens=NEW, samples_per_prompt=2, seed=3
+    )
     ref, out = (generate(hy, decode, packed, sampled, prompts) for packed in (False, True))
     assert torch.equal(out.sequences, ref.sequences)
     assert_logprobs_close(out.logprobs, ref.logprobs)

@@ -31,15 +31,25 @@ def test_status_line_every_interval_and_at_the_end(caplog):
             clock.t += 1.0  # one step per second
             p.step(loss=f"{1.0 / (i + 1):.3f}")
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 4  # at 30, 60, 90 s and the last step — not 100 redraws
-    assert lines[0].startswith("sft: step 30/100 (30%) loss=0.033") and "1.00 steps/s eta 1m10s" in lines[0]
+    # at 30, 60, 90 s and the last step — not 100 redraws
+    assert len(lines) == 4
+    assert (
+        lines[0].startswith("sft: step 30/100 (30%) loss=0.033")
+        and "1.00 steps/s eta 1m10s" in lines[0]
+    )
     assert lines[-1].startswith("sft: step 100/100 (100%)")
 
 
 def test_no_status_off_rank_zero(caplog):
     clock = Clock()
     p = Progress(
-        total=10, initial=0, desc="ppo", bar=False, status=False, clock=clock, log=logging.getLogger("test-progress")
+        total=10,
+        initial=0,
+        desc="ppo",
+        bar=False,
+        status=False,
+        clock=clock,
+        log=logging.getLogger("test-progress"),
     )
     with caplog.at_level(logging.INFO, logger="test-progress"):
         for _ in range(10):
@@ -55,4 +65,5 @@ def test_bar_postfix_does_not_force_a_refresh(monkeypatch):
     for _ in range(50):
         p.step(loss="0.1")
     p.close()
-    assert len(refreshes) <= 3  # tqdm's own time-based redraws only (mininterval 1 s)
+    # tqdm's own time-based redraws only (mininterval 1 s)
+    assert len(refreshes) <= 3

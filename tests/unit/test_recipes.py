@@ -12,8 +12,8 @@ from rlhf.data.pipeline import StageData
 from rlhf.data.records import Example
 from rlhf.errors import ConfigError
 
-# the dataclass defaults tuned on the embedded task (beside its recipe files' keys) that a pretrained
-# model must not inherit, per stage
+# the dataclass defaults tuned on the embedded task (beside its recipe files' keys) that a
+# pretrained model must not inherit, per stage
 TUNED = {
     "sft": ("train.lr", "train.max_steps", "train.warmup_steps", "train.global_batch"),
     "reward": (),
@@ -45,17 +45,31 @@ def test_model_path_alone_gets_the_pretrained_recipe(stage, tmp_path):
     assert "model.path=org/some-model is set" in pretrained.recipe_why
     # every tuned key of the embedded recipe file, and the dataclass defaults tuned on the toy task
     spec = yaml.safe_load((CONF_DIR / "recipe_stage" / "embedded" / f"{stage}.yaml").read_text())
-    keys = {k for k in flat(spec) if any(w in k for w in ("lr", "decay", "steps", "len", "tokens", "coef"))}
+    keys = {
+        k
+        for k in flat(spec)
+        if any(w in k for w in ("lr", "decay", "steps", "len", "tokens", "coef"))
+    }
     keys |= set(TUNED[stage])
     survivors = [k for k in sorted(keys) if value(embedded, k) == value(pretrained, k)]
-    assert not survivors, f"stage={stage}: the embedded recipe's {survivors} survive with model.path set"
+    assert not survivors, (
+        f"stage={stage}: the embedded recipe's {survivors} survive with model.path set"
+    )
 
 
 def test_lengths_follow_the_data():
-    cfg, _ = compose_config(["stage=ppo", "model.path=org/m", "data.path=x.jsonl", "data.format=hh"])
+    cfg, _ = compose_config(
+        ["stage=ppo", "model.path=org/m", "data.path=x.jsonl", "data.format=hh"]
+    )
     assert cfg.ppo.max_new_tokens == cfg.data.max_response_len == 192
     cfg, _ = compose_config(
-        ["stage=ppo", "model.path=org/m", "data.path=x.jsonl", "data.format=hh", "data.max_response_len=300"]
+        [
+            "stage=ppo",
+            "model.path=org/m",
+            "data.path=x.jsonl",
+            "data.format=hh",
+            "data.max_response_len=300",
+        ]
     )
     assert cfg.ppo.max_new_tokens == cfg.eval.max_new_tokens == 300
     embedded, _ = compose_config(["stage=ppo"])
@@ -64,12 +78,21 @@ def test_lengths_follow_the_data():
 
 def test_an_explicit_override_wins_and_the_embedded_numbers_stand():
     cfg, _ = compose_config(
-        ["stage=sft", "model.path=org/m", "train.lr=0.5", "train.max_steps=7", "train.warmup_steps=2"]
+        [
+            "stage=sft",
+            "model.path=org/m",
+            "train.lr=0.5",
+            "train.max_steps=7",
+            "train.warmup_steps=2",
+        ]
     )
     assert (cfg.train.lr, cfg.train.max_steps, cfg.train.warmup_steps) == (0.5, 7, 2)
     cfg, _ = compose_config(["stage=sft", "model.path=org/m", "recipe=embedded"])
-    assert cfg.recipe == "embedded" and cfg.train.weight_decay == 1.0 and cfg.train.max_steps == 3000
-    # today's embedded values, stage by stage (a recipe split that changes them changes every number)
+    assert (
+        cfg.recipe == "embedded" and cfg.train.weight_decay == 1.0 and cfg.train.max_steps == 3000
+    )
+    # today's embedded values, stage by stage (a recipe split that changes them changes every
+    # number)
     expect = {
         "sft": (3e-3, 3000, 1.0, 50),
         "reward": (5e-4, 1500, 0.0, 30),
@@ -78,11 +101,23 @@ def test_an_explicit_override_wins_and_the_embedded_numbers_stand():
     }
     for stage, numbers in expect.items():
         c, _ = compose_config([f"stage={stage}"])
-        assert (c.train.lr, c.train.max_steps, c.train.weight_decay, c.train.warmup_steps) == numbers, stage
+        assert (
+            c.train.lr,
+            c.train.max_steps,
+            c.train.weight_decay,
+            c.train.warmup_steps,
+        ) == numbers, stage
     c, _ = compose_config(["stage=ppo"])
-    assert (c.algorithm.kl_coef, c.train.eval_every, c.train.save_every, c.ppo.critic_lr) == (0.02, 40, 20, 1e-4)
+    assert (c.algorithm.kl_coef, c.train.eval_every, c.train.save_every, c.ppo.critic_lr) == (
+        0.02,
+        40,
+        20,
+        1e-4,
+    )
     # the embedded model's shape is the recipe's; the agentic recipe keeps model.*'s defaults
-    shapes = {r: compose_config(["stage=sft", f"recipe={r}"])[0].model for r in ("embedded", "agentic")}
+    shapes = {
+        r: compose_config(["stage=sft", f"recipe={r}"])[0].model for r in ("embedded", "agentic")
+    }
     assert (shapes["embedded"].num_layers, shapes["embedded"].intermediate_size) == (4, 128)
     assert (shapes["agentic"].num_layers, shapes["agentic"].intermediate_size) == (3, 256)
 
@@ -100,12 +135,22 @@ def test_later_stages_keep_the_recipe_of_the_run(tmp_path):
 def test_task_recipes_and_their_stages():
     hh, _ = compose_config(["stage=reward", "recipe=hh", "data.path=x.jsonl"])
     assert (hh.data.format, hh.data.split, hh.train.lr) == ("hh", "2,4,4", 9e-6)
-    smol, _ = compose_config(["stage=ppo", "recipe=smollm2_hh", "data.path=x.jsonl"])  # hh's data, its own sizes
+    # hh's data, its own sizes
+    smol, _ = compose_config(["stage=ppo", "recipe=smollm2_hh", "data.path=x.jsonl"])
     assert (smol.data.format, smol.data.split) == ("hh", "2,4,4")
     assert smol.model.path.endswith("smollm2-135m-instruct")  # the name, or its cached directory
-    assert (smol.ppo.use_reward_model, smol.algorithm.estimator, smol.train.max_steps) == (True, "gae", 20)
+    assert (smol.ppo.use_reward_model, smol.algorithm.estimator, smol.train.max_steps) == (
+        True,
+        "gae",
+        20,
+    )
     g, _ = compose_config(["stage=ppo", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
-    assert (g.algorithm.estimator, g.ppo.use_reward_model, g.ppo.reward_fn, g.ppo.samples_per_prompt) == (
+    assert (
+        g.algorithm.estimator,
+        g.ppo.use_reward_model,
+        g.ppo.reward_fn,
+        g.ppo.samples_per_prompt,
+    ) == (
         "grpo",
         False,
         "rlhf.rewards.gold",
@@ -119,25 +164,29 @@ def test_task_recipes_and_their_stages():
         compose_config(["stage=reward", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     with pytest.raises(
         ConfigError,
-        match=r"unknown recipe 'nope' .expected agentic, dschat, embedded, gsm8k_grpo, gsm8k_tools, hh, pretrained, "
+        match=r"unknown recipe 'nope' .expected agentic, dschat, embedded, gsm8k_grpo, "
+        r"gsm8k_tools, hh, pretrained, "
         r"smollm2_arith, smollm2_hh.",
     ):
         compose_config(["recipe=nope"])
 
 
 @pytest.mark.parametrize(
-    "stage,full,lora", [("sft", 1e-5, 1e-4), ("reward", 9e-6, 1e-4), ("dpo", 5e-7, 5e-6), ("ppo", 1e-6, 1e-5)]
+    "stage,full,lora",
+    [("sft", 1e-5, 1e-4), ("reward", 9e-6, 1e-4), ("dpo", 5e-7, 5e-6), ("ppo", 1e-6, 1e-5)],
 )
 def test_lora_gets_the_recipes_lora_rate_unless_the_command_line_says(stage, full, lora):
     m = ["model.path=/m", "data.path=x.jsonl", "data.format=prompt_chosen_rejected"]
     cfg, _ = compose_config([f"stage={stage}", *m])
     assert cfg.train.lr == full and cfg.lr_why == ""
     cfg, text = compose_config([f"stage={stage}", *m, "model.lora.r=8"])
-    assert cfg.train.lr == lora and yaml.safe_load(text)["train"]["lr"] == lora  # the saved config says so
+    # the saved config says so
+    assert cfg.train.lr == lora and yaml.safe_load(text)["train"]["lr"] == lora
     assert cfg.lr_why.startswith(f"train.lr={lora:g}: the recipe's rate for LoRA (model.lora.r=8")
     cfg, _ = compose_config([f"stage={stage}", *m, "model.lora.r=8", "train.lr=3e-5"])
     assert cfg.train.lr == 3e-5 and "from the command line" in cfg.lr_why
-    cfg, _ = compose_config(["stage=sft", "model.lora.r=8"])  # the embedded recipe sets no LoRA rate
+    # the embedded recipe sets no LoRA rate
+    cfg, _ = compose_config(["stage=sft", "model.lora.r=8"])
     assert cfg.train.lr == compose_config(["stage=sft"])[0].train.lr and cfg.lr_why == ""
 
 
@@ -148,11 +197,15 @@ def test_steps_and_warmup_from_epochs():
     t = TrainConfig(max_steps=None, epochs=1, warmup_steps=None, warmup_ratio=0.1)
     t.resolve_steps(100, 10, "prompts", updates_per_step=4)  # PPO: warmup counts optimizer steps
     assert (t.max_steps, t.warmup_steps) == (10, 4)
-    t = TrainConfig(max_steps=5, epochs=3, warmup_steps=1, warmup_ratio=0.5)  # set: they win, and it is said
+    # set: they win, and it is said
+    t = TrainConfig(max_steps=5, epochs=3, warmup_steps=1, warmup_ratio=0.5)
     said = t.resolve_steps(1000, 10, "records")
     assert (t.max_steps, t.warmup_steps) == (5, 1)
-    assert "train.epochs=3 does not apply" in said and "train.warmup_ratio=0.5 does not apply" in said
-    assert TrainConfig().resolve_steps(1000, 10, "records") is None  # the embedded recipe: nothing to say
+    assert (
+        "train.epochs=3 does not apply" in said and "train.warmup_ratio=0.5 does not apply" in said
+    )
+    # the embedded recipe: nothing to say
+    assert TrainConfig().resolve_steps(1000, 10, "records") is None
     with pytest.raises(ConfigError, match=r"train.max_steps and train.epochs are both null"):
         TrainConfig(max_steps=None, epochs=None)
 
@@ -224,7 +277,9 @@ def test_the_fingerprint_names_the_inputs_and_not_the_dropout():
             return {"a": 0}
 
     cfg, _ = compose_config(["stage=ppo"])
-    d = StageData(train=[Example("What is 1 + 2?")], eval=[], gold=None, description="d", stage="ppo")
+    d = StageData(
+        train=[Example("What is 1 + 2?")], eval=[], gold=None, description="d", stage="ppo"
+    )
     a = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.1), Tok(), d, cfg, "reward_model=/x")
     b = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), d, cfg, "reward_model=/x")
     c = run_fingerprint(GPT2Config(n_layer=2, resid_pdrop=0.0), Tok(), d, cfg, "reward_model=/y")
@@ -232,13 +287,16 @@ def test_the_fingerprint_names_the_inputs_and_not_the_dropout():
 
 
 def test_a_finished_stage_written_before_the_records_digest_is_still_finished():
-    """A done.json written before the fingerprint held the records' digest (ADDED_LATER) is judged on
-    the rest: existing finished run directories stay finished; any other missing or differing key is
-    another setup."""
+    """A done.json written before the fingerprint held the records' digest (ADDED_LATER) is judged
+    on the rest: existing finished run directories stay finished; any other missing or differing key
+    is another setup."""
     from rlhf.runtime.stage import same_setup
 
     now = {"model": "m", "data": "synthetic:generated", "records": "r", "lora": "r=8"}
     assert same_setup(dict(now), now)
     assert same_setup({"model": "m", "data": "synthetic:generated", "lora": "r=8"}, now)
-    assert not same_setup({"model": "m", "data": "synthetic:generated", "records": "x", "lora": "r=8"}, now)
-    assert not same_setup({"model": "m", "data": "synthetic:generated", "records": "r"}, now)  # lora: no
+    assert not same_setup(
+        {"model": "m", "data": "synthetic:generated", "records": "x", "lora": "r=8"}, now
+    )
+    # lora: no
+    assert not same_setup({"model": "m", "data": "synthetic:generated", "records": "r"}, now)

@@ -49,11 +49,14 @@ class Hybrid:
 
     positions = 0  # rotary: no position table to fit
 
-    def holding(self):  # (the hybrid engine keeps its inference model inside; nothing to keep here)
+    def holding(self):
+        # (the hybrid engine keeps its inference model inside; nothing to keep here)
         return contextlib.nullcontext()
 
     def generate(self, prompts, sp, keys=None):
-        seq = torch.tensor([[5, 6, 7, 8, EOS], [5, 6, 9, EOS, 0], [5, 7, 7, 7, EOS], [5, 7, 8, 8, 8]])
+        seq = torch.tensor(
+            [[5, 6, 7, 8, EOS], [5, 6, 9, EOS, 0], [5, 7, 7, 7, EOS], [5, 7, 8, 8, 8]]
+        )
         resp = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
         return Generation(
             sequences=seq,
@@ -74,7 +77,9 @@ def rollout_with(rule):
         rule_weight=1.0,
         data_format="prompt_response",
     )
-    collector = Collector(Hybrid(), None, scorers, None, AlgorithmConfig(), PPOConfig(), Tok(), None, seed=0)
+    collector = Collector(
+        Hybrid(), None, scorers, None, AlgorithmConfig(), PPOConfig(), Tok(), None, seed=0
+    )
     batch = PromptBatch([[5, 6], [5, 7]], [Example(prompt="a"), Example(prompt="b")])
     return collector.rollout(batch, SamplingParams(samples_per_prompt=2))
 
@@ -84,9 +89,12 @@ def test_a_batch_level_reward_stops_the_rollout_naming_it():
     with pytest.raises(ConfigError) as e:
         rollout_with(batch_mean)
     msg = str(e.value)
-    assert msg.startswith("ppo.reward_fn=tests.e2e.batch_reward.batch_mean: it returned 1 value for 4 responses"), msg
+    assert msg.startswith(
+        "ppo.reward_fn=tests.e2e.batch_reward.batch_mean: it returned 1 value for 4 responses"
+    ), msg
     assert "one number per response" in msg and "\n" not in msg
-    ro = rollout_with(per_response)  # the right shape goes through, one reward per row
+    # the right shape goes through, one reward per row
+    ro = rollout_with(per_response)
     assert ro.parts["rule"].tolist() == [3.0, 1.0, 3.0, 5.0]  # '7 8', '9', '7 7', '8 8 8'
 
 
@@ -120,23 +128,31 @@ def test_call_refuses_anything_but_one_number_per_response(fn, fragment):
     with pytest.raises(ConfigError, match=r"^ppo.reward_fn=my.fn: ") as e:
         rewards.call(fn, ["a", "b"], [Example(prompt="p")] * 2, "prompt_response", path="my.fn")
     assert fragment in str(e.value), str(e.value)
-    out = rewards.call(lambda r, e, f: torch.tensor([1.0, 2.0]), ["a", "b"], [Example(prompt="p")] * 2, "x")
+    out = rewards.call(
+        lambda r, e, f: torch.tensor([1.0, 2.0]), ["a", "b"], [Example(prompt="p")] * 2, "x"
+    )
     assert out == [1.0, 2.0] and all(type(x) is float for x in out)
 
 
 def test_the_pre_run_check_catches_a_batch_level_function():
     # before: one record, one response, one number: it passed and the run broadcast it
-    with pytest.raises(ConfigError, match=r"^ppo.reward_fn=my\.mean: it returned 1 value for 2 responses"):
+    with pytest.raises(
+        ConfigError, match=r"^ppo.reward_fn=my\.mean: it returned 1 value for 2 responses"
+    ):
         rewards.check(batch_mean, "my.mean", Example(prompt="p"), "prompt_response")
     rewards.check(per_response, "my.ok", Example(prompt="p"), "prompt_response")
     with pytest.raises(ConfigError, match="calling it on one record failed: KeyError"):
-        rewards.check(lambda r, e, f: {}["answer"], "my.raises", Example(prompt="p"), "prompt_response")
+        rewards.check(
+            lambda r, e, f: {}["answer"], "my.raises", Example(prompt="p"), "prompt_response"
+        )
 
 
 def test_an_unimportable_reward_function_logs_nothing_besides_its_error(caplog):
     """Hydra's get_method logs the error it raises (three lines on stderr before ours): silenced."""
     with caplog.at_level(logging.DEBUG):
-        with pytest.raises(ConfigError, match=r"^ppo.reward_fn=nosuchmodule.fn: cannot import it: ") as e:
+        with pytest.raises(
+            ConfigError, match=r"^ppo.reward_fn=nosuchmodule.fn: cannot import it: "
+        ) as e:
             rewards.resolve("nosuchmodule.fn")
     assert "\n" not in str(e.value) and "nosuchmodule" in str(e.value)
     assert caplog.records == [], [r.getMessage() for r in caplog.records]

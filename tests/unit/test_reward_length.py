@@ -1,6 +1,6 @@
-"""ppo.reward_length_debias (rlhf/rl/experience.py ``length_debiased``): the reward model's part with its
-least-squares line in response length taken out over every rank's rows — no correlation with length
-left, the mean kept, a score that does not depend on length unchanged."""
+"""ppo.reward_length_debias (rlhf/rl/experience.py ``length_debiased``): the reward model's part
+with its least-squares line in response length taken out over every rank's rows — no correlation
+with length left, the mean kept, a score that does not depend on length unchanged."""
 
 import torch
 

@@ -1,6 +1,6 @@
-"""Golden tests of the 2025–26 RL options: loss aggregation (and its invariance to how rows are split
-over micro-batches and ranks), clip-higher, Dr.GRPO, dynamic sampling's group test, DAPO's overlong
-penalty, rollout/training mismatch correction, and the settings that must be refused."""
+"""Golden tests of the 2025–26 RL options: loss aggregation (and its invariance to how rows are
+split over micro-batches and ranks), clip-higher, Dr.GRPO, dynamic sampling's group test, DAPO's
+overlong penalty, rollout/training mismatch correction, and the settings that must be refused."""
 
 import math
 
@@ -21,7 +21,8 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     "mode,expected",
     [
         ("token_mean", (1 + 2 + 3 + 4) / 4),  # over the 4 tokens
-        ("seq_mean_token_mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),  # each sequence's mean, then their mean
+        # each sequence's mean, then their mean
+        ("seq_mean_token_mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),
         ("seq_mean_token_sum", ((1 + 2 + 3) + 4) / 2),  # each sequence's sum, then their mean
         ("token_sum_norm", (1 + 2 + 3 + 4) / (2 * 8)),  # Dr.GRPO: sum / (sequences × 8 tokens)
     ],
@@ -34,8 +35,9 @@ def test_loss_aggregation_golden(mode, expected):
 
 @pytest.mark.parametrize("mode", E.LOSS_AGG)
 def test_loss_aggregation_does_not_depend_on_the_split(mode):
-    """The update sums Σ w·ℓ / (denominator / W) over micro-batches on each of W ranks, and the ranks
-    average their gradients: every split of the rows gives the loss (hence the gradient) of one pass."""
+    """The update sums Σ w·ℓ / (denominator / W) over micro-batches on each of W ranks, and the
+    ranks average their gradients: every split of the rows gives the loss (hence the gradient) of
+    one pass."""
     g = torch.Generator(device="cpu").manual_seed(0)
     loss = torch.randn(12, 7, generator=g, device="cpu", requires_grad=True)
     lens = torch.randint(1, 8, (12,), generator=g, device="cpu")
@@ -48,13 +50,16 @@ def test_loss_aggregation_does_not_depend_on_the_split(mode):
         for rank in range(world):
             rows = torch.arange(rank, 12, world, device="cpu")  # a rank's rows
             for part in rows.split(micro):  # its micro-batches
-                total = total + (loss[part] * A.loss_weights(mask[part], mode)).sum() / (denom / world)
+                total = total + (loss[part] * A.loss_weights(mask[part], mode)).sum() / (
+                    denom / world
+                )
         (grad,) = torch.autograd.grad(total / world, loss)  # data-parallel ranks average gradients
         assert torch.allclose(grad, grad_whole, atol=1e-7), (mode, world, micro)
 
 
 def test_clip_higher_golden():
-    logp = torch.log(torch.tensor([[1.5, 0.5, 1.25]]))  # ratios 1.5, 0.5, 1.25 (old log-probs 0)
+    # ratios 1.5, 0.5, 1.25 (old log-probs 0)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.25]]))
     old = torch.zeros(1, 3)
     adv = torch.tensor([[1.0, -1.0, 1.0]])
     m = torch.ones(1, 3)
@@ -88,14 +93,16 @@ def test_overlong_penalty_golden():
 
 def test_mismatch_correction_golden_and_a_noop_when_log_probs_agree():
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
-    rollout = torch.log(torch.tensor([[0.5, 0.25, 0.1, 0.9]]))  # ratios π_train/π_rollout: 1, 2, 5, 0.556
+    # ratios π_train/π_rollout: 1, 2, 5, 0.556
+    rollout = torch.log(torch.tensor([[0.5, 0.25, 0.1, 0.9]]))
     m = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
     tis = A.mismatch_weights(old, rollout, m, "tis", cap=3.0)
     assert torch.allclose(tis, torch.tensor([[1.0, 2.0, 3.0, 0.5 / 0.9]]))
     mis = A.mismatch_weights(old, rollout, m, "mis", cap=3.0)
     assert torch.equal(mis, torch.tensor([[1.0, 1.0, 0.0, 1.0]]))
     for mode in ("tis", "mis"):
-        assert torch.equal(A.mismatch_weights(old, old, m, mode, cap=2.0), m)  # fp32 rollouts: no change
+        # fp32 rollouts: no change
+        assert torch.equal(A.mismatch_weights(old, old, m, mode, cap=2.0), m)
     # the policy loss weighs each token's clipped surrogate by the correction
     logp = old.clone()
     adv = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
@@ -106,7 +113,11 @@ def test_mismatch_correction_golden_and_a_noop_when_log_probs_agree():
 def test_group_estimators_refuse_one_sample_per_prompt():
     for est in ("grpo", "rloo"):
         with pytest.raises(ConfigError, match=r"ppo.samples_per_prompt=1"):
-            Config(stage="ppo", algorithm=AlgorithmConfig(estimator=est), ppo=PPOConfig(samples_per_prompt=1))
+            Config(
+                stage="ppo",
+                algorithm=AlgorithmConfig(estimator=est),
+                ppo=PPOConfig(samples_per_prompt=1),
+            )
     with pytest.raises(ConfigError, match=r"ppo.dynamic_sampling"):
         Config(stage="ppo", ppo=PPOConfig(dynamic_sampling=True))  # GAE has no groups
     with pytest.raises(ConfigError, match=r"algorithm.loss_agg"):

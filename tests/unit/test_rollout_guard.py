@@ -1,6 +1,7 @@
-"""The rollout-parity guard's logic (rlhf/rl/rollout_guard.py): the threshold per compared precision,
-its decisions on a step's numbers, stop and rebuild, and the defaults against the gaps a real inference
-copy shows in fp32 and bf16 (the end-to-end runs: tests/e2e/test_rollout_guard.py)."""
+"""The rollout-parity guard's logic (rlhf/rl/rollout_guard.py): the threshold per compared
+precision, its decisions on a step's numbers, stop and rebuild, and the defaults against the gaps a
+real inference copy shows in fp32 and bf16 (the end-to-end runs:
+tests/e2e/test_rollout_guard.py)."""
 
 import math
 
@@ -33,36 +34,58 @@ def row(mean, mx=None):
 
 def test_threshold_per_compared_precision():
     assert compute_dtype("fp32", "fp32") == "fp32"
-    # bf16 on either side: fp32 rollouts recomputed under bf16 autocast differ as much as a bf16 copy's
-    assert compute_dtype("bf16", "fp32") == compute_dtype("fp32", "bf16") == compute_dtype("bf16", "bf16") == "bf16"
+    # bf16 on either side: fp32 rollouts recomputed under bf16 autocast differ as much as a bf16
+    # copy's
+    assert (
+        compute_dtype("bf16", "fp32")
+        == compute_dtype("fp32", "bf16")
+        == compute_dtype("bf16", "bf16")
+        == "bf16"
+    )
     assert threshold(0.0, "fp32") == ROLLOUT_GUARD_MAX["fp32"] == 1e-3
     assert threshold(0.0, "bf16") == ROLLOUT_GUARD_MAX["bf16"] == 5e-2
     assert threshold(0.2, "fp32") == threshold(0.2, "bf16") == 0.2  # ppo.rollout_guard_max wins
     # fp16 (10 mantissa bits) between them: the coarser side's precision is compared
-    assert compute_dtype("fp16", "fp32") == compute_dtype("fp32", "fp16") == compute_dtype("fp16", "fp16") == "fp16"
+    assert (
+        compute_dtype("fp16", "fp32")
+        == compute_dtype("fp32", "fp16")
+        == compute_dtype("fp16", "fp16")
+        == "fp16"
+    )
     assert compute_dtype("fp16", "bf16") == compute_dtype("bf16", "fp16") == "bf16"
     assert threshold(0.0, "fp16") == ROLLOUT_GUARD_MAX["fp16"] == 2e-2
-    assert ROLLOUT_GUARD_MAX["fp16"] >= 100 * 1.4e-4  # fp16's healthy values measured (docs/ppo.md): ≤ 1.4e-4
-    # the defaults stand well over the healthy values measured (docs/ppo.md): fp32 ≤ 8.3e-8, bf16 ≤ 2.7e-3
+    # fp16's healthy values measured (docs/ppo.md): ≤ 1.4e-4
+    assert ROLLOUT_GUARD_MAX["fp16"] >= 100 * 1.4e-4
+    # the defaults stand well over the healthy values measured (docs/ppo.md): fp32 ≤ 8.3e-8, bf16 ≤
+    # 2.7e-3
     assert ROLLOUT_GUARD_MAX["fp32"] >= 1000 * 8.3e-8 and ROLLOUT_GUARD_MAX["bf16"] >= 15 * 2.7e-3
-    # ... and the fp32 one lies within bf16's healthy range (2.7e-4 to 2.7e-3): one threshold cannot serve both
+    # ... and the fp32 one lies within bf16's healthy range (2.7e-4 to 2.7e-3): one threshold cannot
+    # serve both
     assert 2.7e-4 < ROLLOUT_GUARD_MAX["fp32"] < 2.7e-3
 
 
 def test_decisions_on_a_steps_numbers():
     fp32 = RolloutGuard("stop", threshold(0, "fp32"), "fp32", SETTINGS)
-    assert not fp32.over(row(6e-8)) and not fp32.over(row(9e-4, mx=0.5))  # the mean is judged, not the max
+    # the mean is judged, not the max
+    assert not fp32.over(row(6e-8)) and not fp32.over(row(9e-4, mx=0.5))
     assert fp32.over(row(2e-3)) and fp32.over(row(math.nan)) and fp32.over(row(math.inf))
-    assert not fp32.over({"reward/mean": 0.0})  # no rollout log-probs that step (HF generate)
+    # no rollout log-probs that step (HF generate)
+    assert not fp32.over({"reward/mean": 0.0})
     bf16 = RolloutGuard("stop", threshold(0, "bf16"), "bf16", SETTINGS)
     assert not bf16.over(row(2.3e-3, mx=0.03)) and bf16.over(row(0.2))
-    for off in (RolloutGuard("off", 1e-3, "fp32", SETTINGS), RolloutGuard("stop", 1e-3, "fp32", SETTINGS, False)):
+    for off in (
+        RolloutGuard("off", 1e-3, "fp32", SETTINGS),
+        RolloutGuard("stop", 1e-3, "fp32", SETTINGS, False),
+    ):
         assert not off.over(row(5.0))
     assert "off" in RolloutGuard("off", 1e-3, "fp32", SETTINGS).describe()
     assert "HF generate" in RolloutGuard("stop", 1e-3, "fp32", SETTINGS, active=False).describe()
     line = fp32.describe()
     assert "0.001" in line and "fp32 default" in line and METRIC in line and SETTINGS in line
-    assert "ppo.rollout_guard_max=0.02" in RolloutGuard("stop", 0.02, "bf16", SETTINGS, default=False).describe()
+    assert (
+        "ppo.rollout_guard_max=0.02"
+        in RolloutGuard("stop", 0.02, "bf16", SETTINGS, default=False).describe()
+    )
 
 
 class Steps:
@@ -99,7 +122,9 @@ def test_rebuild_regenerates_once_then_goes_on_or_stops(caplog):
     assert steps.rebuilds == 1 and steps.calls == 2
     assert "rebuilding the inference weights" in caplog.text and "going on" in caplog.text
     steps = Steps(0.25, 0.3)
-    with pytest.raises(RolloutMismatch, match=r"step 2: .*=0\.3 .*first 0\.25, then again after rebuilding"):
+    with pytest.raises(
+        RolloutMismatch, match=r"step 2: .*=0\.3 .*first 0\.25, then again after rebuilding"
+    ):
         guard.checked(2, steps.collect, steps.rebuild)
     assert steps.rebuilds == 1 and steps.calls == 2
 
@@ -115,9 +140,10 @@ def test_config_keys_are_checked():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_defaults_against_a_real_inference_copy(dtype):
-    """The mean gap a healthy inference copy shows (tiny Llama with peaked weights, sampled) passes its
-    dtype's default with a wide margin; bf16's would trip the fp32 default; a kept copy whose training
-    weights changed behind its back trips the guard, and ``rebuild_inference`` builds a matching one."""
+    """The mean gap a healthy inference copy shows (tiny Llama with peaked weights, sampled) passes
+    its dtype's default with a wide margin; bf16's would trip the fp32 default; a kept copy whose
+    training weights changed behind its back trips the guard, and ``rebuild_inference`` builds a
+    matching one."""
     model = tiny_model("llama")
     ecfg = EngineConfig(inference_dtype=dtype, release_inference_cache=False)
     eng = TrainEngine(model, Mesh(), ecfg, TrainConfig(lr=1e-2, warmup_steps=0))
@@ -130,7 +156,9 @@ def test_defaults_against_a_real_inference_copy(dtype):
         sp = SamplingParams(temperature=1.0, max_new_tokens=12, samples_per_prompt=2, seed=5)
         gen = hy.generate(mixed_prompts(), sp)
         with torch.no_grad():
-            lp = response_logprobs(eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, 1.0)
+            lp = response_logprobs(
+                eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, 1.0
+            )
         m = gen.response_mask.float()
         return float(((lp - gen.logprobs).abs() * m).sum() / m.sum())
 
@@ -138,8 +166,8 @@ def test_defaults_against_a_real_inference_copy(dtype):
     assert healthy < ROLLOUT_GUARD_MAX[dtype] / 5 and not guard.over(row(healthy))
     if dtype == "bf16":
         assert healthy > ROLLOUT_GUARD_MAX["fp32"]
-    # the cached copy made stale behind the engine's back (no weights_version bump): the guard sees it,
-    # and rebuild_inference() builds it afresh
+    # the cached copy made stale behind the engine's back (no weights_version bump): the guard sees
+    # it, and rebuild_inference() builds it afresh
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:

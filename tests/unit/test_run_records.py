@@ -1,5 +1,6 @@
-"""What a run records about itself (issue 28): peak memory on every metrics line (summary.json, report.png),
-gold evaluation that says its size and can be turned off, and the saved configuration rlhf.eval reads."""
+"""What a run records about itself (issue 28): peak memory on every metrics line (summary.json,
+report.png), gold evaluation that says its size and can be turned off, and the saved configuration
+rlhf.eval reads."""
 
 import importlib.util
 import json
@@ -23,7 +24,8 @@ def _rows(path):
 def test_every_metrics_line_has_the_peak_memory_since_the_previous_one(tmp_path):
     w = MetricsWriter(tmp_path / "metrics.jsonl", is_main=True, resume_step=None)
     w.log(1, loss=1.0)
-    block = bytearray(400_000_000)  # touched: resident, then given back before the next line
+    # touched: resident, then given back before the next line
+    block = bytearray(400_000_000)
     block[::4096] = b"\x01" * len(block[::4096])
     del block
     w.log(2, loss=0.5)
@@ -31,32 +33,37 @@ def test_every_metrics_line_has_the_peak_memory_since_the_previous_one(tmp_path)
     w.close()
     peaks = [r["mem/peak_gb"] for r in _rows(tmp_path / "metrics.jsonl")]
     assert all(p > 0 for p in peaks), peaks
-    assert peaks[1] >= peaks[0] + 0.35, peaks  # the 0.4 GB held for a while between lines 1 and 2
-    if PeakMemory().interval:  # Linux: reset after each line, so line 3 no longer shows it
+    # the 0.4 GB held for a while between lines 1 and 2
+    assert peaks[1] >= peaks[0] + 0.35, peaks
+    if PeakMemory().interval:
+        # Linux: reset after each line, so line 3 no longer shows it
         assert peaks[2] <= peaks[1] - 0.35, peaks
 
 
 def test_whole_process_peaks_survive_the_per_line_resets(monkeypatch):
-    """bench/stage_peak.py (the benches' peak_rss_gb) reads the process's peak at its end: the resets
-    behind mem/peak_gb must not hide a peak from it."""
+    """bench/stage_peak.py (the benches' peak_rss_gb) reads the process's peak at its end: the
+    resets behind mem/peak_gb must not hide a peak from it."""
     from rlhf.outputs import log
 
     spec = importlib.util.spec_from_file_location("stage_peak", ROOT / "bench" / "stage_peak.py")
     stage_peak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stage_peak)
     memory = PeakMemory()
-    memory.read()  # the counters start from the current resident set
+    # the counters start from the current resident set
+    memory.read()
     monkeypatch.setattr(log, "_before_resets", {})
     base = log._status_kb("VmRSS") * 1024 / 2**30
     block = bytearray(400_000_000)
     block[::4096] = b"\x01" * len(block[::4096])
     del block
-    memory.read()  # the block is in this line's figure, and out of the counters from here on
+    # the block is in this line's figure, and out of the counters from here on
+    memory.read()
     assert stage_peak.peak()["peak_rss_gb"] >= base + 0.35
 
 
 def test_peak_memory_on_cuda_is_the_device_allocation_reset_per_line(monkeypatch):
-    """The device branch (no GPU here): max_memory_allocated in GiB, then a reset for the next line."""
+    """The device branch (no GPU here): max_memory_allocated in GiB, then a reset for the next
+    line."""
     from rlhf.outputs import log
 
     resets = []
@@ -83,12 +90,16 @@ def _run_with_memory(run):
         run / "sft/metrics.jsonl",
         [{"step": s, "loss": 1.0 / s, "mem/peak_gb": m} for s, m in ((1, 1.5), (2, 2.5), (3, 2.0))],
     )
-    _write(run / "ppo/metrics.jsonl", [{"step": s, "reward/mean": 0.1 * s, "mem/peak_gb": 4.0 + s} for s in (1, 2)])
+    _write(
+        run / "ppo/metrics.jsonl",
+        [{"step": s, "reward/mean": 0.1 * s, "mem/peak_gb": 4.0 + s} for s in (1, 2)],
+    )
     return run
 
 
 def test_summary_holds_each_stage_peak_memory_and_copes_without_gold(tmp_path):
-    run = _run_with_memory(tmp_path)  # and no gold/* anywhere (eval.gold_prompts=0)
+    # and no gold/* anywhere (eval.gold_prompts=0)
+    run = _run_with_memory(tmp_path)
     s = summary.build_summary(run, {"sft": 1.0})
     assert s["sft"] == {"mem/peak_gb": 2.5}  # the largest, not the last
     assert s["ppo"] == {"reward/mean": 0.2, "mem/peak_gb": 6.0}
@@ -98,7 +109,8 @@ def test_report_draws_every_stage_peak_memory(tmp_path):
     import matplotlib.pyplot as plt
 
     fig = report.figure(_run_with_memory(tmp_path))
-    mem = {ax.get_title().split(":")[0]: ax for ax in fig.axes if "peak memory" in ax.get_title()}  # a panel a stage
+    # a panel a stage
+    mem = {ax.get_title().split(":")[0]: ax for ax in fig.axes if "peak memory" in ax.get_title()}
     assert list(mem) == ["sft", "ppo"] and [ln.get_label() for ln in mem["sft"].lines] == ["sft"]
     assert list(mem["sft"].lines[0].get_ydata()) == [1.5, 2.5, 2.0]
     plt.close(fig)
@@ -144,13 +156,20 @@ def test_gold_prompts_zero_turns_the_gold_evaluation_off(monkeypatch, caplog):
     ]
 
 
-@pytest.mark.parametrize("n, micro, world", [(16, 256, 1), (10, 3, 1), (10, 3, 4), (7, 2, 3), (3, 8, 4), (0, 4, 2)])
+@pytest.mark.parametrize(
+    "n, micro, world", [(16, 256, 1), (10, 3, 1), (10, 3, 4), (7, 2, 3), (3, 8, 4), (0, 4, 2)]
+)
 def test_global_batch_sizes_count_every_rank(n, micro, world):
     from rlhf.runtime.evaluation import global_batch_sizes
     from rlhf.runtime.stage import rank_batches
 
-    per_rank = [list(rank_batches(n, micro, types.SimpleNamespace(rank=r, world_size=world))) for r in range(world)]
-    assert global_batch_sizes(n, micro, world) == [sum(len(b[t]) for b in per_rank) for t in range(len(per_rank[0]))]
+    per_rank = [
+        list(rank_batches(n, micro, types.SimpleNamespace(rank=r, world_size=world)))
+        for r in range(world)
+    ]
+    assert global_batch_sizes(n, micro, world) == [
+        sum(len(b[t]) for b in per_rank) for t in range(len(per_rank[0]))
+    ]
 
 
 def _seeds():
@@ -186,8 +205,12 @@ def test_eval_reads_the_configuration_of_the_policy_stage_else_the_newest(tmp_pa
 
 
 def test_compose_base_stands_under_the_command_line():
-    """rlhf.eval's composition: the saved run's data/eval over the defaults, the command line over both."""
-    base = {"data": {"eval_size": 16, "synthetic": {"max_operand": 20}}, "eval": {"gold_prompts": 4, "gold_samples": 1}}
+    """rlhf.eval's composition: the saved run's data/eval over the defaults, the command line over
+    both."""
+    base = {
+        "data": {"eval_size": 16, "synthetic": {"max_operand": 20}},
+        "eval": {"gold_prompts": 4, "gold_samples": 1},
+    }
     cfg, _ = compose_config(["stage=sft", "eval.gold_samples=3"], base=base)
     assert (cfg.data.eval_size, cfg.data.synthetic.max_operand) == (16, 20)
     assert (cfg.eval.gold_prompts, cfg.eval.gold_samples) == (4, 3)

@@ -18,12 +18,21 @@ from typing import Iterator, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("rlhf", "stages", "bench", "scripts")
 
-PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+PICKLE_MODULES = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "dill",
+    "cloudpickle",
+    "joblib",
+    "shelve",
+    "marshal",
+}
 HF_LOADERS = {"from_pretrained"}
 # The project's helpers that reach from_pretrained, and where their trust_remote_code argument sits.
 HELPERS = {"load_model_config": 1, "load_tokenizer": 1, "build_model": None}
-# Files whose job is to run code they are given: the sandboxed interpreter runs the Python tool's code
-# (inside the sandbox's namespaces, limits and guard)
+# Files whose job is to run code they are given: the sandboxed interpreter runs the Python tool's
+# code (inside the sandbox's namespaces, limits and guard)
 RUNS_CODE = {"rlhf/envs/sandbox/guard.py"}
 # Helper calls that do not thread model.trust_remote_code (safe: remote code stays off), reported
 # for their owners; (file, enclosing function, callee). Keep this list shrinking.
@@ -53,7 +62,9 @@ def _calls(tree: ast.AST) -> Iterator[Tuple[ast.Call, Optional[str]]]:
 
     def walk(node, func):
         for child in ast.iter_child_nodes(node):
-            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            inner = (
+                child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            )
             if isinstance(child, ast.Call):
                 yield child, func
             yield from walk(child, inner)
@@ -116,11 +127,17 @@ def test_no_pickle_serialisers():
             bad += [f"{_rel(path)}:{node.lineno} imports {n}" for n in names if n in PICKLE_MODULES]
             if isinstance(node, ast.Call):
                 allow = _kw(node, "allow_pickle")
-                if allow is not None and not (isinstance(allow, ast.Constant) and allow.value is False):
+                if allow is not None and not (
+                    isinstance(allow, ast.Constant) and allow.value is False
+                ):
                     bad.append(f"{_rel(path)}:{node.lineno} allow_pickle")
                 if _callee(node) in ("read_pickle", "to_pickle"):
                     bad.append(f"{_rel(path)}:{node.lineno} {_callee(node)}")
-                if isinstance(node.func, ast.Name) and node.func.id in ("eval", "exec") and _rel(path) not in RUNS_CODE:
+                if (
+                    isinstance(node.func, ast.Name)
+                    and node.func.id in ("eval", "exec")
+                    and _rel(path) not in RUNS_CODE
+                ):
                     bad.append(f"{_rel(path)}:{node.lineno} {node.func.id}()")
                 if _dotted(node.func) == "yaml.load" and _kw(node, "Loader") is None:
                     bad.append(f"{_rel(path)}:{node.lineno} yaml.load without a safe Loader")
@@ -131,8 +148,11 @@ def _trust_ok(value: ast.AST) -> bool:
     """A trust_remote_code value that cannot turn remote code on by itself."""
     if isinstance(value, ast.Constant):
         return value.value is False
-    text = _dotted(value)  # the config key, a parameter passing it on, or the scorer's opt-in CLI flag
-    return text in ("trust_remote_code", "args.trust_remote_code") or text.endswith("model.trust_remote_code")
+    # the config key, a parameter passing it on, or the scorer's opt-in CLI flag
+    text = _dotted(value)
+    return text in ("trust_remote_code", "args.trust_remote_code") or text.endswith(
+        "model.trust_remote_code"
+    )
 
 
 def test_trust_remote_code_only_from_the_config_key():
@@ -164,7 +184,10 @@ def test_trust_remote_code_only_from_the_config_key():
                         and d is not None
                         and not (isinstance(d, ast.Constant) and d.value is False)
                     ):
-                        bad.append(f"{_rel(path)}:{node.lineno} {node.name}(trust_remote_code={_dotted(d)})")
+                        bad.append(
+                            f"{_rel(path)}:{node.lineno} "
+                            f"{node.name}(trust_remote_code={_dotted(d)})"
+                        )
     assert not bad, bad
 
 
@@ -176,7 +199,8 @@ def _passes_trust(call: ast.Call) -> bool:
 
 
 def _helper_names(tree: ast.AST) -> set:
-    """Names under which a file calls the loading helpers: ``loading.X`` or ``from ...loading import X``."""
+    """Names under which a file calls the loading helpers: ``loading.X`` or ``from ...loading import
+    X``."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "rlhf.models.loading":
@@ -186,14 +210,17 @@ def _helper_names(tree: ast.AST) -> set:
 
 def test_every_hf_load_passes_trust_remote_code():
     """from_pretrained / from_config and the project's loading helpers pass the flag on (a missing
-    flag means Transformers' default, False: safe, but model.trust_remote_code would not reach it)."""
+    flag means Transformers' default, False: safe, but model.trust_remote_code would not reach
+    it)."""
     missing = {}
     for path, tree in _parsed():
         rel = _rel(path)
         imported = _helper_names(tree)
         for call, func in _calls(tree):
             name = _callee(call)
-            is_hf = name in HF_LOADERS or (name == "from_config" and rel == "rlhf/models/loading.py")
+            is_hf = name in HF_LOADERS or (
+                name == "from_config" and rel == "rlhf/models/loading.py"
+            )
             is_helper = name in HELPERS and (
                 (isinstance(call.func, ast.Attribute) and _dotted(call.func.value) == "loading")
                 or (isinstance(call.func, ast.Name) and name in imported)
@@ -201,17 +228,22 @@ def test_every_hf_load_passes_trust_remote_code():
             if (is_hf or is_helper) and not _passes_trust(call):
                 missing[(rel, func, name)] = f"{rel}:{call.lineno}"
     unexpected = {k: v for k, v in missing.items() if k not in KNOWN_UNTHREADED}
-    assert not unexpected, f"loading calls that drop model.trust_remote_code: {sorted(unexpected.values())}"
+    assert not unexpected, (
+        f"loading calls that drop model.trust_remote_code: {sorted(unexpected.values())}"
+    )
 
 
 def test_loading_helpers_thread_their_parameter():
-    """Inside rlhf/models/loading.py every Hugging Face call passes trust_remote_code=trust_remote_code."""
+    """Inside rlhf/models/loading.py every Hugging Face call passes
+    trust_remote_code=trust_remote_code."""
     tree = ast.parse((ROOT / "rlhf/models/loading.py").read_text())
     calls = [c for c, _ in _calls(tree) if _callee(c) in ("from_pretrained", "from_config")]
     assert len(calls) >= 4
     for c in calls:
         v = _kw(c, "trust_remote_code")
-        assert v is not None and _dotted(v) == "trust_remote_code", f"rlhf/models/loading.py:{c.lineno}"
+        assert v is not None and _dotted(v) == "trust_remote_code", (
+            f"rlhf/models/loading.py:{c.lineno}"
+        )
 
 
 def test_trust_remote_code_key_exists_and_is_off():
@@ -220,7 +252,10 @@ def test_trust_remote_code_key_exists_and_is_off():
 
     assert ModelConfig().trust_remote_code is False
     assert compose_config(["stage=sft"])[0].model.trust_remote_code is False
-    assert compose_config(["stage=sft", "model.trust_remote_code=true"])[0].model.trust_remote_code is True
+    assert (
+        compose_config(["stage=sft", "model.trust_remote_code=true"])[0].model.trust_remote_code
+        is True
+    )
 
 
 def test_data_cache_is_safetensors_and_json(tmp_path):
@@ -229,7 +264,8 @@ def test_data_cache_is_safetensors_and_json(tmp_path):
     from rlhf.data.tokenize import cached
     from rlhf.engine.mesh import Mesh
 
-    class Tok:  # what the cache key needs of a tokenizer
+    class Tok:
+        # what the cache key needs of a tokenizer
         bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
 
         def get_vocab(self):
@@ -237,7 +273,13 @@ def test_data_cache_is_safetensors_and_json(tmp_path):
 
     examples = [Example(prompt="p", response="r")]
     cols = cached(
-        "sft", examples, Tok(), {"max_prompt": 4}, tmp_path, Mesh(), lambda: {"ids": [[1, 3, 2]], "prompt_len": [1]}
+        "sft",
+        examples,
+        Tok(),
+        {"max_prompt": 4},
+        tmp_path,
+        Mesh(),
+        lambda: {"ids": [[1, 3, 2]], "prompt_len": [1]},
     )
     assert cols == {"ids": [[1, 3, 2]], "prompt_len": [1]}
     suffixes = sorted(p.suffix for p in tmp_path.iterdir())

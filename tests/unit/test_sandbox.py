@@ -1,6 +1,7 @@
-"""The Python tool's sandbox (rlhf/envs/sandbox/): output and tracebacks, every limit, the guard alone
-(files, network, processes, environment), nothing left running, concurrent runs, the modes. Every run is
-bounded by the sandbox's own wall limit (1–2 s here). Hostile code: test_sandbox_hostile.py."""
+"""The Python tool's sandbox (rlhf/envs/sandbox/): output and tracebacks, every limit, the guard
+alone (files, network, processes, environment), nothing left running, concurrent runs, the modes.
+Every run is bounded by the sandbox's own wall limit (1–2 s here). Hostile code:
+test_sandbox_hostile.py."""
 
 import logging
 import os
@@ -51,7 +52,8 @@ def alive_in_sessions(sids):
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session
+        # after "pid (comm) ": state ppid pgrp session
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[3]) in sids:
             found.append(int(name))
     return found
@@ -110,7 +112,12 @@ def test_a_memory_hog_hits_the_memory_limit():
     assert r.limit == "memory"
     assert r.observation() == "memory limit (256 MB) exceeded"
     # the interpreter itself fits well inside the default
-    assert Sandbox(Limits(memory_mb=64)).run("import json, math, re, fractions\nprint(1)").observation() == "1"
+    assert (
+        Sandbox(Limits(memory_mb=64))
+        .run("import json, math, re, fractions\nprint(1)")
+        .observation()
+        == "1"
+    )
 
 
 def test_a_flood_of_output_is_cut_and_stopped(box):
@@ -134,20 +141,28 @@ def test_files_are_written_inside_the_directory_only(box):
     finally:
         if os.path.exists(target):
             os.remove(target)
-    r = box.run("with open('out.txt', 'w') as f:\n    f.write('kept')\nprint(open('out.txt').read())")
+    r = box.run(
+        "with open('out.txt', 'w') as f:\n    f.write('kept')\nprint(open('out.txt').read())"
+    )
     assert r.observation() == "kept"
-    r = box.run("import tempfile\nwith tempfile.NamedTemporaryFile() as f:\n    f.write(b'x')\nprint('ok')")
+    r = box.run(
+        "import tempfile\nwith tempfile.NamedTemporaryFile() as f:\n    f.write(b'x')\nprint('ok')"
+    )
     assert r.observation() == "ok"  # TMPDIR is the run's directory
 
 
 def test_a_file_over_the_size_limit_is_refused():
-    r = Sandbox(Limits(file_bytes=1000, wall_s=2)).run("with open('big', 'wb') as f:\n    f.write(b'x' * 5000)")
+    r = Sandbox(Limits(file_bytes=1000, wall_s=2)).run(
+        "with open('big', 'wb') as f:\n    f.write(b'x' * 5000)"
+    )
     assert r.limit == "file_size"
     assert r.observation() == "file size limit (1000 bytes) exceeded"
 
 
 def test_the_network_is_refused(box):
-    r = box.run("import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))\nprint('connected')")
+    r = box.run(
+        "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))\nprint('connected')"
+    )
     assert r.limit == "blocked"
     assert r.observation() == "sandbox: network access is not allowed"
 
@@ -177,7 +192,10 @@ def test_the_guard_survives_patching_of_what_it_uses(box):
         if os.path.exists(target):
             os.remove(target)
     assert box.run("import ctypes").observation() == "sandbox: native code (ctypes) is not allowed"
-    assert box.run("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))").limit == "blocked"
+    assert (
+        box.run("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))").limit
+        == "blocked"
+    )
     assert box.run("import os\nos.kill(1, 0)").limit == "blocked"
 
 
@@ -193,19 +211,26 @@ def test_the_guard_alone_refuses():
             os.remove(target)
     assert box.run("import socket\nsocket.socket()").limit == "blocked"
     assert box.run("open('a', 'w').write('ok')\nprint(open('a').read())").observation() == "ok"
-    assert box.run("import os\nos.fork()").observation() == "sandbox: starting processes is not allowed"
+    assert (
+        box.run("import os\nos.fork()").observation()
+        == "sandbox: starting processes is not allowed"
+    )
     # a hard link inside the directory to a file outside it would write through
     victim = f"/tmp/escape_test_{uuid.uuid4().hex}"
     try:
         with open(victim, "w") as f:
             f.write("kept")
-        assert box.run(f"import os\nos.link({victim!r}, 'l')\nopen('l', 'w').write('x')").limit == "blocked"
+        assert (
+            box.run(f"import os\nos.link({victim!r}, 'l')\nopen('l', 'w').write('x')").limit
+            == "blocked"
+        )
         with open(victim) as f:
             assert f.read() == "kept"
     finally:
         os.remove(victim)
     r = box.run("import gc\nprint(sum(type(o).__name__ == 'CDLL' for o in gc.get_objects()))")
-    assert r.observation() == "0"  # a fresh interpreter: nothing of the setup's ctypes
+    # a fresh interpreter: nothing of the setup's ctypes
+    assert r.observation() == "0"
 
 
 def test_concurrent_runs_from_a_thread_pool(box):
@@ -263,17 +288,19 @@ def test_a_fork_of_the_trainer_gets_a_server_of_its_own(box):
 
 
 def test_pipes_closed_before_the_exit_and_a_dead_server(box):
-    r = box.run("import os\nprint(1, flush=True)\nos.close(1)\nos.close(2)")  # the pipes close before the exit
+    # the pipes close before the exit
+    r = box.run("import os\nprint(1, flush=True)\nos.close(1)\nos.close(2)")
     assert (r.observation(), r.exit_code) == ("1", 0)
-    sandbox_run.SERVER.proc.kill()  # the launcher server died: the next call starts another
+    # the launcher server died: the next call starts another
+    sandbox_run.SERVER.proc.kill()
     sandbox_run.SERVER.proc.wait()
     assert box.run("print('again')").observation() == "again"
 
 
 @pytest.fixture
 def fresh_server():
-    """The launcher server takes its programs and view when it starts: the test's patches reach the one
-    started after this, and the next test starts another without them."""
+    """The launcher server takes its programs and view when it starts: the test's patches reach the
+    one started after this, and the next test starts another without them."""
     sandbox_run.SERVER.stop()
     yield
     sandbox_run.SERVER.stop()
@@ -282,17 +309,23 @@ def fresh_server():
 def test_a_broken_setup_is_the_sandboxs_error_not_the_codes(monkeypatch, fresh_server):
     real = sandbox_run._program
     broken = "import sys\nsys.exit('setup failed')"
-    monkeypatch.setattr(sandbox_run, "_program", lambda name: broken if name == "launch.py" else real(name))
-    with pytest.raises(SandboxError, match=r"sandbox: the launcher server ended: exit 1: setup failed"):
+    monkeypatch.setattr(
+        sandbox_run, "_program", lambda name: broken if name == "launch.py" else real(name)
+    )
+    with pytest.raises(
+        SandboxError, match=r"sandbox: the launcher server ended: exit 1: setup failed"
+    ):
         Sandbox(FAST, mode="guard").run("print(1)")
 
 
 def test_what_the_kernel_refuses_is_one_line_from_the_launcher(monkeypatch, fresh_server):
-    """A view that cannot be built (here: on a directory that is not there) is the sandbox's error, with
-    the launcher's reason, never the code's output."""
+    """A view that cannot be built (here: on a directory that is not there) is the sandbox's error,
+    with the launcher's reason, never the code's output."""
     monkeypatch.setattr(sandbox_run, "view_base", lambda: "/nonexistent-view-base")
     for mode in modes.candidates()[:-1]:
-        with pytest.raises(SandboxError, match=rf"sandbox \({mode}\): the setup failed before the code ran"):
+        with pytest.raises(
+            SandboxError, match=rf"sandbox \({mode}\): the setup failed before the code ran"
+        ):
             Sandbox(FAST, mode=mode).run("print(1)")
 
 
@@ -306,7 +339,8 @@ def test_the_strongest_mode_is_probed_once_and_said(monkeypatch, caplog):
     monkeypatch.setattr(sandbox_run, "_found", None)
     monkeypatch.setattr(sandbox_run, "probe", probe)
     assert sandbox_run.isolation().mode == "guard" and sandbox_run.isolation().mode == "guard"
-    assert calls == [m for m in modes.candidates() if m != "guard"]  # once, in order; guard needs no probe
+    # once, in order; guard needs no probe
+    assert calls == [m for m in modes.candidates() if m != "guard"]
     assert sandbox_run.settle("auto").mode == "guard" and sandbox_run.settle("user").mode == "user"
     with pytest.raises(ValueError, match="refused here"):
         sandbox_run.settle("namespaces")
@@ -314,11 +348,14 @@ def test_the_strongest_mode_is_probed_once_and_said(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="rlhf"):
         say_sandbox(ppo, logging.getLogger("rlhf"))
         say_sandbox(config.PPOConfig(tools=["calculator"]), logging.getLogger("rlhf"))
-    [record] = caplog.records  # the calculator needs no sandbox: nothing said
+    # the calculator needs no sandbox: nothing said
+    [record] = caplog.records
     assert record.levelname == "WARNING" and "isolation guard only" in record.getMessage()
     assert "refused here" in record.getMessage() and "signals to the trainer" in record.getMessage()
     ppo.sandbox.isolation, ppo.env = "namespaces", "tools"
-    with pytest.raises(ConfigError, match=r"ppo\.sandbox\.isolation=namespaces, but the kernel allows none here"):
+    with pytest.raises(
+        ConfigError, match=r"ppo\.sandbox\.isolation=namespaces, but the kernel allows none here"
+    ):
         environment(ppo)
     assert config.SANDBOX_ISOLATION == MODE_CHOICES
 
@@ -328,9 +365,11 @@ def test_this_machine_isolates_with_namespaces_or_says_why():
     if found.mode == "guard":
         pytest.skip(f"the kernel allows no namespaces here: {found.refused}")
     r = Sandbox(FAST).run(
-        "import os\nprint(os.getpid(), os.getppid(), [p for p in os.listdir('/proc') if p.isdigit()], os.getcwd())"
+        "import os\nprint(os.getpid(), os.getppid(), [p for p in os.listdir('/proc') if "
+        "p.isdigit()], os.getcwd())"
     )
-    assert r.observation() == "2 1 ['2'] /work"  # pid 2 of its own namespace, init (1) hidden, its tmpfs
+    # pid 2 of its own namespace, init (1) hidden, its tmpfs
+    assert r.observation() == "2 1 ['2'] /work"
 
 
 def test_new_limits_are_validated_and_named():
@@ -338,15 +377,27 @@ def test_new_limits_are_validated_and_named():
         with pytest.raises(ValueError, match=next(iter(bad))):
             Limits(**bad)
     lim = Limits(disk_bytes=1000, files=10, open_files=16)
-    assert Result("", "", None, "disk", limits=lim).observation() == "disk limit (1000 bytes, 10 files) exceeded"
-    assert Result("", "", None, "open_files", limits=lim).observation() == "open file limit (16) exceeded"
+    assert (
+        Result("", "", None, "disk", limits=lim).observation()
+        == "disk limit (1000 bytes, 10 files) exceeded"
+    )
+    assert (
+        Result("", "", None, "open_files", limits=lim).observation()
+        == "open file limit (16) exceeded"
+    )
     assert Result("", "", None, "disk").observation() == "disk limit exceeded"
 
 
 def test_observations_of_results_from_any_executor():
     assert Result("", "", None, "wall_time").observation() == "timed out"
     assert Result("", "", -11, None).observation() == "killed by signal SIGSEGV"
-    err = "Traceback (most recent call last):\nPermissionError: sandbox: network access is not allowed\n"
+    err = (
+        "Traceback (most recent call last):\nPermissionError: sandbox: network access is not "
+        "allowed\n"
+    )
     assert Result("", err, 1, "blocked").observation() == "sandbox: network access is not allowed"
     limited = Result("", "", None, "processes", limits=Limits(processes=2))
-    assert limited.observation() == "process limit exceeded: at most 2 new processes or threads allowed"
+    assert (
+        limited.observation()
+        == "process limit exceeded: at most 2 new processes or threads allowed"
+    )

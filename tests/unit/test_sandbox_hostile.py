@@ -1,5 +1,6 @@
-"""Hostile code against the sandbox: the matrix of hostile_code.py (71 cases, each bounded by a 1.5-s wall
-limit), run by a separate "trainer" process and checked from outside it (hostile_code.py's docstring).
+"""Hostile code against the sandbox: the matrix of hostile_code.py (71 cases, each bounded by a
+1.5-s wall limit), run by a separate "trainer" process and checked from outside it
+(hostile_code.py's docstring).
 
 With the guard and without it (the kernel's isolation alone), in the strongest mode this machine
 allows; and, where this machine can show it, in the ``user`` mode: as another user, and as root
@@ -42,17 +43,23 @@ USER_MODE_CASES = (
 
 
 def matrix(prefix, *args, env=None):
-    """Runs the matrix in a trainer started with ``prefix`` (an interpreter, maybe behind setpriv) and
-    fails with every case that was not contained."""
+    """Runs the matrix in a trainer started with ``prefix`` (an interpreter, maybe behind setpriv)
+    and fails with every case that was not contained."""
     secret = f"rlhf-secret-{uuid.uuid4().hex}"
-    proc = subprocess.run([*prefix, str(HELPER), secret, *args], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [*prefix, str(HELPER), secret, *args], capture_output=True, text=True, timeout=600, env=env
+    )
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     done = rows[-1] if rows and "done" in rows[-1] else None
     last = [r["case"] for r in rows if "case" in r][-1:]
     assert proc.returncode == 0 and done, (
         f"the trainer ended early (exit {proc.returncode}) after {last}: {proc.stderr[-3000:]}"
     )
-    failures = [f"{r['case']}: {r['problems']} | {r['observation'][-200:]!r}" for r in rows if r.get("problems")]
+    failures = [
+        f"{r['case']}: {r['problems']} | {r['observation'][-200:]!r}"
+        for r in rows
+        if r.get("problems")
+    ]
     assert not failures, "\n".join(failures)
     return done
 
@@ -61,7 +68,9 @@ def matrix(prefix, *args, env=None):
 def isolated():
     found = isolation()
     if found.mode == "guard":
-        pytest.skip(f"the kernel allows no namespaces here (the guard alone protects): {found.refused}")
+        pytest.skip(
+            f"the kernel allows no namespaces here (the guard alone protects): {found.refused}"
+        )
     return found.mode
 
 
@@ -77,20 +86,33 @@ def test_hostile_code_is_contained_by_the_kernel_alone(isolated):
 
 
 def world_runnable_python():
-    """An interpreter every user may run (the user mode's view is built as the call's own uid), or skip."""
+    """An interpreter every user may run (the user mode's view is built as the call's own uid), or
+    skip."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to start a trainer as another user or without CAP_SYS_ADMIN")
+        pytest.skip(
+            "needs root and setpriv to start a trainer as another user or without CAP_SYS_ADMIN"
+        )
     for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
         path = os.path.realpath(candidate)
         if os.path.exists(path) and _every_user_can_run(path):
-            if subprocess.run([path, "-c", "import sys; assert sys.version_info >= (3, 9)"]).returncode == 0:
+            if (
+                subprocess.run(
+                    [path, "-c", "import sys; assert sys.version_info >= (3, 9)"]
+                ).returncode
+                == 0
+            ):
                 return path
-    pytest.skip("no interpreter here that every user may run (this one lies under a private directory)")
+    pytest.skip(
+        "no interpreter here that every user may run (this one lies under a private directory)"
+    )
 
 
 def _every_user_can_run(path):
     parts = Path(path).parents
-    return all(os.stat(p).st_mode & stat.S_IXOTH for p in parts) and os.stat(path).st_mode & stat.S_IXOTH
+    return (
+        all(os.stat(p).st_mode & stat.S_IXOTH for p in parts)
+        and os.stat(path).st_mode & stat.S_IXOTH
+    )
 
 
 def _cases(full):
@@ -105,7 +127,9 @@ def test_user_mode_as_another_user(isolated, full):
     try:
         os.chown(home, 71534, 71534)
         prefix = ["setpriv", "--reuid=71534", "--regid=71534", "--clear-groups", python]
-        done = matrix(prefix, "--mode", "user", *_cases(full), env={"HOME": home, "PATH": os.environ["PATH"]})
+        done = matrix(
+            prefix, "--mode", "user", *_cases(full), env={"HOME": home, "PATH": os.environ["PATH"]}
+        )
         assert done["mode"] == "user" and done["done"] == (71 if full else len(USER_MODE_CASES))
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -113,8 +137,8 @@ def test_user_mode_as_another_user(isolated, full):
 
 @pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_user_mode_as_root_without_cap_sys_admin(isolated, full):
-    """Root in a container without CAP_SYS_ADMIN: the root mode is refused, the user mode is chosen, and
-    the call still runs under a uid of its own."""
+    """Root in a container without CAP_SYS_ADMIN: the root mode is refused, the user mode is chosen,
+    and the call still runs under a uid of its own."""
     python = world_runnable_python()
     prefix = ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", python]
     done = matrix(prefix, *_cases(full))

@@ -13,7 +13,9 @@ def test_warmup_lr_is_linear_then_constant():
 
 def test_warmup_decay_reaches_min_at_total():
     f = lambda s: lr_factor(s, kind="warmup_decay", warmup_steps=2, total_steps=12, min_ratio=0.1)  # noqa: E731
-    assert f(0) == 0.5 and f(2) == 1.0 and f(12) == pytest.approx(0.1) and f(7) == pytest.approx(0.55)
+    assert (
+        f(0) == 0.5 and f(2) == 1.0 and f(12) == pytest.approx(0.1) and f(7) == pytest.approx(0.55)
+    )
 
 
 def test_cosine():
@@ -27,7 +29,12 @@ def test_global_batches_do_not_depend_on_world_or_accumulation():
     for step in (0, 5, 12, 13):  # 12 and 13 straddle an epoch boundary
         ref = sorted(gb.global_indices(step))
         for world, micro in ((1, 8), (2, 4), (2, 2), (4, 1), (1, 2)):
-            got = [i for r in range(world) for mb in gb.micro_batches(step, r, world, micro) for i in mb]
+            got = [
+                i
+                for r in range(world)
+                for mb in gb.micro_batches(step, r, world, micro)
+                for i in mb
+            ]
             assert sorted(got) == ref
     epoch0 = [i for s in range(12) for i in gb.global_indices(s)] + gb.global_indices(12)[:4]
     assert sorted(epoch0) == list(range(100))  # each record once per epoch

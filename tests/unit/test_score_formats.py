@@ -20,13 +20,21 @@ def assistant(a):
 
 
 FORMS = {  # the same pairs in each pair format
-    "messages": [{"chosen": [user(q), assistant(c)], "rejected": [user(q), assistant(r)]} for q, c, r in QUESTIONS],
+    "messages": [
+        {"chosen": [user(q), assistant(c)], "rejected": [user(q), assistant(r)]}
+        for q, c, r in QUESTIONS
+    ],
     "messages_trl": [
-        {"prompt": f"What is {q}?", "chosen": [assistant(c)], "rejected": [assistant(r)]} for q, c, r in QUESTIONS
+        {"prompt": f"What is {q}?", "chosen": [assistant(c)], "rejected": [assistant(r)]}
+        for q, c, r in QUESTIONS
     ],
     # the embedded template renders a user turn as the synthetic task's prompt ...
     "synthetic_text": [
-        {"prompt": f"Q: What is {q}?\nA:", "chosen": f" The answer is {c}.", "rejected": f" The answer is {r}."}
+        {
+            "prompt": f"Q: What is {q}?\nA:",
+            "chosen": f" The answer is {c}.",
+            "rejected": f" The answer is {r}.",
+        }
         for q, c, r in QUESTIONS
     ],
     # ... and no template as HH-RLHF's text
@@ -82,14 +90,19 @@ def test_pairs_in_every_pair_format(reward_model, tmp_path, capsys):
     for form, lines in got.items():
         assert len(lines) == 4 and lines[-1]["pairs"] == 3, (form, lines)
     # before: messages pairs were read as hh (or prompt_chosen_rejected) text: exit 2
-    assert got["messages"] == got["messages_trl"] == got["synthetic_text"]  # through the model's template
+    # through the model's template
+    assert got["messages"] == got["messages_trl"] == got["synthetic_text"]
     assert plain == got["hh"]  # no template: the plain (HH) rendering
-    assert [x["chosen"] for x in plain[:3]] != [x["chosen"] for x in got["messages"][:3]]  # the template counts
+    # the template counts
+    assert [x["chosen"] for x in plain[:3]] != [x["chosen"] for x in got["messages"][:3]]
 
 
 def test_responses_as_messages(reward_model, tmp_path, capsys):
     convs = [{"messages": [user(q), assistant(c)]} for q, c, _ in QUESTIONS]
-    text = [{"prompt": f"Q: What is {q}?\nA:", "response": f" The answer is {c}."} for q, c, _ in QUESTIONS]
+    text = [
+        {"prompt": f"Q: What is {q}?\nA:", "response": f" The answer is {c}."}
+        for q, c, _ in QUESTIONS
+    ]
     got = run(capsys, reward_model, convs, tmp_path)
     assert len(got) == 3 and got == run(capsys, reward_model, text, tmp_path)
 
@@ -97,7 +110,10 @@ def test_responses_as_messages(reward_model, tmp_path, capsys):
 @pytest.mark.parametrize(
     "records, fragment",
     [
-        ([FORMS["messages"][0], {"messages": [user("1 + 1"), assistant("2")]}], "in.jsonl:2: not a preference pair"),
+        (
+            [FORMS["messages"][0], {"messages": [user("1 + 1"), assistant("2")]}],
+            "in.jsonl:2: not a preference pair",
+        ),
         ([{"messages": [user("1 + 1")]}], "in.jsonl:1: no response to score"),
         (
             [{"chosen": [user("1 + 1"), assistant("2")], "rejected": "x"}],

@@ -18,4 +18,5 @@ def test_offset_and_nested_are_the_historical_formulas():
 
 
 def test_stream_zero_of_an_offset_family_is_the_seed_itself():
-    assert seeding.offset(5, 0, seeding.RANK) == 5  # rank 0 samples with the request's own seed
+    # rank 0 samples with the request's own seed
+    assert seeding.offset(5, 0, seeding.RANK) == 5

@@ -13,7 +13,11 @@ from rlhf.errors import ConfigError
 @pytest.fixture
 def kto(monkeypatch):
     """A fifth stage, in the pipeline, that keeps eval/loss in summary.json."""
-    monkeypatch.setattr(C, "STAGE_TABLE", C.STAGE_TABLE + (C.Stage("kto", pipeline=True, summary_keys=("eval/loss",)),))
+    monkeypatch.setattr(
+        C,
+        "STAGE_TABLE",
+        C.STAGE_TABLE + (C.Stage("kto", pipeline=True, summary_keys=("eval/loss",)),),
+    )
 
 
 def test_the_table_as_it_is():
@@ -32,18 +36,24 @@ def test_a_row_is_what_every_list_of_stages_reads(kto, tmp_path, capsys):
     assert "python -m rlhf stage=sft|reward|ppo|dpo|kto [key=value ...]" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"one of sft, reward, ppo, dpo, kto"):
         C.Config(stage="nope")
-    with pytest.raises(ConfigError, match=r"unknown stage 'nope.*\(expected sft, reward, ppo, dpo or kto\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown stage 'nope.*\(expected sft, reward, ppo, dpo or kto\)"
+    ):
         compose_config(["stage=nope"])
 
     run = tmp_path / "run"
     (run / "kto").mkdir(parents=True)
     (run / "kto" / "config.yaml").write_text("recipe: pretrained\n", encoding="utf-8")
-    overrides, why = choose_recipe([f"run.dir={run}"])  # an earlier stage's saved config picks the recipe
+    # an earlier stage's saved config picks the recipe
+    overrides, why = choose_recipe([f"run.dir={run}"])
     assert overrides[-1] == "recipe=pretrained" and "kto" in why
     (run / "kto" / "metrics.jsonl").write_text(
         "".join(
             json.dumps(r) + "\n"
-            for r in ({"step": 1, "loss": 1.0, "mem/peak_gb": 2.0}, {"step": 2, "eval/loss": 0.5, "mem/peak_gb": 1.0})
+            for r in (
+                {"step": 1, "loss": 1.0, "mem/peak_gb": 2.0},
+                {"step": 2, "eval/loss": 0.5, "mem/peak_gb": 1.0},
+            )
         ),
         encoding="utf-8",
     )

@@ -1,7 +1,8 @@
 """logger.tensorboard: every metrics.jsonl line as TensorBoard scalars at its step (read back with
 TensorBoard's own EventAccumulator), flushed line by line (a run that never closes keeps them), a
-resume hiding what an earlier run wrote after its checkpoint, a fresh run moving old events aside; and
-the missing package refused at the configuration (tests/e2e/test_tensorboard.py: through the CLI)."""
+resume hiding what an earlier run wrote after its checkpoint, a fresh run moving old events aside;
+and the missing package refused at the configuration (tests/e2e/test_tensorboard.py: through the
+CLI)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def jsonl_as_events(path: Path) -> dict:
         rec = json.loads(line)
         for k, v in rec.items():
             if k != "step":
-                out.setdefault(k, []).append((rec["step"], float(np.float32(math.nan if v is None else v))))
+                out.setdefault(k, []).append(
+                    (rec["step"], float(np.float32(math.nan if v is None else v)))
+                )
     return out
 
 
@@ -58,7 +61,13 @@ def test_lines_as_scalars_resume_and_fresh_run(tmp_path):
     tb = tmp_path / "tensorboard" / "sft"
     w = MetricsWriter(path, is_main=True, resume_step=None, cfg=cfg(tmp_path), stage="sft")
     for step in range(1, 5):
-        w.log(step, loss=1.0 / step, lr=3e-3 * step, nonfinite=float("nan") if step == 2 else 0.5, count=step)
+        w.log(
+            step,
+            loss=1.0 / step,
+            lr=3e-3 * step,
+            nonfinite=float("nan") if step == 2 else 0.5,
+            count=step,
+        )
     # not closed (a run killed or stopped by a signal): every line is there already
     got = events(tb)
     assert set(got) == {"loss", "lr", "nonfinite", "count", "mem/peak_gb"}
@@ -107,7 +116,9 @@ def test_lines_as_scalars_resume_and_fresh_run(tmp_path):
 
 def test_missing_package_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard: ImportError
-    with pytest.raises(ConfigError, match=r"logger.tensorboard=true needs the tensorboard package.*pip install"):
+    with pytest.raises(
+        ConfigError, match=r"logger.tensorboard=true needs the tensorboard package.*pip install"
+    ):
         LoggerConfig(tensorboard=True)
     LoggerConfig(tensorboard=False)  # (only asked for)
 
@@ -116,9 +127,15 @@ def test_samples_as_a_text_table(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     w = MetricsWriter(
-        tmp_path / "ppo" / "metrics.jsonl", is_main=True, resume_step=None, cfg=cfg(tmp_path), stage="ppo"
+        tmp_path / "ppo" / "metrics.jsonl",
+        is_main=True,
+        resume_step=None,
+        cfg=cfg(tmp_path),
+        stage="ppo",
     )
-    w.samples(10, "rollout", [{"prompt": "What is 2 + 2?", "response": "4|x\nz", "parts": {"rule": 1.0}}])
+    w.samples(
+        10, "rollout", [{"prompt": "What is 2 + 2?", "response": "4|x\nz", "parts": {"rule": 1.0}}]
+    )
     w.close()
     acc = EventAccumulator(str(tmp_path / "tensorboard" / "ppo"), size_guidance={"tensors": 0})
     acc.Reload()

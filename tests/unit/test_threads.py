@@ -1,6 +1,6 @@
-"""CPU threads on a shared machine: the cores this process may use (affinity, cgroup quota), OpenMP's
-short spin set before torch loads (a user's value wins), and the one warning when the step rate
-collapses while other processes take the cores."""
+"""CPU threads on a shared machine: the cores this process may use (affinity, cgroup quota),
+OpenMP's short spin set before torch loads (a user's value wins), and the one warning when the step
+rate collapses while other processes take the cores."""
 
 import logging
 import os
@@ -20,7 +20,9 @@ def test_tame_openmp_sets_a_short_spin_and_keeps_the_users_value():
 def test_importing_rlhf_tames_openmp_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k not in threads.OPENMP_WAIT}
     code = "import rlhf, os, sys; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["1000", "False"]
 
 
@@ -96,7 +98,9 @@ def test_pace_warns_once_when_steps_collapse_under_load(caplog):
         _run(pace, clock, [2.0] * 40)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1
-    assert lines[0].startswith("sft: 0.50 steps/s, 20.0x slower than earlier in this run (10.00 steps/s)")
+    assert lines[0].startswith(
+        "sft: 0.50 steps/s, 20.0x slower than earlier in this run (10.00 steps/s)"
+    )
     assert (
         "load average of 5.0 on 2 usable cores" in lines[0]
         and "engine.threads_per_rank=1 (this run uses 2)" in lines[0]
@@ -104,11 +108,13 @@ def test_pace_warns_once_when_steps_collapse_under_load(caplog):
 
 
 def test_pace_is_quiet_without_load_or_for_one_slow_window(caplog):
-    pace, clock = _pace(load=1.0)  # a slower phase of the run itself (longer responses): not the machine
+    # a slower phase of the run itself (longer responses): not the machine
+    pace, clock = _pace(load=1.0)
     with caplog.at_level(logging.WARNING, logger="test-pace"):
         _run(pace, clock, [0.1] * 201 + [2.0] * 80)
     busy, bclock = _pace(load=5.0)
-    with caplog.at_level(logging.WARNING, logger="test-pace"):  # one 30-s evaluation inside a window
+    with caplog.at_level(logging.WARNING, logger="test-pace"):
+        # one 30-s evaluation inside a window
         _run(busy, bclock, [0.1] * 201 + [30.0] + [0.1] * 200)
     assert not caplog.records
 
@@ -121,10 +127,15 @@ def test_a_small_model_trains_on_one_thread_a_larger_one_on_the_cores(monkeypatc
     try:
         torch.set_num_threads(2)
         said = threads.fit_to_model(530_000, cores=2)
-        assert torch.get_num_threads() == 1 and said.startswith("1 CPU thread per rank: a model of 0.5M parameters")
+        assert torch.get_num_threads() == 1 and said.startswith(
+            "1 CPU thread per rank: a model of 0.5M parameters"
+        )
         assert threads.fit_to_model(400_000, cores=2) is None  # unchanged: no second line
         said = threads.fit_to_model(135_000_000, cores=2)
-        assert torch.get_num_threads() == 2 and said == "2 CPU threads per rank: a model of 135.0M parameters uses them"
+        assert (
+            torch.get_num_threads() == 2
+            and said == "2 CPU threads per rank: a model of 135.0M parameters uses them"
+        )
         assert threads.fit_to_model(530_000, cores=2) is None  # the largest model so far decides
     finally:
         torch.set_num_threads(before)

@@ -1,5 +1,6 @@
-"""Token-budget micro-batches (train.max_tokens_per_micro_batch, rlhf/data/sampler.py): every row once,
-within the budget (a longer row alone), the agreed count on every rank, tokens spread evenly."""
+"""Token-budget micro-batches (train.max_tokens_per_micro_batch, rlhf/data/sampler.py): every row
+once, within the budget (a longer row alone), the agreed count on every rank, tokens spread
+evenly."""
 
 import random
 
@@ -26,7 +27,9 @@ def test_random_lengths_fit_the_budget_in_the_fewest_longest_first_bins():
         lengths = [rng.randint(1, 80) for _ in rows]
         budget = rng.randint(10, 160)
         calls = []
-        bins = token_micro_batches(rows, lengths, budget, lambda k, calls=calls: calls.append(k) or k)
+        bins = token_micro_batches(
+            rows, lengths, budget, lambda k, calls=calls: calls.append(k) or k
+        )
         assert len(calls) == 1 and len(bins) == calls[0]  # one agreement, its count
         _check(rows, lengths, budget, bins)
         assert len(bins) >= max(-(-sum(x for x in lengths if x <= budget) // budget), 1)
@@ -45,7 +48,8 @@ def test_agreed_count_above_a_ranks_own_is_kept_and_balanced():
         bins = token_micro_batches(rows, lengths, budget, lambda k, c=count: max(k, c))
         assert len(bins) == count
         _check(rows, lengths, budget, bins)
-        assert sum(1 for b in bins if b) == min(n, count)  # empty only when the rank has fewer rows
+        # empty only when the rank has fewer rows
+        assert sum(1 for b in bins if b) == min(n, count)
         loads = [sum(lengths[r] for r in b) for b in bins if b]
         if all(x <= budget for x in lengths) and count <= n:
             assert max(loads) - min(loads) <= max(lengths)  # longest first into the least filled
@@ -77,7 +81,9 @@ def test_off_is_the_row_count_split_and_on_covers_the_step(micro):
     batches = GlobalBatches(40, 8, seed=3)
     tokens = [random.Random(i).randint(5, 30) for i in range(40)]
     for step in range(6):
-        assert step_micro_batches(batches, step, Mesh(), micro, 0, tokens) == batches.micro_batches(step, 0, 1, micro)
+        assert step_micro_batches(batches, step, Mesh(), micro, 0, tokens) == batches.micro_batches(
+            step, 0, 1, micro
+        )
         got = step_micro_batches(batches, step, Mesh(), micro, 50, tokens)
         assert sorted(r for b in got for r in b) == sorted(batches.global_indices(step))
         shares = [batches.rank_rows(step, r, 2) for r in range(2)]

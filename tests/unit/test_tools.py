@@ -1,5 +1,6 @@
-"""Tools (rlhf/envs/tools.py) and tool calls (rlhf/envs/toolcalls.py): the calculator, argument checks,
-the python tool, resolving ``ppo.tools`` and ``ppo.tool_parser``, the Hermes parser and ``execute``."""
+"""Tools (rlhf/envs/tools.py) and tool calls (rlhf/envs/toolcalls.py): the calculator, argument
+checks, the python tool, resolving ``ppo.tools`` and ``ppo.tool_parser``, the Hermes parser and
+``execute``."""
 
 import time
 
@@ -39,7 +40,9 @@ NOT_A_TOOL = 42
 
 
 def make_tool() -> Tool:
-    return Tool("upper", "Upper-cases its text.", MY_TOOL.parameters, lambda text, kind=None: text.upper())
+    return Tool(
+        "upper", "Upper-cases its text.", MY_TOOL.parameters, lambda text, kind=None: text.upper()
+    )
 
 
 def my_parser(text):
@@ -95,7 +98,8 @@ def test_the_calculator_refuses(expression, message):
     start = time.monotonic()
     text, kind = calc(expression)
     assert kind == "tool_error" and text.startswith(f"error: calculator: {message}")
-    assert time.monotonic() - start < 0.5  # refused before computing, never a long power
+    # refused before computing, never a long power
+    assert time.monotonic() - start < 0.5
 
 
 def test_the_calculators_schema_is_the_one_the_sft_data_renders():
@@ -113,10 +117,17 @@ def test_arguments_are_checked_against_the_schema():
         "error: calculator: argument 'expression' must be of type string, got integer",
         "bad_arguments",
     )
-    assert tool.call(["1 + 1"]) == ("error: calculator: arguments must be a JSON object, got array", "bad_arguments")
-    counts = Tool("n", "", {"type": "object", "properties": {"n": {"type": "integer"}}}, lambda n=0: str(n))
+    assert tool.call(["1 + 1"]) == (
+        "error: calculator: arguments must be a JSON object, got array",
+        "bad_arguments",
+    )
+    counts = Tool(
+        "n", "", {"type": "object", "properties": {"n": {"type": "integer"}}}, lambda n=0: str(n)
+    )
     assert counts.call({"n": True})[1] == "bad_arguments"  # a boolean is no integer in JSON
-    assert counts.call({"n": 2.5})[0] == "error: n: argument 'n' must be of type integer, got number"
+    assert (
+        counts.call({"n": 2.5})[0] == "error: n: argument 'n' must be of type integer, got number"
+    )
     assert counts.call({}) == ("0", None)
     assert MY_TOOL.call({"text": "a", "kind": None}) == ("a", None)  # a list of types
 
@@ -130,7 +141,9 @@ def test_a_tools_exception_becomes_one_line_and_its_kind_is_reported():
     assert kind == "tool_error" and text.startswith("error: boom: ValueError: bad thing xxx")
     assert "\n" not in text and len(text) <= len("error: boom: ") + 200
     assert Tool("t", "", MY_TOOL.parameters, lambda text: 3).call({"text": "a"})[1] == "tool_error"
-    refusing = Tool("t", "", MY_TOOL.parameters, lambda text: (_ for _ in ()).throw(ToolError("no, " + text)))
+    refusing = Tool(
+        "t", "", MY_TOOL.parameters, lambda text: (_ for _ in ()).throw(ToolError("no, " + text))
+    )
     assert refusing.call({"text": "never"}) == ("error: t: no, never", "tool_error")
     assert MY_TOOL.call({"text": "slow", "kind": "timeout"}) == ("slow", "timeout")
 
@@ -141,9 +154,13 @@ def test_the_python_tool_runs_code_in_the_sandbox():
     assert tool.call({"code": "print(6 * 7)"}) == ("42", None)
     assert tool.call({"code": "x = 1"}) == ("(no output)", None)
     assert tool.call({"code": "import time\ntime.sleep(10)"}) == ("timed out after 1 s", "timeout")
-    assert tool.call({"code": "x = bytearray(2**31)"}) == ("memory limit (256 MB) exceeded", "limit")
+    assert tool.call({"code": "x = bytearray(2**31)"}) == (
+        "memory limit (256 MB) exceeded",
+        "limit",
+    )
     text, kind = tool.call({"code": "1 / 0"})
-    assert kind is None and text.endswith("ZeroDivisionError: division by zero")  # the code's error, not the tool's
+    # the code's error, not the tool's
+    assert kind is None and text.endswith("ZeroDivisionError: division by zero")
 
 
 def test_the_python_tool_takes_another_executor():
@@ -157,7 +174,9 @@ def test_the_python_tool_takes_another_executor():
 
 
 def test_resolve_tools_builtins_and_dotted_paths():
-    tools = resolve_tools(["calculator", "tests.unit.test_tools.MY_TOOL", "tests.unit.test_tools.make_tool"])
+    tools = resolve_tools(
+        ["calculator", "tests.unit.test_tools.MY_TOOL", "tests.unit.test_tools.make_tool"]
+    )
     assert [t.name for t in tools] == ["calculator", "echo", "upper"]
     assert tools[2].call({"text": "ab"}) == ("AB", None)
 
@@ -166,10 +185,22 @@ def test_resolve_tools_builtins_and_dotted_paths():
     "names, message",
     [
         (["nope"], r"ppo.tools: 'nope' is not a built-in tool \(calculator or python\)"),
-        (["no_such_module.tool"], r"ppo.tools: cannot import no_such_module.tool: ModuleNotFoundError"),
-        (["tests.unit.test_tools.MISSING"], r"ppo.tools: cannot import tests.unit.test_tools.MISSING: AttributeError"),
-        (["tests.unit.test_tools.NOT_A_TOOL"], r"ppo.tools: tests.unit.test_tools.NOT_A_TOOL is a int, not a Tool"),
-        (["tests.unit.test_tools.calc"], r"ppo.tools: tests.unit.test_tools.calc\(\) raised TypeError"),
+        (
+            ["no_such_module.tool"],
+            r"ppo.tools: cannot import no_such_module.tool: ModuleNotFoundError",
+        ),
+        (
+            ["tests.unit.test_tools.MISSING"],
+            r"ppo.tools: cannot import tests.unit.test_tools.MISSING: AttributeError",
+        ),
+        (
+            ["tests.unit.test_tools.NOT_A_TOOL"],
+            r"ppo.tools: tests.unit.test_tools.NOT_A_TOOL is a int, not a Tool",
+        ),
+        (
+            ["tests.unit.test_tools.calc"],
+            r"ppo.tools: tests.unit.test_tools.calc\(\) raised TypeError",
+        ),
         (["calculator", "calculator"], r"ppo.tools: two tools are named 'calculator'"),
     ],
 )
@@ -179,8 +210,14 @@ def test_resolve_tools_errors_name_the_key_and_the_entry(names, message):
 
 
 def test_one_call():
-    p = parse_hermes('<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>')
-    assert p.calls == [ToolCall("calculator", {"expression": "3*4"})] and p.errors == [] and p.content == ""
+    p = parse_hermes(
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>'
+    )
+    assert (
+        p.calls == [ToolCall("calculator", {"expression": "3*4"})]
+        and p.errors == []
+        and p.content == ""
+    )
 
 
 def test_two_calls_with_text_around():
@@ -212,7 +249,11 @@ def test_malformed_calls_are_errors_in_their_place():
 @pytest.mark.parametrize(
     "body, message",
     [
-        ('["calculator"]', 'error: tool call 1 must be a JSON object {"name": ..., "arguments": {...}}, got an array'),
+        (
+            '["calculator"]',
+            'error: tool call 1 must be a JSON object {"name": ..., "arguments": {...}}, '
+            "got an array",
+        ),
         ('{"arguments": {}}', 'error: tool call 1 needs a "name"'),
         ('{"name": "", "arguments": {}}', 'error: tool call 1 needs a "name"'),
         (
@@ -244,13 +285,22 @@ def test_a_missing_closing_tag_at_the_end():
     p = parse_hermes('Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}')
     assert p.calls == [ToolCall("a", {"x": 1})] and p.content == "Sure."
     p = parse_hermes('<tool_call>{"name": "a", "arguments": {"x": 1')
-    assert p.calls == [] and p.errors[0].startswith("error: tool call 1 is not valid JSON (and has no closing")
+    assert p.calls == [] and p.errors[0].startswith(
+        "error: tool call 1 is not valid JSON (and has no closing"
+    )
 
 
 def test_format_call_round_trips():
     call = ToolCall("calculator", {"expression": "3*4"})
-    assert format_call(call) == '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>'
-    for c in (call, ToolCall("search", {"q": "café ☕", "n": 3, "deep": {"a": [1, None, True]}}), ToolCall("t", {})):
+    assert (
+        format_call(call)
+        == '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>'
+    )
+    for c in (
+        call,
+        ToolCall("search", {"q": "café ☕", "n": 3, "deep": {"a": [1, None, True]}}),
+        ToolCall("t", {}),
+    ):
         p = parse_hermes(format_call(c))
         assert p.calls == [c] and p.errors == [] and p.content == ""
     assert "☕" in format_call(ToolCall("s", {"q": "☕"}))  # not escaped
@@ -258,12 +308,21 @@ def test_format_call_round_trips():
 
 def test_resolve_parser():
     assert resolve_parser("hermes") is parse_hermes
-    assert resolve_parser("tests.unit.test_tools.my_parser")('[call]{"name": "a"}[/call]').calls == [ToolCall("a")]
-    with pytest.raises(ConfigError, match=r"ppo.tool_parser=nope: not a built-in parser \(hermes\)"):
+    assert resolve_parser("tests.unit.test_tools.my_parser")(
+        '[call]{"name": "a"}[/call]'
+    ).calls == [ToolCall("a")]
+    with pytest.raises(
+        ConfigError, match=r"ppo.tool_parser=nope: not a built-in parser \(hermes\)"
+    ):
         resolve_parser("nope")
-    with pytest.raises(ConfigError, match=r"ppo.tool_parser=no_such_module.parse: cannot import it"):
+    with pytest.raises(
+        ConfigError, match=r"ppo.tool_parser=no_such_module.parse: cannot import it"
+    ):
         resolve_parser("no_such_module.parse")
-    with pytest.raises(ConfigError, match=r"ppo.tool_parser=tests.unit.test_tools.NOT_A_TOOL: a int is not callable"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ppo.tool_parser=tests.unit.test_tools.NOT_A_TOOL: a int is not callable",
+    ):
         resolve_parser("tests.unit.test_tools.NOT_A_TOOL")
 
 

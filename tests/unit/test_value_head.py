@@ -10,8 +10,8 @@ from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
 
 
 def tiny_rm(num_labels: int = 1):
-    """A tiny random Llama sequence classifier, head initialised as the reward stage does (k labels: an
-    ensemble of k members)."""
+    """A tiny random Llama sequence classifier, head initialised as the reward stage does (k labels:
+    an ensemble of k members)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     cfg = LlamaConfig(
@@ -53,7 +53,8 @@ def test_scores_do_not_depend_on_padding():
 
 def test_last_index_left_and_right():
     mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
-    assert last_index(mask).tolist() == [1, 3, 3, 0]  # an empty row (a response of no token): 0
+    # an empty row (a response of no token): 0
+    assert last_index(mask).tolist() == [1, 3, 3, 0]
 
 
 def test_head_init_statistics():
@@ -65,7 +66,9 @@ def test_head_init_statistics():
 
 def test_pairwise_loss_values():
     c, r = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
-    assert torch.allclose(pairwise_loss(c, r), torch.tensor([math.log1p(math.exp(-2.0)), math.log(2.0)]))
+    assert torch.allclose(
+        pairwise_loss(c, r), torch.tensor([math.log1p(math.exp(-2.0)), math.log(2.0)])
+    )
     assert torch.allclose(pairwise_loss(c, r, margin=2.0)[0], torch.tensor(math.log(2.0)))
 
 
@@ -73,7 +76,9 @@ def test_values_are_a_new_tensor_not_a_view_and_their_gradient_is_right():
     """FSDP2 warns that a module returning a view can break backward (it did on 2 ranks): the head's
     output is its own tensor, with the gradient of the plain computation."""
     m = tiny_rm().train()
-    ids = torch.randint(1, 50, (3, 7), generator=torch.Generator(device="cpu").manual_seed(0), device="cpu")
+    ids = torch.randint(
+        1, 50, (3, 7), generator=torch.Generator(device="cpu").manual_seed(0), device="cpu"
+    )
     mask = torch.ones_like(ids)
     values = ScalarHeadModel(m)(ids, mask)
     assert values._base is None and values.shape == (3, 7)

@@ -1,15 +1,15 @@
 """The sandboxed interpreter's first code: the guard, then ``main.py`` run as ``__main__``.
 
-Run as ``python -I -S -B -X utf8 -c <this file's text> ROOT READY`` by the launcher (launch.py), in a
-fresh interpreter whose limits, namespaces and identity the launcher set before its ``exec``: nothing
-the setup needed (ctypes above all) exists in this process. Standard library only; it must not import
-``rlhf``.
+Run as ``python -I -S -B -X utf8 -c <this file's text> ROOT READY`` by the launcher (launch.py), in
+a fresh interpreter whose limits, namespaces and identity the launcher set before its ``exec``:
+nothing the setup needed (ctypes above all) exists in this process. Standard library only; it must
+not import ``rlhf``.
 
-The guard is a Python audit hook. Under kernel isolation it is the second layer, which turns what the
-kernel would refuse anyway into one clear line for the policy; without isolation (the ``guard`` mode) it
-is the only one. It refuses, with ``PermissionError("sandbox: ... is not allowed")``: sockets, opening
-files for writing and other changes outside ROOT, starting processes, signals to other processes,
-ctypes, subinterpreters, changing resource limits, and changing its own functions.
+The guard is a Python audit hook. Under kernel isolation it is the second layer, which turns what
+the kernel would refuse anyway into one clear line for the policy; without isolation (the ``guard``
+mode) it is the only one. It refuses, with ``PermissionError("sandbox: ... is not allowed")``:
+sockets, opening files for writing and other changes outside ROOT, starting processes, signals to
+other processes, ctypes, subinterpreters, changing resource limits, and changing its own functions.
 ``_posixsubprocess.fork_exec`` (which raises no audit event) is replaced.
 """
 
@@ -19,7 +19,8 @@ import sys
 
 def inside(
     path,
-    _root=None,  # set below (a default: not reachable from the user's code)
+    # set below (a default: not reachable from the user's code)
+    _root=None,
     _open_ok=frozenset(("/dev/null", "/dev/stdout", "/dev/stderr")),
     _lstat=posix.lstat,
     _readlink=posix.readlink,
@@ -33,13 +34,14 @@ def inside(
     _reversed=reversed,
     _OSError=OSError,
 ):
-    """Whether path, symlinks resolved, lies in the root. The primitives are bound as defaults (a tuple:
-    not writable from the user's code), so patching os.path, os.stat_result or builtins cannot change
-    the answer."""
+    """Whether path, symlinks resolved, lies in the root. The primitives are bound as defaults (a
+    tuple: not writable from the user's code), so patching os.path, os.stat_result or builtins
+    cannot change the answer."""
     path = _fspath(path)
     if _isinstance(path, _bytes):
         path = _bytes.decode(path, "utf-8", "surrogateescape")
-    path = _str.__add__("", path)  # an exact str: no overridden methods of a subclass
+    # an exact str: no overridden methods of a subclass
+    path = _str.__add__("", path)
     if path in _open_ok:
         return True
     if not path.startswith("/"):
@@ -81,7 +83,8 @@ PATH_EVENTS = (
     ("os.rmdir", (0,), (1,)),
     ("os.remove", (0,), (1,)),
     ("os.rename", (0, 1), (2, 3)),
-    ("os.link", (0, 1), (2, 3)),  # a hard link inside to a file outside would write through
+    # a hard link inside to a file outside would write through
+    ("os.link", (0, 1), (2, 3)),
     ("os.symlink", (1,), (2,)),
     ("os.chmod", (0,), (2,)),
     ("os.chown", (0,), (3,)),
@@ -120,7 +123,8 @@ def guard(
     event,
     args,
     _inside=inside,
-    _write=0o1 | 0o2 | 0o100 | 0o1000 | 0o2000,  # O_WRONLY O_RDWR O_CREAT O_TRUNC O_APPEND
+    # O_WRONLY O_RDWR O_CREAT O_TRUNC O_APPEND
+    _write=0o1 | 0o2 | 0o100 | 0o1000 | 0o2000,
     _paths=PATH_EVENTS,
     _path_events=frozenset(name for name, _, _ in PATH_EVENTS),
     _process_events=frozenset(PROCESS_EVENTS),
@@ -154,7 +158,8 @@ def guard(
                     what = "a dir_fd argument"
             for i in paths:
                 if i >= _len(args) or (event == "os.truncate" and _isinstance(args[i], _int)):
-                    continue  # truncating a file opened for writing: the open was checked
+                    # truncating a file opened for writing: the open was checked
+                    continue
                 if _isinstance(args[i], _int) or not _inside(args[i]):
                     what = "changing files outside the working directory"
     elif event in _process_events:
@@ -190,21 +195,25 @@ def no_fork_exec(*args, **kwargs):
 
 
 def install(root):
-    """The guard bound to ``root`` (its defaults, which the user's code cannot reach) and hooked in."""
+    """The guard bound to ``root`` (its defaults, which the user's code cannot reach) and hooked
+    in."""
     import _posixsubprocess
 
-    _posixsubprocess.fork_exec = no_fork_exec  # the one way to a process that raises no audit event
+    # the one way to a process that raises no audit event
+    _posixsubprocess.fork_exec = no_fork_exec
     for f, name, value in ((inside, "_root", root), (guard, "_protected", (guard, inside))):
         defaults = list(f.__defaults__)
-        first = f.__code__.co_argcount - len(defaults)  # the position of the first argument with a default
+        # the position of the first argument with a default
+        first = f.__code__.co_argcount - len(defaults)
         defaults[f.__code__.co_varnames.index(name) - first] = value
         f.__defaults__ = tuple(defaults)
     sys.addaudithook(guard)
 
 
 def run_main(ready):
-    """main.py compiled as "main.py" (tracebacks name no path) and run as __main__, after saying on the
-    fd ``ready`` that the setup worked (a failure before it is the sandbox's, not the code's)."""
+    """main.py compiled as "main.py" (tracebacks name no path) and run as __main__, after saying on
+    the fd ``ready`` that the setup worked (a failure before it is the sandbox's, not the
+    code's)."""
     main = type(sys)("__main__")
     main.__file__ = "main.py"
     sys.modules["__main__"] = main
@@ -212,7 +221,8 @@ def run_main(ready):
     with open("main.py", "rb") as f:
         source = f.read()
     try:
-        source = source.decode("utf-8")  # as the trainer wrote it: a coding cookie must not re-decode it
+        # as the trainer wrote it: a coding cookie must not re-decode it
+        source = source.decode("utf-8")
     except UnicodeDecodeError:
         pass  # compile() names the bad byte
     posix.write(ready, b"R")

@@ -7,23 +7,25 @@ interpreter and ctypes: two thirds of a call's start before it existed); each ca
 Modes (modes.py says what each protects):
 
 - ``root`` (the trainer runs as root with CAP_SYS_ADMIN): new PID, mount, network, IPC and UTS
-  namespaces; the code runs under a uid and gid of its own (ID_BASE + the launcher's pid, unique while
-  the call lives), chrooted into a fresh view.
-- ``user`` (any user, where the kernel allows user namespaces): the same inside a new user namespace;
+  namespaces; the code runs under a uid and gid of its own (ID_BASE + the launcher's pid, unique
+  while the call lives), chrooted into a fresh view.
+- ``user`` (any user, where the kernel allows user namespaces): the same inside a new user
+  namespace;
   a root trainer first drops to the call's own uid, any other keeps its own.
 - ``guard``: no namespaces; limits and the audit guard only.
 
-The processes of a call: the launcher (L, a fork of the server in a session of its own, in the call's
-host directory) reads main.py. In a namespace mode it enters the namespaces and forks their init (C1,
-pid 1), which builds the view, forks the code's process (C2) and waits for it; in the ``guard`` mode L
-forks C2 itself. C2 sets the limits, enters the view, drops its identity and ``exec``s a fresh
-interpreter running guard.py (nothing of this setup, ctypes above all, survives the exec). When C2
-ends, its waiter reports its wait status and CPU time on the control pipe; C1's exit kills whatever
-else runs in the namespace (in the ``guard`` mode L kills C2's process group). Each process dies with
-the one above it (PR_SET_PDEATHSIG): the trainer kills L at the wall limit, and all of the call goes.
+The processes of a call: the launcher (L, a fork of the server in a session of its own, in the
+call's host directory) reads main.py. In a namespace mode it enters the namespaces and forks their
+init (C1, pid 1), which builds the view, forks the code's process (C2) and waits for it; in the
+``guard`` mode L forks C2 itself. C2 sets the limits, enters the view, drops its identity and
+``exec``s a fresh interpreter running guard.py (nothing of this setup, ctypes above all, survives
+the exec). When C2 ends, its waiter reports its wait status and CPU time on the control pipe; C1's
+exit kills whatever else runs in the namespace (in the ``guard`` mode L kills C2's process group).
+Each process dies with the one above it (PR_SET_PDEATHSIG): the trainer kills L at the wall limit,
+and all of the call goes.
 
-Control pipe: ``E<reason>\n`` (the setup failed: the sandbox's error, not the code's), ``R`` (guard.py is
-about to run the code), ``X<wait status> <CPU seconds>\n`` (C2 ended).
+Control pipe: ``E<reason>\n`` (the setup failed: the sandbox's error, not the code's), ``R``
+(guard.py is about to run the code), ``X<wait status> <CPU seconds>\n`` (C2 ended).
 """
 
 import os
@@ -38,19 +40,27 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
 ST_NOEXEC, ST_NOATIME, ST_NODIRATIME, ST_RELATIME = 8, 1024, 2048, 4096  # statvfs's f_flag bits
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = (
+    1,
+    4,
+    22,
+    36,
+    38,
+)
 SIGKILL = 9
 # a call's own uid and gid: ID_BASE + the launcher's pid (pid_max is at most 2^22), above the ranges
 # systemd gives containers (524288-1879048191)
 ID_BASE = 0x70000000
 DEVICES = ("null", "zero", "urandom")
-MASKED = ("keys", "key-users")  # /proc files the code sees as /dev/null: the keyrings' names
+# /proc files the code sees as /dev/null: the keyrings' names
+MASKED = ("keys", "key-users")
 KEYCTL_JOIN_SESSION_KEYRING = 1
 # System calls the code's process may not make (EPERM): one row each, a column per architecture.
-# Kernel keyrings (the trainer's secrets), memory and io_uring paths around the mounts and the filter
-# (memfd_create, userfaultfd, io_uring_*), namespaces and mounts, tracing other processes, BPF and perf,
-# modules, kexec, reboot, swap, accounting, quotas, file handles; and, on x86-64, the x32 ABI. The
-# kernel refuses most of these to a process without capabilities anyway: the filter is the second layer.
+# Kernel keyrings (the trainer's secrets), memory and io_uring paths around the mounts and the
+# filter (memfd_create, userfaultfd, io_uring_*), namespaces and mounts, tracing other processes,
+# BPF and perf, modules, kexec, reboot, swap, accounting, quotas, file handles; and, on x86-64, the
+# x32 ABI. The kernel refuses most of these to a process without capabilities anyway: the filter is
+# the second layer.
 DENIED = """
 name                x86_64 aarch64
 keyctl               250  219
@@ -92,14 +102,19 @@ open_by_handle_at    304  265
 name_to_handle_at    303  264
 """
 ARCHES = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}  # AUDIT_ARCH_* of each table column
-SYSCALLS = {  # machine -> (AUDIT_ARCH, {name: number})
-    machine: (arch, {row.split()[0]: int(row.split()[1 + column]) for row in DENIED.strip().splitlines()[1:]})
+# machine -> (AUDIT_ARCH, {name: number})
+SYSCALLS = {
+    machine: (
+        arch,
+        {row.split()[0]: int(row.split()[1 + column]) for row in DENIED.strip().splitlines()[1:]},
+    )
     for column, (machine, arch) in enumerate(ARCHES.items())
 }
 
 
 class Kernel:
-    """The system calls Python's os module lacks (unshare before 3.12, mount, prctl, sethostname)."""
+    """The system calls Python's os module lacks (unshare before 3.12, mount, prctl,
+    sethostname)."""
 
     def __init__(self):
         import ctypes
@@ -119,7 +134,10 @@ class Kernel:
 
     def mount(self, source, target, fstype, flags, data=None):
         enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
-        self._check(self.libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+        self._check(
+            self.libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)),
+            f"mount {target}",
+        )
 
     def prctl(self, option, value):
         self._check(self.libc.prctl(option, value, 0, 0, 0), f"prctl {option}")
@@ -128,23 +146,26 @@ class Kernel:
         self._check(self.libc.sethostname(name, len(name)), "sethostname")
 
     def new_session_keyring(self, machine):
-        """A fresh, empty session keyring for this process (none of the trainer's keys are possessed);
-        best effort: where keyctl is refused, the code cannot reach a keyring either."""
+        """A fresh, empty session keyring for this process (none of the trainer's keys are
+        possessed); best effort: where keyctl is refused, the code cannot reach a keyring either."""
         if machine in SYSCALLS:
             self.libc.syscall(SYSCALLS[machine][1]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None)
 
     def deny_syscalls(self, machine):
-        """The seccomp filter of SYSCALLS (no_new_privs must be set). Returns False on an architecture
-        without a table (the namespaces and the guard still hold)."""
+        """The seccomp filter of SYSCALLS (no_new_privs must be set). Returns False on an
+        architecture without a table (the namespaces and the guard still hold)."""
         if machine not in SYSCALLS:
             return False
         import struct
 
         ctypes = self.ctypes
         arch, numbers = SYSCALLS[machine]
-        deny, allow = 0x00050000 | 1, 0x7FFF0000  # SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ALLOW
-        ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-        code = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]  # another ABI: nothing
+        # SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ALLOW
+        deny, allow = 0x00050000 | 1, 0x7FFF0000
+        # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+        ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+        # another ABI: nothing
+        code = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]
         if machine == "x86_64":
             code += [(jge, 0, 1, 0x40000000), (ret, 0, 0, deny)]  # the x32 ABI
         for number in numbers.values():
@@ -156,7 +177,8 @@ class Kernel:
             _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
 
         fprog = Program(len(code), ctypes.addressof(program))
-        self._check(self.libc.prctl(PR_SET_SECCOMP, 2, ctypes.addressof(fprog), 0, 0), "seccomp")  # FILTER
+        # FILTER
+        self._check(self.libc.prctl(PR_SET_SECCOMP, 2, ctypes.addressof(fprog), 0, 0), "seccomp")
         return True
 
 
@@ -174,14 +196,16 @@ def write_file(path, text):
 
 
 def tasks_of(uid):
-    """The tasks (processes and threads) of ``uid`` in /proc: what RLIMIT_NPROC counts without a user
-    namespace of the call's own."""
+    """The tasks (processes and threads) of ``uid`` in /proc: what RLIMIT_NPROC counts without a
+    user namespace of the call's own."""
     n = 0
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open("/proc/" + pid + "/status", "rb") as f:
-                    status = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+                    status = dict(
+                        line.split(b":", 1) for line in f.read().splitlines() if b":" in line
+                    )
                 if int(status[b"Uid"].split()[0]) == uid:
                     n += int(status[b"Threads"])
             except (OSError, KeyError, ValueError):
@@ -190,8 +214,8 @@ def tasks_of(uid):
 
 
 def set_limits(cfg, tasks):
-    """The call's limits; ``tasks``: how many tasks of its uid RLIMIT_NPROC already counts. The address
-    space last (the setup before it runs under none of it)."""
+    """The call's limits; ``tasks``: how many tasks of its uid RLIMIT_NPROC already counts. The
+    address space last (the setup before it runs under none of it)."""
 
     def limit(kind, value):
         _, hard = resource.getrlimit(kind)
@@ -200,7 +224,8 @@ def set_limits(cfg, tasks):
         resource.setrlimit(kind, (value, value))
 
     limit(resource.RLIMIT_CORE, 0)
-    for kind in ("RLIMIT_MEMLOCK", "RLIMIT_MSGQUEUE", "RLIMIT_RTPRIO", "RLIMIT_NICE"):  # none of these
+    for kind in ("RLIMIT_MEMLOCK", "RLIMIT_MSGQUEUE", "RLIMIT_RTPRIO", "RLIMIT_NICE"):
+        # none of these
         if hasattr(resource, kind):
             limit(getattr(resource, kind), 0)
     resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu"], cfg["cpu"] + 1))
@@ -219,7 +244,8 @@ def exec_code(cfg, root, ready):
 
 
 def identity(mode):
-    """(uid, gid) the code runs under: the call's own where the launcher is root, else the user's."""
+    """(uid, gid) the code runs under: the call's own where the launcher is root, else the
+    user's."""
     if posix.getuid() == 0:
         return ID_BASE + posix.getpid(), ID_BASE + posix.getpid()
     return posix.getuid(), posix.getgid()
@@ -228,11 +254,13 @@ def identity(mode):
 def enter_namespaces(kernel, mode, uid, gid):
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     if mode == "user":
-        if posix.getuid() == 0:  # first become the call's own user: the namespace then maps only it
+        if posix.getuid() == 0:
+            # first become the call's own user: the namespace then maps only it
             os.setgroups([])
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
-            kernel.prctl(PR_SET_DUMPABLE, 1)  # a changed uid made /proc/self root's: the maps below
+            # a changed uid made /proc/self root's: the maps below
+            kernel.prctl(PR_SET_DUMPABLE, 1)
         kernel.unshare(flags | CLONE_NEWUSER)
         write_file("/proc/self/setgroups", "deny")
         write_file("/proc/self/uid_map", f"{uid} {uid} 1")
@@ -243,20 +271,24 @@ def enter_namespaces(kernel, mode, uid, gid):
 
 
 def mount_points(prefix):
-    """The mount points at or below ``prefix`` in this mount namespace, from /proc/self/mountinfo."""
+    """The mount points at or below ``prefix`` in this mount namespace, from
+    /proc/self/mountinfo."""
     with open("/proc/self/mountinfo", "rb") as f:
         table = f.read().splitlines()
     points = []
     for line in table:
         pieces = line.split(b" ")[4].split(b"\\")  # octal escapes: \040 is a space
-        point = os.fsdecode(pieces[0] + b"".join(bytes([int(p[:3], 8)]) + p[3:] for p in pieces[1:]))
+        point = os.fsdecode(
+            pieces[0] + b"".join(bytes([int(p[:3], 8)]) + p[3:] for p in pieces[1:])
+        )
         if point == prefix or point.startswith(prefix + "/"):
             points.append(point)
     return points
 
 
 def make_read_only(kernel, point):
-    """Remounts a bind read-only, nosuid, nodev, repeating the flags a user namespace may not clear."""
+    """Remounts a bind read-only, nosuid, nodev, repeating the flags a user namespace may not
+    clear."""
     have = os.statvfs(point).f_flag
     flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
     if have & ST_NOEXEC:
@@ -273,10 +305,10 @@ def make_read_only(kernel, point):
 
 
 def build_view(kernel, cfg, source, uid, gid):
-    """The code's file system, on a tmpfs at cfg["base"]: the paths of cfg["binds"] read-only (symlinks
-    as symlinks), /dev/null, /dev/zero, /dev/urandom, a /proc of the new PID namespace, and cfg["work"], a tmpfs
-    of cfg["disk_bytes"] bytes and cfg["files"] inodes owned by the code, holding main.py. Returns the
-    view's root."""
+    """The code's file system, on a tmpfs at cfg["base"]: the paths of cfg["binds"] read-only
+    (symlinks as symlinks), /dev/null, /dev/zero, /dev/urandom, a /proc of the new PID namespace,
+    and cfg["work"], a tmpfs of cfg["disk_bytes"] bytes and cfg["files"] inodes owned by the code,
+    holding main.py. Returns the view's root."""
     base = cfg["base"]
     kernel.mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,nr_inodes=4096,mode=0755")
     for src in cfg["binds"]:
@@ -305,18 +337,22 @@ def build_view(kernel, cfg, source, uid, gid):
         f.write(source)
     os.chown(work + "/main.py", uid, gid)
     os.mkdir(base + "/proc")
-    for options in ("hidepid=2", None):  # hidepid: init (not traceable by the code) is not listed
-        try:  # this process is the new PID namespace's first: the /proc mounted here shows it alone
+    for options in ("hidepid=2", None):
+        # hidepid: init (not traceable by the code) is not listed
+        try:
+            # this process is the new PID namespace's first: the /proc mounted here shows it alone
             kernel.mount("proc", base + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, options)
             break
         except OSError:
-            pass  # a kernel that refuses both: no /proc at all
+            # a kernel that refuses both: no /proc at all
+            pass
     for name in MASKED:
         if os.path.exists(base + "/proc/" + name):
             try:
                 kernel.mount("/dev/null", base + "/proc/" + name, None, MS_BIND)
             except OSError:
-                pass  # the filter still refuses keyctl: names at most, never a payload
+                # the filter still refuses keyctl: names at most, never a payload
+                pass
     kernel.mount(None, base, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     return base
 
@@ -326,9 +362,11 @@ def start_code(kernel, cfg, base, uid, gid):
     ctl = cfg["ctl"]
     try:
         if cfg["mode"] == "root":
-            tasks = 1  # a uid of its own: this process is its only task
+            # a uid of its own: this process is its only task
+            tasks = 1
         else:
-            tasks = 3  # the user namespace's launcher, init and this process
+            # the user namespace's launcher, init and this process
+            tasks = 3
         set_limits(cfg, tasks)
         os.chroot(base)
         os.chdir(cfg["work"])
@@ -343,8 +381,8 @@ def start_code(kernel, cfg, base, uid, gid):
 
 
 def confine(kernel):
-    """The last of the setup before the exec: a fresh session keyring, no new privileges, the seccomp
-    filter."""
+    """The last of the setup before the exec: a fresh session keyring, no new privileges, the
+    seccomp filter."""
     machine = os.uname().machine
     kernel.new_session_keyring(machine)
     kernel.prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -356,7 +394,8 @@ def wait_for(child, ctl, group=False):
     every orphan ends up here), kills what is left in its process group (``group``: it has its own),
     then says how it ended on the control pipe."""
     if group:
-        os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)  # ended, not reaped: its group id is still its
+        # ended, not reaped: its group id is still its
+        os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
         try:
             os.killpg(child, SIGKILL)
         except OSError:
@@ -384,14 +423,16 @@ def init(kernel, cfg, source, uid, gid, lifeline):
     ctl = cfg["ctl"]
     try:
         kernel.prctl(PR_SET_PDEATHSIG, SIGKILL)
-        # Python's KeyboardInterrupt handler off: as the namespace's init, signals from inside it that
-        # have no handler are dropped by the kernel (the code may share its uid)
+        # Python's KeyboardInterrupt handler off: as the namespace's init, signals from inside it
+        # that have no handler are dropped by the kernel (the code may share its uid)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.setsid()  # out of the launcher's process group: the code may share the launcher's uid
+        # out of the launcher's process group: the code may share the launcher's uid
+        os.setsid()
         os.set_blocking(lifeline, False)
         try:
             if os.read(lifeline, 1) == b"":
-                os._exit(1)  # the launcher died before the line above: nobody waits for this call
+                # the launcher died before the line above: nobody waits for this call
+                os._exit(1)
         except BlockingIOError:
             pass
         kernel.prctl(PR_SET_DUMPABLE, 0)  # no ptrace, no /proc/1/* for the code
@@ -400,14 +441,18 @@ def init(kernel, cfg, source, uid, gid, lifeline):
     except BaseException as e:
         fail(ctl, f"building the view: {type(e).__name__}: {e}")
     wait_for(fork_code(ctl, lambda: start_code(kernel, cfg, base, uid, gid)), ctl)
-    os._exit(0)  # the kernel kills the rest of the namespace
+    # the kernel kills the rest of the namespace
+    os._exit(0)
 
 
 def start_guarded(kernel, cfg):
-    """The code's process in the ``guard`` mode: the limits, then the fresh interpreter. Never returns."""
+    """The code's process in the ``guard`` mode: the limits, then the fresh interpreter. Never
+    returns."""
     try:
-        kernel.prctl(PR_SET_PDEATHSIG, SIGKILL)  # kept across the exec: it dies with the launcher
-        os.setpgid(0, 0)  # a group of its own, which the launcher kills once it ended
+        # kept across the exec: it dies with the launcher
+        kernel.prctl(PR_SET_PDEATHSIG, SIGKILL)
+        # a group of its own, which the launcher kills once it ended
+        os.setpgid(0, 0)
         set_limits(cfg, tasks_of(posix.getuid()))
         confine(kernel)
         exec_code(cfg, posix.getcwd(), cfg["ctl"])
@@ -429,7 +474,8 @@ def call(kernel, cfg):
         enter_namespaces(kernel, cfg["mode"], uid, gid)
     except BaseException as e:
         fail(ctl, f"{type(e).__name__}: {e}")
-    lifeline, keep = os.pipe()  # C1 reads EOF on it once this process is gone
+    # C1 reads EOF on it once this process is gone
+    lifeline, keep = os.pipe()
     child = os.fork()
     if child == 0:
         os.close(keep)
@@ -440,15 +486,16 @@ def call(kernel, cfg):
 
 
 def serve(sock_fd, constants):
-    """The launcher server: one per trainer process (run.py's ``Server``), forking a launcher per call.
+    """The launcher server: one per trainer process (run.py's ``Server``), forking a launcher per
+    call.
 
-    A request on the socket (SOCK_SEQPACKET, one message each) is the call's arguments (NUL-separated:
-    the mode, then NUMBERS) with the fd of the call's directory; the reply is ``P<pid>`` with the read
-    ends of the call's stdout, stderr and control pipes (their write ends never reach the trainer, so a
-    fork of it cannot hold a call open) and a pidfd of the launcher, by which the trainer kills the call
-    (each process of a call dies with the one above it). The server exits when the trainer does (a
-    pidfd of it, and EOF on the socket), and every launcher it forked dies with it. A child subreaper:
-    whatever a killed call leaves is reaped here."""
+    A request on the socket (SOCK_SEQPACKET, one message each) is the call's arguments
+    (NUL-separated: the mode, then NUMBERS) with the fd of the call's directory; the reply is
+    ``P<pid>`` with the read ends of the call's stdout, stderr and control pipes (their write ends
+    never reach the trainer, so a fork of it cannot hold a call open) and a pidfd of the launcher,
+    by which the trainer kills the call (each process of a call dies with the one above it). The
+    server exits when the trainer does (a pidfd of it, and EOF on the socket), and every launcher it
+    forked dies with it. A child subreaper: whatever a killed call leaves is reaped here."""
     import selectors
     import socket
 
@@ -468,7 +515,8 @@ def serve(sock_fd, constants):
     watch = selectors.DefaultSelector()
     watch.register(sock, selectors.EVENT_READ)
     try:
-        watch.register(os.pidfd_open(constants["parent"]), selectors.EVENT_READ)  # readable: it exited
+        # readable: it exited
+        watch.register(os.pidfd_open(constants["parent"]), selectors.EVENT_READ)
     except (AttributeError, OSError):  # Linux < 5.3: EOF alone
         pass
     while True:
@@ -484,7 +532,8 @@ def serve(sock_fd, constants):
         (out_r, out_w), (err_r, err_w), (ctl_r, ctl) = os.pipe(), os.pipe(), os.pipe()
         here = fds[0]
         cfg = {"mode": args[0], **dict(zip(NUMBERS, map(int, args[1:]))), **constants, "ctl": ctl}
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # not reaped before its pidfd exists
+        # not reaped before its pidfd exists
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         pid = os.fork()
         if pid == 0:
             try:
@@ -505,7 +554,8 @@ def serve(sock_fd, constants):
                 fail(ctl, f"{type(e).__name__}: {e}")
             call(kernel, cfg)
         try:
-            handle = [os.pidfd_open(pid)]  # before it can be reaped: it is this very process
+            # before it can be reaped: it is this very process
+            handle = [os.pidfd_open(pid)]
         except (AttributeError, OSError):  # Linux < 5.3: the trainer kills by pid
             handle = []
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})

@@ -1,4 +1,5 @@
-"""What a sandboxed call may use (``Limits``), how it ended (``Result``), and the text the policy sees."""
+"""What a sandboxed call may use (``Limits``), how it ended (``Result``), and the text the policy
+sees."""
 
 from __future__ import annotations
 
@@ -7,36 +8,70 @@ from dataclasses import dataclass
 from typing import Optional
 
 # what Result.limit names
-LIMIT_KINDS = ("wall_time", "cpu_time", "memory", "output", "processes", "file_size", "disk", "open_files", "blocked")
-STDERR_LINES = 8  # the end of a traceback the policy sees when its code fails
+LIMIT_KINDS = (
+    "wall_time",
+    "cpu_time",
+    "memory",
+    "output",
+    "processes",
+    "file_size",
+    "disk",
+    "open_files",
+    "blocked",
+)
+# the end of a traceback the policy sees when its code fails
+STDERR_LINES = 8
 
 
 @dataclass(frozen=True)
 class Limits:
     """Per-call limits (``ppo.sandbox``)."""
 
-    cpu_s: float = 2.0  # CPU seconds (RLIMIT_CPU: whole seconds, rounded up)
-    wall_s: float = 5.0  # wall-clock seconds, then every process of the call is killed
-    memory_mb: int = 256  # address space (RLIMIT_AS): the interpreter maps about 14 MB before the code runs
-    processes: int = 0  # processes or threads the code may start besides itself (the guard refuses processes)
-    output_bytes: int = 10_000  # stdout + stderr kept; the call is stopped once it writes more
-    file_bytes: int = 1_000_000  # the largest file it may write (RLIMIT_FSIZE)
-    disk_bytes: int = 16_000_000  # all its files together (its directory's tmpfs, under kernel isolation)
-    files: int = 256  # files and directories in its directory, main.py included (the tmpfs's inodes)
-    open_files: int = 64  # file descriptors open at once (RLIMIT_NOFILE), stdin/out/err included
+    # CPU seconds (RLIMIT_CPU: whole seconds, rounded up)
+    cpu_s: float = 2.0
+    # wall-clock seconds, then every process of the call is killed
+    wall_s: float = 5.0
+    # address space (RLIMIT_AS): the interpreter maps about 14 MB before the code runs
+    memory_mb: int = 256
+    # processes or threads the code may start besides itself (the guard refuses processes)
+    processes: int = 0
+    # stdout + stderr kept; the call is stopped once it writes more
+    output_bytes: int = 10_000
+    # the largest file it may write (RLIMIT_FSIZE)
+    file_bytes: int = 1_000_000
+    # all its files together (its directory's tmpfs, under kernel isolation)
+    disk_bytes: int = 16_000_000
+    # files and directories in its directory, main.py included (the tmpfs's inodes)
+    files: int = 256
+    # file descriptors open at once (RLIMIT_NOFILE), stdin/out/err included
+    open_files: int = 64
 
     def __post_init__(self):
-        for key in ("cpu_s", "wall_s", "memory_mb", "output_bytes", "file_bytes", "disk_bytes", "files"):
+        for key in (
+            "cpu_s",
+            "wall_s",
+            "memory_mb",
+            "output_bytes",
+            "file_bytes",
+            "disk_bytes",
+            "files",
+        ):
             if not getattr(self, key) > 0:
                 raise ValueError(f"Limits.{key} must be positive, got {getattr(self, key)!r}")
         if self.processes < 0:
             raise ValueError(f"Limits.processes must be >= 0, got {self.processes!r}")
         if self.files < 2:
-            raise ValueError(f"Limits.files must be >= 2 (its directory and main.py), got {self.files!r}")
+            raise ValueError(
+                f"Limits.files must be >= 2 (its directory and main.py), got {self.files!r}"
+            )
         if self.memory_mb < 16:
-            raise ValueError(f"Limits.memory_mb must be >= 16 (the interpreter's own), got {self.memory_mb!r}")
+            raise ValueError(
+                f"Limits.memory_mb must be >= 16 (the interpreter's own), got {self.memory_mb!r}"
+            )
         if self.open_files < 8:
-            raise ValueError(f"Limits.open_files must be >= 8 (the interpreter's own), got {self.open_files!r}")
+            raise ValueError(
+                f"Limits.open_files must be >= 8 (the interpreter's own), got {self.open_files!r}"
+            )
 
 
 @dataclass
@@ -45,14 +80,16 @@ class Result:
 
     stdout: str
     stderr: str
-    exit_code: Optional[int]  # negative: killed by that signal; None: stopped by the sandbox (wall time, output)
+    # negative: killed by that signal; None: stopped by the sandbox (wall time, output)
+    exit_code: Optional[int]
     limit: Optional[str] = None  # None or one of LIMIT_KINDS
     seconds: float = 0.0
-    limits: Optional[Limits] = None  # what it ran under (the numbers in observation's messages)
+    # what it ran under (the numbers in observation's messages)
+    limits: Optional[Limits] = None
 
     def observation(self) -> str:
-        """The text the policy sees: stdout (with the end of stderr when the code failed), or one line
-        saying which limit stopped it. Short and deterministic (no paths, no timings)."""
+        """The text the policy sees: stdout (with the end of stderr when the code failed), or one
+        line saying which limit stopped it. Short and deterministic (no paths, no timings)."""
         if self.limit is not None:
             return self._limit_message()
         out = self.stdout.rstrip()
@@ -83,7 +120,8 @@ class Result:
         )
 
 
-LIMIT_MESSAGES = {  # a limit's line, with the numbers it ran under
+# a limit's line, with the numbers it ran under
+LIMIT_MESSAGES = {
     "wall_time": "timed out after {lim.wall_s:g} s",
     "cpu_time": "CPU time limit ({lim.cpu_s:g} s) exceeded",
     "memory": "memory limit ({lim.memory_mb} MB) exceeded",
@@ -93,7 +131,8 @@ LIMIT_MESSAGES = {  # a limit's line, with the numbers it ran under
     "open_files": "open file limit ({lim.open_files}) exceeded",
     "processes": "process limit exceeded: at most {lim.processes} new processes or threads allowed",
 }
-GENERIC_MESSAGES = {  # the same, for a Result of an executor that gave no Limits
+# the same, for a Result of an executor that gave no Limits
+GENERIC_MESSAGES = {
     "wall_time": "timed out",
     "cpu_time": "CPU time limit exceeded",
     "memory": "memory limit exceeded",
@@ -114,10 +153,14 @@ ERRNO_LIMITS = (
 )
 
 
-def limit_of(exit_code: Optional[int], cpu_used: float, cpu_limit: int, stderr: bytes) -> Optional[str]:
-    """Which limit ended a call that the parent did not stop, from its exit and its last stderr line."""
+def limit_of(
+    exit_code: Optional[int], cpu_used: float, cpu_limit: int, stderr: bytes
+) -> Optional[str]:
+    """Which limit ended a call that the parent did not stop, from its exit and its last stderr
+    line."""
     if exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and cpu_used >= cpu_limit):
-        return "cpu_time"  # the soft limit's SIGXCPU, or the hard limit's SIGKILL when it was caught
+        # the soft limit's SIGXCPU, or the hard limit's SIGKILL when it was caught
+        return "cpu_time"
     if exit_code == -signal.SIGXFSZ:
         return "file_size"
     if not exit_code:

@@ -1,8 +1,9 @@
 """The parent side of a sandboxed call: ``Sandbox(limits).run(code) -> Result``.
 
-A call writes the code to a fresh host directory, asks the launcher server (launch.py, one per process)
-to fork a launcher there with pipes for stdout, stderr and control, reads them until the call ends, a
-limit stops it, or the wall clock runs out, then kills what is left and has the launcher reaped.
+A call writes the code to a fresh host directory, asks the launcher server (launch.py, one per
+process) to fork a launcher there with pipes for stdout, stderr and control, reads them until the
+call ends, a limit stops it, or the wall clock runs out, then kills what is left and has the
+launcher reaped.
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ from rlhf.envs.sandbox.limits import Limits, Result, limit_of
 from rlhf.envs.sandbox.modes import MODES, PROBE, Isolation, candidates
 
 READ_CHUNK = 65536
-CONTROL_BYTES = 4096  # the control pipe's messages are a few bytes; more is not read
+# the control pipe's messages are a few bytes; more is not read
+CONTROL_BYTES = 4096
 # where a view may be built: the first that exists and holds none of the paths shown
 VIEW_BASES = ("/tmp", "/mnt", "/run", "/var/tmp", "/media", "/srv")
 # the system's shared libraries, shown read-only beside the interpreter's own prefix
 SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache")
-WORK_DIRS = ("/work", "/sandbox", "/rlhf-sandbox")  # the code's directory in the view: the first free
+# the code's directory in the view: the first free
+WORK_DIRS = ("/work", "/sandbox", "/rlhf-sandbox")
 
 
 class SandboxError(RuntimeError):
-    """The sandbox itself cannot work (not the code's failure): no directory, no interpreter, a setup
-    the kernel refused."""
+    """The sandbox itself cannot work (not the code's failure): no directory, no interpreter, a
+    setup the kernel refused."""
 
 
 class Executor(Protocol):
@@ -51,15 +54,17 @@ def _program(name: str) -> str:
 
 @lru_cache(maxsize=None)
 def view_paths() -> tuple:
-    """The host paths a namespace call sees, read-only: the system's libraries and this interpreter's
-    prefix (symlinks such as /lib -> usr/lib stay symlinks), none inside another."""
+    """The host paths a namespace call sees, read-only: the system's libraries and this
+    interpreter's prefix (symlinks such as /lib -> usr/lib stay symlinks), none inside another."""
     exe = os.path.realpath(sys.executable)
     wanted = list(SYSTEM_PATHS) + [os.path.realpath(sys.base_prefix), os.path.dirname(exe)]
     kept = []
     for path in wanted:
         if not os.path.lexists(path):
             continue
-        if any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept if not os.path.islink(k)):
+        if any(
+            path == k or path.startswith(k.rstrip("/") + "/") for k in kept if not os.path.islink(k)
+        ):
             continue
         kept.append(path)
     return tuple(kept)
@@ -67,12 +72,17 @@ def view_paths() -> tuple:
 
 @lru_cache(maxsize=None)
 def work_dir() -> str:
-    """The code's directory inside the view: /work, unless a path shown lies there (a venv copied under
-    /work, say), which its tmpfs would hide."""
+    """The code's directory inside the view: /work, unless a path shown lies there (a venv copied
+    under /work, say), which its tmpfs would hide."""
     for name in WORK_DIRS:
-        if not any(p == name or p.startswith(name + "/") or name.startswith(p + "/") for p in view_paths()):
+        if not any(
+            p == name or p.startswith(name + "/") or name.startswith(p + "/") for p in view_paths()
+        ):
             return name
-    raise SandboxError(f"sandbox: every name for the code's directory ({', '.join(WORK_DIRS)}) is taken in the view")
+    raise SandboxError(
+        f"sandbox: every name for the code's directory ({', '.join(WORK_DIRS)}) is taken "
+        "in the view"
+    )
 
 
 @lru_cache(maxsize=None)
@@ -87,22 +97,24 @@ def view_base() -> Optional[str]:
 
 class Sandbox:
     """Runs code in a child interpreter under ``limits``, isolated by ``mode`` (modes.py: ``root``,
-    ``user``, ``guard``; None: the strongest this machine allows, found once per process). Thread-safe:
-    no shared state, no signal handlers; every call has its own directory, processes and pipes."""
+    ``user``, ``guard``; None: the strongest this machine allows, found once per process).
+    Thread-safe: no shared state, no signal handlers; every call has its own directory, processes
+    and pipes."""
 
     def __init__(self, limits: Optional[Limits] = None, mode: Optional[str] = None):
         self.limits = limits or Limits()
         self.mode = mode
 
     def run(self, code: str) -> Result:
-        """Runs ``code`` to its end or to a limit. Never raises on what the code does; a SandboxError
-        when the sandbox itself cannot work."""
+        """Runs ``code`` to its end or to a limit. Never raises on what the code does; a
+        SandboxError when the sandbox itself cannot work."""
         return self.call(code, self.mode or isolation().mode)
 
     def call(self, code: str, mode: str) -> Result:
         """One call in ``mode``."""
         start = time.monotonic()
-        if len(code.encode("utf-8", "surrogatepass")) > self.limits.disk_bytes:  # it would not fit its directory
+        if len(code.encode("utf-8", "surrogatepass")) > self.limits.disk_bytes:
+            # it would not fit its directory
             return Result("", "", None, "disk", time.monotonic() - start, self.limits)
         try:
             tmp = tempfile.TemporaryDirectory(prefix="rlhf-sandbox-", ignore_cleanup_errors=True)
@@ -110,7 +122,9 @@ class Sandbox:
             raise SandboxError(f"sandbox: cannot create a temporary directory: {e}") from e
         with tmp as workdir:
             try:
-                with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
+                with open(
+                    os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass"
+                ) as f:
                     f.write(code)
             except OSError as e:
                 raise SandboxError(f"sandbox: cannot write the code to {workdir}: {e}") from e
@@ -120,7 +134,9 @@ class Sandbox:
         """A call's arguments to the server (launch.py's ``serve``): the mode, then its NUMBERS."""
         lim = self.limits
         if mode != "guard" and view_base() is None:
-            raise SandboxError(f"sandbox: no directory to build the view on (none of {', '.join(VIEW_BASES)})")
+            raise SandboxError(
+                f"sandbox: no directory to build the view on (none of {', '.join(VIEW_BASES)})"
+            )
         numbers = (
             max(1, math.ceil(lim.cpu_s)),
             lim.memory_mb * 2**20,
@@ -141,9 +157,12 @@ class Sandbox:
         finally:
             os.close(here)
         try:
-            out, err, control, stopped = _collect(launcher.reads, start + lim.wall_s, lim.output_bytes)
+            out, err, control, stopped = _collect(
+                launcher.reads, start + lim.wall_s, lim.output_bytes
+            )
         finally:
-            launcher.close()  # done already, or stopped: the rest of the call dies with it
+            # done already, or stopped: the rest of the call dies with it
+            launcher.close()
         ready, failure, ended = _parse_control(bytes(control))
         if failure is not None or (stopped is None and not ready):
             why = failure or " | ".join(err.decode("utf-8", "replace").strip().splitlines()[-3:])
@@ -151,7 +170,8 @@ class Sandbox:
         if stopped is not None:
             exit_code, limit = None, stopped
         else:
-            exit_code, cpu_used = ended or (None, 0.0)  # None: killed from outside (the OOM killer)
+            # None: killed from outside (the OOM killer)
+            exit_code, cpu_used = ended or (None, 0.0)
             limit = limit_of(exit_code, cpu_used, max(1, math.ceil(lim.cpu_s)), bytes(err))
         return Result(
             stdout=out.decode("utf-8", "replace"),
@@ -164,8 +184,8 @@ class Sandbox:
 
 
 class Server:
-    """launch.py's server, one per process: started on first use, started again if it died or if this
-    process is a fork of the one that started it. Requests are serialized (a fork each: about a
+    """launch.py's server, one per process: started on first use, started again if it died or if
+    this process is a fork of the one that started it. Requests are serialized (a fork each: about a
     millisecond); the calls then run concurrently."""
 
     def __init__(self):
@@ -178,7 +198,14 @@ class Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         python = os.path.realpath(sys.executable)
         argv = [python, "-I", "-S", "-B", "-X", "utf8", "-c", _program("launch.py"), "serve"]
-        argv += [str(theirs.fileno()), str(os.getpid()), python, view_base() or "", work_dir(), _program("guard.py")]
+        argv += [
+            str(theirs.fileno()),
+            str(os.getpid()),
+            python,
+            view_base() or "",
+            work_dir(),
+            _program("guard.py"),
+        ]
         argv += list(view_paths())
         try:
             self.proc = subprocess.Popen(
@@ -216,7 +243,8 @@ class Server:
     def spawn(self, args: bytes, here: int) -> "Launcher":
         """Forks a launcher for a call in the directory ``here`` (an fd)."""
         with self.lock:
-            for _ in range(2):  # a server that died is started again, once
+            for _ in range(2):
+                # a server that died is started again, once
                 if self.owner != os.getpid() or self.proc is None or self.proc.poll() is not None:
                     if self.sock is not None:
                         self.sock.close()
@@ -236,8 +264,9 @@ class Server:
         raise SandboxError(f"sandbox: the launcher server ended: {why}")
 
     def forked(self) -> None:
-        """In a child of a fork of this process: nothing of the parent's server (its lock may be held,
-        its socket would keep it alive after the parent); the child starts its own on its first call."""
+        """In a child of a fork of this process: nothing of the parent's server (its lock may be
+        held, its socket would keep it alive after the parent); the child starts its own on its
+        first call."""
         self.lock = threading.Lock()
         if self.sock is not None:
             self.sock.close()
@@ -245,7 +274,8 @@ class Server:
         self.owner = 0
 
     def _died(self) -> str:
-        """Why the server stopped answering (its exit and the end of its stderr); it is gone after this."""
+        """Why the server stopped answering (its exit and the end of its stderr); it is gone after
+        this."""
         proc, self.proc = self.proc, None
         try:
             proc.wait(timeout=5)
@@ -258,8 +288,9 @@ class Server:
 
 
 class Launcher:
-    """A call's launcher: the read ends of its stdout, stderr and control pipes, and the process by a
-    pidfd (exactly that process, even once it has exited) where the kernel has them, else by pid."""
+    """A call's launcher: the read ends of its stdout, stderr and control pipes, and the process by
+    a pidfd (exactly that process, even once it has exited) where the kernel has them, else by
+    pid."""
 
     def __init__(self, pid: int, reads: list, pidfd: Optional[int]):
         self.pid, self.reads, self.pidfd = pid, reads, pidfd
@@ -283,7 +314,8 @@ os.register_at_fork(after_in_child=SERVER.forked)
 
 
 def _parse_control(data: bytes):
-    """(ready, the setup's failure or None, (exit code, CPU seconds) of the code's process or None)."""
+    """(ready, the setup's failure or None, (exit code, CPU seconds) of the code's process or
+    None)."""
     if data.startswith(b"E"):
         return False, data[1:].split(b"\n", 1)[0].decode("utf-8", "replace"), None
     ready = data.startswith(b"R")
@@ -298,9 +330,9 @@ def _parse_control(data: bytes):
 
 
 def _collect(fds, deadline: float, cap: int):
-    """(stdout, stderr, control, "wall_time" / "output" / None): stdout, stderr and the control pipe read
-    until all are closed (every process of the call has ended), the deadline passes, or more than
-    ``cap`` bytes of output came."""
+    """(stdout, stderr, control, "wall_time" / "output" / None): stdout, stderr and the control pipe
+    read until all are closed (every process of the call has ended), the deadline passes, or more
+    than ``cap`` bytes of output came."""
     out, err, control = bytearray(), bytearray(), bytearray()
     with selectors.DefaultSelector() as sel:
         for fd, data in zip(fds, (out, err, control)):
@@ -365,8 +397,8 @@ def isolation() -> Isolation:
 
 
 def settle(choice: str) -> Isolation:
-    """The isolation for ``ppo.sandbox.isolation``: ``auto`` the strongest, ``namespaces`` the strongest
-    or a ValueError saying why none works, or a mode by name (not probed)."""
+    """The isolation for ``ppo.sandbox.isolation``: ``auto`` the strongest, ``namespaces`` the
+    strongest or a ValueError saying why none works, or a mode by name (not probed)."""
     if choice in MODES:
         return Isolation(choice)
     found = isolation()
