@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import WORKLOADS, device_label, llama_config, resolve_device  # noqa: E402 (WORKLOADS re-exported)
+# WORKLOADS re-exported
+from common import WORKLOADS, device_label, llama_config, resolve_device  # noqa: E402
 
 
 def make_model(w: dict, on_meta: bool = False):

@@ -69,7 +69,15 @@ from common import device_label  # noqa: E402
 
 # stage_data puts the repository root first on the path: ``import stages`` is then the recipes, not
 # this file
-from stage_data import ALL_WORKLOADS, STAGES, batch_indices, collate, prepare, rows_of, save_model  # noqa: E402
+from stage_data import (  # noqa: E402
+    ALL_WORKLOADS,
+    STAGES,
+    batch_indices,
+    collate,
+    prepare,
+    rows_of,
+    save_model,
+)
 
 LR = 1e-5
 

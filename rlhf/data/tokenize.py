@@ -93,7 +93,8 @@ def _full_sft_rows(examples: List[Example], tok, chat: Optional[str]):
                 f"{e.where or 'a record'}: no response to train on (SFT needs one: for messages "
                 f"data a last assistant turn)"
             )
-    rows: List[Tuple[List[int], List[int], List[int]]] = [None] * len(examples)  # type: ignore[list-item]
+    rows: List[Tuple[List[int], List[int], List[int]]]
+    rows = [None] * len(examples)  # type: ignore[list-item]
     chat_ix, text_ix = _split_by_path(examples, chat)
     if text_ix:
         prompts = _encode(tok, [examples[i].prompt for i in text_ix], True)

@@ -23,7 +23,12 @@ from rlhf.data.tokenize import collate_pairs, collate_sft, pair_tokens  # noqa: 
 from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
 from rlhf.engine.train import FrozenModel, TrainEngine  # noqa: E402
 from tests.distributed.dpo_worker import pairs  # noqa: E402
-from tests.distributed.parity_worker import PAD, records, tiny_model, tiny_reward_model  # noqa: E402
+from tests.distributed.parity_worker import (  # noqa: E402
+    PAD,
+    records,
+    tiny_model,
+    tiny_reward_model,
+)
 
 GLOBAL_BATCH, STEPS = 8, 3
 STAGES = ("sft", "reward", "dpo")

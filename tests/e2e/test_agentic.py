@@ -63,7 +63,12 @@ def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # 
         ),
     ],
 )
-def test_a_broken_environment_is_one_line_before_any_model_loads(tmp_path, actor, env, says):  # noqa: F811
+def test_a_broken_environment_is_one_line_before_any_model_loads(
+    tmp_path,
+    actor,  # noqa: F811
+    env,
+    says,
+):
     proc = run_cli(
         *grpo(tmp_path, actor, f"ppo.env={env}", "ppo.reward_fn=rlhf.rewards.gold"), timeout=120
     )
@@ -73,7 +78,11 @@ def test_a_broken_environment_is_one_line_before_any_model_loads(tmp_path, actor
     assert not (tmp_path / "run").exists()
 
 
-def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, actor, template):  # noqa: F811
+def test_an_environment_that_raises_stops_the_run_naming_it(
+    tmp_path,
+    actor,  # noqa: F811
+    template,
+):
     env = (
         "ppo.env=tests.e2e.agent_envs.Flaky",
         "ppo.max_turns=2",

@@ -232,8 +232,8 @@ def cases(env):
         Case("mkdir_in_root", "import os\nos.mkdir('/pwned')", "blocked"),
         Case(
             "chroot_escape",
-            "import "
-            "os\nos.mkdir('x')\nos.chroot('x')\nos.chdir('../../..')\nos.chroot('.')\nprint(os.listdir('/'))",
+            "import os\nos.mkdir('x')\nos.chroot('x')\nos.chdir('../../..')\nos.chroot('.')\n"
+            "print(os.listdir('/'))",
         ),
         Case("setuid_root", "import os\nos.setuid(0)\nprint(os.getuid())"),
         Case(

@@ -71,3 +71,31 @@ def test_the_front_door_and_the_performance_page_stay_references():
     )
     assert len((ROOT / "docs" / "performance.md").read_bytes()) <= 30_000
     assert len((ROOT / "docs" / "contract.md").read_bytes()) <= 40_000  # every key: docs/keys.md
+
+
+def test_comments_mostly_on_their_own_lines_and_no_line_over_100():
+    """rlhf/ and stages/: at most a quarter of the comments trail code (a comment explaining a block
+    stands above it); no line of the Python sources over 100 characters (ruff's line-length)."""
+    import io
+    import tokenize
+
+    trailing = own = 0
+    for top in ("rlhf", "stages"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+                if tok.type == tokenize.COMMENT:
+                    if tok.line.strip().startswith("#"):
+                        own += 1
+                    else:
+                        trailing += 1
+    assert trailing <= 0.25 * (trailing + own), (
+        f"{trailing} of {trailing + own} comments trail code"
+    )
+    long = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for top in ("rlhf", "stages", "tests", "bench", "scripts")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), start=1)
+        if len(line) > 100
+    ]
+    assert not long, f"lines over 100 characters: {long[:10]}"

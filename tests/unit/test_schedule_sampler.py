@@ -12,14 +12,18 @@ def test_warmup_lr_is_linear_then_constant():
 
 
 def test_warmup_decay_reaches_min_at_total():
-    f = lambda s: lr_factor(s, kind="warmup_decay", warmup_steps=2, total_steps=12, min_ratio=0.1)  # noqa: E731
+    def f(s):
+        return lr_factor(s, kind="warmup_decay", warmup_steps=2, total_steps=12, min_ratio=0.1)
+
     assert (
         f(0) == 0.5 and f(2) == 1.0 and f(12) == pytest.approx(0.1) and f(7) == pytest.approx(0.55)
     )
 
 
 def test_cosine():
-    f = lambda s: lr_factor(s, kind="cosine", warmup_steps=0, total_steps=100, min_ratio=0.0)  # noqa: E731
+    def f(s):
+        return lr_factor(s, kind="cosine", warmup_steps=0, total_steps=100, min_ratio=0.0)
+
     assert f(0) == 1.0 and f(50) == pytest.approx(0.5) and f(100) == pytest.approx(0.0, abs=1e-12)
     assert f(25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 
