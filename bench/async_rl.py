@@ -90,7 +90,7 @@ def arm(args, seed: int, out: Path, name: str, sft_dir: Path) -> dict:
         ]
         over += ["engine.threads_per_rank=1"]
         if not args.fast_tools:
-            over.append("ppo.tools=[bench.slow_tools.calculator]")
+            over.append("env.tools=[bench.slow_tools.calculator]")
         if name == "sync2":
             # (the run directory's name says the arm)
             cmd = [

@@ -1,5 +1,5 @@
 """Tools that wait as remote ones do, for `bench/async_rl.py`:
-``ppo.tools=[bench.slow_tools.calculator]`` is the built-in calculator (the same name and schema, so
+``env.tools=[bench.slow_tools.calculator]`` is the built-in calculator (the same name and schema, so
 the agentic task's prompts are unchanged) answering after 50–300 ms (uniform), as a sandbox or an
 API across a network does."""
 

@@ -36,7 +36,8 @@ def compose_config(
     GlobalHydra.instance().clear()
     why = ""
     try:
-        overrides, why = choose_recipe(list(overrides))
+        overrides, moved_why = renamed(list(overrides))
+        overrides, why = choose_recipe(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             dcfg = compose(config_name="config", overrides=overrides)
         if base:
@@ -63,7 +64,28 @@ def compose_config(
     cfg.recipe_why = why
     cfg.lr_why = lr_why
     cfg.hub_why = hub_why
+    cfg.moved_why = moved_why
     return cfg, yaml_text
+
+
+def renamed(overrides: List[str]) -> Tuple[List[str], str]:
+    """The overrides with the keys of ``MOVED_KEYS`` under their new names (``ppo.tools=[x]`` is
+    ``env.tools=[x]``, ``ppo.sandbox.cpu_s=3`` is ``env.sandbox.cpu_s=3``), and the line that says
+    so ("" when none moved)."""
+    out, said = [], []
+    for o in overrides:
+        m = re.match(r"^(\+\+|\+|~)?([\w.]+)(=.*)?$", o, re.S)
+        key = m.group(2) if m else ""
+        for old, new in C.MOVED_KEYS.items():
+            if key == old or key.startswith(old + "."):
+                now = new + key[len(old) :]
+                o = (m.group(1) or "") + now + (m.group(3) or "")
+                said.append(f"{key} is now {now}")
+                break
+        out.append(o)
+    if not said:
+        return out, ""
+    return out, f"renamed keys: {'; '.join(said)} (the old names are read until the next release)"
 
 
 # keys naming the model a stage starts from: any of them set means a model the user brings
@@ -213,6 +235,9 @@ def _did_you_mean(text: str) -> str:
     cls = getattr(C, m.group(2), None) if m else None
     if cls is None or not dataclasses.is_dataclass(cls):
         return ""
+    if cls is C.PPOConfig and f"ppo.{m.group(1)}" in C.MOVED_KEYS:
+        # a moved key in a YAML file (the command line's are renamed)
+        return f" (it is {C.MOVED_KEYS[f'ppo.{m.group(1)}']} now)"
     close = difflib.get_close_matches(
         m.group(1), [f.name for f in dataclasses.fields(cls)], n=1, cutoff=0.75
     )

@@ -1108,7 +1108,7 @@ class AlgorithmConfig:
 ROLLOUT_GUARD_MAX = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 # the default ppo.min_rm_accuracy: on the embedded task (a generated format), and on any other data
 MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER = 0.9, 0.55
-# ppo.sandbox.isolation: the strongest mode, the strongest or exit 2 without namespaces, or a mode
+# env.sandbox.isolation: the strongest mode, the strongest or exit 2 without namespaces, or a mode
 # by name (rlhf/envs/sandbox/modes.py MODE_CHOICES, kept equal by tests/unit/test_sandbox.py)
 SANDBOX_ISOLATION = ("auto", "namespaces", "root", "user", "guard")
 
@@ -1146,36 +1146,126 @@ class SandboxConfig:
         ):
             _check(
                 getattr(self, key) > 0,
-                f"ppo.sandbox.{key}",
+                f"env.sandbox.{key}",
                 getattr(self, key),
                 "a positive number",
             )
         _check(
-            self.processes >= 0, "ppo.sandbox.processes", self.processes, "a non-negative integer"
+            self.processes >= 0, "env.sandbox.processes", self.processes, "a non-negative integer"
         )
-        _check(self.open_files >= 8, "ppo.sandbox.open_files", self.open_files, "an integer >= 8")
+        _check(self.open_files >= 8, "env.sandbox.open_files", self.open_files, "an integer >= 8")
         _check(
             self.files >= 2,
-            "ppo.sandbox.files",
+            "env.sandbox.files",
             self.files,
             "an integer >= 2 (its directory and main.py)",
         )
         _check(
             self.memory_mb >= 16,
-            "ppo.sandbox.memory_mb",
+            "env.sandbox.memory_mb",
             self.memory_mb,
             "at least 16 (the interpreter's own)",
         )
         _check(
             self.isolation in SANDBOX_ISOLATION,
-            "ppo.sandbox.isolation",
+            "env.sandbox.isolation",
             self.isolation,
             one_of(SANDBOX_ISOLATION),
         )
 
 
-# ppo.env: these, or a dotted path module.Class (rlhf/envs/builtin.py)
+# env.name: these, or a dotted path module.Class (rlhf/envs/builtin.py)
 ENV_BUILTINS = ("auto", "single_turn", "tools")
+
+
+@dataclass
+class EnvConfig:
+    """The environment each trajectory plays, its tools, its turns and the Python tool's sandbox
+    (docs/agents.md); PPO's episodes, and the held-out gold of SFT, PPO and ``rlhf.eval``."""
+
+    # the environment of each trajectory: single_turn (one response), tools (env.tools' calls
+    # answered turn after turn until the policy answers without one), or module.Class of the
+    # user's; auto = tools when env.tools is set, else single_turn
+    name: str = "auto"
+    # keyword arguments of the environment's constructor (a user's class)
+    args: Any = None
+    # the tools offered: calculator, python (sandboxed: env.sandbox), or module.attr of a Tool
+    tools: List[str] = field(default_factory=list)
+    # <tool_call>{json}</tool_call>; or module.function(text) -> Parsed
+    tool_parser: str = "hermes"
+    # policy turns per episode; None = 1 for single_turn, else 4
+    max_turns: Optional[int] = None
+    # tokens after the prompt (the policy's and the observations'); None = ppo.max_new_tokens for
+    # one turn, else 2 × max_turns × ppo.max_new_tokens
+    max_trajectory_tokens: Optional[int] = None
+    # a reset or step that takes longer fails its trajectory
+    timeout_s: float = 30.0
+    # stop the run (exit 2) when more than this share of a generation's episodes fail
+    max_failed_share: float = 0.1
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def __post_init__(self):
+        _check(
+            self.name in ENV_BUILTINS or "." in self.name,
+            "env.name",
+            self.name,
+            f"{one_of(ENV_BUILTINS)} or a dotted path module.Class",
+        )
+        _check(
+            self.max_turns is None or self.max_turns > 0,
+            "env.max_turns",
+            self.max_turns,
+            "a positive integer",
+        )
+        _check(self.timeout_s > 0, "env.timeout_s", self.timeout_s, "a positive number of seconds")
+        _check(
+            0 <= self.max_failed_share <= 1, "env.max_failed_share", self.max_failed_share, "0..1"
+        )
+
+    def resolve(self, max_new_tokens: int) -> None:
+        """env.name=auto, env.max_turns and env.max_trajectory_tokens=None: from the environment,
+        the tools and the tokens of a turn (``ppo.max_new_tokens``); then the checks that depend on
+        them."""
+        if self.name == "auto":
+            self.name = "tools" if self.tools else "single_turn"
+        if self.tools and self.name == "single_turn":
+            raise ConfigError(
+                f"env.tools={list(self.tools)} is set but env.name=single_turn never answers a "
+                "tool call: use env.name=tools (or leave env.name=auto)"
+            )
+        if self.name == "tools" and not self.tools:
+            raise ConfigError(
+                "env.name=tools needs tools: set env.tools, e.g. env.tools=[calculator]"
+            )
+        if self.max_turns is None:
+            self.max_turns = 1 if self.name == "single_turn" else 4
+        if self.max_trajectory_tokens is None:
+            self.max_trajectory_tokens = max_new_tokens
+            if self.max_turns > 1:
+                self.max_trajectory_tokens = 2 * self.max_turns * max_new_tokens
+        _check(
+            self.max_trajectory_tokens >= max_new_tokens,
+            "env.max_trajectory_tokens",
+            self.max_trajectory_tokens,
+            f"at least ppo.max_new_tokens={max_new_tokens}",
+        )
+
+
+# keys that moved to another group: the old name still read, for one release, with a warning line
+# naming the new one (rlhf/compose.py ``renamed``); a key under a moved group moves with it
+MOVED_KEYS = {
+    "ppo.env": "env.name",
+    "ppo.env_args": "env.args",
+    "ppo.tools": "env.tools",
+    "ppo.tool_parser": "env.tool_parser",
+    "ppo.max_turns": "env.max_turns",
+    "ppo.max_trajectory_tokens": "env.max_trajectory_tokens",
+    "ppo.env_timeout_s": "env.timeout_s",
+    "ppo.env_max_failed_share": "env.max_failed_share",
+    "ppo.sandbox": "env.sandbox",
+    # (algorithm.reward_clip is another thing: the normalised score's bound)
+    "ppo.reward_clip": "ppo.reward_clip_to_heldout",
+}
 # ppo.rollout_guard (rlhf/rl/rollout_guard.py)
 ROLLOUT_GUARD = ("stop", "rebuild", "off")
 
@@ -1226,7 +1316,7 @@ class PPOConfig:
     reward_lcb_coef: float = 1.0
     # each member's score clipped to the range of its held-out scores (reward_stats.json), where it
     # was calibrated
-    reward_clip: bool = False
+    reward_clip_to_heldout: bool = False
     # the reward model's part of each step's rewards with its linear dependence on response length
     # taken out (every rank's rows: score - slope x (length - mean length), slope by least squares;
     # reward/length_slope): a policy gains nothing from answering longer or shorter (docs/ppo.md)
@@ -1297,27 +1387,6 @@ class PPOConfig:
     # to −overlong_penalty at max_new_tokens (0 = off)
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
-    # ---- multi-turn episodes (docs/agents.md) ----
-    # the environment of each trajectory: single_turn (one response, today's PPO), tools (ppo.tools'
-    # calls answered turn after turn until the policy answers without one), or module.Class of the
-    # user's; auto = tools when ppo.tools is set, else single_turn
-    env: str = "auto"
-    # keyword arguments of the environment's constructor (a user's class)
-    env_args: Any = None
-    # the tools offered: calculator, python (sandboxed: ppo.sandbox), or module.attr of a Tool
-    tools: List[str] = field(default_factory=list)
-    # <tool_call>{json}</tool_call>; or module.function(text) -> Parsed
-    tool_parser: str = "hermes"
-    # policy turns per episode; None = 1 for single_turn, else 4
-    max_turns: Optional[int] = None
-    # tokens after the prompt (the policy's and the observations'); None = max_new_tokens for one
-    # turn, else 2 × max_turns × max_new_tokens
-    max_trajectory_tokens: Optional[int] = None
-    # a reset or step that takes longer fails its trajectory
-    env_timeout_s: float = 30.0
-    # stop the run (exit 2) when more than this share of a generation's episodes fail
-    env_max_failed_share: float = 0.1
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self):
         for key in (
@@ -1397,12 +1466,6 @@ class PPOConfig:
             "0..1, or null for the default",
         )
         _check(
-            self.env in ENV_BUILTINS or "." in self.env,
-            "ppo.env",
-            self.env,
-            f"{one_of(ENV_BUILTINS)} or a dotted path module.Class",
-        )
-        _check(
             self.reward_combine in COMBINE,
             "ppo.reward_combine",
             self.reward_combine,
@@ -1466,29 +1529,9 @@ class PPOConfig:
             self.rollout_guard_max,
             "a non-negative number of nats per token (0 = the inference dtype's default)",
         )
-        _check(
-            self.max_turns is None or self.max_turns > 0,
-            "ppo.max_turns",
-            self.max_turns,
-            "a positive integer",
-        )
-        _check(
-            self.env_timeout_s > 0,
-            "ppo.env_timeout_s",
-            self.env_timeout_s,
-            "a positive number of seconds",
-        )
-        _check(
-            0 <= self.env_max_failed_share <= 1,
-            "ppo.env_max_failed_share",
-            self.env_max_failed_share,
-            "0..1",
-        )
 
     def resolve(self, data: "DataConfig") -> None:
-        """ppo.max_new_tokens=None: per data format; ppo.env=auto, ppo.max_turns and
-        ppo.max_trajectory_tokens=None: from the environment and the tools; then the checks that
-        depend on them."""
+        """ppo.max_new_tokens=None: per data format; then the checks that depend on it."""
         if self.max_new_tokens is None:
             self.max_new_tokens = data.default_new_tokens()
         _check(
@@ -1502,30 +1545,6 @@ class PPOConfig:
             "ppo.overlong_buffer",
             self.overlong_buffer,
             f"0..ppo.max_new_tokens-1={self.max_new_tokens - 1}",
-        )
-        if self.env == "auto":
-            self.env = "tools" if self.tools else "single_turn"
-        if self.tools and self.env == "single_turn":
-            raise ConfigError(
-                f"ppo.tools={list(self.tools)} is set but ppo.env=single_turn never "
-                "answers a tool call: "
-                f"use ppo.env=tools (or leave ppo.env=auto)"
-            )
-        if self.env == "tools" and not self.tools:
-            raise ConfigError(
-                "ppo.env=tools needs tools: set ppo.tools, e.g. ppo.tools=[calculator]"
-            )
-        if self.max_turns is None:
-            self.max_turns = 1 if self.env == "single_turn" else 4
-        if self.max_trajectory_tokens is None:
-            self.max_trajectory_tokens = self.max_new_tokens
-            if self.max_turns > 1:
-                self.max_trajectory_tokens = 2 * self.max_turns * self.max_new_tokens
-        _check(
-            self.max_trajectory_tokens >= self.max_new_tokens,
-            "ppo.max_trajectory_tokens",
-            self.max_trajectory_tokens,
-            f"at least ppo.max_new_tokens={self.max_new_tokens}",
         )
 
 
@@ -1554,6 +1573,8 @@ class Config:
     hub_why: ClassVar[str] = ""
     # where train.lr came from when the recipe's LoRA rate replaced it (compose)
     lr_why: ClassVar[str] = ""
+    # the moved keys the command line used, and their new names (MOVED_KEYS; compose)
+    moved_why: ClassVar[str] = ""
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -1563,6 +1584,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -1577,6 +1599,8 @@ class Config:
         self.eval.resolve(self.data)
         # ppo.max_new_tokens=None: per data format
         self.ppo.resolve(self.data)
+        # env.name=auto, env.max_turns, env.max_trajectory_tokens=None: from the tools and turns
+        self.env.resolve(self.ppo.max_new_tokens)
         if self.stage == "ppo":
             self.check_ppo()
         tp, m = self.engine.inference_tp_size, self.model

@@ -16,10 +16,10 @@ the GPU when there is one (``engine.device``). A path that is not an exported po
 without a gold scorer, exits 2 with one line.
 
 An agentic policy is scored by episodes, as the PPO stage scores it: when the saved run played them
-(``ppo.tools`` set, or a ``ppo.env`` other than ``single_turn``) its environment settings come with
-it (``ENV_KEYS``), and overrides such as ``ppo.tools=[calculator]`` or ``ppo.env=module.Class`` ask
-for them on any run. Each held-out prompt is rendered with the tools and played by the stage's
-``EpisodeRunner`` (tool calls run, results appended, up to ``ppo.max_turns``), and the final answer
+(``env.tools`` set, or an ``env.name`` other than ``single_turn``) its ``env`` group comes with it
+(``env_of``), and overrides such as ``env.tools=[calculator]`` or ``env.name=module.Class`` ask for
+them on any run. Each held-out prompt is rendered with the tools and played by the stage's
+``EpisodeRunner`` (tool calls run, results appended, up to ``env.max_turns``), and the final answer
 is scored; the JSON object then also has ``gold/tool_use`` (and ``gold/tool_use_greedy``: the share
 of episodes that called a tool), ``env``, ``tools`` and ``max_turns``.
 """
@@ -55,8 +55,8 @@ def main(argv=None) -> None:
     ap.add_argument(
         "overrides",
         nargs="*",
-        help="Hydra overrides of the run: data.*, eval.*, run.seed, engine.device, ppo.tools, "
-        "ppo.env, ...",
+        help="Hydra overrides of the run: data.*, eval.*, run.seed, engine.device, env.tools, "
+        "env.name, ...",
     )
     args = ap.parse_intermixed_args(argv)  # options before or after the overrides
 
@@ -103,42 +103,38 @@ def main(argv=None) -> None:
 # what rlhf.eval takes from a run's saved configuration, with run.seed (engine.* stays this
 # machine's)
 RUN_KEYS = ("data", "eval")
-# and of its ppo group, when the run played episodes (env_of): the environment, its tools and
-# budgets
-ENV_KEYS = (
-    "env",
-    "env_args",
-    "tools",
-    "tool_parser",
-    "max_turns",
-    # (what max_trajectory_tokens is checked against)
-    "max_new_tokens",
-    "max_trajectory_tokens",
-    "env_timeout_s",
-    "sandbox",
-)
+# and its env group, when the run played episodes (env_of): the environment, its tools and budgets
 
 
 def env_of(run) -> dict:
-    """The saved run's ``ppo`` environment keys (ENV_KEYS) when its policy played episodes
-    (``ppo.tools`` set, or an environment other than ``single_turn``); {} for a single-turn run (the
-    defaults stay, and ``ppo.tools=[...]`` on the command line makes one agentic). ``env: tools`` is
-    carried as ``auto`` (the same while tools are set), so that ``ppo.tools=[]`` alone scores the
-    policy without them."""
-    ppo = run.get("ppo")
-    if ppo is None or (
-        not ppo.get("tools") and ppo.get("env", "single_turn") in ("single_turn", "auto")
-    ):
+    """The saved run's ``env`` group (and the ``ppo.max_new_tokens`` its trajectory budget is
+    checked against) as overrides, when its policy played episodes (``env.tools`` set, or an
+    environment other than ``single_turn``); {} for a single-turn run (the defaults stay, and
+    ``env.tools=[...]`` on the command line makes one agentic). A run saved before the group moved
+    out of ``ppo`` (MOVED_KEYS) is read under the new names. ``name: tools`` is carried as ``auto``
+    (the same while tools are set), so that ``env.tools=[]`` alone scores the policy without
+    them."""
+    from rlhf.config import MOVED_KEYS
+
+    ppo = run.get("ppo") or {}
+    env = dict(run.get("env") or {})
+    for old, new in MOVED_KEYS.items():
+        key = old.split(".", 1)[1]
+        if key in ppo and new.split(".", 1)[1] not in env:
+            env[new.split(".", 1)[1]] = ppo[key]
+    if not env.get("tools") and env.get("name", "single_turn") in ("single_turn", "auto"):
         return {}
-    out = {k: ppo[k] for k in ENV_KEYS if k in ppo}
-    if out.get("env") == "tools":
-        out["env"] = "auto"
+    if env.get("name") == "tools":
+        env["name"] = "auto"
+    out = {"env": env}
+    if "max_new_tokens" in ppo:
+        out["ppo"] = {"max_new_tokens": ppo["max_new_tokens"]}
     return out
 
 
-def plays_episodes(ppo) -> bool:
+def plays_episodes(env) -> bool:
     """Whether gold is scored by episodes: tools, or an environment of more than the one turn."""
-    return bool(ppo.tools) or ppo.env != "single_turn"
+    return bool(env.tools) or env.name != "single_turn"
 
 
 def run_config(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
@@ -181,7 +177,7 @@ def compose_for(saved: Optional[Path], run_dir: Optional[str], overrides: list):
         # a recipe need not have an SFT stage (smollm2_arith: ppo only)
         first[0] = f"stage={run.stage}"
         base = {**{k: run[k] for k in RUN_KEYS}, "run": {"seed": run.run.seed}}
-        base["ppo"] = env_of(run)
+        base.update(env_of(run))
     except (OSError, OmegaConfBaseException, ValueError, KeyError, AttributeError) as e:
         raise ConfigError(
             f"{saved}: not a configuration saved by a stage ({one_line(e)})"
@@ -235,10 +231,10 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
         )
     # episodes: the stage's environment, its tools and parser built before anything loads
     env = None
-    if plays_episodes(cfg.ppo):
+    if plays_episodes(cfg.env):
         from rlhf.envs.builtin import environment
 
-        env = environment(cfg.ppo)
+        env = environment(cfg.env)
     # the held-out records as the policy's stage read them
     data = load_stage_data(cfg.data, cfg.stage, cfg.run.seed)
     if data.gold is None:
@@ -251,7 +247,7 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     if env is not None:  # it resets on a held-out record
         from rlhf.envs.base import check as check_env
 
-        check_env(env[0], data.eval[0], cfg.ppo.env)
+        check_env(env[0], data.eval[0], cfg.env.name)
     hybrid, tokenizer, mesh = load_policy(
         path, trust_remote_code=trust_remote_code, ecfg=cfg.engine
     )
@@ -259,11 +255,11 @@ def gold_of(path: str, cfg, trust_remote_code: bool = False) -> dict:
     held_out, play, played = data.eval, None, {}
     if env is not None:
         # as the PPO stage evaluates: prompts with the tools, episodes when they have turns
-        runner = EpisodeRunner.of(cfg.ppo, env, tokenizer, chat, mesh)
+        runner = EpisodeRunner.of(cfg.env, env, tokenizer, chat, mesh)
         held_out = runner.with_tools(data.eval)
         if runner.multi_turn:
             play = runner.player(hybrid)
-        played = {"env": cfg.ppo.env, "tools": list(cfg.ppo.tools), "max_turns": cfg.ppo.max_turns}
+        played = {"env": cfg.env.name, "tools": list(cfg.env.tools), "max_turns": cfg.env.max_turns}
     res = evaluate_gold(
         hybrid.generate, tokenizer, held_out, data.gold, cfg.eval, mesh, chat, play=play
     )

@@ -22,7 +22,7 @@ Bad input exits 2 with one line.
 
 ``--tools`` (``--max-turns``, ``--tool-parser``) plays each sample as the PPO stage's episodes do
 (``rlhf.rl.episodes.EpisodeRunner`` with the environment ``rlhf.envs.builtin.environment`` builds
-from ``ppo.tools``): the prompt rendered with the tools by the chat template, the policy's tool
+from ``env.tools``): the prompt rendered with the tools by the chat template, the policy's tool
 calls run and their results appended, turn after turn, until it answers without a call. Each JSON
 object then also has the conversation after the prompt, ``"turns": [{"role": "assistant",
 "content"}, {"role": "tool", "name", "content"}, ...]``, and ``"tool_calls"``; ``"response"`` is the
@@ -227,12 +227,12 @@ def generate(hybrid, tokenizer, prompts: List[List[int]], sp, batch_size: int = 
     return out
 
 
-# the ppo.* keys --tools, --tool-parser and --max-turns set, and the template's: named as options in
+# the env.* keys --tools, --tool-parser and --max-turns set, and the template's: named as options in
 # errors
 _OPTION_OF = {
-    "ppo.tools": "--tools",
-    "ppo.tool_parser": "--tool-parser",
-    "ppo.max_turns": "--max-turns",
+    "env.tools": "--tools",
+    "env.tool_parser": "--tool-parser",
+    "env.max_turns": "--max-turns",
     "data.chat_template": "--chat-template",
 }
 
@@ -247,11 +247,11 @@ def _as_options(e: Exception) -> str:
 def tool_environment(
     tools: str, max_turns: Optional[int], tool_parser: Optional[str], max_new_tokens: int
 ):
-    """(the PPO group, ``environment(ppo)``: the maker of its environments and their class) for
+    """(the ``env`` group, ``environment(env)``: the maker of its environments and their class) for
     ``--tools`` (comma-separated), ``--max-turns``, ``--tool-parser``: the stage's own construction
     (``rlhf.envs.builtin.environment``), before any model loads. A bad name is a ConfigError naming
     the option."""
-    from rlhf.config import DataConfig, PPOConfig
+    from rlhf.config import EnvConfig
     from rlhf.envs.builtin import environment
     from rlhf.errors import ConfigError
 
@@ -260,12 +260,10 @@ def tool_environment(
         raise ConfigError(f"--tools={tools!r}: give tool names, e.g. --tools calculator,python")
     try:
         parser = tool_parser or "hermes"
-        ppo = PPOConfig(
-            tools=names, tool_parser=parser, max_turns=max_turns, max_new_tokens=max_new_tokens
-        )
-        # ppo.max_trajectory_tokens: 2 × turns × tokens a turn
-        ppo.resolve(DataConfig())
-        return ppo, environment(ppo)
+        env = EnvConfig(tools=names, tool_parser=parser, max_turns=max_turns)
+        # env.max_trajectory_tokens: 2 × turns × tokens a turn
+        env.resolve(max_new_tokens)
+        return env, environment(env)
     except ConfigError as e:
         raise ConfigError(_as_options(e)) from None
 
@@ -468,10 +466,10 @@ def main(argv=None) -> None:
         prompts: List[object] = list(args.prompt)
         if args.file:
             prompts += read_prompts(args.file)
-        ppo, env = None, None
+        env_cfg, env = None, None
         if args.tools is not None:
             # the tools resolved before any model loads
-            ppo, env = tool_environment(
+            env_cfg, env = tool_environment(
                 args.tools, args.max_turns, args.tool_parser, args.max_new_tokens
             )
         hybrid, tokenizer, mesh = load_policy(
@@ -485,7 +483,7 @@ def main(argv=None) -> None:
             from rlhf.rl.episodes import EpisodeRunner
 
             try:
-                runner = EpisodeRunner.of(ppo, env, tokenizer, template, mesh)
+                runner = EpisodeRunner.of(env_cfg, env, tokenizer, template, mesh)
             except ConfigError as e:
                 raise ConfigError(_as_options(e)) from None
         from rlhf.ops import SamplingParams

@@ -79,7 +79,12 @@ STEPS = [
         ["train.max_steps=20", "train.eval_every=10", "reward.ensemble=2"],
         "base",
     ),
-    ("ensemble", "ppo", PPO + ["ppo.reward_clip=true", "ppo.stop_disagreement=100"], None),
+    (
+        "ensemble",
+        "ppo",
+        PPO + ["ppo.reward_clip_to_heldout=true", "ppo.stop_disagreement=100"],
+        None,
+    ),
     # the agentic path: SFT on the tool task, then GRPO episodes calling the calculator
     (
         "agentic",

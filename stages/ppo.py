@@ -68,9 +68,9 @@ def run(cfg: Config) -> None:
     # the user's reward function imports before anything else: an import error is the run's one line
     rule = resolve(cfg.ppo.reward_fn) if cfg.ppo.reward_fn else None
     # (a maker of the environment, its class): imported, tools and parser built
-    env = environment(cfg.ppo)
+    env = environment(cfg.env)
     ctx = start_stage(cfg, "ppo")
-    say_sandbox(cfg.ppo, log)
+    say_sandbox(cfg.env, log)
     mesh, train, ppo = ctx.mesh, cfg.train, cfg.ppo
     check_writable(cfg.run.dir)
     # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
@@ -193,7 +193,7 @@ def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prep
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
     if rule is not None:
         check_reward_fn(rule, ppo.reward_fn, data.train[0], cfg.data.source_list()[0].format)
-    check_env(env[0], data.train[0], ppo.env)
+    check_env(env[0], data.train[0], cfg.env.name)
     if len(data.train) < ppo.prompts_per_step:
         raise UserError(
             f"data ({data.description}): {len(data.train)} prompts, fewer than one step "
@@ -213,7 +213,7 @@ def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prep
             )
     chat = resolve_template(tokenizer, cfg.data.chat_template, records=data.train)  # as in SFT
     # (refuses a template that drops observations)
-    runner = EpisodeRunner.of(ppo, env, tokenizer, chat, mesh)
+    runner = EpisodeRunner.of(cfg.env, env, tokenizer, chat, mesh)
     data.train, data.eval = runner.with_tools(data.train), runner.with_tools(data.eval)
     prompt_ids = tokenize_prompts(
         data.train, tokenizer, cfg.data.max_prompt_len, chat, max_new_tokens=ppo.max_new_tokens

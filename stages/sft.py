@@ -58,7 +58,7 @@ log = logging.getLogger("rlhf")
 
 def run(cfg: Config) -> None:
     ctx = start_stage(cfg, "sft")
-    say_sandbox(cfg.ppo, log)
+    say_sandbox(cfg.env, log)
     mesh, train, data_cfg = ctx.mesh, cfg.train, cfg.data
     check_writable(cfg.run.dir)
     # (every recipe opens with these lines and then reads top to bottom, setup → loop → export: a
@@ -67,15 +67,15 @@ def run(cfg: Config) -> None:
     # ---- 1. setup: everything is validated before anything is written ----
     if cfg.model.path:
         loading.check_model_path(cfg.model.path)
-    # the gold evaluation plays the run's episodes (ppo.tools, ppo.env)
-    env = environment(cfg.ppo)
+    # the gold evaluation plays the run's episodes (env.tools, env.name)
+    env = environment(cfg.env)
     data = load_stage_data(data_cfg, "sft", cfg.run.seed)
     require_batches(len(data.train), train.global_batch, f"data ({data.description})")
     ckpt = checkpoint_to_resume(ctx)
     tokenizer, model_cfg = tokenizer_and_config(cfg, data, ckpt, mesh)
     # (a file's is exported too)
     chat = resolve_template(tokenizer, data_cfg.chat_template, records=data.train)
-    runner = EpisodeRunner.of(cfg.ppo, env, tokenizer, chat, mesh)
+    runner = EpisodeRunner.of(cfg.env, env, tokenizer, chat, mesh)
     train_cols, eval_cols = columns(cfg, ctx, data, tokenizer, chat)
     resolve_steps(ctx, len(train_cols["ids"]), train.global_batch, "records")
     model = loading.build_model(

@@ -1,6 +1,6 @@
 """The environment API: what a multi-turn rollout talks to (docs/agents.md).
 
-An environment is a class; the PPO stage makes one instance per trajectory (``ppo.env_args`` as
+An environment is a class; the PPO stage makes one instance per trajectory (``env.args`` as
 keyword arguments) and calls
 
 - ``reset(example) -> list of messages or None``: the opening conversation of the trajectory, from
@@ -9,14 +9,14 @@ keyword arguments) and calls
 - ``step(text) -> StepResult``: the policy's turn as text (special tokens removed); the answer is
   the
   observation (messages: a tool's result ``{"role": "tool", ...}``, a user's reply), this turn's
-  reward, and whether the episode is over. The episode also ends at ``ppo.max_turns``, at the
+  reward, and whether the episode is over. The episode also ends at ``env.max_turns``, at the
   trajectory's token budget, or when the policy stops without EOS.
 - ``tools``: the ``Tool``s (rlhf/envs/tools.py) rendered into the prompt by the chat template.
 - ``close()``: called once the trajectory is over (release what ``reset`` took).
 
 Its steps run in a thread pool, several trajectories at a time, each bounded by
-``ppo.env_timeout_s``; an exception or a timeout drops the trajectory (no loss on it), counted in
-``env/failed``, and a step in which more than ``ppo.env_max_failed_share`` of the trajectories fail
+``env.timeout_s``; an exception or a timeout drops the trajectory (no loss on it), counted in
+``env/failed``, and a step in which more than ``env.max_failed_share`` of the trajectories fail
 stops the run (exit 2) naming the environment and the error. The class is checked before any model
 loads (``check``): it must import, construct, and reset on a record.
 """
@@ -78,7 +78,7 @@ def _import(path: str, key: str):
     return getattr(obj, name)
 
 
-def resolve(spec: str, table: Dict[str, type], key: str = "ppo.env") -> type:
+def resolve(spec: str, table: Dict[str, type], key: str = "env.name") -> type:
     """The environment class ``spec`` names: a row of ``table`` (the built-ins) or a dotted path."""
     cls = table.get(spec) or _import(spec, key)
     if not callable(cls):
@@ -92,14 +92,14 @@ def resolve(spec: str, table: Dict[str, type], key: str = "ppo.env") -> type:
     return cls
 
 
-def make(cls: type, args: Optional[dict], key: str = "ppo.env"):
-    """One instance of ``cls`` with ``args`` (ppo.env_args) as keyword arguments."""
+def make(cls: type, args: Optional[dict], key: str = "env.name"):
+    """One instance of ``cls`` with ``args`` (env.args) as keyword arguments."""
     args = dict(args or {})
     try:
         inspect.signature(cls).bind(**args)
     except TypeError as e:
         raise ConfigError(
-            f"{key}={name_of(cls)}: ppo.env_args {sorted(args)} do not fit its constructor: {e}"
+            f"{key}={name_of(cls)}: env.args {sorted(args)} do not fit its constructor: {e}"
         ) from None
     except ValueError:  # no signature to inspect
         pass
@@ -182,7 +182,7 @@ def check_info(info, where: str) -> None:
             )
 
 
-def check(make_env, example: Example, spec: str, key: str = "ppo.env") -> None:
+def check(make_env, example: Example, spec: str, key: str = "env.name") -> None:
     """Before any model loads: an environment made by ``make_env`` resets on a record (one line,
     exit 2, if not)."""
     try:

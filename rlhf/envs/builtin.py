@@ -1,10 +1,10 @@
-"""The built-in environments (``ppo.env``): one table, ``ENVS``.
+"""The built-in environments (``env.name``): one table, ``ENVS``.
 
 - ``single_turn``: one response to the record's prompt, nothing answered: PPO as it always was (the
   reward comes from the reward model and ``ppo.reward_fn``).
-- ``tools``: the policy may call the tools of ``ppo.tools`` (rendered into the prompt by the chat
+- ``tools``: the policy may call the tools of ``env.tools`` (rendered into the prompt by the chat
   template); each turn's calls (Hermes ``<tool_call>{json}</tool_call>`` by default,
-  ``ppo.tool_parser``) run and their results come back as ``tool`` messages; a malformed call, an
+  ``env.tool_parser``) run and their results come back as ``tool`` messages; a malformed call, an
   unknown tool or bad arguments come back as an error message the policy reads. A turn without a
   call is the answer: the episode ends, and ``ppo.reward_fn`` / the reward model score that final
   answer.
@@ -46,22 +46,22 @@ class ToolEnv(Environment):
 ENVS: Dict[str, type] = {"single_turn": SingleTurn, "tools": ToolEnv}
 
 
-def environment(ppo) -> Tuple[Callable[[], object], type]:
-    """(a maker of one environment per trajectory, its class) from the PPO group (``ppo.env``,
-    ``env_args``, ``tools``, ``tool_parser``, ``sandbox``). Everything is resolved here, before any
+def environment(env) -> Tuple[Callable[[], object], type]:
+    """(a maker of one environment per trajectory, its class) from the ``env`` group (``env.name``,
+    ``args``, ``tools``, ``tool_parser``, ``sandbox``). Everything is resolved here, before any
     model loads: a name or path that does not import, a tool or parser that is not one, arguments
     that do not fit the constructor are a ConfigError naming the key."""
     from rlhf.envs.toolcalls import resolve_parser
     from rlhf.envs.tools import resolve_tools
 
-    cls = resolve(ppo.env, ENVS)
+    cls = resolve(env.name, ENVS)
     tools = []
-    if ppo.tools:
-        tools = resolve_tools(list(ppo.tools), sandbox_of(ppo) if "python" in ppo.tools else None)
+    if env.tools:
+        tools = resolve_tools(list(env.tools), sandbox_of(env) if "python" in env.tools else None)
     if cls is ToolEnv:
-        parser = resolve_parser(ppo.tool_parser)
+        parser = resolve_parser(env.tool_parser)
         return (lambda: ToolEnv(tools, parser)), cls
-    args = dict(ppo.env_args or {})
+    args = dict(env.args or {})
     if tools:
         # a class of the user's that takes the tools
         args["tools"] = tools
@@ -70,20 +70,20 @@ def environment(ppo) -> Tuple[Callable[[], object], type]:
     return (lambda: make(cls, args)), cls
 
 
-def sandbox_of(ppo):
-    """The Python tool's sandbox from ``ppo.sandbox``: its limits, and its isolation settled here
+def sandbox_of(env):
+    """The Python tool's sandbox from ``env.sandbox``: its limits, and its isolation settled here
     (the kernel probed once, the mode said in the log); ``namespaces`` where the kernel allows none
     is a ConfigError saying what it refused."""
     from rlhf.envs.sandbox import Limits, Sandbox
 
-    fields = dataclasses.asdict(ppo.sandbox)
+    fields = dataclasses.asdict(env.sandbox)
     found = settled(fields.pop("isolation"))
-    # the other ppo.sandbox.* are Limits' own fields
+    # the other env.sandbox.* are Limits' own fields
     return Sandbox(Limits(**fields), mode=found.mode)
 
 
 def settled(choice: str):
-    """``ppo.sandbox.isolation`` settled (modes.py ``settle``); ``namespaces`` where the kernel
+    """``env.sandbox.isolation`` settled (modes.py ``settle``); ``namespaces`` where the kernel
     allows none is a ConfigError saying what it refused."""
     from rlhf.envs.sandbox.run import settle
 
@@ -91,13 +91,13 @@ def settled(choice: str):
         return settle(choice)
     except ValueError as e:
         raise ConfigError(
-            f"ppo.sandbox.isolation=namespaces, but the kernel allows none here: {e}"
+            f"env.sandbox.isolation=namespaces, but the kernel allows none here: {e}"
         ) from None
 
 
-def say_sandbox(ppo, log) -> None:
+def say_sandbox(env, log) -> None:
     """The Python tool's isolation in the stage's log, once its logging is set up (a warning where
     it is the guard alone); nothing without the tool."""
-    if "python" in (ppo.tools or ()):
-        found = settled(ppo.sandbox.isolation)
+    if "python" in (env.tools or ()):
+        found = settled(env.sandbox.isolation)
         (log.warning if found.weak else log.info)("%s", found.line())

@@ -1,4 +1,4 @@
-"""Tool calls in the policy's text: parsing them (``ppo.tool_parser``), writing them, running them.
+"""Tool calls in the policy's text: parsing them (``env.tool_parser``), writing them, running them.
 
 The default format is Hermes / Qwen's: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
 any number per turn; ``format_call`` writes it (the embedded tool-use task's SFT data is written
@@ -140,14 +140,14 @@ PARSERS: Dict[str, Callable[[str], Parsed]] = {"hermes": parse_hermes}
 
 
 def resolve_parser(spec: str) -> Callable[[str], Parsed]:
-    """``ppo.tool_parser``: a name of PARSERS or a dotted path to a function ``(text) ->
+    """``env.tool_parser``: a name of PARSERS or a dotted path to a function ``(text) ->
     Parsed``."""
     if spec in PARSERS:
         return PARSERS[spec]
     module, _, attr = str(spec).rpartition(".")
     if not module:
         raise ConfigError(
-            f"ppo.tool_parser={spec}: not a built-in parser ({one_of(sorted(PARSERS))}) "
+            f"env.tool_parser={spec}: not a built-in parser ({one_of(sorted(PARSERS))}) "
             f"nor a dotted path module.function"
         )
     try:
@@ -155,11 +155,11 @@ def resolve_parser(spec: str) -> Callable[[str], Parsed]:
     except Exception as e:
         # ImportError, AttributeError, or the module raising on import
         raise ConfigError(
-            f"ppo.tool_parser={spec}: cannot import it: {type(e).__name__}: {first_line(e)}"
+            f"env.tool_parser={spec}: cannot import it: {type(e).__name__}: {first_line(e)}"
         ) from None
     if not callable(fn):
         raise ConfigError(
-            f"ppo.tool_parser={spec}: a {type(fn).__name__} is not callable (text -> Parsed)"
+            f"env.tool_parser={spec}: a {type(fn).__name__} is not callable (text -> Parsed)"
         )
     return fn
 

@@ -1,4 +1,4 @@
-"""Tools as JSON-schema functions (``ppo.tools``): the ``Tool`` type, the built-ins and their table.
+"""Tools as JSON-schema functions (``env.tools``): the ``Tool`` type, the built-ins and their table.
 
 A tool is a name, a description, the JSON schema of its arguments (what the chat template renders
 through ``tokenizer.apply_chat_template(..., tools=[t.schema() for t in tools])``) and a function
@@ -295,7 +295,7 @@ TOOLS: Dict[str, Callable[..., Tool]] = {"calculator": calculator_tool, "python"
 
 
 def resolve_tools(names: Sequence[str], executor: Optional[Executor] = None) -> List[Tool]:
-    """The tools of ``ppo.tools``: built-in names (TOOLS; ``executor`` runs the Python tool's code,
+    """The tools of ``env.tools``: built-in names (TOOLS; ``executor`` runs the Python tool's code,
     by default a ``Sandbox()``) or dotted paths ``module.attr`` to a Tool or to a function of no
     arguments returning one. ConfigError (one line naming the entry) otherwise, and for two tools of
     one name."""
@@ -307,7 +307,7 @@ def resolve_tools(names: Sequence[str], executor: Optional[Executor] = None) -> 
             tool = _import_tool(entry)
         if any(t.name == tool.name for t in tools):
             raise ConfigError(
-                f"ppo.tools: two tools are named {tool.name!r} ({entry} is the second)"
+                f"env.tools: two tools are named {tool.name!r} ({entry} is the second)"
             )
         tools.append(tool)
     return tools
@@ -317,7 +317,7 @@ def _import_tool(entry: str) -> Tool:
     module, _, attr = str(entry).rpartition(".")
     if not module:
         raise ConfigError(
-            f"ppo.tools: {entry!r} is not a built-in tool ({one_of(sorted(TOOLS))}) nor a "
+            f"env.tools: {entry!r} is not a built-in tool ({one_of(sorted(TOOLS))}) nor a "
             "dotted path module.attr"
         )
     try:
@@ -325,18 +325,18 @@ def _import_tool(entry: str) -> Tool:
     except Exception as e:
         # ImportError, AttributeError, or the module raising on import
         raise ConfigError(
-            f"ppo.tools: cannot import {entry}: {type(e).__name__}: {first_line(e)}"
+            f"env.tools: cannot import {entry}: {type(e).__name__}: {first_line(e)}"
         ) from None
     if not isinstance(obj, Tool) and callable(obj):
         try:
             obj = obj()
         except Exception as e:
             raise ConfigError(
-                f"ppo.tools: {entry}() raised {type(e).__name__}: {first_line(e)}"
+                f"env.tools: {entry}() raised {type(e).__name__}: {first_line(e)}"
             ) from None
     if not isinstance(obj, Tool):
         raise ConfigError(
-            f"ppo.tools: {entry} is a {type(obj).__name__}, not a Tool (rlhf.envs.tools.Tool) "
+            f"env.tools: {entry} is a {type(obj).__name__}, not a Tool (rlhf.envs.tools.Tool) "
             f"or a function of no arguments returning one"
         )
     return obj

@@ -3,7 +3,7 @@
 ``EpisodeRunner.run(generate, prompts, examples, sp)`` plays one environment per row: the first turn
 is one generation of every prompt's ``samples_per_prompt`` samples (the single-turn call,
 unchanged), then, while any row on any rank is still going, each environment answers its policy's
-turn (in parallel threads, each bounded by ``ppo.env_timeout_s``), the answer is rendered by the
+turn (in parallel threads, each bounded by ``env.timeout_s``), the answer is rendered by the
 chat template and appended as tokens, and the rows still going are generated together for one more
 turn. The sampled ids are never decoded and re-encoded: a row's sequence is its prompt, its sampled
 tokens and the observations' tokens, back to back, and the inference mode's log-probs of the sampled
@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf import seeding
+from rlhf.config import EnvConfig
 from rlhf.data.chat import render
 from rlhf.data.records import Chat, Example, Turn
 from rlhf.data.tokenize import encode_prompts
@@ -190,6 +191,7 @@ class EpisodeRunner:
         max_tokens: Optional[int],
         timeout_s: float,
         single_turn: bool = False,
+        max_failed_share: float = EnvConfig.max_failed_share,
     ):
         self.make_env, self.env_name, self.tok, self.template, self.mesh = (
             make_env,
@@ -199,6 +201,8 @@ class EpisodeRunner:
             mesh,
         )
         self.max_turns, self.max_tokens, self.timeout_s = max_turns, max_tokens, timeout_s
+        # more failed episodes than this share of a generation's stop the run (the collector)
+        self.max_failed_share = max_failed_share
         # the built-in single-turn environment: no turn, no reward of its own
         self.single_turn = single_turn
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -208,14 +212,15 @@ class EpisodeRunner:
     @classmethod
     def of(
         cls,
-        ppo,
+        cfg,
         env: Tuple[Callable[[], object], type],
         tokenizer,
         template: Optional[str],
         mesh: Mesh,
     ):
-        """The runner of the PPO group's episodes (``ppo.max_turns``, ``max_trajectory_tokens``,
-        ``env_timeout_s``) for ``env = rlhf.envs.builtin.environment(ppo)``: the stage's, and
+        """The runner of the ``env`` group's episodes (``cfg``: its ``max_turns``,
+        ``max_trajectory_tokens``, ``timeout_s``) for ``env = rlhf.envs.builtin.environment(cfg)``:
+        the stage's, and
         ``rlhf.generate`` / ``rlhf.eval``'s. A ConfigError when episodes can have several turns and
         the chat template does not render the environment's observations."""
         from rlhf.envs.builtin import SingleTurn
@@ -223,14 +228,15 @@ class EpisodeRunner:
         make_env, env_cls = env
         runner = cls(
             make_env,
-            ppo.env,
+            cfg.name,
             tokenizer,
             template,
             mesh,
-            ppo.max_turns,
-            ppo.max_trajectory_tokens,
-            ppo.env_timeout_s,
+            cfg.max_turns,
+            cfg.max_trajectory_tokens,
+            cfg.timeout_s,
             single_turn=env_cls is SingleTurn,
+            max_failed_share=cfg.max_failed_share,
         )
         if runner.multi_turn:
             # observations must reach the policy through the template
@@ -243,7 +249,15 @@ class EpisodeRunner:
         from rlhf.envs.builtin import SingleTurn
 
         return cls(
-            SingleTurn, "single_turn", tokenizer, None, mesh, 1, None, 30.0, single_turn=True
+            SingleTurn,
+            "single_turn",
+            tokenizer,
+            None,
+            mesh,
+            1,
+            None,
+            EnvConfig.timeout_s,
+            single_turn=True,
         )
 
     @property

@@ -642,7 +642,7 @@ class Collector:
         )
 
     def check_failures(self, ep: Episodes) -> None:
-        """Exit 2, naming the environment and an error, when more than ``ppo.env_max_failed_share``
+        """Exit 2, naming the environment and an error, when more than ``env.max_failed_share``
         of a generation's episodes (every rank's) failed. Collective."""
         if self.runner.single_turn:
             # the built-in single-turn environment never fails (no collective)
@@ -651,12 +651,13 @@ class Collector:
             self.mesh.sum(float(ep.failed.sum())),
             self.mesh.sum(float(ep.failed.numel())),
         )
-        if not failed or failed <= self.ppo.env_max_failed_share * rows:
+        share = self.runner.max_failed_share
+        if not failed or failed <= share * rows:
             return
         errors = [e for errs in self.mesh.all_gather_object(ep.errors[:1]) for e in errs]
         raise UserError(
-            f"ppo.env={self.ppo.env}: {failed:.0f} of {rows:.0f} episodes failed in one generation "
-            f"(more than ppo.env_max_failed_share={self.ppo.env_max_failed_share:g}); "
+            f"env.name={self.runner.env_name}: {failed:.0f} of {rows:.0f} episodes failed in one "
+            f"generation (more than env.max_failed_share={share:g}); "
             f"first: {errors[0]}"
         )
 

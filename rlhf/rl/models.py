@@ -74,7 +74,8 @@ def reward_stats(src: Path) -> dict:
 
 def check_ensemble_keys(ppo, stats: dict, n_members: int, rm_src: str) -> None:
     """Exit 2 before any model loads when a key needs what the reward model lacks: the gate's
-    disagreement needs an ensemble (``n_members`` ≥ 2), ppo.reward_clip its held-out score range."""
+    disagreement needs an ensemble (``n_members`` ≥ 2), ppo.reward_clip_to_heldout its held-out
+    score range."""
     if ppo.stop_disagreement is not None and n_members < 2:
         what = (
             f"reward model {rm_src} has {n_members} member"
@@ -87,15 +88,15 @@ def check_ensemble_keys(ppo, stats: dict, n_members: int, rm_src: str) -> None:
             f"{what}: train one with reward.ensemble=k (k ≥ 2), or gate on ppo.stop_kl"
         )
     if (
-        ppo.reward_clip
+        ppo.reward_clip_to_heldout
         and n_members
         and any("min" not in m for m in stats.get("members") or [stats])
     ):
         raise ConfigError(
-            "ppo.reward_clip=true needs the reward model's held-out score range (min, max "
-            f"in {rm_src}/"
-            f"{REWARD_STATS_FILE}, written by stage=reward): retrain it with this version, "
-            "or set ppo.reward_clip=false"
+            "ppo.reward_clip_to_heldout=true needs the reward model's held-out score range (min, "
+            f"max in {rm_src}/{REWARD_STATS_FILE}, written by stage=reward): retrain it with this "
+            "version, "
+            "or set ppo.reward_clip_to_heldout=false"
         )
 
 
@@ -253,7 +254,7 @@ def build_models(
         critic=critic,
         reward_model=reward_model,
         normalise=RewardNormaliser(
-            alg.reward_norm, stats.members, ppo.reward_clip, stats.n_members
+            alg.reward_norm, stats.members, ppo.reward_clip_to_heldout, stats.n_members
         ),
         rule=rule,
         rule_weight=ppo.reward_fn_weight,
@@ -276,22 +277,20 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
     distillation teacher (ppo.teacher_path) and the judge (ppo.judge_path, its template read). A
     DeepSpeed-Chat reward model (or critic) given by path is converted into <run.dir>/converted/
     first (rank 0; rlhf/models/dschat.py)."""
-    ppo, alg = cfg.ppo, cfg.algorithm
+    ppo, alg, env = cfg.ppo, cfg.algorithm, cfg.env.name
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
     others = ppo.reward_fn or (ppo.teacher_path and ppo.distill_coef) or ppo.judge_path
-    if not ppo.use_reward_model and not others and ppo.env in ENV_BUILTINS:
+    if not ppo.use_reward_model and not others and env in ENV_BUILTINS:
         raise ConfigError(
             "ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. "
             "rlhf.rewards.gold), "
             "a teacher to distill (ppo.teacher_path), a judge (ppo.judge_path) or an "
             "environment that gives "
-            f"rewards (ppo.env=module.Class; the built-in ppo.env={ppo.env} gives none)"
+            f"rewards (env.name=module.Class; the built-in env.name={env} gives none)"
         )
-    if not ppo.use_reward_model and not others and ppo.env not in ENV_BUILTINS:
-        log.info(
-            "ppo: the rewards are ppo.env=%s's alone (no reward model, no ppo.reward_fn)", ppo.env
-        )
+    if not ppo.use_reward_model and not others and env not in ENV_BUILTINS:
+        log.info("ppo: the rewards are env.name=%s's alone (no reward model, no reward_fn)", env)
     if ppo.critic_path and not gae:
         raise ConfigError(
             f"ppo.critic_path={ppo.critic_path} is set but algorithm.estimator={alg.estimator} "

@@ -43,7 +43,8 @@ GROUPS = 4
 class WorkerSpec:
     """What a worker builds its side from (pickled into the spawned process)."""
 
-    # the run's Config (ppo.* for the environment and episodes, engine.* for the inference mode)
+    # the run's Config (env.* for the environment and episodes, ppo.* for the staleness, engine.*
+    # for the inference mode)
     cfg: object
     # the actor's HF config: its injection policy
     model_config: object
@@ -229,15 +230,15 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
     from rlhf.rl.episodes import EpisodeRunner
 
     ppo, device = spec.cfg.ppo, torch.device(spec.device)
-    env = environment(ppo)
+    env = environment(spec.cfg.env)
     # k = 0: the rows played together (the colocated run's layout, to the last bit); k > 0 with
     # tools or an environment: in groups, each with a tokenizer of its own (a fast tokenizer is not
     # for two threads)
-    runners = [EpisodeRunner.of(ppo, env, spec.tokenizer, spec.chat, Mesh(device=device))]
+    runners = [EpisodeRunner.of(spec.cfg.env, env, spec.tokenizer, spec.chat, Mesh(device=device))]
     if ppo.max_staleness and runners[0].multi_turn:
         for _ in range(GROUPS - 1):
             tok = copy.deepcopy(spec.tokenizer)
-            runners.append(EpisodeRunner.of(ppo, env, tok, spec.chat, Mesh(device=device)))
+            runners.append(EpisodeRunner.of(spec.cfg.env, env, tok, spec.chat, Mesh(device=device)))
     model = Model(spec, weights)
     pol = model.policy
     positions = pol.max_positions if pol.positions == "learned" else 0

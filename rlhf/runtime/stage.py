@@ -95,6 +95,8 @@ def start_stage(cfg: Config, stage: str) -> StageContext:
         log.info("%s", cfg.lr_why)
     if cfg.hub_why:
         log.warning("%s", cfg.hub_why)
+    if cfg.moved_why:
+        log.warning("%s", cfg.moved_why)
     placed = cfg.engine.placements(cfg.roles())
     if len(set(placed.values())) > 1:
         # engine.<role>.* differ: say where each model lives
@@ -232,7 +234,7 @@ ADDED_LATER = ("records", "ptx_records", "input_models")
 # how a mismatch of a key is said, where its name alone would not say it
 SAY = {
     "records": "other data records (the data's content: its file, run.seed, data.synthetic.*, "
-    "data.split, data.eval_size or ppo.tools changed since)",
+    "data.split, data.eval_size or env.tools changed since)",
     "ptx_records": "other SFT records for PPO-ptx (the data's content changed since)",
     "input_models": "another export of the model(s) it starts from (written again since: the "
     "stage before it was rerun)",

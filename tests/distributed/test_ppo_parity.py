@@ -116,7 +116,7 @@ def test_mixed_placements_two_ranks_match_one_process(small_pipeline, tmp_path):
 def test_multi_turn_episodes_two_ranks_match_one_process(small_pipeline, tmp_path):
     """Episodes of 3 turns (an environment that answers every turn, rewarding each): the same
     trajectories, per-turn rewards and update on 2 ranks as in 1 process."""
-    env = ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3")
+    env = ("env.name=tests.e2e.agent_envs.Echo", "env.max_turns=3")
     ref = first_step(small_pipeline, tmp_path / "one", 1, 1, *env)
     assert ref[0]["env/turns"] > 2 and ref[0]["tokens/observation"] > 0, ref[0]
     assert_same_update(

@@ -1,11 +1,11 @@
 """Environments for the agentic tests, used by dotted path
-(``ppo.env=tests.e2e.agent_envs.Echo``)."""
+(``env.name=tests.e2e.agent_envs.Echo``)."""
 
 from rlhf.envs.base import Environment, StepResult
 
 
 class Echo(Environment):
-    """Answers every turn with a tool message (never ends by itself: ppo.max_turns does), rewarding
+    """Answers every turn with a tool message (never ends by itself: env.max_turns does), rewarding
     each turn by its length (a per-turn reward)."""
 
     def __init__(self, reply: str = "ok 7"):

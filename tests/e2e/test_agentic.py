@@ -32,7 +32,7 @@ def metrics(run_dir):
 
 def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # noqa: F811
     # the environment's rewards alone (no reward model, no rule): it gives them
-    env = ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3", template)
+    env = ("env.name=tests.e2e.agent_envs.Echo", "env.max_turns=3", template)
     proc = run_cli(
         *grpo(tmp_path, actor, *env),
         timeout=300,
@@ -42,7 +42,7 @@ def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # 
     # a random model rarely stops within 4 tokens: turns end at max_new_tokens (cut) or go on for 3
     assert 1 <= row["env/turns"] <= 3 and row["tokens/policy"] > 0
     assert row["env/failed"] == 0 and "reward/env" in row and "reward/rule" not in row
-    assert "the rewards are ppo.env=tests.e2e.agent_envs.Echo's alone" in proc.stderr
+    assert "the rewards are env.name=tests.e2e.agent_envs.Echo's alone" in proc.stderr
     if row["env/turns"] > 1:
         # the environment answered: its own info keys are metrics
         assert row["tokens/observation"] > 0
@@ -55,11 +55,11 @@ def test_a_users_environment_plays_several_turns(tmp_path, actor, template):  # 
 @pytest.mark.parametrize(
     "env, says",
     [
-        ("nosuch.Env", "ppo.env=nosuch.Env: cannot import nosuch"),
+        ("nosuch.Env", "env.name=nosuch.Env: cannot import nosuch"),
         ("tests.e2e.agent_envs.NoStep", "it has no step() method"),
         (
             "single",
-            "ppo.env='single' is invalid: expected auto, single_turn or tools or a dotted path",
+            "env.name='single' is invalid: expected auto, single_turn or tools or a dotted path",
         ),
     ],
 )
@@ -70,7 +70,7 @@ def test_a_broken_environment_is_one_line_before_any_model_loads(
     says,
 ):
     proc = run_cli(
-        *grpo(tmp_path, actor, f"ppo.env={env}", "ppo.reward_fn=rlhf.rewards.gold"), timeout=120
+        *grpo(tmp_path, actor, f"env.name={env}", "ppo.reward_fn=rlhf.rewards.gold"), timeout=120
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = error_lines(proc.stderr)
@@ -84,8 +84,8 @@ def test_an_environment_that_raises_stops_the_run_naming_it(
     template,
 ):
     env = (
-        "ppo.env=tests.e2e.agent_envs.Flaky",
-        "ppo.max_turns=2",
+        "env.name=tests.e2e.agent_envs.Flaky",
+        "env.max_turns=2",
         "ppo.reward_fn=rlhf.rewards.gold",
         template,
     )
@@ -98,13 +98,13 @@ def test_an_environment_that_raises_stops_the_run_naming_it(
         "ppo.prompts_per_step=8",
         "ppo.samples_per_prompt=4",
         "ppo.max_new_tokens=64",
-        "ppo.env_max_failed_share=0",
+        "env.max_failed_share=0",
     )
     proc = run_cli(*args, *more, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     # (after the loading bars)
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf: error:")]
-    assert "ppo.env=tests.e2e.agent_envs.Flaky:" in line and "episodes failed" in line, line
+    assert "env.name=tests.e2e.agent_envs.Flaky:" in line and "episodes failed" in line, line
     assert "RuntimeError: the tool server is down" in line, line
 
 

@@ -285,8 +285,8 @@ def test_eval_with_tools_plays_episodes(sft_run):
         model,
         "--run-dir",
         sft_run,
-        "ppo.tools=[calculator]",
-        "ppo.max_turns=2",
+        "env.tools=[calculator]",
+        "env.max_turns=2",
         *small,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -298,8 +298,8 @@ def test_eval_with_tools_plays_episodes(sft_run):
         2,
         4,
     ), res
-    proc = cli("rlhf.eval", model, "ppo.tools=[nosuch]", *small)
+    proc = cli("rlhf.eval", model, "env.tools=[nosuch]", *small)
     assert (
         one_error_line(proc, "rlhf.eval")
-        and "ppo.tools: 'nosuch' is not a built-in tool" in proc.stderr
+        and "env.tools: 'nosuch' is not a built-in tool" in proc.stderr
     ), proc.stderr[-2000:]

@@ -85,9 +85,10 @@ class ScriptedPolicy:
 
 def test_a_tool_call_runs_and_the_conversation_is_printed(capsys):
     tok = ByteTok()
-    ppo, env = tool_environment("calculator", None, None, 128)  # the stage's environment: ToolEnv
-    runner = EpisodeRunner.of(ppo, env, tok, "template", Mesh())
-    assert runner.multi_turn and ppo.max_turns == 4
+    # the stage's environment: ToolEnv
+    env_cfg, env = tool_environment("calculator", None, None, 128)
+    runner = EpisodeRunner.of(env_cfg, env, tok, "template", Mesh())
+    assert runner.multi_turn and env_cfg.max_turns == 4
     policy = ScriptedPolicy(tok)
     sp = SamplingParams(temperature=1.0, max_new_tokens=128, samples_per_prompt=2, seed=0)
     rows = play_episodes(policy, runner, tok, [as_example("What is 6 * 7?")], sp)
@@ -123,8 +124,8 @@ def test_a_tool_call_runs_and_the_conversation_is_printed(capsys):
 
 def test_the_last_turn_ends_the_episode_with_its_call_unanswered():
     tok = ByteTok()
-    ppo, env = tool_environment("calculator", 1, "hermes", 128)
-    runner = EpisodeRunner.of(ppo, env, tok, "template", Mesh())
+    env_cfg, env = tool_environment("calculator", 1, "hermes", 128)
+    runner = EpisodeRunner.of(env_cfg, env, tok, "template", Mesh())
     # one turn: the call is the episode's last word
     assert not runner.multi_turn
     sp = SamplingParams(max_new_tokens=128)

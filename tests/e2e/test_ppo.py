@@ -206,7 +206,7 @@ def test_hybrid_and_hf_give_identical_greedy_experience(small_pipeline, tmp_path
         # 3-turn episodes, rewarded per turn (slow: the single-turn case is the default run's
         # representative)
         pytest.param(
-            ("ppo.env=tests.e2e.agent_envs.Echo", "ppo.max_turns=3"), marks=pytest.mark.slow
+            ("env.name=tests.e2e.agent_envs.Echo", "env.max_turns=3"), marks=pytest.mark.slow
         ),
     ],
     ids=["single_turn", "multi_turn"],

@@ -128,3 +128,62 @@ def test_dpo_config_and_its_data_split():
         compose_config(["stage=dpo", 'data.split="1,1,1,1"'])
     with pytest.raises(ConfigError, match="expected sft, reward, ppo or dpo"):
         compose_config(["stage=dop"])
+
+
+def test_moved_env_keys_are_read_under_their_new_names_with_one_line():
+    """ppo.env, ppo.tools, ... moved to env.*: the old names on the command line still work for one
+    release, the run saying which key each is now; a moved key in a YAML file names the new one."""
+    from rlhf.compose import _did_you_mean, renamed
+    from rlhf.config import MOVED_KEYS
+
+    old = [
+        "stage=ppo",
+        "ppo.tools=[calculator]",
+        "+ppo.env_args={a: 1}",
+        "ppo.sandbox.cpu_s=3",
+        "ppo.env_timeout_s=7",
+        "ppo.max_trajectory_tokens=500",
+    ]
+    now, why = renamed(old)
+    assert now == [
+        "stage=ppo",
+        "env.tools=[calculator]",
+        "+env.args={a: 1}",
+        "env.sandbox.cpu_s=3",
+        "env.timeout_s=7",
+        "env.max_trajectory_tokens=500",
+    ]
+    assert (
+        "ppo.sandbox.cpu_s is now env.sandbox.cpu_s" in why and "ppo.tools is now env.tools" in why
+    )
+    assert renamed(["ppo.env_args_x=1", "ppo.prompts_per_step=8"]) == (
+        ["ppo.env_args_x=1", "ppo.prompts_per_step=8"],
+        "",
+    )
+    cfg, _ = compose_config(["stage=ppo", "ppo.tools=[calculator]", "ppo.max_turns=2"])
+    assert (cfg.env.name, cfg.env.tools, cfg.env.max_turns) == ("tools", ["calculator"], 2)
+    assert cfg.moved_why.startswith("renamed keys: ppo.tools is now env.tools")
+    assert compose_config(["stage=ppo", "env.tools=[calculator]"])[0].moved_why == ""
+    for key, new in MOVED_KEYS.items():
+        assert _did_you_mean(f"Key '{key[4:]}' not in 'PPOConfig'") == f" (it is {new} now)"
+
+
+def test_eval_reads_a_saved_run_from_before_the_env_group():
+    """rlhf.eval carries a saved run's environment: its env group, or the ppo.* keys of a run
+    saved before the move, under the new names."""
+    from omegaconf import OmegaConf
+
+    from rlhf.eval import env_of
+
+    before = OmegaConf.create(
+        {"ppo": {"tools": ["calculator"], "env": "tools", "max_turns": 3, "max_new_tokens": 48}}
+    )
+    assert env_of(before) == {
+        "env": {"tools": ["calculator"], "name": "auto", "max_turns": 3},
+        "ppo": {"max_new_tokens": 48},
+    }
+    after = OmegaConf.create(
+        {"ppo": {"max_new_tokens": 48}, "env": {"tools": ["calculator"], "name": "tools"}}
+    )
+    assert env_of(after)["env"] == {"tools": ["calculator"], "name": "auto"}
+    assert env_of(OmegaConf.create({"ppo": {"max_new_tokens": 48}, "env": {"tools": []}})) == {}

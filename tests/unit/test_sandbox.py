@@ -344,19 +344,19 @@ def test_the_strongest_mode_is_probed_once_and_said(monkeypatch, caplog):
     assert sandbox_run.settle("auto").mode == "guard" and sandbox_run.settle("user").mode == "user"
     with pytest.raises(ValueError, match="refused here"):
         sandbox_run.settle("namespaces")
-    ppo = config.PPOConfig(tools=["python"])
+    env = config.EnvConfig(tools=["python"])
     with caplog.at_level("INFO", logger="rlhf"):
-        say_sandbox(ppo, logging.getLogger("rlhf"))
-        say_sandbox(config.PPOConfig(tools=["calculator"]), logging.getLogger("rlhf"))
+        say_sandbox(env, logging.getLogger("rlhf"))
+        say_sandbox(config.EnvConfig(tools=["calculator"]), logging.getLogger("rlhf"))
     # the calculator needs no sandbox: nothing said
     [record] = caplog.records
     assert record.levelname == "WARNING" and "isolation guard only" in record.getMessage()
     assert "refused here" in record.getMessage() and "signals to the trainer" in record.getMessage()
-    ppo.sandbox.isolation, ppo.env = "namespaces", "tools"
+    env.sandbox.isolation, env.name = "namespaces", "tools"
     with pytest.raises(
-        ConfigError, match=r"ppo\.sandbox\.isolation=namespaces, but the kernel allows none here"
+        ConfigError, match=r"env\.sandbox\.isolation=namespaces, but the kernel allows none here"
     ):
-        environment(ppo)
+        environment(env)
     assert config.SANDBOX_ISOLATION == MODE_CHOICES
 
 

@@ -1,5 +1,5 @@
 """Tools (rlhf/envs/tools.py) and tool calls (rlhf/envs/toolcalls.py): the calculator, argument
-checks, the python tool, resolving ``ppo.tools`` and ``ppo.tool_parser``, the Hermes parser and
+checks, the python tool, resolving ``env.tools`` and ``env.tool_parser``, the Hermes parser and
 ``execute``."""
 
 import time
@@ -184,24 +184,24 @@ def test_resolve_tools_builtins_and_dotted_paths():
 @pytest.mark.parametrize(
     "names, message",
     [
-        (["nope"], r"ppo.tools: 'nope' is not a built-in tool \(calculator or python\)"),
+        (["nope"], r"env.tools: 'nope' is not a built-in tool \(calculator or python\)"),
         (
             ["no_such_module.tool"],
-            r"ppo.tools: cannot import no_such_module.tool: ModuleNotFoundError",
+            r"env.tools: cannot import no_such_module.tool: ModuleNotFoundError",
         ),
         (
             ["tests.unit.test_tools.MISSING"],
-            r"ppo.tools: cannot import tests.unit.test_tools.MISSING: AttributeError",
+            r"env.tools: cannot import tests.unit.test_tools.MISSING: AttributeError",
         ),
         (
             ["tests.unit.test_tools.NOT_A_TOOL"],
-            r"ppo.tools: tests.unit.test_tools.NOT_A_TOOL is a int, not a Tool",
+            r"env.tools: tests.unit.test_tools.NOT_A_TOOL is a int, not a Tool",
         ),
         (
             ["tests.unit.test_tools.calc"],
-            r"ppo.tools: tests.unit.test_tools.calc\(\) raised TypeError",
+            r"env.tools: tests.unit.test_tools.calc\(\) raised TypeError",
         ),
-        (["calculator", "calculator"], r"ppo.tools: two tools are named 'calculator'"),
+        (["calculator", "calculator"], r"env.tools: two tools are named 'calculator'"),
     ],
 )
 def test_resolve_tools_errors_name_the_key_and_the_entry(names, message):
@@ -312,16 +312,16 @@ def test_resolve_parser():
         '[call]{"name": "a"}[/call]'
     ).calls == [ToolCall("a")]
     with pytest.raises(
-        ConfigError, match=r"ppo.tool_parser=nope: not a built-in parser \(hermes\)"
+        ConfigError, match=r"env.tool_parser=nope: not a built-in parser \(hermes\)"
     ):
         resolve_parser("nope")
     with pytest.raises(
-        ConfigError, match=r"ppo.tool_parser=no_such_module.parse: cannot import it"
+        ConfigError, match=r"env.tool_parser=no_such_module.parse: cannot import it"
     ):
         resolve_parser("no_such_module.parse")
     with pytest.raises(
         ConfigError,
-        match=r"ppo.tool_parser=tests.unit.test_tools.NOT_A_TOOL: a int is not callable",
+        match=r"env.tool_parser=tests.unit.test_tools.NOT_A_TOOL: a int is not callable",
     ):
         resolve_parser("tests.unit.test_tools.NOT_A_TOOL")
 

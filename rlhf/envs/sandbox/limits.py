@@ -25,7 +25,7 @@ STDERR_LINES = 8
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-call limits (``ppo.sandbox``)."""
+    """Per-call limits (``env.sandbox``)."""
 
     # CPU seconds (RLIMIT_CPU: whole seconds, rounded up)
     cpu_s: float = 2.0

@@ -56,7 +56,7 @@ MODES: Dict[str, Mode] = {
         ),
     )
 }
-MODE_CHOICES = ("auto", "namespaces") + tuple(MODES)  # ppo.sandbox.isolation
+MODE_CHOICES = ("auto", "namespaces") + tuple(MODES)  # env.sandbox.isolation
 PROBE = "import os\nprint(os.getpid())"  # in a PID namespace: 2 (init is 1)
 
 
@@ -72,7 +72,7 @@ class Isolation:
             return f"sandbox: isolation {self.mode}: {row.protects}"
         why = "; ".join(f"{name}: {reason}" for name, reason in self.refused.items())
         return (
-            f"sandbox: isolation {self.mode} only ({why or 'ppo.sandbox.isolation'}): {row.loses}"
+            f"sandbox: isolation {self.mode} only ({why or 'env.sandbox.isolation'}): {row.loses}"
         )
 
     @property

@@ -397,7 +397,7 @@ def isolation() -> Isolation:
 
 
 def settle(choice: str) -> Isolation:
-    """The isolation for ``ppo.sandbox.isolation``: ``auto`` the strongest, ``namespaces`` the
+    """The isolation for ``env.sandbox.isolation``: ``auto`` the strongest, ``namespaces`` the
     strongest or a ValueError saying why none works, or a mode by name (not probed)."""
     if choice in MODES:
         return Isolation(choice)
