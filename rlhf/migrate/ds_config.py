@@ -429,7 +429,7 @@ def config_table_markdown() -> str:
         elif isinstance(rule, Off):
             ours = f"— {rule.kind}: {rule.why}"
         else:
-            ours = (rule.__doc__ or "").strip() or rule.__name__
+            ours = " ".join((rule.__doc__ or "").split()) or rule.__name__
         rows.append(f"| `{key}` | {ours} |")
     for section, rule in SECTIONS.items():
         rows.append(f"| `{section}.*` | — {rule.kind}: {rule.why} |")
