@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator, List, Optional
 
 import torch
@@ -22,6 +23,7 @@ from rlhf.config import EngineConfig
 from rlhf.engine.draws import strided_keys
 from rlhf.engine.infer import Generation, InferenceModel, finish, left_pad
 from rlhf.engine.mesh import DTYPES, inference_dtype_of
+from rlhf.engine.rows import take
 from rlhf.engine.train import TrainEngine
 from rlhf.errors import ConfigError
 from rlhf.models.loading import decoder_layers
@@ -284,16 +286,15 @@ def _rows(
     consecutive)."""
     start = sum(len(p) for p in per_rank[:tp_rank]) * samples_per_prompt
     stop = start + len(per_rank[tp_rank]) * samples_per_prompt
+    mine = take(out, slice(start, stop))
     # re-trim the common left padding so that this rank's prompt length is its own
-    seq, att = out.sequences[start:stop], out.attention_mask[start:stop]
-    p = out.prompt_len
+    att, p = mine.attention_mask, mine.prompt_len
     drop = 0
     if stop > start:
         drop = int((att[:, :p].sum(0) == 0).long().cumprod(0).sum())
-    return Generation(
-        sequences=seq[:, drop:],
+    return replace(
+        mine,
+        sequences=mine.sequences[:, drop:],
         attention_mask=att[:, drop:],
-        response_mask=out.response_mask[start:stop],
-        logprobs=None if out.logprobs is None else out.logprobs[start:stop],
         prompt_len=p - drop,
     )

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from rlhf.engine.decode_static import SPAN_CHUNK, StaticDecoder, StaticKey
 from rlhf.engine.draws import row_draws, row_keys
+from rlhf.engine.rows import PAD, joined, per_row, take
 from rlhf.errors import ConfigError
 from rlhf.models.policies import InjectionPolicy
 from rlhf.ops import (
@@ -65,37 +66,29 @@ log = logging.getLogger("rlhf")
 class Generation:
     """Prompts left-padded to one length P, responses right-padded to N (pad after EOS)."""
 
-    sequences: torch.Tensor  # [B, P + N]
+    # [B, P + N]
+    sequences: torch.Tensor = field(metadata=per_row("sequence", pad=PAD))
     # [B, P + N] 1 on prompt and response tokens (EOS included)
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor = field(metadata=per_row("sequence"))
     # [B, N] 1 on response tokens (EOS included)
-    response_mask: torch.Tensor
+    response_mask: torch.Tensor = field(metadata=per_row("response"))
     # [B, N] log π(token) at the sampling temperature, 0 on padding; None from HF generate (which
     # would have to keep every step's full-vocabulary logits for them)
-    logprobs: Optional[torch.Tensor]
-    prompt_len: int
+    logprobs: Optional[torch.Tensor] = field(metadata=per_row("response", pad=0.0))
+    prompt_len: int = field(metadata=joined("max"))
     # seconds of the call that made it (HybridEngine.generate): switch_s, gather_s, generate_s,
     # release_s
-    timings: Dict[str, float] = field(default_factory=dict)
+    timings: Dict[str, float] = field(default_factory=dict, metadata=joined("sum"))
     # [B, N] long: the version of the weights that sampled each response token (-1 elsewhere), from
     # a rollout worker (rlhf/rl/rollout_worker.py); None: the trainer's weights of the moment
-    versions: Optional[torch.Tensor] = None
+    versions: Optional[torch.Tensor] = field(default=None, metadata=per_row("response", pad=-1))
 
     @property
     def responses(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_len :]
 
     def rows(self, start: int, stop: int) -> "Generation":
-        logprobs = None if self.logprobs is None else self.logprobs[start:stop]
-        return Generation(
-            self.sequences[start:stop],
-            self.attention_mask[start:stop],
-            self.response_mask[start:stop],
-            logprobs,
-            self.prompt_len,
-            self.timings,
-            None if self.versions is None else self.versions[start:stop],
-        )
+        return take(self, slice(start, stop))
 
 
 @dataclass

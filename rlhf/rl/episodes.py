@@ -35,6 +35,7 @@ from rlhf.data.tokenize import encode_prompts
 from rlhf.engine.draws import row_keys, strided_keys
 from rlhf.engine.infer import Generation, left_pad
 from rlhf.engine.mesh import Mesh
+from rlhf.engine.rows import join, joined, per_row
 from rlhf.envs.base import check_opening, check_step
 from rlhf.errors import ConfigError, first_line
 from rlhf.ops import SamplingParams
@@ -63,20 +64,22 @@ class Episodes:
     # response_mask: 1 on the policy's tokens only
     gen: Generation
     # each row's last policy turn, decoded (what rule rewards and gold scorers read)
-    texts: List[str]
+    texts: List[str] = field(metadata=per_row())
     # [B] the sum of the environment's turn rewards
-    env_rewards: torch.Tensor
+    env_rewards: torch.Tensor = field(metadata=per_row())
     # [B, N] each turn's reward at its last policy token; None when all 0
-    turn_rewards: Optional[torch.Tensor]
+    turn_rewards: Optional[torch.Tensor] = field(metadata=per_row("response", 0.0, fill="zeros"))
     # [B] bool: the environment raised or timed out
-    failed: torch.Tensor
-    # this rank's sums: STAT_KEYS, env_s, tokens_policy, tokens_observation, rows
-    stats: Dict[str, float]
-    errors: List[str] = field(default_factory=list)  # one line per failed row
+    failed: torch.Tensor = field(metadata=per_row())
+    # this rank's sums: STAT_KEYS, env_s, tokens_policy, tokens_observation, rows (groups played at
+    # once: env_s their longest)
+    stats: Dict[str, float] = field(metadata=joined(lambda parts: join_stats(parts)))
+    # one line per failed row
+    errors: List[str] = field(default_factory=list, metadata=joined("concat"))
     # per row: the conversation after the prompt (its assistant turns as sampled, decoded, and the
     # observations appended after them, as the environment returned them) and its STAT_KEYS counts
-    conversations: List[List[Turn]] = field(default_factory=list)
-    row_counts: List[Dict[str, float]] = field(default_factory=list)
+    conversations: List[List[Turn]] = field(default_factory=list, metadata=per_row())
+    row_counts: List[Dict[str, float]] = field(default_factory=list, metadata=per_row())
 
 
 @dataclass
@@ -557,55 +560,14 @@ class EpisodeRunner:
 
 def concat_episodes(parts: List[Episodes], pad_id: int) -> Episodes:
     """The episodes of one generation played in groups of consecutive rows (a rollout worker's),
-    laid out as if played together: prompts left-padded to the longest, trajectories right-padded to
-    the longest; the groups' seconds and counts summed."""
-    if len(parts) == 1:
-        return parts[0]
-    P = max(p.gen.prompt_len for p in parts)
-    N = max(p.gen.response_mask.shape[1] for p in parts)
+    laid out as if played together (``rlhf.engine.rows.join``: prompts left-padded to the longest,
+    trajectories right-padded to the longest; the groups' seconds and counts summed)."""
+    return join(parts, pad_id)
 
-    def pad(t: torch.Tensor, left: int, right: int, value) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (left, right), value=value)
 
-    def cat(get, left: bool, value) -> Optional[torch.Tensor]:
-        got = [get(p) for p in parts]
-        if all(t is None for t in got):
-            return None
-        out = []
-        for p, t in zip(parts, got):
-            n = p.gen.response_mask.shape[1]
-            if t is None:  # (turn rewards: a group without any)
-                t = torch.zeros_like(p.gen.response_mask, dtype=torch.float32)
-            out.append(pad(t, P - p.gen.prompt_len if left else 0, N - n, value))
-        return torch.cat(out)
-
-    timings: Dict[str, float] = {}
-    for p in parts:
-        for k, v in p.gen.timings.items():
-            timings[k] = timings.get(k, 0.0) + v
-    gen = Generation(
-        sequences=cat(lambda p: p.gen.sequences, True, pad_id),
-        attention_mask=cat(lambda p: p.gen.attention_mask, True, 0),
-        response_mask=cat(lambda p: p.gen.response_mask, False, 0),
-        logprobs=cat(lambda p: p.gen.logprobs, False, 0.0),
-        prompt_len=P,
-        timings=timings,
-        versions=cat(lambda p: p.gen.versions, False, -1),
-    )
-    return Episodes(
-        gen,
-        [t for p in parts for t in p.texts],
-        torch.cat([p.env_rewards for p in parts]),
-        cat(lambda p: p.turn_rewards, False, 0.0),
-        torch.cat([p.failed for p in parts]),
-        {
-            **merge_stats([p.stats for p in parts]),
-            "env_s": max(p.stats.get("env_s", 0.0) for p in parts),
-        },
-        [e for p in parts for e in p.errors],
-        [c for p in parts for c in p.conversations],
-        [c for p in parts for c in p.row_counts],
-    )
+def join_stats(parts: List[Dict[str, float]]) -> Dict[str, float]:
+    """Groups' statistics played at once: summed, their seconds in the environment the longest."""
+    return {**merge_stats(parts), "env_s": max(p.get("env_s", 0.0) for p in parts)}
 
 
 def merge_stats(parts: List[Dict[str, float]]) -> Dict[str, float]:

@@ -25,6 +25,7 @@ from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.infer import Generation
 from rlhf.engine.logprobs import keeps_logits, response_logprobs, response_logprobs_top1
 from rlhf.engine.mesh import Mesh
+from rlhf.engine.rows import join, joined, per_row, take
 from rlhf.engine.train import FrozenModel, TrainEngine
 from rlhf.errors import UserError
 from rlhf.models.lora import unwrap
@@ -267,15 +268,18 @@ class Rollouts:
     """Generated rows (their episodes) and their sequence rewards, before the model scoring."""
 
     ep: Episodes
-    examples: List[Example]  # one per row
-    scores: torch.Tensor  # [B]
-    parts: Dict[str, torch.Tensor]  # name -> [B]
+    # one per row
+    examples: List[Example] = field(metadata=per_row())
+    # [B]
+    scores: torch.Tensor = field(metadata=per_row())
+    # name -> [B]
+    parts: Dict[str, torch.Tensor] = field(metadata=per_row())
     # [B] the gold rule's score of each row, when the data has one
-    gold: Optional[torch.Tensor] = None
+    gold: Optional[torch.Tensor] = field(default=None, metadata=per_row())
     # name -> [B] (``Experience.watch``)
-    watch: Dict[str, torch.Tensor] = field(default_factory=dict)
+    watch: Dict[str, torch.Tensor] = field(default_factory=dict, metadata=per_row())
     # the episodes' statistics (multi-turn) of every generation these rows were chosen from
-    env_stats: List[Dict[str, float]] = field(default_factory=list)
+    env_stats: List[Dict[str, float]] = field(default_factory=list, metadata=joined("concat"))
 
     @property
     def gen(self) -> Generation:
@@ -287,83 +291,13 @@ def concat_groups(
 ) -> Rollouts:
     """One ``Rollouts`` of the (rollouts, prompt index) pairs in ``chosen`` (a prompt's
     ``samples_per_prompt`` rows are consecutive: ``prompt_major``), prompts re-padded on the left
-    to the longest prompt length among them (the episodes' statistics: the caller's to set)."""
-    prompt_len = max(b.gen.prompt_len for b, _ in chosen)
-    # episodes' rounds differ in length
-    n_resp = max(b.gen.response_mask.shape[1] for b, _ in chosen)
-    parts_keys, watch_keys = chosen[0][0].parts.keys(), chosen[0][0].watch.keys()
-    seqs, atts, masks, logps, examples, scores, golds = [], [], [], [], [], [], []
-    texts, env_rewards, turn_rewards, failed = [], [], [], []
-    parts, watch = {k: [] for k in parts_keys}, {k: [] for k in watch_keys}
-    for b, prompt_ix in chosen:
-        rows = slice(prompt_ix * samples_per_prompt, (prompt_ix + 1) * samples_per_prompt)
-        pad = prompt_len - b.gen.prompt_len
-        seq, att = b.gen.sequences[rows], b.gen.attention_mask[rows]
-        if pad:
-            seq = torch.cat([seq.new_full((samples_per_prompt, pad), pad_id), seq], 1)
-            att = torch.cat([att.new_zeros((samples_per_prompt, pad)), att], 1)
-        mask, logp = (
-            b.gen.response_mask[rows],
-            None if b.gen.logprobs is None else b.gen.logprobs[rows],
-        )
-        tr = b.ep.turn_rewards
-        tr = torch.zeros_like(mask, dtype=torch.float32) if tr is None else tr[rows]
-        right = n_resp - mask.shape[1]
-        if right:
-            # right-padded to the longest round's responses
-            seq = torch.cat([seq, seq.new_full((samples_per_prompt, right), pad_id)], 1)
-            att, mask, tr = (
-                torch.cat([x, x.new_zeros((samples_per_prompt, right))], 1) for x in (att, mask, tr)
-            )
-            if logp is not None:
-                logp = torch.cat([logp, logp.new_zeros((samples_per_prompt, right))], 1)
-        seqs.append(seq)
-        atts.append(att)
-        masks.append(mask)
-        logps.append(logp)
-        examples += b.examples[rows]
-        scores.append(b.scores[rows])
-        golds.append(None if b.gold is None else b.gold[rows])
-        for k in parts_keys:
-            parts[k].append(b.parts[k][rows])
-        for k in watch_keys:
-            watch[k].append(b.watch[k][rows])
-        texts += b.ep.texts[rows]
-        env_rewards.append(b.ep.env_rewards[rows])
-        failed.append(b.ep.failed[rows])
-        turn_rewards.append(tr)
-    sequences, attention_mask, response_mask = torch.cat(seqs), torch.cat(atts), torch.cat(masks)
-    # the rollout's log-probs when every batch has them
-    logprobs = None
-    if not any(x is None for x in logps):
-        logprobs = torch.cat(logps)
-    gen = Generation(
-        sequences=sequences,
-        attention_mask=attention_mask,
-        response_mask=response_mask,
-        logprobs=logprobs,
-        prompt_len=prompt_len,
-    )
-    gold = None
-    if not any(part is None for part in golds):
-        gold = torch.cat(golds)
-    seen = {id(b): b for b, _ in chosen}.values()
-    ep = Episodes(
-        gen,
-        texts,
-        torch.cat(env_rewards),
-        None if all(b.ep.turn_rewards is None for b in seen) else torch.cat(turn_rewards),
-        torch.cat(failed),
-        {},
-    )
-    return Rollouts(
-        ep,
-        examples,
-        torch.cat(scores),
-        {k: torch.cat(v) for k, v in parts.items()},
-        gold,
-        {k: torch.cat(v) for k, v in watch.items()},
-    )
+    to the longest prompt length among them and responses on the right to the longest
+    (``rlhf.engine.rows``); the generations' seconds and the episodes' statistics are the caller's
+    to set (a batch's appear once per prompt chosen from it)."""
+    n = samples_per_prompt
+    out = join([take(b, slice(i * n, (i + 1) * n)) for b, i in chosen], pad_id)
+    out.gen.timings, out.ep.stats, out.env_stats = {}, {}, []
+    return out
 
 
 class Collector:
