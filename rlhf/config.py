@@ -1109,7 +1109,7 @@ ROLLOUT_GUARD_MAX = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 # the default ppo.min_rm_accuracy: on the embedded task (a generated format), and on any other data
 MIN_RM_ACCURACY_EMBEDDED, MIN_RM_ACCURACY_OTHER = 0.9, 0.55
 # env.sandbox.isolation: the strongest mode, the strongest or exit 2 without namespaces, or a mode
-# by name (rlhf/envs/sandbox/modes.py MODE_CHOICES, kept equal by tests/unit/test_sandbox.py)
+# by name (rlhf/envs/sandbox/modes.py MODE_CHOICES, kept equal by tests/unit/envs/test_sandbox.py)
 SANDBOX_ISOLATION = ("auto", "namespaces", "root", "user", "guard")
 
 

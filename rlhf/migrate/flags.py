@@ -796,8 +796,8 @@ def apply_flags(ctx: Context, flags: Dict[str, List[str]]) -> None:
 
 
 def flag_table_markdown() -> str:
-    """docs/deepspeed.md's flag table, from FLAG_TABLE (tests/unit/test_migrate.py keeps the page
-    equal)."""
+    """docs/deepspeed.md's flag table, from FLAG_TABLE (tests/unit/migrate/test_migrate.py keeps the
+    page equal)."""
     rows = [
         "| DeepSpeed-Chat flag | steps | DeepSpeed-Chat default | rlhf |",
         "| --- | --- | --- | --- |",

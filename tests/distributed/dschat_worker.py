@@ -1,5 +1,5 @@
 """The DeepSpeed-Chat conversion under torchrun: every rank checks the source, rank 0 converts, all
-get the same directory (tests/unit/test_dschat.py builds the source).
+get the same directory (tests/unit/models/test_dschat.py builds the source).
 
     torchrun --nproc-per-node=2 tests/distributed/dschat_worker.py SRC RUN_DIR OUT_DIR
 """

@@ -23,7 +23,7 @@ from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
 from rlhf.engine.train import TrainEngine  # noqa: E402
 from rlhf.ops import SamplingParams  # noqa: E402
 from tests.infer_helpers import Tok, hf_greedy, mixed_prompts, tiny_model  # noqa: E402
-from tests.unit.test_lora import adapted, merged_copy  # noqa: E402
+from tests.unit.models.test_lora import adapted, merged_copy  # noqa: E402
 
 
 def step_loss(eng, batch):

@@ -1,6 +1,6 @@
 """One GAE step on 2 ranks (ZeRO-3) with row-count and token-budget micro-batches (the scored
-tensors and every update's full gradients: tests/unit/test_ppo_token_budget.py's ``run``), saved by
-rank 0.
+tensors and every update's full gradients: tests/unit/rl/test_ppo_token_budget.py's ``run``), saved
+by rank 0.
 
     torchrun --nproc-per-node=2 tests/distributed/ppo_token_budget_worker.py OUT.pt
 """
@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlhf.config import EngineConfig  # noqa: E402
 from rlhf.engine.mesh import end_process, init_mesh  # noqa: E402
-from tests.unit.test_ppo_token_budget import run  # noqa: E402
+from tests.unit.rl.test_ppo_token_budget import run  # noqa: E402
 
 # 0: the row-count reference; 8: most rows alone; 30: a few rows together
 BUDGETS = (0, 8, 30)

@@ -8,7 +8,7 @@ import pytest
 from rlhf.models import dschat
 from tests.conftest import run_worker
 from tests.distributed import dschat_worker
-from tests.unit.test_dschat import save_dschat
+from tests.unit.models.test_dschat import save_dschat
 
 
 @pytest.mark.distributed

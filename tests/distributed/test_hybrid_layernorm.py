@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_worker
-from tests.unit.test_policy_sweep import LOGPROB_TOL
+from tests.unit.models.test_policy_sweep import LOGPROB_TOL
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("layernorm_worker.py")
@@ -31,8 +31,8 @@ def test_greedy_tokens_and_logprobs(results, case):
         r = res[case]
         assert r["inject"], (rank, case)
         assert r["greedy_equal"], (rank, case)
-        # relative to the log-prob's size (tests/unit/test_policy_sweep.py::LOGPROB_TOL says why);
-        # absolute gaps measured 2.2e-6 to 1.05e-5
+        # relative to the log-prob's size (tests/unit/models/test_policy_sweep.py::LOGPROB_TOL says
+        # why); absolute gaps measured 2.2e-6 to 1.05e-5
         assert r["logprob_rel_diff"] <= LOGPROB_TOL, (
             rank,
             case,

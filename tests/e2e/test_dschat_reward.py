@@ -41,7 +41,7 @@ def as_dschat(rm_dir, out):
     return out
 
 
-# about 70 s; the fast representatives: tests/unit/test_dschat.py
+# about 70 s; the fast representatives: tests/unit/models/test_dschat.py
 @pytest.mark.slow
 def test_ppo_and_reward_from_a_dschat_reward_model(small_pipeline, tmp_path):
     dschat_dir = as_dschat(small_pipeline / "reward" / "model", tmp_path / "step2_output")

@@ -2,7 +2,7 @@
 tests/data/dschat/) migrated together on a user's model and DeepSpeed-Chat-style data (prompt /
 chosen / rejected records, as Dahoas/rm-static), each printed command run as printed with only its
 size cut (steps, held-out records) — then the two ds_config.json files' commands. The unmapped lists
-are checked exactly in tests/unit/test_migrate.py."""
+are checked exactly in tests/unit/migrate/test_migrate.py."""
 
 import json
 import shlex

@@ -150,7 +150,7 @@ def test_opt_sft_reward_and_ppo_with_the_inference_mode(tmp_path):
     assert_opt_exports(run, "reward/model", "ppo/critic")
 
 
-# the GPT-2 actor path once more (~40 s); its modules: tests/unit/test_policy_sweep.py
+# the GPT-2 actor path once more (~40 s); its modules: tests/unit/models/test_policy_sweep.py
 @pytest.mark.slow
 def test_gpt2_sft_and_grpo_with_the_inference_mode(tmp_path):
     base = hf_dir(tmp_path / "gpt2", "gpt2", task_tokenizer())

@@ -1,7 +1,7 @@
 """model.disable_dropout through the stages: PPO (actor, reference) and DPO (policy, reference) on a
 GPT-2 whose config carries dropout 0.1 train and export without it, and say so once per model;
 model.disable_dropout=false keeps it and says that instead. (The ratio's numbers:
-tests/unit/test_dropout.py.)"""
+tests/unit/models/test_dropout.py.)"""
 
 import json
 

@@ -3,7 +3,7 @@ EventAccumulator, hold metrics.jsonl's values at its steps; without the package,
 before anything is written."""
 
 from tests.conftest import ROOT, quick_sft_args, run_cli
-from tests.unit.test_tensorboard import events, jsonl_as_events, same
+from tests.unit.outputs.test_tensorboard import events, jsonl_as_events, same
 
 
 def test_stage_run_writes_metrics_as_scalars(tmp_path):

@@ -17,6 +17,30 @@ def table() -> dict:
     return rows
 
 
+def mirrored(module: Path) -> Path:
+    """Where a module's own test file lives: ``rlhf/<folder>/.../<name>.py`` →
+    ``tests/unit/<folder>/test_<name>.py``, ``rlhf/<name>.py`` → ``tests/unit/test_<name>.py``,
+    ``stages/<name>.py`` → ``tests/unit/stages/test_<name>.py``."""
+    parts = module.relative_to(ROOT).parts
+    folder = parts[1:2] if parts[0] == "rlhf" and len(parts) > 2 else parts[:1]
+    if parts[0] == "rlhf" and len(parts) == 2:
+        folder = ()
+    return ROOT / "tests" / "unit" / Path(*folder) / f"test_{module.stem}.py"
+
+
+def test_the_unit_tests_mirror_the_package():
+    """tests/unit/<folder>/ for each folder of rlhf/ (bench/ and faults/ for the repository's own),
+    the project-wide checks and the package root's modules' tests at tests/unit/ itself."""
+    for folder in sorted(p for p in (ROOT / "tests" / "unit").iterdir() if p.is_dir()):
+        if folder.name == "__pycache__":
+            continue
+        mirrors = (ROOT / "rlhf" / folder.name).is_dir() or folder.name in ("bench", "faults")
+        assert mirrors, f"tests/unit/{folder.name}/ mirrors no folder of rlhf/"
+        assert (folder / "__init__.py").exists(), f"tests/unit/{folder.name}/ has no __init__.py"
+        for test in folder.glob("test_*.py"):
+            assert not (ROOT / "tests" / "unit" / test.name).exists(), f"two {test.name}"
+
+
 def test_every_module_has_its_tests_named():
     rows = table()
     modules = [
@@ -28,7 +52,7 @@ def test_every_module_has_its_tests_named():
     unnamed = []
     for path in modules:
         rel = str(path.relative_to(ROOT))
-        if rel not in rows and not (ROOT / "tests" / "unit" / f"test_{path.stem}.py").exists():
+        if rel not in rows and not mirrored(path).exists():
             unnamed.append(rel)
     assert not unnamed, (
         f"modules with no test file of their name and no row in tests/unit/README.md: {unnamed}"

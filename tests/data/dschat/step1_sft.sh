@@ -1,5 +1,5 @@
 #!/bin/bash
-# A DeepSpeed-Chat-shaped step-1 launch script, written for rlhf's tests (tests/unit/test_migrate.py,
+# A DeepSpeed-Chat-shaped step-1 launch script, written for rlhf's tests (tests/unit/migrate/test_migrate.py,
 # tests/e2e/test_migrate.py) in the form of DeepSpeed-Chat's training/step1_supervised_finetuning/
 # training_scripts/*/run_*.sh: positional arguments with defaults, then one deepspeed launch.
 MODEL=$1

@@ -30,8 +30,8 @@ from tests.infer_helpers import (
     mixed_prompts,
     tiny_model,
 )
-from tests.unit.test_inference import hybrid
-from tests.unit.test_lora import adapted, engine_of, merged_copy
+from tests.unit.engine.test_inference import hybrid
+from tests.unit.models.test_lora import adapted, engine_of, merged_copy
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -5,10 +5,10 @@ open, an abstract socket it listens on), no process of the call left running, th
 its secrets (an environment variable, its argv, a file in its home) nowhere in the output, and the
 limit named.
 
-Run by tests/unit/test_sandbox_hostile.py as a separate process, so that a case that kills its
+Run by tests/unit/envs/test_sandbox_hostile.py as a separate process, so that a case that kills its
 trainer shows as a failure instead of ending the test session:
 
-    python tests/unit/hostile_code.py [--mode MODE] [--no-guard] [--only NAME ...] SECRET
+    python tests/unit/envs/hostile_code.py [--mode MODE] [--no-guard] [--only NAME ...] SECRET
 
 prints one JSON line per case: {"case", "problems", "limit", "observation"}, then {"done": n}. With
 ``--no-guard`` the audit hook is not installed: what is left is the kernel's isolation alone.
@@ -26,7 +26,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/unit/envs/hostile_code.py: the repository four levels up
+ROOT = os.path.abspath(__file__)
+for _ in range(4):
+    ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 
 from rlhf.envs.sandbox import Limits, Sandbox, isolation  # noqa: E402

@@ -11,8 +11,8 @@ import torch
 from rlhf.engine.infer import Packed
 from rlhf.ops import SamplingParams, attend, attend_varlen, varlen_kernel_fits
 from tests.infer_helpers import mixed_prompts, tiny_model
-from tests.unit.test_inference import hybrid
-from tests.unit.test_inference_static import FAMILIES, NEW, eos_prone, hf_greedy_until_eos
+from tests.unit.engine.test_inference import hybrid
+from tests.unit.engine.test_inference_static import FAMILIES, NEW, eos_prone, hf_greedy_until_eos
 
 CASES = {
     **FAMILIES,

@@ -10,7 +10,7 @@ from rlhf.ops import SamplingParams
 from rlhf.rl.async_rollouts import packed, staleness
 from rlhf.rl.metrics import staleness_metrics
 from tests.infer_helpers import BOS
-from tests.unit.test_episodes import CharTok, FakeGen, runner
+from tests.unit.rl.test_episodes import CharTok, FakeGen, runner
 
 
 class Versioned(FakeGen):

@@ -21,7 +21,7 @@ from rlhf.ops import SamplingParams
 from tests.device_guard import DeviceDiscipline
 from tests.infer_helpers import EOS, PAD, mixed_prompts, tiny_model
 from tests.sync_guard import HostSyncs
-from tests.unit.test_inference import hybrid
+from tests.unit.engine.test_inference import hybrid
 
 NEW = 12
 # key spans of 8 slots: the prompts (4-14 tokens) + 12 new tokens cross two or three of them

@@ -130,7 +130,8 @@ def test_messages_records_parse(tmp_path):
             "role='robot': expected system, user or assistant",
         ),
         ({"messages": [{"role": "assistant", "content": "x"}]}, "no user turn"),
-        # an empty answer is a record (tests/unit/test_empty_turns.py); a dropped last turn is not
+        # an empty answer is a record (tests/unit/data/test_empty_turns.py); a dropped last turn is
+        # not
         (
             {
                 "chosen": [{"role": "user", "content": "q"}],

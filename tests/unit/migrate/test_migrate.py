@@ -300,11 +300,11 @@ def test_the_docs_tables_are_the_code_tables():
 def test_reward_model_subcommand_converts(tmp_path, capsys):
     """`python -m rlhf.migrate reward-model SRC DST`: a DeepSpeed-Chat step-2 output becomes a
     sequence classifier plain Transformers loads, with the v_head as its score (the scores:
-    tests/unit/test_dschat.py)."""
+    tests/unit/models/test_dschat.py)."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from tests.unit.test_dschat import save_dschat
+    from tests.unit.models.test_dschat import save_dschat
 
     src, rm = save_dschat(tmp_path, "llama")
     main(["reward-model", str(src), str(tmp_path / "out")])

@@ -175,7 +175,7 @@ def test_the_python_tool_takes_another_executor():
 
 def test_resolve_tools_builtins_and_dotted_paths():
     tools = resolve_tools(
-        ["calculator", "tests.unit.test_tools.MY_TOOL", "tests.unit.test_tools.make_tool"]
+        ["calculator", "tests.unit.envs.test_tools.MY_TOOL", "tests.unit.envs.test_tools.make_tool"]
     )
     assert [t.name for t in tools] == ["calculator", "echo", "upper"]
     assert tools[2].call({"text": "ab"}) == ("AB", None)
@@ -190,16 +190,16 @@ def test_resolve_tools_builtins_and_dotted_paths():
             r"env.tools: cannot import no_such_module.tool: ModuleNotFoundError",
         ),
         (
-            ["tests.unit.test_tools.MISSING"],
-            r"env.tools: cannot import tests.unit.test_tools.MISSING: AttributeError",
+            ["tests.unit.envs.test_tools.MISSING"],
+            r"env.tools: cannot import tests.unit.envs.test_tools.MISSING: AttributeError",
         ),
         (
-            ["tests.unit.test_tools.NOT_A_TOOL"],
-            r"env.tools: tests.unit.test_tools.NOT_A_TOOL is a int, not a Tool",
+            ["tests.unit.envs.test_tools.NOT_A_TOOL"],
+            r"env.tools: tests.unit.envs.test_tools.NOT_A_TOOL is a int, not a Tool",
         ),
         (
-            ["tests.unit.test_tools.calc"],
-            r"env.tools: tests.unit.test_tools.calc\(\) raised TypeError",
+            ["tests.unit.envs.test_tools.calc"],
+            r"env.tools: tests.unit.envs.test_tools.calc\(\) raised TypeError",
         ),
         (["calculator", "calculator"], r"env.tools: two tools are named 'calculator'"),
     ],
@@ -308,7 +308,7 @@ def test_format_call_round_trips():
 
 def test_resolve_parser():
     assert resolve_parser("hermes") is parse_hermes
-    assert resolve_parser("tests.unit.test_tools.my_parser")(
+    assert resolve_parser("tests.unit.envs.test_tools.my_parser")(
         '[call]{"name": "a"}[/call]'
     ).calls == [ToolCall("a")]
     with pytest.raises(
@@ -321,13 +321,13 @@ def test_resolve_parser():
         resolve_parser("no_such_module.parse")
     with pytest.raises(
         ConfigError,
-        match=r"env.tool_parser=tests.unit.test_tools.NOT_A_TOOL: a int is not callable",
+        match=r"env.tool_parser=tests.unit.envs.test_tools.NOT_A_TOOL: a int is not callable",
     ):
-        resolve_parser("tests.unit.test_tools.NOT_A_TOOL")
+        resolve_parser("tests.unit.envs.test_tools.NOT_A_TOOL")
 
 
 def test_execute_answers_every_call_in_order_and_counts():
-    tools = {t.name: t for t in resolve_tools(["calculator", "tests.unit.test_tools.MY_TOOL"])}
+    tools = {t.name: t for t in resolve_tools(["calculator", "tests.unit.envs.test_tools.MY_TOOL"])}
     text = (
         "Thinking.\n"
         + format_call(ToolCall("calculator", {"expression": "3 * 4"}))

@@ -17,7 +17,7 @@ from rlhf.data.tokenize import encode_prompts, tokenize_sft
 from rlhf.data.tokenizer import CHAT_TEMPLATE, train_tokenizer
 from rlhf.errors import ConfigError, DataError
 from rlhf.runtime.stage import require_pairs
-from tests.unit.test_chat_data import MULTI
+from tests.unit.data.test_chat_data import MULTI
 
 # the embedded template before tools and tool turns: every rendering without them must stay this
 # one's

@@ -19,10 +19,10 @@ from rlhf.models.loading import decoder_layers
 from rlhf.models.value import ScalarHeadModel, init_head, sequence_scores
 from rlhf.ops import SamplingParams
 from tests.infer_helpers import PAD, mixed_prompts, tiny_config, tiny_model
-from tests.unit.test_inference import hybrid
-from tests.unit.test_inference_static import NEW, eos_prone, hf_greedy_until_eos
-from tests.unit.test_packing import TOL, _batch, _grads
-from tests.unit.test_prefill_packed import assert_logprobs_close, generate
+from tests.unit.engine.test_inference import hybrid
+from tests.unit.engine.test_inference_static import NEW, eos_prone, hf_greedy_until_eos
+from tests.unit.engine.test_packing import TOL, _batch, _grads
+from tests.unit.engine.test_prefill_packed import assert_logprobs_close, generate
 
 # greedy rows of each end at 4-5 different steps (the EOS boost chosen per model for that: negative,
 # as the LayerNorm'd hidden states of these models sum below zero)
@@ -39,8 +39,8 @@ def test_static_step_and_packed_prefill_generate_what_the_row_removing_loop_does
     """Greedy: the static step (eager, buckets, key spans of 8) and the packed prefill give the
     row-removing loop's tokens, which are HF generate's (rows ending at different steps); sampled:
     the same draws. Log-probs within 1e-5 relative (the spread weights' larger activations round
-    more than the Llama models' of tests/unit/test_inference_static.py: 7.5e-6 seen for the static
-    step)."""
+    more than the Llama models' of tests/unit/engine/test_inference_static.py: 7.5e-6 seen for the
+    static step)."""
     family, kw = CASES[case]
     model = eos_prone(family, **kw)
     prompts = mixed_prompts(7)
@@ -109,7 +109,7 @@ def _classifier(family: str, **kw):
 def test_packed_training_forward_equals_the_padded_one(case, head):
     """Causal LM and critic (``ScalarHeadModel``): packed logits/values and gradients equal the
     padded forward's (left- and right-padded rows, one of a single token), as for the other families
-    (tests/unit/test_packing.py)."""
+    (tests/unit/engine/test_packing.py)."""
     family, kw = PACKABLE[case]
     padded = (
         ScalarHeadModel(_classifier(family, **kw))

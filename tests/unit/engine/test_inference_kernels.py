@@ -19,7 +19,7 @@ from rlhf.ops.linear import (
     prepare_weight,
 )
 from tests.infer_helpers import Tok, mixed_prompts, tiny_model
-from tests.unit.test_inference import hybrid
+from tests.unit.engine.test_inference import hybrid
 
 MKL = can_pack_rows(torch.float32, "cpu")
 needs_mkl = pytest.mark.skipif(not MKL, reason="torch without MKL (non-x86 build)")

@@ -11,7 +11,7 @@ from rlhf.engine.logprobs import response_logprobs
 from rlhf.ops import SamplingParams
 from rlhf.ops.linear import can_pack_onednn_fp32, linear, onednn_pays, pack_onednn, prepare_weight
 from tests.infer_helpers import mixed_prompts, tiny_model
-from tests.unit.test_inference import hybrid
+from tests.unit.engine.test_inference import hybrid
 
 needs_onednn = pytest.mark.skipif(
     not can_pack_onednn_fp32(torch.float32, "cpu"), reason="torch without oneDNN"
