@@ -1,6 +1,6 @@
 """Which experience rows each rank updates on, so that N ranks update on exactly the minibatches
 one process would, and each rank's share runs in micro-batches of a bounded number of rows (or of
-real tokens).
+real tokens); and the micro-batches of the scoring forwards (``row_groups``, ``in_micro_batches``).
 
 Row layout (one helper, ``global_rows``): rank r holds prompts r, r+W, r+2W, … of the step's
 global prompt list, each prompt's ``samples_per_prompt`` samples in consecutive rows.
@@ -8,11 +8,12 @@ global prompt list, each prompt's ``samples_per_prompt`` samples in consecutive 
 
 from __future__ import annotations
 
-from typing import Iterator, List, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from rlhf.data.sampler import token_micro_batches
+from rlhf.engine.mesh import Mesh
 
 
 def global_rows(rows: int, samples_per_prompt: int, rank: int, world: int) -> torch.Tensor:
@@ -84,3 +85,38 @@ def auto_micro_batch(tokens: int, vocab: int, budget_bytes: int = 256 * 2**20) -
     fp32 logits (rows × tokens × vocab × 4 bytes) within ``budget_bytes`` — every row at once for a
     small vocabulary, a few rows for a 152k one."""
     return max(1, budget_bytes // max(tokens * vocab * 4, 1))
+
+
+def micro_rows(engine, rows: int, tokens: int, micro: int) -> int:
+    """Rows per forward: ``micro`` (ppo.micro_batch_per_rank) or, when 0, as many as keep a
+    micro-batch's fp32 logits within budget for this model's vocabulary."""
+    if micro:
+        return micro
+    vocab = getattr(engine.module.config, "vocab_size", 0) or 1
+    return min(rows, auto_micro_batch(tokens, vocab))
+
+
+# a micro-batch's rows: consecutive ones, or row indices
+Rows = Union[slice, torch.Tensor]
+
+
+def row_groups(att: torch.Tensor, micro: int, max_tokens: int, mesh: Mesh) -> List[Rows]:
+    """The rows of the scoring forwards: consecutive slices of at most ``micro`` rows, or with
+    ``max_tokens`` (ppo.max_tokens_per_micro_batch) the rows grouped within that many real tokens
+    (``att``'s ones) by ``token_micro_batches``, as many groups on every rank (agreed: a
+    collective)."""
+    rows = att.shape[0]
+    if not max_tokens:
+        return [slice(s, s + micro) for s in range(0, rows, micro)]
+    groups = token_micro_batches(list(range(rows)), att.sum(1).tolist(), max_tokens, mesh.max)
+    return [torch.tensor(g, dtype=torch.long, device=att.device) for g in groups]
+
+
+def in_micro_batches(fn: Callable[[Rows], torch.Tensor], groups: List[Rows]) -> torch.Tensor:
+    """``fn(rows)`` over each of ``groups`` (``row_groups``), concatenated in row order (every rank
+    has as many groups, hence the same number of collective forwards)."""
+    outs = [fn(g) for g in groups]
+    if all(isinstance(g, slice) for g in groups):
+        return torch.cat(outs)
+    order = torch.cat(groups)
+    return torch.cat(outs)[torch.argsort(order)]

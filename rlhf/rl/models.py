@@ -38,8 +38,8 @@ from rlhf.models.value import (
     members,
 )
 from rlhf.rl.ema import EMA
-from rlhf.rl.experience import RewardModels, RewardNormaliser, Scorers
 from rlhf.rl.judge import Judge, read_template, verdict_ids
+from rlhf.rl.scorers import RewardModels, RewardNormaliser, Scorers
 from rlhf.runtime.stage import previous_output, stage_input
 
 log = logging.getLogger("rlhf")

@@ -23,8 +23,8 @@ from rlhf.engine.logprobs import logits_stats, response_logits, scoring_temperat
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
 from rlhf.rl.ema import EMA
-from rlhf.rl.experience import Experience, critic_values, micro_rows
-from rlhf.rl.minibatch import Minibatch, global_rows, micro_batches, minibatches
+from rlhf.rl.experience import Experience, critic_values
+from rlhf.rl.minibatch import Minibatch, global_rows, micro_batches, micro_rows, minibatches
 from rlhf.rl.ptx import PtxTerm
 
 # a micro-batch: this rank's local rows and their weight (0: a stand-in row)

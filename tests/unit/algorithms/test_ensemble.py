@@ -11,8 +11,8 @@ from rlhf.algorithms.ensemble import COMBINE, combine, disagreement
 from rlhf.data.sampler import bootstrap_weights
 from rlhf.engine.mesh import Mesh
 from rlhf.models.value import ScalarHeadModel, mean_head, sequence_scores
-from rlhf.rl.experience import RewardNormaliser
 from rlhf.rl.gate import WINDOW, Gate
+from rlhf.rl.scorers import RewardNormaliser
 from tests.unit.models.test_value_head import tiny_rm
 
 SCORES = torch.tensor([[1.0, 3.0], [0.0, 0.0], [-2.0, 4.0]])  # 3 rows × 2 members

@@ -93,7 +93,7 @@ def test_off_is_the_row_count_split_and_on_covers_the_step(micro):
 def test_scoring_groups_come_back_in_row_order():
     import torch
 
-    from rlhf.rl.experience import in_micro_batches, row_groups
+    from rlhf.rl.minibatch import in_micro_batches, row_groups
 
     att = torch.tensor([[1] * n + [0] * (9 - n) for n in (9, 2, 7, 3, 5, 1)], device="cpu")
     values = torch.arange(6.0, device="cpu") * 10

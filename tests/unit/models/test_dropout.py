@@ -14,8 +14,9 @@ from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine, reference_for
 from rlhf.models import loading
 from rlhf.models.dropout import disable_dropout
-from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
+from rlhf.rl.experience import Collector
 from rlhf.rl.prompts import PromptSource
+from rlhf.rl.scorers import RewardNormaliser, Scorers
 from rlhf.rl.update import Updater
 from tests.infer_helpers import BOS, EOS, PAD, mixed_prompts
 

@@ -28,7 +28,7 @@ from rlhf.engine.train import FrozenModel
 from rlhf.errors import ConfigError
 from rlhf.models import dschat, loading
 from rlhf.models.value import ScalarHeadModel
-from rlhf.rl.experience import RewardModels, reward_scores
+from rlhf.rl.scorers import RewardModels, reward_scores
 from rlhf.score import RewardScorer
 
 TOL = 1e-5

@@ -10,8 +10,9 @@ from rlhf.config import AlgorithmConfig, EngineConfig, PPOConfig, TrainConfig
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import FrozenModel, TrainEngine
-from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
+from rlhf.rl.experience import Collector
 from rlhf.rl.prompts import PromptSource
+from rlhf.rl.scorers import RewardNormaliser, Scorers
 from rlhf.rl.update import Updater
 from tests.distributed.parity_worker import tiny_model
 from tests.distributed.token_budget_worker import capture_grads, reward_model

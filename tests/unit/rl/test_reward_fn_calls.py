@@ -15,8 +15,9 @@ from rlhf.data.records import Example
 from rlhf.engine.infer import Generation
 from rlhf.errors import ConfigError
 from rlhf.ops import SamplingParams
-from rlhf.rl.experience import Collector, RewardNormaliser, Scorers
+from rlhf.rl.experience import Collector
 from rlhf.rl.prompts import PromptBatch
+from rlhf.rl.scorers import RewardNormaliser, Scorers
 from tests.e2e.batch_reward import batch_mean, fails_on_text
 
 EOS = 2
