@@ -22,8 +22,10 @@ import sys
 # in 0.3 s (measured on the CPU dev machine), against 2-5 s once torch and transformers load; those
 # load only when a stage runs (stages.<stage> and what it imports).
 
-# {stages}: the names in rlhf.config.STAGE_TABLE, "sft|reward|ppo|dpo"
+# {stages}: the names in rlhf.config.STAGE_TABLE, "sft|reward|ppo|dpo"; {table}: a line each
 USAGE = """usage: python -m rlhf stage={stages} [key=value ...]
+
+{table}
 
 Hydra overrides, e.g. run.dir=runs/x train.max_steps=100 engine.zero_stage=3 data.path=f.jsonl
   --cfg       print the composed configuration and exit
@@ -52,9 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         argv = sys.argv[1:]
     argv = list(argv)
     if "--help" in argv or "-h" in argv:
-        from rlhf.config import stage_names
+        from rlhf.config import STAGE_TABLE, stage_names
 
-        print(USAGE.format(stages="|".join(stage_names())))
+        table = "\n".join(f"  {s.name:<8}{s.what}" for s in STAGE_TABLE)
+        print(USAGE.format(stages="|".join(stage_names()), table=table))
         return
     show_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]

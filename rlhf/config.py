@@ -35,15 +35,28 @@ class Stage:
     # the metrics summary.json keeps for it (their last logged values; every stage also keeps its
     # largest mem/peak_gb)
     summary_keys: tuple = ()
+    # what it trains, for the usage text
+    what: str = ""
 
 
 STAGE_TABLE = (
-    Stage("sft", pipeline=True, summary_keys=("eval/loss", "gold/score", "gold/score_greedy")),
-    Stage("reward", pipeline=True, summary_keys=("eval/accuracy",)),
+    Stage(
+        "sft",
+        pipeline=True,
+        summary_keys=("eval/loss", "gold/score", "gold/score_greedy"),
+        what="supervised fine-tuning of the policy",
+    ),
+    Stage(
+        "reward",
+        pipeline=True,
+        summary_keys=("eval/accuracy",),
+        what="a reward model (or an ensemble) on preference pairs",
+    ),
     Stage(
         "ppo",
         pipeline=True,
         summary_keys=("gold/score", "gold/score_greedy", "kl/mean", "reward/mean"),
+        what="RL: PPO, GRPO, RLOO, REINFORCE++ or distillation (algorithm.estimator)",
     ),
     Stage(
         "dpo",
@@ -54,6 +67,7 @@ STAGE_TABLE = (
             "eval/rewards/accuracy",
             "eval/rewards/margin",
         ),
+        what="direct preference optimisation from the SFT policy",
     ),
 )
 

@@ -33,7 +33,12 @@ def test_a_row_is_what_every_list_of_stages_reads(kto, tmp_path, capsys):
 
     assert C.pipeline_stages() == ("sft", "reward", "ppo", "kto")  # scripts/run_all.sh's default
     main(["--help"])
-    assert "python -m rlhf stage=sft|reward|ppo|dpo|kto [key=value ...]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "python -m rlhf stage=sft|reward|ppo|dpo|kto [key=value ...]" in out
+    # each stage in a line: stage=ppo runs the whole PPO family
+    assert (
+        "\n  ppo     RL: PPO, GRPO, RLOO, REINFORCE++ or distillation" in out and "\n  kto" in out
+    )
     with pytest.raises(ConfigError, match=r"one of sft, reward, ppo, dpo, kto"):
         C.Config(stage="nope")
     with pytest.raises(
