@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, List, Optional
 
@@ -1188,6 +1189,20 @@ class SandboxConfig:
         )
 
 
+def score_pattern(pattern: str, key: str = "ppo.judge_score_pattern") -> "re.Pattern":
+    """A judge's score pattern compiled: exit 2 (one line) when it does not compile or has no group
+    (rlhf/rl/judge.py reads the number in its first group)."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"{key}={pattern!r}: not a regular expression: {e}") from None
+    if compiled.groups < 1:
+        raise ConfigError(
+            f"{key}={pattern!r}: needs a group around the number, e.g. 'Score: (\\d+)'"
+        )
+    return compiled
+
+
 # env.name: these, or a dotted path module.Class (rlhf/envs/builtin.py)
 ENV_BUILTINS = ("auto", "single_turn", "tools")
 
@@ -1369,6 +1384,14 @@ class PPOConfig:
     judge_weight: float = 1.0
     # a longer rendering keeps its last tokens
     judge_max_tokens: int = 1024
+    # the score form (rlhf/rl/judge.py): a regular expression whose first group is a number; the
+    # judge then writes up to judge_max_new_tokens tokens greedily, the reward is the number mapped
+    # from judge_score_range onto 0..1, and an answer without a match gets judge_failure_reward
+    # (counted: judge/parse_failures). None: the verdict form
+    judge_score_pattern: Optional[str] = None
+    judge_score_range: List[float] = field(default_factory=lambda: [0.0, 10.0])
+    judge_max_new_tokens: int = 16
+    judge_failure_reward: float = 0.0
     ema_decay: Optional[float] = None  # EMA actor when set, e.g. 0.99
     max_nonfinite_in_a_row: int = 3
     # the rollout-parity guard (docs/ppo.md): every step that generated in the inference mode
@@ -1460,6 +1483,21 @@ class PPOConfig:
             "ppo.judge_verdicts",
             list(self.judge_verdicts),
             "two different verdicts, the first the good one (e.g. [Yes, No])",
+        )
+        if self.judge_score_pattern is not None:
+            score_pattern(self.judge_score_pattern)
+        lo_hi = list(self.judge_score_range)
+        _check(
+            len(lo_hi) == 2 and lo_hi[0] < lo_hi[1],
+            "ppo.judge_score_range",
+            lo_hi,
+            "two numbers, the lowest score and the highest",
+        )
+        _check(
+            self.judge_max_new_tokens > 0,
+            "ppo.judge_max_new_tokens",
+            self.judge_max_new_tokens,
+            "a positive integer",
         )
         _check(
             self.judge_max_tokens > 0,

@@ -204,6 +204,17 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--verdicts", nargs=2, default=["Yes", "No"], help="the judge's good and bad verdict"
     )
+    ap.add_argument(
+        "--score-pattern",
+        metavar="REGEX",
+        help="the judge's score form: it writes an answer and the number in the pattern's first "
+        "group, mapped from --score-range onto 0..1, is the score (an answer without one: 0, "
+        "counted as parse_failures)",
+    )
+    ap.add_argument("--score-range", nargs=2, type=float, default=[0.0, 10.0], metavar=("LO", "HI"))
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=16, help="the score form's answer length (16)"
+    )
     args = ap.parse_args(argv)
     from rlhf.errors import UserError, one_line
 
@@ -270,11 +281,12 @@ def main(argv=None) -> None:
 
 def judge_main(args, kind: str, exs) -> None:
     """``--judge``: each response's (each pair's two) probability of the good verdict by the
-    judge."""
+    judge, or with ``--score-pattern`` its parsed score (rlhf/rl/judge.py, as PPO's judge)."""
     from transformers import AutoModelForCausalLM
 
     from rlhf.data.records import Example
     from rlhf.engine.mesh import choose_device
+    from rlhf.errors import ConfigError
     from rlhf.models.loading import check_model_path, load_tokenizer
     from rlhf.rl.judge import Judge, Plain, read_template
 
@@ -285,28 +297,44 @@ def judge_main(args, kind: str, exs) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         args.model_dir, trust_remote_code=args.trust_remote_code
     )
+    if args.score_range[0] >= args.score_range[1] or args.max_new_tokens < 1:
+        raise ConfigError("--score-range: LO < HI, and --max-new-tokens: a positive integer")
     judge = Judge(
-        Plain(model.to(device).eval()), tokenizer, template, args.verdicts, 4096, args.model_dir
+        Plain(model.to(device).eval()),
+        tokenizer,
+        template,
+        args.verdicts,
+        4096,
+        args.model_dir,
+        score=args.score_pattern,
+        score_range=args.score_range,
+        max_new_tokens=args.max_new_tokens,
     )
     if exs is None:
         exs = [Example(prompt=args.prompt, response=args.response)]
+    failures = []
 
     def scores(texts: List[str]) -> List[float]:  # 16 responses a forward
-        return [
-            p
-            for i in range(0, len(exs), 16)
-            for p in judge(texts[i : i + 16], exs[i : i + 16], 0, device).tolist()
-        ]
+        out = []
+        for i in range(0, len(exs), 16):
+            out += judge(texts[i : i + 16], exs[i : i + 16], 0, device).tolist()
+            failures.extend(judge.failed.tolist())
+        return out
 
+    said = {}
     if kind == "pairs":
         chosen, rejected = scores([e.chosen for e in exs]), scores([e.rejected for e in exs])
         for c, r in zip(chosen, rejected):
             print(json.dumps({"chosen": c, "rejected": r, "correct": c > r}))
         correct = sum(c > r for c, r in zip(chosen, rejected))
-        print(json.dumps({"pairs": len(chosen), "accuracy": correct / max(len(chosen), 1)}))
-        return
-    for s in scores([e.response or "" for e in exs]):
-        print(json.dumps({"score": s}))
+        said = {"pairs": len(chosen), "accuracy": correct / max(len(chosen), 1)}
+    else:
+        for s in scores([e.response or "" for e in exs]):
+            print(json.dumps({"score": s}))
+    if args.score_pattern is not None:
+        said["parse_failures"] = sum(failures)
+    if said:
+        print(json.dumps(said))
 
 
 if __name__ == "__main__":

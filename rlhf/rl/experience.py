@@ -373,11 +373,14 @@ class Collector:
                 watch["length_slope"] = slope.expand(rows)
             score = score + parts["model"]
         texts = ep.texts  # the final turn of each episode
-        if scorers.judge is not None:  # P(the good verdict) of each response
+        if scorers.judge is not None:  # P(the good verdict), or the parsed score, of each response
             micro = ppo.micro_batch_per_rank or rows
             judged = scorers.judge(texts, examples, micro, seq.device).to(score.dtype)
             parts["judge"] = scorers.judge_weight * judged
             score = score + parts["judge"]
+            if scorers.judge.pattern is not None:
+                # the answers whose score could not be read (judge/parse_failures)
+                watch["judge_failed"] = scorers.judge.failed.to(score.dtype)
             gen.timings["judge_s"] = gen.timings.get("judge_s", 0.0) + scorers.judge.seconds
         if scorers.rule is not None:
             # checked on every call: one number per response, or exit 2 naming it

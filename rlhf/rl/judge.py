@@ -1,7 +1,13 @@
 """A generative judge (``ppo.judge_path``): a causal LM that reads each prompt and response through
-a template with the rubric and answers with a verdict; the reward is its probability of the first
-verdict against the second, read from one forward (the next token's logits after the rendered
-question), so there is no text to parse and nothing to fail on.
+a template with the rubric and answers. Two forms:
+
+- **verdict** (the default): the reward is its probability of the first verdict against the second,
+  read from one forward (the next token's logits after the rendered question), so there is no text
+  to parse and nothing to fail on;
+- **score** (``ppo.judge_score_pattern``, a regular expression whose first group is a number): the
+  judge writes up to ``ppo.judge_max_new_tokens`` tokens greedily and the reward is the first
+  match's number mapped from ``ppo.judge_score_range`` onto 0..1 (clipped); an answer without a
+  match gets ``ppo.judge_failure_reward`` and is counted (``judge/parse_failures``).
 
 The judge reads text, not the policy's token ids: its tokenizer may be another one. The template
 (``ppo.judge_template``, a UTF-8 file) holds ``{response}`` and may hold ``{prompt}`` and
@@ -13,13 +19,15 @@ answer are).
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from rlhf.algorithms.tokens import position_ids
+from rlhf.config import score_pattern
 from rlhf.data.records import Example
 from rlhf.errors import ConfigError
 
@@ -55,6 +63,19 @@ def verdict_ids(tokenizer, verdicts: Sequence[str], path: str) -> List[int]:
     return ids
 
 
+def parse_score(text: str, pattern: "re.Pattern", lo: float, hi: float) -> Optional[float]:
+    """The first match's number in ``text`` mapped from [lo, hi] onto [0, 1] (clipped); None
+    without a match or a number."""
+    m = pattern.search(text)
+    if m is None:
+        return None
+    try:
+        value = float(m.group(1))
+    except (TypeError, ValueError):
+        return None
+    return min(max((value - lo) / (hi - lo), 0.0), 1.0)
+
+
 class Plain:
     """A plain HF causal LM with the frozen engine's ``forward(..., logits_at=)`` (rlhf.score's
     judge)."""
@@ -72,12 +93,25 @@ class Plain:
 
 
 class Judge:
-    """``judge(texts, examples) -> [B]`` P(first verdict) / (P(first) + P(second)) of each response;
-    ``seconds``: the time of the last call. Collective under FSDP (every rank runs as many forwards:
-    the ranks hold as many rows)."""
+    """``judge(texts, examples) -> [B]`` each response's reward (module docstring: the verdict's
+    probability, or the parsed score); ``seconds``: the time of the last call, ``failed``: [B] bool,
+    the answers the score form could not parse. Collective under FSDP (every rank runs as many
+    forwards: the ranks hold as many rows, and the score form's decoding steps are agreed over
+    ``mesh``)."""
 
     def __init__(
-        self, model, tokenizer, template: str, verdicts: Sequence[str], max_tokens: int, path: str
+        self,
+        model,
+        tokenizer,
+        template: str,
+        verdicts: Sequence[str],
+        max_tokens: int,
+        path: str,
+        score: Optional[str] = None,
+        score_range: Sequence[float] = (0.0, 10.0),
+        max_new_tokens: int = 16,
+        failure_reward: float = 0.0,
+        mesh=None,
     ):
         self.model, self.tokenizer, self.template, self.max_tokens = (
             model,
@@ -85,9 +119,14 @@ class Judge:
             template,
             max_tokens,
         )
-        self.ids = verdict_ids(tokenizer, verdicts, path)
+        self.pattern = None if score is None else score_pattern(score)
+        # the verdict form's two token ids
+        self.ids = verdict_ids(tokenizer, verdicts, path) if self.pattern is None else []
+        self.range, self.max_new_tokens = tuple(score_range), max_new_tokens
+        self.failure_reward, self.mesh = failure_reward, mesh
         self.chat = getattr(tokenizer, "chat_template", None) is not None
         self.seconds = 0.0
+        self.failed = torch.zeros(0, dtype=torch.bool)
 
     def text(self, example: Example, response: str) -> str:
         """The judge's input for one response: the template filled, in the judge's chat template."""
@@ -123,13 +162,53 @@ class Judge:
         out, step = [], micro or ids.shape[0]
         for s in range(0, ids.shape[0], step):
             i, m = ids[s : s + step].to(device), mask[s : s + step].to(device)
-            last = torch.zeros_like(m, dtype=torch.bool)
-            # left-padded: every row's last token is the last position
-            last[:, -1] = True
-            logits = self.model.forward(
-                input_ids=i, attention_mask=m, position_ids=position_ids(m), logits_at=last
-            )
-            pair = logits.logits.float()[:, self.ids].log_softmax(-1)
-            out.append(pair[:, 0].exp())
+            out.append(self._verdict(i, m) if self.pattern is None else self._score(i, m))
         self.seconds = time.perf_counter() - t0
-        return torch.cat(out)
+        rewards = torch.cat(out)
+        self.failed = torch.zeros_like(rewards, dtype=torch.bool)
+        if self.pattern is None:
+            return rewards
+        self.failed = rewards.isnan()
+        return rewards.nan_to_num(self.failure_reward)
+
+    def _next_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B, V] the next token's logits of left-padded rows (their last position)."""
+        last = torch.zeros_like(mask, dtype=torch.bool)
+        last[:, -1] = True
+        out = self.model.forward(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_at=last
+        )
+        return out.logits.float()
+
+    def _verdict(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        pair = self._next_logits(ids, mask)[:, self.ids].log_softmax(-1)
+        return pair[:, 0].exp()
+
+    def _score(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Greedy answers of at most ``max_new_tokens`` tokens (no cache: a judge's answer is a few
+        tokens), parsed; NaN where the answer has no score."""
+        eos = self.tokenizer.eos_token_id
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        written = []
+        for _ in range(self.max_new_tokens):
+            nxt = self._next_logits(ids, mask).argmax(-1)
+            # a finished row writes masked padding
+            nxt = torch.where(done, torch.zeros_like(nxt), nxt)
+            written.append(torch.where(done, torch.full_like(nxt, -1), nxt))
+            ids = torch.cat([ids, nxt[:, None]], 1)
+            mask = torch.cat([mask, (~done).long()[:, None]], 1)
+            done |= nxt == eos if eos is not None else torch.zeros_like(done)
+            # every rank decodes as many steps (the forwards are collective)
+            going = float((~done).sum())
+            if not (self.mesh.sum(going) if self.mesh is not None else going):
+                break
+        tokens = torch.stack(written, 1).tolist()
+        answers = [
+            self.tokenizer.decode([t for t in row if t >= 0 and t != eos], skip_special_tokens=True)
+            for row in tokens
+        ]
+        lo, hi = self.range
+        scores = [parse_score(a, self.pattern, lo, hi) for a in answers]
+        return torch.tensor(
+            [float("nan") if v is None else v for v in scores], dtype=torch.float32, device="cpu"
+        ).to(ids.device)

@@ -31,6 +31,10 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
         # the generative judge's forwards (part of time/score_s)
         row["time/judge_s"] = timings["judge_s"]
     for name, part in {**exp.score_parts, **exp.watch}.items():
+        if name == "judge_failed":
+            # a generative judge's answers without a readable score, over every rank
+            row["judge/parse_failures"] = mesh.sum(float(part.sum()))
+            continue
         row[f"reward/{name}"] = mesh.sum(float(part.sum())) / rows
     row.update(exp.extra_metrics)
     if exp.gold is not None:

@@ -247,7 +247,17 @@ def build_models(
         template = read_template(ppo.judge_template)
         frozen = FrozenModel(model, mesh, place("judge"))
         judge = Judge(
-            frozen, judge_tok, template, ppo.judge_verdicts, ppo.judge_max_tokens, sources.judge
+            frozen,
+            judge_tok,
+            template,
+            ppo.judge_verdicts,
+            ppo.judge_max_tokens,
+            sources.judge,
+            score=ppo.judge_score_pattern,
+            score_range=ppo.judge_score_range,
+            max_new_tokens=ppo.judge_max_new_tokens,
+            failure_reward=ppo.judge_failure_reward,
+            mesh=mesh,
         )
     scorers = Scorers(
         ref=ref,
@@ -362,11 +372,13 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
     if ppo.judge_path:
         loading.check_model_path(ppo.judge_path, "ppo.judge_path")
         read_template(ppo.judge_template)  # exit 2 now, not after the models load
-        verdict_ids(
-            loading.load_tokenizer(ppo.judge_path, cfg.model.trust_remote_code),
-            ppo.judge_verdicts,
-            ppo.judge_path,
-        )
+        if ppo.judge_score_pattern is None:
+            # the verdict form: each verdict one token of the judge's
+            verdict_ids(
+                loading.load_tokenizer(ppo.judge_path, cfg.model.trust_remote_code),
+                ppo.judge_verdicts,
+                ppo.judge_path,
+            )
         judge_src = os.path.expanduser(ppo.judge_path)
         log.info(
             "ppo: judge %s with %s (ppo.judge_weight=%g)",

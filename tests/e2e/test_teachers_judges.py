@@ -146,6 +146,16 @@ def test_a_generative_judge_rewards_by_its_verdicts_probability(small_pipeline, 
     assert r["reward/mean"] == pytest.approx(
         r["reward/judge"] + r.get("reward/penalty", 0.0), abs=1e-5
     )
+    # the score form: the judge writes its answer (the embedded model writes digits) and the
+    # number read from it is the reward; unread answers counted
+    score_run = tmp_path / "score_run"
+    shutil.copytree(small_pipeline / "sft", score_run / "sft")
+    score_args = [a.replace(str(run), str(score_run)) for a in args]
+    proc = run_cli(*score_args, r"ppo.judge_score_pattern='(\d+)'", "ppo.judge_score_range=[0,200]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = steps_of(score_run)
+    # at most quick_ppo's 8 prompts × 2 samples
+    assert 0.0 <= r["reward/judge"] <= 2.0 and 0 <= r["judge/parse_failures"] <= 16, r
     proc = run_cli(*args, "ppo.judge_verdicts=[Yes,No]")
     assert proc.returncode == 2
     assert (
@@ -185,6 +195,13 @@ def test_score_reads_pairs_with_the_judge(small_pipeline, tmp_path):
     assert (
         lines[2]["pairs"] == 2 and lines[2]["accuracy"] == sum(x["correct"] for x in lines[:2]) / 2
     )
+    # the score form: the answers' numbers, and how many had none
+    proc = score_cli(
+        str(judge), "--judge", str(template), "--score-pattern", r"(\d+)", "--jsonl", str(pairs)
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = json.loads(proc.stdout.splitlines()[-1])
+    assert last["pairs"] == 2 and 0 <= last["parse_failures"] <= 4, last
     # Yes / No: not one token
     proc = score_cli(str(judge), "--judge", str(template), "--jsonl", str(pairs))
     assert proc.returncode == 2 and "'Yes' is 3 tokens" in proc.stderr.strip().splitlines()[-1]

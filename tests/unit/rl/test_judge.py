@@ -109,3 +109,80 @@ def test_refusals_are_one_line(tmp_path):
     ):
         verdict_ids(WordTokenizer(), ["Yes", "two words"], "j")
     assert verdict_ids(WordTokenizer(), ["Yes", "No"], "j") == [1, 2]
+
+
+SCORE_WORDS = WORDS + ["Score:", "7", "3", "12", "</s>", "maybe"]
+
+
+class ScoreTokenizer(WordTokenizer):
+    """WordTokenizer over SCORE_WORDS, '</s>' its EOS."""
+
+    eos_token_id = SCORE_WORDS.index("</s>")
+
+    def encode(self, text, add_special_tokens=False):
+        return [SCORE_WORDS.index(w) for w in text.split()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(SCORE_WORDS[i] for i in ids)
+
+
+# each row's answer, told apart by its prompt's first word
+SCRIPTS = {"x": ("Score:", "7", "</s>"), "y": ("maybe", "</s>"), "z": ("Score:", "12", "maybe") * 2}
+
+
+class Writer:
+    """Writes each row's script, a token a forward: the row is told apart by its first real token
+    (x, y or z), its script read at the step its length says."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len, self.steps = prompt_len, 0
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_at):
+        self.steps += 1
+        logits = torch.zeros(input_ids.shape[0], len(SCORE_WORDS))
+        for b in range(input_ids.shape[0]):
+            row = input_ids[b][attention_mask[b].bool()].tolist()
+            script = SCRIPTS[SCORE_WORDS[row[0]]]
+            step = len(row) - self.prompt_len
+            word = script[step] if step < len(script) else "</s>"
+            logits[b, SCORE_WORDS.index(word)] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_the_score_form_parses_the_answer_and_counts_what_it_cannot_read():
+    """x answers 'Score: 7' (0.7 of 0..10), y 'maybe' (no score: the failure reward, counted), z
+    'Score: 12' (clipped to 1); the decoding stops once every row wrote its EOS or ran out."""
+    model = Writer(prompt_len=2)
+    judge = Judge(
+        model,
+        ScoreTokenizer(),
+        "{prompt} {response}",
+        ["Yes", "No"],
+        16,
+        "j",
+        score=r"Score: (\d+)",
+        score_range=[0, 10],
+        max_new_tokens=4,
+        failure_reward=-1.0,
+    )
+    examples = [Example(prompt=p) for p in ("x", "y", "z")]
+    got = judge(["ok?", "ok?", "ok?"], examples, micro=0, device="cpu")
+    assert torch.allclose(got, torch.tensor([0.7, -1.0, 1.0]))
+    assert judge.failed.tolist() == [False, True, False]
+    # z never writes its EOS: the 4-token answer length ends it
+    assert model.steps == 4
+    # verdicts are not read in the score form (none of them need be one token)
+    Judge(model, ScoreTokenizer(), "{response}", ["two words", "No"], 16, "j", score=r"(\d)")
+
+
+def test_a_score_pattern_without_a_group_is_one_line():
+    from rlhf.config import PPOConfig
+
+    with pytest.raises(
+        ConfigError, match=r"ppo.judge_score_pattern='Score: .*needs a group around"
+    ):
+        PPOConfig(judge_score_pattern=r"Score: \d")
+    with pytest.raises(ConfigError, match=r"ppo.judge_score_pattern='\(': not a regular"):
+        PPOConfig(judge_score_pattern="(")
+    with pytest.raises(ConfigError, match=r"ppo.judge_score_range"):
+        PPOConfig(judge_score_range=[5, 5])
