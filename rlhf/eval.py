@@ -120,7 +120,8 @@ def env_of(run) -> dict:
     env = dict(run.get("env") or {})
     for old, new in MOVED_KEYS.items():
         key = old.split(".", 1)[1]
-        if key in ppo and new.split(".", 1)[1] not in env:
+        # (the env group's keys only: MOVED_KEYS holds other moves too)
+        if new.startswith("env.") and key in ppo and new.split(".", 1)[1] not in env:
             env[new.split(".", 1)[1]] = ppo[key]
     if not env.get("tools") and env.get("name", "single_turn") in ("single_turn", "auto"):
         return {}

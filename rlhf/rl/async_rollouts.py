@@ -10,7 +10,7 @@ and take newer ones between turns. A row whose oldest token is older than the bo
 (no loss) and counted; the requests make that impossible, and the count says so every step.
 
 k = 0 is the synchronous run: the worker waits for the weights of the step, so the samples and the
-updates are the colocated run's (tests/distributed/test_async_rollouts.py). Resuming at step t sends
+updates are the colocated run's (tests/e2e/test_async_rollouts.py). Resuming at step t sends
 version t and asks for steps t… afresh: the first k steps after a resume are generated with weights
 at least as new as the uninterrupted run's (regenerated, not saved; equal to it at k = 0).
 """

@@ -131,7 +131,7 @@ def concat_groups(
     to set (a batch's appear once per prompt chosen from it)."""
     n = samples_per_prompt
     out = join([take(b, slice(i * n, (i + 1) * n)) for b, i in chosen], pad_id)
-    out.gen.timings, out.ep.stats, out.env_stats = {}, {}, []
+    out.gen.timings, out.ep.stats, out.ep.errors, out.env_stats = {}, {}, [], []
     return out
 
 

@@ -196,7 +196,10 @@ class Judge:
             nxt = torch.where(done, torch.zeros_like(nxt), nxt)
             written.append(torch.where(done, torch.full_like(nxt, -1), nxt))
             ids = torch.cat([ids, nxt[:, None]], 1)
-            mask = torch.cat([mask, (~done).long()[:, None]], 1)
+            # real tokens to the model, a finished row's too (its outputs are not read): every
+            # row's last position is one the forward may be asked for (packed forwards refuse
+            # padding)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             done |= nxt == eos if eos is not None else torch.zeros_like(done)
             # every rank decodes as many steps (the forwards are collective)
             going = float((~done).sum())

@@ -176,7 +176,15 @@ def test_eval_reads_a_saved_run_from_before_the_env_group():
     from rlhf.eval import env_of
 
     before = OmegaConf.create(
-        {"ppo": {"tools": ["calculator"], "env": "tools", "max_turns": 3, "max_new_tokens": 48}}
+        {
+            "ppo": {
+                "tools": ["calculator"],
+                "env": "tools",
+                "max_turns": 3,
+                "max_new_tokens": 48,
+                "reward_clip": False,
+            }
+        }
     )
     assert env_of(before) == {
         "env": {"tools": ["calculator"], "name": "auto", "max_turns": 3},

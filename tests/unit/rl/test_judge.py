@@ -139,6 +139,8 @@ class Writer:
 
     def forward(self, input_ids, attention_mask, position_ids, logits_at):
         self.steps += 1
+        # logits asked for real tokens only (a packed forward refuses padding), finished rows' too
+        assert attention_mask[logits_at].all(), attention_mask
         logits = torch.zeros(input_ids.shape[0], len(SCORE_WORDS))
         for b in range(input_ids.shape[0]):
             row = input_ids[b][attention_mask[b].bool()].tolist()
