@@ -186,11 +186,10 @@ class Collector:
         mask = gen.response_mask.float()
         rows, n_resp = seq.shape[0], seq.shape[1] - prompt_len
         keep = keeps_logits(unwrap(self.actor.module))
+        logits_len = seq.shape[1]
         if keep:
             # the model computes logits for the response (and the token before it) only
             logits_len = n_resp + 1
-        else:
-            logits_len = seq.shape[1]
         micro = micro_rows(self.actor, rows, logits_len, ppo.micro_batch_per_rank)
         groups = row_groups(att, micro, ppo.max_tokens_per_micro_batch, mesh)
 
@@ -232,26 +231,13 @@ class Collector:
                 )
                 * mask
             )
-        kind = kl_kind(alg)
-        kl = ppo_math.kl_penalty(old_logp, ref_logp, kind) * mask
-        # what the adaptive KL controller reads: the k1 estimate per sequence, whatever the penalty
-        # uses
-        k1 = kl
-        if kind != "k1":
-            k1 = ppo_math.kl_penalty(old_logp, ref_logp, "k1") * mask
+        kl, kl_mean = self.kl(old_logp, ref_logp, mask)
         global_rows = rows * mesh.world_size  # every rank holds as many rows
-        kl_mean = mesh.sum(float(k1.sum(1).sum())) / global_rows
         all_reduce = mesh.all_reduce if mesh.distributed else None
         adv, returns = advantages(
             alg, scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce, turn_rewards
         )
-        loss_mask = mask
-        if ppo.overlong_filter:
-            # truncated responses (no EOS) carry no loss
-            loss_mask = mask * ended(gen, self.tokenizer.eos_token_id)[:, None].float()
-        if ro.ep.failed.any():
-            # the environment raised or timed out: no loss on the trajectory
-            loss_mask = loss_mask * (~ro.ep.failed)[:, None].float()
+        loss_mask = self.loss_mask(ro, mask)
         stale = staleness(gen.versions, step, mask)
         waited = timings.get("generate_s", 0.0) + timings.get("switch_s", 0.0)
         if stale is not None:
@@ -286,6 +272,29 @@ class Collector:
             examples=ro.examples,
             staleness=stale,
         )
+
+    def kl(
+        self, old_logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor
+    ) -> Tuple[torch.Tensor, float]:
+        """([B, N] the penalty's KL estimate per token (algorithm.kl_estimator), the k1 KL per
+        sequence over every rank's rows: what the adaptive KL controller reads)."""
+        kind = kl_kind(self.alg)
+        kl = ppo_math.kl_penalty(old_logp, ref_logp, kind) * mask
+        k1 = kl
+        if kind != "k1":
+            k1 = ppo_math.kl_penalty(old_logp, ref_logp, "k1") * mask
+        global_rows = mask.shape[0] * self.mesh.world_size  # every rank holds as many rows
+        return kl, self.mesh.sum(float(k1.sum(1).sum())) / global_rows
+
+    def loss_mask(self, ro: Rollouts, mask: torch.Tensor) -> torch.Tensor:
+        """The response tokens that carry loss: not those of a response cut at max_new_tokens
+        (ppo.overlong_filter), nor of an episode whose environment raised or timed out."""
+        loss_mask = mask
+        if self.ppo.overlong_filter:
+            loss_mask = mask * ended(ro.gen, self.tokenizer.eos_token_id)[:, None].float()
+        if ro.ep.failed.any():
+            loss_mask = loss_mask * (~ro.ep.failed)[:, None].float()
+        return loss_mask
 
     def within_bound(
         self, stale: torch.Tensor, loss_mask: torch.Tensor, dyn: Dict[str, float]
