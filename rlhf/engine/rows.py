@@ -84,7 +84,7 @@ def _take(value, rows: Rows):
     if isinstance(value, dict):
         return {k: _take(v, rows) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
-        if isinstance(value, torch.Tensor) and not isinstance(rows, slice):
+        if not isinstance(rows, slice):
             rows = torch.as_tensor(rows, dtype=torch.long, device=value.device)
         return value[rows]
     if isinstance(rows, slice):
@@ -92,15 +92,9 @@ def _take(value, rows: Rows):
     return [value[int(i)] for i in rows]
 
 
-def _most(batches: list, name: str, size: Callable = lambda v: v) -> Optional[int]:
-    """The largest ``size`` of a field of the batches' (their generations'), None without one."""
-    found = []
-    for b in batches:
-        while b is not None and not hasattr(b, name):
-            b = next((v for v in vars(b).values() if dataclasses.is_dataclass(v)), None)
-        if b is not None:
-            found.append(size(getattr(b, name)))
-    return max(found) if found else None
+def _most(batches: list, name: str, size: Callable = lambda v: v) -> int:
+    """The largest ``size`` of a field of the batches' (or of the containers they hold)."""
+    return max(size(_field(b, name)) for b in batches)
 
 
 def _join_rows(meta, values, batches, prompt, response, pad_id):
