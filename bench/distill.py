@@ -17,6 +17,13 @@ student_gold (held-out gold, sampled), target (0.9 × teacher_gold), distill_gol
 and for each run the training seconds (generate + score + update, evaluations left out) to its first
 evaluation at or above the target (None: not reached), their ratio, and the distill run's last
 distill/reverse_kl. A run whose output exists in --out is read, not run again.
+
+With ``--recipe smollm2_arith`` (a real-model recipe): the student is the recipe's own pretrained
+model (SmolLM2-135M-Instruct, no SFT), the teacher the recipe's GRPO run of the same seed (run under
+<out>/seed<N>/teacher, or read from ``--teacher DIR``, '{seed}' filled in); distill/ runs the recipe
+with the teacher and ``--distill-set`` (8 prompts x 4 samples: no groups needed), grpo/ the recipe
+itself. The target is ``--gap-share`` (0.8) of the gap between student and teacher closed on the
+sampled and the greedy held-out gold both (issue 54's real-model target).
 """
 
 from __future__ import annotations
@@ -69,18 +76,26 @@ def run(stage: str, run_dir: Path, seed: int, threads, extra: list, done: str) -
         )
 
 
-def curve(metrics: Path) -> list:
-    """[(step, gold, training seconds so far)] of each evaluation (step 0 first)."""
+def curve(metrics: Path, keys=("gold/score",)) -> list:
+    """[(step, gold, training seconds so far)] of each evaluation (step 0 first); gold is a tuple
+    of the ``keys``' values when there are several."""
     out, seconds = [], 0.0
     for r in rows(metrics):
         seconds += sum(r.get(k, 0.0) for k in STEP_TIMES) if "reward/mean" in r else 0.0
-        if "gold/score" in r:
-            out.append((r["step"], r["gold/score"], seconds))
+        if keys[0] in r:
+            gold = tuple(r[k] for k in keys)
+            out.append((r["step"], gold if len(keys) > 1 else gold[0], seconds))
     return out
 
 
-def seconds_to(points: list, target: float):
-    return next((s for _, g, s in points if g >= target), None)
+def seconds_to(points: list, target):
+    """Training seconds to the first evaluation at or above ``target`` (a tuple: every value)."""
+
+    def met(gold) -> bool:
+        pairs = zip(gold, target) if isinstance(target, tuple) else [(gold, target)]
+        return all(g >= t for g, t in pairs)
+
+    return next((s for _, g, s in points if met(g)), None)
 
 
 def one_seed(args, seed: int, out: Path) -> dict:
@@ -132,6 +147,48 @@ def one_seed(args, seed: int, out: Path) -> dict:
     return fig
 
 
+GOLDS = ("gold/score", "gold/score_greedy")
+
+
+def one_seed_recipe(args, seed: int, out: Path) -> dict:
+    """The real-model comparison (``--recipe``): distill and GRPO from the recipe's own model."""
+    d, recipe = out / f"seed{seed}", [f"recipe={args.recipe}", *args.set]
+    if args.teacher:
+        teacher = Path(args.teacher.format(seed=seed))
+    else:
+        run("ppo", d / "teacher", seed, args.threads, recipe, "ppo/done.json")
+        teacher = d / "teacher" / "ppo"
+    steps = [
+        f"train.max_steps={args.steps}",
+        f"train.eval_every={args.eval_every}",
+        "train.save_every=0",
+    ]
+    distill = DISTILL + ["ppo.reward_fn=null", f"ppo.teacher_path={teacher / 'actor'}"]
+    for name, extra in (("distill", distill + args.distill_set), ("grpo", [])):
+        run("ppo", d / name, seed, args.threads, recipe + steps + extra, "ppo/done.json")
+    teacher_gold = [
+        tuple(r[k] for k in GOLDS) for r in rows(teacher / "metrics.jsonl") if GOLDS[0] in r
+    ]
+    student_gold = curve(d / "distill/ppo/metrics.jsonl", GOLDS)[0][1]
+    target = tuple(s + args.gap_share * (t - s) for s, t in zip(student_gold, teacher_gold[-1]))
+    fig = {
+        "teacher_gold": teacher_gold[-1][0],
+        "teacher_gold_greedy": teacher_gold[-1][1],
+        "student_gold": student_gold[0],
+        "student_gold_greedy": student_gold[1],
+        "target": target[0],
+        "target_greedy": target[1],
+    }
+    for name in ("distill", "grpo"):
+        points = curve(d / name / "ppo/metrics.jsonl", GOLDS)
+        fig[f"{name}_gold"], fig[f"{name}_gold_greedy"] = points[-1][1]
+        fig[f"{name}_seconds_to_target"] = seconds_to(points, target)
+        fig[f"{name}_seconds"] = points[-1][2]
+    if fig["distill_seconds_to_target"] is not None and fig["grpo_seconds_to_target"]:
+        fig["time_ratio"] = fig["distill_seconds_to_target"] / fig["grpo_seconds_to_target"]
+    return fig
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
@@ -145,17 +202,32 @@ def main() -> None:
         "--threads", type=int, default=None, help="engine.threads_per_rank (default: the stage's)"
     )
     ap.add_argument("--set", nargs="*", default=[], help="overrides for every stage")
+    ap.add_argument(
+        "--recipe", default=None, help="a real-model recipe (smollm2_arith): see the docstring"
+    )
+    ap.add_argument(
+        "--teacher",
+        default=None,
+        help="--recipe: the teacher's PPO run directory ('{seed}' filled)",
+    )
+    ap.add_argument("--gap-share", type=float, default=0.8, help="--recipe: the gap to close")
+    ap.add_argument(
+        "--distill-set",
+        nargs="*",
+        default=["ppo.samples_per_prompt=4"],
+        help="--recipe: overrides of the distill run alone",
+    )
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="distill-"))
     base = {
         "bench": "distill",
-        "workload": "embedded",
+        "workload": args.recipe or "embedded",
         "device": device_label("cpu"),
         "unit": "per seed",
     }
     per_seed = {}
     for seed in args.seeds:
-        per_seed[seed] = one_seed(args, seed, out)
+        per_seed[seed] = (one_seed_recipe if args.recipe else one_seed)(args, seed, out)
         for metric, value in per_seed[seed].items():
             print(
                 json.dumps({**base, "variant": f"seed{seed}", "metric": metric, "value": value}),

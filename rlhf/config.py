@@ -1058,8 +1058,17 @@ class AlgorithmConfig:
     gkd_coef: float = 0.0
     gkd_beta: float = 0.5
     gkd_top_k: int = 0
+    # the share of GKD's weight taken on the dataset's SFT responses instead of the actor's samples
+    # (GKD's fixed-dataset part: 1 − its λ)
+    gkd_data_share: float = 0.0
 
     def __post_init__(self):
+        _check(
+            0 <= self.gkd_data_share <= 1,
+            "algorithm.gkd_data_share",
+            self.gkd_data_share,
+            "0..1 (0 = the actor's samples alone)",
+        )
         _check(
             self.gkd_coef >= 0,
             "algorithm.gkd_coef",
@@ -1706,6 +1715,12 @@ class Config:
                 f"algorithm.kl_coef={a.kl_coef:g} "
                 "does not compute (no reference model): set algorithm.kl_coef > 0, or "
                 "gate on ppo.stop_disagreement"
+            )
+        if a.gkd_data_share and not a.gkd_coef:
+            raise ConfigError(
+                f"algorithm.gkd_data_share={a.gkd_data_share:g} shares GKD's loss with the "
+                "dataset's responses, and algorithm.gkd_coef=0 turns GKD off: set "
+                "algorithm.gkd_coef > 0"
             )
         if a.gkd_coef and not p.teacher_path:
             raise ConfigError(

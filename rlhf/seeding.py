@@ -25,8 +25,10 @@ SAMPLE = 1_299_709
 ROLLOUT = 7919
 # offset: the minibatch order of PPO step i (stages/ppo.py)
 MINIBATCH = 31
-# offset by 1: the PPO-ptx batches (rlhf/rl/ptx.py)
+# offset by 1: the PPO-ptx batches (rlhf/rl/sft_records.py)
 PTX = 17
+# offset by 1: GKD's dataset batches (algorithm.gkd_data_share; rlhf/rl/sft_records.py)
+GKD_DATA = 23
 # offset: dynamic sampling's extra round i (rlhf/rl/experience.py)
 REFILL = 104_729
 # offset: turn i (≥ 1) of a multi-turn rollout (rlhf/rl/episodes.py)

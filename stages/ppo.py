@@ -6,8 +6,8 @@ Setup (prompts, actor + hybrid engine, reference, critic, reward model, resume) 
 experience: generate in inference mode, score in training mode; PPO epochs over minibatches in
 ZeRO-3 training mode; log, evaluate, save) → export (actor, critic, EMA actor). The parts live in
 ``rlhf/rl``: ``prompts.PromptSource`` (the step's prompts), ``experience.Collector`` (generate and
-score), ``update.Updater`` (the PPO epochs; PPO-ptx's ``ptx.PtxTerm`` and the ``ema.EMA`` inside),
-``metrics.step_metrics``.
+score), ``update.Updater`` (the PPO epochs; PPO-ptx's and GKD's ``sft_records.SftRecords`` and the
+``ema.EMA`` inside), ``metrics.step_metrics``.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from rlhf.rl.gate import Gate
 from rlhf.rl.metrics import reward_line, rollout_samples, step_metrics
 from rlhf.rl.models import Models, RewardStats, Sources, build_models, inputs
 from rlhf.rl.prompts import PromptSource
-from rlhf.rl.ptx import PtxTerm
 from rlhf.rl.rollout_guard import RolloutGuard
+from rlhf.rl.sft_records import SftRecords
 from rlhf.rl.update import Diverged, Updater
 from rlhf.runtime.evaluation import evaluate_reward, stage_gold
 from rlhf.runtime.stage import (
@@ -179,15 +179,16 @@ class Prepared:
     chat: Optional[str]  # the chat template prompts go through
     runner: EpisodeRunner
     prompt_ids: list
-    # PPO-ptx: the SFT records and their loss
-    ptx: Optional[PtxTerm]
+    # the SFT records of PPO-ptx and of GKD's dataset share
+    records: Optional[SftRecords]
     stats: RewardStats
 
 
 def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prepared:
     """The data, the reward function and environment tried on a record, the tokenizer (the reward
     models' and the critic's the same), the chat template, the episodes' runner, the prompts' ids,
-    the PPO-ptx records and the reward models' statistics: exit 2 on the first that does not fit."""
+    the SFT records (PPO-ptx, GKD's dataset share) and the reward models' statistics: exit 2 on the
+    first that does not fit."""
     mesh, ppo = ctx.mesh, cfg.ppo
     actor_src = sources.actor
     data = load_stage_data(cfg.data, "ppo", cfg.run.seed)
@@ -218,10 +219,12 @@ def prepare(cfg: Config, ctx: StageContext, sources: Sources, rule, env) -> Prep
     prompt_ids = tokenize_prompts(
         data.train, tokenizer, cfg.data.max_prompt_len, chat, max_new_tokens=ppo.max_new_tokens
     )["prompt"]
-    ptx = PtxTerm.load(cfg, tokenizer, ctx.cache_dir, mesh) if cfg.algorithm.ptx_coef > 0 else None
-    return Prepared(
-        data, tokenizer, chat, runner, prompt_ids, ptx, RewardStats.of(cfg, sources.reward_models)
-    )
+    alg, records = cfg.algorithm, None
+    if alg.ptx_coef > 0 or alg.gkd_data_share > 0:
+        why = "algorithm.ptx_coef" if alg.ptx_coef > 0 else "algorithm.gkd_data_share"
+        records = SftRecords.load(cfg, tokenizer, ctx.cache_dir, mesh, why)
+    stats = RewardStats.of(cfg, sources.reward_models)
+    return Prepared(data, tokenizer, chat, runner, prompt_ids, records, stats)
 
 
 def fingerprint(cfg: Config, prep: Prepared, models: Models, sources: Sources) -> dict:
@@ -236,8 +239,8 @@ def fingerprint(cfg: Config, prep: Prepared, models: Models, sources: Sources) -
     found = run_fingerprint(
         models.actor.module.config, prep.tokenizer, prep.data, cfg, named, models_read
     )
-    if prep.ptx is not None:  # PPO-ptx trains on the SFT records too
-        found["ptx_records"] = prep.ptx.digest
+    if prep.records is not None:  # PPO-ptx or GKD train on the SFT records too
+        found["ptx_records"] = prep.records.digest
     return found
 
 
@@ -289,7 +292,7 @@ class Loop:
             ppo,
             mesh,
             cfg.run.seed,
-            prep.ptx,
+            prep.records,
             models.ema,
             models.scorers.teacher,
         )

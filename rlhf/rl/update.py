@@ -17,7 +17,7 @@ import torch
 from rlhf import seeding
 from rlhf.algorithms import ppo as ppo_math
 from rlhf.algorithms.estimators import estimator, kl_kind
-from rlhf.algorithms.tokens import chunked_divergence
+from rlhf.algorithms.tokens import chunked_divergence, position_ids
 from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.engine.logprobs import logits_stats, response_logits, scoring_temperature
 from rlhf.engine.mesh import Mesh
@@ -25,7 +25,7 @@ from rlhf.engine.train import TrainEngine
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import Experience, critic_values
 from rlhf.rl.minibatch import Minibatch, global_rows, micro_batches, micro_rows, minibatches
-from rlhf.rl.ptx import PtxTerm
+from rlhf.rl.sft_records import SftRecords
 
 # a micro-batch: this rank's local rows and their weight (0: a stand-in row)
 Part = Tuple[torch.Tensor, float]
@@ -65,12 +65,13 @@ class Updater:
         ppo: PPOConfig,
         mesh: Mesh,
         seed: int,
-        ptx: Optional[PtxTerm] = None,
+        records: Optional[SftRecords] = None,
         ema: Optional[EMA] = None,
         teacher=None,
     ):
         self.actor, self.critic, self.alg, self.ppo, self.mesh = actor, critic, alg, ppo, mesh
-        self.seed, self.ptx, self.ema = seed, ptx, ema
+        # the SFT records of PPO-ptx (algorithm.ptx_coef) and GKD's dataset share
+        self.seed, self.records, self.ema = seed, records, ema
         # GKD's (algorithm.gkd_coef > 0): a FrozenModel
         self.teacher = teacher
         self.kl_in_loss = estimator(alg).kl_in_loss
@@ -205,13 +206,18 @@ class Updater:
             if alg.gkd_coef:
                 # GKD: the teacher's whole next-token distribution, not the sampled token's
                 gkd = self.divergence(logits, seq[r], att[r], prompt_len)
-                loss = loss + alg.gkd_coef * (gkd * weights).sum() / normalizer
+                on_samples = alg.gkd_coef * (1 - alg.gkd_data_share)
+                loss = loss + on_samples * (gkd * weights).sum() / normalizer
                 gkd_sum += float((gkd.detach() * mask).sum())
             last = i == len(parts) - 1
-            if last and self.ptx is not None:
-                ptx_l = self.ptx.loss(actor, update, global_size)
+            if last and alg.ptx_coef:
+                ptx_l = self.records.ptx_loss(actor, update, global_size)
                 loss = loss + alg.ptx_coef * ptx_l
                 stats.add("ptx/loss", float(ptx_l.detach()) / mesh.world_size)
+            if last and alg.gkd_data_share:
+                data_l = self.data_divergence(update, global_size)
+                loss = loss + alg.gkd_coef * alg.gkd_data_share * data_l
+                stats.add("distill/gkd_data", float(data_l.detach()) / mesh.world_size)
             part = torch.cat([st["sums"], (ent.detach() * mask).sum()[None]])
             sums = part if sums is None else sums + part
             loss_sum += float(pl.detach())
@@ -234,6 +240,26 @@ class Updater:
         if alg.gkd_coef:
             stats.add("distill/gkd", mesh.sum(gkd_sum) / max(float(tokens), 1))
         return ok
+
+    def data_divergence(self, update: int, size: int) -> torch.Tensor:
+        """GKD's divergence on the dataset's responses: the token mean, over every rank's tokens,
+        of ``chunked_divergence`` between the teacher and the actor at each response token of update
+        ``update``'s ``size`` SFT records (a forward with gradients), scaled for the data-parallel
+        average."""
+        mesh, alg, t = self.mesh, self.alg, scoring_temperature(self.ppo.temperature)
+        b = self.records.batch(update, size, seeding.GKD_DATA)
+        ids, att = b["input_ids"].to(mesh.device), b["attention_mask"].to(mesh.device)
+        # position i's logits predict token i + 1
+        targets = (b["labels"][:, 1:] != -100).to(mesh.device)
+        pos = position_ids(att)
+        logits = self.actor.forward(input_ids=ids, attention_mask=att, position_ids=pos).logits
+        with torch.no_grad():
+            teacher = self.teacher.forward(input_ids=ids, attention_mask=att, position_ids=pos)
+        div = chunked_divergence(
+            logits[:, :-1], teacher.logits[:, :-1], alg.gkd_beta, t, alg.gkd_top_k
+        )
+        n_tokens = mesh.sum(int(targets.sum()))
+        return (div * targets).sum() / max(n_tokens, 1) * mesh.world_size
 
     def divergence(self, logits, seq, att, prompt_len: int):
         """[b, N] GKD's divergence (``chunked_divergence``) between the teacher's and the actor's

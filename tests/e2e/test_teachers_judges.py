@@ -2,8 +2,8 @@
 (ppo.judge_path) through the CLI on the embedded task: a teacher equal to the student gives a
 reverse KL of 0 and full greedy agreement; another teacher a positive one, its reward the per-token
 −reverse KL (alone, or beside a rule with any estimator); a teacher with another tokenizer is
-refused before any model loads; GKD's divergence is 0 against itself and positive against another;
-the judge's reward is its verdict's probability."""
+refused before any model loads; GKD's divergence (on the samples and on the dataset's responses) is
+0 against itself and positive against another; the judge's reward is its verdict's probability."""
 
 import shutil
 
@@ -43,7 +43,12 @@ def test_a_teacher_equal_to_the_student_gives_no_signal(small_pipeline, tmp_path
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
     # one update
-    gkd = ["algorithm.gkd_coef=1.0", "algorithm.gkd_beta=0.5", "ppo.minibatches_per_epoch=1"]
+    gkd = [
+        "algorithm.gkd_coef=1.0",
+        "algorithm.gkd_beta=0.5",
+        "algorithm.gkd_data_share=0.5",
+        "ppo.minibatches_per_epoch=1",
+    ]
     proc = run_cli(*distill_run(run, small_pipeline / "sft" / "model", "train.max_steps=1", *gkd))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "distilling from teacher" in proc.stderr and "ppo (distill)" in proc.stderr
@@ -53,8 +58,9 @@ def test_a_teacher_equal_to_the_student_gives_no_signal(small_pipeline, tmp_path
     assert first["distill/agreement"] == 1.0 and first["reward/mean"] == pytest.approx(
         first["reward/distill"]
     )
-    # GKD's JSD, computed before the update: the same distributions
-    assert abs(first["distill/gkd"]) < 1e-6
+    # GKD's JSD, computed before the update: the same distributions, on the samples and on the
+    # dataset's responses
+    assert abs(first["distill/gkd"]) < 1e-6 and abs(first["distill/gkd_data"]) < 1e-6
 
 
 # (two PPO runs and a second SFT model: about a minute each)
@@ -71,6 +77,7 @@ def test_another_teacher_rewards_each_token_by_its_reverse_kl(
             "train.max_steps=2",
             "algorithm.gkd_coef=0.5",
             "algorithm.gkd_top_k=8",
+            "algorithm.gkd_data_share=0.25",
         )
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -79,6 +86,7 @@ def test_another_teacher_rewards_each_token_by_its_reverse_kl(
             r["distill/reverse_kl"] > 0.01
             and 0.0 < r["distill/agreement"] < 1.0
             and r["distill/gkd"] > 1e-4
+            and r["distill/gkd_data"] > 1e-4
         )
         assert r["reward/distill"] == pytest.approx(-r["distill/reverse_kl_seq"], rel=1e-5)
         assert r["reward/mean"] == pytest.approx(
