@@ -158,14 +158,15 @@ def one_seed_recipe(args, seed: int, out: Path) -> dict:
     else:
         run("ppo", d / "teacher", seed, args.threads, recipe, "ppo/done.json")
         teacher = d / "teacher" / "ppo"
-    steps = [
-        f"train.max_steps={args.steps}",
-        f"train.eval_every={args.eval_every}",
-        "train.save_every=0",
-    ]
     distill = DISTILL + ["ppo.reward_fn=null", f"ppo.teacher_path={teacher / 'actor'}"]
-    for name, extra in (("distill", distill + args.distill_set), ("grpo", [])):
-        run("ppo", d / name, seed, args.threads, recipe + steps + extra, "ppo/done.json")
+    arms = (
+        ("distill", args.distill_steps or args.steps, distill + args.distill_set),
+        ("grpo", args.steps, []),
+    )
+    for name, steps, extra in arms:
+        every = [f"train.max_steps={steps}", f"train.eval_every={args.eval_every}"]
+        extra = recipe + every + ["train.save_every=0"] + extra
+        run("ppo", d / name, seed, args.threads, extra, "ppo/done.json")
     teacher_gold = [
         tuple(r[k] for k in GOLDS) for r in rows(teacher / "metrics.jsonl") if GOLDS[0] in r
     ]
@@ -211,6 +212,9 @@ def main() -> None:
         help="--recipe: the teacher's PPO run directory ('{seed}' filled)",
     )
     ap.add_argument("--gap-share", type=float, default=0.8, help="--recipe: the gap to close")
+    ap.add_argument(
+        "--distill-steps", type=int, default=None, help="--recipe: the distill run's (--steps)"
+    )
     ap.add_argument(
         "--distill-set",
         nargs="*",

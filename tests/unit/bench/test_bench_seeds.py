@@ -107,3 +107,24 @@ def test_distill_bench_counts_training_seconds_to_the_first_evaluation_at_the_ta
         and b.seconds_to(points, 0.9) == 9.0
         and b.seconds_to(points, 0.99) is None
     )
+
+
+def test_distill_bench_on_a_recipe_needs_every_gold_at_its_target(tmp_path):
+    """--recipe: the sampled and the greedy gold both at or above their targets."""
+    spec = importlib.util.spec_from_file_location("bench_distill", ROOT / "bench" / "distill.py")
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    lines = [
+        {"step": 0, "gold/score": 0.05, "gold/score_greedy": 0.3},
+        {"step": 1, "reward/mean": 0.1, "time/generate_s": 2.0, "time/train_s": 3.0},
+        {"step": 1, "gold/score": 0.6, "gold/score_greedy": 0.5},
+        {"step": 2, "reward/mean": 0.1, "time/generate_s": 2.0, "time/train_s": 3.0},
+        {"step": 2, "gold/score": 0.55, "gold/score_greedy": 0.65},
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    points = b.curve(metrics, b.GOLDS)
+    assert points == [(0, (0.05, 0.3), 0.0), (1, (0.6, 0.5), 5.0), (2, (0.55, 0.65), 10.0)]
+    # step 1 misses the greedy target, step 2 meets both
+    assert b.seconds_to(points, (0.55, 0.6)) == 10.0
+    assert b.seconds_to(points, (0.6, 0.6)) is None
