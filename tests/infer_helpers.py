@@ -22,7 +22,16 @@ def tiny_config(
     """``kw``: further config fields (biases, windows, RoPE scaling...). OPT, GPT-2 and GPT-NeoX:
     multi-head attention (``kv`` unused), dropout off, their own defaults otherwise (OPT and GPT-2
     tied, GPT-NeoX not)."""
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if family in LAYERNORM_FAMILIES:
         return _layernorm_config(family, vocab, hidden, layers, heads, intermediate, **kw)
@@ -33,6 +42,9 @@ def tiny_config(
         "qwen3": Qwen3Config,
         "mistral": MistralConfig,
         "phi3": Phi3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "mixtral": MixtralConfig,
+        "qwen2_moe": Qwen2MoeConfig,
     }[family]
     fields = dict(
         vocab_size=vocab,
@@ -48,9 +60,23 @@ def tiny_config(
         tie_word_embeddings=family == "llama",
         rms_norm_eps=1e-5,
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         fields["head_dim"] = hidden // heads  # Qwen3Config's default is 128
+    fields.update(MOE_FIELDS.get(family, {}))
     return cls(**{**fields, **kw})
+
+
+# tiny Mixture-of-Experts blocks: 4 experts, top 2 (Qwen2-MoE with a shared expert)
+MOE_FIELDS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+    ),
+}
 
 
 def _layernorm_config(
@@ -108,8 +134,11 @@ def tiny_model(family: str, seed: int = 0, perturb: bool = False, **kw):
         return _spread(m, seed, perturb).eval()
     with torch.no_grad():
         # larger random weights: peaked distributions, fewer greedy ties
-        for p in m.parameters():
-            if p.ndim == 2:
+        for name, p in m.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                # a MoE router (Qwen's start at 0: every token to the same experts)
+                p.copy_(torch.randn(p.shape) * 0.5)
+            elif p.ndim >= 2:
                 p.mul_(3.0)
         g = torch.Generator().manual_seed(seed + 1)
         for name, p in m.named_parameters() if perturb else ():

@@ -56,7 +56,11 @@ class HybridEngine:
         # > 0 inside ``holding()``: the inference model is kept between calls
         self._hold = 0
         # (tests set it to "static" on the CPU)
-        self.decode = decode_loop(ecfg, self.mesh.device, self.tp)
+        moe = self.policy is not None and self.policy.num_experts > 0
+        self.decode = decode_loop(ecfg, self.mesh.device, self.tp, moe)
+        # a Mixture-of-Experts model's generations carry each token's experts
+        # (``Generation.routing``) for routing replay (rlhf/models/moe.py)
+        self.record_routing = False
 
     @property
     def positions(self) -> int:
@@ -182,6 +186,7 @@ class HybridEngine:
             self._model = None
         model = self._model if reuse else self.build_inference_model()
         t1 = time.perf_counter()
+        model.record_routing = self.record_routing
         out = model.generate(
             [p for ps in per_rank for p in ps],
             sp,
@@ -269,12 +274,12 @@ def inference_model(
     )
 
 
-def decode_loop(ecfg: EngineConfig, device: torch.device, tp: int) -> str:
+def decode_loop(ecfg: EngineConfig, device: torch.device, tp: int, moe: bool = False) -> str:
     """The inference mode's decode loop (``InferenceModel.decode``): on CUDA with
     engine.cuda_graphs=auto the static step as CUDA graphs (eager with TP > 1: NCCL collectives are
-    not captured), else the row-removing loop (the CPU, where it is faster, or
-    engine.cuda_graphs=off)."""
-    if ecfg.cuda_graphs == "off" or device.type != "cuda":
+    not captured), else the row-removing loop (the CPU, where it is faster, engine.cuda_graphs=off,
+    or a Mixture-of-Experts model: its experts' token counts are read on the host every layer)."""
+    if ecfg.cuda_graphs == "off" or device.type != "cuda" or moe:
         return "dynamic"
     return "graphs" if tp == 1 else "static"
 
@@ -297,4 +302,5 @@ def _rows(
         sequences=mine.sequences[:, drop:],
         attention_mask=att[:, drop:],
         prompt_len=p - drop,
+        routing=None if mine.routing is None else mine.routing[:, drop:],
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,10 @@ class Generation:
     # [B, N] long: the version of the weights that sampled each response token (-1 elsewhere), from
     # a rollout worker (rlhf/rl/rollout_worker.py); None: the trainer's weights of the moment
     versions: Optional[torch.Tensor] = field(default=None, metadata=per_row("response", pad=-1))
+    # [B, P + N, MoE layers, k] int16: the experts each token was routed to in each MoE layer
+    # (``InferenceModel.record_routing``; -1 where no forward routed it: the last token), for the
+    # training forwards to replay (rlhf/models/moe.py); None: a dense model, or not recorded
+    routing: Optional[torch.Tensor] = field(default=None, metadata=per_row("sequence", pad=-1))
 
     @property
     def responses(self) -> torch.Tensor:
@@ -185,6 +189,14 @@ class InferenceModel:
         # (batch bucket, cache length, sampling) stays, released with the weights
         self._static: Optional[StaticDecoder] = None
         self._drop_packs()
+        # Mixture-of-Experts: the MoE layers' order among themselves; ``record_routing`` makes each
+        # dynamic-loop generation return its routing (``Generation.routing``), written by
+        # ``_route`` (set per forward: where this forward's tokens sit) from ``_moe``
+        moe = [i for i, w in enumerate(layers) if "router" in w]
+        self.moe_index = {li: j for j, li in enumerate(moe)}
+        self.record_routing = False
+        self._route: Optional[Callable[[int, torch.Tensor], None]] = None
+        self._li = 0
 
     def _prepare(self, d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         return {
@@ -354,7 +366,7 @@ class InferenceModel:
         else:
             rot = pos.reshape(B * T, 1, -1)
         for li, w in enumerate(self.layers):
-            rw = self._rw[li]
+            rw, self._li = self._rw[li], li
             h = norm(x, w, "ln1") if pre else x
             qkv = lin(h, w, rw, "wqkv", w.get("bqkv"))
             if "qk_norm" in w:
@@ -419,12 +431,53 @@ class InferenceModel:
     def _mlp(
         self, h: torch.Tensor, w: Dict[str, torch.Tensor], rw: Optional[Dict[str, torch.Tensor]]
     ) -> torch.Tensor:
-        """down(SiLU(gate) · up), or down(act(up)) for a plain MLP (before the all-reduce)."""
+        """down(SiLU(gate) · up), or down(act(up)) for a plain MLP (before the all-reduce); a MoE
+        layer's routed experts (and shared expert) where it has a router."""
+        if "router" in w:
+            return self._moe(h, w, rw)
         lin = self._linear
         if self.p.mlp == "gated":
             gate, up = lin(h, w, rw, "w_gate_up", w.get("b_gate_up")).chunk(2, dim=-1)
             return lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down", w.get("b_down"))
         return lin(self.act(lin(h, w, rw, "w_up", w.get("b_up"))), w, rw, "w_down", w.get("b_down"))
+
+    def _moe(
+        self, h: torch.Tensor, w: Dict[str, torch.Tensor], rw: Optional[Dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        """A Mixture-of-Experts block on h [tokens, hidden], as HF's: softmax over the router's
+        logits (fp32), each token's top k experts (their probabilities renormalised where the
+        family does), Σ_k p_k · expert_k(h). The token-expert pairs sorted by expert, each expert
+        runs one GEMM pair on its own tokens (none on the others: no dense all-experts compute, no
+        loop over tokens), the results scaled and added back per token in expert order (HF's order
+        of addition); a shared expert, sigmoid-gated, added after."""
+        p = self.p
+        logits = F.linear(h, w["router"])
+        top, idx = logits.float().softmax(-1).topk(p.top_k, dim=-1)
+        if p.topk_norm:
+            top = top / top.sum(-1, keepdim=True)
+        if self._route is not None:
+            self._route(self.moe_index[self._li], idx)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        # (one host read per layer: how many tokens each expert takes)
+        counts = torch.bincount(flat, minlength=p.num_experts).tolist()
+        token = order // p.top_k
+        xs = h.index_select(0, token)
+        out = torch.empty_like(xs)
+        gate_up, down, start = w["experts_gate_up"], w["experts_down"], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = F.linear(xs[start : start + n], gate_up[e]).chunk(2, dim=-1)
+                out[start : start + n] = F.linear(F.silu(gate).mul_(up), down[e])
+                start += n
+        out.mul_(top.to(out.dtype).reshape(-1)[order, None])
+        y = torch.zeros_like(h).index_add_(0, token, out)
+        if "shared_gate" in w:
+            lin = self._linear
+            gate, up = lin(h, w, rw, "w_gate_up").chunk(2, dim=-1)
+            shared = lin(F.silu(gate, inplace=True).mul_(up), w, rw, "w_down")
+            y.add_(shared.mul_(torch.sigmoid(F.linear(h, w["shared_gate"]))))
+        return y
 
     def position_table(self, n: int, device) -> torch.Tensor:
         """What ``_forward`` takes for positions 0..n−1 (``at_positions``), looked up per step: [n,
@@ -439,7 +492,11 @@ class InferenceModel:
         return out
 
     def prefill(
-        self, ids: torch.Tensor, pmask: torch.Tensor, rot_table: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        pmask: torch.Tensor,
+        rot_table: torch.Tensor,
+        routing: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits [B, V] at the last token of each left-padded prompt (``ids``, ``pmask`` [B, P]),
         the prompts' keys and values written to cache slots [0, P) (``rot_table``:
@@ -450,11 +507,15 @@ class InferenceModel:
         masks them). Else (the CPU): every slot, with an additive mask."""
         B, P = ids.shape
         positions = (pmask.cumsum(-1) - 1).clamp(min=0)
+        k = self.p.top_k
+        # (every slot's experts; a packed prefill's real tokens' alone, below)
+        self._recording(routing, slice(None), slice(0, P), (B, P, k))
         if ids.device.type == "cuda" and not any(self.windows) and bool(pmask.all()):
             return self._forward(ids, rot_table[positions], None, 0, last_only=True)[:, -1]
         pk = Packed.of(pmask, self._kv[0].shape[1]) if self.packed_prefill else None
         if pk is not None:
             rot = rot_table[positions].reshape(B * P, -1)[pk.tokens][None]
+            self._recording(routing, pk.tokens // P, pk.tokens % P, (-1, k))
             try:
                 return self._forward(ids.reshape(-1)[pk.tokens][None], rot, None, 0, packed=pk)[
                     :, -1
@@ -465,6 +526,7 @@ class InferenceModel:
                     "inference mode: packed prefill unavailable (%s); using the masked prefill", e
                 )
                 self.packed_prefill = False
+                self._recording(routing, slice(None), slice(0, P), (B, P, k))
         return self._forward(
             ids, rot_table[positions], self._masks(pmask.bool(), 0, P), 0, last_only=True
         )[:, -1]
@@ -505,16 +567,22 @@ class InferenceModel:
             draws = row_draws(
                 row_keys(keys, sp.samples_per_prompt), sp.max_new_tokens, sp.seed, device
             )
+        routing = None
+        if self.record_routing and self.moe_index:
+            k = self.p.top_k
+            shape = (ids.shape[0], ids.shape[1] + sp.max_new_tokens, len(self.moe_index), k)
+            routing = torch.full(shape, -1, dtype=torch.int16, device=device)
         try:
             with torch.inference_mode():
                 # the loop's tensors never meet autograd; finish() copies out
                 if self.decode == "dynamic":
-                    tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, draws)
+                    tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, draws, routing)
                 else:
                     tokens, logprobs = self._decode_static(ids, pmask, sp, eos_id, pad_id, draws)
         finally:
             self._end_call()
-        return finish(ids, pmask, tokens, logprobs, eos_id, pad_id)
+            self._route = None
+        return finish(ids, pmask, tokens, logprobs, eos_id, pad_id, routing)
 
     def _decode_static(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, draws):
         key = StaticKey.of(ids.shape[0], ids.shape[1], sp, eos_id, pad_id, self.span_chunk)
@@ -525,7 +593,22 @@ class InferenceModel:
         self.pack_for_rows(key.rows)
         return self._static.run(self, ids, pmask, sp, draws, self.sync_every)
 
-    def _decode(self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, draws):
+    def _recording(self, routing: Optional[torch.Tensor], rows, slots, shape) -> None:
+        """The next forwards' tokens are ``routing[rows, slots]`` (index expressions; ``shape``
+        that of ``routing[rows, slots, j]``) for ``_moe`` to write their experts to; no
+        recording when ``routing`` is None."""
+        if routing is None:
+            self._route = None
+            return
+
+        def route(j: int, idx: torch.Tensor) -> None:
+            routing[rows, slots, j] = idx.view(shape).to(routing.dtype)
+
+        self._route = route
+
+    def _decode(
+        self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, draws, routing=None
+    ):
         device = ids.device
         B, P = ids.shape
         N = sp.max_new_tokens
@@ -543,7 +626,7 @@ class InferenceModel:
         out_logp = torch.zeros((B, N), dtype=torch.float32, device=device)
         active: Optional[torch.Tensor] = None  # None = every row
         next_pos = positions[:, -1] + 1
-        logits = self.prefill(ids, pmask, rot_table)
+        logits = self.prefill(ids, pmask, rot_table, routing)
         for t in range(N):
             ban = eos_id if t < sp.min_new_tokens else None
             u = None  # greedy
@@ -567,6 +650,8 @@ class InferenceModel:
                 if active.numel() == 0:
                     break
             end = P + t + 1
+            rows = slice(None) if active is None else active
+            self._recording(routing, rows, end - 1, (-1, self.p.top_k))
             bias[:, end - 1] = 0.0
             full = bias[:, None, None, :end]
             masks = {}
@@ -583,7 +668,9 @@ class InferenceModel:
         return out_tokens, out_logp
 
 
-def finish(prompt_ids, prompt_mask, tokens, logprobs, eos_id: int, pad_id: int) -> Generation:
+def finish(
+    prompt_ids, prompt_mask, tokens, logprobs, eos_id: int, pad_id: int, routing=None
+) -> Generation:
     """Masks everything after the first EOS as padding and builds the full sequences."""
     is_eos = tokens == eos_id
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
@@ -596,4 +683,5 @@ def finish(prompt_ids, prompt_mask, tokens, logprobs, eos_id: int, pad_id: int) 
         response_mask=response_mask,
         logprobs=logprobs,
         prompt_len=prompt_ids.shape[1],
+        routing=routing,
     )

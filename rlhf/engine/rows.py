@@ -120,8 +120,17 @@ def _join_rows(meta, values, batches, prompt, response, pad_id):
     for b, v in zip(batches, values):
         n = _field(b, "response_mask").shape[1]
         left = prompt - _field(b, "prompt_len") if kind == "sequence" else 0
-        out.append(torch.nn.functional.pad(v, (left, response - n), value=pad))
+        out.append(_pad_columns(v, left, response - n, pad))
     return torch.cat(out)
+
+
+def _pad_columns(v: torch.Tensor, left: int, right: int, pad) -> torch.Tensor:
+    """``v`` [B, T, ...] with ``left`` and ``right`` columns of ``pad`` added along T."""
+    if v.dim() == 2:
+        return torch.nn.functional.pad(v, (left, right), value=pad)
+    out = v.new_full((v.shape[0], left + v.shape[1] + right, *v.shape[2:]), pad)
+    out[:, left : left + v.shape[1]] = v
+    return out
 
 
 def _join_other(how, values):

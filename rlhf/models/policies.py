@@ -16,15 +16,19 @@ rotary, a plain MLP (ReLU, GELU) with biases instead of the SiLU-gated one, post
 (OPT-350m's ``project_in``/``project_out``), Conv1D weights stored [in, out] (GPT-2). Where a family
 keeps each weight is its ``Modules`` row (paths relative to the causal LM and to a decoder layer).
 GPT-NeoX combines kinds: LayerNorm, a plain GELU MLP, partial rotary, its fused ``query_key_value``
-head by head, parallel blocks (``use_parallel_residual``: x + attn(ln1(x)) + mlp(ln2(x))). Anything
-the inference modules do not reproduce exactly (other activations, dynamic or LongRoPE frequencies,
-other layer types, MoE, the config switches a family's ``refuse`` names) has no policy: the caller
-falls back to HF generate with the one-line reason, never to wrong output.
+head by head, parallel blocks (``use_parallel_residual``: x + attn(ln1(x)) + mlp(ln2(x))).
+Mixture-of-Experts families (Qwen3-MoE, Mixtral, Qwen2-MoE) are their dense family's row with a
+router and 3-D expert weights in place of the MLP on the layers whose HF model has them (softmax
+routing to the top k, renormalised or not; Qwen2-MoE's sigmoid-gated shared expert beside them);
+their layers run whole on one rank (TP 1). Anything the inference modules do not reproduce exactly
+(other activations, dynamic or LongRoPE frequencies, other layer types, the config switches a
+family's ``refuse`` names) has no policy: the caller falls back to HF generate with the one-line
+reason, never to wrong output.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import Dict, Optional, Tuple
 
@@ -72,6 +76,12 @@ class Modules:
     ln2: str = "post_attention_layernorm"  # the same around the MLP
     q_norm: str = "self_attn.q_norm"
     k_norm: str = "self_attn.k_norm"
+    # MoE blocks: the router ([experts, hidden]), the experts (3-D gate_up_proj [E, 2·I, hidden],
+    # down_proj [E, hidden, I]), the shared expert (a gated MLP) and its [1, hidden] gate
+    router: str = "mlp.gate"
+    experts: str = "mlp.experts"
+    shared: str = "mlp.shared_expert"
+    shared_gate: str = "mlp.shared_expert_gate"
 
 
 LLAMA_MODULES = Modules()
@@ -175,6 +185,15 @@ class Family:
     conv1d: bool = False
     # config switches the inference modules do not reproduce: (field, the only value served)
     refuse: Tuple[Tuple[str, object], ...] = ()
+    # Mixture-of-Experts: a layer is MoE where its HF model has ``Modules.experts``
+    # (mlp_only_layers and decoder_sparse_step decide it there); the config field of the number of
+    # experts ("": a dense family)
+    experts_key: str = ""
+    # top-k routing probabilities renormalised to sum 1: "always" (Mixtral), the config flag
+    # (norm_topk_prob: Qwen2/3-MoE), "" never
+    topk_norm: str = ""
+    # a shared expert beside the routed ones, gated by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)
+    shared_expert: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (
@@ -245,6 +264,41 @@ FAMILY_TABLE = (
         mlp="plain",
     ),
 )
+
+
+def family_row(model_type: str) -> Family:
+    return next(f for f in FAMILY_TABLE if f.model_type == model_type)
+
+
+# (each its dense family's row and the MoE traits)
+MOE_FAMILY_TABLE = (
+    replace(
+        family_row("qwen3"),
+        model_type="qwen3_moe",
+        packs=False,
+        experts_key="num_experts",
+        topk_norm="norm_topk_prob",
+    ),
+    replace(
+        family_row("mistral"),
+        model_type="mixtral",
+        packs=False,
+        experts_key="num_local_experts",
+        topk_norm="always",
+        # (HF multiplies the router's input by noise in training forwards only)
+        refuse=(("router_jitter_noise", 0.0),),
+    ),
+    replace(
+        family_row("qwen2"),
+        model_type="qwen2_moe",
+        packs=False,
+        experts_key="num_experts",
+        topk_norm="norm_topk_prob",
+        shared_expert=True,
+        refuse=(("qkv_bias", True),),
+    ),
+)
+FAMILY_TABLE = FAMILY_TABLE + MOE_FAMILY_TABLE
 FAMILIES = tuple(f.model_type for f in FAMILY_TABLE)
 
 
@@ -300,6 +354,12 @@ class InjectionPolicy:
     # a plain MLP's (rlhf.ops.activation.ACTIVATIONS)
     activation: str = "silu"
     conv1d: bool = False  # HF weights stored [in, out]
+    # Mixture-of-Experts: routed experts (0: dense), each token's top k, renormalised or not, a
+    # shared expert on each MoE layer
+    num_experts: int = 0
+    top_k: int = 0
+    topk_norm: bool = False
+    shared_expert: bool = False
 
     def __post_init__(self):
         self.rotary_dim = self.rotary_dim or self.head_dim
@@ -309,6 +369,11 @@ class InjectionPolicy:
 
     def check_tp(self, tp: int) -> Optional[str]:
         """Why ``tp`` cannot slice this model, or None."""
+        if self.num_experts and tp > 1:
+            return (
+                f"{self.family}: Mixture-of-Experts layers run whole on one rank in the inference "
+                f"mode; engine.inference_tp_size={tp} needs 1"
+            )
         for name, n in (
             ("attention heads", self.num_heads),
             ("key/value heads", self.num_kv_heads),
@@ -333,14 +398,18 @@ class InjectionPolicy:
         q, k, v = self._qkv(layer, "weight")
         w = {"wqkv": torch.cat([self._interleave(q[qs]), self._interleave(k[ks]), v[ks]])}
         w["wo"] = self._weight(layer, n.o)[:, qs].clone(memory_format=torch.contiguous_format)
-        if self.mlp == "gated":
+        experts = module_at(layer, n.experts)
+        if experts is not None:
+            w.update(self._moe_weights(layer, experts))
+        elif self.mlp == "gated":
             gate, up = self._gate_up(layer, "weight")
             w["w_gate_up"] = torch.cat([gate[ms], up[ms]])
         else:
             w["w_up"] = self._weight(layer, n.up)[ms].clone(memory_format=torch.contiguous_format)
-        w["w_down"] = self._weight(layer, n.down)[:, ms].clone(
-            memory_format=torch.contiguous_format
-        )
+        if experts is None:
+            w["w_down"] = self._weight(layer, n.down)[:, ms].clone(
+                memory_format=torch.contiguous_format
+            )
         ln1, ln2 = module_at(layer, n.ln1), module_at(layer, n.ln2)
         w["ln1"], w["ln2"] = ln1.weight.detach().clone(), ln2.weight.detach().clone()
         if self.norm == "layer":
@@ -365,6 +434,23 @@ class InjectionPolicy:
             perm = self._perm(qn.device)
             w["qk_norm"] = torch.cat([qn[perm].expand(hq, d), kn[perm].expand(hk, d)])
         return {k: v.detach() for k, v in w.items()}
+
+    def _moe_weights(self, layer, experts) -> Dict[str, torch.Tensor]:
+        """A MoE layer's (TP 1): ``router`` [E, hidden], ``experts_gate_up`` [E, 2·I, hidden] (rows
+        [gate; up] per expert), ``experts_down`` [E, hidden, I]; with a shared expert its gated MLP
+        as a dense layer's ``w_gate_up`` / ``w_down`` and ``shared_gate`` [1, hidden]."""
+        n = self.modules
+        w = {
+            "router": weight(module_at(layer, n.router)).clone(),
+            "experts_gate_up": experts.gate_up_proj.detach().clone(),
+            "experts_down": experts.down_proj.detach().clone(),
+        }
+        if self.shared_expert:
+            shared = lambda name: self._weight(layer, f"{n.shared}.{name}")  # noqa: E731
+            w["w_gate_up"] = torch.cat([shared("gate_proj"), shared("up_proj")])
+            w["w_down"] = shared("down_proj").clone(memory_format=torch.contiguous_format)
+            w["shared_gate"] = weight(module_at(layer, n.shared_gate)).clone()
+        return w
 
     def _weight(self, layer, path: str, what: str = "weight") -> torch.Tensor:
         """The ``weight`` (as a Linear's [out, in], LoRA merged: ``lora.weight``) or ``bias`` of the
@@ -560,6 +646,7 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     if traits.positions == "learned":
         max_positions = config.max_position_embeddings
     slides = [w for w in windows if w]
+    num_experts = int(getattr(config, traits.experts_key, 0) or 0) if traits.experts_key else 0
     return InjectionPolicy(
         family=family,
         num_heads=heads,
@@ -588,4 +675,8 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         mlp=traits.mlp,
         activation=act,
         conv1d=traits.conv1d,
+        num_experts=num_experts,
+        top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if num_experts else 0,
+        topk_norm=_switch(config, traits.topk_norm),
+        shared_expert=traits.shared_expert,
     ), ""

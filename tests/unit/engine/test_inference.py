@@ -21,7 +21,7 @@ def hybrid(model, **ecfg):
     return eng, HybridEngine(eng, Tok, EngineConfig(**ecfg))
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def assert_injected_greedy_equals_hf(model):

@@ -71,6 +71,17 @@ CASES = {
         None,
     ),
     "qwen2_qkv_bias": ("qwen2", {}, None),
+    # Mixture-of-Experts: renormalised top-k or not, a dense layer among MoE ones (mlp_only_layers),
+    # windows, a shared expert; what the inference modules do not reproduce falls back
+    "qwen3_moe_topk_norm_dense_layer": (
+        "qwen3_moe",
+        dict(norm_topk_prob=True, mlp_only_layers=[0], attention_bias=True),
+        None,
+    ),
+    "qwen2_moe_topk_norm": ("qwen2_moe", dict(norm_topk_prob=True), None),
+    "mixtral_window": ("mixtral", dict(sliding_window=4), None),
+    "qwen2_moe_no_qkv_bias": ("qwen2_moe", dict(qkv_bias=False), "qkv_bias=False"),
+    "mixtral_router_jitter": ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
     "qwen3_attention_bias": ("qwen3", dict(attention_bias=True), None),
     # sliding windows: every layer, some layers, none
     "mistral_window_all_layers": ("mistral", dict(sliding_window=4), None),
@@ -200,9 +211,7 @@ def _other(family: str, **kw):
 
     cls = getattr(
         transformers,
-        {"gemma2": "Gemma2Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig"}[
-            family
-        ],
+        {"gemma2": "Gemma2Config"}[family],
     )
     cfg = cls(
         vocab_size=97,
@@ -225,16 +234,6 @@ OTHERS = {
     "gemma2_softcapping": (
         "gemma2",
         dict(head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
-    ),
-    "mixtral_moe": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": (
-        "qwen2_moe",
-        dict(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=64,
-        ),
     ),
 }
 

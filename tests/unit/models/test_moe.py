@@ -1,0 +1,102 @@
+"""rlhf/models/moe.py and the inference mode's routing record: each MoE layer's experts of every
+token a rollout forward routed are recorded (the prompt's in the prefill, each new token's in its
+decode step, rows that finish early included); replayed in a training forward they are the experts
+it uses (a router changed after the rollout flips some tokens' experts, and replay puts them back,
+bringing the recompute's log-probs back to the rollout's), with the router's gradient intact."""
+
+import pytest
+import torch
+
+from rlhf.engine.logprobs import response_logprobs
+from rlhf.models.moe import replaying, routers
+from rlhf.ops import SamplingParams
+from tests.infer_helpers import mixed_prompts, tiny_model
+from tests.unit.engine.test_inference import hybrid
+
+MOE = ["qwen3_moe", "mixtral", "qwen2_moe"]
+
+
+def rollout(family: str, **kw):
+    model = tiny_model(family, perturb=True, **kw)
+    eng, hy = hybrid(model)
+    hy.record_routing = True
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, samples_per_prompt=2, seed=5)
+    return model, eng, hy.generate(mixed_prompts(), sp), sp
+
+
+def own_routing(model, gen) -> torch.Tensor:
+    """[B, T, layers, k] the experts a plain training forward picks."""
+    picked = []
+    handles = [
+        r.register_forward_hook(lambda m, i, out: picked.append(out[2])) for r in routers(model)
+    ]
+    with torch.no_grad():
+        model(input_ids=gen.sequences, attention_mask=gen.attention_mask)
+    for h in handles:
+        h.remove()
+    B, T = gen.sequences.shape
+    return torch.stack([p.view(B, T, -1) for p in picked], 2)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_the_rollout_records_what_training_would_route(family):
+    model, _, gen, _ = rollout(family)
+    B, T = gen.sequences.shape
+    assert gen.routing.shape == (B, T, len(routers(model)), 2)
+    own = own_routing(model, gen)
+    # every real token but the last sampled one was routed by a rollout forward
+    real = gen.attention_mask.bool().clone()
+    last = gen.prompt_len + gen.response_mask.sum(1) - 1
+    real[torch.arange(B), last] = False
+    rec = gen.routing.long()
+    assert (rec[real] >= 0).all() and (rec[torch.arange(B), last] == -1).all()
+    # fp32: the same expert sets (as sets: the order of near-equal probabilities may differ)
+    assert torch.equal(rec[real].sort(-1).values, own[real].sort(-1).values)
+
+
+def test_a_dense_model_records_nothing():
+    _, _, gen, _ = rollout("qwen3")
+    assert gen.routing is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_replay_restores_the_rollouts_experts_after_the_router_moved(family):
+    model, eng, gen, sp = rollout(family)
+    # the routers move (an update, another dtype): some tokens' experts change
+    with torch.no_grad():
+        for r in routers(model):
+            r.weight.add_(torch.randn_like(r.weight) * 0.3)
+    mask = gen.response_mask.bool()
+
+    def logprob_gap() -> float:
+        with torch.no_grad():
+            lp = response_logprobs(
+                eng.forward, gen.sequences, gen.attention_mask, gen.prompt_len, sp.temperature
+            )
+        return (lp - gen.logprobs)[mask].abs().mean().item()
+
+    without = logprob_gap()
+    picked = []
+    with replaying(model, gen.routing) as stats:
+        # (hooks run in order: this one sees what the replay returned)
+        hooks = [
+            r.register_forward_hook(lambda m, i, o: picked.append(o[2])) for r in routers(model)
+        ]
+        out = model(input_ids=gen.sequences, attention_mask=gen.attention_mask)
+        for h in hooks:
+            h.remove()
+        replayed = logprob_gap()
+    assert stats.compared > 0 and 0 < stats.flip_share < 1
+    B, T = gen.sequences.shape
+    used = torch.stack([p.view(B, T, -1) for p in picked], 2)
+    rec = gen.routing.long()
+    routed = (rec >= 0).all(-1)
+    assert torch.equal(used[routed], rec[routed])
+    # the router still learns: its gradient reaches it through the replayed experts' weights
+    out.logits.sum().backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers(model))
+    # the recompute with the rollout's experts is nearer the rollout's log-probs (its routers'
+    # weights moved, so not equal)
+    assert replayed < without
+    # outside the context: the model's own routing again
+    assert logprob_gap() == pytest.approx(without)
