@@ -177,6 +177,10 @@ class ModelConfig:
     max_position_embeddings: int = 128
     # upper bound for the tokenizer trained on the task text
     vocab_size: int = 512
+    # > 0: the embedded model is a Mixture-of-Experts one (Mixtral's blocks: this many experts of
+    # model.intermediate_size each, every token routed to model.experts_per_token of them)
+    num_experts: int = 0
+    experts_per_token: int = 2
     # stage=ppo and dpo: every dropout probability of actor, reference, critic and reward model set
     # to 0 (config and modules; TRL's disable_dropout), else the training-mode forwards that PPO's
     # ratio and DPO's log-ratio compare each draw their own masks. SFT and reward keep the model's
@@ -207,6 +211,13 @@ class ModelConfig:
             "model.num_kv_heads",
             self.num_kv_heads,
             f"a divisor of model.num_heads={self.num_heads}",
+        )
+        _check(self.num_experts >= 0, "model.num_experts", self.num_experts, "0 (dense) or more")
+        _check(
+            not self.num_experts or 1 <= self.experts_per_token <= self.num_experts,
+            "model.experts_per_token",
+            self.experts_per_token,
+            f"1..model.num_experts={self.num_experts}",
         )
 
 
@@ -485,6 +496,9 @@ class TrainConfig:
     epochs: Optional[float] = None
     # samples per optimizer step, summed over ranks and accumulation
     global_batch: int = 64
+    # SFT of a Mixture-of-Experts model: the load-balancing loss's weight (rlhf/models/moe.py);
+    # null = the model config's router_aux_loss_coef, 0 = off
+    router_aux_loss_coef: Optional[float] = None
     # 0 = global_batch / world_size (no accumulation)
     micro_batch_per_rank: int = 0
     # SFT, reward, DPO: a rank's rows of the step in micro-batches of at most this many real tokens
@@ -1421,6 +1435,10 @@ class PPOConfig:
     max_staleness: int = 0
     # CPU threads of each rollout worker; 0 = its trainer rank's (engine.threads_per_rank)
     rollout_worker_threads: int = 0
+    # Mixture-of-Experts actors: the experts each token was routed to in the rollout are the ones
+    # the actor's training forwards use (rlhf/models/moe.py; moe/routing_flips logs how many the
+    # recompute would have changed); no effect on a dense actor
+    routing_replay: bool = True
     # DAPO's dynamic sampling (group estimators): drop prompts whose samples all scored alike and
     # generate for further prompts until the step has prompts_per_step with a signal, at most
     # dynamic_sampling_max_rounds extra rounds (then the step keeps what it has, topped up with

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import List, Optional
@@ -31,6 +32,7 @@ from rlhf.engine.train import TrainEngine
 from rlhf.envs.builtin import environment, say_sandbox
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
+from rlhf.models.moe import Balance, aux_loss_coef, balancing
 from rlhf.outputs.log import progress
 from rlhf.rl.episodes import EpisodeRunner
 from rlhf.runtime.evaluation import stage_gold
@@ -130,6 +132,7 @@ def run(cfg: Config) -> None:
         ),
     )
     actor.train()
+    aux_coef = aux_loss_coef(actor.module, train.router_aux_loss_coef)
     bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     stop = interrupt.listen()
@@ -140,7 +143,7 @@ def run(cfg: Config) -> None:
         )
         mbs = [collate(train_cols, ix, tokenizer.pad_token_id, data_cfg.mask_prompt) for ix in ixs]
         lr = actor.lr
-        loss, grad_norm = train_step(actor, mbs)
+        loss, grad_norm, moe = train_step(actor, mbs, aux_coef)
         seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}")
@@ -152,6 +155,7 @@ def run(cfg: Config) -> None:
                 grad_norm=grad_norm,
                 samples_per_s=seen / max(time.perf_counter() - t0, 1e-9),
                 epoch=batches.epoch_of(done),
+                **moe,
                 **actor.scale_metrics("train"),
             )
         end_of_step(done, train, stop, mesh, checkpoint, evaluate)
@@ -176,14 +180,14 @@ def tokenizer_and_config(cfg: Config, data, ckpt, mesh: Mesh):
         return tokenizer, loading.load_model_config(cfg.model.path, cfg.model.trust_remote_code)
     if ckpt is not None and (ckpt / "tokenizer").is_dir():
         tokenizer = loading.load_tokenizer(str(ckpt / "tokenizer"))
-        return tokenizer, loading.embedded_llama_config(cfg.model, tokenizer)
+        return tokenizer, loading.embedded_config(cfg.model, tokenizer)
     if FORMATS[data_cfg.format].generated and not data_cfg.sources:  # the embedded task
         # the generated task's own texts
         corpus = FORMATS[data_cfg.format].corpus(data_cfg.synthetic)
     else:
         corpus = text_corpus(data.train)
     tokenizer = train_embedded_tokenizer(corpus, cfg.model, mesh)
-    return tokenizer, loading.embedded_llama_config(cfg.model, tokenizer)
+    return tokenizer, loading.embedded_config(cfg.model, tokenizer)
 
 
 def columns(cfg: Config, ctx: StageContext, data, tokenizer, chat) -> tuple:
@@ -252,22 +256,39 @@ class Evaluation:
         return log_evaluation(self.metrics, step, results, self.actor, kept)
 
 
-def train_step(actor: TrainEngine, micro_batches: List[dict]) -> tuple[float, float]:
+def train_step(
+    actor: TrainEngine, micro_batches: List[dict], aux_coef: float = 0.0
+) -> tuple[float, float, dict]:
     """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global
-    batch.
+    batch (and, ``aux_coef`` > 0, a MoE model's load-balancing loss, the mean of its micro-batches'
+    terms: its metrics returned as ``moe/aux_loss``, ``moe/load_max_mean``).
 
     Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
     gradient does not depend on how the batch is split over ranks and accumulation steps."""
     mesh = actor.mesh
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
-    loss_sum = 0.0
+    loss_sum, balance, aux_sum = 0.0, Balance(), 0.0
     for i, b in enumerate(micro_batches):
-        nll, _ = nll_sum(actor.forward, b, mesh.device)
+        seen = len(balance.losses)
+        with balancing(actor.module, b["attention_mask"], balance) if aux_coef else nullcontext():
+            nll, _ = nll_sum(actor.forward, b, mesh.device)
         # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean.
-        actor.backward(nll / max(n_tokens, 1) * mesh.world_size, sync=i == len(micro_batches) - 1)
+        loss = nll / max(n_tokens, 1) * mesh.world_size
+        if aux_coef:
+            aux = balance.mean_loss(seen) / len(micro_batches)
+            loss, aux_sum = loss + aux_coef * aux, aux_sum + float(aux.detach())
+        actor.backward(loss, sync=i == len(micro_batches) - 1)
         loss_sum += float(nll.detach())
     grad_norm = actor.step()
-    return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm
+    moe = {}
+    if aux_coef:
+        load = sum(balance.loads) / len(balance.loads)
+        ranks = mesh.world_size
+        moe = {
+            "moe/aux_loss": mesh.sum(aux_sum) / ranks,
+            "moe/load_max_mean": mesh.sum(load) / ranks,
+        }
+    return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm, moe
 
 
 def eval_loss(

@@ -17,7 +17,13 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MixtralConfig,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from rlhf import hub
@@ -26,8 +32,10 @@ from rlhf.errors import ConfigError
 from rlhf.models import dropout, streaming
 
 
-def embedded_llama_config(m: ModelConfig, tokenizer):
-    return LlamaConfig(
+def embedded_config(m: ModelConfig, tokenizer):
+    """The embedded model's config: a tiny Llama, or with ``model.num_experts`` > 0 the same shape
+    with Mixtral's Mixture-of-Experts blocks."""
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
@@ -43,6 +51,10 @@ def embedded_llama_config(m: ModelConfig, tokenizer):
         rms_norm_eps=1e-5,
         initializer_range=0.02,
     )
+    if m.num_experts:
+        moe = dict(num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token)
+        return MixtralConfig(**fields, **moe)
+    return LlamaConfig(**fields)
 
 
 def check_model_path(path: str, key: str = "model.path") -> None:

@@ -1,4 +1,6 @@
-"""Routing replay for Mixture-of-Experts models (R3): the experts the inference mode chose for each
+"""Mixture-of-Experts models in training: routing replay and the load-balancing loss.
+
+Routing replay (R3): the experts the inference mode chose for each
 token in the rollout (``Generation.routing``, recorded by ``InferenceModel.record_routing``) are
 the ones a training forward uses, so that a router that would flip an expert between the two
 (float order, bf16 rollouts, stale weights) cannot make the PPO ratio compare two different
@@ -13,13 +15,19 @@ HF's MoE blocks (Qwen3-MoE, Mixtral, Qwen2-MoE in Transformers 5) call their rou
 what it returns, ``(logits, weights, experts)``; a forward hook on each MoE layer's router returns
 the replayed pair instead. ``routing`` is [B, T, MoE layers, k] for the forward's [B, T] tokens;
 entries of -1 (a token no rollout forward routed) keep the training forward's own choice.
+
+The load-balancing loss (Switch Transformer; HF's ``load_balancing_loss_func`` per layer):
+``balancing(model, mask, balance)`` watches each MoE layer's router in the forwards inside and adds
+E · Σ_e f_e · P_e to ``balance`` (f_e: the routed (token, slot) pairs of expert e per real token, so
+Σ_e f_e = k; P_e: the mean router probability of e, differentiable), with each layer's load
+(max ÷ mean tokens per expert).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, List
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -52,17 +60,33 @@ def routers(model) -> List[torch.nn.Module]:
     return [module_at(layer, n.router) for layer in layers if module_at(layer, n.experts)]
 
 
+def replay_rows(model, routing: Optional[torch.Tensor], rows, stats: Optional[ReplayStats] = None):
+    """``replaying(model, routing[rows], stats)``, or a context that does nothing when ``routing``
+    is None (a dense model, replay off, or rows no rollout recorded)."""
+    if routing is None:
+        return nullcontext(stats)
+    return replaying(model, routing[rows], stats)
+
+
 @contextmanager
-def replaying(model, routing: torch.Tensor) -> Iterator[ReplayStats]:
+def replaying(
+    model, routing: torch.Tensor, stats: Optional[ReplayStats] = None
+) -> Iterator[ReplayStats]:
     """Forwards of ``model`` inside use the experts of ``routing`` [B, T, MoE layers, k] (int;
-    -1: the forward's own) for their [B, T] tokens."""
+    -1: the forward's own) for their [B, T] tokens; ``stats`` (a new one by default) counts the
+    flips."""
     policy, _ = policy_for(unwrap(model).config)
-    stats, handles = ReplayStats(), []
+    stats, handles = stats or ReplayStats(), []
 
     def hook(j: int):
         def replay(_module, _inputs, output):
             logits, weights, experts = output
             want = routing[:, :, j].reshape(-1, experts.shape[-1]).to(experts.device).long()
+            if want.shape[0] != experts.shape[0]:
+                raise RuntimeError(
+                    f"routing replay: {want.shape[0]} recorded tokens for a forward of "
+                    f"{experts.shape[0]}"
+                )
             recorded = (want >= 0).all(-1, keepdim=True)
             chosen = torch.where(recorded, want, experts)
             same = chosen.sort(-1).values.eq(experts.sort(-1).values).all(-1)
@@ -82,3 +106,54 @@ def replaying(model, routing: torch.Tensor) -> Iterator[ReplayStats]:
     finally:
         for h in handles:
             h.remove()
+
+
+@dataclass
+class Balance:
+    """The load-balancing terms of the MoE layers' forwards inside ``balancing``."""
+
+    # one per MoE layer and forward: E · Σ_e f_e · P_e (with its gradient)
+    losses: List[torch.Tensor] = field(default_factory=list)
+    # one per MoE layer and forward: max ÷ mean tokens per expert (1 = balanced)
+    loads: List[float] = field(default_factory=list)
+
+    def mean_loss(self, start: int = 0) -> torch.Tensor:
+        """The mean of the terms from the ``start``-th on."""
+        return torch.stack(self.losses[start:]).mean()
+
+
+@contextmanager
+def balancing(model, mask: Optional[torch.Tensor], balance: Balance) -> Iterator[Balance]:
+    """Forwards of ``model`` inside add their MoE layers' load-balancing terms to ``balance``, over
+    the tokens where ``mask`` ([B, T], 1 = real) is set (every token when the forward ran packed,
+    without padding)."""
+    handles = []
+
+    def watch(_module, _inputs, output):
+        logits, _, experts = output
+        probs = logits.float().softmax(-1)
+        if mask is not None and mask.numel() == probs.shape[0]:
+            real = mask.reshape(-1).to(probs.device).bool()
+            probs, experts = probs[real], experts[real]
+        E, n = probs.shape[-1], max(probs.shape[0], 1)
+        counts = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype)
+        balance.losses.append(E * (counts / n * probs.mean(0)).sum())
+        balance.loads.append(float(counts.max() / counts.mean().clamp(min=1e-9)))
+
+    try:
+        for router in routers(model):
+            handles.append(router.register_forward_hook(watch))
+        yield balance
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def aux_loss_coef(model, coef: Optional[float]) -> float:
+    """The load-balancing loss's weight for ``model``: ``coef``, or (None) its config's
+    ``router_aux_loss_coef``; 0 for a dense model."""
+    if not routers(model):
+        return 0.0
+    if coef is None:
+        return float(getattr(unwrap(model).config, "router_aux_loss_coef", 0.0) or 0.0)
+    return coef

@@ -25,8 +25,9 @@ from rlhf.engine.logprobs import keeps_logits, response_logprobs, response_logpr
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.rows import join, joined, per_row, take
 from rlhf.engine.train import TrainEngine
-from rlhf.errors import UserError
+from rlhf.errors import ConfigError, UserError
 from rlhf.models.lora import unwrap
+from rlhf.models.moe import ReplayStats, replay_rows
 from rlhf.ops import SamplingParams
 from rlhf.ops.sampling import prompt_major
 from rlhf.rl.async_rollouts import staleness
@@ -88,6 +89,9 @@ class Experience:
     # [B, N] asynchronous rollouts: how many updates old the weights that sampled each policy token
     # were (rlhf/rl/async_rollouts.py); None: sampled by the weights being updated
     staleness: Optional[torch.Tensor] = None
+    # [B, P + N, MoE layers, k] the rollout's experts, replayed in the actor's training forwards
+    # (ppo.routing_replay; rlhf/models/moe.py); None: a dense actor, or replay off
+    routing: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> int:
@@ -158,6 +162,16 @@ class Collector:
         self.runner = runner or EpisodeRunner.single(tokenizer, mesh)  # (None: single-turn PPO)
         # ppo.rollout_workers=1: the rollout worker's client (AsyncRollouts), set by the stage
         self.remote = None
+        # a Mixture-of-Experts actor's rollouts record their routing for its forwards to replay
+        policy = hybrid.policy if hybrid.inject else None
+        self.replay = ppo.routing_replay and policy is not None and policy.num_experts > 0
+        if self.replay and actor.ecfg.activation_checkpointing:
+            raise ConfigError(
+                "ppo.routing_replay does not yet replay the experts in the forwards that "
+                "activation checkpointing recomputes: set engine.actor.activation_checkpointing="
+                "false, or ppo.routing_replay=false"
+            )
+        hybrid.record_routing = self.replay
 
     def sampling(self, step: int) -> SamplingParams:
         ppo = self.ppo
@@ -193,21 +207,29 @@ class Collector:
         micro = micro_rows(self.actor, rows, logits_len, ppo.micro_batch_per_rank)
         groups = row_groups(att, micro, ppo.max_tokens_per_micro_batch, mesh)
 
-        def logprobs(model: Model, score=response_logprobs) -> torch.Tensor:
-            return in_micro_batches(
-                lambda r: score(
-                    model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
-                ),
-                groups,
-            )
+        routing, flips = (gen.routing if self.replay else None), ReplayStats()
+
+        def logprobs(model: Model, score=response_logprobs, replay=False) -> torch.Tensor:
+            def rows(r):
+                with replay_rows(model.module, routing if replay else None, r, flips):
+                    return score(
+                        model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
+                    )
+
+            return in_micro_batches(rows, groups)
 
         teacher = self.scorers.teacher
         if teacher is None:
-            old_logp = logprobs(self.actor)
+            old_logp = logprobs(self.actor, replay=True)
         else:
             # with the greedy tokens, compared with the teacher's
-            actor_top1 = logprobs(self.actor, response_logprobs_top1)
+            actor_top1 = logprobs(self.actor, response_logprobs_top1, replay=True)
             old_logp = actor_top1[..., 0]
+        if routing is not None:
+            # the share of (token, MoE layer) pairs whose experts the recompute would have changed
+            dyn["moe/routing_flips"] = self.mesh.sum(flips.flipped) / max(
+                self.mesh.sum(flips.compared), 1
+            )
         # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
         ref_logp = old_logp
         if self.scorers.ref is not None:
@@ -271,6 +293,7 @@ class Collector:
             texts=ro.ep.texts,
             examples=ro.examples,
             staleness=stale,
+            routing=routing,
         )
 
     def kl(

@@ -22,6 +22,7 @@ from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.engine.logprobs import logits_stats, response_logits, scoring_temperature
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
+from rlhf.models.moe import replay_rows
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import Experience, critic_values
 from rlhf.rl.minibatch import Minibatch, global_rows, micro_batches, micro_rows, minibatches
@@ -183,7 +184,9 @@ class Updater:
                     "rollout/correction_mean", float((correction * mask).sum()), float(mask.sum())
                 )
             entropy = "loss" if alg.entropy_coef else "metric"
-            logits = response_logits(actor.forward, seq[r], att[r], prompt_len, keep)
+            # (a MoE actor: the rollout's experts; ppo.routing_replay)
+            with replay_rows(actor.module, exp.routing, r):
+                logits = response_logits(actor.forward, seq[r], att[r], prompt_len, keep)
             logp, ent = logits_stats(logits, seq[r][:, prompt_len:], self.ppo.temperature, entropy)
             pl, st = ppo_math.policy_loss(
                 logp,

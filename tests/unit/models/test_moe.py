@@ -100,3 +100,30 @@ def test_replay_restores_the_rollouts_experts_after_the_router_moved(family):
     assert replayed < without
     # outside the context: the model's own routing again
     assert logprob_gap() == pytest.approx(without)
+
+
+def test_the_balancing_term_is_hfs_per_layer():
+    """Each MoE layer's term equals Transformers' load_balancing_loss_func on that layer's router
+    logits (padding masked), and its gradient reaches the router."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from rlhf.models.moe import Balance, balancing
+
+    model = tiny_model("mixtral", perturb=True)
+    ids = torch.randint(3, 90, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    logits = []
+    hooks = [r.register_forward_hook(lambda m, i, o: logits.append(o[0])) for r in routers(model)]
+    balance = Balance()
+    with balancing(model, mask, balance):
+        model(input_ids=ids, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    assert len(balance.losses) == len(logits) == 2
+    for term, layer_logits in zip(balance.losses, logits):
+        want = load_balancing_loss_func((layer_logits.detach(),), 4, 2, mask)
+        assert float(term) == pytest.approx(float(want), rel=1e-5)
+    assert all(load >= 1.0 for load in balance.loads)
+    balance.mean_loss().backward()
+    assert all(r.weight.grad.abs().sum() > 0 for r in routers(model))

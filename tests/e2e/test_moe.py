@@ -1,0 +1,64 @@
+"""A Mixture-of-Experts model through the stages on the embedded task (``model.num_experts``: the
+embedded shape with Mixtral's blocks): SFT with the load-balancing loss, then GRPO with the rule in the inference mode, the
+rollout's experts replayed in the actor's training forwards. In fp32 the recompute routes as the
+rollout did; with a bf16 rollout of the fp32 weights some tokens' experts flip, and replay brings
+the recompute's log-probs nearer the rollout's than the run without it."""
+
+import json
+
+import pytest
+
+from tests.conftest import quick_sft_args, run_cli
+from tests.e2e.test_ppo import quick_ppo
+
+MOE = ["model.num_experts=4", "model.experts_per_token=2"]
+
+
+@pytest.fixture(scope="module")
+def moe_sft(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("moe") / "run"
+    proc = run_cli(*quick_sft_args(run_dir, steps=30), "train.save_every=0", *MOE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((run_dir / "sft" / "model" / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
+    # the load-balancing loss (the config's router_aux_loss_coef) and the experts' load, logged
+    rows = [json.loads(x) for x in (run_dir / "sft" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "moe/aux_loss" in r]
+    assert steps and all(r["moe/aux_loss"] >= 2.0 - 1e-4 for r in steps)  # k = 2 when balanced
+    assert all(r["moe/load_max_mean"] >= 1.0 for r in steps)
+    return run_dir
+
+
+def grpo(moe_sft, run_dir, *extra):
+    import shutil
+
+    shutil.copytree(moe_sft / "sft", run_dir / "sft")
+    args = quick_ppo(
+        run_dir,
+        "train.max_steps=2",
+        "algorithm.estimator=grpo",
+        "ppo.use_reward_model=false",
+        "ppo.reward_fn=rlhf.rewards.gold",
+        "ppo.rollout_guard=off",
+        *extra,
+    )
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no injection policy" not in proc.stderr and "HF generate instead" not in proc.stderr
+    rows = [json.loads(x) for x in (run_dir / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward/mean" in r]
+
+
+def test_moe_grpo_replays_the_rollouts_experts(moe_sft, tmp_path):
+    steps = grpo(moe_sft, tmp_path / "fp32")
+    assert len(steps) == 2
+    for r in steps:
+        assert r["moe/routing_flips"] < 0.01
+        assert r["rollout/logprob_abs_diff_mean"] < 1e-5
+    # a bf16 rollout of the fp32 weights: flips, which replay takes out of the recompute
+    bf16 = grpo(moe_sft, tmp_path / "bf16", "engine.inference_dtype=bf16")
+    off = grpo(moe_sft, tmp_path / "off", "engine.inference_dtype=bf16", "ppo.routing_replay=false")
+    assert bf16[0]["moe/routing_flips"] > 0 and "moe/routing_flips" not in off[0]
+    # the first step's rollouts are the same in both runs (same weights, same draws)
+    assert bf16[0]["reward/mean"] == off[0]["reward/mean"]
+    assert bf16[0]["rollout/logprob_abs_diff_mean"] < off[0]["rollout/logprob_abs_diff_mean"]
