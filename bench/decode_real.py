@@ -3,7 +3,7 @@ machine's roofline (docs/benchmarks.md, `bench: "decode_real"`).
 
     python bench/decode_real.py [--model smollm2-135m-instruct] [--batches 1 16 64] [--dtypes fp32
     bf16]
-                                [--new 64] [--repeats 2] [--threads N]
+                                [--new 64] [--repeats 2] [--threads N] [--moe EXPERTS]
 
 One process. The prompts are the held-out prompts of ``recipe=smollm2_arith`` through the model's
 chat template (left-padded to the longest), greedy, exactly ``--new`` new tokens each (min = max:
@@ -82,10 +82,21 @@ def roofline_s(
     head = cfg.head_dim if getattr(cfg, "head_dim", None) else h // cfg.num_attention_heads
     kv_width = cfg.num_key_value_heads * head
     # q, k, v, o, gate/up/down
-    per_layer = h * (h + 2 * kv_width) + h * h + 3 * h * cfg.intermediate_size
+    attn = h * (h + 2 * kv_width) + h * h
+    per_layer = attn + 3 * h * cfg.intermediate_size
+    # Mixture-of-Experts (every layer, as the tiny ones measured): a token passes through its k
+    # experts and the router; a step reads the experts some row of the batch was routed to (at
+    # most all of them)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0) or 0
+    read_per_layer = per_layer
+    if experts:
+        k = cfg.num_experts_per_tok
+        width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        per_layer = attn + h * experts + 3 * h * width * k
+        read_per_layer = attn + h * experts + 3 * h * width * min(experts, batch * k)
     # the LM head (tied or not, it is read and multiplied)
     passed = layers * per_layer + vocab * h
-    weight_bytes = passed * elem
+    weight_bytes = (layers * read_per_layer + vocab * h) * elem
     # prefill: every prompt token through every weight, attention over the prompt (causal: half)
     flops = (
         2 * passed * batch * prompt_len + 2 * 2 * layers * batch * prompt_len * prompt_len / 2 * h
@@ -102,6 +113,27 @@ def roofline_s(
     return total, max(bounds, key=bounds.get)
 
 
+def moe_model(path: Path, experts: int) -> Path:
+    """A random-init Mixtral of ``path``'s shape (its attention, widths, vocabulary, tokenizer and
+    chat template) with ``experts`` experts, top 2, saved to a temporary directory."""
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    c = AutoConfig.from_pretrained(path)
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    keep += ("num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+    keep += ("rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    cfg = MixtralConfig(**{k: getattr(c, k) for k in keep})
+    cfg.num_local_experts, cfg.num_experts_per_tok = experts, 2
+    torch.manual_seed(0)
+    out = Path(tempfile.mkdtemp(prefix="moe-"))
+    MixtralForCausalLM(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a named model or a directory")
@@ -110,6 +142,13 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--moe",
+        type=int,
+        default=0,
+        help="a random-init Mixtral of the model's shape with this many experts (top 2, each of "
+        "the model's MLP width) instead of the model: the MoE inference mode against HF generate",
+    )
     args = ap.parse_args()
 
     import torch
@@ -126,6 +165,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = get.ensure(args.model) if get.is_named(args.model) else Path(args.model)
+    if args.moe:
+        path = moe_model(path, args.moe)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     all_prompts = prompts(tok, max(args.batches))
     bw = bandwidth_bytes_per_s()
