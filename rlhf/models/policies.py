@@ -646,7 +646,10 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     if traits.positions == "learned":
         max_positions = config.max_position_embeddings
     slides = [w for w in windows if w]
-    num_experts = int(getattr(config, traits.experts_key, 0) or 0) if traits.experts_key else 0
+    num_experts = top_k = 0
+    if traits.experts_key:
+        num_experts = int(getattr(config, traits.experts_key, 0) or 0)
+        top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
     return InjectionPolicy(
         family=family,
         num_heads=heads,
@@ -676,7 +679,7 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         activation=act,
         conv1d=traits.conv1d,
         num_experts=num_experts,
-        top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if num_experts else 0,
+        top_k=top_k,
         topk_norm=_switch(config, traits.topk_norm),
         shared_expert=traits.shared_expert,
     ), ""

@@ -61,7 +61,7 @@ def fp16_curve(mesh, zero_stage: int) -> dict:
             return step_of_engine()
 
         engine.step = poisoned_step
-        loss, _ = train_step(engine, mbs)
+        loss = train_step(engine, mbs)[0]
         out["loss"].append(loss)
         out["loss_scale"].append(engine.scaler.scale)
         out["skipped"].append(engine.scaler.skipped)

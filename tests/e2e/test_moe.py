@@ -1,8 +1,8 @@
 """A Mixture-of-Experts model through the stages on the embedded task (``model.num_experts``: the
-embedded shape with Mixtral's blocks): SFT with the load-balancing loss, then GRPO with the rule in the inference mode, the
-rollout's experts replayed in the actor's training forwards. In fp32 the recompute routes as the
-rollout did; with a bf16 rollout of the fp32 weights some tokens' experts flip, and replay brings
-the recompute's log-probs nearer the rollout's than the run without it."""
+embedded shape with Mixtral's blocks): SFT with the load-balancing loss, then GRPO with the rule in
+the inference mode, the rollout's experts replayed in the actor's training forwards. In fp32 the
+recompute routes as the rollout did; with a bf16 rollout of the fp32 weights some tokens' experts
+flip, and replay brings the recompute's log-probs nearer the rollout's than the run without it."""
 
 import json
 

@@ -49,6 +49,8 @@ class Hybrid:
     """Two prompts × two samples, three response tokens each (the last row never ends)."""
 
     positions = 0  # rotary: no position table to fit
+    # no injected inference model (nor a Mixture-of-Experts one's routing to record)
+    inject, policy = False, None
 
     def holding(self):
         # (the hybrid engine keeps its inference model inside; nothing to keep here)
