@@ -121,7 +121,7 @@ def moe_model(path: Path, experts: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
-    c = AutoConfig.from_pretrained(path)
+    c = AutoConfig.from_pretrained(path, trust_remote_code=False)
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
     keep += ("num_attention_heads", "num_key_value_heads", "max_position_embeddings")
     keep += ("rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -130,7 +130,7 @@ def moe_model(path: Path, experts: int) -> Path:
     torch.manual_seed(0)
     out = Path(tempfile.mkdtemp(prefix="moe-"))
     MixtralForCausalLM(cfg).save_pretrained(out)
-    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    AutoTokenizer.from_pretrained(path, trust_remote_code=False).save_pretrained(out)
     return out
 
 
