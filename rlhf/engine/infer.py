@@ -627,6 +627,9 @@ class InferenceModel:
         active: Optional[torch.Tensor] = None  # None = every row
         next_pos = positions[:, -1] + 1
         logits = self.prefill(ids, pmask, rot_table, routing)
+        if routing is not None:
+            # a masked prefill routed the padding slots too: no token of the sequence
+            routing[:, :P].masked_fill_(~pmask.bool()[..., None, None], -1)
         for t in range(N):
             ban = eos_id if t < sp.min_new_tokens else None
             u = None  # greedy

@@ -32,7 +32,7 @@ from typing import Iterator, List, Optional
 import torch
 
 from rlhf.models.lora import unwrap
-from rlhf.models.policies import module_at, policy_for
+from rlhf.models.policies import family_of, module_at, policy_for
 
 
 @dataclass
@@ -52,12 +52,14 @@ def routers(model) -> List[torch.nn.Module]:
     """The router module of each MoE layer of ``model`` (an HF causal LM, LoRA-wrapped or not), in
     layer order; [] for a dense model or a family without a policy."""
     base = unwrap(model)
-    policy, _ = policy_for(base.config)
-    if policy is None or not policy.num_experts:
+    family = family_of(getattr(base.config, "model_type", ""))
+    if family is None or not family.experts_key:
         return []
-    n = policy.modules
+    n = family.modules
     layers = module_at(base, n.base).layers
-    return [module_at(layer, n.router) for layer in layers if module_at(layer, n.experts)]
+    # (Transformers 5's layout: 3-D experts, a router returning (logits, weights, experts))
+    moe = [layer for layer in layers if hasattr(module_at(layer, n.experts), "gate_up_proj")]
+    return [module_at(layer, n.router) for layer in moe]
 
 
 def replay_rows(model, routing: Optional[torch.Tensor], rows, stats: Optional[ReplayStats] = None):
@@ -135,7 +137,12 @@ def balancing(model, mask: Optional[torch.Tensor], balance: Balance) -> Iterator
         if mask is not None and mask.numel() == probs.shape[0]:
             real = mask.reshape(-1).to(probs.device).bool()
             probs, experts = probs[real], experts[real]
-        E, n = probs.shape[-1], max(probs.shape[0], 1)
+        if probs.shape[0] == 0:
+            # a micro-batch of no real tokens: no term (a mean over nothing is NaN)
+            balance.losses.append(logits.sum() * 0.0)
+            balance.loads.append(1.0)
+            return
+        E, n = probs.shape[-1], probs.shape[0]
         counts = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype)
         balance.losses.append(E * (counts / n * probs.mean(0)).sum())
         balance.loads.append(float(counts.max() / counts.mean().clamp(min=1e-9)))

@@ -33,6 +33,7 @@ from operator import attrgetter
 from typing import Dict, Optional, Tuple
 
 import torch
+import transformers
 
 from rlhf.models.lora import is_lora_layer, weight
 from rlhf.ops.activation import ACTIVATIONS
@@ -647,6 +648,8 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         max_positions = config.max_position_embeddings
     slides = [w for w in windows if w]
     num_experts = top_k = 0
+    if traits.experts_key and int(transformers.__version__.split(".")[0]) < 5:
+        return None, f"{family}: Mixture-of-Experts layers are served in Transformers 5's layout"
     if traits.experts_key:
         num_experts = int(getattr(config, traits.experts_key, 0) or 0)
         top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)

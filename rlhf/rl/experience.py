@@ -225,8 +225,9 @@ class Collector:
             # with the greedy tokens, compared with the teacher's
             actor_top1 = logprobs(self.actor, response_logprobs_top1, replay=True)
             old_logp = actor_top1[..., 0]
-        if routing is not None:
+        if self.replay:
             # the share of (token, MoE layer) pairs whose experts the recompute would have changed
+            # (collective: on every rank, whether or not its rows carry a routing)
             dyn["moe/routing_flips"] = self.mesh.sum(flips.flipped) / max(
                 self.mesh.sum(flips.compared), 1
             )
