@@ -47,6 +47,10 @@ class ReplayStats:
     def flip_share(self) -> float:
         return self.flipped / max(self.compared, 1)
 
+    def share(self, mesh) -> float:
+        """``flip_share`` over every rank's forwards (collective)."""
+        return mesh.sum(self.flipped) / max(mesh.sum(self.compared), 1)
+
 
 def routers(model) -> List[torch.nn.Module]:
     """The router module of each MoE layer of ``model`` (an HF causal LM, LoRA-wrapped or not), in

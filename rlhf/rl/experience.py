@@ -198,25 +198,18 @@ class Collector:
         gen = ro.gen
         seq, att, prompt_len = gen.sequences, gen.attention_mask, gen.prompt_len
         mask = gen.response_mask.float()
-        rows, n_resp = seq.shape[0], seq.shape[1] - prompt_len
-        keep = keeps_logits(unwrap(self.actor.module))
-        logits_len = seq.shape[1]
-        if keep:
-            # the model computes logits for the response (and the token before it) only
-            logits_len = n_resp + 1
-        micro = micro_rows(self.actor, rows, logits_len, ppo.micro_batch_per_rank)
-        groups = row_groups(att, micro, ppo.max_tokens_per_micro_batch, mesh)
-
+        rows = seq.shape[0]
+        keep, groups = self.scoring_groups(gen)
         routing, flips = (gen.routing if self.replay else None), ReplayStats()
 
         def logprobs(model: Model, score=response_logprobs, replay=False) -> torch.Tensor:
-            def rows(r):
+            def one(r):
                 with replay_rows(model.module, routing if replay else None, r, flips):
                     return score(
                         model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
                     )
 
-            return in_micro_batches(rows, groups)
+            return in_micro_batches(one, groups)
 
         teacher = self.scorers.teacher
         if teacher is None:
@@ -225,12 +218,8 @@ class Collector:
             # with the greedy tokens, compared with the teacher's
             actor_top1 = logprobs(self.actor, response_logprobs_top1, replay=True)
             old_logp = actor_top1[..., 0]
-        if self.replay:
-            # the share of (token, MoE layer) pairs whose experts the recompute would have changed
-            # (collective: on every rank, whether or not its rows carry a routing)
-            dyn["moe/routing_flips"] = self.mesh.sum(flips.flipped) / max(
-                self.mesh.sum(flips.compared), 1
-            )
+        if self.replay:  # (collective: on every rank, whether or not its rows carry a routing)
+            dyn["moe/routing_flips"] = flips.share(mesh)
         # algorithm.kl_coef=0 loads no reference: its log-probs are the actor's (KL 0)
         ref_logp = old_logp
         if self.scorers.ref is not None:
@@ -295,6 +284,20 @@ class Collector:
             examples=ro.examples,
             staleness=stale,
             routing=routing,
+        )
+
+    def scoring_groups(self, gen: Generation) -> Tuple[bool, list]:
+        """(whether the actor computes the response's logits only, the micro-batches of the
+        step's scoring forwards)."""
+        seq, ppo = gen.sequences, self.ppo
+        keep = keeps_logits(unwrap(self.actor.module))
+        logits_len = seq.shape[1]
+        if keep:
+            # the model computes logits for the response (and the token before it) only
+            logits_len = seq.shape[1] - gen.prompt_len + 1
+        micro = micro_rows(self.actor, seq.shape[0], logits_len, ppo.micro_batch_per_rank)
+        return keep, row_groups(
+            gen.attention_mask, micro, ppo.max_tokens_per_micro_batch, self.mesh
         )
 
     def kl(
