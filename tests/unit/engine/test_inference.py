@@ -39,6 +39,22 @@ def test_greedy_equals_hf_generate(family):
     assert_injected_greedy_equals_hf(tiny_model(family, perturb=True))
 
 
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_moe_experts_packed_or_plain_equal_hf(kernels):
+    # auto on a oneDNN CPU: each expert's matrices packed once per weight sync; reference: F.linear
+    # on the [E, out, in] tensors; both HF's greedy tokens
+    from rlhf.ops.linear import can_pack_onednn_fp32
+
+    model = tiny_model("mixtral", perturb=True)
+    prompts = mixed_prompts()
+    ref = hf_greedy(model, prompts, 12)
+    _, hy = hybrid(model, inference_kernels=kernels)
+    packed = isinstance(hy.build_inference_model().layers[0]["experts_gate_up"], list)
+    assert packed == (kernels == "auto" and can_pack_onednn_fp32(torch.float32, "cpu"))
+    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
+    assert torch.equal(gen.responses, ref)
+
+
 def test_greedy_equals_hf_generate_with_sliding_window():
     model = tiny_model("mistral")
     # shorter than most prompts: prefill and decode both cut keys
