@@ -727,6 +727,10 @@ class EngineConfig:
     # torch intra-op threads; 0 = cores / local ranks
     threads_per_rank: int = 0
     inference_tp_size: int = 1
+    # Mixture-of-Experts models under ZeRO-2/3: each rank holds E / W of every MoE layer's experts
+    # and tokens travel to them by all-to-all (rlhf/engine/experts.py); 1 = FSDP2 gathers whole
+    # experts like any weight; else the world size (the expert group is the training mesh)
+    expert_parallel: int = 1
     hybrid: bool = True
     release_inference_cache: bool = True
     # weights and activations of the hybrid engine's inference mode (log-softmax and sampling stay
@@ -792,6 +796,12 @@ class EngineConfig:
             self.inference_tp_size > 0,
             "engine.inference_tp_size",
             self.inference_tp_size,
+            "a positive integer",
+        )
+        _check(
+            self.expert_parallel > 0,
+            "engine.expert_parallel",
+            self.expert_parallel,
             "a positive integer",
         )
         _check(

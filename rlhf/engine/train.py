@@ -34,7 +34,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from rlhf.config import EngineConfig, TrainConfig
-from rlhf.engine import packing
+from rlhf.engine import experts, packing
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.mesh import DTYPES, Mesh, precision_of
 from rlhf.engine.schedule import make_scheduler
@@ -79,6 +79,9 @@ def wrap_model(
     meta device (weights come from rank 0). A new parallelism is one more ``apply_*`` function
     here."""
     check_offload(ecfg, mesh)
+    experts.check(
+        model, ecfg.expert_parallel, mesh.world_size, ecfg.zero_stage, "engine.expert_parallel"
+    )
     apply_ac(model, ecfg)
     offload = ecfg.offload == "cpu"
     if not mesh.distributed and not offload:
@@ -169,6 +172,9 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
         )
     if ecfg.offload == "cpu":  # a GPU run (check_offload)
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if ecfg.expert_parallel > 1:
+        # the experts sharded by this project, beside FSDP2's shards, never gathered
+        kwargs["ignored_params"] = experts.shard(model, mesh.dp_mesh)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

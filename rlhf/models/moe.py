@@ -52,9 +52,9 @@ class ReplayStats:
         return mesh.sum(self.flipped) / max(mesh.sum(self.compared), 1)
 
 
-def routers(model) -> List[torch.nn.Module]:
-    """The router module of each MoE layer of ``model`` (an HF causal LM, LoRA-wrapped or not), in
-    layer order; [] for a dense model or a family without a policy."""
+def moe_blocks(model) -> List[tuple]:
+    """``(router, experts)`` modules of each MoE layer of ``model`` (an HF causal LM, LoRA-wrapped
+    or not), in layer order; [] for a dense model or a family without a policy."""
     base = unwrap(model)
     family = family_of(getattr(base.config, "model_type", ""))
     if family is None or not family.experts_key:
@@ -63,7 +63,12 @@ def routers(model) -> List[torch.nn.Module]:
     layers = module_at(base, n.base).layers
     # (Transformers 5's layout: 3-D experts, a router returning (logits, weights, experts))
     moe = [layer for layer in layers if hasattr(module_at(layer, n.experts), "gate_up_proj")]
-    return [module_at(layer, n.router) for layer in moe]
+    return [(module_at(layer, n.router), module_at(layer, n.experts)) for layer in moe]
+
+
+def routers(model) -> List[torch.nn.Module]:
+    """The router module of each MoE layer of ``model`` (``moe_blocks``)."""
+    return [router for router, _ in moe_blocks(model)]
 
 
 def replay_rows(model, routing: Optional[torch.Tensor], rows, stats: Optional[ReplayStats] = None):

@@ -303,6 +303,12 @@ FAMILY_TABLE = FAMILY_TABLE + MOE_FAMILY_TABLE
 FAMILIES = tuple(f.model_type for f in FAMILY_TABLE)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """An expert-parallel model's experts (a DTensor sharded over the training mesh,
+    rlhf/engine/experts.py) gathered (collective); any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def family_of(model_type: str) -> Optional[Family]:
     """The row of FAMILY_TABLE for ``model_type`` (read at call time), or None."""
     return next((f for f in FAMILY_TABLE if f.model_type == model_type), None)
@@ -443,8 +449,8 @@ class InjectionPolicy:
         n = self.modules
         w = {
             "router": weight(module_at(layer, n.router)).clone(),
-            "experts_gate_up": experts.gate_up_proj.detach().clone(),
-            "experts_down": experts.down_proj.detach().clone(),
+            "experts_gate_up": _whole(experts.gate_up_proj.detach()).clone(),
+            "experts_down": _whole(experts.down_proj.detach()).clone(),
         }
         if self.shared_expert:
             shared = lambda name: self._weight(layer, f"{n.shared}.{name}")  # noqa: E731
