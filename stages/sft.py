@@ -260,23 +260,29 @@ def train_step(
     actor: TrainEngine, micro_batches: List[dict], aux_coef: float = 0.0
 ) -> tuple[float, float, dict]:
     """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global
-    batch (and, ``aux_coef`` > 0, a MoE model's load-balancing loss, the mean of its micro-batches'
-    terms: its metrics returned as ``moe/aux_loss``, ``moe/load_max_mean``).
+    batch (and, ``aux_coef`` > 0, a MoE model's load-balancing loss, the mean of the terms of the
+    ranks' i-th micro-batches taken together: the same on any number of ranks when each runs one
+    micro-batch; its metrics returned as ``moe/aux_loss``, ``moe/load_max_mean``).
 
     Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
     gradient does not depend on how the batch is split over ranks and accumulation steps."""
     mesh = actor.mesh
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
     loss_sum, balance, aux_sum = 0.0, Balance(), 0.0
+    # the balancing term over the ranks' i-th micro-batches together (each rank's share)
+    over_ranks = lambda t: mesh.all_reduce(t.clone())  # noqa: E731
     for i, b in enumerate(micro_batches):
         seen = len(balance.losses)
-        with balancing(actor.module, b["attention_mask"], balance) if aux_coef else nullcontext():
+        watch = balancing(actor.module, b["attention_mask"], balance, over_ranks)
+        with watch if aux_coef else nullcontext():
             nll, _ = nll_sum(actor.forward, b, mesh.device)
-        # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean.
+        # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean
+        # (the NLL's and the balancing term's: each rank holds its share of both).
         loss = nll / max(n_tokens, 1) * mesh.world_size
         if aux_coef:
             aux = balance.mean_loss(seen) / len(micro_batches)
-            loss, aux_sum = loss + aux_coef * aux, aux_sum + float(aux.detach())
+            loss = loss + aux_coef * aux * mesh.world_size
+            aux_sum += float(aux.detach())
         actor.backward(loss, sync=i == len(micro_batches) - 1)
         loss_sum += float(nll.detach())
     grad_norm = actor.step()
@@ -285,7 +291,7 @@ def train_step(
         load = sum(balance.loads) / len(balance.loads)
         ranks = mesh.world_size
         moe = {
-            "moe/aux_loss": mesh.sum(aux_sum) / ranks,
+            "moe/aux_loss": mesh.sum(aux_sum),
             "moe/load_max_mean": mesh.sum(load) / ranks,
         }
     return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm, moe

@@ -20,14 +20,16 @@ The load-balancing loss (Switch Transformer; HF's ``load_balancing_loss_func`` p
 ``balancing(model, mask, balance)`` watches each MoE layer's router in the forwards inside and adds
 E · Σ_e f_e · P_e to ``balance`` (f_e: the routed (token, slot) pairs of expert e per real token, so
 Σ_e f_e = k; P_e: the mean router probability of e, differentiable), with each layer's load
-(max ÷ mean tokens per expert).
+(max ÷ mean tokens per expert). Both are over the real tokens of the batch and, given ``reduce``,
+of every rank's forward: the term of a step that runs one micro-batch per rank is the same on any
+number of ranks.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -123,9 +125,10 @@ def replaying(
 class Balance:
     """The load-balancing terms of the MoE layers' forwards inside ``balancing``."""
 
-    # one per MoE layer and forward: E · Σ_e f_e · P_e (with its gradient)
+    # one per MoE layer and forward: this rank's share of E · Σ_e f_e · P_e (with its gradient;
+    # summed over the ranks, the term of the forward's tokens on all of them)
     losses: List[torch.Tensor] = field(default_factory=list)
-    # one per MoE layer and forward: max ÷ mean tokens per expert (1 = balanced)
+    # one per MoE layer and forward: max ÷ mean tokens per expert over the ranks (1 = balanced)
     loads: List[float] = field(default_factory=list)
 
     def mean_loss(self, start: int = 0) -> torch.Tensor:
@@ -133,27 +136,42 @@ class Balance:
         return torch.stack(self.losses[start:]).mean()
 
 
+def _token_weights(probs: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """1 for each routed row that is a real token of the padded batch, 0 for padding. (MoE
+    families run their training forwards padded: their rows' ``packs`` is off.)"""
+    n = probs.shape[0]
+    if mask is not None and mask.numel() == n:
+        return mask.reshape(-1).to(probs)
+    return probs.new_ones(n)
+
+
 @contextmanager
-def balancing(model, mask: Optional[torch.Tensor], balance: Balance) -> Iterator[Balance]:
+def balancing(
+    model,
+    mask: Optional[torch.Tensor],
+    balance: Balance,
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> Iterator[Balance]:
     """Forwards of ``model`` inside add their MoE layers' load-balancing terms to ``balance``, over
-    the tokens where ``mask`` ([B, T], 1 = real) is set (every token when the forward ran packed,
-    without padding)."""
+    the real tokens of the batch (``mask`` [B, T], 1 = real). ``reduce``: a
+    sum over the ranks (each rank runs the same forwards): f_e and the token count are then those
+    of the forward's tokens on all ranks, and each rank's term its tokens' share of the global one
+    (the ranks' terms add up to the term of one process running them all)."""
     handles = []
 
     def watch(_module, _inputs, output):
         logits, _, experts = output
         probs = logits.float().softmax(-1)
-        if mask is not None and mask.numel() == probs.shape[0]:
-            real = mask.reshape(-1).to(probs.device).bool()
-            probs, experts = probs[real], experts[real]
-        if probs.shape[0] == 0:
-            # a micro-batch of no real tokens: no term (a mean over nothing is NaN)
-            balance.losses.append(logits.sum() * 0.0)
-            balance.loads.append(1.0)
-            return
-        E, n = probs.shape[-1], probs.shape[0]
-        counts = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype)
-        balance.losses.append(E * (counts / n * probs.mean(0)).sum())
+        w = _token_weights(probs, mask)
+        E, k = probs.shape[-1], experts.shape[-1]
+        slots = w.repeat_interleave(k)
+        counts = probs.new_zeros(E).index_add_(0, experts.reshape(-1), slots.to(probs.dtype))
+        stats = torch.cat([counts, w.sum()[None]]).detach()
+        if reduce is not None:
+            stats = reduce(stats)
+        counts, n = stats[:E], stats[E].clamp(min=1e-9)
+        share = (w[:, None] * probs).sum(0)
+        balance.losses.append(E * (counts / n * share / n).sum())
         balance.loads.append(float(counts.max() / counts.mean().clamp(min=1e-9)))
 
     try:

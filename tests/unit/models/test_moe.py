@@ -127,3 +127,24 @@ def test_the_balancing_term_is_hfs_per_layer():
     assert all(load >= 1.0 for load in balance.loads)
     balance.mean_loss().backward()
     assert all(r.weight.grad.abs().sum() > 0 for r in routers(model))
+
+
+def test_the_balancing_term_over_ranks_is_each_ranks_share():
+    """With ``reduce`` (a sum over ranks; here two "ranks" holding the same batch), each rank's term
+    is its share of the term over every rank's tokens: half of one process's, the same loads."""
+    from rlhf.models.moe import Balance, balancing
+
+    model = tiny_model("mixtral", perturb=True)
+    ids = torch.randint(3, 90, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    one, halves = Balance(), Balance()
+    with torch.no_grad():
+        with balancing(model, mask, one):
+            model(input_ids=ids, attention_mask=mask)
+        with balancing(model, mask, halves, reduce=lambda t: 2 * t):
+            model(input_ids=ids, attention_mask=mask)
+    assert len(one.losses) == len(halves.losses) == 2
+    for a, b in zip(one.losses, halves.losses):
+        assert float(b) == pytest.approx(float(a) / 2, rel=1e-6)
+    assert halves.loads == pytest.approx(one.loads, rel=1e-6)
