@@ -499,6 +499,9 @@ class TrainConfig:
     # SFT of a Mixture-of-Experts model: the load-balancing loss's weight (rlhf/models/moe.py);
     # null = the model config's router_aux_loss_coef, 0 = off
     router_aux_loss_coef: Optional[float] = None
+    # ... and the router z-loss's (ST-MoE: logsumexp of the router logits, squared; keeps them
+    # small), 0 = off
+    router_z_loss_coef: float = 0.0
     # 0 = global_batch / world_size (no accumulation)
     micro_batch_per_rank: int = 0
     # SFT, reward, DPO: a rank's rows of the step in micro-batches of at most this many real tokens
@@ -512,6 +515,10 @@ class TrainConfig:
     lora_lr: Optional[float] = None
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0  # never applied to norms and biases
+    # a Mixture-of-Experts model's experts (their own AdamW group): the learning rate's scale and
+    # the weight decay (null = train.weight_decay)
+    expert_lr_scale: float = 1.0
+    expert_weight_decay: Optional[float] = None
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     # DeepSpeed's schedulers: warmup (WarmupLR), warmup_decay (WarmupDecayLR), cosine; or constant
@@ -582,6 +589,24 @@ class TrainConfig:
             )
         _check(len(self.betas) == 2, "train.betas", self.betas, "two numbers")
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a non-negative number")
+        _check(
+            self.router_z_loss_coef >= 0,
+            "train.router_z_loss_coef",
+            self.router_z_loss_coef,
+            "a non-negative number",
+        )
+        _check(
+            self.expert_lr_scale > 0,
+            "train.expert_lr_scale",
+            self.expert_lr_scale,
+            "a positive number",
+        )
+        _check(
+            self.expert_weight_decay is None or self.expert_weight_decay >= 0,
+            "train.expert_weight_decay",
+            self.expert_weight_decay,
+            "a non-negative number (null = train.weight_decay)",
+        )
         _check(self.log_every > 0, "train.log_every", self.log_every, "a positive integer")
         _check(self.save_every >= 0, "train.save_every", self.save_every, "a non-negative integer")
         _check(

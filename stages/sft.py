@@ -32,7 +32,7 @@ from rlhf.engine.train import TrainEngine
 from rlhf.envs.builtin import environment, say_sandbox
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.models.moe import Balance, aux_loss_coef, balancing
+from rlhf.models.moe import Balance, aux_loss_coef, balancing, routers
 from rlhf.outputs.log import progress
 from rlhf.rl.episodes import EpisodeRunner
 from rlhf.runtime.evaluation import stage_gold
@@ -133,6 +133,7 @@ def run(cfg: Config) -> None:
     )
     actor.train()
     aux_coef = aux_loss_coef(actor.module, train.router_aux_loss_coef)
+    z_coef = train.router_z_loss_coef if routers(actor.module) else 0.0
     bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     stop = interrupt.listen()
@@ -143,7 +144,7 @@ def run(cfg: Config) -> None:
         )
         mbs = [collate(train_cols, ix, tokenizer.pad_token_id, data_cfg.mask_prompt) for ix in ixs]
         lr = actor.lr
-        loss, grad_norm, moe = train_step(actor, mbs, aux_coef)
+        loss, grad_norm, moe = train_step(actor, mbs, aux_coef, z_coef)
         seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}")
@@ -257,42 +258,45 @@ class Evaluation:
 
 
 def train_step(
-    actor: TrainEngine, micro_batches: List[dict], aux_coef: float = 0.0
+    actor: TrainEngine, micro_batches: List[dict], aux_coef: float = 0.0, z_coef: float = 0.0
 ) -> tuple[float, float, dict]:
     """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global
-    batch (and, ``aux_coef`` > 0, a MoE model's load-balancing loss, the mean of the terms of the
-    ranks' i-th micro-batches taken together: the same on any number of ranks when each runs one
-    micro-batch; its metrics returned as ``moe/aux_loss``, ``moe/load_max_mean``).
+    batch (and, ``aux_coef`` / ``z_coef`` > 0, a MoE model's load-balancing loss and router z-loss,
+    the means of the terms of the ranks' i-th micro-batches taken together: the same on any number
+    of ranks when each runs one micro-batch; returned as ``moe/aux_loss``, ``moe/z_loss`` with
+    ``moe/load_max_mean``).
 
     Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
     gradient does not depend on how the batch is split over ranks and accumulation steps."""
     mesh = actor.mesh
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
-    loss_sum, balance, aux_sum = 0.0, Balance(), 0.0
-    # the balancing term over the ranks' i-th micro-batches together (each rank's share)
+    loss_sum, balance, aux_sum, z_sum = 0.0, Balance(), 0.0, 0.0
+    routed = bool(aux_coef or z_coef)
+    # the router terms over the ranks' i-th micro-batches together (each rank's share)
     over_ranks = lambda t: mesh.all_reduce(t.clone())  # noqa: E731
     for i, b in enumerate(micro_batches):
         seen = len(balance.losses)
         watch = balancing(actor.module, b["attention_mask"], balance, over_ranks)
-        with watch if aux_coef else nullcontext():
+        with watch if routed else nullcontext():
             nll, _ = nll_sum(actor.forward, b, mesh.device)
         # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean
-        # (the NLL's and the balancing term's: each rank holds its share of both).
+        # (the NLL's and the router terms': each rank holds its share of them).
         loss = nll / max(n_tokens, 1) * mesh.world_size
-        if aux_coef:
+        if routed:
             aux = balance.mean_loss(seen) / len(micro_batches)
-            loss = loss + aux_coef * aux * mesh.world_size
-            aux_sum += float(aux.detach())
+            z = balance.mean_z(seen) / len(micro_batches)
+            loss = loss + (aux_coef * aux + z_coef * z) * mesh.world_size
+            aux_sum, z_sum = aux_sum + float(aux.detach()), z_sum + float(z.detach())
         actor.backward(loss, sync=i == len(micro_batches) - 1)
         loss_sum += float(nll.detach())
     grad_norm = actor.step()
     moe = {}
-    if aux_coef:
+    if routed:
         load = sum(balance.loads) / len(balance.loads)
-        ranks = mesh.world_size
         moe = {
             "moe/aux_loss": mesh.sum(aux_sum),
-            "moe/load_max_mean": mesh.sum(load) / ranks,
+            "moe/z_loss": mesh.sum(z_sum),
+            "moe/load_max_mean": mesh.sum(load) / mesh.world_size,
         }
     return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm, moe
 

@@ -42,6 +42,7 @@ from rlhf.errors import ConfigError
 from rlhf.models import streaming
 from rlhf.models.loading import decoder_layers
 from rlhf.models.lora import adapters_disabled, is_peft
+from rlhf.models.moe import moe_blocks
 from rlhf.threads import fit_to_model
 
 log = logging.getLogger("rlhf")
@@ -239,20 +240,33 @@ def _say_once_single_process(ecfg: EngineConfig, mesh: Mesh) -> None:
     )
 
 
-def param_groups(model: nn.Module, weight_decay: float):
-    """AdamW groups: no decay on norms and biases (every parameter with fewer than 2 dims)."""
-    decay, no_decay = [], []
+def param_groups(model: nn.Module, tcfg: TrainConfig, lr: float):
+    """AdamW groups: no decay on norms and biases (every parameter with fewer than 2 dims); a
+    Mixture-of-Experts model's experts in a group of their own (DeepSpeed's MoE parameter groups),
+    at ``train.expert_lr_scale`` × the learning rate with ``train.expert_weight_decay`` (unset:
+    train.weight_decay)."""
+    base = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    experts = {
+        id(getattr(e, n)) for _, e in moe_blocks(base) for n in ("gate_up_proj", "down_proj")
+    }
+    decay, no_decay, routed = [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if p.ndim >= 2:
+        if id(p) in experts:
+            routed.append(p)
+        elif p.ndim >= 2:
             decay.append(p)
         else:
             no_decay.append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
+    groups = [
+        {"params": decay, "weight_decay": tcfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if routed:
+        wd = tcfg.weight_decay if tcfg.expert_weight_decay is None else tcfg.expert_weight_decay
+        groups.append({"params": routed, "weight_decay": wd, "lr": lr * tcfg.expert_lr_scale})
+    return groups
 
 
 def adam_kernel(model: nn.Module) -> dict:
@@ -349,17 +363,16 @@ class TrainEngine:
         self.is_fsdp = isinstance(self.model, FSDPModule)
         self.is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
         self.zero1 = self.is_ddp and ecfg.zero_stage == 1
-        adam = dict(
-            lr=lr or tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, **adam_kernel(self.model)
-        )
+        lr = lr or tcfg.lr
+        adam = dict(lr=lr, betas=tuple(tcfg.betas), eps=tcfg.eps, **adam_kernel(self.model))
         if self.zero1:
             # ZeRO-1: each rank keeps the AdamW state of its share of the parameters
-            groups = [g for g in param_groups(self.model, tcfg.weight_decay) if g["params"]]
+            groups = [g for g in param_groups(self.model, tcfg, lr) if g["params"]]
             self.optimizer = ZeroRedundancyOptimizer(
                 groups, optimizer_class=torch.optim.AdamW, **adam
             )
         else:
-            self.optimizer = torch.optim.AdamW(param_groups(self.model, tcfg.weight_decay), **adam)
+            self.optimizer = torch.optim.AdamW(param_groups(self.model, tcfg, lr), **adam)
         self.scheduler = make_scheduler(self.optimizer, tcfg, total_steps or tcfg.max_steps)
         # bumped whenever the weights change (step, checkpoint load)
         self.weights_version = 0

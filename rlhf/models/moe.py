@@ -130,10 +130,17 @@ class Balance:
     losses: List[torch.Tensor] = field(default_factory=list)
     # one per MoE layer and forward: max ÷ mean tokens per expert over the ranks (1 = balanced)
     loads: List[float] = field(default_factory=list)
+    # one per MoE layer and forward: this rank's share of the router z-loss (ST-MoE: the mean over
+    # tokens of logsumexp(router logits)², with its gradient)
+    z_losses: List[torch.Tensor] = field(default_factory=list)
 
     def mean_loss(self, start: int = 0) -> torch.Tensor:
-        """The mean of the terms from the ``start``-th on."""
+        """The mean of the balancing terms from the ``start``-th on."""
         return torch.stack(self.losses[start:]).mean()
+
+    def mean_z(self, start: int = 0) -> torch.Tensor:
+        """The mean of the z-loss terms from the ``start``-th on."""
+        return torch.stack(self.z_losses[start:]).mean()
 
 
 def _token_weights(probs: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -172,6 +179,7 @@ def balancing(
         counts, n = stats[:E], stats[E].clamp(min=1e-9)
         share = (w[:, None] * probs).sum(0)
         balance.losses.append(E * (counts / n * share / n).sum())
+        balance.z_losses.append((w * torch.logsumexp(logits.float(), -1).square()).sum() / n)
         balance.loads.append(float(counts.max() / counts.mean().clamp(min=1e-9)))
 
     try:

@@ -17,7 +17,12 @@ MOE = ["model.num_experts=4", "model.experts_per_token=2"]
 @pytest.fixture(scope="module")
 def moe_sft(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("moe") / "run"
-    proc = run_cli(*quick_sft_args(run_dir, steps=30), "train.save_every=0", *MOE)
+    proc = run_cli(
+        *quick_sft_args(run_dir, steps=30),
+        "train.save_every=0",
+        "train.router_z_loss_coef=1e-3",
+        *MOE,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((run_dir / "sft" / "model" / "config.json").read_text())
     assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
@@ -26,6 +31,7 @@ def moe_sft(tmp_path_factory):
     steps = [r for r in rows if "loss" in r and "moe/aux_loss" in r]
     assert steps and all(r["moe/aux_loss"] >= 2.0 - 1e-4 for r in steps)  # k = 2 when balanced
     assert all(r["moe/load_max_mean"] >= 1.0 for r in steps)
+    assert all(r["moe/z_loss"] > 0 for r in steps)
     return run_dir
 
 

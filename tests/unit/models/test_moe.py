@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.engine.logprobs import response_logprobs
-from rlhf.models.moe import replaying, routers
+from rlhf.models.moe import moe_blocks, replaying, routers
 from rlhf.ops import SamplingParams
 from tests.infer_helpers import mixed_prompts, tiny_model
 from tests.unit.engine.test_inference import hybrid
@@ -104,7 +104,8 @@ def test_replay_restores_the_rollouts_experts_after_the_router_moved(family):
 
 def test_the_balancing_term_is_hfs_per_layer():
     """Each MoE layer's term equals Transformers' load_balancing_loss_func on that layer's router
-    logits (padding masked), and its gradient reaches the router."""
+    logits (padding masked), its z-loss the direct formula, and their gradient reaches the
+    router."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from rlhf.models.moe import Balance, balancing
@@ -121,11 +122,14 @@ def test_the_balancing_term_is_hfs_per_layer():
     for h in hooks:
         h.remove()
     assert len(balance.losses) == len(logits) == 2
-    for term, layer_logits in zip(balance.losses, logits):
+    for term, z, layer_logits in zip(balance.losses, balance.z_losses, logits):
         want = load_balancing_loss_func((layer_logits.detach(),), 4, 2, mask)
         assert float(term) == pytest.approx(float(want), rel=1e-5)
+        # the router z-loss: the real tokens' mean of logsumexp(logits)²
+        real = layer_logits.detach()[mask.reshape(-1).bool()]
+        assert float(z) == pytest.approx(float(real.logsumexp(-1).square().mean()), rel=1e-5)
     assert all(load >= 1.0 for load in balance.loads)
-    balance.mean_loss().backward()
+    (balance.mean_loss() + balance.mean_z()).backward()
     assert all(r.weight.grad.abs().sum() > 0 for r in routers(model))
 
 
@@ -148,3 +152,36 @@ def test_the_balancing_term_over_ranks_is_each_ranks_share():
     for a, b in zip(one.losses, halves.losses):
         assert float(b) == pytest.approx(float(a) / 2, rel=1e-6)
     assert halves.loads == pytest.approx(one.loads, rel=1e-6)
+
+
+def test_experts_have_their_own_optimizer_group():
+    """``train.expert_lr_scale`` / ``train.expert_weight_decay``: the experts' AdamW group (and its
+    schedule) runs at the scaled rate with its decay; a step with scale 0.5 moves the experts as a
+    run at half the rate does; a dense model keeps two groups."""
+    from rlhf.config import EngineConfig, TrainConfig
+    from rlhf.engine.mesh import Mesh
+    from rlhf.engine.train import TrainEngine
+
+    def engine(model, **train):
+        train = {"weight_decay": 0.1, **train}
+        tcfg = TrainConfig(lr=1e-2, warmup_steps=0, scheduler="constant", **train)
+        return TrainEngine(model, Mesh(), EngineConfig(precision="fp32"), tcfg)
+
+    assert len(engine(tiny_model("llama")).optimizer.param_groups) == 2
+    torch.manual_seed(0)
+    a = engine(tiny_model("mixtral", perturb=True), expert_lr_scale=0.5, expert_weight_decay=0.0)
+    experts = a.optimizer.param_groups[2]
+    assert experts["lr"] == pytest.approx(5e-3) and experts["weight_decay"] == 0.0
+    assert {id(p) for p in experts["params"]} == {
+        id(getattr(e, n)) for _, e in moe_blocks(a.module) for n in ("gate_up_proj", "down_proj")
+    }
+    # the same step at lr 5e-3 without decay everywhere moves the experts alike
+    torch.manual_seed(0)
+    b = engine(tiny_model("mixtral", perturb=True), weight_decay=0.0)
+    b.optimizer.param_groups[2]["lr"] = 5e-3
+    ids = torch.randint(3, 90, (2, 6))
+    for eng in (a, b):
+        eng.forward(input_ids=ids, labels=ids).loss.backward()
+        eng.step()
+    for (_, ea), (_, eb) in zip(moe_blocks(a.module), moe_blocks(b.module)):
+        assert torch.allclose(ea.gate_up_proj, eb.gate_up_proj, atol=1e-7)
