@@ -89,7 +89,7 @@ def counts(name: str):
             dense += p.numel()
         if m:
             layers[int(m.group(1))][1 if routed else 0] += p.numel()
-    n_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts")
+    n_experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
     return dense, experts, layers, n_experts, cfg.num_experts_per_tok, cfg.hidden_size
 
 
@@ -122,6 +122,7 @@ def main() -> None:
             for variant, metric, value in figures:
                 out = {**line, "variant": variant, "metric": metric, "value": value / GB}
                 print(json.dumps({**out, "unit": "GB"}), flush=True)
+
 
 if __name__ == "__main__":
     main()
