@@ -502,6 +502,12 @@ class TrainConfig:
     # ... and the router z-loss's (ST-MoE: logsumexp of the router logits, squared; keeps them
     # small), 0 = off
     router_z_loss_coef: float = 0.0
+    # ... and each expert's capacity in training (eval: the held-out loss's) forwards, DeepSpeed's:
+    # at most max(min_capacity, ⌈factor · tokens · k / experts⌉) (token, slot) pairs, the rest
+    # dropped (the token skips that expert); 0 = none
+    capacity_factor: float = 0.0
+    eval_capacity_factor: float = 0.0
+    min_capacity: int = 4
     # 0 = global_batch / world_size (no accumulation)
     micro_batch_per_rank: int = 0
     # SFT, reward, DPO: a rank's rows of the step in micro-batches of at most this many real tokens
@@ -589,6 +595,9 @@ class TrainConfig:
             )
         _check(len(self.betas) == 2, "train.betas", self.betas, "two numbers")
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a non-negative number")
+        for key in ("capacity_factor", "eval_capacity_factor"):
+            _check(getattr(self, key) >= 0, f"train.{key}", getattr(self, key), "≥ 0 (0 = none)")
+        _check(self.min_capacity >= 0, "train.min_capacity", self.min_capacity, "≥ 0")
         _check(
             self.router_z_loss_coef >= 0,
             "train.router_z_loss_coef",

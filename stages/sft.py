@@ -32,7 +32,7 @@ from rlhf.engine.train import TrainEngine
 from rlhf.envs.builtin import environment, say_sandbox
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.models.moe import Balance, aux_loss_coef, balancing, routers
+from rlhf.models.moe import Balance, Dropped, RouterTerms, balancing, capacity
 from rlhf.outputs.log import progress
 from rlhf.rl.episodes import EpisodeRunner
 from rlhf.runtime.evaluation import stage_gold
@@ -132,8 +132,7 @@ def run(cfg: Config) -> None:
         ),
     )
     actor.train()
-    aux_coef = aux_loss_coef(actor.module, train.router_aux_loss_coef)
-    z_coef = train.router_z_loss_coef if routers(actor.module) else 0.0
+    router = RouterTerms.of(actor.module, train)
     bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     stop = interrupt.listen()
@@ -144,7 +143,7 @@ def run(cfg: Config) -> None:
         )
         mbs = [collate(train_cols, ix, tokenizer.pad_token_id, data_cfg.mask_prompt) for ix in ixs]
         lr = actor.lr
-        loss, grad_norm, moe = train_step(actor, mbs, aux_coef, z_coef)
+        loss, grad_norm, moe = train_step(actor, mbs, router)
         seen += train.global_batch
         done = step + 1
         bar.step(loss=f"{loss:.3f}")
@@ -223,6 +222,10 @@ def collate(cols: dict, indices: List[int], pad: int, mask_prompt: bool) -> dict
     )
 
 
+# a dense model's (or one trained without router terms)
+DENSE = RouterTerms()
+
+
 @dataclass
 class Evaluation:
     """The held-out loss and the gold score (episodes where the run plays them), logged."""
@@ -243,8 +246,9 @@ class Evaluation:
         results, kept = {}, []
         if self.eval_cols is not None:
             pad = self.tokenizer.pad_token_id
+            router = RouterTerms.of(self.actor.module, cfg.train)
             results["eval/loss"] = eval_loss(
-                self.actor, self.eval_cols, pad, cfg.data.mask_prompt, self.micro, mesh
+                self.actor, self.eval_cols, pad, cfg.data.mask_prompt, self.micro, mesh, router
             )
         if data.gold is not None:
             # episodes: tools used
@@ -258,53 +262,64 @@ class Evaluation:
 
 
 def train_step(
-    actor: TrainEngine, micro_batches: List[dict], aux_coef: float = 0.0, z_coef: float = 0.0
+    actor: TrainEngine, micro_batches: List[dict], router: RouterTerms = DENSE
 ) -> tuple[float, float, dict]:
     """One optimizer step over this rank's micro-batches: the token-weighted NLL of the global
-    batch (and, ``aux_coef`` / ``z_coef`` > 0, a MoE model's load-balancing loss and router z-loss,
-    the means of the terms of the ranks' i-th micro-batches taken together: the same on any number
-    of ranks when each runs one micro-batch; returned as ``moe/aux_loss``, ``moe/z_loss`` with
-    ``moe/load_max_mean``).
+    batch; for a MoE model (``router``) the load-balancing loss and router z-loss, the means of the
+    terms of the ranks' i-th micro-batches taken together (the same on any number of ranks when
+    each runs one micro-batch), each expert's capacity; returned as ``moe/aux_loss``,
+    ``moe/z_loss``, ``moe/load_max_mean`` and ``moe/dropped`` (the share of token-slots past their
+    expert's capacity).
 
     Each micro-batch contributes sum(NLL) / (response tokens in the whole global batch), so the
     gradient does not depend on how the batch is split over ranks and accumulation steps."""
     mesh = actor.mesh
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
-    loss_sum, balance, aux_sum, z_sum = 0.0, Balance(), 0.0, 0.0
-    routed = bool(aux_coef or z_coef)
+    loss_sum, balance, aux_sum, z_sum, dropped = 0.0, Balance(), 0.0, 0.0, Dropped()
     # the router terms over the ranks' i-th micro-batches together (each rank's share)
     over_ranks = lambda t: mesh.all_reduce(t.clone())  # noqa: E731
     for i, b in enumerate(micro_batches):
         seen = len(balance.losses)
-        watch = balancing(actor.module, b["attention_mask"], balance, over_ranks)
-        with watch if routed else nullcontext():
+        mask = b["attention_mask"]
+        watch = balancing(actor.module, mask, balance, over_ranks)
+        limit = capacity(actor.module, mask, router.capacity_factor, router.min_capacity, dropped)
+        with watch if router.losses else nullcontext(), limit:
             nll, _ = nll_sum(actor.forward, b, mesh.device)
         # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean
         # (the NLL's and the router terms': each rank holds its share of them).
         loss = nll / max(n_tokens, 1) * mesh.world_size
-        if routed:
+        if router.losses:
             aux = balance.mean_loss(seen) / len(micro_batches)
             z = balance.mean_z(seen) / len(micro_batches)
-            loss = loss + (aux_coef * aux + z_coef * z) * mesh.world_size
+            loss = loss + (router.aux_coef * aux + router.z_coef * z) * mesh.world_size
             aux_sum, z_sum = aux_sum + float(aux.detach()), z_sum + float(z.detach())
         actor.backward(loss, sync=i == len(micro_batches) - 1)
         loss_sum += float(nll.detach())
     grad_norm = actor.step()
     moe = {}
-    if routed:
+    if router.losses:
         load = sum(balance.loads) / len(balance.loads)
         moe = {
             "moe/aux_loss": mesh.sum(aux_sum),
             "moe/z_loss": mesh.sum(z_sum),
             "moe/load_max_mean": mesh.sum(load) / mesh.world_size,
         }
+    if router.capacity_factor:
+        moe["moe/dropped"] = dropped.share(mesh)
     return mesh.sum(loss_sum) / max(n_tokens, 1), grad_norm, moe
 
 
 def eval_loss(
-    actor: TrainEngine, cols: dict, pad: int, mask_prompt: bool, micro: int, mesh: Mesh
+    actor: TrainEngine,
+    cols: dict,
+    pad: int,
+    mask_prompt: bool,
+    micro: int,
+    mesh: Mesh,
+    router: RouterTerms = DENSE,
 ) -> float:
-    """Token-weighted NLL over the held-out records (split over ranks)."""
+    """Token-weighted NLL over the held-out records (split over ranks); a MoE model's experts at
+    ``router.eval_capacity_factor``."""
     total, count = 0.0, 0
     actor.eval()
     with torch.no_grad():
@@ -316,7 +331,9 @@ def eval_loss(
                 mask_prompt,
                 [cols["mask"][i] for i in ix or [0]],
             )
-            nll, tokens = nll_sum(actor.forward, b, mesh.device)
+            factor, least = router.eval_capacity_factor, router.min_capacity
+            with capacity(actor.module, b["attention_mask"], factor, least, Dropped()):
+                nll, tokens = nll_sum(actor.forward, b, mesh.device)
             if ix:
                 # a turn with no records of its own ran record 0 and ignores it
                 total, count = total + float(nll), count + tokens

@@ -27,6 +27,7 @@ number of ranks.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
@@ -191,6 +192,65 @@ def balancing(
             h.remove()
 
 
+@dataclass
+class Dropped:
+    """Over the forwards inside ``capacity``: the real tokens' (token, slot) pairs routed, and
+    those dropped for a full expert."""
+
+    routed: int = 0
+    dropped: int = 0
+
+    def share(self, mesh) -> float:
+        """The dropped share over every rank's forwards (collective)."""
+        return mesh.sum(self.dropped) / max(mesh.sum(self.routed), 1)
+
+
+def kept_slots(experts: torch.Tensor, real: torch.Tensor, E: int, factor: float, least: int):
+    """[N, k] bool: which (token, slot) pairs of ``experts`` [N, k] fit their expert's capacity,
+    max(``least``, ⌈``factor`` · real tokens · k / E⌉) pairs — GShard's and DeepSpeed's order: every
+    token's first choice before any second one, tokens in order within a slot; padding (``real``
+    [N] false) takes no room and is kept (it is never read)."""
+    N, k = experts.shape
+    cap = max(least, math.ceil(factor * int(real.sum()) * k / E))
+    slots = experts.t().reshape(-1)  # slot-major
+    valid = real.repeat(k)
+    onehot = torch.nn.functional.one_hot(slots, E) * valid[:, None]
+    place = (onehot.cumsum(0) * onehot).sum(-1)  # 1-based place in its expert's queue
+    return ((place <= cap) | ~valid).reshape(k, N).t()
+
+
+@contextmanager
+def capacity(
+    model, mask: Optional[torch.Tensor], factor: float, least: int, dropped: Dropped
+) -> Iterator[Dropped]:
+    """Forwards of ``model`` inside route each expert at most its capacity (``kept_slots``): a
+    dropped (token, slot) pair's weight is 0 — the token skips that expert (the residual carries
+    it), as DeepSpeed's capacity factor does; ``dropped`` counts them. ``factor`` 0: no capacity
+    (nothing inside changes)."""
+    if not factor:
+        yield dropped
+        return
+    handles = []
+
+    def limit(_module, _inputs, output):
+        logits, weights, experts = output
+        n = experts.shape[0]
+        real = mask.reshape(-1).bool() if mask is not None and mask.numel() == n else None
+        real = real.to(experts.device) if real is not None else experts.new_ones(n, dtype=bool)
+        keep = kept_slots(experts, real, logits.shape[-1], factor, least)
+        dropped.routed += int(real.sum()) * experts.shape[-1]
+        dropped.dropped += int((~keep & real[:, None]).sum())
+        return logits, weights * keep.to(weights.dtype), experts
+
+    try:
+        for router in routers(model):
+            handles.append(router.register_forward_hook(limit))
+        yield dropped
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def aux_loss_coef(model, coef: Optional[float]) -> float:
     """The load-balancing loss's weight for ``model``: ``coef``, or (None) its config's
     ``router_aux_loss_coef``; 0 for a dense model."""
@@ -199,3 +259,34 @@ def aux_loss_coef(model, coef: Optional[float]) -> float:
     if coef is None:
         return float(getattr(unwrap(model).config, "router_aux_loss_coef", 0.0) or 0.0)
     return coef
+
+
+@dataclass(frozen=True)
+class RouterTerms:
+    """What a training stage does to a MoE model's routing (all off for a dense model): the
+    balancing and z-loss weights, the capacity factor in training and evaluation forwards (0 =
+    none) and the least capacity."""
+
+    aux_coef: float = 0.0
+    z_coef: float = 0.0
+    capacity_factor: float = 0.0
+    eval_capacity_factor: float = 0.0
+    min_capacity: int = 4
+
+    @classmethod
+    def of(cls, model, train) -> "RouterTerms":
+        """From ``train.*`` (router_aux_loss_coef, router_z_loss_coef, capacity_factor,
+        eval_capacity_factor, min_capacity) for ``model``."""
+        if not routers(model):
+            return cls()
+        return cls(
+            aux_coef=aux_loss_coef(model, train.router_aux_loss_coef),
+            z_coef=train.router_z_loss_coef,
+            capacity_factor=train.capacity_factor,
+            eval_capacity_factor=train.eval_capacity_factor,
+            min_capacity=train.min_capacity,
+        )
+
+    @property
+    def losses(self) -> bool:
+        return bool(self.aux_coef or self.z_coef)

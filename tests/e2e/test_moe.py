@@ -68,3 +68,20 @@ def test_moe_grpo_replays_the_rollouts_experts(moe_sft, tmp_path):
     # the first step's rollouts are the same in both runs (same weights, same draws)
     assert bf16[0]["reward/mean"] == off[0]["reward/mean"]
     assert bf16[0]["rollout/logprob_abs_diff_mean"] < off[0]["rollout/logprob_abs_diff_mean"]
+
+
+def test_moe_sft_with_a_capacity_factor_counts_dropped_slots(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        *quick_sft_args(run_dir, steps=8),
+        "train.save_every=0",
+        "train.capacity_factor=1.0",
+        "train.eval_capacity_factor=2.0",
+        *MOE,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "sft" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "moe/dropped" in r]
+    # capacity 1.0: an expert past its share of the batch's slots drops the rest
+    assert steps and all(0 <= r["moe/dropped"] < 0.5 for r in steps)
+    assert any(r["moe/dropped"] > 0 for r in steps)

@@ -185,3 +185,39 @@ def test_experts_have_their_own_optimizer_group():
         eng.step()
     for (_, ea), (_, eb) in zip(moe_blocks(a.module), moe_blocks(b.module)):
         assert torch.allclose(ea.gate_up_proj, eb.gate_up_proj, atol=1e-7)
+
+
+def test_capacity_keeps_first_choices_first_and_drops_the_rest():
+    from rlhf.models.moe import kept_slots
+
+    # 4 experts, 6 real tokens, top 2 (+1 padding): capacity max(1, ceil(0.5 · 6 · 2 / 4)) = 2
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0], [3, 0], [2, 3], [0, 0]])
+    real = torch.tensor([True] * 6 + [False])
+    keep = kept_slots(experts, real, 4, 0.5, 1)
+    # expert 0: first choices of tokens 0, 1 (token 2's first choice and every second choice of
+    # expert 0 dropped); expert 1: token 3's first, token 0's second; expert 2: token 5's first,
+    # token 1's second; expert 3: token 4's first, token 5's second; padding kept
+    want = torch.tensor([[1, 1], [1, 1], [0, 0], [1, 0], [1, 0], [1, 1], [1, 1]], dtype=torch.bool)
+    assert torch.equal(keep, want)
+    # a large factor drops nothing; min capacity wins over a small factor
+    assert kept_slots(experts, real, 4, 100.0, 1).all()
+    assert kept_slots(experts, real, 4, 0.01, 6).all()
+
+
+def test_capacity_in_a_forward_drops_and_counts():
+    from rlhf.models.moe import Dropped, capacity
+
+    model = tiny_model("mixtral", perturb=True)
+    ids = torch.randint(3, 90, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+        roomy, tight = Dropped(), Dropped()
+        with capacity(model, mask, 100.0, 1, roomy):
+            same = model(input_ids=ids, attention_mask=mask).logits
+        with capacity(model, mask, 0.25, 1, tight):
+            cut = model(input_ids=ids, attention_mask=mask).logits
+    assert roomy.dropped == 0 and roomy.routed == 18 * 2 * 2  # real tokens × k × MoE layers
+    assert torch.equal(same, plain)
+    assert tight.dropped > 0 and not torch.allclose(cut[mask.bool()], plain[mask.bool()])
