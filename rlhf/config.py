@@ -135,6 +135,9 @@ class LoraConfig:
     modules_to_save: Optional[List[str]] = None
     # PPO: adapters on the critic too (else it trains fully)
     critic: bool = False
+    # a Mixture-of-Experts model: adapters on its routed experts too (a rank-r pair per expert on
+    # gate_up_proj and down_proj, PEFT's target_parameters); else the experts stay frozen
+    experts: bool = False
 
     def __post_init__(self):
         _check(self.r >= 0, "model.lora.r", self.r, "a non-negative integer (0 = off)")

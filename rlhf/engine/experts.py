@@ -32,6 +32,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 
 from rlhf.errors import ConfigError
+from rlhf.models.lora import has_param_adapters
 from rlhf.models.moe import moe_blocks
 
 WEIGHTS = ("gate_up_proj", "down_proj")
@@ -51,6 +52,11 @@ def check(model, ep: int, world: int, zero_stage: int, key: str) -> None:
         raise ConfigError(
             f"{key}={ep} needs ZeRO-2 or 3 (FSDP2), not engine.zero_stage={zero_stage}: the "
             f"experts are sharded beside FSDP2's shards"
+        )
+    if has_param_adapters(model):
+        raise ConfigError(
+            f"{key}={ep} with model.lora.experts=true: LoRA on expert-parallel experts is not "
+            f"built (set one of them off)"
         )
     blocks = moe_blocks(model)
     if not blocks:

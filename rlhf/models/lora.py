@@ -48,6 +48,40 @@ def is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
 
 
+def is_param_wrapper(module: nn.Module) -> bool:
+    """PEFT's LoRA on a parameter (``target_parameters``: a MoE layer's 3-D experts), wrapping the
+    module that holds it (nested once per adapted parameter)."""
+    return is_lora_layer(module) and hasattr(module, "parameter_name")
+
+
+def base_of(module: nn.Module) -> nn.Module:
+    """The module under PEFT's parameter wrappers (itself when there are none)."""
+    while is_param_wrapper(module):
+        module = module.base_layer
+    return module
+
+
+def param_weights(module: nn.Module, names) -> Dict[str, torch.Tensor]:
+    """``names`` of the parameters of ``base_of(module)`` (``whole``: a sharded one gathered), each
+    with its adapter merged in (W + ΔW, out of place) where a parameter wrapper with active adapters
+    holds it."""
+    deltas = {}
+    while is_param_wrapper(module):
+        if not (module.disable_adapters or module.merged) and ADAPTER in module.lora_A:
+            deltas[module.parameter_name] = module.get_delta_weight(ADAPTER)
+        module = module.base_layer
+    out = {}
+    for name in names:
+        w = getattr(module, name).detach()
+        w = w.full_tensor() if hasattr(w, "full_tensor") else w
+        out[name] = w + deltas[name].to(w.dtype) if name in deltas else w
+    return out
+
+
+def has_param_adapters(model: nn.Module) -> bool:
+    return any(is_param_wrapper(m) for m in model.modules())
+
+
 def is_saved_module(module: nn.Module) -> bool:
     """PEFT's wrapper of a module that trains fully (modules_to_save): a trained copy beside the
     original."""
@@ -98,14 +132,15 @@ def adapt(
     else:
         full = []
     model = apply_lora(model, lcfg, seed, head, full)
-    targets = model.peft_config[ADAPTER].target_modules
+    targets = sorted(model.peft_config[ADAPTER].target_modules)
+    targets += sorted(model.peft_config[ADAPTER].target_parameters or [])
     fully_trained = f", fully trained: {','.join(full)}" if full else ""
     log.info(
         "LoRA on the %s: r=%d alpha=%g on %s%s; %s",
         what,
         lcfg.r,
         lcfg.alpha,
-        ",".join(sorted(targets)),
+        ",".join(targets),
         fully_trained,
         trainable_share(model),
     )
@@ -147,6 +182,7 @@ def apply_lora(
         lora_alpha=lcfg.alpha,
         lora_dropout=lcfg.dropout,
         target_modules=targets,
+        target_parameters=expert_targets(model) if lcfg.experts else None,
         bias="none",
         modules_to_save=saved or None,
         ensure_weight_tying=tied and bool(saved),
@@ -158,6 +194,21 @@ def apply_lora(
         )
         torch.manual_seed(seed)
         return get_peft_model(model, config)
+
+
+def expert_targets(model: nn.Module) -> List[str]:
+    """``model.lora.experts=true``: the routed experts' 3-D weights of a Mixture-of-Experts model as
+    PEFT's ``target_parameters`` (a rank-r adapter per expert), or exit 2 for a dense model."""
+    from rlhf.models.moe import moe_blocks
+    from rlhf.models.policies import family_of
+
+    if not moe_blocks(model):
+        raise ConfigError(
+            f"model.lora.experts=true: {type(model).__name__} has no Mixture-of-Experts layers of "
+            f"a family this project knows (Qwen3-MoE, Mixtral, Qwen2-MoE)"
+        )
+    path = family_of(model.config.model_type).modules.experts
+    return [f"{path}.gate_up_proj", f"{path}.down_proj"]
 
 
 def adapters_disabled(module: nn.Module):
@@ -217,16 +268,45 @@ def merged_state_dict(
             continue
         if ".original_module." in key:
             continue
-        key = key.replace(f".modules_to_save.{ADAPTER}.", ".").replace(".base_layer.", ".")
+        key = key.replace(f".modules_to_save.{ADAPTER}.", ".")
+        while ".base_layer." in key:  # (nested: one per adapted parameter of a module)
+            key = key.replace(".base_layer.", ".")
         out[key] = value
     for mod, ab in pairs.items():
+        A, B = ab["A"].float(), ab["B"].float()
+        if f"{mod}.weight" not in out:
+            # a parameter wrapper (a MoE layer's experts [E, out, in]): per expert e the rank-r
+            # factors A[e·r:(e+1)·r] and B's columns r_i·E + e, PEFT's layout
+            name = _wrapped_param(out, mod, B.shape[0], A.shape[1])
+            w = out[name]
+            E = w.shape[0]
+            delta = torch.einsum(
+                "ore,eri->eoi", B.reshape(B.shape[0], -1, E), A.reshape(E, -1, A.shape[1])
+            )
+            out[name] = (w.float() + delta * scale).to(w.dtype)
+            continue
         w = out[f"{mod}.weight"]
-        delta = (ab["B"].float() @ ab["A"].float()) * scale
+        delta = (B @ A) * scale
         if fan_in_fan_out or ab["embedding"]:
             # the weight is [in, out] (GPT-2's Conv1D, an embedding)
             delta = delta.T
         out[f"{mod}.weight"] = (w.float() + delta).to(w.dtype)
     return out
+
+
+def _wrapped_param(out: Dict[str, torch.Tensor], mod: str, rows: int, cols: int) -> str:
+    """The name of the 3-D parameter [E, ``rows``, ``cols``] of the module at ``mod`` (its
+    ``.base_layer`` parts dropped) that an adapter of those shapes wraps."""
+    while mod.endswith(".base_layer"):
+        mod = mod[: -len(".base_layer")]
+    names = [
+        k
+        for k, v in out.items()
+        if k.rpartition(".")[0] == mod and v.dim() == 3 and tuple(v.shape[1:]) == (rows, cols)
+    ]
+    if len(names) != 1:
+        raise ValueError(f"LoRA merge: no single [E, {rows}, {cols}] parameter of {mod}: {names}")
+    return names[0]
 
 
 def save_adapter(peft_model: nn.Module, sd: Dict[str, torch.Tensor], out_dir) -> None:

@@ -34,7 +34,7 @@ from typing import Callable, Iterator, List, Optional
 
 import torch
 
-from rlhf.models.lora import unwrap
+from rlhf.models.lora import base_of, unwrap
 from rlhf.models.policies import family_of, module_at, policy_for
 
 
@@ -65,8 +65,13 @@ def moe_blocks(model) -> List[tuple]:
     n = family.modules
     layers = module_at(base, n.base).layers
     # (Transformers 5's layout: 3-D experts, a router returning (logits, weights, experts))
-    moe = [layer for layer in layers if hasattr(module_at(layer, n.experts), "gate_up_proj")]
-    return [(module_at(layer, n.router), module_at(layer, n.experts)) for layer in moe]
+    # (LoRA on the experts: under PEFT's parameter wrappers)
+    experts = [base_of(module_at(layer, n.experts)) for layer in layers]
+    return [
+        (module_at(layer, n.router), e)
+        for layer, e in zip(layers, experts)
+        if hasattr(e, "gate_up_proj")
+    ]
 
 
 def routers(model) -> List[torch.nn.Module]:

@@ -35,7 +35,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import transformers
 
-from rlhf.models.lora import is_lora_layer, weight
+from rlhf.models.lora import is_lora_layer, param_weights, weight
 from rlhf.ops.activation import ACTIVATIONS
 from rlhf.ops.rotary import interleave_permutation
 
@@ -303,12 +303,6 @@ FAMILY_TABLE = FAMILY_TABLE + MOE_FAMILY_TABLE
 FAMILIES = tuple(f.model_type for f in FAMILY_TABLE)
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """An expert-parallel model's experts (a DTensor sharded over the training mesh,
-    rlhf/engine/experts.py) gathered (collective); any other tensor as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def family_of(model_type: str) -> Optional[Family]:
     """The row of FAMILY_TABLE for ``model_type`` (read at call time), or None."""
     return next((f for f in FAMILY_TABLE if f.model_type == model_type), None)
@@ -447,10 +441,12 @@ class InjectionPolicy:
         [gate; up] per expert), ``experts_down`` [E, hidden, I]; with a shared expert its gated MLP
         as a dense layer's ``w_gate_up`` / ``w_down`` and ``shared_gate`` [1, hidden]."""
         n = self.modules
+        # (LoRA on the experts merged in; an expert-parallel model's experts gathered)
+        both = param_weights(experts, ("gate_up_proj", "down_proj"))
         w = {
             "router": weight(module_at(layer, n.router)).clone(),
-            "experts_gate_up": _whole(experts.gate_up_proj.detach()).clone(),
-            "experts_down": _whole(experts.down_proj.detach()).clone(),
+            "experts_gate_up": both["gate_up_proj"].clone(),
+            "experts_down": both["down_proj"].clone(),
         }
         if self.shared_expert:
             shared = lambda name: self._weight(layer, f"{n.shared}.{name}")  # noqa: E731

@@ -74,6 +74,7 @@ def test_sft_with_two_expert_ranks_follows_one_process(tmp_path):
         ((EP2,), 1, "must equal the world size (1)"),
         ((EP2, "engine.zero_stage=1"), 2, "needs ZeRO-2 or 3"),
         (("engine.expert_parallel=2",), 2, "no Mixture-of-Experts layers"),
+        ((EP2, "model.lora.r=4", "model.lora.experts=true"), 2, "LoRA on expert-parallel"),
     ],
 )
 def test_expert_parallel_refusals(extra, nproc, says, tmp_path):

@@ -85,3 +85,19 @@ def test_moe_sft_with_a_capacity_factor_counts_dropped_slots(tmp_path):
     # capacity 1.0: an expert past its share of the batch's slots drops the rest
     assert steps and all(0 <= r["moe/dropped"] < 0.5 for r in steps)
     assert any(r["moe/dropped"] > 0 for r in steps)
+
+
+def test_moe_grpo_with_lora_on_the_experts(moe_sft, tmp_path):
+    # adapters on attention and every expert; after the first update the rollout serves the
+    # adapted experts (merged in the inference layout) and the recompute agrees with it
+    steps = grpo(moe_sft, tmp_path / "lora", "model.lora.r=4", "model.lora.experts=true")
+    assert len(steps) == 2
+    assert all(r["rollout/logprob_abs_diff_mean"] < 1e-5 for r in steps)
+    assert all(r["moe/routing_flips"] < 0.01 for r in steps)
+    adapter = json.loads(
+        (tmp_path / "lora" / "ppo" / "adapter" / "adapter_config.json").read_text()
+    )
+    assert sorted(adapter["target_parameters"]) == [
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+    ]

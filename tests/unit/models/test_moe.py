@@ -10,7 +10,7 @@ import torch
 from rlhf.engine.logprobs import response_logprobs
 from rlhf.models.moe import moe_blocks, replaying, routers
 from rlhf.ops import SamplingParams
-from tests.infer_helpers import mixed_prompts, tiny_model
+from tests.infer_helpers import hf_greedy, mixed_prompts, tiny_model
 from tests.unit.engine.test_inference import hybrid
 
 MOE = ["qwen3_moe", "mixtral", "qwen2_moe"]
@@ -221,3 +221,40 @@ def test_capacity_in_a_forward_drops_and_counts():
     assert roomy.dropped == 0 and roomy.routed == 18 * 2 * 2  # real tokens × k × MoE layers
     assert torch.equal(same, plain)
     assert tight.dropped > 0 and not torch.allclose(cut[mask.bool()], plain[mask.bool()])
+
+
+def test_lora_on_the_experts_serves_merges_and_turns_off():
+    """``model.lora.experts=true``: PEFT's per-expert adapters on the 3-D expert weights; the
+    inference mode serves the adapted model (HF's greedy tokens), the export merge equals PEFT's
+    own, the adapters off give the base experts, and a dense model is refused."""
+    from rlhf.config import LoraConfig
+    from rlhf.errors import ConfigError
+    from rlhf.models import lora
+
+    model = lora.apply_lora(tiny_model("mixtral", perturb=True), LoraConfig(r=4, experts=True), 0)
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    assert len(moe_blocks(model)) == len(routers(model)) == 2
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and "experts" in n}
+    assert len(trained) == 2 * 2 * 2  # 2 layers × 2 weights × (A, B)
+    prompts = mixed_prompts()
+    ref = hf_greedy(model, prompts, 12)
+    _, hy = hybrid(model)
+    gen = hy.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=12))
+    assert torch.equal(gen.responses, ref)
+    experts = moe_blocks(model)[0][1]
+    wrapped = lora.unwrap(model).model.layers[0].mlp.experts
+    with lora.adapters_disabled(model):
+        off = lora.param_weights(wrapped, ("gate_up_proj",))["gate_up_proj"]
+    assert torch.equal(off, experts.gate_up_proj)
+    on = lora.param_weights(wrapped, ("gate_up_proj",))["gate_up_proj"]
+    assert not torch.allclose(on, off)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = lora.merged_state_dict(sd, lora.scaling(model))
+    plain = model.merge_and_unload().state_dict()
+    assert merged.keys() == plain.keys()
+    assert all(torch.allclose(merged[k], plain[k], atol=1e-6) for k in plain)
+    with pytest.raises(ConfigError, match="no Mixture-of-Experts layers"):
+        lora.apply_lora(tiny_model("llama"), LoraConfig(r=4, experts=True), 0)
