@@ -1105,6 +1105,9 @@ class AlgorithmConfig:
     value_clip: Optional[float] = 0.2
     whiten_advantages: bool = True
     entropy_coef: float = 0.0
+    # a Mixture-of-Experts actor: the load-balancing loss in the update (the SFT stage's, over
+    # every rank's tokens of each micro-batch; rlhf/models/moe.py), 0 = off
+    router_aux_loss_coef: float = 0.0
     # PPO-ptx: language-model loss on SFT data
     ptx_coef: float = 0.0
     reward_clip: Optional[float] = 5.0

@@ -10,6 +10,7 @@ rows runs zero-weight rows so that every rank makes the same number of (collecti
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -22,7 +23,7 @@ from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.engine.logprobs import logits_stats, response_logits, scoring_temperature
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
-from rlhf.models.moe import replay_rows
+from rlhf.models.moe import Balance, aux_loss_coef, balancing, replay_rows
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import Experience, critic_values
 from rlhf.rl.minibatch import Minibatch, global_rows, micro_batches, micro_rows, minibatches
@@ -167,6 +168,10 @@ class Updater:
         loss_sum, sums, ok = 0.0, None, True
         # Σ GKD's divergence over the policy tokens (algorithm.gkd_coef > 0)
         gkd_sum = 0.0
+        # a MoE actor's load-balancing terms (algorithm.router_aux_loss_coef > 0), over the ranks'
+        # i-th micro-batches together (each rank's share)
+        aux_coef, balance = aux_loss_coef(actor.module, alg.router_aux_loss_coef), Balance()
+        over_ranks = lambda t: mesh.all_reduce(t.clone())  # noqa: E731
         for i, (r, w) in enumerate(parts):
             mask = exp.loss_mask[r] * w
             weights = ppo_math.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
@@ -185,7 +190,10 @@ class Updater:
                 )
             entropy = "loss" if alg.entropy_coef else "metric"
             # (a MoE actor: the rollout's experts; ppo.routing_replay)
-            with replay_rows(actor.module, exp.routing, r):
+            seen = len(balance.losses)
+            # (a stand-in micro-batch, weight 0: its tokens take no part)
+            watch = balancing(actor.module, att[r] * (w > 0), balance, over_ranks)
+            with replay_rows(actor.module, exp.routing, r), watch if aux_coef else nullcontext():
                 logits = response_logits(actor.forward, seq[r], att[r], prompt_len, keep)
             logp, ent = logits_stats(logits, seq[r][:, prompt_len:], self.ppo.temperature, entropy)
             pl, st = ppo_math.policy_loss(
@@ -212,6 +220,11 @@ class Updater:
                 on_samples = alg.gkd_coef * (1 - alg.gkd_data_share)
                 loss = loss + on_samples * (gkd * weights).sum() / normalizer
                 gkd_sum += float((gkd.detach() * mask).sum())
+            if aux_coef:
+                # FSDP/DDP average over ranks: each rank's share × the world size
+                aux = balance.mean_loss(seen) / len(parts)
+                loss = loss + aux_coef * aux * mesh.world_size
+                stats.add("moe/aux_loss", float(aux.detach()), 1.0 / len(parts) / mesh.world_size)
             last = i == len(parts) - 1
             if last and alg.ptx_coef:
                 ptx_l = self.records.ptx_loss(actor, update, global_size)

@@ -87,11 +87,14 @@ def test_moe_sft_with_a_capacity_factor_counts_dropped_slots(tmp_path):
     assert any(r["moe/dropped"] > 0 for r in steps)
 
 
-def test_moe_grpo_with_lora_on_the_experts(moe_sft, tmp_path):
+def test_moe_grpo_with_lora_on_the_experts_and_the_balancing_loss(moe_sft, tmp_path):
     # adapters on attention and every expert; after the first update the rollout serves the
     # adapted experts (merged in the inference layout) and the recompute agrees with it
-    steps = grpo(moe_sft, tmp_path / "lora", "model.lora.r=4", "model.lora.experts=true")
+    # (and the load-balancing loss in the update)
+    lora = ("model.lora.r=4", "model.lora.experts=true", "algorithm.router_aux_loss_coef=0.01")
+    steps = grpo(moe_sft, tmp_path / "lora", *lora)
     assert len(steps) == 2
+    assert all(2.0 - 1e-4 <= r["moe/aux_loss"] < 4.0 for r in steps)  # k = 2 when balanced
     assert all(r["rollout/logprob_abs_diff_mean"] < 1e-5 for r in steps)
     assert all(r["moe/routing_flips"] < 0.01 for r in steps)
     adapter = json.loads(
