@@ -3,7 +3,8 @@
 
     python -m rlhf.report RUN_DIR            # writes RUN_DIR/report.png (and RUN_DIR/answers.md)
 
-Panels: SFT loss (train and eval); reward-model loss and held-out accuracy beside its text-only
+Panels: SFT loss (train and eval; a Mixture-of-Experts model's expert load per layer beside it);
+reward-model loss and held-out accuracy beside its text-only
 baselines; gold score (sampled, and greedy dashed) per PPO (and DPO) step with the SFT policy's gold
 score as the baseline, and agentic runs' tool-use rate (rollouts and held-out episodes) on the same
 axis — data without a gold rule get the reward model's score of held-out greedy answers and their
@@ -102,6 +103,8 @@ def figure(run_dir: Path):
     _plot(a_sft, sft, "loss", "train")
     _plot(a_sft, sft, "eval/loss", "held-out", marker="o")
     a_sft.set_yscale("log")
+    if "moe/load_max_mean" in sft:
+        _moe_load(a_sft, sft)
 
     a_rm.set_title("Reward model")
     _plot(a_rm, rm, "loss", "train loss", alpha=0.6)
@@ -205,6 +208,22 @@ def figure(run_dir: Path):
     fig.suptitle(f"rlhf run: {run_dir}")
     fig.tight_layout()
     return fig
+
+
+def _moe_load(ax, sft: Series) -> None:
+    """A Mixture-of-Experts SFT: each MoE layer's expert load (max ÷ mean tokens per expert, 1 =
+    balanced) on a twin axis of the loss panel, the layers' mean bold."""
+    load = ax.twinx()
+    layers = sorted(
+        (k for k in sft if k.startswith("moe/load_max_mean/")), key=lambda k: int(k.rsplit("/")[-1])
+    )
+    for k in layers:
+        _plot(load, sft, k, "", color="tab:purple", alpha=0.25, linewidth=0.8)
+    _plot(
+        load, sft, "moe/load_max_mean", "expert load, max ÷ mean (layers thin)", color="tab:purple"
+    )
+    load.set_ylabel("expert load, max ÷ mean", color="tab:purple")
+    load.legend(load.lines[-1:], [load.lines[-1].get_label()], fontsize=8, loc="upper right")
 
 
 def _time_panel(ax, ppo: Series) -> None:

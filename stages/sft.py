@@ -298,11 +298,14 @@ def train_step(
     grad_norm = actor.step()
     moe = {}
     if router.losses:
-        load = sum(balance.loads) / len(balance.loads)
+        # per MoE layer, its load over the micro-batches (the same on every rank: over the ranks)
+        layers = len(balance.loads) // len(micro_batches)
+        per_layer = torch.tensor(balance.loads).view(-1, layers).mean(0).tolist()
         moe = {
             "moe/aux_loss": mesh.sum(aux_sum),
             "moe/z_loss": mesh.sum(z_sum),
-            "moe/load_max_mean": mesh.sum(load) / mesh.world_size,
+            "moe/load_max_mean": sum(per_layer) / layers,
+            **{f"moe/load_max_mean/{j}": load for j, load in enumerate(per_layer)},
         }
     if router.capacity_factor:
         moe["moe/dropped"] = dropped.share(mesh)

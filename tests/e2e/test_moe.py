@@ -31,6 +31,9 @@ def moe_sft(tmp_path_factory):
     steps = [r for r in rows if "loss" in r and "moe/aux_loss" in r]
     assert steps and all(r["moe/aux_loss"] >= 2.0 - 1e-4 for r in steps)  # k = 2 when balanced
     assert all(r["moe/load_max_mean"] >= 1.0 for r in steps)
+    # per MoE layer too (the embedded model's 4 layers), their mean the figure above
+    layers = [[r[f"moe/load_max_mean/{j}"] for j in range(4)] for r in steps]
+    assert all(abs(sum(x) / 4 - r["moe/load_max_mean"]) < 1e-6 for x, r in zip(layers, steps))
     assert all(r["moe/z_loss"] > 0 for r in steps)
     return run_dir
 

@@ -288,3 +288,17 @@ def test_asynchronous_rollouts_draw_the_trainer_and_the_worker_busy(tmp_path):
     (busy,) = [ax for ax in fig.axes if ax is not times and ax.bbox.bounds == times.bbox.bounds]
     lines = {ln.get_label(): list(ln.get_ydata()) for ln in busy.lines}
     assert lines["worker busy"] == [0.9] * 8 and lines["trainer busy"] == [0.6] * 8
+
+
+def test_a_moe_models_expert_load_is_drawn_per_layer(tmp_path):
+    run = _run(tmp_path)
+    rows = [
+        {"step": s, "loss": 1.0 / s, "moe/load_max_mean": 1.5, "moe/load_max_mean/0": 1.2}
+        | {"moe/load_max_mean/1": 1.8}
+        for s in range(1, 9)
+    ]
+    _write(run / "sft/metrics.jsonl", rows)
+    fig = report.figure(run)
+    twins = [ax for ax in fig.axes if ax.get_ylabel() == "expert load, max ÷ mean"]
+    assert len(twins) == 1 and len(twins[0].lines) == 3  # two layers and their mean
+    assert max(twins[0].lines[1].get_ydata()) == 1.8
