@@ -176,6 +176,7 @@ class InferenceModel:
             self.packed = False
             self.root, self.layers = self._prepare(root), [self._prepare(w) for w in layers]
         self.p, self.tp, self.tp_group, self.dtype = policy, tp, tp_group, dtype
+        self.tp_rank = dist.get_rank(tp_group) if tp > 1 else 0
         self.hq, self.hk = policy.num_heads // tp, policy.num_kv_heads // tp
         self.d = policy.head_dim
         # learned positions (a table), else rotary
@@ -477,7 +478,9 @@ class InferenceModel:
         family does), Σ_k p_k · expert_k(h). The token-expert pairs sorted by expert, each expert
         runs one GEMM pair on its own tokens (none on the others: no dense all-experts compute, no
         loop over tokens), the results scaled and added back per token in expert order (HF's order
-        of addition); a shared expert, sigmoid-gated, added after."""
+        of addition); a shared expert, sigmoid-gated, added after. Under TP each rank runs its E / tp
+        experts (and its slice of the shared expert) on every token: the caller's all-reduce sums
+        the ranks' parts."""
         p = self.p
         logits = F.linear(h, w["router"])
         top, idx = logits.float().softmax(-1).topk(p.top_k, dim=-1)
@@ -489,11 +492,17 @@ class InferenceModel:
         order = flat.argsort(stable=True)
         # (one host read per layer: how many tokens each expert takes)
         counts = torch.bincount(flat, minlength=p.num_experts).tolist()
+        # this TP rank's experts [lo, lo + mine) (all with TP 1): their pairs are one run of
+        # ``order``; the other ranks' add theirs in the caller's all-reduce
+        mine = p.num_experts // self.tp
+        lo = self.tp_rank * mine
+        first = sum(counts[:lo])
+        order = order[first : first + sum(counts[lo : lo + mine])]
         token = order // p.top_k
         xs = h.index_select(0, token)
         out = torch.empty_like(xs)
         gate_up, down, start = w["experts_gate_up"], w["experts_down"], 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts[lo : lo + mine]):
             if n:
                 gate, up = _expert_linear(xs[start : start + n], gate_up, e).chunk(2, dim=-1)
                 out[start : start + n] = _expert_linear(F.silu(gate).mul_(up), down, e)

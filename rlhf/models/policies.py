@@ -20,7 +20,7 @@ head by head, parallel blocks (``use_parallel_residual``: x + attn(ln1(x)) + mlp
 Mixture-of-Experts families (Qwen3-MoE, Mixtral, Qwen2-MoE) are their dense family's row with a
 router and 3-D expert weights in place of the MLP on the layers whose HF model has them (softmax
 routing to the top k, renormalised or not; Qwen2-MoE's sigmoid-gated shared expert beside them);
-their layers run whole on one rank (TP 1). Anything the inference modules do not reproduce exactly
+under TP each rank holds E / tp whole experts (and its slice of a shared expert). Anything the inference modules do not reproduce exactly
 (other activations, dynamic or LongRoPE frequencies, other layer types, the config switches a
 family's ``refuse`` names) has no policy: the caller falls back to HF generate with the one-line
 reason, never to wrong output.
@@ -370,11 +370,8 @@ class InjectionPolicy:
 
     def check_tp(self, tp: int) -> Optional[str]:
         """Why ``tp`` cannot slice this model, or None."""
-        if self.num_experts and tp > 1:
-            return (
-                f"{self.family}: Mixture-of-Experts layers run whole on one rank in the inference "
-                f"mode; engine.inference_tp_size={tp} needs 1"
-            )
+        if self.num_experts % tp:
+            return f"experts ({self.num_experts}) not divisible by engine.inference_tp_size={tp}"
         for name, n in (
             ("attention heads", self.num_heads),
             ("key/value heads", self.num_kv_heads),
@@ -401,7 +398,7 @@ class InjectionPolicy:
         w["wo"] = self._weight(layer, n.o)[:, qs].clone(memory_format=torch.contiguous_format)
         experts = module_at(layer, n.experts)
         if experts is not None:
-            w.update(self._moe_weights(layer, experts))
+            w.update(self._moe_weights(layer, experts, tp_rank, tp))
         elif self.mlp == "gated":
             gate, up = self._gate_up(layer, "weight")
             w["w_gate_up"] = torch.cat([gate[ms], up[ms]])
@@ -436,22 +433,27 @@ class InjectionPolicy:
             w["qk_norm"] = torch.cat([qn[perm].expand(hq, d), kn[perm].expand(hk, d)])
         return {k: v.detach() for k, v in w.items()}
 
-    def _moe_weights(self, layer, experts) -> Dict[str, torch.Tensor]:
-        """A MoE layer's (TP 1): ``router`` [E, hidden], ``experts_gate_up`` [E, 2·I, hidden] (rows
-        [gate; up] per expert), ``experts_down`` [E, hidden, I]; with a shared expert its gated MLP
-        as a dense layer's ``w_gate_up`` / ``w_down`` and ``shared_gate`` [1, hidden]."""
+    def _moe_weights(self, layer, experts, tp_rank: int, tp: int) -> Dict[str, torch.Tensor]:
+        """A MoE layer's: ``router`` [E, hidden] (whole on every TP rank), this TP rank's E / tp
+        experts (whole experts: ``experts_gate_up`` [E/tp, 2·I, hidden], rows [gate; up] per
+        expert, ``experts_down`` [E/tp, hidden, I]); with a shared expert its gated MLP sliced as a
+        dense layer's (``w_gate_up`` / ``w_down``) and ``shared_gate`` [1, hidden]."""
         n = self.modules
         # (LoRA on the experts merged in; an expert-parallel model's experts gathered)
         both = param_weights(experts, ("gate_up_proj", "down_proj"))
+        mine = slice(tp_rank * self.num_experts // tp, (tp_rank + 1) * self.num_experts // tp)
         w = {
             "router": weight(module_at(layer, n.router)).clone(),
-            "experts_gate_up": both["gate_up_proj"].clone(),
-            "experts_down": both["down_proj"].clone(),
+            "experts_gate_up": both["gate_up_proj"][mine].clone(),
+            "experts_down": both["down_proj"][mine].clone(),
         }
         if self.shared_expert:
             shared = lambda name: self._weight(layer, f"{n.shared}.{name}")  # noqa: E731
-            w["w_gate_up"] = torch.cat([shared("gate_proj"), shared("up_proj")])
-            w["w_down"] = shared("down_proj").clone(memory_format=torch.contiguous_format)
+            gate, up, down = shared("gate_proj"), shared("up_proj"), shared("down_proj")
+            i = gate.shape[0] // tp
+            ms = slice(tp_rank * i, (tp_rank + 1) * i)
+            w["w_gate_up"] = torch.cat([gate[ms], up[ms]])
+            w["w_down"] = down[:, ms].clone(memory_format=torch.contiguous_format)
             w["shared_gate"] = weight(module_at(layer, n.shared_gate)).clone()
         return w
 

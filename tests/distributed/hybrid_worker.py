@@ -40,7 +40,7 @@ def step_loss(eng, batch):
 # families with every part that changes the numbers (random biases and q/k norm weights), and
 # configs whose row-parallel biases (o_proj, down_proj: added once over the TP group), per-layer
 # windows and partial rotary must survive TP slicing
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "qwen2_moe")
 CONFIGS = {
     "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
     "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
@@ -48,13 +48,21 @@ CONFIGS = {
 }
 
 
-def check(mesh, family: str, tp: int, hybrid: bool = True, lora: bool = False, **kw) -> dict:
+def check(
+    mesh, family: str, tp: int, hybrid: bool = True, lora: bool = False, expert_parallel=1, **kw
+) -> dict:
     """Greedy tokens vs HF generate (of PEFT's own merged model with ``lora``), and the sampled
     tokens' log-probs vs the training-mode recompute: the largest gap, and relative to the
     log-prob's size (None from HF generate, which keeps no logits). Also the layernorm families'
     (layernorm_worker.py)."""
     mesh.set_inference_tp(tp)
-    ecfg = EngineConfig(zero_stage=3, inference_tp_size=tp, hybrid=hybrid, precision="fp32")
+    ecfg = EngineConfig(
+        zero_stage=3,
+        inference_tp_size=tp,
+        hybrid=hybrid,
+        precision="fp32",
+        expert_parallel=expert_parallel,
+    )
     if lora:
         model = adapted(family, **kw)
         ref = merged_copy(model)
@@ -115,6 +123,8 @@ def main(out: str) -> None:
             res[f"{family}_tp{tp}"] = check(mesh, family, tp)
     for name, (family, kw) in CONFIGS.items():
         res[f"{name}_tp2"] = check(mesh, family, 2, **kw)
+    # expert-parallel training weights served by TP 2 (whole experts per TP rank)
+    res["mixtral_ep2_tp2"] = check(mesh, "mixtral", 2, expert_parallel=2)
     res["llama_hf_fsdp"] = check(mesh, "llama", 1, hybrid=False)
     res["no_corruption"] = no_corruption(mesh)
     gathered = mesh.all_gather_object(res)

@@ -1,4 +1,5 @@
-"""The hybrid engine on 2 ranks (gloo) with a ZeRO-3 actor, inference_tp_size 1 and 2."""
+"""The hybrid engine on 2 ranks (gloo) with a ZeRO-3 actor, inference_tp_size 1 and 2 (MoE
+families: whole experts per TP rank; one with expert-parallel training weights)."""
 
 import json
 from pathlib import Path
@@ -20,8 +21,13 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "case",
-    [f"{f}_tp{tp}" for f in ("llama", "qwen2", "qwen3", "mistral", "phi3") for tp in (1, 2)]
-    + ["llama_biases_tp2", "qwen2_window_tp2", "phi3_partial_rotary_tp2", "llama_hf_fsdp"],
+    [
+        f"{f}_tp{tp}"
+        for f in ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "qwen2_moe")
+        for tp in (1, 2)
+    ]
+    + ["llama_biases_tp2", "qwen2_window_tp2", "phi3_partial_rotary_tp2", "llama_hf_fsdp"]
+    + ["mixtral_ep2_tp2"],
 )
 def test_greedy_tokens_and_logprobs(results, case):
     for rank, res in enumerate(results):
