@@ -478,9 +478,9 @@ class InferenceModel:
         family does), Σ_k p_k · expert_k(h). The token-expert pairs sorted by expert, each expert
         runs one GEMM pair on its own tokens (none on the others: no dense all-experts compute, no
         loop over tokens), the results scaled and added back per token in expert order (HF's order
-        of addition); a shared expert, sigmoid-gated, added after. Under TP each rank runs its E / tp
-        experts (and its slice of the shared expert) on every token: the caller's all-reduce sums
-        the ranks' parts."""
+        of addition); a shared expert, sigmoid-gated, added after. Under TP each rank runs its
+        E / tp experts (and its slice of the shared expert) on every token: the caller's
+        all-reduce sums the ranks' parts."""
         p = self.p
         logits = F.linear(h, w["router"])
         top, idx = logits.float().softmax(-1).topk(p.top_k, dim=-1)

@@ -20,10 +20,10 @@ head by head, parallel blocks (``use_parallel_residual``: x + attn(ln1(x)) + mlp
 Mixture-of-Experts families (Qwen3-MoE, Mixtral, Qwen2-MoE) are their dense family's row with a
 router and 3-D expert weights in place of the MLP on the layers whose HF model has them (softmax
 routing to the top k, renormalised or not; Qwen2-MoE's sigmoid-gated shared expert beside them);
-under TP each rank holds E / tp whole experts (and its slice of a shared expert). Anything the inference modules do not reproduce exactly
-(other activations, dynamic or LongRoPE frequencies, other layer types, the config switches a
-family's ``refuse`` names) has no policy: the caller falls back to HF generate with the one-line
-reason, never to wrong output.
+under TP each rank holds E / tp whole experts (and its slice of a shared expert). Anything the
+inference modules do not reproduce exactly (other activations, dynamic or LongRoPE frequencies,
+other layer types, the config switches a family's ``refuse`` names) has no policy: the caller falls
+back to HF generate with the one-line reason, never to wrong output.
 """
 
 from __future__ import annotations
