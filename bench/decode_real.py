@@ -3,7 +3,8 @@ machine's roofline (docs/benchmarks.md, `bench: "decode_real"`).
 
     python bench/decode_real.py [--model smollm2-135m-instruct] [--batches 1 16 64] [--dtypes fp32
     bf16]
-                                [--new 64] [--repeats 2] [--threads N] [--moe EXPERTS]
+                                [--new 64] [--repeats 2] [--threads N]
+                                [--moe EXPERTS [--moe-top-k 2] [--moe-width W]]
 
 One process. The prompts are the held-out prompts of ``recipe=smollm2_arith`` through the model's
 chat template (left-padded to the longest), greedy, exactly ``--new`` new tokens each (min = max:
@@ -113,9 +114,10 @@ def roofline_s(
     return total, max(bounds, key=bounds.get)
 
 
-def moe_model(path: Path, experts: int) -> Path:
-    """A random-init Mixtral of ``path``'s shape (its attention, widths, vocabulary, tokenizer and
-    chat template) with ``experts`` experts, top 2, saved to a temporary directory."""
+def moe_model(path: Path, experts: int, top_k: int = 2, width: int = 0) -> Path:
+    """A random-init Mixtral of ``path``'s shape (its attention, vocabulary, tokenizer and chat
+    template) with ``experts`` experts of MLP width ``width`` (0: the model's), ``top_k`` per
+    token, saved to a temporary directory."""
     import tempfile
 
     import torch
@@ -126,7 +128,8 @@ def moe_model(path: Path, experts: int) -> Path:
     keep += ("num_attention_heads", "num_key_value_heads", "max_position_embeddings")
     keep += ("rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
     cfg = MixtralConfig(**{k: getattr(c, k) for k in keep})
-    cfg.num_local_experts, cfg.num_experts_per_tok = experts, 2
+    cfg.num_local_experts, cfg.num_experts_per_tok = experts, top_k
+    cfg.intermediate_size = width or cfg.intermediate_size
     torch.manual_seed(0)
     out = Path(tempfile.mkdtemp(prefix="moe-"))
     MixtralForCausalLM(cfg).save_pretrained(out)
@@ -149,6 +152,10 @@ def main() -> None:
         help="a random-init Mixtral of the model's shape with this many experts (top 2, each of "
         "the model's MLP width) instead of the model: the MoE inference mode against HF generate",
     )
+    ap.add_argument("--moe-top-k", type=int, default=2, help="with --moe: experts per token")
+    ap.add_argument(
+        "--moe-width", type=int, default=0, help="with --moe: each expert's MLP width (0: the model's)"
+    )
     args = ap.parse_args()
 
     import torch
@@ -166,7 +173,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     path = get.ensure(args.model) if get.is_named(args.model) else Path(args.model)
     if args.moe:
-        path = moe_model(path, args.moe)
+        path = moe_model(path, args.moe, args.moe_top_k, args.moe_width)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     all_prompts = prompts(tok, max(args.batches))
     bw = bandwidth_bytes_per_s()
