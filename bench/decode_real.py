@@ -154,7 +154,10 @@ def main() -> None:
     )
     ap.add_argument("--moe-top-k", type=int, default=2, help="with --moe: experts per token")
     ap.add_argument(
-        "--moe-width", type=int, default=0, help="with --moe: each expert's MLP width (0: the model's)"
+        "--moe-width",
+        type=int,
+        default=0,
+        help="with --moe: each expert's MLP width (0: the model's)",
     )
     args = ap.parse_args()
 
