@@ -30,6 +30,7 @@ from rlhf.engine.logprobs import nll_sum
 from rlhf.engine.mesh import Mesh, shutdown
 from rlhf.engine.train import TrainEngine
 from rlhf.envs.builtin import environment, say_sandbox
+from rlhf.errors import ConfigError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
 from rlhf.models.moe import Balance, Dropped, RouterTerms, balancing, capacity
@@ -133,6 +134,11 @@ def run(cfg: Config) -> None:
     )
     actor.train()
     router = RouterTerms.of(actor.module, train)
+    if router.capacity_factor and actor.ecfg.activation_checkpointing:
+        raise ConfigError(
+            "train.capacity_factor with activation checkpointing: the recomputed forwards would "
+            "route without the capacity (set one of them off)"
+        )
     bar = progress(train.max_steps, start, cfg.logger.progress, "sft", mesh.is_main)
     # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     stop = interrupt.listen()

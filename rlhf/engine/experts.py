@@ -38,27 +38,37 @@ from rlhf.models.moe import moe_blocks
 WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def check(model, ep: int, world: int, zero_stage: int, key: str) -> None:
-    """``engine.expert_parallel=ep`` applies to ``model`` on ``world`` ranks, or exit 2 saying
-    why."""
+def applies(model, ecfg, world: int) -> bool:
+    """Whether ``engine.expert_parallel`` shards ``model``'s experts, or exit 2 saying why not. The
+    trained policy (``engine.actor``, or a stage's one model) must be able to take it; another
+    model of the job (a reference, reward model, critic, teacher, judge) takes it where it is a
+    MoE model under ZeRO-2/3 and is otherwise left as it is."""
+    ep, key = ecfg.expert_parallel, "engine.expert_parallel"
     if ep == 1:
-        return
+        return False
     if ep != world:
         raise ConfigError(
             f"{key}={ep}: the expert group is the whole training mesh here, so it must equal the "
             f"world size ({world}) or be 1"
         )
-    if zero_stage < 2:
+    blocks = moe_blocks(model)
+    if ecfg.role not in ("", "actor") and (not blocks or ecfg.zero_stage < 2):
+        return False
+    if ecfg.zero_stage < 2:
         raise ConfigError(
-            f"{key}={ep} needs ZeRO-2 or 3 (FSDP2), not engine.zero_stage={zero_stage}: the "
-            f"experts are sharded beside FSDP2's shards"
+            f"{key}={ep} needs ZeRO-2 or 3 (FSDP2), not {ecfg.key('zero_stage')}="
+            f"{ecfg.zero_stage}: the experts are sharded beside FSDP2's shards"
+        )
+    if ecfg.offload == "cpu":
+        raise ConfigError(
+            f"{key}={ep} with {ecfg.key('offload')}=cpu: the experts are not FSDP2's to offload "
+            f"(set one of them off)"
         )
     if has_param_adapters(model):
         raise ConfigError(
             f"{key}={ep} with model.lora.experts=true: LoRA on expert-parallel experts is not "
             f"built (set one of them off)"
         )
-    blocks = moe_blocks(model)
     if not blocks:
         raise ConfigError(
             f"{key}={ep}: {type(model).__name__} has no Mixture-of-Experts layers of a family this "
@@ -67,6 +77,7 @@ def check(model, ep: int, world: int, zero_stage: int, key: str) -> None:
     experts = blocks[0][1].gate_up_proj.shape[0]
     if experts % ep:
         raise ConfigError(f"{key}={ep} does not divide the model's {experts} experts")
+    return True
 
 
 def shard(model, dp_mesh) -> Set[torch.nn.Parameter]:

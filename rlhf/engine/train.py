@@ -41,7 +41,7 @@ from rlhf.engine.schedule import make_scheduler
 from rlhf.errors import ConfigError
 from rlhf.models import streaming
 from rlhf.models.loading import decoder_layers
-from rlhf.models.lora import adapters_disabled, is_peft
+from rlhf.models.lora import adapters_disabled, is_param_wrapper, is_peft
 from rlhf.models.moe import moe_blocks
 from rlhf.threads import fit_to_model
 
@@ -80,9 +80,7 @@ def wrap_model(
     meta device (weights come from rank 0). A new parallelism is one more ``apply_*`` function
     here."""
     check_offload(ecfg, mesh)
-    experts.check(
-        model, ecfg.expert_parallel, mesh.world_size, ecfg.zero_stage, "engine.expert_parallel"
-    )
+    expert_parallel = experts.applies(model, ecfg, mesh.world_size)
     apply_ac(model, ecfg)
     offload = ecfg.offload == "cpu"
     if not mesh.distributed and not offload:
@@ -95,7 +93,7 @@ def wrap_model(
     ):
         return apply_ddp(model, mesh, trainable)
     # one process with offload: FSDP2 over its one-rank group
-    return apply_fsdp(model, mesh, ecfg)
+    return apply_fsdp(model, mesh, ecfg, expert_parallel)
 
 
 def check_offload(ecfg: EngineConfig, mesh: Mesh) -> None:
@@ -148,7 +146,9 @@ def apply_ddp(model: nn.Module, mesh: Mesh, trainable: bool) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, init_sync=not plan)
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, mesh: Mesh, ecfg: EngineConfig, expert_parallel: bool = False
+) -> nn.Module:
     """ZeRO-2/3: FSDP2 ``fully_shard`` per decoder block and at the root (ZeRO-3 reshards the
     parameters after forward), bf16 / fp16 through its mixed-precision policy, optional CPU
     offload."""
@@ -173,7 +173,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, ecfg: EngineConfig) -> nn.Module:
         )
     if ecfg.offload == "cpu":  # a GPU run (check_offload)
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    if ecfg.expert_parallel > 1:
+    if expert_parallel:
         # the experts sharded by this project, beside FSDP2's shards, never gathered
         kwargs["ignored_params"] = experts.shard(model, mesh.dp_mesh)
     for layer in decoder_layers(model):
@@ -249,6 +249,8 @@ def param_groups(model: nn.Module, tcfg: TrainConfig, lr: float):
     experts = {
         id(getattr(e, n)) for _, e in moe_blocks(base) for n in ("gate_up_proj", "down_proj")
     }
+    # (and their LoRA adapters: model.lora.experts)
+    experts |= {id(p) for m in base.modules() if is_param_wrapper(m) for p in m.parameters()}
     decay, no_decay, routed = [], [], []
     for p in model.parameters():
         if not p.requires_grad:

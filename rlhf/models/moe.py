@@ -59,11 +59,16 @@ def moe_blocks(model) -> List[tuple]:
     """``(router, experts)`` modules of each MoE layer of ``model`` (an HF causal LM, LoRA-wrapped
     or not), in layer order; [] for a dense model or a family without a policy."""
     base = unwrap(model)
-    family = family_of(getattr(base.config, "model_type", ""))
+    # (a reward model's or critic's scalar head keeps the causal LM's model under ``hf``)
+    base = unwrap(getattr(base, "hf", base))
+    family = family_of(getattr(getattr(base, "config", None), "model_type", ""))
     if family is None or not family.experts_key:
         return []
     n = family.modules
-    layers = module_at(base, n.base).layers
+    stack = module_at(base, n.base)
+    if stack is None:
+        return []
+    layers = stack.layers
     # (Transformers 5's layout: 3-D experts, a router returning (logits, weights, experts))
     # (LoRA on the experts: under PEFT's parameter wrappers)
     experts = [base_of(module_at(layer, n.experts)) for layer in layers]
@@ -173,6 +178,12 @@ def balancing(
     handles = []
 
     def watch(_module, _inputs, output):
+        # (its tensors saved as usual, not by activation checkpointing, whose recompute of the
+        # layer runs without this hook)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            terms(output)
+
+    def terms(output):
         logits, _, experts = output
         probs = logits.float().softmax(-1)
         w = _token_weights(probs, mask)
@@ -230,8 +241,8 @@ def capacity(
 ) -> Iterator[Dropped]:
     """Forwards of ``model`` inside route each expert at most its capacity (``kept_slots``): a
     dropped (token, slot) pair's weight is 0 — the token skips that expert (the residual carries
-    it), as DeepSpeed's capacity factor does; ``dropped`` counts them. ``factor`` 0: no capacity
-    (nothing inside changes)."""
+    it; the kept weights are not renormalised, unlike DeepSpeed's top-2 gate); ``dropped`` counts
+    them. ``factor`` 0: no capacity (nothing inside changes)."""
     if not factor:
         yield dropped
         return

@@ -361,6 +361,7 @@ class InjectionPolicy:
     top_k: int = 0
     topk_norm: bool = False
     shared_expert: bool = False
+    shared_intermediate: int = 0  # the shared expert's MLP width
 
     def __post_init__(self):
         self.rotary_dim = self.rotary_dim or self.head_dim
@@ -372,6 +373,11 @@ class InjectionPolicy:
         """Why ``tp`` cannot slice this model, or None."""
         if self.num_experts % tp:
             return f"experts ({self.num_experts}) not divisible by engine.inference_tp_size={tp}"
+        if self.shared_intermediate % tp:
+            return (
+                f"the shared expert's width ({self.shared_intermediate}) not divisible by "
+                f"engine.inference_tp_size={tp}"
+            )
         for name, n in (
             ("attention heads", self.num_heads),
             ("key/value heads", self.num_kv_heads),
@@ -689,4 +695,7 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         top_k=top_k,
         topk_norm=_switch(config, traits.topk_norm),
         shared_expert=traits.shared_expert,
+        shared_intermediate=int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        if traits.shared_expert
+        else 0,
     ), ""

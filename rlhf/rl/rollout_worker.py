@@ -119,6 +119,11 @@ class Model:
         self.model = inference_model(
             w.root, w.layers, self.policy, self.spec.cfg.engine, self.spec.dtype, self.spec.decode
         )
+        # a Mixture-of-Experts actor's generations carry their routing for the trainer to replay
+        # (ppo.routing_replay; multi-turn episodes assemble theirs without it)
+        self.model.record_routing = bool(
+            self.spec.cfg.ppo.routing_replay and self.policy is not None and self.policy.num_experts
+        )
         self.version = w.version
 
     def newest(self) -> bool:

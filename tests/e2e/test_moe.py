@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.conftest import quick_sft_args, run_cli
+from tests.conftest import quick_reward, quick_sft_args, run_cli
 from tests.e2e.test_ppo import quick_ppo
 
 MOE = ["model.num_experts=4", "model.experts_per_token=2"]
@@ -107,3 +107,37 @@ def test_moe_grpo_with_lora_on_the_experts_and_the_balancing_loss(moe_sft, tmp_p
         "mlp.experts.down_proj",
         "mlp.experts.gate_up_proj",
     ]
+
+
+def test_moe_rollout_worker_at_staleness_0_is_the_colocated_run(moe_sft, tmp_path):
+    # the worker's generations carry their routing: the trainer replays it as the colocated run
+    # does, to the last bit
+    one = ("engine.threads_per_rank=1",)
+    sync = grpo(moe_sft, tmp_path / "sync", *one)
+    worker = grpo(moe_sft, tmp_path / "worker", *one, "ppo.rollout_workers=1")
+    assert len(sync) == len(worker) == 2
+    for a, b in zip(sync, worker):
+        assert b["moe/routing_flips"] < 0.01
+        for k, v in a.items():
+            if k in b and not k.startswith(("time/", "mem/")) and "per_s" not in k:
+                assert v == b[k], (a["step"], k, v, b[k])
+
+
+def test_a_moe_reward_model_trains(moe_sft, tmp_path):
+    # the scalar head over a MoE model: its own AdamW groups, the experts among them
+    import shutil
+
+    shutil.copytree(moe_sft / "sft", tmp_path / "sft")
+    quick_reward(tmp_path, "train.max_steps=5")
+    assert (tmp_path / "reward" / "model" / "config.json").exists()
+
+
+def test_capacity_with_activation_checkpointing_is_refused(tmp_path):
+    proc = run_cli(
+        *quick_sft_args(tmp_path / "run", steps=2),
+        "train.capacity_factor=1.0",
+        "engine.activation_checkpointing=true",
+        *MOE,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "train.capacity_factor with activation checkpointing" in proc.stderr

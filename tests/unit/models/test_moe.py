@@ -4,6 +4,8 @@ decode step, rows that finish early included); replayed in a training forward th
 it uses (a router changed after the rollout flips some tokens' experts, and replay puts them back,
 bringing the recompute's log-probs back to the rollout's), with the router's gradient intact."""
 
+import re
+
 import pytest
 import torch
 
@@ -258,3 +260,59 @@ def test_lora_on_the_experts_serves_merges_and_turns_off():
     assert all(torch.allclose(merged[k], plain[k], atol=1e-6) for k in plain)
     with pytest.raises(ConfigError, match="no Mixture-of-Experts layers"):
         lora.apply_lora(tiny_model("llama"), LoraConfig(r=4, experts=True), 0)
+
+
+def test_balancing_under_activation_checkpointing_gives_the_same_gradients():
+    """The router hooks' tensors are kept as usual, not by checkpointing (whose recompute of the
+    layer runs without the hooks): the gradients equal the run without checkpointing."""
+    from rlhf.models.moe import Balance, balancing
+
+    grads = []
+    for ac in (False, True):
+        model = tiny_model("mixtral", perturb=True)
+        if ac:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        model.train()
+        ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+        balance = Balance()
+        with balancing(model, None, balance):
+            loss = model(input_ids=ids, labels=ids).loss
+        (loss + balance.mean_loss() + balance.mean_z()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
+def test_which_models_expert_parallelism_takes():
+    """The trained policy takes it or the run stops (exit 2) saying why; the job's other models
+    take it where they are MoE models under ZeRO-2/3 and are otherwise left alone."""
+    from rlhf.config import EngineConfig
+    from rlhf.engine.experts import applies
+    from rlhf.errors import ConfigError
+
+    moe, dense = tiny_model("mixtral"), tiny_model("llama")
+    ep2 = EngineConfig(expert_parallel=2)
+    assert applies(moe, ep2.placement("actor"), 2)
+    assert applies(moe, ep2.placement("reference"), 2)
+    assert not applies(dense, ep2.placement("reward_model"), 2)
+    assert not applies(moe, EngineConfig(expert_parallel=2, zero_stage=1).placement("critic"), 2)
+    assert not applies(moe, EngineConfig(), 2)
+    for model, ecfg, world, says in (
+        (dense, ep2.placement("actor"), 2, "no Mixture-of-Experts layers"),
+        (moe, ep2, 4, "must equal the world size (4)"),
+        (moe, EngineConfig(expert_parallel=2, zero_stage=1), 2, "needs ZeRO-2 or 3"),
+        (moe, EngineConfig(expert_parallel=2, offload="cpu"), 2, "not FSDP2's to offload"),
+        (moe, EngineConfig(expert_parallel=3), 3, "does not divide the model's 4 experts"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            applies(model, ecfg, world)
+
+
+def test_a_scalar_head_on_a_moe_model_finds_its_blocks():
+    """A reward model or critic (the causal LM under a scalar head) of a MoE family."""
+    from rlhf.models.value import ScalarHeadModel
+
+    head = ScalarHeadModel(tiny_model("mixtral"))
+    assert len(moe_blocks(head)) == 2 and len(routers(head)) == 2
