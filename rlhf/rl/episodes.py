@@ -99,6 +99,9 @@ class _Row:
     error: Optional[str] = None
     counts: Dict[str, float] = field(default_factory=dict)
     turns: List[Turn] = field(default_factory=list)  # the conversation after the prompt
+    # a MoE policy's routing (``Generation.routing``) of the prompt and the tokens up to the end of
+    # the last turn, from that turn's generation (its prefill and decode): [tokens, MoE layers, k]
+    routing: Optional[torch.Tensor] = None
 
 
 class ObservationEncoder:
@@ -178,6 +181,23 @@ def parallel(
         if not done.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             break
     return list(out)
+
+
+def _routing(rows: List[_Row], p: int, n: int, device) -> Optional[torch.Tensor]:
+    """The episodes' routing in the assembled layout ([B, p + n, MoE layers, k]: prompts
+    left-padded to ``p``, ``n`` tokens after): each row's from its last turn's generation, −1 where
+    none was recorded (padding, the observations after the last turn); None without a record.
+    Under bf16 or stale weights a token an earlier turn sampled may have been routed otherwise then;
+    in fp32 the turns agree."""
+    recorded = [r.routing for r in rows if r.routing is not None]
+    if not recorded:
+        return None
+    out = torch.full((len(rows), p + n, *recorded[0].shape[1:]), -1, dtype=recorded[0].dtype)
+    for i, r in enumerate(rows):
+        if r.routing is not None:
+            start = p - len(r.prompt)
+            out[i, start : start + r.routing.shape[0]] = r.routing
+    return out.to(device)
 
 
 class EpisodeRunner:
@@ -409,6 +429,11 @@ class EpisodeRunner:
             room = budget - len(r.tokens)
             ended = bool(ids) and ids[-1] == self.eos_id and len(ids) <= room
             ids, lps, vers = ids[:room], lps[:room], vers[:room]
+            if gen.routing is not None:
+                # this turn's input (prompt and tokens so far, left-padded to the call's prompt
+                # length) and the kept new tokens
+                p, seen = gen.prompt_len, len(r.prompt) + len(r.tokens)
+                r.routing = gen.routing[k, p - seen : p + len(ids)].cpu()
             r.counts["turns"] = r.counts.get("turns", 0.0) + 1
             r.tokens += ids
             r.policy += [1] * len(ids)
@@ -518,6 +543,7 @@ class EpisodeRunner:
                 prompt_len=ids.shape[1],
                 timings=first.timings,
                 versions=versions,
+                routing=_routing(rows, ids.shape[1], n, device),
             )
         B, n = gen.response_mask.shape
         if single:

@@ -341,3 +341,36 @@ def test_a_turn_that_would_not_fit_the_position_table_ends_the_episode_cut():
     assert cut.stats["turns"] == 2 and cut.stats["truncated"] == 1
     # every turn's generation fitted the table
     assert cut.gen.sequences.shape[1] <= table
+
+
+def test_multi_turn_episodes_carry_a_moe_policys_routing():
+    """A MoE policy's episodes carry, at every token of the assembled rows a turn's generation
+    routed (prompts, earlier turns, observations a later turn read), the experts it chose — in
+    fp32 those a training forward over the whole episode chooses — and −1 elsewhere."""
+    from tests.unit.models.test_moe import own_routing
+
+    model = tiny_model("mixtral", perturb=True)
+    with torch.no_grad():  # (ending_model's trick: turns of a few tokens)
+        model.model.embed_tokens.weight[:, 0] = 3.0
+        model.lm_head.weight[EOS] = 0.0
+        model.lm_head.weight[EOS, 0] = 0.6
+    tok = CharTok(EOS)
+    eng = TrainEngine(model, Mesh(), EngineConfig(), TrainConfig(lr=1e-2, warmup_steps=0))
+    hy = HybridEngine(eng, tok, EngineConfig())
+    hy.record_routing = True
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, samples_per_prompt=2, seed=11)
+    with hy.holding():
+        ep = runner(tok).run(hy.generate, mixed_prompts(4), [None] * 4, sp)
+    gen = ep.gen
+    assert ep.stats["turns"] > len(ep.texts)  # (several turns)
+    rec, own = gen.routing.long(), own_routing(model, gen)
+    assert rec.shape == own.shape
+    recorded = (rec >= 0).all(-1).all(-1)
+    real = gen.attention_mask.bool()
+    assert (recorded <= real).all() and recorded[:, : gen.prompt_len].eq(
+        real[:, : gen.prompt_len]
+    ).all()
+    # observation tokens a later turn read are recorded too
+    observation = real[:, gen.prompt_len :] & ~gen.response_mask.bool()
+    assert (recorded[:, gen.prompt_len :] & observation).any()
+    assert torch.equal(rec[recorded].sort(-1).values, own[recorded].sort(-1).values)
