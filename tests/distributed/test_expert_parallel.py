@@ -72,19 +72,23 @@ def test_sft_with_two_expert_ranks_follows_one_process(tmp_path):
     "extra, nproc, says",
     [
         ((EP2,), 1, "must equal the world size (1)"),
-        ((EP2, "engine.zero_stage=1"), 2, "needs ZeRO-2 or 3"),
-        (("engine.expert_parallel=2",), 2, "no Mixture-of-Experts layers"),
-        ((EP2, "model.lora.r=4", "model.lora.experts=true"), 2, "LoRA on expert-parallel"),
+        # (each refusal's rule: tests/unit/models/test_moe.py; the 2-rank runs under -m slow)
+        pytest.param((EP2, "engine.zero_stage=1"), 2, "needs ZeRO-2 or 3", marks=pytest.mark.slow),
+        pytest.param(
+            (EP2, "model.lora.r=4", "model.lora.experts=true"),
+            2,
+            "LoRA on expert-parallel",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_expert_parallel_refusals(extra, nproc, says, tmp_path):
-    moe = () if "no Mixture" in says else MOE
     proc = run_cli(
         "stage=sft",
         f"run.dir={tmp_path / 'run'}",
         "train.max_steps=1",
         "eval.gold_prompts=0",
-        *moe,
+        *MOE,
         *extra,
         nproc=nproc,
     )

@@ -90,6 +90,7 @@ def test_moe_sft_with_a_capacity_factor_counts_dropped_slots(tmp_path):
     assert any(r["moe/dropped"] > 0 for r in steps)
 
 
+@pytest.mark.slow
 def test_moe_grpo_with_lora_on_the_experts_and_the_balancing_loss(moe_sft, tmp_path):
     # adapters on attention and every expert; after the first update the rollout serves the
     # adapted experts (merged in the inference layout) and the recompute agrees with it
@@ -109,6 +110,7 @@ def test_moe_grpo_with_lora_on_the_experts_and_the_balancing_loss(moe_sft, tmp_p
     ]
 
 
+@pytest.mark.slow
 def test_moe_rollout_worker_at_staleness_0_is_the_colocated_run(moe_sft, tmp_path):
     # the worker's generations carry their routing: the trainer replays it as the colocated run
     # does, to the last bit
