@@ -24,7 +24,8 @@ come on top and depend on the batch. Per (model, N): variants ``no_ep`` and ``ep
 ep of ``--ep`` and min(N, E) that divides N and the experts), metrics ``states_gb``, ``layer_gb``
 (the largest gathered layer), ``peak_gb``; lines carry ``params_dense``, ``params_experts``,
 ``experts``, ``top_k``, ``ranks``.
-``rlhf`` builds ep = N (engine.expert_parallel = the world size; rlhf/engine/experts.py).
+``rlhf``'s engine.expert_parallel (rlhf/engine/experts.py) shards the experts' states over all N
+ranks as here.
 """
 
 from __future__ import annotations

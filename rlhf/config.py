@@ -764,9 +764,9 @@ class EngineConfig:
     # torch intra-op threads; 0 = cores / local ranks
     threads_per_rank: int = 0
     inference_tp_size: int = 1
-    # Mixture-of-Experts models under ZeRO-2/3: each rank holds E / W of every MoE layer's experts
-    # and tokens travel to them by all-to-all (rlhf/engine/experts.py); 1 = FSDP2 gathers whole
-    # experts like any weight; else the world size (the expert group is the training mesh)
+    # Mixture-of-Experts models under ZeRO-2/3: each rank holds E / ep of every MoE layer's experts
+    # and tokens travel to them by all-to-all within groups of ep ranks (rlhf/engine/experts.py);
+    # 1 = FSDP2 gathers whole experts like any weight; ep divides the world size and the experts
     expert_parallel: int = 1
     hybrid: bool = True
     release_inference_cache: bool = True

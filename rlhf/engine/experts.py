@@ -1,24 +1,29 @@
-"""Expert parallelism (``engine.expert_parallel``): each rank holds E / W of a MoE layer's experts
-and the tokens routed to them travel there and back with all-to-all.
+"""Expert parallelism (``engine.expert_parallel=ep``): each rank holds E / ep of a MoE layer's
+experts and the tokens routed to them travel there and back with all-to-all inside an expert group
+of ep consecutive ranks.
 
 Under FSDP2 (ZeRO-2/3) the experts' 3-D weights ``gate_up_proj`` [E, 2·I, hidden] and
-``down_proj`` [E, hidden, I] become DTensors sharded on dim 0 over the training mesh — the layout
-FSDP2 would give them, so checkpoints, the exported weights, gradient clipping and the optimizer
-see no difference — but FSDP2 leaves them alone (``ignored_params``): they are never all-gathered.
+``down_proj`` [E, hidden, I] become DTensors sharded on dim 0 over the expert group. With ep = W
+that is the training mesh, the layout FSDP2 would give them, so checkpoints, the exported weights,
+gradient clipping and the optimizer see no difference — but FSDP2 leaves them alone
+(``ignored_params``): they are never all-gathered. With ep < W the W / ep groups hold the same
+experts and FSDP2 shards them over the ranks that hold them (a 2-D mesh ("edp", "ep"),
+``Mesh.expert_mesh``), gathering a group's experts before the layer's forward as it gathers the
+dense weights; the gradient norm then adds the two meshes' parts (``train.clip_grad_norm``).
 A MoE layer's forward on a rank (its tokens [N, hidden], each token's top k experts and weights,
 from the router as before):
 
-  1. the (token, slot) pairs sorted by expert, hence by the rank that holds it; each rank's count
-     exchanged, then the tokens' hidden states (all-to-all, differentiable);
+  1. the (token, slot) pairs sorted by expert, hence by the rank of the group that holds it; each
+     rank's count exchanged, then the tokens' hidden states (all-to-all, differentiable);
   2. each local expert runs one GEMM pair on the rows it received (grouped by expert);
   3. the results go back by the reverse all-to-all, are scaled by the routing weights and summed
      per token (``index_add``) — the per-token sum HF's loop over experts makes.
 
-Every rank's tokens reach an expert's one copy, so its gradient is the sum over ranks of their
-losses' gradients; FSDP2 averages the other weights' gradients over the W ranks, and the experts'
-are divided by W alike (a hook on the local weights). All ranks of the mesh must run the same
-forwards in the same order (the FSDP2 collectives already make them). W must divide E; the expert
-group is the whole training mesh (``engine.expert_parallel`` = the world size).
+The group's tokens reach an expert's copy, so its gradient there is the sum over the group's
+ranks of their losses' gradients: divided by ep (a hook on the local weights) and averaged by
+FSDP2 over the W / ep groups, it is the average over the W ranks FSDP2 takes of the other weights'.
+All ranks must run the same forwards in the same order (the FSDP2 collectives already make them).
+ep must divide W and E.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import List, Set
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from rlhf.errors import ConfigError
@@ -46,11 +52,8 @@ def applies(model, ecfg, world: int) -> bool:
     ep, key = ecfg.expert_parallel, "engine.expert_parallel"
     if ep == 1:
         return False
-    if ep != world:
-        raise ConfigError(
-            f"{key}={ep}: the expert group is the whole training mesh here, so it must equal the "
-            f"world size ({world}) or be 1"
-        )
+    if world % ep:
+        raise ConfigError(f"{key}={ep} does not divide the world size ({world})")
     blocks = moe_blocks(model)
     if ecfg.role not in ("", "actor") and (not blocks or ecfg.zero_stage < 2):
         return False
@@ -80,27 +83,45 @@ def applies(model, ecfg, world: int) -> bool:
     return True
 
 
-def shard(model, dp_mesh) -> Set[torch.nn.Parameter]:
-    """Makes each MoE layer's expert weights DTensors sharded on dim 0 over ``dp_mesh`` (rank r
-    keeps experts [r·E/W, (r+1)·E/W); values as they are, meta ones stay meta for the caller to
-    fill) and their forward expert-parallel. Returns the new parameters, for FSDP2's
-    ``ignored_params``."""
-    world, rank = dp_mesh.size(), dp_mesh.get_local_rank()
-    group = dp_mesh.get_group()
+def shard(model, mesh, ep: int, fsdp: dict) -> Set[torch.nn.Parameter]:
+    """Makes each MoE layer's expert weights DTensors sharded on dim 0 over the expert group (ep
+    consecutive ranks of the training mesh; rank j of the group keeps experts [j·E/ep,
+    (j+1)·E/ep); values as they are, meta ones stay meta for the caller to fill) and their forward
+    expert-parallel. ep = W: the group is the whole mesh, FSDP2's own layout; returns the new
+    parameters for FSDP2's ``ignored_params``. ep < W: the W / ep groups hold the same experts, and
+    FSDP2 (``fsdp``: its keyword arguments) shards each group's experts over the ranks that hold
+    them (``mesh.expert_mesh(ep)["edp"]``), gathering them before the layer's forward (as it does
+    the dense weights over every rank); returns nothing to ignore."""
+    if ep == mesh.world_size:
+        ep_mesh, edp_mesh = mesh.dp_mesh, None
+    else:
+        two = mesh.expert_mesh(ep)
+        ep_mesh, edp_mesh = two["ep"], two["edp"]
+    rank, group = ep_mesh.get_local_rank(), ep_mesh.get_group()
     params: Set[torch.nn.Parameter] = set()
     for _, experts in moe_blocks(model):
         for name in WEIGHTS:
             full = getattr(experts, name)
-            local = full.detach().chunk(world, dim=0)[rank].clone()
+            local = full.detach().chunk(ep, dim=0)[rank].clone()
             p = torch.nn.Parameter(
-                DTensor.from_local(local, dp_mesh, [Shard(0)], run_check=False),
+                DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
                 requires_grad=full.requires_grad,
             )
             setattr(experts, name, p)
             params.add(p)
-        experts.ep_group, experts.ep_world = group, world
+        # (the gradient of a rank's experts sums its group's tokens: divided by ep here, by W / ep
+        # in FSDP2's average over the groups)
+        experts.ep_group, experts.ep_world = group, ep
         experts.forward = types.MethodType(forward, experts)
-    return params
+        if edp_mesh is not None:
+            fully_shard(experts, **{**fsdp, "mesh": edp_mesh})
+    return params if edp_mesh is None else set()
+
+
+def per_rank(model, ep: int) -> int:
+    """The experts of each MoE layer a rank holds at expert parallelism ``ep``."""
+    blocks = moe_blocks(model)
+    return blocks[0][1].gate_up_proj.shape[0] // ep if blocks else 0
 
 
 def _local(weight: torch.Tensor, world: int, dtype: torch.dtype) -> torch.Tensor:

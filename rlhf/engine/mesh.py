@@ -44,6 +44,7 @@ class Mesh:
     auto_threads: int = 0
     _device_mesh: Any = None
     _dp_mesh: Any = None
+    _expert_meshes: dict = field(default_factory=dict)
 
     @property
     def distributed(self) -> bool:
@@ -72,6 +73,17 @@ class Mesh:
         if self._dp_mesh is None and (self.distributed or self.single_group):
             self._dp_mesh = self.device_mesh._flatten("dp")
         return self._dp_mesh
+
+    def expert_mesh(self, ep: int):
+        """The 2-D DeviceMesh ("edp", "ep") of shape (W / ep, ep) over the training ranks, for
+        expert parallelism of degree ``ep`` < W (rlhf/engine/experts.py): expert group g is ranks
+        [g·ep, (g+1)·ep) (``["ep"]``), the ranks holding the same experts ``["edp"]``. Made once
+        per degree (collective: every rank asks)."""
+        if ep not in self._expert_meshes:
+            self._expert_meshes[ep] = init_device_mesh(
+                self.device.type, (self.world_size // ep, ep), mesh_dim_names=("edp", "ep")
+            )
+        return self._expert_meshes[ep]
 
     @property
     def tp_rank(self) -> int:

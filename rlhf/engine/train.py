@@ -174,8 +174,20 @@ def apply_fsdp(
     if ecfg.offload == "cpu":  # a GPU run (check_offload)
         kwargs["offload_policy"] = CPUOffloadPolicy()
     if expert_parallel:
-        # the experts sharded by this project, beside FSDP2's shards, never gathered
-        kwargs["ignored_params"] = experts.shard(model, mesh.dp_mesh)
+        # the experts sharded over their expert group (rlhf/engine/experts.py): beside FSDP2's
+        # shards and never gathered (the group is the whole mesh), or FSDP2's over the groups
+        ep = ecfg.expert_parallel
+        ignored = experts.shard(model, mesh, ep, kwargs)
+        if ignored:
+            kwargs["ignored_params"] = ignored
+        if mesh.is_main:
+            _say_once(
+                f"ep{ep}",
+                "expert parallelism: %s experts per rank in groups of %d ranks%s",
+                experts.per_rank(model, ep),
+                ep,
+                "" if ignored else f" (FSDP2 over the {mesh.world_size // ep} groups)",
+            )
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -423,9 +435,7 @@ class TrainEngine:
         if self.scaler is not None:
             self.scaler.unscale([p.grad for p in params])
         max_norm = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(params, max_norm)
         finite = bool(torch.isfinite(norm))
         if self.scaler is not None:
             if self.mesh.distributed and not self.is_fsdp:  # (FSDP2's norm is all-reduced already)
@@ -489,6 +499,28 @@ class TrainEngine:
             return {k: v.detach().cpu() for k, v in sd.items()}
         opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         return retie(self.model, get_model_state_dict(self.model, options=opts))
+
+
+def clip_grad_norm(params: list, max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over ``params`` (the total norm before clipping, a full tensor);
+    gradients on several device meshes (expert parallelism of degree < W: the experts' sharded over
+    their own mesh) get the norm of all of them, each mesh's part reduced on its own."""
+    meshes: dict = {}
+    for p in params:
+        meshes.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+    if len(meshes) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    squares = []
+    for group in meshes.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        squares.append((n.full_tensor() if hasattr(n, "full_tensor") else n).float().square())
+    total = torch.stack(squares).sum().sqrt()
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1:
+        for p in params:
+            p.grad.mul_(coef)
+    return total
 
 
 def retie(module: torch.nn.Module, sd: dict) -> dict:

@@ -3,7 +3,8 @@ model (4 experts, top 2), fp32, gloo: each rank holds 2 experts and exchanges to
 
 GRPO on 2 ranks with EP 2 follows the 1-process run step for step (metrics and exported weights
 within 1e-5), and its checkpoint resumes on 1 process ending where the uninterrupted run does; SFT
-with its load-balancing loss does too (the term over both ranks' tokens). Bad settings exit 2.
+with its load-balancing loss does too (the term over both ranks' tokens); so does GRPO on 4 ranks
+with EP 2 (two expert groups, FSDP2 over them) and its resume on 1 process. Bad settings exit 2.
 """
 
 import shutil
@@ -61,6 +62,21 @@ def sft(dst, nproc, *extra):
 
 
 @pytest.mark.slow
+def test_grpo_with_expert_groups_of_two_on_four_ranks_follows_one_process(moe_sft, tmp_path):
+    # EP 2 on 4 ranks: two expert groups holding the same experts, FSDP2 over them
+    one, four = tmp_path / "one", tmp_path / "four"
+    run_stage(moe_sft, one, "grpo", 1)
+    proc = run_stage(moe_sft, four, "grpo", 4, EP2, "engine.threads_per_rank=1")
+    assert "2 experts per rank in groups of 2 ranks" in proc.stderr, proc.stderr[-2000:]
+    assert_same_run(four, one, "grpo")
+    cut = tmp_path / "cut"
+    cut_after_first_checkpoint(four, cut, "grpo")
+    proc = run_stage(moe_sft, cut, "grpo", 1)
+    assert "written by 4 processes, resumed on 1" in proc.stderr, proc.stderr[-3000:]
+    assert_same_run(cut, one, "grpo", after=SAVE)
+
+
+@pytest.mark.slow
 def test_sft_with_two_expert_ranks_follows_one_process(tmp_path):
     # the load-balancing term over both ranks' tokens (one micro-batch each): 1 process's
     sft(tmp_path / "one", 1)
@@ -71,7 +87,7 @@ def test_sft_with_two_expert_ranks_follows_one_process(tmp_path):
 @pytest.mark.parametrize(
     "extra, nproc, says",
     [
-        ((EP2,), 1, "must equal the world size (1)"),
+        ((EP2,), 1, "does not divide the world size (1)"),
         # (each refusal's rule: tests/unit/models/test_moe.py; the 2-rank runs under -m slow)
         pytest.param((EP2, "engine.zero_stage=1"), 2, "needs ZeRO-2 or 3", marks=pytest.mark.slow),
         pytest.param(

@@ -301,7 +301,7 @@ def test_which_models_expert_parallelism_takes():
     assert not applies(moe, EngineConfig(), 2)
     for model, ecfg, world, says in (
         (dense, ep2.placement("actor"), 2, "no Mixture-of-Experts layers"),
-        (moe, ep2, 4, "must equal the world size (4)"),
+        (moe, ep2, 3, "does not divide the world size (3)"),
         (moe, EngineConfig(expert_parallel=2, zero_stage=1), 2, "needs ZeRO-2 or 3"),
         (moe, EngineConfig(expert_parallel=2, offload="cpu"), 2, "not FSDP2's to offload"),
         (moe, EngineConfig(expert_parallel=3), 3, "does not divide the model's 4 experts"),
