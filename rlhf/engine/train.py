@@ -507,7 +507,8 @@ def clip_grad_norm(params: list, max_norm: float) -> torch.Tensor:
     their own mesh) get the norm of all of them, each mesh's part reduced on its own."""
     meshes: dict = {}
     for p in params:
-        meshes.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+        # (DeviceMesh compares by layout: FSDP2 makes one object per parameter)
+        meshes.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     if len(meshes) <= 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

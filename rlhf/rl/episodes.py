@@ -183,16 +183,16 @@ def parallel(
     return list(out)
 
 
-def _routing(rows: List[_Row], p: int, n: int, device) -> Optional[torch.Tensor]:
+def _routing(rows: List[_Row], first: Generation, p: int, n: int, device) -> Optional[torch.Tensor]:
     """The episodes' routing in the assembled layout ([B, p + n, MoE layers, k]: prompts
     left-padded to ``p``, ``n`` tokens after): each row's from its last turn's generation, −1 where
-    none was recorded (padding, the observations after the last turn); None without a record.
-    Under bf16 or stale weights a token an earlier turn sampled may have been routed otherwise then;
-    in fp32 the turns agree."""
-    recorded = [r.routing for r in rows if r.routing is not None]
-    if not recorded:
+    none was recorded (padding, the observations after the last turn, a row that failed at reset);
+    None when the generations record none (``first``'s). Under bf16 or stale weights a token an
+    earlier turn sampled may have been routed otherwise then; in fp32 the turns agree."""
+    if first.routing is None:
         return None
-    out = torch.full((len(rows), p + n, *recorded[0].shape[1:]), -1, dtype=recorded[0].dtype)
+    shape, dtype = first.routing.shape[2:], first.routing.dtype
+    out = torch.full((len(rows), p + n, *shape), -1, dtype=dtype)
     for i, r in enumerate(rows):
         if r.routing is not None:
             start = p - len(r.prompt)
@@ -416,6 +416,7 @@ class EpisodeRunner:
         the prompt."""
         resp, mask = gen.responses, gen.response_mask.bool()
         logp = gen.logprobs
+        routing = None if gen.routing is None else gen.routing.cpu()
         turns = [resp[k][mask[k]].tolist() for k in range(len(which))]
         texts = self.tok.batch_decode(turns, skip_special_tokens=True) if turns else []
         for k, i in enumerate(which):
@@ -429,11 +430,11 @@ class EpisodeRunner:
             room = budget - len(r.tokens)
             ended = bool(ids) and ids[-1] == self.eos_id and len(ids) <= room
             ids, lps, vers = ids[:room], lps[:room], vers[:room]
-            if gen.routing is not None:
+            if routing is not None:
                 # this turn's input (prompt and tokens so far, left-padded to the call's prompt
                 # length) and the kept new tokens
                 p, seen = gen.prompt_len, len(r.prompt) + len(r.tokens)
-                r.routing = gen.routing[k, p - seen : p + len(ids)].cpu()
+                r.routing = routing[k, p - seen : p + len(ids)]
             r.counts["turns"] = r.counts.get("turns", 0.0) + 1
             r.tokens += ids
             r.policy += [1] * len(ids)
@@ -543,7 +544,7 @@ class EpisodeRunner:
                 prompt_len=ids.shape[1],
                 timings=first.timings,
                 versions=versions,
-                routing=_routing(rows, ids.shape[1], n, device),
+                routing=_routing(rows, first, ids.shape[1], n, device),
             )
         B, n = gen.response_mask.shape
         if single:
