@@ -198,17 +198,20 @@ def apply_lora(
 
 def expert_targets(model: nn.Module) -> List[str]:
     """``model.lora.experts=true``: the routed experts' 3-D weights of a Mixture-of-Experts model as
-    PEFT's ``target_parameters`` (a rank-r adapter per expert), or exit 2 for a dense model."""
-    from rlhf.models.moe import moe_blocks
-    from rlhf.models.policies import family_of
-
-    if not moe_blocks(model):
+    PEFT's ``target_parameters`` (a rank-r adapter per expert; their path in a decoder layer), or
+    exit 2 for a model without them."""
+    paths = set()
+    for layer in decoder_layers(model):
+        for name, mod in layer.named_modules():
+            w = getattr(mod, "gate_up_proj", None)
+            if isinstance(w, nn.Parameter) and w.dim() == 3 and hasattr(mod, "down_proj"):
+                paths.add(name)
+    if not paths:
         raise ConfigError(
             f"model.lora.experts=true: {type(model).__name__} has no Mixture-of-Experts layers of "
             f"a family this project knows (Qwen3-MoE, Mixtral, Qwen2-MoE)"
         )
-    path = family_of(model.config.model_type).modules.experts
-    return [f"{path}.gate_up_proj", f"{path}.down_proj"]
+    return [f"{p}.{w}" for p in sorted(paths) for w in ("gate_up_proj", "down_proj")]
 
 
 def adapters_disabled(module: nn.Module):

@@ -660,9 +660,12 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
     num_experts = top_k = 0
     if traits.experts_key and int(transformers.__version__.split(".")[0]) < 5:
         return None, f"{family}: Mixture-of-Experts layers are served in Transformers 5's layout"
+    shared_intermediate = 0
     if traits.experts_key:
         num_experts = int(getattr(config, traits.experts_key, 0) or 0)
         top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    if traits.shared_expert:
+        shared_intermediate = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
     return InjectionPolicy(
         family=family,
         num_heads=heads,
@@ -695,7 +698,5 @@ def policy_for(config) -> tuple[Optional[InjectionPolicy], str]:
         top_k=top_k,
         topk_norm=_switch(config, traits.topk_norm),
         shared_expert=traits.shared_expert,
-        shared_intermediate=int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-        if traits.shared_expert
-        else 0,
+        shared_intermediate=shared_intermediate,
     ), ""
