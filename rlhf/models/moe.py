@@ -84,6 +84,18 @@ def routers(model) -> List[torch.nn.Module]:
     return [router for router, _ in moe_blocks(model)]
 
 
+@contextmanager
+def _on_routers(model, hook_of: Callable[[int], Callable]) -> Iterator[None]:
+    """Forwards of ``model`` inside run ``hook_of(j)`` as a forward hook on the j-th MoE layer's
+    router (the replay, balancing and capacity hooks)."""
+    handles = [r.register_forward_hook(hook_of(j)) for j, r in enumerate(routers(model))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def replay_rows(model, routing: Optional[torch.Tensor], rows, stats: Optional[ReplayStats] = None):
     """``replaying(model, routing[rows], stats)``, or a context that does nothing when ``routing``
     is None (a dense model, replay off, or rows no rollout recorded)."""
@@ -100,7 +112,7 @@ def replaying(
     -1: the forward's own) for their [B, T] tokens; ``stats`` (a new one by default) counts the
     flips."""
     policy, _ = policy_for(unwrap(model).config)
-    stats, handles = stats or ReplayStats(), []
+    stats = stats or ReplayStats()
 
     def hook(j: int):
         def replay(_module, _inputs, output):
@@ -123,13 +135,8 @@ def replaying(
 
         return replay
 
-    try:
-        for j, router in enumerate(routers(model)):
-            handles.append(router.register_forward_hook(hook(j)))
+    with _on_routers(model, hook):
         yield stats
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @dataclass
@@ -175,7 +182,6 @@ def balancing(
     sum over the ranks (each rank runs the same forwards): f_e and the token count are then those
     of the forward's tokens on all ranks, and each rank's term its tokens' share of the global one
     (the ranks' terms add up to the term of one process running them all)."""
-    handles = []
 
     def watch(_module, _inputs, output):
         # (its tensors saved as usual, not by activation checkpointing, whose recompute of the
@@ -199,13 +205,8 @@ def balancing(
         balance.z_losses.append((w * torch.logsumexp(logits.float(), -1).square()).sum() / n)
         balance.loads.append(float(counts.max() / counts.mean().clamp(min=1e-9)))
 
-    try:
-        for router in routers(model):
-            handles.append(router.register_forward_hook(watch))
+    with _on_routers(model, lambda _j: watch):
         yield balance
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @dataclass
@@ -246,7 +247,6 @@ def capacity(
     if not factor:
         yield dropped
         return
-    handles = []
 
     def limit(_module, _inputs, output):
         logits, weights, experts = output
@@ -258,13 +258,8 @@ def capacity(
         dropped.dropped += int((~keep & real[:, None]).sum())
         return logits, weights * keep.to(weights.dtype), experts
 
-    try:
-        for router in routers(model):
-            handles.append(router.register_forward_hook(limit))
+    with _on_routers(model, lambda _j: limit):
         yield dropped
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def aux_loss_coef(model, coef: Optional[float]) -> float:
