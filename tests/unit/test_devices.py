@@ -118,6 +118,26 @@ def test_gqa_folded_attention_equals_enable_gqa():
     )
 
 
+def test_half_precision_decode_step_folds_on_cpu():
+    """A bf16 decode step (one query a row, q a strided view of the fused QKV output as the
+    inference mode passes it) takes the folded call by default and agrees with enable_gqa's within
+    bf16 rounding; fp32 keeps the reference call."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    B, H, KV, S, d = 4, 9, 3, 11, 16
+    qkv = torch.randn(B, (H + 2 * KV) * d, generator=g)
+    k, v = (torch.randn(B, KV, S, d, generator=g) for _ in range(2))
+    allowed = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    allowed[..., -1] = True
+    mask = torch.zeros(B, 1, 1, S).masked_fill(~allowed, float("-inf"))
+    q32 = qkv[:, : H * d].view(B, 1, H, d).transpose(1, 2)
+    assert torch.equal(attend(q32, k, v, mask), attend(q32, k, v, mask, fold_groups=False))
+    bf = [t.to(torch.bfloat16) for t in (q32, k, v, mask)]
+    out = attend(*bf)
+    assert torch.equal(out, attend(*bf, fold_groups=True))
+    ref = attend(*(t.float() for t in bf), fold_groups=False)
+    assert (out.float() - ref).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize(
     "variant",
     [
