@@ -104,6 +104,34 @@ def device_label(device=None) -> str:
     return device.type
 
 
+def matmul_peak(dtype, n: int = 2048) -> float:
+    """FLOP/s of an n × n × n GEMM in ``dtype`` on this process's threads, best of 5: the faster of
+    torch's matmul and (on a CPU with oneDNN) oneDNN's linear on a weight in its blocked layout.
+    On the CPU machine (an AMD EPYC with AVX-512) MKL's sgemm, behind torch's fp32 matmul, gives
+    about 210 GFLOP/s on 2 threads where oneDNN gives about 490: a roofline that took the first
+    would put fp32 code above 100% of it."""
+    import time
+
+    import torch
+
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    calls = [lambda: a @ b]
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
+        calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    except (AttributeError, RuntimeError):  # no oneDNN in this build, or not this dtype
+        pass
+    best = float("inf")
+    for call in calls:
+        call()
+        for _ in range(5):
+            t = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
 def digit_share(responses, examples, fmt):
     """A rule reward for the GRPO bench (``ppo.reward_fn=bench.common.digit_share``): the share of
     digits in each response, so rewards vary within a prompt's group."""

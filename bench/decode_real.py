@@ -8,16 +8,20 @@ machine's roofline (docs/benchmarks.md, `bench: "decode_real"`).
 
 One process. The prompts are the held-out prompts of ``recipe=smollm2_arith`` through the model's
 chat template (left-padded to the longest), greedy, exactly ``--new`` new tokens each (min = max:
-equal work). Variants: ``hybrid`` (the inference mode, engine.inference_dtype = the dtype) and
+equal work). Variants: ``hybrid`` (the inference mode as a training step calls it,
+engine.inference_dtype = the dtype: the training weights gathered into the inference layout, then
+the generation), ``hybrid_kept`` (the same with ``engine.release_inference_cache=false``: the
+inference weights built once and kept, as between two weight syncs — the decode alone) and
 ``hf_generate`` (HF ``generate`` on the model cast to the dtype, KV cache on). Metrics per (variant,
-dtype, batch): ``tokens_per_s`` (new tokens / wall time of the call, prefill included), and for
-hybrid ``vs_hf`` (the ratio) and ``roofline_fraction``: the roofline time of the same call over the
-measured time. The roofline of a call is its prefill (FLOPs ÷ peak, or its bytes ÷ bandwidth if
-larger) plus, per decode step, the larger of (weights + the KV cache read) ÷ the measured memory
-bandwidth and the step's FLOPs (2 × the parameters a token passes through, LM head included, plus
-attention over the cached positions) ÷ the measured matmul peak in that dtype (a 2048² GEMM, best of
-5, on these threads). Lines carry ``peak_gflops``, ``bandwidth_gb_s``, ``roofline_bound`` (compute
-or bandwidth) and ``load_1m``.
+dtype, batch): ``tokens_per_s`` (new tokens / wall time of the call, prefill included), and for the
+hybrid variants ``vs_hf`` (the ratio) and ``roofline_fraction``: the roofline time of the same call
+over the measured time; ``switch_s`` (hybrid): the call's gather into the inference layout. The
+roofline of a call is its prefill (FLOPs ÷ peak, or its bytes ÷ bandwidth if larger) plus, per
+decode step, the larger of (weights + the KV cache read) ÷ the measured memory bandwidth and the
+step's FLOPs (2 × the parameters a token passes through, LM head included, plus attention over the
+cached positions) ÷ the measured matmul peak in that dtype (``common.matmul_peak``: a 2048² GEMM,
+the faster of torch's and oneDNN's, best of 5, on these threads). Lines carry ``peak_gflops``,
+``bandwidth_gb_s``, ``roofline_bound`` (compute or bandwidth) and ``load_1m``.
 """
 
 from __future__ import annotations
@@ -33,22 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import device_label  # noqa: E402
+from common import device_label, matmul_peak  # noqa: E402
 from generation import bandwidth_bytes_per_s  # noqa: E402
-
-
-def matmul_peak(dtype) -> float:
-    import torch
-
-    a = torch.randn(2048, 2048).to(dtype)
-    b = torch.randn(2048, 2048).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * 2048**3 / best
 
 
 def best_of(repeats: int, fn, *args, **kwargs) -> float:
@@ -194,10 +184,26 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=False
         ).eval()
-        ecfg = EngineConfig(precision="fp32", inference_dtype=dtype_name)
-        hy = HybridEngine(
-            TrainEngine(model, Mesh(), ecfg, TrainConfig(lr=1e-6, warmup_steps=0)), tok, ecfg
+        engine = TrainEngine(
+            model,
+            Mesh(),
+            EngineConfig(precision="fp32", inference_dtype=dtype_name),
+            TrainConfig(lr=1e-6, warmup_steps=0),
         )
+        hybrids = {
+            name: HybridEngine(engine, tok, EngineConfig(**kw))
+            for name, kw in (
+                ("hybrid", dict(precision="fp32", inference_dtype=dtype_name)),
+                (
+                    "hybrid_kept",
+                    dict(
+                        precision="fp32",
+                        inference_dtype=dtype_name,
+                        release_inference_cache=False,
+                    ),
+                ),
+            )
+        }
         plain = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=False
         ).eval()
@@ -211,16 +217,19 @@ def main() -> None:
                 min_new_tokens=args.new,
                 pad_token_id=tok.pad_token_id,
             )
-            # warm-up
-            hy.generate(ps, SamplingParams(temperature=0, max_new_tokens=2, min_new_tokens=2))
+            # warm-up (hybrid_kept: builds the weights it keeps)
+            for hy in hybrids.values():
+                hy.generate(ps, SamplingParams(temperature=0, max_new_tokens=2, min_new_tokens=2))
             with torch.no_grad():
                 plain.generate(
                     input_ids=ids,
                     attention_mask=mask,
                     **{**kw, "max_new_tokens": 2, "min_new_tokens": 2},
                 )
-            times = {
-                "hybrid": best_of(args.repeats, hy.generate, ps, sp),
+            times = {v: best_of(args.repeats, hy.generate, ps, sp) for v, hy in hybrids.items()}
+            one = SamplingParams(temperature=0, max_new_tokens=1)
+            switch = hybrids["hybrid"].generate(ps, one).timings["gather_s"]
+            times |= {
                 "hf_generate": best_of(
                     args.repeats, plain.generate, input_ids=ids, attention_mask=mask, **kw
                 ),
@@ -232,14 +241,15 @@ def main() -> None:
             line.update(load_1m=os.getloadavg()[0], peak_gflops=peak / 1e9, bandwidth_gb_s=bw / 1e9)
             line["roofline_bound"] = bound
             out = [(v, "tokens_per_s", batch * args.new / s) for v, s in times.items()]
-            out.append(("hybrid", "vs_hf", times["hf_generate"] / times["hybrid"]))
+            out += [(v, "vs_hf", times["hf_generate"] / times[v]) for v in hybrids]
             out += [(v, "roofline_fraction", roof / s) for v, s in times.items()]
+            out.append(("hybrid", "switch_s", switch))
             for variant, metric, value in out:
                 print(
                     json.dumps({**line, "variant": variant, "metric": metric, "value": value}),
                     flush=True,
                 )
-        del model, plain, hy
+        del model, plain, hybrids, engine
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ HH_DATA = ROOT / "tests" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 HH_MAX_PROMPT, HH_MAX_RESPONSE = 320, 192
 HH_VOCAB = WORKLOADS["small"]["vocab"]
 SEQ_WORKLOADS = ("tiny", "small")  # fixed-length rows
-ALL_WORKLOADS = ("hh",) + SEQ_WORKLOADS
+# the HH rows on the real pretrained model (rlhf/models/get.py fetches it on first use)
+REAL_MODEL = "smollm2-135m-instruct"
+ALL_WORKLOADS = ("hh",) + SEQ_WORKLOADS + ("smollm2",)
 
 
 @dataclasses.dataclass
@@ -40,6 +42,8 @@ class Data:
     sft: dict  # tokenize_sft's columns
     pairs: dict  # tokenize_pairs' columns
     lens: dict  # max_prompt, max_response
+    # a real model's directory (its weights and tokenizer), or None: the random-init ``config``
+    path: object = None
 
 
 def digits(rng: random.Random, n: int) -> str:
@@ -61,16 +65,26 @@ def prepare(name: str, records: int = 512, seed: int = 1) -> Data:
     from rlhf.data.tokenizer import train_tokenizer
     from rlhf.runtime.stage import text_corpus
 
-    if name == "hh":
+    path = None
+    if name in ("hh", "smollm2"):
         examples, _ = read_examples(str(HH_DATA), "hh")
-        tok = train_tokenizer(text_corpus(examples), HH_VOCAB, HH_MAX_PROMPT + HH_MAX_RESPONSE)
-        cfg = llama_config(
-            WORKLOADS["small"],
-            vocab_size=len(tok),
-            pad_token_id=tok.pad_token_id,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
+        if name == "smollm2":
+            from transformers import AutoConfig, AutoTokenizer
+
+            from rlhf.models import get
+
+            path = get.ensure(REAL_MODEL)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        else:
+            tok = train_tokenizer(text_corpus(examples), HH_VOCAB, HH_MAX_PROMPT + HH_MAX_RESPONSE)
+            cfg = llama_config(
+                WORKLOADS["small"],
+                vocab_size=len(tok),
+                pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
         lens = dict(max_prompt=HH_MAX_PROMPT, max_response=HH_MAX_RESPONSE)
         sft_examples = [e for e in examples if not empty_response(e)]
         pair_examples = examples
@@ -96,12 +110,12 @@ def prepare(name: str, records: int = 512, seed: int = 1) -> Data:
         lens = dict(max_prompt=w["prompt_len"], max_response=w["new"])
     sft = tokenize_sft(sft_examples, tok, **lens)
     pairs = tokenize_pairs(pair_examples, tok, **lens)
-    if name != "hh":
+    if name in SEQ_WORKLOADS:
         want = WORKLOADS[name]["prompt_len"] + WORKLOADS[name]["new"]
         got = {len(x) for x in sft["ids"]} | {len(x) for x in pairs["chosen"] + pairs["rejected"]}
         if got != {want}:
             raise RuntimeError(f"{name}: rows of {sorted(got)} tokens, not the workload's {want}")
-    return Data(name, tok, cfg, sft_examples, pair_examples, sft, pairs, lens)
+    return Data(name, tok, cfg, sft_examples, pair_examples, sft, pairs, lens, path)
 
 
 def batch_indices(n: int, rows: int, steps: int, seed: int) -> list:
@@ -137,15 +151,19 @@ def rows_of(stage: str, data: Data) -> int:
     return len(data.sft["ids"]) if stage == "sft" else len(data.pairs["chosen"])
 
 
-def save_model(data: Data, out: Path, seed: int = 0) -> int:
-    """The random-init causal LM (and tokenizer) every stage and TRL start from; returns its
-    parameters."""
+def save_model(data: Data, out: Path, seed: int = 0) -> tuple:
+    """(the directory of the causal LM and tokenizer every stage and TRL start from, its
+    parameters): the random-init model saved to ``out``, or the real model's own directory."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+    if data.path is not None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(data.config)
+        return Path(data.path), sum(p.numel() for p in model.parameters())
     torch.manual_seed(seed)
     model = LlamaForCausalLM(data.config)
     n = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out)
     data.tokenizer.save_pretrained(out)
-    return n
+    return out, n

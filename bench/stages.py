@@ -4,7 +4,8 @@
     python bench/stages.py [--stages sft reward dpo] [--workloads hh tiny small] [--steps 5]
                            [--warmup 1] [--threads N] [--rows 8] [--device auto|cpu|cuda] [--seed 0]
                            [--variants padded packed_whole packed rlhf]
-                           [--precision auto|fp32|bf16]
+                           [--precision auto|fp32|bf16] [--flops]
+                           [--training-gemm torch|onednn]
 
 Each stage's own step, called directly: ``stages.sft.train_step(actor, micro_batches)``,
 ``stages.reward.train_step(reward_model, micro_batches, margin)`` and
@@ -33,6 +34,8 @@ Workloads:
   padded reference forward), ``packed_whole`` (padding-free packed forwards, every row packed whole:
   ``rlhf.engine.packing.SHARE_PREFIXES`` off) and ``packed`` (``engine.packing=true``: packed, a
   pair's prompt computed once for both its sequences).
+- ``smollm2``: ``hh``'s rows tokenized by SmolLM2-135M-Instruct's own tokenizer (the real model,
+  fetched on first use by rlhf/models/get.py), every stage starting from its weights.
 - ``tiny``, ``small`` (bench/common.py): rows of exactly the workload's prompt_len + new tokens (a
   BOS + digits prompt, a digits answer + EOS, one token per digit; pairs differ in their answers),
   so no padding; variant ``rlhf`` (``engine.packing`` at its default). bench/trl_stages.py runs
@@ -45,8 +48,11 @@ Metrics per (stage, workload, variant), the steps after ``--warmup`` warm-up one
 (the median step: ``train_step`` wall time, collation excluded), ``tokens_per_s`` (median over steps
 of the step's real (non-pad) tokens / its seconds; DPO and the reward model count chosen + rejected
 tokens), ``samples_per_s`` (rows / ``s_per_step``) and ``padding_share`` (pad tokens / all tokens of
-the padded batches the steps ran: the same for every variant). Lines carry ``stage``, ``rows``,
-``steps``, ``packing``, ``tokens_per_step`` (mean), ``params``.
+the padded batches the steps ran: the same for every variant); with ``--flops`` also
+``gflops_per_s`` (median over steps of the step's FLOPs as torch's FLOP counter counts its GEMMs and
+attention, forward and backward, by running each timed step once more under it, / its seconds) and
+``peak_share`` (that over ``common.matmul_peak`` in the compute dtype, ``peak_gflops`` on the line).
+Lines carry ``stage``, ``rows``, ``steps``, ``packing``, ``tokens_per_step`` (mean), ``params``.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import device_label  # noqa: E402
+from common import device_label, matmul_peak  # noqa: E402
 
 # stage_data puts the repository root first on the path: ``import stages`` is then the recipes, not
 # this file
@@ -88,11 +94,15 @@ def has_packing() -> bool:
     return "packing" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def engine_config(device: str, threads: int, packing, precision: str = "auto"):
+def engine_config(
+    device: str, threads: int, packing, precision: str = "auto", training_gemm: str = "torch"
+):
     """``engine.*`` for one process; ``packing`` None = the key's default."""
     from rlhf.config import EngineConfig
 
     kw = dict(device=device, threads_per_rank=threads, precision=precision)
+    if training_gemm != "torch":
+        kw["training_gemm"] = training_gemm
     if packing is not None:
         kw["packing"] = packing
     return EngineConfig(**kw)
@@ -148,6 +158,44 @@ def build(stage: str, model_dir: Path, ecfg, tcfg, mesh, tokenizer):
 
 def real_tokens(batch: dict) -> int:
     return int(batch["attention_mask"].sum())
+
+
+def count_cpu_kernels() -> None:
+    """Teaches torch's FLOP counter the CPU kernels its registry lacks: the fused attention
+    (forward and backward: the formulas of the other SDPA kernels, halved for a causal call, as the
+    kernel skips the blocks above the diagonal) and oneDNN's linear
+    (``engine.training_gemm=onednn``: 2·M·N·K)."""
+    import math
+
+    import torch
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    if aten._scaled_dot_product_flash_attention_for_cpu in fc.flop_registry:
+        return
+
+    @fc.register_flop_formula(torch.ops.mkldnn._linear_pointwise)
+    def _linear(x, w, *args, out_shape=None, **kw):
+        return 2 * math.prod(x[:-1]) * w[0] * x[-1]
+
+    @fc.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
+    def _fwd(query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kw):
+        return fc.sdpa_flop_count(query, key, value) // (2 if is_causal else 1)
+
+    @fc.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    def _bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, *a, out_shape=None, **k):
+        return fc.sdpa_backward_flop_count(grad_out, query, key, value) // (2 if is_causal else 1)
+
+
+def counted_flops(step_fn, batch: dict) -> int:
+    """The FLOPs of one step on ``batch`` as torch's FLOP counter sees its kernels (GEMMs and
+    attention, forward and backward; elementwise work not counted), by running it once more."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    count_cpu_kernels()
+    with FlopCounterMode(display=False) as counter:
+        step_fn([batch])
+    return counter.get_total_flops()
 
 
 def time_steps(step_fn, batches: list, device) -> list:
@@ -222,6 +270,18 @@ def main() -> None:
         choices=sorted(VARIANTS),
         help="default: padded packed_whole packed on hh, rlhf on tiny and small",
     )
+    ap.add_argument(
+        "--training-gemm",
+        default="torch",
+        choices=("torch", "onednn"),
+        help="engine.training_gemm (rlhf/ops/train_gemm.py)",
+    )
+    ap.add_argument(
+        "--flops",
+        action="store_true",
+        help="also gflops_per_s and peak_share: each timed batch's step once more under torch's "
+        "FLOP counter, over the matmul peak in the compute dtype (bench/common.py)",
+    )
     args = ap.parse_args()
     if args.steps < 1:
         sys.exit("bench/stages.py: --steps must be at least 1")
@@ -230,13 +290,14 @@ def main() -> None:
 
     from rlhf.config import TrainConfig
     from rlhf.engine.mesh import init_mesh
+    from rlhf.engine.train import compute_dtype
 
     mesh = init_mesh(engine_config(args.device, args.threads, None, args.precision))
+    peak = None  # the matmul peak in the compute dtype, measured once (--flops)
     for workload in args.workloads:
         data = prepare(workload)
         with tempfile.TemporaryDirectory(prefix="bench_stages_") as tmp:
-            model_dir = Path(tmp) / "model"
-            params = save_model(data, model_dir)
+            model_dir, params = save_model(data, Path(tmp) / "model")
             for stage in args.stages:
                 draws = batch_indices(
                     rows_of(stage, data), args.rows, args.warmup + args.steps, args.seed
@@ -254,7 +315,9 @@ def main() -> None:
                             file=sys.stderr,
                         )
                         continue
-                    ecfg = engine_config(args.device, args.threads, packing, args.precision)
+                    ecfg = engine_config(
+                        args.device, args.threads, packing, args.precision, args.training_gemm
+                    )
                     set_sharing(share)
                     tcfg = TrainConfig(
                         max_steps=len(batches),
@@ -265,6 +328,7 @@ def main() -> None:
                     )
                     step_fn, engines = build(stage, model_dir, ecfg, tcfg, mesh, data.tokenizer)
                     times = time_steps(step_fn, batches, mesh.device)[args.warmup :]
+                    flops = [counted_flops(step_fn, b) for b in timed] if args.flops else []
                     del step_fn, engines
                     gc.collect()
                     step = statistics.median(times)
@@ -285,12 +349,24 @@ def main() -> None:
                         "params": params,
                         "precision": args.precision,
                     }
-                    for metric, value, unit in (
+                    if args.training_gemm != "torch":
+                        base["training_gemm"] = args.training_gemm
+                    lines = [
                         ("s_per_step", step, "s"),
                         ("tokens_per_s", tps, "tokens/s"),
                         ("samples_per_s", args.rows / step, "samples/s"),
                         ("padding_share", padding, "share"),
-                    ):
+                    ]
+                    if flops:
+                        achieved = statistics.median(f / t for f, t in zip(flops, times))
+                        if peak is None:
+                            peak = matmul_peak(compute_dtype(ecfg, mesh))
+                        base["peak_gflops"] = round(peak / 1e9, 1)
+                        lines += [
+                            ("gflops_per_s", achieved / 1e9, "GFLOP/s"),
+                            ("peak_share", achieved / peak, "share"),
+                        ]
+                    for metric, value, unit in lines:
                         print(
                             json.dumps(
                                 {**base, "metric": metric, "value": round(value, 4), "unit": unit}

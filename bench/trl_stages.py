@@ -130,8 +130,7 @@ def main() -> None:
         data = prepare(workload)
         tok = data.tokenizer
         with tempfile.TemporaryDirectory(prefix="bench_trl_stages_") as tmp:
-            model_dir = Path(tmp) / "model"
-            save_model(data, model_dir)
+            model_dir, _ = save_model(data, Path(tmp) / "model")
             for stage in args.stages:
                 if stage == "dpo" and workload not in SEQ_WORKLOADS:
                     # DPOTrainer tokenizes text itself: hh's rows (prompts cut from the left) would

@@ -780,6 +780,10 @@ class EngineConfig:
     # fp32 decode GEMMs, oneDNN-packed bf16), reference = plain GEMMs everywhere (fp32 results
     # differ from auto's at rounding level only)
     inference_kernels: str = "auto"  # auto | reference
+    # the training forwards' and backwards' fp32 Linear GEMMs on the CPU: torch = F.linear (MKL's
+    # sgemm on x86); onednn = oneDNN's (rlhf/ops/train_gemm.py), 1.5–1.8× faster GEMMs where MKL
+    # lacks an AVX-512 path (AMD EPYC); results differ from torch's at fp32 rounding level
+    training_gemm: str = "torch"  # torch | onednn
     # the decode loop on CUDA: auto = a static decode step (fixed batch, finished rows masked, no
     # host synchronisation) replayed as a CUDA graph per (batch bucket, cache span) — eager static
     # step with inference_tp_size > 1; off = the row-removing loop with a host check per step (the
@@ -852,6 +856,12 @@ class EngineConfig:
             "engine.inference_kernels",
             self.inference_kernels,
             "auto or reference",
+        )
+        _check(
+            self.training_gemm in ("torch", "onednn"),
+            "engine.training_gemm",
+            self.training_gemm,
+            "torch or onednn",
         )
         _check(
             self.cuda_graphs in ("auto", "off"),

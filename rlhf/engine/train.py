@@ -43,6 +43,7 @@ from rlhf.models import streaming
 from rlhf.models.loading import decoder_layers
 from rlhf.models.lora import adapters_disabled, is_param_wrapper, is_peft
 from rlhf.models.moe import moe_blocks
+from rlhf.ops import train_gemm
 from rlhf.threads import fit_to_model
 
 log = logging.getLogger("rlhf")
@@ -82,6 +83,7 @@ def wrap_model(
     check_offload(ecfg, mesh)
     expert_parallel = experts.applies(model, ecfg, mesh.world_size)
     apply_ac(model, ecfg)
+    apply_training_gemm(model, ecfg, mesh)
     offload = ecfg.offload == "cpu"
     if not mesh.distributed and not offload:
         _say_once_single_process(ecfg, mesh)
@@ -94,6 +96,25 @@ def wrap_model(
         return apply_ddp(model, mesh, trainable)
     # one process with offload: FSDP2 over its one-rank group
     return apply_fsdp(model, mesh, ecfg, expert_parallel)
+
+
+def apply_training_gemm(model: nn.Module, ecfg: EngineConfig, mesh: Mesh) -> None:
+    """``engine.training_gemm=onednn``: the model's fp32 Linear GEMMs through oneDNN on the CPU
+    (rlhf/ops/train_gemm.py); one line in the log. Unavailable in this build: exit 2."""
+    if ecfg.training_gemm != "onednn" or mesh.device.type != "cpu":
+        return
+    if not train_gemm.available():
+        raise ConfigError(
+            "engine.training_gemm=onednn: this torch build has no oneDNN (mkldnn) linear op on "
+            "the CPU; set engine.training_gemm=torch"
+        )
+    n = train_gemm.install(model)
+    if mesh.is_main and n:
+        log.info(
+            "engine.training_gemm=onednn: %d linear layers%s train through oneDNN's GEMMs",
+            n,
+            f" of the {ecfg.role}" if ecfg.role else "",
+        )
 
 
 def check_offload(ecfg: EngineConfig, mesh: Mesh) -> None:
