@@ -28,6 +28,8 @@ SEQ_WORKLOADS = ("tiny", "small")  # fixed-length rows
 # the HH rows on the real pretrained model (rlhf/models/get.py fetches it on first use)
 REAL_MODEL = "smollm2-135m-instruct"
 ALL_WORKLOADS = ("hh",) + SEQ_WORKLOADS + ("smollm2",)
+# bench/stages.py's default: the workloads that need no download
+DEFAULT_WORKLOADS = ("hh",) + SEQ_WORKLOADS
 
 
 @dataclasses.dataclass

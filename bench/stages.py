@@ -1,7 +1,8 @@
 """Seconds per optimizer step of the SFT, reward-model and DPO stages (JSON lines,
     docs/benchmarks.md).
 
-    python bench/stages.py [--stages sft reward dpo] [--workloads hh tiny small] [--steps 5]
+    python bench/stages.py [--stages sft reward dpo] [--workloads hh tiny small [smollm2]]
+                           [--steps 5]
                            [--warmup 1] [--threads N] [--rows 8] [--device auto|cpu|cuda] [--seed 0]
                            [--variants padded packed_whole packed rlhf]
                            [--precision auto|fp32|bf16] [--flops]
@@ -77,6 +78,7 @@ from common import device_label, matmul_peak  # noqa: E402
 # this file
 from stage_data import (  # noqa: E402
     ALL_WORKLOADS,
+    DEFAULT_WORKLOADS,
     STAGES,
     batch_indices,
     collate,
@@ -171,20 +173,23 @@ def count_cpu_kernels() -> None:
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
-    if aten._scaled_dot_product_flash_attention_for_cpu in fc.flop_registry:
-        return
 
-    @fc.register_flop_formula(torch.ops.mkldnn._linear_pointwise)
     def _linear(x, w, *args, out_shape=None, **kw):
         return 2 * math.prod(x[:-1]) * w[0] * x[-1]
 
-    @fc.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
     def _fwd(query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kw):
         return fc.sdpa_flop_count(query, key, value) // (2 if is_causal else 1)
 
-    @fc.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
     def _bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, *a, out_shape=None, **k):
         return fc.sdpa_backward_flop_count(grad_out, query, key, value) // (2 if is_causal else 1)
+
+    for op, formula in (
+        (torch.ops.mkldnn._linear_pointwise, _linear),
+        (aten._scaled_dot_product_flash_attention_for_cpu, _fwd),
+        (aten._scaled_dot_product_flash_attention_for_cpu_backward, _bwd),
+    ):
+        if op not in fc.flop_registry:
+            fc.register_flop_formula(op)(formula)
 
 
 def counted_flops(step_fn, batch: dict) -> int:
@@ -233,10 +238,10 @@ def set_sharing(share: bool) -> None:
 
 def variants_of(workload: str, requested=None) -> list:
     """(variant name, engine.packing) pairs to run on a workload: ``requested`` (--variants), else
-    padded, packed_whole and packed on hh and rlhf on the fixed-length workloads."""
+    padded, packed_whole and packed on the HH workloads and rlhf on the fixed-length ones."""
     if requested:
         names = requested
-    elif workload == "hh":
+    elif workload in ("hh", "smollm2"):
         names = ["padded", "packed_whole", "packed"]
     else:
         names = ["rlhf"]
@@ -246,7 +251,9 @@ def variants_of(workload: str, requested=None) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
-    ap.add_argument("--workloads", nargs="+", default=list(ALL_WORKLOADS), choices=ALL_WORKLOADS)
+    ap.add_argument(
+        "--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=ALL_WORKLOADS
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument(

@@ -8,14 +8,13 @@ tokens (forward, input gradient, weight gradient) run 1.5–1.8× faster through
 fp32 GEMMs either way and differ at rounding level (another summation order), which is why this is
 a choice and not the default: the default keeps torch's numbers, which the numbers contract holds
 to. What this covers: every ``nn.Linear`` of a model whose weight has at least ``MIN_WEIGHTS``
-entries (LoRA's rank-r matrices stay on torch's path: oneDNN's per-call cost loses there), when
+entries (smaller ones — LoRA's rank-r matrices at the usual ranks — stay on torch's path: oneDNN's
+per-call cost loses there), when
 input and weight are fp32 on the CPU outside autocast; anything else (bf16 autocast, CUDA) takes
 ``F.linear`` as before.
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +48,8 @@ class _Linear(torch.autograd.Function):
         # (the input is kept only for the weight's gradient)
         ctx.save_for_backward(x2 if weight.requires_grad else None, weight)
         ctx.in_shape = x.shape
-        return y.view(*x.shape[:-1], weight.shape[0])
+        # (not a view, as F.linear's output is not: in-place ops on it stay allowed)
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad):
@@ -79,16 +79,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias)
+class OneDNNLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward is ``linear``: what ``install`` turns a layer into (its class
+    swapped in place: parameters, hooks and state dict unchanged; a pickled model loads back)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def install(model: nn.Module) -> int:
-    """Routes the ``nn.Linear`` layers of ``model`` with at least ``MIN_WEIGHTS`` weights through
-    ``linear``; returns how many."""
+    """Turns the ``nn.Linear`` layers of ``model`` with at least ``MIN_WEIGHTS`` weights into
+    ``OneDNNLinear``; returns how many."""
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear and m.weight.numel() >= MIN_WEIGHTS:
-            m.forward = types.MethodType(_forward, m)
+            m.__class__ = OneDNNLinear
             n += 1
     return n

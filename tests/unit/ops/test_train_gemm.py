@@ -1,6 +1,8 @@
 """engine.training_gemm=onednn: the training Linear GEMMs through oneDNN on the CPU, against
 torch's F.linear (values and gradients at fp32 rounding; training steps of a model)."""
 
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,9 @@ def test_linear_and_its_gradients_equal_f_linear(bias, frozen):
         grads.append([y] + list(torch.autograd.grad((y * up).sum(), leaves)))
     for ref, got in zip(*grads):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    y = train_gemm.linear(x, w, b)
+    assert not y._is_view()  # in-place ops on the output stay allowed, as on F.linear's
+    y.mul_(2)
     # bf16 (autocast or bf16 tensors) and anything off the fp32 CPU path is F.linear itself
     xb, wb = x.detach().bfloat16(), w.detach().bfloat16()
     assert torch.equal(train_gemm.linear(xb, wb), F.linear(xb, wb))
@@ -62,7 +67,7 @@ def test_training_steps_match_torch_gemms(monkeypatch):
             TrainConfig(lr=1e-3, warmup_steps=0, max_steps=3),
         )
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        patched = [m for m in linears if "forward" in vars(m)]
+        patched = [m for m in linears if isinstance(m, train_gemm.OneDNNLinear)]
         assert len(patched) == (len(linears) if gemm == "onednn" else 0)
         engine.train()
         for _ in range(3):
@@ -70,5 +75,14 @@ def test_training_steps_match_torch_gemms(monkeypatch):
             engine.backward(out.loss)
             engine.step()
         finals.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        if gemm == "onednn":
+            # the swapped class pickles and loads back
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            buf.seek(0)
+            back = torch.load(buf, weights_only=False)
+            assert sum(isinstance(m, train_gemm.OneDNNLinear) for m in back.modules()) == len(
+                patched
+            )
     for k, ref in finals[0].items():
         torch.testing.assert_close(finals[1][k], ref, rtol=1e-4, atol=1e-5, msg=k)
