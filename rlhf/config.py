@@ -1118,6 +1118,8 @@ class AlgorithmConfig:
     # a Mixture-of-Experts actor: the load-balancing loss in the update (the SFT stage's, over
     # every rank's tokens of each micro-batch; rlhf/models/moe.py), 0 = off
     router_aux_loss_coef: float = 0.0
+    # ... and the router z-loss (the SFT stage's train.router_z_loss_coef), 0 = off
+    router_z_loss_coef: float = 0.0
     # PPO-ptx: language-model loss on SFT data
     ptx_coef: float = 0.0
     reward_clip: Optional[float] = 5.0
@@ -1200,6 +1202,9 @@ class AlgorithmConfig:
             "none, tis or mis",
         )
         _check(self.tis_cap >= 1.0, "algorithm.tis_cap", self.tis_cap, "a number >= 1")
+        for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, key)
+            _check(value >= 0, f"algorithm.{key}", value, "a non-negative number")
 
 
 # ppo.rollout_guard_max=0: the threshold of each compared precision, nats per response token

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import List, Optional
@@ -33,7 +32,7 @@ from rlhf.envs.builtin import environment, say_sandbox
 from rlhf.errors import ConfigError
 from rlhf.launcher import interrupt
 from rlhf.models import loading, lora
-from rlhf.models.moe import Balance, Dropped, RouterTerms, balancing, capacity
+from rlhf.models.moe import Dropped, RouterLosses, RouterTerms, capacity
 from rlhf.outputs.log import progress
 from rlhf.rl.episodes import EpisodeRunner
 from rlhf.runtime.evaluation import stage_gold
@@ -281,35 +280,31 @@ def train_step(
     gradient does not depend on how the batch is split over ranks and accumulation steps."""
     mesh = actor.mesh
     n_tokens = mesh.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches))
-    loss_sum, balance, aux_sum, z_sum, dropped = 0.0, Balance(), 0.0, 0.0, Dropped()
-    # the router terms over the ranks' i-th micro-batches together (each rank's share)
-    over_ranks = lambda t: mesh.all_reduce(t.clone())  # noqa: E731
+    loss_sum, dropped = 0.0, Dropped()
+    terms = RouterLosses(actor.module, router, mesh, len(micro_batches))
     for i, b in enumerate(micro_batches):
-        seen = len(balance.losses)
         mask = b["attention_mask"]
-        watch = balancing(actor.module, mask, balance, over_ranks)
         limit = capacity(actor.module, mask, router.capacity_factor, router.min_capacity, dropped)
-        with watch if router.losses else nullcontext(), limit:
+        with terms.micro_batch(mask), limit:
             nll, _ = nll_sum(actor.forward, b, mesh.device)
         # FSDP/DDP average gradients over ranks: scale by the world size to keep the global mean
         # (the NLL's and the router terms': each rank holds its share of them).
         loss = nll / max(n_tokens, 1) * mesh.world_size
-        if router.losses:
-            aux = balance.mean_loss(seen) / len(micro_batches)
-            z = balance.mean_z(seen) / len(micro_batches)
-            loss = loss + (router.aux_coef * aux + router.z_coef * z) * mesh.world_size
-            aux_sum, z_sum = aux_sum + float(aux.detach()), z_sum + float(z.detach())
+        term = terms.loss()
+        if term is not None:
+            loss = loss + term
         actor.backward(loss, sync=i == len(micro_batches) - 1)
         loss_sum += float(nll.detach())
     grad_norm = actor.step()
     moe = {}
     if router.losses:
         # per MoE layer, its load over the micro-batches (the same on every rank: over the ranks)
-        layers = len(balance.loads) // len(micro_batches)
-        per_layer = torch.tensor(balance.loads).view(-1, layers).mean(0).tolist()
+        loads = terms.balance.loads
+        layers = len(loads) // len(micro_batches)
+        per_layer = torch.tensor(loads).view(-1, layers).mean(0).tolist()
         moe = {
-            "moe/aux_loss": mesh.sum(aux_sum),
-            "moe/z_loss": mesh.sum(z_sum),
+            "moe/aux_loss": mesh.sum(terms.aux),
+            "moe/z_loss": mesh.sum(terms.z),
             "moe/load_max_mean": sum(per_layer) / layers,
             **{f"moe/load_max_mean/{j}": load for j, load in enumerate(per_layer)},
         }

@@ -301,3 +301,38 @@ class RouterTerms:
     @property
     def losses(self) -> bool:
         return bool(self.aux_coef or self.z_coef)
+
+
+class RouterLosses:
+    """The load-balancing loss and router z-loss of one optimizer step's micro-batches (both
+    training paths: SFT's step and the PPO family's update). Each micro-batch's forward runs inside
+    ``micro_batch(mask)``; ``loss()`` then gives the term to add to that micro-batch's loss: the
+    means of its MoE layers' terms over the ranks' i-th micro-batches taken together (each rank its
+    share), ÷ the step's micro-batches, weighted, × the world size (FSDP/DDP average gradients over
+    the ranks). ``aux`` and ``z`` sum the unweighted terms this rank added (the metrics);
+    ``balance`` holds every layer's load. Off (no hooks, no term) unless ``terms.losses``."""
+
+    def __init__(self, model, terms: RouterTerms, mesh, micro_batches: int):
+        self.model, self.terms, self.mesh, self.n = model, terms, mesh, micro_batches
+        self.balance = Balance()
+        self.aux = self.z = 0.0
+        self._seen = 0
+
+    def micro_batch(self, mask: Optional[torch.Tensor]):
+        """The context a micro-batch's forward runs in (``mask`` [B, T], 1 = a real token)."""
+        if not self.terms.losses:
+            return nullcontext()
+        self._seen = len(self.balance.losses)
+        return balancing(self.model, mask, self.balance, lambda t: self.mesh.all_reduce(t.clone()))
+
+    def loss(self) -> Optional[torch.Tensor]:
+        """The last micro-batch's term (None when off)."""
+        if not self.terms.losses:
+            return None
+        aux = self.balance.mean_loss(self._seen) / self.n
+        z = self.balance.mean_z(self._seen) / self.n
+        self.aux, self.z = self.aux + float(aux.detach()), self.z + float(z.detach())
+        term = self.terms.aux_coef * aux
+        if self.terms.z_coef:
+            term = term + self.terms.z_coef * z
+        return term * self.mesh.world_size

@@ -10,7 +10,6 @@ rows runs zero-weight rows so that every rank makes the same number of (collecti
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -23,7 +22,7 @@ from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.engine.logprobs import logits_stats, response_logits, scoring_temperature
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
-from rlhf.models.moe import Balance, aux_loss_coef, balancing, replay_rows
+from rlhf.models.moe import RouterLosses, RouterTerms, aux_loss_coef, replay_rows, routers
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import Experience, critic_values
 from rlhf.rl.minibatch import Minibatch, global_rows, micro_batches, micro_rows, minibatches
@@ -79,6 +78,13 @@ class Updater:
         self.kl_in_loss = estimator(alg).kl_in_loss
         self.updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
         self.skipped_in_a_row = 0
+        # a MoE actor's router terms in the update (none for a dense one)
+        self.router = RouterTerms()
+        if routers(actor.module):
+            self.router = RouterTerms(
+                aux_coef=aux_loss_coef(actor.module, alg.router_aux_loss_coef),
+                z_coef=alg.router_z_loss_coef,
+            )
 
     def update(self, exp: Experience, step: int, kl_beta: float) -> Dict[str, float]:
         """The updates of step ``step`` (minibatches in a seeded order of their own); returns each
@@ -168,10 +174,9 @@ class Updater:
         loss_sum, sums, ok = 0.0, None, True
         # Σ GKD's divergence over the policy tokens (algorithm.gkd_coef > 0)
         gkd_sum = 0.0
-        # a MoE actor's load-balancing terms (algorithm.router_aux_loss_coef > 0), over the ranks'
-        # i-th micro-batches together (each rank's share)
-        aux_coef, balance = aux_loss_coef(actor.module, alg.router_aux_loss_coef), Balance()
-        over_ranks = lambda t: mesh.all_reduce(t.clone())  # noqa: E731
+        # a MoE actor's load-balancing loss and router z-loss (algorithm.router_aux_loss_coef,
+        # router_z_loss_coef), over the ranks' i-th micro-batches together (each rank's share)
+        router = RouterLosses(actor.module, self.router, mesh, len(parts))
         for i, (r, w) in enumerate(parts):
             mask = exp.loss_mask[r] * w
             weights = ppo_math.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
@@ -189,11 +194,9 @@ class Updater:
                     "rollout/correction_mean", float((correction * mask).sum()), float(mask.sum())
                 )
             entropy = "loss" if alg.entropy_coef else "metric"
-            # (a MoE actor: the rollout's experts; ppo.routing_replay)
-            seen = len(balance.losses)
-            # (a stand-in micro-batch, weight 0: its tokens take no part)
-            watch = balancing(actor.module, att[r] * (w > 0), balance, over_ranks)
-            with replay_rows(actor.module, exp.routing, r), watch if aux_coef else nullcontext():
+            # (a MoE actor: the rollout's experts, ppo.routing_replay; a stand-in micro-batch,
+            # weight 0: its tokens take no part in the router terms)
+            with replay_rows(actor.module, exp.routing, r), router.micro_batch(att[r] * (w > 0)):
                 logits = response_logits(actor.forward, seq[r], att[r], prompt_len, keep)
             logp, ent = logits_stats(logits, seq[r][:, prompt_len:], self.ppo.temperature, entropy)
             pl, st = ppo_math.policy_loss(
@@ -220,11 +223,9 @@ class Updater:
                 on_samples = alg.gkd_coef * (1 - alg.gkd_data_share)
                 loss = loss + on_samples * (gkd * weights).sum() / normalizer
                 gkd_sum += float((gkd.detach() * mask).sum())
-            if aux_coef:
-                # FSDP/DDP average over ranks: each rank's share × the world size
-                aux = balance.mean_loss(seen) / len(parts)
-                loss = loss + aux_coef * aux * mesh.world_size
-                stats.add("moe/aux_loss", float(aux.detach()), 1.0 / len(parts) / mesh.world_size)
+            term = router.loss()
+            if term is not None:
+                loss = loss + term
             last = i == len(parts) - 1
             if last and alg.ptx_coef:
                 ptx_l = self.records.ptx_loss(actor, update, global_size)
@@ -255,6 +256,11 @@ class Updater:
         stats.add("entropy", float(ent_sum / max(float(tokens), 1)))
         if alg.gkd_coef:
             stats.add("distill/gkd", mesh.sum(gkd_sum) / max(float(tokens), 1))
+        if self.router.losses:
+            # (each micro-batch's term is already ÷ the micro-batches: the sum over them and ranks)
+            stats.add("moe/aux_loss", router.aux, 1.0 / mesh.world_size)
+            if self.router.z_coef:
+                stats.add("moe/z_loss", router.z, 1.0 / mesh.world_size)
         return ok
 
     def data_divergence(self, update: int, size: int) -> torch.Tensor:

@@ -59,11 +59,14 @@ def grpo(moe_sft, run_dir, *extra):
 
 
 def test_moe_grpo_replays_the_rollouts_experts(moe_sft, tmp_path):
-    steps = grpo(moe_sft, tmp_path / "fp32")
+    # (with the router terms in the update: the balancing loss and the z-loss)
+    router = ("algorithm.router_aux_loss_coef=0.01", "algorithm.router_z_loss_coef=1e-3")
+    steps = grpo(moe_sft, tmp_path / "fp32", *router)
     assert len(steps) == 2
     for r in steps:
         assert r["moe/routing_flips"] < 0.01
         assert r["rollout/logprob_abs_diff_mean"] < 1e-5
+        assert 2.0 - 1e-4 <= r["moe/aux_loss"] < 4.0 and r["moe/z_loss"] > 0
     # a bf16 rollout of the fp32 weights: flips, which replay takes out of the recompute
     bf16 = grpo(moe_sft, tmp_path / "bf16", "engine.inference_dtype=bf16")
     off = grpo(moe_sft, tmp_path / "off", "engine.inference_dtype=bf16", "ppo.routing_replay=false")

@@ -77,7 +77,15 @@ def test_the_dataset_divergence_is_the_token_mean_over_responses(beta):
     recs, actor, teacher = records(), TinyLM(1), TinyLM(2)
     alg = AlgorithmConfig(gkd_coef=1.0, gkd_beta=beta, gkd_data_share=0.5)
     up = Updater(
-        SimpleNamespace(forward=actor), None, alg, PPOConfig(), Mesh(), 3, recs, None, teacher
+        SimpleNamespace(forward=actor, module=actor),
+        None,
+        alg,
+        PPOConfig(),
+        Mesh(),
+        3,
+        recs,
+        None,
+        teacher,
     )
     got = up.data_divergence(update=2, size=8)
     b = recs.batch(2, 8, seeding.GKD_DATA)
