@@ -309,13 +309,15 @@ class RouterLosses:
     ``micro_batch(mask)``; ``loss()`` then gives the term to add to that micro-batch's loss: the
     means of its MoE layers' terms over the ranks' i-th micro-batches taken together (each rank its
     share), ÷ the step's micro-batches, weighted, × the world size (FSDP/DDP average gradients over
-    the ranks). ``aux`` and ``z`` sum the unweighted terms this rank added (the metrics);
-    ``balance`` holds every layer's load. Off (no hooks, no term) unless ``terms.losses``."""
+    the ranks). ``last`` holds the last micro-batch's unweighted terms (÷ the micro-batches) and
+    ``aux``, ``z`` their sums over the step (the metrics); ``balance`` every layer's load. Off (no
+    hooks, no term) unless ``terms.losses``."""
 
     def __init__(self, model, terms: RouterTerms, mesh, micro_batches: int):
         self.model, self.terms, self.mesh, self.n = model, terms, mesh, micro_batches
         self.balance = Balance()
         self.aux = self.z = 0.0
+        self.last = (0.0, 0.0)
         self._seen = 0
 
     def micro_batch(self, mask: Optional[torch.Tensor]):
@@ -331,7 +333,8 @@ class RouterLosses:
             return None
         aux = self.balance.mean_loss(self._seen) / self.n
         z = self.balance.mean_z(self._seen) / self.n
-        self.aux, self.z = self.aux + float(aux.detach()), self.z + float(z.detach())
+        self.last = float(aux.detach()), float(z.detach())
+        self.aux, self.z = self.aux + self.last[0], self.z + self.last[1]
         term = self.terms.aux_coef * aux
         if self.terms.z_coef:
             term = term + self.terms.z_coef * z

@@ -226,6 +226,12 @@ class Updater:
             term = router.loss()
             if term is not None:
                 loss = loss + term
+                # (each micro-batch's term is its share ÷ the micro-batches: summed over them and
+                # the ranks, the step's)
+                share = 1.0 / len(parts) / mesh.world_size
+                stats.add("moe/aux_loss", router.last[0], share)
+                if self.router.z_coef:
+                    stats.add("moe/z_loss", router.last[1], share)
             last = i == len(parts) - 1
             if last and alg.ptx_coef:
                 ptx_l = self.records.ptx_loss(actor, update, global_size)
@@ -256,11 +262,6 @@ class Updater:
         stats.add("entropy", float(ent_sum / max(float(tokens), 1)))
         if alg.gkd_coef:
             stats.add("distill/gkd", mesh.sum(gkd_sum) / max(float(tokens), 1))
-        if self.router.losses:
-            # (each micro-batch's term is already ÷ the micro-batches: the sum over them and ranks)
-            stats.add("moe/aux_loss", router.aux, 1.0 / mesh.world_size)
-            if self.router.z_coef:
-                stats.add("moe/z_loss", router.z, 1.0 / mesh.world_size)
         return ok
 
     def data_divergence(self, update: int, size: int) -> torch.Tensor:

@@ -156,6 +156,37 @@ def test_the_balancing_term_over_ranks_is_each_ranks_share():
     assert halves.loads == pytest.approx(one.loads, rel=1e-6)
 
 
+def test_router_losses_add_the_weighted_terms_of_each_micro_batch():
+    """``RouterLosses``: each micro-batch's term is (aux_coef · its balancing mean + z_coef · its
+    z-loss mean) ÷ the micro-batches × the world size, the z-term absent at z_coef 0; sums and the
+    last micro-batch's values for the metrics; off for a dense model's terms (no hooks, no term)."""
+    from types import SimpleNamespace
+
+    from rlhf.models.moe import Balance, RouterLosses, RouterTerms, balancing
+
+    model = tiny_model("mixtral", perturb=True)
+    mesh = SimpleNamespace(world_size=2, all_reduce=lambda t: t)
+    batches = [torch.randint(3, 90, (2, 6)) for _ in range(3)]
+    for z_coef in (0.0, 0.1):
+        terms = RouterLosses(model, RouterTerms(aux_coef=0.02, z_coef=z_coef), mesh, 3)
+        ref = Balance()
+        for ids in batches:
+            mask = torch.ones_like(ids)
+            with torch.no_grad(), terms.micro_batch(mask):
+                model(input_ids=ids, attention_mask=mask)
+            with torch.no_grad(), balancing(model, mask, ref):
+                model(input_ids=ids, attention_mask=mask)
+            aux, z = ref.mean_loss(len(ref.losses) - 2) / 3, ref.mean_z(len(ref.z_losses) - 2) / 3
+            want = (0.02 * aux + (z_coef * z if z_coef else 0.0)) * 2
+            assert float(terms.loss()) == pytest.approx(float(want), rel=1e-6)
+            assert terms.last == pytest.approx((float(aux), float(z)), rel=1e-6)
+        assert terms.aux == pytest.approx(float(ref.mean_loss()), rel=1e-6)
+    dense = RouterLosses(model, RouterTerms(), mesh, 1)
+    with dense.micro_batch(None):
+        pass
+    assert dense.loss() is None and not dense.balance.losses
+
+
 def test_experts_have_their_own_optimizer_group():
     """``train.expert_lr_scale`` / ``train.expert_weight_decay``: the experts' AdamW group (and its
     schedule) runs at the scaled rate with its decay; a step with scale 0.5 moves the experts as a
