@@ -37,7 +37,8 @@ def attend(
         )
     B, H, T, d = q.shape
     if fold_groups is None:
-        fold_groups = q.device.type == "cuda" or (T == 1 and q.dtype != torch.float32)
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        fold_groups = q.device.type == "cuda" or (T == 1 and half)
     kv = k.shape[1]
     if not fold_groups or H == kv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != kv)
