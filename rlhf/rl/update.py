@@ -223,15 +223,9 @@ class Updater:
                 on_samples = alg.gkd_coef * (1 - alg.gkd_data_share)
                 loss = loss + on_samples * (gkd * weights).sum() / normalizer
                 gkd_sum += float((gkd.detach() * mask).sum())
-            term = router.loss()
+            term = self._router_term(router, stats)
             if term is not None:
                 loss = loss + term
-                # (each micro-batch's term is its share ÷ the micro-batches: summed over them and
-                # the ranks, the step's)
-                share = 1.0 / len(parts) / mesh.world_size
-                stats.add("moe/aux_loss", router.last[0], share)
-                if self.router.z_coef:
-                    stats.add("moe/z_loss", router.last[1], share)
             last = i == len(parts) - 1
             if last and alg.ptx_coef:
                 ptx_l = self.records.ptx_loss(actor, update, global_size)
@@ -263,6 +257,17 @@ class Updater:
         if alg.gkd_coef:
             stats.add("distill/gkd", mesh.sum(gkd_sum) / max(float(tokens), 1))
         return ok
+
+    def _router_term(self, router: RouterLosses, stats: Stats) -> Optional[torch.Tensor]:
+        """A micro-batch's MoE router term (None: none) and its metrics: each micro-batch's term is
+        its share ÷ the micro-batches, so summed over them and the ranks, the step's."""
+        term = router.loss()
+        if term is not None:
+            share = 1.0 / router.n / self.mesh.world_size
+            stats.add("moe/aux_loss", router.last[0], share)
+            if self.router.z_coef:
+                stats.add("moe/z_loss", router.last[1], share)
+        return term
 
     def data_divergence(self, update: int, size: int) -> torch.Tensor:
         """GKD's divergence on the dataset's responses: the token mean, over every rank's tokens,
