@@ -739,6 +739,10 @@ class FP16Config:
             )
 
 
+# engine.host_malloc (rlhf/host_memory.py)
+HOST_MALLOC = ("reuse", "system")
+
+
 @dataclass
 class EngineConfig:
     # auto = $RLHF_DEVICE if set, else cuda when there is a GPU for every process of this node, else
@@ -763,6 +767,10 @@ class EngineConfig:
     timeout_s: int = 600
     # torch intra-op threads; 0 = cores / local ranks
     threads_per_rank: int = 0
+    # the CPU's large allocations: "reuse" keeps freed memory in glibc's heap for the next ones
+    # (no page faults on every logits tensor; the process holds its peak), "system" leaves glibc
+    # as it is (rlhf/host_memory.py)
+    host_malloc: str = "reuse"
     inference_tp_size: int = 1
     # Mixture-of-Experts models under ZeRO-2/3: each rank holds E / ep of every MoE layer's experts
     # and tokens travel to them by all-to-all within groups of ep ranks (rlhf/engine/experts.py);
@@ -782,8 +790,9 @@ class EngineConfig:
     inference_kernels: str = "auto"  # auto | reference
     # the training forwards' and backwards' fp32 Linear GEMMs on the CPU: torch = F.linear (MKL's
     # sgemm on x86); onednn = oneDNN's (rlhf/ops/train_gemm.py), 1.5–1.8× faster GEMMs where MKL
-    # lacks an AVX-512 path (AMD EPYC); results differ from torch's at fp32 rounding level
-    training_gemm: str = "torch"  # torch | onednn
+    # lacks an AVX-512 path (AMD EPYC); results differ from torch's at fp32 rounding level; auto =
+    # onednn where this torch build has it (the pretrained recipes), else torch
+    training_gemm: str = "torch"  # torch | onednn | auto
     # the decode loop on CUDA: auto = a static decode step (fixed batch, finished rows masked, no
     # host synchronisation) replayed as a CUDA graph per (batch bucket, cache span) — eager static
     # step with inference_tp_size > 1; off = the row-removing loop with a host check per step (the
@@ -828,6 +837,12 @@ class EngineConfig:
             self.timeout_s > 0, "engine.timeout_s", self.timeout_s, "a positive number of seconds"
         )
         _check(
+            self.host_malloc in HOST_MALLOC,
+            "engine.host_malloc",
+            self.host_malloc,
+            one_of(HOST_MALLOC),
+        )
+        _check(
             self.threads_per_rank >= 0,
             "engine.threads_per_rank",
             self.threads_per_rank,
@@ -858,10 +873,10 @@ class EngineConfig:
             "auto or reference",
         )
         _check(
-            self.training_gemm in ("torch", "onednn"),
+            self.training_gemm in ("torch", "onednn", "auto"),
             "engine.training_gemm",
             self.training_gemm,
-            "torch or onednn",
+            "torch, onednn or auto",
         )
         _check(
             self.cuda_graphs in ("auto", "off"),
@@ -1385,6 +1400,8 @@ MOVED_KEYS = {
 }
 # ppo.rollout_guard (rlhf/rl/rollout_guard.py)
 ROLLOUT_GUARD = ("stop", "rebuild", "off")
+# ppo.lm_head
+LM_HEAD = ("all", "response")
 
 
 @dataclass
@@ -1402,6 +1419,11 @@ class PPOConfig:
     # > 0: those forwards group rows by real tokens instead, at most this many a micro-batch (a
     # longer row alone), as many on every rank; 0 = off (rows as above)
     max_tokens_per_micro_batch: int = 0
+    # the positions the LM head runs over in the step's scoring and update forwards: "all" (every
+    # position: the fixed-seed reference) or "response" (the response tokens alone: packed forwards
+    # skip the prompt's and the padding's vocabulary-wide logits; the same numbers up to a GEMM's
+    # rounding, since its weight gradient sums fewer rows)
+    lm_head: str = "all"
     # None = per data format (DataConfig.default_new_tokens): 16 for the synthetic task, else
     # data.max_response_len; resolved when the whole config is built
     max_new_tokens: Optional[int] = None
@@ -1661,6 +1683,7 @@ class PPOConfig:
             self.max_staleness,
             "0 without rollout workers (set ppo.rollout_workers=1 to generate ahead of training)",
         )
+        _check(self.lm_head in LM_HEAD, "ppo.lm_head", self.lm_head, one_of(LM_HEAD))
         _check(
             self.rollout_guard in ROLLOUT_GUARD,
             "ppo.rollout_guard",

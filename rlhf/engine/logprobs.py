@@ -70,6 +70,53 @@ def response_logits(
     return logits[:, -(n + 1) : -1]
 
 
+def token_logits(
+    forward, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokens
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """([K, V] the logits that predict the response tokens set in ``tokens`` ([B, N]), row-major,
+    and the [B, N] bool of those K tokens). Only those positions' logits are computed
+    (``logits_at``: a packed forward runs the LM head over them alone; the values are the full
+    forward's up to the rounding of a GEMM over fewer rows). With no token set the first response
+    position's are computed (a forward still runs: every rank's collectives, the backward's hooks)
+    and ``sel`` names it."""
+    sel = tokens.bool()
+    if not bool(sel.any()):
+        sel = torch.zeros_like(sel)
+        sel[0, 0] = True
+    at = torch.zeros_like(attention_mask, dtype=torch.bool)
+    at[:, prompt_len - 1 : prompt_len - 1 + sel.shape[1]] = sel
+    logits = forward(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        logits_at=at,
+    ).logits
+    return logits, sel
+
+
+def spread(values: torch.Tensor, sel: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """[B, N]: ``values`` ([K], differentiable) at ``sel``'s K positions, ``fill`` (detached)
+    elsewhere."""
+    out = fill.detach().to(values.dtype).clone()
+    out[sel] = values
+    return out
+
+
+def token_logprobs(
+    forward,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """[B, N] log π of the response tokens set in ``tokens``, 0 elsewhere (``token_logits``)."""
+    logits, sel = token_logits(forward, sequences, attention_mask, prompt_len, tokens)
+    lp, _ = logits_stats(logits[None], sequences[:, prompt_len:][sel][None], temperature)
+    out = spread(lp[0], sel, torch.zeros(sel.shape, device=lp.device))
+    return torch.where(tokens.bool(), out, 0.0)
+
+
 def response_logprobs_top1(
     forward,
     sequences: torch.Tensor,

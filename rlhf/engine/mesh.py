@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from rlhf import host_memory
 from rlhf.config import ROLES, EngineConfig
 from rlhf.errors import ConfigError
 from rlhf.launcher.watchdog import start_heartbeat, stop_heartbeat
@@ -277,6 +278,9 @@ def init_mesh(engine: EngineConfig, roles=ROLES) -> Mesh:
             threads_why = f"{cores}; engine.threads_per_rank sets it"
         torch.set_num_threads(threads)
         threads_why = f"{threads} CPU threads per rank ({threads_why})"
+        said = host_memory.configure(engine.host_malloc)
+        if said:
+            threads_why += f"; {said}"
     if world_size > 1 and not dist.is_initialized():
         device_id = device if use_cuda else None
         dist.init_process_group(

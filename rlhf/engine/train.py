@@ -100,10 +100,13 @@ def wrap_model(
 
 def apply_training_gemm(model: nn.Module, ecfg: EngineConfig, mesh: Mesh) -> None:
     """``engine.training_gemm=onednn``: the model's fp32 Linear GEMMs through oneDNN on the CPU
-    (rlhf/ops/train_gemm.py); one line in the log. Unavailable in this build: exit 2."""
-    if ecfg.training_gemm != "onednn" or mesh.device.type != "cpu":
+    (rlhf/ops/train_gemm.py); one line in the log. Unavailable in this build: exit 2 (``auto``:
+    torch's GEMMs)."""
+    if ecfg.training_gemm == "torch" or mesh.device.type != "cpu":
         return
     if not train_gemm.available():
+        if ecfg.training_gemm == "auto":
+            return
         raise ConfigError(
             "engine.training_gemm=onednn: this torch build has no oneDNN (mkldnn) linear op on "
             "the CPU; set engine.training_gemm=torch"
@@ -111,7 +114,8 @@ def apply_training_gemm(model: nn.Module, ecfg: EngineConfig, mesh: Mesh) -> Non
     n = train_gemm.install(model)
     if mesh.is_main and n:
         log.info(
-            "engine.training_gemm=onednn: %d linear layers%s train through oneDNN's GEMMs",
+            "engine.training_gemm=%s: %d linear layers%s train through oneDNN's GEMMs",
+            ecfg.training_gemm,
             n,
             f" of the {ecfg.role}" if ecfg.role else "",
         )

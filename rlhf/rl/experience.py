@@ -21,7 +21,12 @@ from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.data.records import Example
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.infer import Generation
-from rlhf.engine.logprobs import keeps_logits, response_logprobs, response_logprobs_top1
+from rlhf.engine.logprobs import (
+    keeps_logits,
+    response_logprobs,
+    response_logprobs_top1,
+    token_logprobs,
+)
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.rows import join, joined, per_row, take
 from rlhf.engine.train import TrainEngine
@@ -205,6 +210,11 @@ class Collector:
         def logprobs(model: Model, score=response_logprobs, replay=False) -> torch.Tensor:
             def one(r):
                 with replay_rows(model.module, routing if replay else None, r, flips):
+                    if score is response_logprobs and ppo.lm_head == "response":
+                        # the LM head over the response tokens alone (0 at the padding)
+                        return token_logprobs(
+                            model.forward, seq[r], att[r], prompt_len, mask[r], sp.temperature
+                        )
                     return score(
                         model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
                     )
@@ -292,7 +302,7 @@ class Collector:
         seq, ppo = gen.sequences, self.ppo
         keep = keeps_logits(unwrap(self.actor.module))
         logits_len = seq.shape[1]
-        if keep:
+        if keep or ppo.lm_head == "response":
             # the model computes logits for the response (and the token before it) only
             logits_len = seq.shape[1] - gen.prompt_len + 1
         micro = micro_rows(self.actor, seq.shape[0], logits_len, ppo.micro_batch_per_rank)

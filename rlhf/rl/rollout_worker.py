@@ -156,11 +156,14 @@ def _get(q, parent: int):
 
 def main(spec: WorkerSpec, requests, results, weights) -> None:
     """The worker process (``torch.multiprocessing`` spawn target)."""
+    from rlhf import host_memory
     from rlhf.errors import UserError, first_line
 
     logging.getLogger("rlhf").setLevel(logging.WARNING)
     try:
         torch.set_num_threads(spec.threads)
+        if spec.device == "cpu":
+            host_memory.configure(spec.cfg.engine.host_malloc)
         serve(spec, requests, results, weights)
     except UserError as e:
         results.put(Failed(str(e), 2))

@@ -19,7 +19,13 @@ from rlhf.algorithms import ppo as ppo_math
 from rlhf.algorithms.estimators import estimator, kl_kind
 from rlhf.algorithms.tokens import chunked_divergence, position_ids
 from rlhf.config import AlgorithmConfig, PPOConfig
-from rlhf.engine.logprobs import logits_stats, response_logits, scoring_temperature
+from rlhf.engine.logprobs import (
+    logits_stats,
+    response_logits,
+    scoring_temperature,
+    spread,
+    token_logits,
+)
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
 from rlhf.models.moe import RouterLosses, RouterTerms, aux_loss_coef, replay_rows, routers
@@ -99,7 +105,11 @@ class Updater:
         )
         ids = global_rows(exp.rows, exp.samples_per_prompt, mesh.rank, mesh.world_size)
         total_rows = exp.rows * mesh.world_size
-        micro = micro_rows(actor, exp.rows, exp.sequences.shape[1], ppo.micro_batch_per_rank)
+        # (ppo.lm_head=response: a row's logits are its response's at most)
+        logits_len = exp.sequences.shape[1]
+        if ppo.lm_head == "response":
+            logits_len -= exp.prompt_len
+        micro = micro_rows(actor, exp.rows, logits_len, ppo.micro_batch_per_rank)
         # each row's real tokens (ppo.max_tokens_per_micro_batch)
         tokens = exp.attention_mask.sum(1).tolist()
         update = step * self.updates_per_step
@@ -166,10 +176,6 @@ class Updater:
         (non-finite)."""
         actor, alg, mesh = self.actor, self.alg, self.mesh
         seq, att, prompt_len = exp.sequences, exp.attention_mask, exp.prompt_len
-        # Training forwards compute the logits of every position: asking for the response positions
-        # only (logits_to_keep) gives the same forward but sums the LM head's weight gradient in
-        # another order, and fixed-seed numbers are a contract.
-        keep = False
         # sums: clipped tokens, Σ approx-KL, tokens, Σ entropy
         loss_sum, sums, ok = 0.0, None, True
         # Σ GKD's divergence over the policy tokens (algorithm.gkd_coef > 0)
@@ -197,8 +203,7 @@ class Updater:
             # (a MoE actor: the rollout's experts, ppo.routing_replay; a stand-in micro-batch,
             # weight 0: its tokens take no part in the router terms)
             with replay_rows(actor.module, exp.routing, r), router.micro_batch(att[r] * (w > 0)):
-                logits = response_logits(actor.forward, seq[r], att[r], prompt_len, keep)
-            logp, ent = logits_stats(logits, seq[r][:, prompt_len:], self.ppo.temperature, entropy)
+                logp, ent, logits, sel = self._forward(exp, r, entropy)
             pl, st = ppo_math.policy_loss(
                 logp,
                 exp.old_logprobs[r],
@@ -219,7 +224,7 @@ class Updater:
                 loss = loss - alg.entropy_coef * (ent * weights).sum() / normalizer
             if alg.gkd_coef:
                 # GKD: the teacher's whole next-token distribution, not the sampled token's
-                gkd = self.divergence(logits, seq[r], att[r], prompt_len)
+                gkd = self.divergence(logits, seq[r], att[r], prompt_len, sel)
                 on_samples = alg.gkd_coef * (1 - alg.gkd_data_share)
                 loss = loss + on_samples * (gkd * weights).sum() / normalizer
                 gkd_sum += float((gkd.detach() * mask).sum())
@@ -258,6 +263,28 @@ class Updater:
             stats.add("distill/gkd", mesh.sum(gkd_sum) / max(float(tokens), 1))
         return ok
 
+    def _forward(self, exp: Experience, r, entropy: str):
+        """The actor's forward on rows ``r``: ([b, N] log-probs, [b, N] entropy, the logits, the
+        [b, N] bool of the tokens they predict or None). ``ppo.lm_head=all`` computes the logits of
+        every position ([b, N, V] returned): asking for the response positions only gives the same
+        forward but sums the LM head's weight gradient in another order, and fixed-seed numbers are
+        a contract. ``response``: the logits of the loss's tokens alone ([K, V]; elsewhere the
+        log-probs are the old ones, the entropy 0)."""
+        seq, att, prompt_len, t = (
+            exp.sequences[r],
+            exp.attention_mask[r],
+            exp.prompt_len,
+            self.ppo.temperature,
+        )
+        if self.ppo.lm_head == "all":
+            logits = response_logits(self.actor.forward, seq, att, prompt_len, False)
+            logp, ent = logits_stats(logits, seq[:, prompt_len:], t, entropy)
+            return logp, ent, logits, None
+        logits, sel = token_logits(self.actor.forward, seq, att, prompt_len, exp.loss_mask[r])
+        lp, ent = logits_stats(logits[None], seq[:, prompt_len:][sel][None], t, entropy)
+        logp = spread(lp[0], sel, exp.old_logprobs[r])
+        return logp, spread(ent[0], sel, torch.zeros_like(logp)), logits, sel
+
     def _router_term(self, router: RouterLosses, stats: Stats) -> Optional[torch.Tensor]:
         """A micro-batch's MoE router term (None: none) and its metrics: each micro-batch's term is
         its share ÷ the micro-batches, so summed over them and the ranks, the step's."""
@@ -289,14 +316,20 @@ class Updater:
         n_tokens = mesh.sum(int(targets.sum()))
         return (div * targets).sum() / max(n_tokens, 1) * mesh.world_size
 
-    def divergence(self, logits, seq, att, prompt_len: int):
+    def divergence(self, logits, seq, att, prompt_len: int, sel=None):
         """[b, N] GKD's divergence (``chunked_divergence``) between the teacher's and the actor's
-        next-token distributions at each response position; differentiable in the actor's
+        next-token distributions at each response position (``sel``'s alone when given: the
+        actor's ``logits`` are then theirs, [K, V]; 0 elsewhere); differentiable in the actor's
         ``logits``."""
         alg, t = self.alg, scoring_temperature(self.ppo.temperature)
+        if sel is None:
+            with torch.no_grad():
+                teacher = response_logits(self.teacher.forward, seq, att, prompt_len, False)
+            return chunked_divergence(logits, teacher, alg.gkd_beta, t, alg.gkd_top_k)
         with torch.no_grad():
-            teacher = response_logits(self.teacher.forward, seq, att, prompt_len, False)
-        return chunked_divergence(logits, teacher, alg.gkd_beta, t, alg.gkd_top_k)
+            teacher, _ = token_logits(self.teacher.forward, seq, att, prompt_len, sel)
+        div = chunked_divergence(logits[None], teacher[None], alg.gkd_beta, t, alg.gkd_top_k)
+        return spread(div[0], sel, torch.zeros(sel.shape, device=div.device))
 
     def _critic_step(
         self, exp: Experience, parts: List[Part], normalizer: float, stats: Stats
