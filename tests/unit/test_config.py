@@ -107,6 +107,16 @@ def test_bad_dpo_config(override, fragment):
     assert fragment in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "override, fragment",
+    [("ppo.lm_head=prompt", "ppo.lm_head='prompt'"), ("engine.host_malloc=jemalloc", "jemalloc")],
+)
+def test_bad_choice(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        compose_config(["stage=dpo", override])
+    assert fragment in str(e.value)
+
+
 def test_dpo_config_and_its_data_split():
     from rlhf.data.pipeline import split_share_of
 

@@ -24,6 +24,22 @@ def test_config_values():
     assert cfg.engine.training_gemm == "onednn"
     with pytest.raises(ConfigError, match=r"engine.training_gemm"):
         EngineConfig(training_gemm="mkl")
+    # the pretrained recipes: oneDNN where the build has it
+    cfg = compose_config(["recipe=smollm2_arith", "stage=ppo"])[0]
+    assert cfg.engine.training_gemm == "auto" and cfg.ppo.lm_head == "response"
+
+
+def test_auto_is_onednn_where_available_else_torch(monkeypatch):
+    from rlhf.engine.mesh import Mesh
+    from rlhf.engine.train import apply_training_gemm
+
+    monkeypatch.setattr(train_gemm, "MIN_WEIGHTS", 0)
+    for available in (True, False):
+        monkeypatch.setattr(train_gemm, "available", lambda: available)
+        model = tiny_model("llama")
+        apply_training_gemm(model, EngineConfig(training_gemm="auto"), Mesh())
+        swapped = any(isinstance(m, train_gemm.OneDNNLinear) for m in model.modules())
+        assert swapped == available
 
 
 @needs_onednn

@@ -33,8 +33,9 @@ class Tok:
         return [" ".join(map(str, r)) for r in rows]
 
 
-def ppo_cfg(max_tokens: int = 0, micro: int = 0) -> PPOConfig:
+def ppo_cfg(max_tokens: int = 0, micro: int = 0, lm_head: str = "all") -> PPOConfig:
     return PPOConfig(
+        lm_head=lm_head,
         prompts_per_step=4,
         samples_per_prompt=2,
         ppo_epochs=2,
@@ -70,14 +71,22 @@ class BusierPeer(Mesh):
         return int(x) + 4
 
 
-def run(max_tokens: int, micro: int = 0, update_mesh: Mesh | None = None, mesh: Mesh | None = None):
+def run(
+    max_tokens: int,
+    micro: int = 0,
+    update_mesh: Mesh | None = None,
+    mesh: Mesh | None = None,
+    lm_head: str = "all",
+    gkd: bool = False,
+):
     """(experience, [actor gradients per update], [critic gradients per update]) of one GAE step:
-    the updates' gradients at the scoring weights (each captured, then dropped)."""
+    the updates' gradients at the scoring weights (each captured, then dropped). ``gkd``: GKD's
+    divergence to a teacher in the actor's loss too."""
     torch.manual_seed(1)
     mesh, alg, ppo = (
         mesh or Mesh(),
-        AlgorithmConfig(estimator="gae", kl_coef=0.1),
-        ppo_cfg(max_tokens, micro),
+        AlgorithmConfig(estimator="gae", kl_coef=0.1, gkd_coef=1.0 if gkd else 0.0),
+        ppo_cfg(max_tokens, micro, lm_head),
     )
     actor, critic, scorers, hybrid = models(mesh)
     prompts = PromptSource(
@@ -95,7 +104,10 @@ def run(max_tokens: int, micro: int = 0, update_mesh: Mesh | None = None, mesh: 
     capture_grads(actor, actor_grads)
     capture_grads(critic, critic_grads)
     actor.train()
-    Updater(actor, critic, alg, ppo, update_mesh or mesh, seed=0).update(exp, 0, alg.kl_coef)
+    teacher = FrozenModel(tiny_model(seed=2), mesh, EngineConfig(precision="fp32")) if gkd else None
+    Updater(actor, critic, alg, ppo, update_mesh or mesh, seed=0, teacher=teacher).update(
+        exp, 0, alg.kl_coef
+    )
     return exp, actor_grads, critic_grads
 
 
@@ -137,3 +149,35 @@ def test_extra_agreed_micro_batches_run_as_zero_weight_rows(reference):
     _, actor_grads, critic_grads = run(30, update_mesh=BusierPeer())
     for got, want in zip(actor_grads + critic_grads, ref_actor + ref_critic, strict=True):
         assert rel(got, want) <= TOL
+
+
+def same_step(a, b) -> None:
+    """Two runs' experience and gradients of one step agree within ``TOL`` (log-probs on the
+    response tokens: ``ppo.lm_head=response`` leaves 0 at the padding)."""
+    a_exp, a_actor, a_critic = a
+    b_exp, b_actor, b_critic = b
+    assert torch.equal(a_exp.sequences, b_exp.sequences)
+    on = a_exp.mask.bool()
+    for key in SCORED:
+        got, want = getattr(b_exp, key), getattr(a_exp, key)
+        if key.endswith("logprobs"):
+            got, want = got[on], want[on]
+        scale = max(1.0, float(want.abs().max()))
+        assert float((got - want).abs().max()) <= TOL * scale, key
+    assert len(b_actor) == len(a_actor) == 4
+    for got, want in zip(b_actor + b_critic, a_actor + a_critic, strict=True):
+        assert got.keys() == want.keys()
+        assert rel(got, want) <= TOL, rel(got, want)
+
+
+@pytest.mark.parametrize("max_tokens, busier", [(0, False), (8, True)])
+def test_lm_head_over_the_response_alone_scores_and_updates_alike(reference, max_tokens, busier):
+    """ppo.lm_head=response (the logits of the response tokens alone, in the scoring and update
+    forwards) gives ``all``'s numbers: row-count and token-budget micro-batches, stand-in rows."""
+    mesh = BusierPeer() if busier else None
+    same_step(reference, run(max_tokens, update_mesh=mesh, lm_head="response"))
+
+
+def test_lm_head_over_the_response_alone_with_gkd():
+    """GKD's divergence to the teacher over the response tokens alone: the gradients of ``all``."""
+    same_step(run(0, gkd=True), run(0, gkd=True, lm_head="response"))
