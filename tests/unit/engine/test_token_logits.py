@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf.config import EngineConfig, TrainConfig
 from rlhf.engine.logprobs import response_logprobs, spread, token_logits, token_logprobs
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
-from rlhf.config import EngineConfig, TrainConfig
 from tests.distributed.parity_worker import tiny_model
 
 P, N = 5, 6  # prompt and response columns
