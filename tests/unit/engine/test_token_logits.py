@@ -1,6 +1,7 @@
 """``token_logits`` / ``token_logprobs`` (PPO's ``ppo.lm_head=response``): the logits of the chosen
-response tokens alone, through a packed and a padded forward, equal ``response_logprobs`` there (fp32,
-1e-6), 0 elsewhere; a mask with no token still runs a forward whose graph reaches the weights."""
+response tokens alone, through a packed and a padded forward, equal ``response_logprobs`` there
+(fp32, 1e-6), 0 elsewhere; a mask with no token still runs a forward whose graph reaches the
+weights."""
 
 from __future__ import annotations
 

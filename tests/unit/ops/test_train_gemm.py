@@ -35,7 +35,7 @@ def test_auto_is_onednn_where_available_else_torch(monkeypatch):
 
     monkeypatch.setattr(train_gemm, "MIN_WEIGHTS", 0)
     for available in (True, False):
-        monkeypatch.setattr(train_gemm, "available", lambda: available)
+        monkeypatch.setattr(train_gemm, "available", lambda a=available: a)
         model = tiny_model("llama")
         apply_training_gemm(model, EngineConfig(training_gemm="auto"), Mesh())
         swapped = any(isinstance(m, train_gemm.OneDNNLinear) for m in model.modules())
