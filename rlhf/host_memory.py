@@ -1,16 +1,18 @@
 """How the process's host (CPU) memory is allocated (``engine.host_malloc``).
 
-glibc's ``malloc`` maps every block of more than 32 MiB afresh with ``mmap`` and unmaps it on
-``free``: each new block is then faulted in page by page (4 KiB, zeroed by the kernel). A training
-step on the CPU allocates and frees hundreds of such blocks — a real vocabulary's logits, their
-log-softmax and gradients, 100–300 MB each — and on the machines of docs/machines.md a 200 MB block
-filled once costs 50–250 ms of page faults against 7 ms when the memory is reused (``bench`` note in
-docs/performance.md): a third of a SmolLM2 GRPO step went to the kernel (``sys`` time).
+glibc's ``malloc`` maps a large block (past its mmap threshold, at most 32 MiB) afresh with ``mmap``
+and unmaps it on ``free``: each new block is then faulted in page by page (4 KiB, zeroed by the
+kernel). A training step on the CPU allocates and frees hundreds of such blocks — a real
+vocabulary's logits, their log-softmax and gradients, 100–300 MB each. On the CPU machine of
+docs/performance.md a 200 MB block filled once cost 52 ms against 7 ms when the memory is reused,
+and a 3-step SmolLM2 GRPO run spent 40 s in the kernel (``sys`` time) of its 87 s of wall time (13
+of 62 with ``reuse``, ``ppo.lm_head=response`` on both).
 
-``reuse`` (the default on the CPU) asks glibc, through ``mallopt``, to serve large blocks from its
-heap and keep freed memory for the next ones (no ``mmap`` for the main thread's allocations, no
-trimming), the effect jemalloc or tcmalloc have under ``LD_PRELOAD`` without a library to install.
-The process then holds on to its peak: resident memory does not fall after a large step.
+``reuse`` (the default on the CPU) asks glibc, through ``mallopt``, to serve every block from its
+heap and keep freed memory for the next ones (``M_MMAP_MAX`` 0, no trimming), the effect jemalloc or
+tcmalloc have under ``LD_PRELOAD`` without a library to install; threads other than the main one
+still map blocks past their arena's 64 MiB. The process then holds on to its peak: resident memory
+does not fall after a large step.
 ``system`` leaves glibc as it is. Nothing here changes a computed number; where the C library is not
 glibc (macOS, musl) ``reuse`` is a no-op and the log says so.
 """
@@ -18,7 +20,6 @@ glibc (macOS, musl) ``reuse`` is a no-op and the log says so.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import platform
 
@@ -43,10 +44,11 @@ def configure(mode: str) -> str:
         return (
             f"engine.host_malloc=reuse: no glibc here ({platform.system()}): the system allocator"
         )
-    # a threshold past any block: freed memory stays in the heap; no block mapped on its own
-    ok = libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1 and libc.mallopt(_M_MMAP_MAX, 0) == 1
-    if not ok:
+    # no block mapped on its own; then a trim threshold past any block: freed memory stays
+    if libc.mallopt(_M_MMAP_MAX, 0) != 1:
         return "engine.host_malloc=reuse: glibc refused mallopt: the system allocator"
+    if libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) != 1:
+        return "engine.host_malloc=reuse: glibc refused the trim threshold: freed heap is trimmed"
     return ""
 
 
@@ -55,7 +57,7 @@ def _glibc():
     if platform.system() != "Linux":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
         libc.gnu_get_libc_version.restype = ctypes.c_char_p
         libc.gnu_get_libc_version()
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

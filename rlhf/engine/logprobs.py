@@ -71,25 +71,33 @@ def response_logits(
 
 
 def token_logits(
-    forward, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokens
+    forward,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    tokens,
+    keep_logits: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """([K, V] the logits that predict the response tokens set in ``tokens`` ([B, N]), row-major,
     and the [B, N] bool of those K tokens). Only those positions' logits are computed
     (``logits_at``: a packed forward runs the LM head over them alone; the values are the full
-    forward's up to the rounding of a GEMM over fewer rows). With no token set the first response
-    position's are computed (a forward still runs: every rank's collectives, the backward's hooks)
-    and ``sel`` names it."""
+    forward's up to the rounding of a GEMM over fewer rows; a padded one over the response columns,
+    ``logits_to_keep``, where the model takes it: ``keep_logits``, as ``response_logits``). With no
+    token set the first response position's are computed (a forward still runs: every rank's
+    collectives, the backward's hooks) and ``sel`` names it."""
     sel = tokens.bool()
     if not bool(sel.any()):
         sel = torch.zeros_like(sel)
         sel[0, 0] = True
     at = torch.zeros_like(attention_mask, dtype=torch.bool)
     at[:, prompt_len - 1 : prompt_len - 1 + sel.shape[1]] = sel
+    extra = {"logits_to_keep": sel.shape[1] + 1} if keep_logits else {}
     logits = forward(
         input_ids=sequences,
         attention_mask=attention_mask,
         position_ids=position_ids(attention_mask),
         logits_at=at,
+        **extra,
     ).logits
     return logits, sel
 
@@ -109,9 +117,10 @@ def token_logprobs(
     prompt_len: int,
     tokens: torch.Tensor,
     temperature: float = 1.0,
+    keep_logits: bool = False,
 ) -> torch.Tensor:
     """[B, N] log π of the response tokens set in ``tokens``, 0 elsewhere (``token_logits``)."""
-    logits, sel = token_logits(forward, sequences, attention_mask, prompt_len, tokens)
+    logits, sel = token_logits(forward, sequences, attention_mask, prompt_len, tokens, keep_logits)
     lp, _ = logits_stats(logits[None], sequences[:, prompt_len:][sel][None], temperature)
     out = spread(lp[0], sel, torch.zeros(sel.shape, device=lp.device))
     return torch.where(tokens.bool(), out, 0.0)

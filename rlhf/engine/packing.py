@@ -391,8 +391,14 @@ def install(model: nn.Module) -> bool:
 
 def select_logits(out, logits_at: Optional[torch.Tensor]):
     """A padded forward's output with ``logits`` cut to the positions ``logits_at`` ([B, L] bool):
-    [K, V], row-major (the rows of the full logits, unchanged)."""
+    [K, V], row-major (the rows of the full logits, unchanged). Logits of the last k columns only
+    (``logits_to_keep=k`` beside ``logits_at``): ``logits_at`` asks for none before them."""
     if logits_at is not None:
+        k = out.logits.shape[1]
+        if k < logits_at.shape[1]:
+            if bool(logits_at[:, :-k].any()):
+                raise ValueError("logits_at asks for positions before the logits_to_keep kept")
+            logits_at = logits_at[:, -k:]
         out.logits = out.logits[logits_at.to(out.logits.device)]
     return out
 
@@ -408,9 +414,11 @@ def forward(
     layout: a tensor of per-token values [B, L] (or [B, L, k]), or a model output whose ``logits``
     are [B, L, V] (or [B, k, V] for ``logits_to_keep=k``: the last k columns; [K, V] for
     ``logits_at``, a [B, L] bool of real positions: theirs only, row-major, the LM head run over
-    those K alone). Rows that begin alike run their common prefix once (``pack``). The padded
-    forward runs instead when packing would save less than ``MIN_PADDING`` of the batch's positions
-    or its mask is not packable (``pack`` returns None)."""
+    those K alone; a ``logits_to_keep`` beside it applies to the padded forward only, whose LM head
+    then runs over the last k columns, which hold every position asked for). Rows that begin alike
+    run their common prefix once (``pack``). The padded forward runs instead when packing would
+    save less than ``MIN_PADDING`` of the batch's positions or its mask is not packable (``pack``
+    returns None)."""
     # little padding and little in common: packing's own cost would not pay (None)
     packed = pack(input_ids, attention_mask, SHARE_PREFIXES, MIN_PADDING)
     if packed is None:
@@ -421,8 +429,6 @@ def forward(
     kwargs.pop("position_ids", None)
     keep = kwargs.pop("logits_to_keep", None)
     if logits_at is not None:
-        if keep:
-            raise ValueError("packing.forward: logits_at and logits_to_keep together")
         if bool((logits_at & ~attention_mask.bool()).any()):
             raise ValueError("packing.forward: logits_at asks for padding positions")
         positions, which = packed.logit_positions(logits_at)

@@ -213,7 +213,7 @@ class Collector:
                     if score is response_logprobs and ppo.lm_head == "response":
                         # the LM head over the response tokens alone (0 at the padding)
                         return token_logprobs(
-                            model.forward, seq[r], att[r], prompt_len, mask[r], sp.temperature
+                            model.forward, seq[r], att[r], prompt_len, mask[r], sp.temperature, keep
                         )
                     return score(
                         model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
@@ -302,7 +302,7 @@ class Collector:
         seq, ppo = gen.sequences, self.ppo
         keep = keeps_logits(unwrap(self.actor.module))
         logits_len = seq.shape[1]
-        if keep or ppo.lm_head == "response":
+        if keep:
             # the model computes logits for the response (and the token before it) only
             logits_len = seq.shape[1] - gen.prompt_len + 1
         micro = micro_rows(self.actor, seq.shape[0], logits_len, ppo.micro_batch_per_rank)

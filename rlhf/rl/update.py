@@ -20,6 +20,7 @@ from rlhf.algorithms.estimators import estimator, kl_kind
 from rlhf.algorithms.tokens import chunked_divergence, position_ids
 from rlhf.config import AlgorithmConfig, PPOConfig
 from rlhf.engine.logprobs import (
+    keeps_logits,
     logits_stats,
     response_logits,
     scoring_temperature,
@@ -28,6 +29,7 @@ from rlhf.engine.logprobs import (
 )
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import TrainEngine
+from rlhf.models.lora import unwrap
 from rlhf.models.moe import RouterLosses, RouterTerms, aux_loss_coef, replay_rows, routers
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import Experience, critic_values
@@ -83,6 +85,9 @@ class Updater:
         self.teacher = teacher
         self.kl_in_loss = estimator(alg).kl_in_loss
         self.updates_per_step = ppo.ppo_epochs * ppo.minibatches_per_epoch
+        # ppo.lm_head=response: a padded forward's LM head over the response columns (the teacher
+        # has the student's tokenizer and, in practice, its family)
+        self.keep = keeps_logits(unwrap(actor.module))
         self.skipped_in_a_row = 0
         # a MoE actor's router terms in the update (none for a dense one)
         self.router = RouterTerms()
@@ -105,11 +110,7 @@ class Updater:
         )
         ids = global_rows(exp.rows, exp.samples_per_prompt, mesh.rank, mesh.world_size)
         total_rows = exp.rows * mesh.world_size
-        # (ppo.lm_head=response: a row's logits are its response's at most)
-        logits_len = exp.sequences.shape[1]
-        if ppo.lm_head == "response":
-            logits_len -= exp.prompt_len
-        micro = micro_rows(actor, exp.rows, logits_len, ppo.micro_batch_per_rank)
+        micro = micro_rows(actor, exp.rows, exp.sequences.shape[1], ppo.micro_batch_per_rank)
         # each row's real tokens (ppo.max_tokens_per_micro_batch)
         tokens = exp.attention_mask.sum(1).tolist()
         update = step * self.updates_per_step
@@ -280,7 +281,9 @@ class Updater:
             logits = response_logits(self.actor.forward, seq, att, prompt_len, False)
             logp, ent = logits_stats(logits, seq[:, prompt_len:], t, entropy)
             return logp, ent, logits, None
-        logits, sel = token_logits(self.actor.forward, seq, att, prompt_len, exp.loss_mask[r])
+        logits, sel = token_logits(
+            self.actor.forward, seq, att, prompt_len, exp.loss_mask[r], self.keep
+        )
         lp, ent = logits_stats(logits[None], seq[:, prompt_len:][sel][None], t, entropy)
         logp = spread(lp[0], sel, exp.old_logprobs[r])
         return logp, spread(ent[0], sel, torch.zeros_like(logp)), logits, sel
@@ -327,7 +330,7 @@ class Updater:
                 teacher = response_logits(self.teacher.forward, seq, att, prompt_len, False)
             return chunked_divergence(logits, teacher, alg.gkd_beta, t, alg.gkd_top_k)
         with torch.no_grad():
-            teacher, _ = token_logits(self.teacher.forward, seq, att, prompt_len, sel)
+            teacher, _ = token_logits(self.teacher.forward, seq, att, prompt_len, sel, self.keep)
         div = chunked_divergence(logits[None], teacher[None], alg.gkd_beta, t, alg.gkd_top_k)
         return spread(div[0], sel, torch.zeros(sel.shape, device=div.device))
 

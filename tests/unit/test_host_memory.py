@@ -40,7 +40,10 @@ def probe(mode: str):
     return out[0], int(mapped), float(total)
 
 
-@pytest.mark.skipif(host_memory._glibc() is None, reason="glibc's mallopt only (Linux)")
+@pytest.mark.skipif(
+    host_memory._glibc() is None or not hasattr(host_memory._glibc(), "mallinfo2"),
+    reason="glibc's mallopt and mallinfo2 (glibc 2.33+) only",
+)
 def test_reuse_serves_large_blocks_from_the_heap():
     said, mapped, total = probe("reuse")
     assert said == "''" and mapped == 0

@@ -30,8 +30,9 @@ def batch():
     return seq, att
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_token_logprobs_are_the_full_forwards_at_the_chosen_tokens(packing):
+@pytest.mark.parametrize("packing, keep", [(True, False), (False, False), (False, True)])
+def test_token_logprobs_are_the_full_forwards_at_the_chosen_tokens(packing, keep):
+    """``keep``: the padded forward's LM head over the response columns (``logits_to_keep``)."""
     engine = TrainEngine(
         tiny_model(seed=0), Mesh(), EngineConfig(precision="fp32", packing=packing), TrainConfig()
     )
@@ -39,11 +40,17 @@ def test_token_logprobs_are_the_full_forwards_at_the_chosen_tokens(packing):
     tokens = att[:, P:].bool()
     tokens[1, 0] = False  # a token the loss does not read: not computed
     ref = response_logprobs(engine.forward, seq, att, P, temperature=0.7)
-    got = token_logprobs(engine.forward, seq, att, P, tokens, temperature=0.7)
+    got = token_logprobs(engine.forward, seq, att, P, tokens, temperature=0.7, keep_logits=keep)
     assert (got - ref)[tokens].abs().max() <= 1e-6
     assert (got[~tokens] == 0).all()
-    logits, sel = token_logits(engine.forward, seq, att, P, tokens)
+    logits, sel = token_logits(engine.forward, seq, att, P, tokens, keep)
     assert torch.equal(sel, tokens) and logits.shape == (int(tokens.sum()), 61)
+    if not packing:
+        # positions before the kept columns cannot be asked for
+        at = torch.zeros_like(att, dtype=torch.bool)
+        at[0, 0] = True
+        with pytest.raises(ValueError, match="before the logits_to_keep"):
+            engine.forward(input_ids=seq, attention_mask=att, logits_at=at, logits_to_keep=N)
 
 
 def test_no_token_still_runs_a_forward_that_reaches_the_weights():
