@@ -250,7 +250,11 @@ class Updater:
                     actor.backward(loss, sync=last)
         if ok:
             # (an fp16 overflow is the loss scaler's to handle: skipped there, not counted here)
-            ok = math.isfinite(actor.step()) or actor.overflowed
+            norm = actor.step()
+            ok = math.isfinite(norm) or actor.overflowed
+            if math.isfinite(norm):
+                # the gradient's norm before clipping (the same on every rank)
+                stats.add("actor/grad_norm", norm)
         else:
             actor.optimizer.zero_grad(set_to_none=True)
         # the update's token means over every rank's tokens (each rank adds the same: any world size
