@@ -5,8 +5,8 @@ and unmaps it on ``free``: each new block is then faulted in page by page (4 KiB
 kernel). A training step on the CPU allocates and frees hundreds of such blocks — a real
 vocabulary's logits, their log-softmax and gradients, 100–300 MB each. On the CPU machine of
 docs/performance.md a 200 MB block filled once cost 52 ms against 7 ms when the memory is reused,
-and a 3-step SmolLM2 GRPO run spent 40 s in the kernel (``sys`` time) of its 87 s of wall time (13
-of 62 with ``reuse``, ``ppo.lm_head=response`` on both).
+and a 3-step SmolLM2 GRPO run (``ppo.lm_head=response``) spent 20.6 s in the kernel (``sys`` time)
+of its 66 s of wall time, 12.9 of 62 with ``reuse`` (docs/history.md, 2026-11-29).
 
 ``reuse`` (the default on the CPU) asks glibc, through ``mallopt``, to serve every block from its
 heap and keep freed memory for the next ones (``M_MMAP_MAX`` 0, no trimming), the effect jemalloc or
@@ -20,10 +20,7 @@ glibc (macOS, musl) ``reuse`` is a no-op and the log says so.
 from __future__ import annotations
 
 import ctypes
-import logging
 import platform
-
-log = logging.getLogger("rlhf")
 
 # mallopt's parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
