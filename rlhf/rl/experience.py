@@ -207,16 +207,15 @@ class Collector:
         keep, groups = self.scoring_groups(gen)
         routing, flips = (gen.routing if self.replay else None), ReplayStats()
 
-        def logprobs(model: Model, score=response_logprobs, replay=False) -> torch.Tensor:
+        def logprobs(model: Model, top1=False, replay=False) -> torch.Tensor:
             def one(r):
                 with replay_rows(model.module, routing if replay else None, r, flips):
-                    if score is response_logprobs and ppo.lm_head == "response":
-                        # the LM head over the response tokens alone (0 at the padding)
-                        return token_logprobs(
-                            model.forward, seq[r], att[r], prompt_len, mask[r], sp.temperature, keep
+                    if top1:
+                        return response_logprobs_top1(
+                            model.forward, seq[r], att[r], prompt_len, sp.temperature, keep
                         )
-                    return score(
-                        model.forward, seq[r], att[r], prompt_len, sp.temperature, keep_logits=keep
+                    return self.sampled_logprobs(
+                        model.forward, seq[r], att[r], prompt_len, mask[r], sp.temperature, keep
                     )
 
             return in_micro_batches(one, groups)
@@ -226,7 +225,7 @@ class Collector:
             old_logp = logprobs(self.actor, replay=True)
         else:
             # with the greedy tokens, compared with the teacher's
-            actor_top1 = logprobs(self.actor, response_logprobs_top1, replay=True)
+            actor_top1 = logprobs(self.actor, top1=True, replay=True)
             old_logp = actor_top1[..., 0]
         if self.replay:  # (collective: on every rank, whether or not its rows carry a routing)
             dyn["moe/routing_flips"] = flips.share(mesh)
@@ -237,7 +236,7 @@ class Collector:
         turn_rewards, scores, parts = ro.ep.turn_rewards, ro.scores, ro.parts
         if teacher is not None:
             # on-policy distillation: a reward at every policy token
-            teacher_top1 = logprobs(teacher, response_logprobs_top1)
+            teacher_top1 = logprobs(teacher, top1=True)
             distill, dyn_d = distillation(
                 old_logp, teacher_top1, actor_top1, mask, self.scorers.distill_coef, mesh
             )
@@ -295,6 +294,13 @@ class Collector:
             staleness=stale,
             routing=routing,
         )
+
+    def sampled_logprobs(self, forward, seq, att, prompt_len: int, mask, temperature, keep):
+        """[b, N] the sampled tokens' log-probs (``response_logprobs``); ``ppo.lm_head=response``:
+        the logits of the response tokens alone (``token_logprobs``, 0 at the padding)."""
+        if self.ppo.lm_head == "response":
+            return token_logprobs(forward, seq, att, prompt_len, mask, temperature, keep)
+        return response_logprobs(forward, seq, att, prompt_len, temperature, keep_logits=keep)
 
     def scoring_groups(self, gen: Generation) -> Tuple[bool, list]:
         """(whether the actor computes the response's logits only, the micro-batches of the
