@@ -1402,6 +1402,8 @@ MOVED_KEYS = {
 ROLLOUT_GUARD = ("stop", "rebuild", "off")
 # ppo.lm_head
 LM_HEAD = ("all", "response")
+# ppo.update_rows
+UPDATE_ROWS = ("all", "live")
 
 
 @dataclass
@@ -1424,6 +1426,12 @@ class PPOConfig:
     # skip the prompt's and the padding's vocabulary-wide logits; the same numbers up to a GEMM's
     # rounding, since its weight gradient sums fewer rows)
     lm_head: str = "all"
+    # the rows the update's forwards and backwards run over: "all" (the fixed-seed reference) or
+    # "live" (those with a nonzero advantage on a loss token: a GRPO group whose samples all scored
+    # alike adds nothing to the gradient while the loss has no term over every row — KL in the loss
+    # at kl_coef > 0, entropy, GKD, a critic, a MoE router's terms: then all run; the same gradient
+    # up to a GEMM's rounding; the entropy, clipfrac and approx-KL metrics then over the rows run)
+    update_rows: str = "all"
     # None = per data format (DataConfig.default_new_tokens): 16 for the synthetic task, else
     # data.max_response_len; resolved when the whole config is built
     max_new_tokens: Optional[int] = None
@@ -1684,6 +1692,12 @@ class PPOConfig:
             "0 without rollout workers (set ppo.rollout_workers=1 to generate ahead of training)",
         )
         _check(self.lm_head in LM_HEAD, "ppo.lm_head", self.lm_head, one_of(LM_HEAD))
+        _check(
+            self.update_rows in UPDATE_ROWS,
+            "ppo.update_rows",
+            self.update_rows,
+            one_of(UPDATE_ROWS),
+        )
         _check(
             self.rollout_guard in ROLLOUT_GUARD,
             "ppo.rollout_guard",

@@ -96,6 +96,15 @@ class Updater:
                 aux_coef=aux_loss_coef(actor.module, alg.router_aux_loss_coef),
                 z_coef=alg.router_z_loss_coef,
             )
+        # ppo.update_rows=live: rows without an advantage are left out where no other term of the
+        # loss reads every row (a MoE actor's routing depends on its micro-batch: all run)
+        self.live_rows = (
+            ppo.update_rows == "live"
+            and critic is None
+            and not alg.entropy_coef
+            and not alg.gkd_coef
+            and not routers(actor.module)
+        )
 
     def update(self, exp: Experience, step: int, kl_beta: float) -> Dict[str, float]:
         """The updates of step ``step`` (minibatches in a seeded order of their own); returns each
@@ -115,6 +124,10 @@ class Updater:
         tokens = exp.attention_mask.sum(1).tolist()
         update = step * self.updates_per_step
         skipped = 0
+        # the rows whose loss has a gradient (ppo.update_rows=live; None: every row)
+        live = None
+        if self.live_rows and not (self.kl_in_loss and kl_beta):
+            live = (exp.advantages * exp.loss_mask != 0).any(1)
         for _ in range(ppo.ppo_epochs):
             for mb in minibatches(
                 ids,
@@ -126,9 +139,19 @@ class Updater:
             ):
                 # (rows, weight); a rank out of rows runs one at weight 0, as many passes as the
                 # others
+                rows, most = mb.rows, mb.most
+                if live is not None:
+                    rows = rows[live[rows]] if mb.weight else rows[:0]
+                    most = mesh.max(len(rows))  # (collective: the ranks' micro-batch count)
+                    # the share of the update's rows left out
+                    stats.add(
+                        "actor/rows_skipped",
+                        float(len(mb.rows) - len(rows)) * mb.weight,
+                        float(len(mb.rows)) * mb.weight,
+                    )
                 parts = []
                 for r in micro_batches(
-                    mb.rows, micro, mb.most, tokens, ppo.max_tokens_per_micro_batch, mesh
+                    rows, micro, most, tokens, ppo.max_tokens_per_micro_batch, mesh
                 ):
                     if len(r):
                         parts.append((r, mb.weight))

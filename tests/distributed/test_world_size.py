@@ -55,12 +55,19 @@ STAGES = {
         ("actor",),
     ),
 }
+# GRPO without the KL term, its update over the rows with an advantage alone (ppo.update_rows=live:
+# each rank leaves out its own, the micro-batch count agreed)
+STAGES["grpo_live"] = (
+    ("sft",),
+    (*STAGES["grpo"][1], "algorithm.kl_coef=0", "ppo.update_rows=live"),
+    ("actor",),
+)
 # throughput and float noise (besides the timings)
 NOISE = ("gen/", "perf/", "rollout/logprob_abs_diff")
 
 
 def out_dir(run, stage: str):
-    return run / ("ppo" if stage in ("gae", "grpo") else stage)
+    return run / ("ppo" if stage in ("gae", "grpo", "grpo_live") else stage)
 
 
 def run_stage(src, dst, stage: str, nproc: int, *extra):
@@ -139,11 +146,15 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "stage", ["gae", *(pytest.param(s, marks=SLOW) for s in ("sft", "reward", "dpo", "grpo"))]
+    "stage",
+    ["gae", *(pytest.param(s, marks=SLOW) for s in ("sft", "reward", "dpo", "grpo", "grpo_live"))],
 )
 def test_two_ranks_follow_one_process_step_for_step(runs, stage):
     one, two = runs(stage)
     assert_same_run(two, one, stage)
+    if stage == "grpo_live":  # rows were left out (each rank its own)
+        skipped = [m.get("actor/rows_skipped", 0) for m in metrics(one, stage).values()]
+        assert max(skipped) > 0, skipped
 
 
 @pytest.mark.parametrize(

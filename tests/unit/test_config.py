@@ -109,7 +109,11 @@ def test_bad_dpo_config(override, fragment):
 
 @pytest.mark.parametrize(
     "override, fragment",
-    [("ppo.lm_head=prompt", "ppo.lm_head='prompt'"), ("engine.host_malloc=jemalloc", "jemalloc")],
+    [
+        ("ppo.lm_head=prompt", "ppo.lm_head='prompt'"),
+        ("ppo.update_rows=some", "ppo.update_rows='some'"),
+        ("engine.host_malloc=jemalloc", "jemalloc"),
+    ],
 )
 def test_bad_choice(override, fragment):
     with pytest.raises(ConfigError) as e:
