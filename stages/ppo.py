@@ -296,6 +296,7 @@ class Loop:
             models.ema,
             models.scorers.teacher,
         )
+        self.collector.update_live_rows = self.updater.live_only
         # saved beside the checkpoint
         self.copies = [c for c in (models.ema, self.gate.best) if c is not None]
         self.metrics = None  # resume's

@@ -37,7 +37,14 @@ from rlhf.ops import SamplingParams
 from rlhf.ops.sampling import prompt_major
 from rlhf.rl.async_rollouts import staleness
 from rlhf.rl.episodes import EpisodeRunner, Episodes, merge_stats
-from rlhf.rl.minibatch import in_micro_batches, micro_rows, row_groups
+from rlhf.rl.minibatch import (
+    in_micro_batches,
+    in_subset,
+    live_rows,
+    micro_rows,
+    row_groups,
+    subset_groups,
+)
 from rlhf.rl.prompts import PromptBatch, PromptSource
 from rlhf.rl.scorers import Model, Scorers
 from rlhf.rl.shaping import distillation, fill_failed, length_debiased
@@ -97,6 +104,9 @@ class Experience:
     # [B, P + N, MoE layers, k] the rollout's experts, replayed in the actor's training forwards
     # (ppo.routing_replay; rlhf/models/moe.py); None: a dense actor, or replay off
     routing: Optional[torch.Tensor] = None
+    # [B] bool: the rows whose ``old_logprobs`` the training mode recomputed (the others hold the
+    # rollout's: the update leaves them out, Collector.rows_to_score); None: every row
+    scored_rows: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> int:
@@ -177,6 +187,8 @@ class Collector:
                 "false, or ppo.routing_replay=false"
             )
         hybrid.record_routing = self.replay
+        # the update leaves out the rows without an advantage (Updater.live_only: set by the stage)
+        self.update_live_rows = False
 
     def sampling(self, step: int) -> SamplingParams:
         ppo = self.ppo
@@ -206,8 +218,12 @@ class Collector:
         rows = seq.shape[0]
         keep, groups = self.scoring_groups(gen)
         routing, flips = (gen.routing if self.replay else None), ReplayStats()
+        # the rows whose old log-probs the update reads (None: every row)
+        scored = self.rows_to_score(ro, mask, sp.samples_per_prompt, kl_beta)
 
-        def logprobs(model: Model, top1=False, replay=False) -> torch.Tensor:
+        def logprobs(model: Model, top1=False, replay=False, over=None) -> torch.Tensor:
+            """Over every row, or ``over`` (``subset_groups``): the others' the rollout's."""
+
             def one(r):
                 with replay_rows(model.module, routing if replay else None, r, flips):
                     if top1:
@@ -218,11 +234,15 @@ class Collector:
                         model.forward, seq[r], att[r], prompt_len, mask[r], sp.temperature, keep
                     )
 
-            return in_micro_batches(one, groups)
+            if over is None:
+                return in_micro_batches(one, groups)
+            fill = gen.logprobs if gen.logprobs is not None else torch.zeros_like(mask)
+            return in_subset(one, over, fill)
 
         teacher = self.scorers.teacher
         if teacher is None:
-            old_logp = logprobs(self.actor, replay=True)
+            over = None if scored is None else self.scoring_groups(gen, scored.nonzero()[:, 0])[1]
+            old_logp = logprobs(self.actor, replay=True, over=over)
         else:
             # with the greedy tokens, compared with the teacher's
             actor_top1 = logprobs(self.actor, top1=True, replay=True)
@@ -293,7 +313,34 @@ class Collector:
             examples=ro.examples,
             staleness=stale,
             routing=routing,
+            scored_rows=scored,
         )
+
+    def rows_to_score(
+        self, ro: Rollouts, mask: torch.Tensor, group_size: int, kl_beta: float
+    ) -> Optional[torch.Tensor]:
+        """[B] bool: the rows whose old log-probs the update reads, where it leaves out the rows
+        without an advantage (ppo.update_rows=live) and nothing else reads theirs — no reference
+        (the KL), teacher or critic, fresh single-process-equivalent rollouts — else None (every
+        row). The advantages come from the scores alone then (no KL, no values)."""
+        sc = self.scorers
+        if not self.update_live_rows or kl_beta or self.remote is not None or self.replay:
+            return None
+        if sc.ref is not None or sc.teacher is not None or sc.critic is not None:
+            return None
+        all_reduce = self.mesh.all_reduce if self.mesh.distributed else None
+        adv, _ = advantages(
+            self.alg,
+            ro.scores,
+            torch.zeros_like(mask),
+            None,
+            mask,
+            group_size,
+            0.0,
+            all_reduce,
+            ro.ep.turn_rewards,
+        )
+        return live_rows(adv, self.loss_mask(ro, mask))
 
     def sampled_logprobs(self, forward, seq, att, prompt_len: int, mask, temperature, keep):
         """[b, N] the sampled tokens' log-probs (``response_logprobs``); ``ppo.lm_head=response``:
@@ -302,9 +349,9 @@ class Collector:
             return token_logprobs(forward, seq, att, prompt_len, mask, temperature, keep)
         return response_logprobs(forward, seq, att, prompt_len, temperature, keep_logits=keep)
 
-    def scoring_groups(self, gen: Generation) -> Tuple[bool, list]:
+    def scoring_groups(self, gen: Generation, rows=None) -> Tuple[bool, list]:
         """(whether the actor computes the response's logits only, the micro-batches of the
-        step's scoring forwards)."""
+        step's scoring forwards: over every row, or ``rows`` alone as ``subset_groups``)."""
         seq, ppo = gen.sequences, self.ppo
         keep = keeps_logits(unwrap(self.actor.module))
         logits_len = seq.shape[1]
@@ -312,6 +359,10 @@ class Collector:
             # the model computes logits for the response (and the token before it) only
             logits_len = seq.shape[1] - gen.prompt_len + 1
         micro = micro_rows(self.actor, seq.shape[0], logits_len, ppo.micro_batch_per_rank)
+        if rows is not None:
+            return keep, subset_groups(
+                rows, gen.attention_mask, micro, ppo.max_tokens_per_micro_batch, self.mesh
+            )
         return keep, row_groups(
             gen.attention_mask, micro, ppo.max_tokens_per_micro_batch, self.mesh
         )

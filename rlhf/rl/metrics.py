@@ -48,6 +48,9 @@ def step_metrics(exp: Experience, train_s: float, mesh: Mesh) -> Dict[str, float
         # asynchronous rollouts: how old the sampling weights were
         row.update(staleness_metrics(exp.staleness, exp.mask, mesh))
         fresh = exp.mask * (exp.staleness == 0).float()
+    if exp.scored_rows is not None:
+        # the rows the update trains on alone were recomputed
+        fresh = fresh * exp.scored_rows[:, None].float()
     if exp.rollout_logprobs is not None:
         # what the inference mode sampled with vs the training recompute
         tokens = mesh.sum(float(fresh.sum()))

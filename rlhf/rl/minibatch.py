@@ -8,7 +8,7 @@ global prompt list, each prompt's ``samples_per_prompt`` samples in consecutive 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -56,6 +56,12 @@ def minibatches(
             yield Minibatch(torch.tensor(local, device="cpu"), 1.0, most, len(chunk))
         else:
             yield Minibatch(torch.tensor([0], device="cpu"), 0.0, most, len(chunk))
+
+
+def live_rows(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows with a nonzero advantage on a token that carries loss, the only ones with
+    a policy gradient (``ppo.update_rows=live`` leaves the others out)."""
+    return (advantages * loss_mask != 0).any(1)
 
 
 def micro_batches(
@@ -120,3 +126,32 @@ def in_micro_batches(fn: Callable[[Rows], torch.Tensor], groups: List[Rows]) -> 
         return torch.cat(outs)
     order = torch.cat(groups)
     return torch.cat(outs)[torch.argsort(order)]
+
+
+def subset_groups(
+    rows: torch.Tensor, att: torch.Tensor, micro: int, max_tokens: int, mesh: Mesh
+) -> List[Tuple[torch.Tensor, bool]]:
+    """``row_groups`` over ``rows`` (some of this rank's row indices), as many groups on every rank
+    (agreed: a collective): (rows, True), and for a rank short of groups (row 0, False), a stand-in
+    whose forward runs (FSDP's are collective) and whose result ``in_subset`` drops."""
+    if max_tokens:
+        groups = token_micro_batches(rows.tolist(), att[rows].sum(1).tolist(), max_tokens, mesh.max)
+    else:
+        groups = [rows[i : i + micro].tolist() for i in range(0, len(rows), micro)]
+        groups += [[]] * (mesh.max(len(groups)) - len(groups))
+    return [(torch.tensor(g or [0], dtype=torch.long), bool(g)) for g in groups]
+
+
+def in_subset(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    groups: List[Tuple[torch.Tensor, bool]],
+    fill: torch.Tensor,
+) -> torch.Tensor:
+    """``fill`` with the rows of each real group of ``groups`` (``subset_groups``) replaced by
+    ``fn(rows)``; the stand-ins run, their results dropped."""
+    out = fill.clone()
+    for rows, real in groups:
+        got = fn(rows)
+        if real:
+            out[rows] = got
+    return out

@@ -33,7 +33,14 @@ from rlhf.models.lora import unwrap
 from rlhf.models.moe import RouterLosses, RouterTerms, aux_loss_coef, replay_rows, routers
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import Experience, critic_values
-from rlhf.rl.minibatch import Minibatch, global_rows, micro_batches, micro_rows, minibatches
+from rlhf.rl.minibatch import (
+    Minibatch,
+    global_rows,
+    live_rows,
+    micro_batches,
+    micro_rows,
+    minibatches,
+)
 from rlhf.rl.sft_records import SftRecords
 
 # a micro-batch: this rank's local rows and their weight (0: a stand-in row)
@@ -98,7 +105,7 @@ class Updater:
             )
         # ppo.update_rows=live: rows without an advantage are left out where no other term of the
         # loss reads every row (a MoE actor's routing depends on its micro-batch: all run)
-        self.live_rows = (
+        self.live_only = (
             ppo.update_rows == "live"
             and critic is None
             and not alg.entropy_coef
@@ -126,8 +133,8 @@ class Updater:
         skipped = 0
         # the rows whose loss has a gradient (ppo.update_rows=live; None: every row)
         live = None
-        if self.live_rows and not (self.kl_in_loss and kl_beta):
-            live = (exp.advantages * exp.loss_mask != 0).any(1)
+        if self.live_only and not (self.kl_in_loss and kl_beta):
+            live = live_rows(exp.advantages, exp.loss_mask)
         for _ in range(ppo.ppo_epochs):
             for mb in minibatches(
                 ids,

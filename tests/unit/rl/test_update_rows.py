@@ -1,9 +1,8 @@
-"""ppo.update_rows=live: the update's forwards and backwards leave out the rows without an
-advantage (a GRPO group whose samples all scored alike) and give the gradients of every row (fp32,
-one process; the loss's denominator still counts every row's tokens); where another term of the
-loss reads every row (the KL in GRPO's loss at kl_coef > 0) every row runs, bit for bit as ``all``."""
-
-import dataclasses
+"""ppo.update_rows=live: a GRPO step whose groups 0 and 2 all scored alike (a rule reward) scores
+the old log-probs of the other rows alone and updates on them alone, with the gradients of every
+row (fp32, one process; the loss's denominator still counts every row's tokens); where another term
+of the loss reads every row (the KL in GRPO's loss at kl_coef > 0) every row is scored and runs, bit
+for bit as ``all``."""
 
 import pytest
 import torch
@@ -13,27 +12,33 @@ from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh
 from rlhf.engine.train import FrozenModel, TrainEngine
 from rlhf.rl.experience import Collector
+from rlhf.rl.metrics import step_metrics
+from rlhf.rl.minibatch import in_subset, subset_groups
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.scorers import RewardNormaliser, Scorers
 from rlhf.rl.update import Updater
 from tests.distributed.parity_worker import tiny_model
-from tests.distributed.token_budget_worker import capture_grads, reward_model
+from tests.distributed.token_budget_worker import capture_grads
 from tests.infer_helpers import mixed_prompts
 from tests.unit.rl.test_ppo_token_budget import VOCAB, BusierPeer, Tok, rel
 
 TOL = 1e-6
 GROUP = 2  # samples a prompt
+DEAD = (0, 2)  # the groups whose samples all score alike
 
 
-def step(
-    update_rows: str, dead=(0, 2), kl=0.0, update_mesh=None, max_tokens: int = 0, micro: int = 0
-):
-    """([actor gradients of each of the step's 4 updates], the update's metrics, [tokens of each
-    forward]) of
-    one GRPO step whose groups ``dead`` have their advantages zeroed (as if they scored alike)."""
+def rule(texts, examples, fmt):
+    """Each response's own number in [0, 1) (from its characters), 0 for every sample of the
+    ``DEAD`` groups."""
+    return [0.0 if i // GROUP in DEAD else sum(map(ord, t)) % 97 / 97 for i, t in enumerate(texts)]
+
+
+def step(update_rows: str, kl=0.0, update_mesh=None, max_tokens: int = 0, micro: int = 0):
+    """(the experience, [actor gradients of each of the step's 4 updates], the update's metrics,
+    [tokens of each actor forward: scoring's, then the update's]) of one GRPO step."""
     torch.manual_seed(1)
     mesh, ecfg = Mesh(), EngineConfig(precision="fp32")
-    alg = AlgorithmConfig(estimator="grpo", kl_coef=kl)
+    alg = AlgorithmConfig(estimator="grpo", kl_coef=kl, no_eos_penalty=0.0)
     ppo = PPOConfig(
         prompts_per_step=4,
         samples_per_prompt=GROUP,
@@ -48,9 +53,9 @@ def step(
     scorers = Scorers(
         ref=FrozenModel(tiny_model(seed=1), mesh, ecfg) if kl else None,
         critic=None,
-        reward_model=FrozenModel(reward_model(mesh), mesh, ecfg),
+        reward_model=None,
         normalise=RewardNormaliser("none", {}),
-        rule=None,
+        rule=rule,
         rule_weight=1.0,
         data_format="prompt_response",
     )
@@ -58,24 +63,25 @@ def step(
         mixed_prompts(4, vocab=VOCAB), [None] * 4, 4, seed=0, mesh=mesh, max_rounds=0
     )
     hybrid = HybridEngine(actor, Tok(), ecfg)
-    exp = Collector(hybrid, actor, scorers, prompts, alg, ppo, Tok(), mesh, seed=3).collect(0, kl)
-    adv = exp.advantages.clone()
-    for g in dead:
-        adv[g * GROUP : (g + 1) * GROUP] = 0
-    assert (adv != 0).any(1).sum() == exp.rows - GROUP * len(dead)  # the others carry one
-    exp = dataclasses.replace(exp, advantages=adv)
-    grads, rows = [], []
-    capture_grads(actor, grads)
+    updater = Updater(actor, None, alg, ppo, update_mesh or mesh, seed=0)
+    collector = Collector(hybrid, actor, scorers, prompts, alg, ppo, Tok(), mesh, seed=3)
+    collector.update_live_rows = updater.live_only  # (as the stage does)
+    tokens = []
     forward = actor.forward
 
     def counted(**batch):
-        rows.append(int(batch["input_ids"].numel()))  # tokens (a packed forward's: one row)
+        tokens.append(int(batch["input_ids"].numel()))  # (a packed forward's: one row)
         return forward(**batch)
 
     actor.forward = counted
+    exp = collector.collect(0, kl)
+    live = (exp.advantages != 0).any(1)
+    assert live.sum() == exp.rows - GROUP * len(DEAD)  # the others carry an advantage
+    grads = []
+    capture_grads(actor, grads)
     actor.train()
-    stats = Updater(actor, None, alg, ppo, update_mesh or mesh, seed=0).update(exp, 0, kl)
-    return grads, stats, rows
+    stats = updater.update(exp, 0, kl)
+    return exp, grads, stats, tokens
 
 
 @pytest.fixture(scope="module")
@@ -91,36 +97,64 @@ def same_gradients(got: list, want: list) -> None:
 
 
 @pytest.mark.parametrize("max_tokens", [0, 30])
-def test_live_rows_update_as_every_row(every_row, max_tokens):
-    grads, stats, rows = step("live", max_tokens=max_tokens)
-    same_gradients(grads, every_row[0])
+def test_live_rows_score_and_update_as_every_row(every_row, max_tokens):
+    ref_exp, ref_grads, ref_stats, ref_tokens = every_row
+    exp, grads, stats, tokens = step("live", max_tokens=max_tokens)
+    assert torch.equal(exp.sequences, ref_exp.sequences)
+    assert torch.equal(exp.advantages, ref_exp.advantages)
+    live = (exp.advantages != 0).any(1)
+    assert torch.equal(exp.scored_rows, live) and ref_exp.scored_rows is None
+    on = exp.mask.bool() & live[:, None]
+    assert float((exp.old_logprobs - ref_exp.old_logprobs)[on].abs().max()) <= TOL
+    same_gradients(grads, ref_grads)
     assert stats["actor/rows_skipped"] == pytest.approx(0.5)  # 2 of 4 groups
-    assert "actor/rows_skipped" not in every_row[1]
-    assert sum(rows) < 0.75 * sum(every_row[2])
-    # the metrics of the rows run (the PG loss is the same sum over the same denominator)
-    assert stats["actor/loss"] == pytest.approx(every_row[1]["actor/loss"], abs=1e-6)
+    assert "actor/rows_skipped" not in ref_stats
+    assert sum(tokens) < 0.75 * sum(ref_tokens)
+    # the PG loss is the same sum over the same denominator
+    assert stats["actor/loss"] == pytest.approx(ref_stats["actor/loss"], abs=1e-6)
+    # the rollout-parity figures over the rows scored
+    row, ref_row = step_metrics(exp, 0.0, Mesh()), step_metrics(ref_exp, 0.0, Mesh())
+    for k in ("rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/kl"):
+        assert 0 <= row[k] < 1e-5 and 0 <= ref_row[k] < 1e-5, k
 
 
 def test_live_rows_with_a_busier_peer(every_row):
     """A rank whose peer runs more micro-batches runs stand-in rows at weight 0 for the rest."""
-    grads, _, rows = step("live", update_mesh=BusierPeer(), micro=1)
-    same_gradients(grads, every_row[0])
-    # a minibatch: its live rows + the 4 its peer runs more, one a forward (4 live an epoch)
-    assert len(rows) == 4 * 6
+    _, grads, _, tokens = step("live", update_mesh=BusierPeer(), micro=1)
+    same_gradients(grads, every_row[1])
+    # scoring: one forward a live row (4); the update, a minibatch: its live rows + the 4 its peer
+    # runs more, one a forward (4 live an epoch, 2 epochs)
+    assert len(tokens) == 4 + 24
 
 
-def test_no_live_row_still_steps():
-    """Every group scored alike: one stand-in row per update, zero gradients, four steps."""
-    grads, stats, rows = step("live", dead=(0, 1, 2, 3))
-    assert len(grads) == 4 and len(rows) == 4
-    assert all(float(g.abs().max()) == 0 for gs in grads for g in gs.values())
-    assert stats["actor/rows_skipped"] == 1.0
-
-
-def test_kl_in_the_loss_runs_every_row():
+def test_kl_in_the_loss_scores_and_runs_every_row():
     """GRPO's KL term at kl_coef > 0 has a gradient on every row: ``live`` runs them all."""
-    want, want_stats, want_rows = step("all", kl=0.1)
-    got, stats, rows = step("live", kl=0.1)
-    assert rows == want_rows and "actor/rows_skipped" not in stats
+    want_exp, want, _, want_tokens = step("all", kl=0.1)
+    got_exp, got, stats, tokens = step("live", kl=0.1)
+    assert tokens == want_tokens and "actor/rows_skipped" not in stats
+    assert got_exp.scored_rows is None
+    assert torch.equal(got_exp.old_logprobs, want_exp.old_logprobs)
     for g, w in zip(got, want, strict=True):
         assert all(torch.equal(g[k], w[k]) for k in w)
+
+
+class Peer(Mesh):
+    """One process standing in for a rank whose peer holds 3 more groups' worth of live rows."""
+
+    def max(self, x: int) -> int:
+        return int(x) + 3
+
+
+@pytest.mark.parametrize("live", [[], [1, 4, 5]])
+def test_subset_groups_agree_with_a_peer(live):
+    """A rank with fewer (or no) live rows runs as many scoring forwards as its peer: stand-ins."""
+    rows, att = torch.tensor(live, dtype=torch.long), torch.ones(6, 5)
+    groups = subset_groups(rows, att, 2, 0, Peer())
+    own = -(-len(live) // 2)
+    assert len(groups) == own + 3
+    assert [int(i) for g, real in groups if real for i in g] == live
+    assert all(g.tolist() == [0] for g, real in groups if not real)
+    # the stand-ins' results dropped
+    fill = torch.zeros(6, 1)
+    out = in_subset(lambda r: torch.ones(len(r), 1), groups, fill)
+    assert out[:, 0].tolist() == [float(i in live) for i in range(6)]
