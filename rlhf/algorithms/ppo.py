@@ -124,11 +124,13 @@ def grpo_advantages(
 ) -> Tensor:
     """GRPO outcome advantages: (r − mean_group) / (std_group + eps), the same on every token;
     ``std_normalize=False`` is Dr.GRPO's r − mean_group (Liu et al. 2025: the std division weights
-    easy and hard prompts unequally)."""
+    easy and hard prompts unequally). A group whose samples all scored alike gets exactly 0 (its
+    mean's rounding, e.g. of three 0.1s, is no signal)."""
     g = by_prompt(scores, group_size)
     adv = g - g.mean(1, keepdim=True)
     if std_normalize:
         adv = adv / (g.std(1, keepdim=True, unbiased=True) + eps)
+    adv = torch.where(zero_variance_groups(scores, group_size)[:, None], 0.0, adv)
     return adv.reshape(-1, 1) * mask
 
 

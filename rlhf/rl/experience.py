@@ -105,7 +105,8 @@ class Experience:
     # (ppo.routing_replay; rlhf/models/moe.py); None: a dense actor, or replay off
     routing: Optional[torch.Tensor] = None
     # [B] bool: the rows whose ``old_logprobs`` the training mode recomputed (the others hold the
-    # rollout's: the update leaves them out, Collector.rows_to_score); None: every row
+    # rollout's, or 0 after HF generate: the update leaves them out, Collector.rows_to_score); None:
+    # every row
     scored_rows: Optional[torch.Tensor] = None
 
     @property
@@ -218,11 +219,13 @@ class Collector:
         rows = seq.shape[0]
         keep, groups = self.scoring_groups(gen)
         routing, flips = (gen.routing if self.replay else None), ReplayStats()
-        # the rows whose old log-probs the update reads (None: every row)
-        scored = self.rows_to_score(ro, mask, sp.samples_per_prompt, kl_beta)
+        # the rows whose old log-probs are recomputed and their advantages (None: every row's)
+        lean = self.rows_to_score(ro, mask, sp.samples_per_prompt, kl_beta)
+        scored = None if lean is None else lean[0]
 
         def logprobs(model: Model, top1=False, replay=False, over=None) -> torch.Tensor:
-            """Over every row, or ``over`` (``subset_groups``): the others' the rollout's."""
+            """Over every row, or ``over`` (``subset_groups``): the others' the rollout's (0 after
+            HF generate)."""
 
             def one(r):
                 with replay_rows(model.module, routing if replay else None, r, flips):
@@ -275,9 +278,12 @@ class Collector:
         kl, kl_mean = self.kl(old_logp, ref_logp, mask)
         global_rows = rows * mesh.world_size  # every rank holds as many rows
         all_reduce = mesh.all_reduce if mesh.distributed else None
-        adv, returns = advantages(
-            alg, scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce, turn_rewards
-        )
+        if lean is None:
+            adv, returns = advantages(
+                alg, scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce, turn_rewards
+            )
+        else:  # (the scores' alone: no KL, no values)
+            adv, returns = lean[1], None
         loss_mask = self.loss_mask(ro, mask)
         stale = staleness(gen.versions, step, mask)
         waited = timings.get("generate_s", 0.0) + timings.get("switch_s", 0.0)
@@ -318,11 +324,13 @@ class Collector:
 
     def rows_to_score(
         self, ro: Rollouts, mask: torch.Tensor, group_size: int, kl_beta: float
-    ) -> Optional[torch.Tensor]:
-        """[B] bool: the rows whose old log-probs the update reads, where it leaves out the rows
-        without an advantage (ppo.update_rows=live) and nothing else reads theirs — no reference
-        (the KL), teacher or critic, fresh single-process-equivalent rollouts — else None (every
-        row). The advantages come from the scores alone then (no KL, no values)."""
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """([B] bool: the rows whose old log-probs are recomputed, [B, N] the advantages) where
+        the update leaves out the rows without an advantage (ppo.update_rows=live) and nothing else
+        reads their log-probs — no reference (the KL), teacher or critic, no rollout worker, no
+        routing replay — else None (every row). The advantages then come from the scores alone;
+        the rows recomputed are those with one and each rank's first row (the parity guard always
+        has tokens to judge)."""
         sc = self.scorers
         if not self.update_live_rows or kl_beta or self.remote is not None or self.replay:
             return None
@@ -340,7 +348,9 @@ class Collector:
             all_reduce,
             ro.ep.turn_rewards,
         )
-        return live_rows(adv, self.loss_mask(ro, mask))
+        scored = live_rows(adv, self.loss_mask(ro, mask))
+        scored[0] = True
+        return scored, adv
 
     def sampled_logprobs(self, forward, seq, att, prompt_len: int, mask, temperature, keep):
         """[b, N] the sampled tokens' log-probs (``response_logprobs``); ``ppo.lm_head=response``:

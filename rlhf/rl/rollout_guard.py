@@ -187,7 +187,7 @@ class RolloutGuard:
                     "%g, going on",
                     step,
                     METRIC,
-                    row[METRIC],
+                    row.get(METRIC, math.nan),  # (nan: no token to compare)
                     self.limit,
                 )
                 return exp, row

@@ -134,7 +134,9 @@ class Updater:
         # the rows whose loss has a gradient (ppo.update_rows=live; None: every row)
         live = None
         if self.live_only and not (self.kl_in_loss and kl_beta):
-            live = live_rows(exp.advantages, exp.loss_mask)
+            live = live_rows(exp.advantages, exp.loss_mask).cpu()  # (indexes CPU row ids)
+            if exp.scored_rows is not None and bool((live & ~exp.scored_rows.cpu()).any()):
+                raise RuntimeError("a row with an advantage has no recomputed old log-probs")
         for _ in range(ppo.ppo_epochs):
             for mb in minibatches(
                 ids,
@@ -149,7 +151,8 @@ class Updater:
                 rows, most = mb.rows, mb.most
                 if live is not None:
                     rows = rows[live[rows]] if mb.weight else rows[:0]
-                    most = mesh.max(len(rows))  # (collective: the ranks' micro-batch count)
+                    if not ppo.max_tokens_per_micro_batch:  # (that path agrees on its own)
+                        most = mesh.max(len(rows))  # (collective: the ranks' micro-batch count)
                     # the share of the update's rows left out
                     stats.add(
                         "actor/rows_skipped",
@@ -291,9 +294,10 @@ class Updater:
         # logs what one process would)
         clipped, akl, tokens, ent_sum = mesh.all_reduce(sums)
         stats.add("actor/loss", loss_sum)
-        stats.add("clipfrac", float(clipped / tokens.clamp(min=1)))
-        stats.add("approx_kl", float(akl / tokens.clamp(min=1)))
-        stats.add("entropy", float(ent_sum / max(float(tokens), 1)))
+        if tokens > 0:  # (an update of stand-in rows alone, ppo.update_rows=live: none to average)
+            stats.add("clipfrac", float(clipped / tokens))
+            stats.add("approx_kl", float(akl / tokens))
+            stats.add("entropy", float(ent_sum / tokens))
         if alg.gkd_coef:
             stats.add("distill/gkd", mesh.sum(gkd_sum) / max(float(tokens), 1))
         return ok

@@ -119,8 +119,13 @@ def test_critic_free_estimators():
     grpo = A.grpo_advantages(scores, 4, m)
     s = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()
     assert torch.allclose(grpo[:4, 0], (torch.tensor([1.0, 0, 0, 1]) - 0.5) / (s + 1e-6))
-    # no signal when every sample scores alike
+    # no signal when every sample scores alike, exactly, also where the mean rounds (0.1 × 3)
     assert torch.allclose(grpo[4:], torch.zeros(4, 2))
+    tied = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.1, 0.2], dtype=torch.float64)
+    assert tied[:3].mean() != tied[0]  # (the rounding)
+    for std in (True, False):
+        adv = A.grpo_advantages(tied, 3, torch.ones(6, 2, dtype=torch.float64), std_normalize=std)
+        assert bool((adv[:3] == 0).all()) and bool((adv[3:] != 0).all())
     rloo = A.rloo_advantages(scores, 4, m)
     assert torch.allclose(rloo[:4, 0], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]))
     ret = A.discounted_returns(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0, 1.0, 0.0]]))

@@ -27,13 +27,20 @@ GROUP = 2  # samples a prompt
 DEAD = (0, 2)  # the groups whose samples all score alike
 
 
-def rule(texts, examples, fmt):
-    """Each response's own number in [0, 1) (from its characters), 0 for every sample of the
-    ``DEAD`` groups."""
-    return [0.0 if i // GROUP in DEAD else sum(map(ord, t)) % 97 / 97 for i, t in enumerate(texts)]
+def rule_with(dead):
+    def rule(texts, examples, fmt):
+        """Each response's own number in [0, 1) (from its characters), 0 for every sample of the
+        ``dead`` groups."""
+        return [
+            0.0 if i // GROUP in dead else sum(map(ord, t)) % 97 / 97 for i, t in enumerate(texts)
+        ]
+
+    return rule
 
 
-def step(update_rows: str, kl=0.0, update_mesh=None, max_tokens: int = 0, micro: int = 0):
+def step(
+    update_rows: str, kl=0.0, update_mesh=None, max_tokens: int = 0, micro: int = 0, dead=DEAD
+):
     """(the experience, [actor gradients of each of the step's 4 updates], the update's metrics,
     [tokens of each actor forward: scoring's, then the update's]) of one GRPO step."""
     torch.manual_seed(1)
@@ -55,7 +62,7 @@ def step(update_rows: str, kl=0.0, update_mesh=None, max_tokens: int = 0, micro:
         critic=None,
         reward_model=None,
         normalise=RewardNormaliser("none", {}),
-        rule=rule,
+        rule=rule_with(dead),
         rule_weight=1.0,
         data_format="prompt_response",
     )
@@ -76,7 +83,7 @@ def step(update_rows: str, kl=0.0, update_mesh=None, max_tokens: int = 0, micro:
     actor.forward = counted
     exp = collector.collect(0, kl)
     live = (exp.advantages != 0).any(1)
-    assert live.sum() == exp.rows - GROUP * len(DEAD)  # the others carry an advantage
+    assert live.sum() == exp.rows - GROUP * len(dead)  # the others carry an advantage
     grads = []
     capture_grads(actor, grads)
     actor.train()
@@ -103,8 +110,10 @@ def test_live_rows_score_and_update_as_every_row(every_row, max_tokens):
     assert torch.equal(exp.sequences, ref_exp.sequences)
     assert torch.equal(exp.advantages, ref_exp.advantages)
     live = (exp.advantages != 0).any(1)
-    assert torch.equal(exp.scored_rows, live) and ref_exp.scored_rows is None
-    on = exp.mask.bool() & live[:, None]
+    # the rows with an advantage, and the first (row 0: a dead group's) for the parity guard
+    assert torch.equal(exp.scored_rows, live | (torch.arange(exp.rows) == 0))
+    assert ref_exp.scored_rows is None
+    on = exp.mask.bool() & exp.scored_rows[:, None]
     assert float((exp.old_logprobs - ref_exp.old_logprobs)[on].abs().max()) <= TOL
     same_gradients(grads, ref_grads)
     assert stats["actor/rows_skipped"] == pytest.approx(0.5)  # 2 of 4 groups
@@ -122,9 +131,21 @@ def test_live_rows_with_a_busier_peer(every_row):
     """A rank whose peer runs more micro-batches runs stand-in rows at weight 0 for the rest."""
     _, grads, _, tokens = step("live", update_mesh=BusierPeer(), micro=1)
     same_gradients(grads, every_row[1])
-    # scoring: one forward a live row (4); the update, a minibatch: its live rows + the 4 its peer
-    # runs more, one a forward (4 live an epoch, 2 epochs)
-    assert len(tokens) == 4 + 24
+    # scoring: one forward a row scored (4 live and row 0); the update, a minibatch: its live rows
+    # + the 4 its peer runs more, one a forward (4 live an epoch, 2 epochs)
+    assert len(tokens) == 5 + 24
+
+
+def test_no_live_row_still_steps_and_is_checked():
+    """Every group scored alike: row 0 alone scored (the parity figures have tokens), one
+    stand-in row an update at weight 0, zero gradients, four optimizer steps, no token means."""
+    exp, grads, stats, tokens = step("live", dead=(0, 1, 2, 3), micro=1)
+    assert exp.scored_rows.tolist() == [True] + [False] * 7
+    assert 0 <= step_metrics(exp, 0.0, Mesh())["rollout/logprob_abs_diff_mean"] < 1e-5
+    assert len(grads) == 4 and len(tokens) == 1 + 4
+    assert all(float(g.abs().max()) == 0 for gs in grads for g in gs.values())
+    assert stats["actor/rows_skipped"] == 1.0
+    assert "entropy" not in stats and "clipfrac" not in stats
 
 
 def test_kl_in_the_loss_scores_and_runs_every_row():
