@@ -19,7 +19,7 @@ evaluations. Lines: ``s_per_step`` (median after the first), ``train_seconds`` (
 and, per evaluation, ``gold`` / ``gold_greedy`` with ``step`` and ``train_seconds_at`` (TRL's step
 time summed to that step); then the recipe's run read from RUN's metrics.jsonl (variant ``rlhf``:
 the same lines, its train seconds = generate + score + train of each step) and ``speedup`` lines
-(``s_per_step``; and ``time_to_gain``: train seconds until both held-out golds first gained ≥ 0.30
+(``s_per_step`` over the same steps; and ``time_to_gain``: train seconds until both held-out golds first gained ≥ 0.30
 over the base model, when both did).
 """
 
@@ -46,9 +46,9 @@ from common import TRL_CPU, device_label, step_timer  # noqa: E402
 TARGET_GAIN = 0.30
 
 
-def recipe_curve(run: Path) -> tuple:
-    """(median s/step after the first, [(step, gold, greedy, train seconds to that step)]) of RUN's
-    PPO stage."""
+def recipe_curve(run: Path, first: int) -> tuple:
+    """(median s/step of steps 2..``first``, the ones TRL runs, [(step, gold, greedy, train seconds
+    to that step)]) of RUN's PPO stage (its later steps' shorter answers aside)."""
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     spent, at, steps = 0.0, {0: 0.0}, []
     for r in rows:
@@ -67,7 +67,7 @@ def recipe_curve(run: Path) -> tuple:
         for r in rows
         if "gold/score" in r
     ]
-    return statistics.median(steps[1:]), evals
+    return statistics.median(steps[1:first]), evals
 
 
 def time_to_gain(evals: list, base: tuple):
@@ -193,7 +193,7 @@ def main() -> None:
     spent = [sum(timer.times[:k]) for k in range(len(timer.times) + 1)]
     trl_evals = [(0, *score(base_dir, args.run_dir), 0.0)]
     trl_evals += [(s, *score(d, args.run_dir), spent[s]) for s, d in evals_at]
-    ours_step, ours_evals = recipe_curve(args.run_dir)
+    ours_step, ours_evals = recipe_curve(args.run_dir, args.steps)
     lines = []
     for variant, step, evals in (
         ("trl_grpo", trl_step, trl_evals),

@@ -148,17 +148,7 @@ class Updater:
             ):
                 # (rows, weight); a rank out of rows runs one at weight 0, as many passes as the
                 # others
-                rows, most = mb.rows, mb.most
-                if live is not None:
-                    rows = rows[live[rows]] if mb.weight else rows[:0]
-                    if not ppo.max_tokens_per_micro_batch:  # (that path agrees on its own)
-                        most = mesh.max(len(rows))  # (collective: the ranks' micro-batch count)
-                    # the share of the update's rows left out
-                    stats.add(
-                        "actor/rows_skipped",
-                        float(len(mb.rows) - len(rows)) * mb.weight,
-                        float(len(mb.rows)) * mb.weight,
-                    )
+                rows, most = (mb.rows, mb.most) if live is None else self._live(mb, live, stats)
                 parts = []
                 for r in micro_batches(
                     rows, micro, most, tokens, ppo.max_tokens_per_micro_batch, mesh
@@ -195,6 +185,16 @@ class Updater:
         if critic is not None:
             means.update(critic.scale_metrics("critic"))
         return means
+
+    def _live(self, mb: Minibatch, live: torch.Tensor, stats: Stats) -> Tuple[torch.Tensor, int]:
+        """ppo.update_rows=live: (this rank's rows of ``mb`` with an advantage, the most any rank
+        holds: a collective, the ranks' micro-batch count), and the share left out in the stats."""
+        rows, most = mb.rows[live[mb.rows]] if mb.weight else mb.rows[:0], mb.most
+        if not self.ppo.max_tokens_per_micro_batch:  # (that path agrees on its own)
+            most = self.mesh.max(len(rows))
+        left = float(len(mb.rows) - len(rows))
+        stats.add("actor/rows_skipped", left * mb.weight, float(len(mb.rows)) * mb.weight)
+        return rows, most
 
     def _actor_step(
         self,
