@@ -19,8 +19,8 @@ evaluations. Lines: ``s_per_step`` (median after the first), ``train_seconds`` (
 and, per evaluation, ``gold`` / ``gold_greedy`` with ``step`` and ``train_seconds_at`` (TRL's step
 time summed to that step); then the recipe's run read from RUN's metrics.jsonl (variant ``rlhf``:
 the same lines, its train seconds = generate + score + train of each step) and ``speedup`` lines
-(``s_per_step`` over the same steps; and ``time_to_gain``: train seconds until both held-out golds first gained ≥ 0.30
-over the base model, when both did).
+(``s_per_step`` over the same steps; and ``time_to_gain``: train seconds until both held-out golds
+first gained ≥ 0.30 over the base model, when both did).
 """
 
 from __future__ import annotations

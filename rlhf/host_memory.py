@@ -49,19 +49,6 @@ def configure(mode: str) -> str:
     return ""
 
 
-def trim() -> None:
-    """Hands the heap's free pages back to the system (glibc's ``malloc_trim``: the top of the heap
-    and whole free pages inside it) where ``reuse`` keeps them; a no-op otherwise. Called after
-    the work whose blocks a training step does not reuse (an evaluation's generation: its KV cache
-    and batch shapes), so that the heap does not grow with each: the next step faults its blocks in
-    once."""
-    if not _applied:
-        return
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
 def _glibc():
     """The process's C library when it is glibc, else None."""
     if platform.system() != "Linux":

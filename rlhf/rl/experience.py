@@ -280,7 +280,15 @@ class Collector:
         all_reduce = mesh.all_reduce if mesh.distributed else None
         if lean is None:
             adv, returns = advantages(
-                alg, scores, kl, values, mask, sp.samples_per_prompt, kl_beta, all_reduce, turn_rewards
+                alg,
+                scores,
+                kl,
+                values,
+                mask,
+                sp.samples_per_prompt,
+                kl_beta,
+                all_reduce,
+                turn_rewards,
             )
         else:  # (the scores' alone: no KL, no values)
             adv, returns = lean[1], None
