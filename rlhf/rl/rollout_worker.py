@@ -233,6 +233,7 @@ def play(runners: list, turns: Turns, req: Request, positions: int):
 
 @torch.no_grad()
 def serve(spec: WorkerSpec, requests, results, weights) -> None:
+    from rlhf import host_memory
     from rlhf.engine.mesh import Mesh
     from rlhf.envs.builtin import environment
     from rlhf.rl.episodes import EpisodeRunner
@@ -261,3 +262,4 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
         turns = Turns(model, eos_id, pad_id, device)
         ep = play(runners, turns, req, positions)
         results.put(Result(req.step, ep, t1 - t0, time.perf_counter() - t1, turns.swaps))
+        host_memory.settle()

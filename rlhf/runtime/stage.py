@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from omegaconf import OmegaConf
 
+from rlhf import host_memory
 from rlhf.config import ROLES, Config, TrainConfig
 from rlhf.data.records import Example
 from rlhf.engine.checkpoint import (
@@ -422,7 +423,8 @@ def end_of_step(
     steps (the last step's evaluation is the export's), checkpoint every ``train.save_every`` and at
     the last step (a finished stage keeps its final state: a larger train.max_steps continues it),
     and after a first SIGINT/SIGTERM checkpoint (unless just done) and stop
-    (``rlhf.launcher.interrupt``)."""
+    (``rlhf.launcher.interrupt``); then the step's freed host memory goes back to the system
+    (``host_memory.settle``)."""
     if (
         evaluate is not None
         and train.eval_every
@@ -440,6 +442,7 @@ def end_of_step(
         return checkpoint(step)
 
     interrupt.stop_here(stop, mesh, done, save_on_stop)
+    host_memory.settle()
 
 
 def show_samples(metrics, step: int, rows: List[dict]) -> None:

@@ -52,6 +52,41 @@ def test_reuse_serves_large_blocks_from_the_heap():
     assert mapped >= 64 * 2**20
 
 
+SETTLE = r"""
+import sys, torch
+from rlhf import host_memory
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024
+
+host_memory.configure(sys.argv[1])
+x = torch.ones(64 * 2**20)  # 256 MiB, every page touched
+del x
+held = rss()
+host_memory.settle()
+print(held - rss())
+"""
+
+
+@pytest.mark.skipif(
+    host_memory._glibc() is None or not hasattr(host_memory._glibc(), "malloc_trim"),
+    reason="glibc's malloc_trim only",
+)
+def test_settle_gives_a_steps_freed_heap_back():
+    """Under ``reuse`` a freed block stays resident until the step ends (``settle``); under
+    ``system`` it was unmapped at its free, and ``settle`` has nothing to do."""
+
+    def given_back(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", SETTLE, mode], capture_output=True, text=True, check=True
+        )
+        return int(out.stdout.split()[-1])
+
+    assert given_back("reuse") >= 200 * 2**20
+    assert abs(given_back("system")) < 32 * 2**20
+
+
 def test_configure_is_once_and_system_is_a_no_op(monkeypatch):
     monkeypatch.setattr(host_memory, "_applied", False)
     assert host_memory.configure("system") == ""
