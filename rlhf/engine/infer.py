@@ -196,6 +196,8 @@ class InferenceModel:
         if decode not in ("dynamic", "static", "graphs"):
             raise ValueError(f"decode={decode!r}: expected dynamic, static or graphs")
         self.decode, self.sync_every, self.span_chunk = decode, sync_every, SPAN_CHUNK
+        # the dynamic loop: a prompt's samples share its prefill
+        self.share_prefill = True
         # the static loop's state (its own cache) and CUDA graphs: kept between calls while the key
         # (batch bucket, cache length, sampling) stays, released with the weights
         self._static: Optional[StaticDecoder] = None
@@ -613,7 +615,11 @@ class InferenceModel:
             with torch.inference_mode():
                 # the loop's tensors never meet autograd; finish() copies out
                 if self.decode == "dynamic":
-                    tokens, logprobs = self._decode(ids, pmask, sp, eos_id, pad_id, draws, routing)
+                    # a prompt's samples share its prefill (none to share while recording routing)
+                    shared = sp.samples_per_prompt if routing is None and self.share_prefill else 1
+                    tokens, logprobs = self._decode(
+                        ids, pmask, sp, eos_id, pad_id, draws, routing, shared
+                    )
                 else:
                     tokens, logprobs = self._decode_static(ids, pmask, sp, eos_id, pad_id, draws)
         finally:
@@ -644,12 +650,22 @@ class InferenceModel:
         self._route = route
 
     def _decode(
-        self, ids, pmask, sp: SamplingParams, eos_id: int, pad_id: int, draws, routing=None
+        self,
+        ids,
+        pmask,
+        sp: SamplingParams,
+        eos_id: int,
+        pad_id: int,
+        draws,
+        routing=None,
+        shared: int = 1,
     ):
+        """``shared``: each run of ``shared`` consecutive rows holds one prompt (``prompt_major``):
+        its prefill runs once and its keys, values and first logits are copied to the others."""
         device = ids.device
         B, P = ids.shape
         N = sp.max_new_tokens
-        self.allocate(B, P + N, device)
+        self.allocate(B // shared, P + N, device)
         self.pack_for_rows(B)
         # the rotations (or table rows) of every position this call can reach, looked up per step
         rot_table = self.position_table(P + N, device)
@@ -663,7 +679,11 @@ class InferenceModel:
         out_logp = torch.zeros((B, N), dtype=torch.float32, device=device)
         active: Optional[torch.Tensor] = None  # None = every row
         next_pos = positions[:, -1] + 1
-        logits = self.prefill(ids, pmask, rot_table, routing)
+        logits = self.prefill(ids[::shared], pmask[::shared], rot_table, routing)
+        if shared > 1:
+            self.cache = self.cache.repeat_interleave(shared, dim=1)
+            self._kv = list(self.cache.unbind(0))
+            logits = logits.repeat_interleave(shared, dim=0)
         if routing is not None:
             # a masked prefill routed the padding slots too: no token of the sequence
             routing[:, :P].masked_fill_(~pmask.bool()[..., None, None], -1)

@@ -287,3 +287,27 @@ def test_kept_inference_weights_are_reused_until_the_weights_change():
     # a fresh engine on the updated weights generates the same
     _fresh_eng, fresh = hybrid(eng.model)
     assert torch.equal(after.sequences, fresh.generate(prompts, greedy).sequences)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "opt", "mixtral"])
+def test_samples_sharing_their_prompts_prefill_equal_each_row_prefilled(family):
+    """The dynamic loop prefills each prompt once for its samples (``share_prefill``) and copies its
+    keys, values and first logits: the same tokens and log-probs as a prefill of every row, over
+    left-padded prompts of several lengths, sampled and with several samples a prompt."""
+    _, hy = hybrid(tiny_model(family, perturb=True))
+    model = hy.build_inference_model()
+    prompts = mixed_prompts()
+    for n in (2, 3):
+        sp = SamplingParams(temperature=1.0, max_new_tokens=10, samples_per_prompt=n, seed=5)
+        gens = []
+        for share in (False, True):
+            model.share_prefill = share
+            gens.append(
+                model.generate(prompts, sp, eos_id=Tok.eos_token_id, pad_id=Tok.pad_token_id)
+            )
+        each, shared = gens
+        assert torch.equal(each.sequences, shared.sequences)
+        assert torch.equal(each.attention_mask, shared.attention_mask)
+        torch.testing.assert_close(shared.logprobs, each.logprobs, rtol=0, atol=1e-6)
+        # samples differ from one another: the rows are not one row copied
+        assert not torch.equal(shared.sequences[0], shared.sequences[1])
