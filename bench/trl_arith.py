@@ -3,6 +3,7 @@ time and time to the held-out accuracy (JSON lines, docs/benchmarks.md; variant 
 
     pip install trl          # not a dependency of rlhf: only the TRL benches import it
     python bench/trl_arith.py --run-dir RUN [--steps 10] [--eval-every 5] [--threads N] [--out DIR]
+                              [--trl-from EARLIER_OUTPUT]
 
 ``RUN``: a finished ``python -m rlhf stage=ppo recipe=smollm2_arith`` run (e.g.
 bench/recipe_seeds.py's ``<out>/seed0``); TRL gets what it got: the same model, the same training
@@ -20,7 +21,9 @@ and, per evaluation, ``gold`` / ``gold_greedy`` with ``step`` and ``train_second
 time summed to that step); then the recipe's run read from RUN's metrics.jsonl (variant ``rlhf``:
 the same lines, its train seconds = generate + score + train of each step) and ``speedup`` lines
 (``s_per_step`` over the same steps; and ``time_to_gain``: train seconds until both held-out golds
-first gained ≥ 0.30 over the base model, when both did).
+first gained ≥ 0.30 over the base model, when both did). ``--trl-from``: TRL's lines of an earlier
+output for the same seed stand in for running it again (its samples are fixed by the seed; the base
+model's gold it recorded must equal RUN's, else the bench stops); the lines then carry ``trl_from``.
 """
 
 from __future__ import annotations
@@ -91,14 +94,9 @@ def score(model_dir: Path, run: Path) -> tuple:
     return out["gold/score"], out["gold/score_greedy"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run-dir", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+def run_trl(args) -> tuple:
+    """TRL's GRPOTrainer on RUN's work: (its version, median s/step after the first, [(step, gold,
+    greedy, train seconds to that step)])."""
     try:
         import trl
         from trl import GRPOConfig, GRPOTrainer
@@ -182,18 +180,60 @@ def main() -> None:
     )
     with contextlib.redirect_stdout(sys.stderr):
         trainer.train()
+    trl_step = statistics.median(timer.times[1:])
+    spent = [sum(timer.times[:k]) for k in range(len(timer.times) + 1)]
+    trl_evals = [(0, *score(base_dir, args.run_dir), 0.0)]
+    trl_evals += [(s, *score(d, args.run_dir), spent[s]) for s, d in evals_at]
+    return trl.__version__, trl_step, trl_evals
+
+
+def recorded_trl(path: Path) -> tuple:
+    """``run_trl``'s answer from an earlier output of this bench (its ``trl_grpo`` lines)."""
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    mine = [x for x in lines if x.get("variant") == "trl_grpo"]
+    if not mine:
+        sys.exit(f"bench/trl_arith.py: no trl_grpo lines in {path}")
+    step = next(x["value"] for x in mine if x["metric"] == "s_per_step")
+    golds = {x["step"]: x for x in mine if x["metric"] == "gold"}
+    greedy = {x["step"]: x["value"] for x in mine if x["metric"] == "gold_greedy"}
+    evals = [(s, g["value"], greedy[s], g["train_seconds_at"]) for s, g in sorted(golds.items())]
+    return mine[0]["trl"], step, evals
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--trl-from",
+        type=Path,
+        default=None,
+        help="an earlier output of this bench for the same seed: TRL's curve read from it "
+        "instead of run again (TRL on a fixed seed gives the same samples; its step-0 gold "
+        "must equal RUN's)",
+    )
+    args = ap.parse_args()
     base = {
         "bench": "trl_arith",
         "workload": "smollm2_arith",
         "device": device_label("cpu"),
         "threads": args.threads,
     }
-    base.update(trl=trl.__version__, steps=args.steps, run_dir=str(args.run_dir))
-    trl_step = statistics.median(timer.times[1:])
-    spent = [sum(timer.times[:k]) for k in range(len(timer.times) + 1)]
-    trl_evals = [(0, *score(base_dir, args.run_dir), 0.0)]
-    trl_evals += [(s, *score(d, args.run_dir), spent[s]) for s, d in evals_at]
+    if args.trl_from is not None:
+        version, trl_step, trl_evals = recorded_trl(args.trl_from)
+        base["trl_from"] = str(args.trl_from)
+    else:
+        version, trl_step, trl_evals = run_trl(args)
+    base.update(trl=version, steps=args.steps, run_dir=str(args.run_dir))
     ours_step, ours_evals = recipe_curve(args.run_dir, args.steps)
+    if tuple(trl_evals[0][1:3]) != tuple(ours_evals[0][1:3]):
+        sys.exit(
+            f"bench/trl_arith.py: TRL's base gold {trl_evals[0][1:3]} is not RUN's "
+            f"{ours_evals[0][1:3]}: not the same model, seed or held-out prompts"
+        )
     lines = []
     for variant, step, evals in (
         ("trl_grpo", trl_step, trl_evals),
