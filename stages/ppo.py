@@ -412,7 +412,7 @@ class Loop:
         """``logger.samples`` rollouts into samples.jsonl every ``logger.samples_every`` steps."""
         every, n = self.cfg.logger.samples_every, self.cfg.logger.samples
         if n and every and (done % every == 0 or first):
-            self.metrics.samples(done, "rollout", rollout_samples(exp, n))
+            self.metrics.samples(done, "rollout", rollout_samples(exp, n, self.prep.chat))
 
     def experience(self, step: int):
         """The step's experience and its metrics line (time/train_s once updated)."""

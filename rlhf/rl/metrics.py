@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from rlhf.algorithms import ppo as ppo_math
+from rlhf.data.chat import shown_prompt
 from rlhf.engine.mesh import Mesh
 from rlhf.rl.episodes import INFO
 from rlhf.rl.experience import Experience
@@ -131,15 +132,15 @@ def global_corr(x, y, mesh: Mesh) -> float:
     return 0.0
 
 
-def rollout_samples(exp: Experience, n: int) -> List[dict]:
-    """This rank's first ``n`` rollouts of a step for samples.jsonl: prompt, response, the reward
-    and its parts, the advantage (mean over the response's tokens), the gold score and reference
-    where the data has them."""
+def rollout_samples(exp: Experience, n: int, chat: Optional[str] = None) -> List[dict]:
+    """This rank's first ``n`` rollouts of a step for samples.jsonl: prompt (``shown_prompt``
+    under the chat template ``chat``), response, the reward and its parts, the advantage (mean over
+    the response's tokens), the gold score and reference where the data has them."""
     rows = []
     for i in range(min(n, len(exp.texts), len(exp.examples))):
         e, m = exp.examples[i], exp.mask[i]
         row = {
-            "prompt": e.prompt,
+            "prompt": shown_prompt(e, chat),
             "response": exp.texts[i],
             "reward": float(exp.scores[i]),
             "parts": {k: float(v[i]) for k, v in exp.score_parts.items()},

@@ -17,6 +17,7 @@ import logging
 from typing import Callable, Dict, List, Optional, Tuple
 
 from rlhf.config import EvalConfig
+from rlhf.data.chat import shown_prompt
 from rlhf.data.records import Example
 from rlhf.data.tokenize import encode_prompts
 from rlhf.engine.mesh import Mesh
@@ -121,7 +122,7 @@ def evaluate_gold(
                         {
                             "kind": kind,
                             "index": i,
-                            "prompt": e.prompt,
+                            "prompt": shown_prompt(e, chat),
                             "response": texts[k],
                             "gold": scores[k],
                             "reference": e.reference,
@@ -220,7 +221,7 @@ def evaluate_reward(
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
                 row = {
                     "index": i,
-                    "prompt": examples[i].prompt,
+                    "prompt": shown_prompt(examples[i], chat),
                     "response": text,
                     "reward": rewards[j],
                 }

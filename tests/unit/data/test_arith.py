@@ -70,3 +70,17 @@ def test_format_row_and_reward_function():
 def test_min_operand_is_checked(lo, hi):
     with pytest.raises(ConfigError, match=r"data\.synthetic\.min_operand"):
         SyntheticConfig(min_operand=lo, max_operand=hi)
+
+
+def test_samples_show_the_turns_the_model_reads():
+    """samples.jsonl and the console show a record that goes through a chat template as its turns,
+    not as the HH-style text the model never sees; a plain-text record as its text."""
+    from rlhf.data.chat import shown_prompt
+    from rlhf.data.records import Example
+
+    e = arith.generate(SyntheticConfig(num_records=10, min_operand=10, max_operand=49), 4, 0)[0][0]
+    question = e.chat.prompt[0]["content"]
+    assert "Human:" in e.prompt
+    assert shown_prompt(e, None) == shown_prompt(e, "{{ messages }}") == f"user: {question}"
+    plain = Example(prompt="\n\nHuman: hi\n\nAssistant:")
+    assert shown_prompt(plain, "{{ messages }}") == plain.prompt
