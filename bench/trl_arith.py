@@ -114,7 +114,7 @@ def run_trl(args) -> tuple:
     from rlhf.data.sampler import GlobalBatches
 
     torch.set_num_threads(args.threads)
-    saved = yaml.safe_load((args.run_dir / "ppo" / "config.yaml").read_text())
+    saved = run_config(args.run_dir)
     ppo, alg, model_path = saved["ppo"], saved["algorithm"], saved["model"]["path"]
     cfg, _ = compose_config(
         ["stage=ppo", "recipe=smollm2_arith", f"run.seed={saved['run']['seed']}"]
@@ -187,17 +187,47 @@ def run_trl(args) -> tuple:
     return trl.__version__, trl_step, trl_evals
 
 
-def recorded_trl(path: Path) -> tuple:
-    """``run_trl``'s answer from an earlier output of this bench (its ``trl_grpo`` lines)."""
+# what TRL got from RUN (run_trl): a recorded curve stands in only for the same
+SAME_WORK = (
+    ("run", "seed"),
+    ("model", "path"),
+    ("ppo", "prompts_per_step"),
+    ("ppo", "samples_per_prompt"),
+    ("ppo", "max_new_tokens"),
+    ("algorithm", "kl_coef"),
+    ("train", "lr"),
+)
+
+
+def run_config(run: Path) -> dict:
+    return yaml.safe_load((run / "ppo" / "config.yaml").read_text())
+
+
+def recorded_trl(path: Path, args) -> tuple:
+    """``run_trl``'s answer from an earlier output of this bench (its ``trl_grpo`` lines): one run,
+    the same ``--steps`` and ``--threads``, and a run directory whose settings TRL got are RUN's."""
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     mine = [x for x in lines if x.get("variant") == "trl_grpo"]
-    if not mine:
-        sys.exit(f"bench/trl_arith.py: no trl_grpo lines in {path}")
-    step = next(x["value"] for x in mine if x["metric"] == "s_per_step")
+    steps = [x for x in mine if x["metric"] == "s_per_step"]
+    if len(steps) != 1:
+        sys.exit(f"bench/trl_arith.py: {path} holds {len(steps)} TRL runs, not one")
+    rec = steps[0]
+    if (rec["steps"], rec["threads"]) != (args.steps, args.threads):
+        sys.exit(
+            f"bench/trl_arith.py: {path} ran {rec['steps']} steps on {rec['threads']} threads, "
+            f"not --steps {args.steps} --threads {args.threads}"
+        )
+    theirs, ours = run_config(Path(rec["run_dir"])), run_config(args.run_dir)
+    for part, key in SAME_WORK:
+        if theirs[part][key] != ours[part][key]:
+            sys.exit(
+                f"bench/trl_arith.py: {path} is TRL on {rec['run_dir']}, whose {part}.{key} "
+                f"{theirs[part][key]!r} is not RUN's {ours[part][key]!r}"
+            )
     golds = {x["step"]: x for x in mine if x["metric"] == "gold"}
     greedy = {x["step"]: x["value"] for x in mine if x["metric"] == "gold_greedy"}
     evals = [(s, g["value"], greedy[s], g["train_seconds_at"]) for s, g in sorted(golds.items())]
-    return mine[0]["trl"], step, evals
+    return rec["trl"], rec["value"], evals
 
 
 def main() -> None:
@@ -222,18 +252,19 @@ def main() -> None:
         "device": device_label("cpu"),
         "threads": args.threads,
     }
+    ours_step, ours_evals = recipe_curve(args.run_dir, args.steps)
     if args.trl_from is not None:
-        version, trl_step, trl_evals = recorded_trl(args.trl_from)
+        version, trl_step, trl_evals = recorded_trl(args.trl_from, args)
         base["trl_from"] = str(args.trl_from)
+        if tuple(trl_evals[0][1:3]) != tuple(ours_evals[0][1:3]):
+            sys.exit(
+                f"bench/trl_arith.py: the base gold {args.trl_from} recorded, "
+                f"{trl_evals[0][1:3]}, is not RUN's {ours_evals[0][1:3]}: not the same model, "
+                "seed or held-out prompts"
+            )
     else:
         version, trl_step, trl_evals = run_trl(args)
     base.update(trl=version, steps=args.steps, run_dir=str(args.run_dir))
-    ours_step, ours_evals = recipe_curve(args.run_dir, args.steps)
-    if tuple(trl_evals[0][1:3]) != tuple(ours_evals[0][1:3]):
-        sys.exit(
-            f"bench/trl_arith.py: TRL's base gold {trl_evals[0][1:3]} is not RUN's "
-            f"{ours_evals[0][1:3]}: not the same model, seed or held-out prompts"
-        )
     lines = []
     for variant, step, evals in (
         ("trl_grpo", trl_step, trl_evals),

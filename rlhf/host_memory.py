@@ -13,11 +13,12 @@ heap and keep freed memory for the next ones (``M_MMAP_MAX`` 0, no trimming), th
 tcmalloc have under ``LD_PRELOAD`` without a library to install; threads other than the main one
 still map blocks past their arena's 64 MiB. Blocks of many sizes, freed and taken again in a new
 order each step, fragment that heap: kept as it was, a SmolLM2 GRPO run's resident memory grew by
-0.3 GB a step (2.5 → 7.5 GB in 12 steps) over 1.6 GB in use. So at the end of each step
-(``settle``: the stages' ``end_of_step``, a rollout worker's request) the heap's free pages go back
-to the system (``malloc_trim``): a step reuses its own freed memory, the next one faults in only
-what it touches (the same run: 4.8–5.3 GB from step 4 on, the same seconds a step;
-docs/history.md, 2026-11-29: the heap between steps).
+0.3 GB a step (2.5 → 7.5 GB in 12 steps) over 1.6 GB in use. Trimming the heap (``malloc_trim``)
+at every step's end held it at 4.8–5.3 GB but cost the next step its page faults again (about 10%
+of a step). So ``settle`` (the stages' ``end_of_step``, a rollout worker's request) trims only when
+the resident set has passed twice what it was at the first step's end: the growth is bounded, and
+the trims, with their faults, come every few steps (docs/history.md, 2026-11-29: the heap between
+steps).
 ``system`` leaves glibc as it is. Nothing here changes a computed number; where the C library is not
 glibc (macOS, musl) ``reuse`` is a no-op and the log says so.
 """
@@ -25,7 +26,9 @@ glibc (macOS, musl) ``reuse`` is a no-op and the log says so.
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
+from typing import Optional
 
 # mallopt's parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -33,6 +36,8 @@ _M_MMAP_MAX = -4
 
 _applied = False
 _trim = None  # glibc's malloc_trim once reuse is applied
+# settle's bound: twice the resident set at the first step's end
+_ceiling: Optional[int] = None
 
 
 def configure(mode: str) -> str:
@@ -58,10 +63,27 @@ def configure(mode: str) -> str:
 
 
 def settle() -> None:
-    """The end of a step under ``reuse``: the heap's free pages back to the system (a no-op
-    otherwise)."""
-    if _trim is not None:
+    """The end of a step under ``reuse`` (a no-op otherwise): the heap's free pages back to the
+    system once the resident set passes twice what it was at the first step's end."""
+    global _ceiling
+    if _trim is None:
+        return
+    rss = _resident()
+    if rss is None:
+        return
+    if _ceiling is None:
+        _ceiling = 2 * rss
+    elif rss > _ceiling:
         _trim(0)
+
+
+def _resident() -> Optional[int]:
+    """This process's resident set in bytes (Linux's /proc/self/statm), None where unreadable."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _glibc():

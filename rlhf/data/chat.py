@@ -268,8 +268,8 @@ def uses_chat(example, template: Optional[str]) -> bool:
 
 def shown_prompt(example, template: Optional[str]) -> str:
     """The prompt as samples.jsonl and the console show it: a record rendered through a chat
-    template (``uses_chat``) as its turns, ``role: content`` a line (what the template adds, such as
-    a default system turn, aside); else its text, which is what the model reads."""
+    template (``uses_chat``) as its turns, ``role: content`` a line (what the template adds aside: a
+    default system turn, the tools' listing); else its text, which is what the model reads."""
     if not uses_chat(example, template):
         return example.prompt
     return "\n".join(f"{t['role']}: {t['content']}" for t in example.chat.prompt)

@@ -11,7 +11,8 @@ oneDNN-packed bf16) and, for fp32 on an MKL CPU, packed again when a generation 
 matrices in oneDNN's layout (any rows: the prefill's and the decode steps'), the small ones by MKL
 for the decode batch (``engine.inference_kernels``: auto = those fast paths where they apply,
 reference = plain GEMMs). The cache [layers, batch, max_len, 2 · kv_heads · head_dim] is allocated
-once and written in place; rows whose sequence has ended leave the batch. Per decode step the loop
+once and written in place; a prompt's samples share its prefill (its keys and values copied to their
+rows; not while MoE routing is recorded); rows whose sequence has ended leave the batch. Per decode step the loop
 only looks things up and writes in place (rotations from a per-call table, an additive key mask
 updated one slot a step); logits are cast to fp32 before log-softmax and sampling whatever the
 dtype. ``decode``: "dynamic" is that loop (the CPU's, and ``engine.cuda_graphs=off``); "static" the
@@ -570,6 +571,24 @@ class InferenceModel:
             ids, rot_table[positions], self._masks(pmask.bool(), 0, P), 0, last_only=True
         )[:, -1]
 
+    def shared_prefill(
+        self, ids: torch.Tensor, pmask: torch.Tensor, rot_table: torch.Tensor, shared: int
+    ) -> torch.Tensor:
+        """``prefill`` of rows that come in runs of ``shared`` copies of one prompt: each prompt's
+        once, into the cache's first rows, then its keys and values copied to its run's rows in
+        place (one layer's prompt slots at a time, as ``keep_rows``), and its logits to each."""
+        B, P = ids.shape
+        unique = B // shared
+        full = self._kv
+        self._kv = [layer[:unique] for layer in full]
+        try:
+            logits = self.prefill(ids[::shared], pmask[::shared], rot_table)
+        finally:
+            self._kv = full
+        for layer in full:
+            layer[:, :P] = layer[:unique, :P].repeat_interleave(shared, dim=0)
+        return logits.repeat_interleave(shared, dim=0)
+
     # ---- decode loop ----
     @torch.no_grad()
     def generate(
@@ -665,7 +684,7 @@ class InferenceModel:
         device = ids.device
         B, P = ids.shape
         N = sp.max_new_tokens
-        self.allocate(B // shared, P + N, device)
+        self.allocate(B, P + N, device)
         self.pack_for_rows(B)
         # the rotations (or table rows) of every position this call can reach, looked up per step
         rot_table = self.position_table(P + N, device)
@@ -679,11 +698,10 @@ class InferenceModel:
         out_logp = torch.zeros((B, N), dtype=torch.float32, device=device)
         active: Optional[torch.Tensor] = None  # None = every row
         next_pos = positions[:, -1] + 1
-        logits = self.prefill(ids[::shared], pmask[::shared], rot_table, routing)
         if shared > 1:
-            self.cache = self.cache.repeat_interleave(shared, dim=1)
-            self._kv = list(self.cache.unbind(0))
-            logits = logits.repeat_interleave(shared, dim=0)
+            logits = self.shared_prefill(ids, pmask, rot_table, shared)
+        else:
+            logits = self.prefill(ids, pmask, rot_table, routing)
         if routing is not None:
             # a masked prefill routed the padding slots too: no token of the sequence
             routing[:, :P].masked_fill_(~pmask.bool()[..., None, None], -1)
