@@ -11,13 +11,13 @@ oneDNN-packed bf16) and, for fp32 on an MKL CPU, packed again when a generation 
 matrices in oneDNN's layout (any rows: the prefill's and the decode steps'), the small ones by MKL
 for the decode batch (``engine.inference_kernels``: auto = those fast paths where they apply,
 reference = plain GEMMs). The cache [layers, batch, max_len, 2 · kv_heads · head_dim] is allocated
-once and written in place; a prompt's samples share its prefill (its keys and values copied to their
-rows; not while MoE routing is recorded); rows whose sequence has ended leave the batch. Per decode step the loop
-only looks things up and writes in place (rotations from a per-call table, an additive key mask
-updated one slot a step); logits are cast to fp32 before log-softmax and sampling whatever the
-dtype. ``decode``: "dynamic" is that loop (the CPU's, and ``engine.cuda_graphs=off``); "static" the
-fixed-shape step without host synchronisation of ``rlhf.engine.decode_static``, "graphs" the same
-replayed as CUDA graphs.
+once and written in place; a prompt's samples share its prefill (its keys and values copied to
+their rows; not while MoE routing is recorded); rows whose sequence has ended leave the batch. Per
+decode step the loop only looks things up and writes in place (rotations from a per-call table, an
+additive key mask updated one slot a step); logits are cast to fp32 before log-softmax and sampling
+whatever the dtype. ``decode``: "dynamic" is that loop (the CPU's, and ``engine.cuda_graphs=off``);
+"static" the fixed-shape step without host synchronisation of ``rlhf.engine.decode_static``,
+"graphs" the same replayed as CUDA graphs.
 """
 
 from __future__ import annotations
