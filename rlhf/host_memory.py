@@ -26,7 +26,6 @@ glibc (macOS, musl) ``reuse`` is a no-op and the log says so.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 from typing import Optional
 
@@ -68,22 +67,27 @@ def settle() -> None:
     global _ceiling
     if _trim is None:
         return
-    rss = _resident()
-    if rss is None:
+    kb = status_kb("VmRSS")
+    if kb is None:
         return
+    rss = kb * 1024
     if _ceiling is None:
         _ceiling = 2 * rss
     elif rss > _ceiling:
         _trim(0)
 
 
-def _resident() -> Optional[int]:
-    """This process's resident set in bytes (Linux's /proc/self/statm), None where unreadable."""
+def status_kb(field: str) -> Optional[int]:
+    """A figure of this process's /proc/self/status in KiB (``VmRSS``, ``VmHWM``), None where there
+    is no such file (macOS) or field."""
     try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         return None
+    return None
 
 
 def _glibc():

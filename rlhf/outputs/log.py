@@ -18,6 +18,7 @@ from typing import List, Optional
 
 from tqdm.auto import tqdm
 
+from rlhf.host_memory import status_kb
 from rlhf.outputs.fileio import atomic_write_text
 from rlhf.threads import usable_cores
 
@@ -157,7 +158,7 @@ class PeakMemory:
             _keep("gpu_reserved", torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
             return peak / GIB
-        kb = _status_kb("VmHWM")
+        kb = status_kb("VmHWM")
         if kb is None:
             import resource
 
@@ -176,17 +177,6 @@ class PeakMemory:
             except OSError:
                 self.interval = False
         return kb * 1024 / GIB
-
-
-def _status_kb(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 class JsonLines:

@@ -423,8 +423,8 @@ def end_of_step(
     steps (the last step's evaluation is the export's), checkpoint every ``train.save_every`` and at
     the last step (a finished stage keeps its final state: a larger train.max_steps continues it),
     and after a first SIGINT/SIGTERM checkpoint (unless just done) and stop
-    (``rlhf.launcher.interrupt``); then the step's freed host memory goes back to the system
-    (``host_memory.settle``)."""
+    (``rlhf.launcher.interrupt``); then the heap's free memory goes back to the system once the
+    process has grown past its bound (``host_memory.settle``)."""
     if (
         evaluate is not None
         and train.eval_every

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from rlhf import report, summary
+from rlhf import host_memory, report, summary
 from rlhf.compose import compose_config
 from rlhf.errors import ConfigError
 from rlhf.outputs.log import MetricsWriter, PeakMemory, Progress
@@ -52,7 +52,7 @@ def test_whole_process_peaks_survive_the_per_line_resets(monkeypatch):
     # the counters start from the current resident set
     memory.read()
     monkeypatch.setattr(log, "_before_resets", {})
-    base = log._status_kb("VmRSS") * 1024 / 2**30
+    base = host_memory.status_kb("VmRSS") * 1024 / 2**30
     block = bytearray(400_000_000)
     block[::4096] = b"\x01" * len(block[::4096])
     del block
