@@ -128,3 +128,21 @@ def test_distill_bench_on_a_recipe_needs_every_gold_at_its_target(tmp_path):
     # step 1 misses the greedy target, step 2 meets both
     assert b.seconds_to(points, (0.55, 0.6)) == 10.0
     assert b.seconds_to(points, (0.6, 0.6)) is None
+
+
+def test_distill_bench_takes_the_modes_own_distill_settings_unless_given():
+    """--distill-set: the mode's measured default when absent, exactly what is given otherwise
+    (nothing, when given empty)."""
+    spec = importlib.util.spec_from_file_location("bench_distill", ROOT / "bench" / "distill.py")
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+
+    class Args:
+        distill_set = None
+
+    assert b.distill_set(Args, b.EMBEDDED_DISTILL) == b.EMBEDDED_DISTILL
+    assert "algorithm.gkd_beta=1" in b.EMBEDDED_DISTILL
+    Args.distill_set = []
+    assert b.distill_set(Args, b.RECIPE_DISTILL) == []
+    Args.distill_set = ["train.lr=3e-5"]
+    assert b.distill_set(Args, b.RECIPE_DISTILL) == ["train.lr=3e-5"]
