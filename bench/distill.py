@@ -10,7 +10,7 @@ Per seed (run.seed=N, under <out>/seed<N>/):
 - student/: SFT stopped early (``--student-steps``): the weak policy both runs start from;
 - distill/: PPO from the student with ``ppo.teacher_path`` = the teacher,
   ``algorithm.estimator=distill``, no reward model, no rule, no KL to the reference, and
-  ``--distill-set`` (default ``EMBEDDED_DISTILL``: GKD's reverse KL over the vocabulary, 32
+  ``--distill-set`` (default ``EMBEDDED_DISTILL``: GKD's reverse KL over the vocabulary alone, 32
   prompts x 1 sample, lr 1e-4);
 - grpo/: PPO from the student with GRPO and the exact rule (the teacher's own recipe).
 Both run ``--steps`` steps with an evaluation every ``--eval-every``. Figures: teacher_gold,
@@ -52,9 +52,10 @@ STEP_TIMES = ("time/generate_s", "time/switch_s", "time/score_s", "time/train_s"
 SHARE = 0.9
 # the distill runs' own settings when --distill-set is not given (docs/performance.md: the fastest
 # measured to the target): on the embedded task GKD's reverse KL (beta 1) over the whole vocabulary
-# beside the sampled tokens' reward, one sample of 32 prompts at twice the recipe's lr; on the real
+# alone (no sampled tokens' reward), one sample of 32 prompts at twice the recipe's lr; on the real
 # model the sampled tokens' reverse KL alone, 8 prompts x 2 samples
 EMBEDDED_DISTILL = [
+    "ppo.distill_coef=0",
     "algorithm.gkd_coef=1",
     "algorithm.gkd_beta=1",
     "ppo.samples_per_prompt=1",

@@ -1489,7 +1489,8 @@ class PPOConfig:
     # on-policy distillation (docs/ppo.md): a frozen teacher (an HF causal LM with the actor's
     # tokenizer) scores every sampled token, and each policy token's reward is −distill_coef × (log
     # π_actor − log π_teacher), the per-token reverse KL, added to any other reward (none needed);
-    # distill_coef 0: the teacher only watched (distill/* logged, the run plain RL)
+    # distill_coef 0: no such reward (the teacher only watched, distill/* logged, unless
+    # algorithm.gkd_coef > 0 learns from it: with estimator=distill, GKD alone)
     teacher_path: Optional[str] = None
     distill_coef: float = 1.0
     # a generative judge (docs/ppo.md, rlhf/rl/judge.py): an HF causal LM reads each prompt and
@@ -1848,12 +1849,16 @@ class Config:
                 "ppo.teacher_path "
                 f"(an HF causal LM with the actor's tokenizer)"
             )
-        if ESTIMATORS[a.estimator].needs_teacher and p.teacher_path and not p.distill_coef:
+        if (
+            ESTIMATORS[a.estimator].needs_teacher
+            and p.teacher_path
+            and not (p.distill_coef or a.gkd_coef)
+        ):
             raise ConfigError(
                 f"algorithm.estimator={a.estimator} learns from the teacher's reward, "
                 "which ppo.distill_coef=0 "
-                "turns off: set ppo.distill_coef > 0, or another estimator to only watch "
-                "the teacher"
+                "turns off: set ppo.distill_coef > 0, algorithm.gkd_coef > 0 (GKD alone), or "
+                "another estimator to only watch the teacher"
             )
         if ESTIMATORS[a.estimator].needs_teacher and not p.teacher_path:
             raise ConfigError(

@@ -290,7 +290,8 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
     ppo, alg, env = cfg.ppo, cfg.algorithm, cfg.env.name
     actor_src = stage_input(cfg, ppo.actor_path, "ppo.actor_path", "ppo")
     gae = estimator(alg).critic  # (GAE: the critic's start is needed)
-    others = ppo.reward_fn or (ppo.teacher_path and ppo.distill_coef) or ppo.judge_path
+    taught = ppo.teacher_path and (ppo.distill_coef or alg.gkd_coef)
+    others = ppo.reward_fn or taught or ppo.judge_path
     if not ppo.use_reward_model and not others and env in ENV_BUILTINS:
         raise ConfigError(
             "ppo.use_reward_model=false needs another reward: a rule (ppo.reward_fn, e.g. "
@@ -362,6 +363,13 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
                 "ppo: distilling from teacher %s (ppo.distill_coef=%g)",
                 teacher_src,
                 ppo.distill_coef,
+            )
+        elif alg.gkd_coef:
+            log.info(
+                "ppo: distilling from teacher %s by GKD alone (ppo.distill_coef=0, "
+                "algorithm.gkd_coef=%g)",
+                teacher_src,
+                alg.gkd_coef,
             )
         else:
             log.info(

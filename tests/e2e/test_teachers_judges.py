@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.conftest import quick_sft_args, run_cli, score_cli
 from tests.e2e.test_ppo import quick_ppo, rows
@@ -61,6 +62,24 @@ def test_a_teacher_equal_to_the_student_gives_no_signal(small_pipeline, tmp_path
     # GKD's JSD, computed before the update: the same distributions, on the samples and on the
     # dataset's responses
     assert abs(first["distill/gkd"]) < 1e-6 and abs(first["distill/gkd_data"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_gkd_alone_trains_without_a_per_token_reward(small_pipeline, weak_teacher, tmp_path):
+    """estimator=distill with ppo.distill_coef=0 and algorithm.gkd_coef > 0: no token is rewarded
+    (advantages 0, the policy loss 0) and the actor moves by GKD's divergence alone."""
+    run = tmp_path / "run"
+    shutil.copytree(small_pipeline / "sft", run / "sft")
+    gkd = ["ppo.distill_coef=0", "algorithm.gkd_coef=1", "algorithm.gkd_beta=1"]
+    proc = run_cli(*distill_run(run, weak_teacher, "train.max_steps=2", *gkd))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "by GKD alone" in proc.stderr
+    for r in steps_of(run):
+        assert r["reward/distill"] == 0.0 and r["actor/loss"] == 0.0
+        assert r["distill/reverse_kl"] > 0.01 and r["distill/gkd"] > 1e-4
+    start = load_file(str(small_pipeline / "sft" / "model" / "model.safetensors"))
+    end = load_file(str(run / "ppo" / "actor" / "model.safetensors"))
+    assert max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-6
 
 
 # (two PPO runs and a second SFT model: about a minute each)
@@ -220,7 +239,6 @@ def test_score_reads_pairs_with_the_judge(small_pipeline, tmp_path):
 def test_a_watched_teacher_changes_nothing(small_pipeline, weak_teacher, tmp_path):
     """ppo.distill_coef=0: the teacher is scored and its distance logged, and the run is plain GRPO
     — the same metrics and the same exported weights as without a teacher."""
-    from safetensors.torch import load_file
 
     runs = []
     for name, extra in (

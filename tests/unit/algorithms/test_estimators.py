@@ -115,6 +115,12 @@ def test_distillation_needs_a_teacher_and_a_teacher_needs_a_weight():
         stage="ppo", algorithm=AlgorithmConfig(estimator="distill"), ppo=PPOConfig(teacher_path="t")
     )
     assert cfg.roles() == ("actor", "reference", "reward_model", "teacher")
+    # GKD alone: no per-token reward, the divergence its signal
+    Config(
+        stage="ppo",
+        algorithm=AlgorithmConfig(estimator="distill", gkd_coef=1.0),
+        ppo=PPOConfig(teacher_path="t", distill_coef=0),
+    )
 
 
 def test_gkd_divergence_is_the_generalised_jsd_chunked_and_exact():
