@@ -1144,8 +1144,8 @@ class AlgorithmConfig:
     no_eos_penalty: float = -1.0
     # GKD (docs/ppo.md): a loss term gkd_coef × the generalised JSD between the teacher's
     # (ppo.teacher_path) and the actor's next-token distributions at every policy token, over the
-    # vocabulary or the teacher's gkd_top_k likeliest tokens (0 = all); gkd_beta 0 = forward
-    # KL(teacher ‖ actor), 1 = reverse KL
+    # vocabulary or the teacher's gkd_top_k likeliest tokens and the rest as one (0 = all tokens);
+    # gkd_beta 0 = forward KL(teacher ‖ actor), 1 = reverse KL
     gkd_coef: float = 0.0
     gkd_beta: float = 0.5
     gkd_top_k: int = 0

@@ -84,17 +84,27 @@ def _divergence(
     s, t = student.float(), teacher.float()
     if temperature != 1.0:
         s, t = s / temperature, t / temperature
-    if top_k:
-        # the teacher's k likeliest tokens, both distributions renormalised over them
-        idx = t.topk(top_k, dim=-1).indices
-        s, t = s.gather(-1, idx), t.gather(-1, idx)
     ls, lt = F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
+    if top_k:
+        # the teacher's k likeliest tokens and one bucket for all the others (k + 1 categories):
+        # renormalising over the k alone would let the student move its mass off them unseen (a
+        # loss of 0 at any such mass: the collapse veRL #5041 met with top-k reverse KL)
+        idx = lt.topk(top_k, dim=-1).indices
+        ls, lt = _with_tail(ls.gather(-1, idx)), _with_tail(lt.gather(-1, idx))
     if beta == 0.0:  # forward KL(teacher ‖ student)
         return (lt.exp() * (lt - ls)).sum(-1)
     if beta == 1.0:  # reverse KL(student ‖ teacher)
         return (ls.exp() * (ls - lt)).sum(-1)
     mix = torch.logsumexp(torch.stack([ls + math.log(1 - beta), lt + math.log(beta)]), 0)
     return beta * (lt.exp() * (lt - mix)).sum(-1) + (1 - beta) * (ls.exp() * (ls - mix)).sum(-1)
+
+
+def _with_tail(logp: torch.Tensor) -> torch.Tensor:
+    """[..., k] log-probs of k tokens → [..., k + 1]: the last the log of the others' mass, 1 − the
+    k's (held above 0 where rounding would make it 0)."""
+    inside = torch.logsumexp(logp, dim=-1, keepdim=True)
+    rest = torch.log((-torch.expm1(inside.clamp(max=0.0))).clamp(min=1e-30))
+    return torch.cat([logp, rest], -1)
 
 
 def chunked_divergence(
@@ -109,9 +119,10 @@ def chunked_divergence(
     next-token distributions at each position (aligned logits [B, N, V], at ``temperature``): with M
     = β·P_teacher + (1 − β)·P_student, β·KL(P_teacher ‖ M) + (1 − β)·KL(P_student ‖ M); β = 0 is the
     forward KL(teacher ‖ student), β = 1 the reverse KL(student ‖ teacher) (Agarwal et al. 2024;
-    TRL's ``beta``). ``top_k`` > 0: over the teacher's k likeliest tokens alone, both renormalised
-    there. Computed a few positions at a time (each chunk recomputed in backward) so that fp32 [B,
-    N, V] never exists at once; differentiable in ``student``."""
+    TRL's ``beta``). ``top_k`` > 0: over the teacher's k likeliest tokens and one category for
+    the rest of the vocabulary (a lower bound of the full divergence). Computed a few positions at
+    a time (each chunk recomputed in backward) so that fp32 [B, N, V] never exists at once;
+    differentiable in ``student``."""
     B, N, V = student.shape
     # (two log-softmaxes and the mixture)
     step = max(1, min(N, chunk_bytes // max(B * V * 4 * 4, 1)))

@@ -149,10 +149,27 @@ def test_gkd_divergence_is_the_generalised_jsd_chunked_and_exact():
     assert torch.allclose(small, jsd.float(), atol=1e-6) and torch.allclose(
         s32.grad, whole.grad, atol=1e-6
     )
-    # top-k: over the teacher's k likeliest tokens, both renormalised there
+    # top-k: the teacher's k likeliest tokens and one category for the rest of the vocabulary
     idx = t.topk(4, -1).indices
-    sk, tk = s.gather(-1, idx).softmax(-1), t.gather(-1, idx).softmax(-1)
-    assert torch.allclose(chunked_divergence(s, t, 0.0, top_k=4), kl(tk, sk).float(), atol=1e-6)
+
+    def coarse(p):
+        inside = p.gather(-1, idx)
+        return torch.cat([inside, 1 - inside.sum(-1, keepdim=True)], -1)
+
+    sk, tk = coarse(ps), coarse(pt)
+    for beta, direct in ((0.0, kl(tk, sk)), (1.0, kl(sk, tk))):
+        top = chunked_divergence(s, t, beta, top_k=4)
+        assert torch.allclose(top, direct.float(), atol=1e-6)
+        # a lower bound of the whole vocabulary's
+        assert bool((top <= chunked_divergence(s, t, beta) + 1e-6).all())
+    # a student that agrees with the teacher on the k tokens' proportions but moves its mass off
+    # them is seen (renormalised over the k alone, its divergence would be 0: veRL #5041)
+    off = t.clone()
+    rest = torch.ones_like(off, dtype=torch.bool).scatter(-1, idx, False)
+    off[rest] += 3.0
+    for beta in (0.0, 0.5, 1.0):
+        assert chunked_divergence(off, t, beta, top_k=4).min() > 0.05
+        assert chunked_divergence(t, t, beta, top_k=4).abs().max() < 1e-6
     assert chunked_divergence(t, t, 0.5).abs().max() < 1e-6  # (fp32 rounding of the mixture)
 
 
