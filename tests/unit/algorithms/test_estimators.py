@@ -137,9 +137,10 @@ def test_gkd_divergence_is_the_generalised_jsd_chunked_and_exact():
     assert torch.allclose(chunked_divergence(s, t, 0.0), kl(pt, ps).float(), atol=1e-6)
     # reverse KL
     assert torch.allclose(chunked_divergence(s, t, 1.0), kl(ps, pt).float(), atol=1e-6)
-    m = 0.3 * pt + 0.7 * ps
-    jsd = 0.3 * kl(pt, m) + 0.7 * kl(ps, m)
-    assert torch.allclose(chunked_divergence(s, t, 0.3), jsd.float(), atol=1e-6)
+    for beta in (0.5, 0.3):
+        m = beta * pt + (1 - beta) * ps
+        jsd = beta * kl(pt, m) + (1 - beta) * kl(ps, m)
+        assert torch.allclose(chunked_divergence(s, t, beta), jsd.float(), atol=1e-6)
     # a few positions at a time: the same numbers, and the gradient through every chunk
     s32 = s.float().requires_grad_()
     small = chunked_divergence(s32, t.float(), 0.3, chunk_bytes=1)
