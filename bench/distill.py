@@ -46,7 +46,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import device_label  # noqa: E402
 
 GRPO = ["algorithm.estimator=grpo", "ppo.use_reward_model=false", "ppo.reward_fn=rlhf.rewards.gold"]
-DISTILL = ["algorithm.estimator=distill", "ppo.use_reward_model=false", "algorithm.kl_coef=0"]
+# (no_eos_penalty 0: a cut answer is not scored: nothing but the teacher's signal)
+DISTILL = [
+    "algorithm.estimator=distill",
+    "ppo.use_reward_model=false",
+    "algorithm.kl_coef=0",
+    "algorithm.no_eos_penalty=0",
+]
 STEP_TIMES = ("time/generate_s", "time/switch_s", "time/score_s", "time/train_s")
 # issue 54: the student reaches this share of the teacher's sampled gold
 SHARE = 0.9

@@ -89,8 +89,8 @@ def _divergence(
         # the teacher's k likeliest tokens and one bucket for all the others (k + 1 categories):
         # renormalising over the k alone would let the student move its mass off them unseen (a
         # loss of 0 at any such mass: the collapse veRL #5041 met with top-k reverse KL)
-        idx = lt.topk(top_k, dim=-1).indices
-        ls, lt = _with_tail(ls.gather(-1, idx)), _with_tail(lt.gather(-1, idx))
+        idx = lt.topk(min(top_k, lt.shape[-1]), dim=-1).indices
+        ls, lt = _with_tail(ls, idx), _with_tail(lt, idx)
     if beta == 0.0:  # forward KL(teacher ‖ student)
         return (lt.exp() * (lt - ls)).sum(-1)
     if beta == 1.0:  # reverse KL(student ‖ teacher)
@@ -99,12 +99,12 @@ def _divergence(
     return beta * (lt.exp() * (lt - mix)).sum(-1) + (1 - beta) * (ls.exp() * (ls - mix)).sum(-1)
 
 
-def _with_tail(logp: torch.Tensor) -> torch.Tensor:
-    """[..., k] log-probs of k tokens → [..., k + 1]: the last the log of the others' mass, 1 − the
-    k's (held above 0 where rounding would make it 0)."""
-    inside = torch.logsumexp(logp, dim=-1, keepdim=True)
-    rest = torch.log((-torch.expm1(inside.clamp(max=0.0))).clamp(min=1e-30))
-    return torch.cat([logp, rest], -1)
+def _with_tail(logp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[..., V] log-probs → [..., k + 1]: those of the k tokens ``idx`` and, last, the log of all
+    the others' mass (summed over them, not 1 − the k's: no cancellation when the k hold nearly
+    all; at least e^-69 ≈ 1e-30, where the k are the whole vocabulary)."""
+    rest = torch.logsumexp(logp.scatter(-1, idx, float("-inf")), dim=-1, keepdim=True)
+    return torch.cat([logp.gather(-1, idx), rest.clamp(min=-69.0)], -1)
 
 
 def chunked_divergence(
@@ -124,8 +124,9 @@ def chunked_divergence(
     a time (each chunk recomputed in backward) so that fp32 [B, N, V] never exists at once;
     differentiable in ``student``."""
     B, N, V = student.shape
-    # (two log-softmaxes and the mixture)
-    step = max(1, min(N, chunk_bytes // max(B * V * 4 * 4, 1)))
+    # (two log-softmaxes and the mixture; with top_k, each with its k masked out too)
+    held = 6 if top_k else 4
+    step = max(1, min(N, chunk_bytes // max(B * V * 4 * held, 1)))
     grad = torch.is_grad_enabled() and student.requires_grad
     out = []
     for s in range(0, N, step):

@@ -366,8 +366,8 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
             )
         elif alg.gkd_coef:
             log.info(
-                "ppo: distilling from teacher %s by GKD alone (ppo.distill_coef=0, "
-                "algorithm.gkd_coef=%g)",
+                "ppo: distilling from teacher %s by GKD, without the per-token reward "
+                "(ppo.distill_coef=0, algorithm.gkd_coef=%g)",
                 teacher_src,
                 alg.gkd_coef,
             )

@@ -66,14 +66,17 @@ def test_a_teacher_equal_to_the_student_gives_no_signal(small_pipeline, tmp_path
 
 @pytest.mark.slow
 def test_gkd_alone_trains_without_a_per_token_reward(small_pipeline, weak_teacher, tmp_path):
-    """estimator=distill with ppo.distill_coef=0 and algorithm.gkd_coef > 0: no token is rewarded
-    (advantages 0, the policy loss 0) and the actor moves by GKD's divergence alone."""
+    """estimator=distill with ppo.distill_coef=0 and algorithm.gkd_coef > 0 (and no other score: no
+    penalty for a cut answer either): no token is rewarded (advantages 0, the policy loss 0) and the
+    actor moves by GKD's divergence alone."""
     run = tmp_path / "run"
     shutil.copytree(small_pipeline / "sft", run / "sft")
     gkd = ["ppo.distill_coef=0", "algorithm.gkd_coef=1", "algorithm.gkd_beta=1"]
-    proc = run_cli(*distill_run(run, weak_teacher, "train.max_steps=2", *gkd))
+    proc = run_cli(
+        *distill_run(run, weak_teacher, "train.max_steps=2", "algorithm.no_eos_penalty=0", *gkd)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "by GKD alone" in proc.stderr
+    assert "by GKD, without the per-token reward" in proc.stderr
     for r in steps_of(run):
         assert r["reward/distill"] == 0.0 and r["actor/loss"] == 0.0
         assert r["distill/reverse_kl"] > 0.01 and r["distill/gkd"] > 1e-4
