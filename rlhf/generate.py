@@ -65,23 +65,6 @@ def quiet_console() -> None:
     hf_logging.disable_progress_bar()
 
 
-class _Policy:
-    """A single-process frozen causal LM in the shape the hybrid engine drives
-    (``rlhf.engine.train``'s FrozenModel, with the weights version the engine checks before reusing
-    inference weights)."""
-
-    def __init__(self, model, mesh, ecfg):
-        from rlhf.engine.train import FrozenModel
-
-        self._frozen = FrozenModel(model, mesh, ecfg)
-        self.model, self.mesh, self.is_fsdp = self._frozen.model, mesh, False
-        self.weights_version = 0
-
-    @property
-    def module(self):
-        return self._frozen.module
-
-
 def check_policy_dir(path: str, prog: str = PROG) -> Path:
     """An exported causal LM directory, or a UserError naming what is wrong."""
     from rlhf.errors import ConfigError
@@ -119,6 +102,7 @@ def load_policy(
     from rlhf.config import EngineConfig
     from rlhf.engine.hybrid import HybridEngine
     from rlhf.engine.mesh import init_mesh
+    from rlhf.engine.train import FrozenModel
     from rlhf.models import loading
 
     check_policy_dir(path)
@@ -131,8 +115,7 @@ def load_policy(
         AutoModelForCausalLM, path=path, trust_remote_code=trust_remote_code
     )
     loading.resize_for_tokenizer(model, tokenizer)
-    policy = _Policy(model, mesh, ecfg)
-    return HybridEngine(policy, tokenizer, ecfg), tokenizer, mesh
+    return HybridEngine(FrozenModel(model, mesh, ecfg), tokenizer, ecfg), tokenizer, mesh
 
 
 def prompt_limit(args, table: int) -> Optional[int]:

@@ -284,8 +284,11 @@ def judge_main(args, kind: str, exs) -> None:
     judge, or with ``--score-pattern`` its parsed score (rlhf/rl/judge.py, as PPO's judge)."""
     from transformers import AutoModelForCausalLM
 
+    from rlhf.config import EngineConfig
     from rlhf.data.records import Example
-    from rlhf.engine.mesh import choose_device
+    from rlhf.engine.hybrid import HybridEngine
+    from rlhf.engine.mesh import choose_device, init_mesh
+    from rlhf.engine.train import FrozenModel
     from rlhf.errors import ConfigError
     from rlhf.models.loading import check_model_path, load_tokenizer
     from rlhf.rl.judge import Judge, Plain, read_template
@@ -299,8 +302,14 @@ def judge_main(args, kind: str, exs) -> None:
     )
     if args.score_range[0] >= args.score_range[1] or args.max_new_tokens < 1:
         raise ConfigError("--score-range: LO < HI, and --max-new-tokens: a positive integer")
+    model = model.to(device).eval()
+    decoder = None
+    if args.score_pattern is not None:
+        # the answers decoded in the inference mode (one process: the hybrid engine over the judge)
+        ecfg = EngineConfig(device=device.type)
+        decoder = HybridEngine(FrozenModel(model, init_mesh(ecfg), ecfg), tokenizer, ecfg)
     judge = Judge(
-        Plain(model.to(device).eval()),
+        Plain(model),
         tokenizer,
         template,
         args.verdicts,
@@ -309,6 +318,7 @@ def judge_main(args, kind: str, exs) -> None:
         score=args.score_pattern,
         score_range=args.score_range,
         max_new_tokens=args.max_new_tokens,
+        decoder=decoder,
     )
     if exs is None:
         exs = [Example(prompt=args.prompt, response=args.response)]

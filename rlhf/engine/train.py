@@ -339,6 +339,9 @@ class FrozenModel:
         self.packs = ecfg.packing and packing.install(model)
         self.model = wrap_model(model, mesh, ecfg, trainable=False).eval()
         self.is_fsdp = isinstance(self.model, FSDPModule)
+        # never updated: a hybrid engine over it (a judge's decoding, rlhf.generate) reuses the
+        # inference weights it kept
+        self.weights_version = 0
 
     @property
     def module(self) -> nn.Module:

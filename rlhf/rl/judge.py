@@ -30,6 +30,7 @@ from rlhf.algorithms.tokens import position_ids
 from rlhf.config import score_pattern
 from rlhf.data.records import Example
 from rlhf.errors import ConfigError
+from rlhf.ops import SamplingParams
 
 FIELDS = ("{prompt}", "{response}", "{reference}")
 
@@ -112,6 +113,7 @@ class Judge:
         max_new_tokens: int = 16,
         failure_reward: float = 0.0,
         mesh=None,
+        decoder=None,
     ):
         self.model, self.tokenizer, self.template, self.max_tokens = (
             model,
@@ -125,6 +127,10 @@ class Judge:
         self.range, self.max_new_tokens = tuple(score_range), max_new_tokens
         self.failure_reward, self.mesh = failure_reward, mesh
         self.chat = getattr(tokenizer, "chat_template", None) is not None
+        # the score form's answers: decoded by the inference mode (``decoder``, a HybridEngine over
+        # the judge: one prefill, then a step a token over its KV cache) where its family has one,
+        # else by a full forward a token (``_score``)
+        self.decoder = decoder if decoder is not None and decoder.inject else None
         self.seconds = 0.0
         self.failed = torch.zeros(0, dtype=torch.bool)
 
@@ -138,14 +144,19 @@ class Judge:
         turns = [{"role": "user", "content": filled}]
         return self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
 
+    def rows(self, texts: List[str]) -> List[List[int]]:
+        """Each text's ids, its last ``max_tokens``."""
+        # the chat template writes the special tokens it needs
+        ids = self.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"]
+        return [r[-self.max_tokens :] for r in ids]
+
     def encode(self, texts: List[str]) -> tuple:
         """Left-padded ids and mask, each row its last ``max_tokens`` tokens."""
-        # the chat template writes the special tokens it needs
-        chat = self.chat
-        rows = [
-            ids[-self.max_tokens :]
-            for ids in self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
-        ]
+        return self.padded(self.rows(texts))
+
+    @staticmethod
+    def padded(rows: List[List[int]]) -> tuple:
+        """(ids, mask) of ``rows`` left-padded to the longest."""
         width = max(len(r) for r in rows)
         # the padding is masked out: id 0, which every vocabulary has (a pad added to the tokenizer
         # may lie past the embeddings of a judge loaded as it is, rlhf.score's)
@@ -158,10 +169,14 @@ class Judge:
         self, texts: Sequence[str], examples: Sequence[Example], micro: int, device
     ) -> torch.Tensor:
         t0 = time.perf_counter()
-        ids, mask = self.encode([self.text(e, t) for e, t in zip(examples, texts)])
-        out, step = [], micro or ids.shape[0]
-        for s in range(0, ids.shape[0], step):
-            i, m = ids[s : s + step].to(device), mask[s : s + step].to(device)
+        rows = self.rows([self.text(e, t) for e, t in zip(examples, texts)])
+        out, step = [], micro or len(rows)
+        for s in range(0, len(rows), step):
+            part = rows[s : s + step]
+            if self.pattern is not None and self.decoder is not None:
+                out.append(self._score_decoded(part).to(device))
+                continue
+            i, m = (x.to(device) for x in self.padded(part))
             out.append(self._verdict(i, m) if self.pattern is None else self._score(i, m))
         self.seconds = time.perf_counter() - t0
         rewards = torch.cat(out)
@@ -185,8 +200,8 @@ class Judge:
         return pair[:, 0].exp()
 
     def _score(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Greedy answers of at most ``max_new_tokens`` tokens (no cache: a judge's answer is a few
-        tokens), parsed; NaN where the answer has no score."""
+        """Greedy answers of at most ``max_new_tokens`` tokens, parsed; NaN where the answer has no
+        score. Without the inference mode (no ``decoder``): a full forward a token, no cache."""
         eos = self.tokenizer.eos_token_id
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         written = []
@@ -205,13 +220,23 @@ class Judge:
             going = float((~done).sum())
             if not (self.mesh.sum(going) if self.mesh is not None else going):
                 break
-        tokens = torch.stack(written, 1).tolist()
+        return self._parsed(torch.stack(written, 1).tolist()).to(ids.device)
+
+    def _score_decoded(self, rows: List[List[int]]) -> torch.Tensor:
+        """``_score``'s answers decoded greedily by the inference mode (collective, as the
+        trainer's generations: every rank calls it as many times)."""
+        sp = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens)
+        gen = self.decoder.generate(rows, sp)
+        tokens = gen.sequences[:, gen.prompt_len :].masked_fill(~gen.response_mask.bool(), -1)
+        return self._parsed(tokens.tolist())
+
+    def _parsed(self, tokens: List[List[int]]) -> torch.Tensor:
+        """[B] each answer's parsed score (NaN: none) from its token ids (−1: none)."""
+        eos = self.tokenizer.eos_token_id
         answers = [
             self.tokenizer.decode([t for t in row if t >= 0 and t != eos], skip_special_tokens=True)
             for row in tokens
         ]
         lo, hi = self.range
         scores = [parse_score(a, self.pattern, lo, hi) for a in answers]
-        return torch.tensor(
-            [float("nan") if v is None else v for v in scores], dtype=torch.float32, device="cpu"
-        ).to(ids.device)
+        return torch.tensor([float("nan") if v is None else v for v in scores], dtype=torch.float32)

@@ -246,6 +246,14 @@ def build_models(
         model = loading.causal_lm(sources.judge, mesh, judge_tok, remote, True, "judge")
         template = read_template(ppo.judge_template)
         frozen = FrozenModel(model, mesh, place("judge"))
+        # the score form decodes in the inference mode (the actor's TP layout: the TP groups
+        # generate together), or without it where the judge's shape does not split so
+        decoder = None
+        if ppo.judge_score_pattern is not None:
+            try:
+                decoder = HybridEngine(frozen, judge_tok, place("judge"))
+            except ConfigError as e:
+                log.warning("ppo: the judge's answers decoded without the inference mode: %s", e)
         judge = Judge(
             frozen,
             judge_tok,
@@ -258,6 +266,7 @@ def build_models(
             max_new_tokens=ppo.judge_max_new_tokens,
             failure_reward=ppo.judge_failure_reward,
             mesh=mesh,
+            decoder=decoder,
         )
     scorers = Scorers(
         ref=ref,

@@ -178,3 +178,23 @@ def test_teacher_gkd_and_judge_two_ranks_match_one_process(small_pipeline, tmp_p
             got[0][k],
             ref[0][k],
         )
+
+
+# (two PPO runs: about a minute)
+@pytest.mark.slow
+def test_a_judges_score_form_two_ranks_match_one_process(small_pipeline, tmp_path):
+    """The judge's written score, decoded in the inference mode over its ZeRO-3 shards (gathered
+    layer by layer on every rank, collectively): the first step equals the 1-process run's."""
+    template = tmp_path / "judge.txt"
+    template.write_text("{prompt} {response} right=")
+    extra = (
+        f"ppo.judge_path={small_pipeline / 'sft' / 'model'}",
+        f"ppo.judge_template={template}",
+        r"ppo.judge_score_pattern='(\d+)'",
+        "ppo.judge_score_range=[0,200]",
+    )
+    ref = first_step(small_pipeline, tmp_path / "one", 1, 1, *extra)
+    got = first_step(small_pipeline, tmp_path / "two", 2, 2, *extra, "ppo.micro_batch_per_rank=2")
+    assert_same_update(got, ref, "the judge's score form, 2 ranks")
+    for k in ("reward/judge", "judge/parse_failures"):
+        assert abs(got[0][k] - ref[0][k]) <= 1e-5 * max(abs(ref[0][k]), 1.0), (k, got, ref)

@@ -237,6 +237,52 @@ def test_score_reads_pairs_with_the_judge(small_pipeline, tmp_path):
     assert proc.returncode == 2 and "'Yes' is 3 tokens" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_the_score_forms_answers_decoded_by_the_inference_mode_equal_a_forward_a_token(
+    small_pipeline,
+):
+    """The judge's score form decodes in the inference mode (a hybrid engine over the frozen judge:
+    one prefill, then its KV cache) and reads the same greedy answers as a full forward a token."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.config import EngineConfig
+    from rlhf.data.records import Example
+    from rlhf.engine.hybrid import HybridEngine
+    from rlhf.engine.mesh import init_mesh
+    from rlhf.engine.train import FrozenModel
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.rl.judge import Judge, Plain
+
+    path = small_pipeline / "sft" / "model"
+    tokenizer = load_tokenizer(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ecfg = EngineConfig(device="cpu")
+    decoder = HybridEngine(FrozenModel(model, init_mesh(ecfg), ecfg), tokenizer, ecfg)
+    assert decoder.inject
+    exs = [Example(prompt=f"Q: {a}+{b}=") for a, b in ((3, 4), (12, 7), (40, 2), (5, 5), (9, 81))]
+    texts = [" 7", " 19", " 41", "", " 99"]
+    judges = [
+        Judge(
+            Plain(model),
+            tokenizer,
+            "{prompt}{response} Q: 2+2=",
+            [],
+            64,
+            "j",
+            score=r"(\d+)",
+            score_range=(0.0, 1000.0),
+            max_new_tokens=6,
+            decoder=d,
+        )
+        for d in (None, decoder)
+    ]
+    plain, decoded = (j(texts, exs, 2, torch.device("cpu")) for j in judges)
+    assert judges[1].decoder is not None and judges[0].decoder is None
+    assert torch.equal(plain.isnan(), decoded.isnan()) and torch.equal(
+        plain.nan_to_num(-1.0), decoded.nan_to_num(-1.0)
+    )
+    assert bool((~plain.isnan()).any()), plain  # answers with a number, compared
+
+
 # (two PPO runs and a second SFT model: about a minute each)
 @pytest.mark.slow
 def test_a_watched_teacher_changes_nothing(small_pipeline, weak_teacher, tmp_path):
