@@ -290,7 +290,7 @@ def judge_main(args, kind: str, exs) -> None:
     from rlhf.engine.mesh import choose_device, init_mesh
     from rlhf.engine.train import FrozenModel
     from rlhf.errors import ConfigError
-    from rlhf.models.loading import check_model_path, load_tokenizer
+    from rlhf.models.loading import check_model_path, load_tokenizer, resize_for_tokenizer
     from rlhf.rl.judge import Judge, Plain, read_template
 
     check_model_path(args.model_dir, "MODEL_DIR")
@@ -305,7 +305,9 @@ def judge_main(args, kind: str, exs) -> None:
     model = model.to(device).eval()
     decoder = None
     if args.score_pattern is not None:
-        # the answers decoded in the inference mode (one process: the hybrid engine over the judge)
+        # the answers decoded in the inference mode (one process: the hybrid engine over the judge,
+        # its embeddings holding the tokenizer's pad as PPO's judge's and rlhf.generate's do)
+        resize_for_tokenizer(model, tokenizer)
         ecfg = EngineConfig(device=device.type)
         decoder = HybridEngine(FrozenModel(model, init_mesh(ecfg), ecfg), tokenizer, ecfg)
     judge = Judge(
