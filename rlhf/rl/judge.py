@@ -19,6 +19,7 @@ answer are).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
@@ -171,13 +172,16 @@ class Judge:
         t0 = time.perf_counter()
         rows = self.rows([self.text(e, t) for e, t in zip(examples, texts)])
         out, step = [], micro or len(rows)
-        for s in range(0, len(rows), step):
-            part = rows[s : s + step]
-            if self.pattern is not None and self.decoder is not None:
-                out.append(self._score_decoded(part).to(device))
-                continue
-            i, m = (x.to(device) for x in self.padded(part))
-            out.append(self._verdict(i, m) if self.pattern is None else self._score(i, m))
+        decoded = self.pattern is not None and self.decoder is not None
+        # (decoded: the judge's inference weights gathered once for all the micro-batches)
+        with self.decoder.holding() if decoded else contextlib.nullcontext():
+            for s in range(0, len(rows), step):
+                part = rows[s : s + step]
+                if decoded:
+                    out.append(self._score_decoded(part).to(device))
+                    continue
+                i, m = (x.to(device) for x in self.padded(part))
+                out.append(self._verdict(i, m) if self.pattern is None else self._score(i, m))
         self.seconds = time.perf_counter() - t0
         rewards = torch.cat(out)
         self.failed = torch.zeros_like(rewards, dtype=torch.bool)

@@ -148,3 +148,44 @@ def test_the_agentic_recipe_runs_sft_then_grpo_with_the_calculator(tmp_path):
 
 def metrics_of(stage_dir):
     return [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def other_teacher(actor, tmp_path):  # noqa: F811
+    """The actor's weights moved by noise, with its tokenizer: a teacher that disagrees."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(actor)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    out = tmp_path / "teacher"
+    shutil.copytree(actor, out)
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_teacher_scores_the_policys_tokens_of_multi_turn_episodes(
+    tmp_path,
+    actor,  # noqa: F811
+    template,
+    other_teacher,
+):
+    """On-policy distillation in multi-turn episodes: the teacher's per-token reward covers the
+    policy's tokens alone (the environment's observations carry none): its per-sequence sum over its
+    per-token mean is the policy tokens an episode."""
+    env = ("env.name=tests.e2e.agent_envs.Echo", "env.max_turns=3", template)
+    proc = run_cli(
+        *grpo(tmp_path, actor, *env, f"ppo.teacher_path={other_teacher}", "ppo.distill_coef=0.5"),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [m for m in metrics(tmp_path / "run") if "distill/reverse_kl" in m]
+    assert abs(row["distill/reverse_kl"]) > 1e-3
+    per_row = row["distill/reverse_kl_seq"] / row["distill/reverse_kl"]
+    assert per_row == pytest.approx(row["tokens/policy"], rel=1e-4), row
+    assert row["reward/distill"] == pytest.approx(-0.5 * row["distill/reverse_kl_seq"], rel=1e-5)

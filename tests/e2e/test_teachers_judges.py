@@ -85,6 +85,20 @@ def test_gkd_alone_trains_without_a_per_token_reward(small_pipeline, weak_teache
     assert max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-6
 
 
+def test_a_lora_student_learns_from_a_teacher_of_its_own(small_pipeline, tmp_path):
+    """Under LoRA the student's adapters train and the teacher is a model apart: equal to the
+    student's base before the first update (reverse KL 0, full agreement), an adapter exported."""
+    run = tmp_path / "run"
+    shutil.copytree(small_pipeline / "sft", run / "sft")
+    lora = ["model.lora.r=4", "train.max_steps=1", "ppo.minibatches_per_epoch=1"]
+    proc = run_cli(*distill_run(run, small_pipeline / "sft" / "model", *lora))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (first,) = steps_of(run)
+    assert abs(first["distill/reverse_kl"]) < 1e-6 and first["distill/agreement"] == 1.0
+    assert "LoRA on the actor" in proc.stderr
+    assert (run / "ppo" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 # (two PPO runs and a second SFT model: about a minute each)
 @pytest.mark.slow
 def test_another_teacher_rewards_each_token_by_its_reverse_kl(
