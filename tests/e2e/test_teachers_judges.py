@@ -269,7 +269,8 @@ def test_the_score_forms_answers_decoded_by_the_inference_mode_equal_a_forward_a
     path = small_pipeline / "sft" / "model"
     tokenizer = load_tokenizer(str(path))
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    ecfg = EngineConfig(device="cpu")
+    # (host_malloc=system: glibc's settings are process-wide, and this is pytest's process)
+    ecfg = EngineConfig(device="cpu", host_malloc="system")
     decoder = HybridEngine(FrozenModel(model, init_mesh(ecfg), ecfg), tokenizer, ecfg)
     assert decoder.inject
     exs = [Example(prompt=f"Q: {a}+{b}=") for a, b in ((3, 4), (12, 7), (40, 2), (5, 5), (9, 81))]
