@@ -241,33 +241,7 @@ def build_models(
         teacher = FrozenModel(model, mesh, place("teacher"))
     judge = None
     if sources.judge is not None:
-        # its own tokenizer: it reads the responses' text
-        judge_tok = loading.load_tokenizer(sources.judge, cfg.model.trust_remote_code)
-        model = loading.causal_lm(sources.judge, mesh, judge_tok, remote, True, "judge")
-        template = read_template(ppo.judge_template)
-        frozen = FrozenModel(model, mesh, place("judge"))
-        # the score form decodes in the inference mode (the actor's TP layout: the TP groups
-        # generate together), or without it where the judge's shape does not split so
-        decoder = None
-        if ppo.judge_score_pattern is not None:
-            try:
-                decoder = HybridEngine(frozen, judge_tok, place("judge"))
-            except ConfigError as e:
-                log.warning("ppo: the judge's answers decoded without the inference mode: %s", e)
-        judge = Judge(
-            frozen,
-            judge_tok,
-            template,
-            ppo.judge_verdicts,
-            ppo.judge_max_tokens,
-            sources.judge,
-            score=ppo.judge_score_pattern,
-            score_range=ppo.judge_score_range,
-            max_new_tokens=ppo.judge_max_new_tokens,
-            failure_reward=ppo.judge_failure_reward,
-            mesh=mesh,
-            decoder=decoder,
-        )
+        judge = build_judge(cfg, sources.judge, mesh, remote, place("judge"))
     scorers = Scorers(
         ref=ref,
         critic=critic,
@@ -287,6 +261,36 @@ def build_models(
     ema = EMA(actor, ppo.ema_decay) if ppo.ema_decay else None
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     return Models(actor, hybrid, critic, reward_model, scorers, ema, engines)
+
+
+def build_judge(cfg, src: str, mesh: Mesh, remote: bool, ecfg) -> Judge:
+    """PPO's generative judge (ppo.judge_*): frozen, its own tokenizer (it reads the responses'
+    text); the score form decodes in the inference mode (the actor's TP layout: the TP groups
+    generate together), or without it where the judge's shape does not split so."""
+    ppo = cfg.ppo
+    judge_tok = loading.load_tokenizer(src, cfg.model.trust_remote_code)
+    model = loading.causal_lm(src, mesh, judge_tok, remote, True, "judge")
+    frozen = FrozenModel(model, mesh, ecfg)
+    decoder = None
+    if ppo.judge_score_pattern is not None:
+        try:
+            decoder = HybridEngine(frozen, judge_tok, ecfg)
+        except ConfigError as e:
+            log.warning("ppo: the judge's answers decoded without the inference mode: %s", e)
+    return Judge(
+        frozen,
+        judge_tok,
+        read_template(ppo.judge_template),
+        ppo.judge_verdicts,
+        ppo.judge_max_tokens,
+        src,
+        score=ppo.judge_score_pattern,
+        score_range=ppo.judge_score_range,
+        max_new_tokens=ppo.judge_max_new_tokens,
+        failure_reward=ppo.judge_failure_reward,
+        mesh=mesh,
+        decoder=decoder,
+    )
 
 
 def inputs(cfg: Config, mesh: Mesh) -> Sources:
