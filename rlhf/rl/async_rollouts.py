@@ -173,6 +173,8 @@ class AsyncRollouts:
             "async/worker_idle_s": res.idle_s,
             "async/worker_idle_share": res.idle_s / max(res.idle_s + res.busy_s, 1e-9),
             "async/swaps": float(res.swaps),
+            "async/generate_calls": float(res.calls),
+            "async/in_flight": float(res.in_flight),
             **self.transfer,
         }
         if span is not None:

@@ -6,6 +6,9 @@ the inference layout, no training copy, no optimizer state — and the environme
 rows. It serves ``Request``s in order: each names a step, that step's prompts, sampling and keys
 (the rows' keys in the whole step, so a sample is the one the colocated run draws) and the oldest
 weights version it may be generated with (the staleness bound: ``rlhf/rl/async_rollouts.py``).
+With k > 0 and multi-turn episodes it plays ``IN_FLIGHT`` requests at once, each in ``GROUPS``
+groups of episodes, their generations one at a time through the model's ``Gate`` (the oldest
+step's first): while one step's episodes wait on their tools, the next one's generate.
 Before every generation — each turn of a multi-turn episode — it takes the newest weights that have
 arrived: a trajectory in flight when an update lands continues with the new weights (a partial
 rollout), and every token carries the version that sampled it (``Generation.versions``) beside its
@@ -19,6 +22,7 @@ gone.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -26,7 +30,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -37,6 +41,9 @@ POLL_S = 1.0
 # groups of episodes a worker plays at once (max_staleness > 0, multi-turn): one generates while the
 # others wait on their tools
 GROUPS = 4
+# requests (steps) a worker plays at once (max_staleness > 0, multi-turn): the next step's episodes
+# generate while the oldest's wait on their tools, within the staleness bound
+IN_FLIGHT = 2
 
 
 @dataclass
@@ -91,6 +98,10 @@ class Result:
     busy_s: float  # playing the episodes
     # weights taken in during the episodes (partial rollouts)
     swaps: int
+    # the generations that played them
+    calls: int = 0
+    # the requests the worker was playing when it started this one, this one included
+    in_flight: int = 1
 
 
 @dataclass
@@ -127,21 +138,59 @@ class Model:
         self.version = w.version
 
     def newest(self) -> bool:
-        """Takes the newest weights waiting, if any; True when the model changed."""
+        """Takes the newest weights waiting, if any; True when the model changed. Called with the
+        model's ``Gate`` held."""
         last = None
         while True:
             try:
                 last = self.weights.get_nowait()
             except queue.Empty:
                 break
-        if last is not None:
-            self._take(last)
-        return last is not None
+        return last is not None and self._offer(last)
 
-    def wait(self, min_version: int) -> None:
-        while self.version < min_version:
-            self._take(_get(self.weights, self.spec.parent))
-        self.newest()
+    def _offer(self, w: Weights) -> bool:
+        # (a request waiting for weights takes them outside the gate; a turn may have taken newer
+        # ones since)
+        if w.version <= self.version:
+            return False
+        self._take(w)
+        return True
+
+    def wait(self, min_version: int, gate: "Gate", step: int) -> None:
+        """Until weights of version ``min_version`` or newer are in (the request of ``step``
+        waits for them: the staleness bound), then the newest."""
+        while True:
+            with gate.turn(step):
+                self.newest()
+                if self.version >= min_version:
+                    return
+            w = _get(self.weights, self.spec.parent)
+            with gate.turn(step):
+                self._offer(w)
+
+
+class Gate:
+    """The inference model, to one generation at a time, the oldest step's first: a request
+    started ahead never delays the one the trainer waits for."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.busy, self.waiting = False, []
+
+    @contextlib.contextmanager
+    def turn(self, step: int):
+        with self.cv:
+            self.waiting.append(step)
+            while self.busy or step != min(self.waiting):
+                self.cv.wait()
+            self.waiting.remove(step)
+            self.busy = True
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.busy = False
+                self.cv.notify_all()
 
 
 def _get(q, parent: int):
@@ -157,7 +206,6 @@ def _get(q, parent: int):
 def main(spec: WorkerSpec, requests, results, weights) -> None:
     """The worker process (``torch.multiprocessing`` spawn target)."""
     from rlhf import host_memory
-    from rlhf.errors import UserError, first_line
 
     logging.getLogger("rlhf").setLevel(logging.WARNING)
     try:
@@ -165,32 +213,41 @@ def main(spec: WorkerSpec, requests, results, weights) -> None:
         if spec.device == "cpu":
             host_memory.configure(spec.cfg.engine.host_malloc)
         serve(spec, requests, results, weights)
-    except UserError as e:
-        results.put(Failed(str(e), 2))
-    except BaseException as e:  # (the trainer says it in one line)
-        results.put(Failed(f"{type(e).__name__}: {first_line(e)}", 1))
+    except BaseException as e:
+        results.put(failed(e))
+
+
+def failed(e: BaseException) -> Failed:
+    """What the trainer says of a worker's error, in one line: a user's (exit 2) or another."""
+    from rlhf.errors import UserError, first_line
+
+    if isinstance(e, UserError):
+        return Failed(str(e), 2)
+    return Failed(f"{type(e).__name__}: {first_line(e)}", 1)
 
 
 class Turns:
     """``generate`` of one request's episodes: each call (a turn) first takes the newest weights
     that arrived, so the episodes go on with them (a partial rollout), and tags its tokens with
-    their version. Groups of episodes played in threads call it one at a time (the inference model
-    is one)."""
+    their version. Groups of episodes played in threads, and the requests in flight, call it
+    through the model's ``Gate``, one at a time, the oldest step first."""
 
-    def __init__(self, model: Model, eos_id: int, pad_id: int, device: torch.device):
-        self.model, self.eos_id, self.pad_id, self.device = model, eos_id, pad_id, device
-        # swaps: weights taken in after the first turn
-        self.calls, self.swaps = 0, 0
-        self.lock = threading.Lock()
+    def __init__(self, model: Model, gate: Gate, step: int, eos_id: int, pad_id: int, device):
+        self.model, self.gate, self.step = model, gate, step
+        self.eos_id, self.pad_id, self.device = eos_id, pad_id, device
+        # generations run; new weights met after the first (a partial rollout); the last's version
+        self.calls, self.swaps, self.version = 0, 0, -1
 
     def __call__(self, prompts, sp, keys):
-        with self.lock:
+        with self.gate.turn(self.step):
             t = time.perf_counter()
-            if self.model.newest() and self.calls:
-                self.swaps += 1
-            self.calls += 1
-            t_gen = time.perf_counter()
             m = self.model
+            m.newest()
+            if self.calls and m.version != self.version:
+                # (taken in by this call or by another request's)
+                self.swaps += 1
+            self.calls, self.version = self.calls + 1, m.version
+            t_gen = time.perf_counter()
             gen = m.model.generate(
                 prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device
             )
@@ -231,6 +288,34 @@ def play(runners: list, turns: Turns, req: Request, positions: int):
     return concat_episodes(out, turns.pad_id)
 
 
+class _Busy:
+    """The worker's idle time (no request in flight) between two results."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.in_flight, self.idle, self.since = 0, 0.0, time.perf_counter()
+        self.mark = self.since  # the last result sent
+
+    def start(self) -> int:
+        """A request starts: the requests in flight now, it included."""
+        with self.lock:
+            if not self.in_flight:
+                self.idle += time.perf_counter() - self.since
+            self.in_flight += 1
+            return self.in_flight
+
+    def done(self) -> Tuple[float, float]:
+        """(idle, busy) seconds since the last result; the request ended."""
+        with self.lock:
+            now = time.perf_counter()
+            self.in_flight -= 1
+            if not self.in_flight:
+                self.since = now
+            idle, span = self.idle, now - self.mark
+            self.idle, self.mark = 0.0, now
+            return idle, span - idle
+
+
 @torch.no_grad()
 def serve(spec: WorkerSpec, requests, results, weights) -> None:
     from rlhf import host_memory
@@ -240,26 +325,50 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
 
     ppo, device = spec.cfg.ppo, torch.device(spec.device)
     env = environment(spec.cfg.env)
-    # k = 0: the rows played together (the colocated run's layout, to the last bit); k > 0 with
-    # tools or an environment: in groups, each with a tokenizer of its own (a fast tokenizer is not
-    # for two threads)
-    runners = [EpisodeRunner.of(spec.cfg.env, env, spec.tokenizer, spec.chat, Mesh(device=device))]
-    if ppo.max_staleness and runners[0].multi_turn:
-        for _ in range(GROUPS - 1):
-            tok = copy.deepcopy(spec.tokenizer)
-            runners.append(EpisodeRunner.of(spec.cfg.env, env, tok, spec.chat, Mesh(device=device)))
-    model = Model(spec, weights)
+
+    def runner(tok):
+        return EpisodeRunner.of(spec.cfg.env, env, tok, spec.chat, Mesh(device=device))
+
+    # k = 0: one request at a time, its rows played together (the colocated run's layout, to the
+    # last bit); k > 0 with tools or an environment: IN_FLIGHT requests at once, each in GROUPS
+    # groups, each group with a tokenizer of its own (a fast tokenizer is not for two threads)
+    sets = [[runner(spec.tokenizer)]]
+    if ppo.max_staleness and sets[0][0].multi_turn:
+        sets[0] += [runner(copy.deepcopy(spec.tokenizer)) for _ in range(GROUPS - 1)]
+        sets += [
+            [runner(copy.deepcopy(spec.tokenizer)) for _ in range(GROUPS)]
+            for _ in range(IN_FLIGHT - 1)
+        ]
+    model, gate, busy = Model(spec, weights), Gate(), _Busy()
     pol = model.policy
     positions = pol.max_positions if pol.positions == "learned" else 0
     eos_id, pad_id = spec.tokenizer.eos_token_id, spec.tokenizer.pad_token_id
+    free, errors, slots = list(range(len(sets))), [], threading.Condition()
+
+    def one(req: Request, i: int, in_flight: int) -> None:
+        try:
+            turns = Turns(model, gate, req.step, eos_id, pad_id, device)
+            ep = play(sets[i], turns, req, positions)
+            idle, active = busy.done()
+            results.put(Result(req.step, ep, idle, active, turns.swaps, turns.calls, in_flight))
+            host_memory.settle()
+        except BaseException as e:
+            # the trainer hears it now (it waits for this step); the main thread stops
+            results.put(failed(e))
+            errors.append(e)
+        with slots:
+            free.append(i)
+            slots.notify_all()
+
     while True:
-        t0 = time.perf_counter()
         req = _get(requests, spec.parent)
-        if req is None:
+        with slots:
+            while not free and not errors:
+                slots.wait(POLL_S)
+        if req is None or errors:
             return
-        model.wait(req.min_version)
-        t1 = time.perf_counter()
-        turns = Turns(model, eos_id, pad_id, device)
-        ep = play(runners, turns, req, positions)
-        results.put(Result(req.step, ep, t1 - t0, time.perf_counter() - t1, turns.swaps))
-        host_memory.settle()
+        model.wait(req.min_version, gate, req.step)
+        n = busy.start()
+        with slots:
+            i = free.pop(0)
+        threading.Thread(target=one, args=(req, i, n), daemon=True, name=f"step-{req.step}").start()

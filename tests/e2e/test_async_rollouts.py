@@ -140,6 +140,8 @@ def test_a_trajectory_in_flight_continues_with_the_new_weights(tmp_path, ending_
     )
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     assert max(r["env/turns"] for r in rows) > 1.5
+    # the next step's episodes started while a step's waited on the tool
+    assert max(r["async/in_flight"] for r in rows) == 2
 
 
 @pytest.mark.parametrize(

@@ -92,3 +92,32 @@ def test_episodes_played_in_groups_lay_out_as_one_generation():
         assert torch.equal(getattr(merged.gen, name), getattr(whole.gen, name)), name
     assert merged.gen.prompt_len == whole.gen.prompt_len and merged.texts == whole.texts
     assert torch.equal(merged.turn_rewards, whole.turn_rewards) and merged.stats["rows"] == 6
+
+
+def test_the_model_goes_to_the_oldest_step_waiting():
+    import threading
+    import time
+
+    from rlhf.rl.rollout_worker import Gate
+
+    gate, order, held = Gate(), [], threading.Event()
+
+    def holder():
+        with gate.turn(7):
+            held.set()
+            while len(gate.waiting) < 3:
+                time.sleep(0.005)
+
+    def ask(step):
+        with gate.turn(step):
+            order.append(step)
+
+    threads = [threading.Thread(target=holder)]
+    threads[0].start()
+    assert held.wait(10)
+    for step in (9, 5, 6):  # a request started ahead first, then two older steps' turns
+        threads.append(threading.Thread(target=ask, args=(step,)))
+        threads[-1].start()
+    for t in threads:
+        t.join(10)
+    assert order == [5, 6, 9] and not gate.busy and not gate.waiting
