@@ -38,6 +38,8 @@ from rlhf.ops import SamplingParams
 
 # how often a waiting worker checks that its trainer is still there
 POLL_S = 1.0
+# how often a request waiting for weights looks at the model (a step in play may take them in)
+WAIT_S = 0.02
 # groups of episodes a worker plays at once (max_staleness > 0, multi-turn): one generates while the
 # others wait on their tools
 GROUPS = 4
@@ -164,7 +166,13 @@ class Model:
                 self.newest()
                 if self.version >= min_version:
                     return
-            w = _get(self.weights, self.spec.parent)
+            try:
+                # (briefly: a step in play may take the weights in first)
+                w = self.weights.get(timeout=WAIT_S)
+            except queue.Empty:
+                if os.getppid() != self.spec.parent:
+                    os._exit(0)
+                continue
             with gate.turn(step):
                 self._offer(w)
 
