@@ -108,6 +108,9 @@ class Experience:
     # rollout's, or 0 after HF generate: the update leaves them out, Collector.rows_to_score); None:
     # every row
     scored_rows: Optional[torch.Tensor] = None
+    # one update a step (ppo_epochs × minibatches_per_epoch = 1) with rows_to_score's lean scoring:
+    # the update's own forward, before its optimizer step, gives the old log-probs
+    old_from_update: bool = False
 
     @property
     def rows(self) -> int:
@@ -190,6 +193,8 @@ class Collector:
         hybrid.record_routing = self.replay
         # the update leaves out the rows without an advantage (Updater.live_only: set by the stage)
         self.update_live_rows = False
+        # one update a step: no second look at the rows' log-probs under the same weights
+        self.one_update = ppo.ppo_epochs * ppo.minibatches_per_epoch == 1
 
     def sampling(self, step: int) -> SamplingParams:
         ppo = self.ppo
@@ -328,6 +333,7 @@ class Collector:
             staleness=stale,
             routing=routing,
             scored_rows=scored,
+            old_from_update=lean is not None and self.one_update,
         )
 
     def rows_to_score(
@@ -337,8 +343,8 @@ class Collector:
         the update leaves out the rows without an advantage (ppo.update_rows=live) and nothing else
         reads their log-probs — no reference (the KL), teacher or critic, no rollout worker, no
         routing replay — else None (every row). The advantages then come from the scores alone;
-        the rows recomputed are those with one and each rank's first row (the parity guard always
-        has tokens to judge)."""
+        the rows recomputed are those with one (none with one update a step: ``one_update``) and
+        each rank's first row (the parity guard always has tokens to judge)."""
         sc = self.scorers
         if not self.update_live_rows or kl_beta or self.remote is not None or self.replay:
             return None
@@ -357,6 +363,10 @@ class Collector:
             ro.ep.turn_rewards,
         )
         scored = live_rows(adv, self.loss_mask(ro, mask))
+        if self.one_update:
+            # the update's forward, before its one optimizer step, is the policy that sampled
+            # them: it gives their old log-probs (Updater._actor_step)
+            scored.zero_()
         scored[0] = True
         return scored, adv
 

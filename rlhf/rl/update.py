@@ -135,7 +135,8 @@ class Updater:
         live = None
         if self.live_only and not (self.kl_in_loss and kl_beta):
             live = live_rows(exp.advantages, exp.loss_mask).cpu()  # (indexes CPU row ids)
-            if exp.scored_rows is not None and bool((live & ~exp.scored_rows.cpu()).any()):
+            unscored = live & ~exp.scored_rows.cpu() if exp.scored_rows is not None else None
+            if unscored is not None and not exp.old_from_update and bool(unscored.any()):
                 raise RuntimeError("a row with an advantage has no recomputed old log-probs")
         for _ in range(ppo.ppo_epochs):
             for mb in minibatches(
@@ -220,27 +221,25 @@ class Updater:
         for i, (r, w) in enumerate(parts):
             mask = exp.loss_mask[r] * w
             weights = ppo_math.loss_weights(mask, alg.loss_agg)  # token_mean: the mask itself
-            pg_weights = weights
-            if alg.mismatch_correction != "none" and exp.rollout_logprobs is not None:
-                correction = ppo_math.mismatch_weights(
-                    exp.old_logprobs[r],
-                    exp.rollout_logprobs[r],
-                    mask,
-                    alg.mismatch_correction,
-                    alg.tis_cap,
-                )
-                pg_weights = weights * correction
-                stats.add(
-                    "rollout/correction_mean", float((correction * mask).sum()), float(mask.sum())
-                )
             entropy = "loss" if alg.entropy_coef else "metric"
             # (a MoE actor: the rollout's experts, ppo.routing_replay; a stand-in micro-batch,
             # weight 0: its tokens take no part in the router terms)
             with replay_rows(actor.module, exp.routing, r), router.micro_batch(att[r] * (w > 0)):
                 logp, ent, logits, sel = self._forward(exp, r, entropy)
+            # (one update a step: this forward precedes its optimizer step)
+            old = logp.detach() if exp.old_from_update else exp.old_logprobs[r]
+            pg_weights = weights
+            if alg.mismatch_correction != "none" and exp.rollout_logprobs is not None:
+                correction = ppo_math.mismatch_weights(
+                    old, exp.rollout_logprobs[r], mask, alg.mismatch_correction, alg.tis_cap
+                )
+                pg_weights = weights * correction
+                stats.add(
+                    "rollout/correction_mean", float((correction * mask).sum()), float(mask.sum())
+                )
             pl, st = ppo_math.policy_loss(
                 logp,
-                exp.old_logprobs[r],
+                old,
                 exp.advantages[r],
                 mask,
                 clip_low(alg),

@@ -39,18 +39,25 @@ def rule_with(dead):
 
 
 def step(
-    update_rows: str, kl=0.0, update_mesh=None, max_tokens: int = 0, micro: int = 0, dead=DEAD
+    update_rows: str,
+    kl=0.0,
+    update_mesh=None,
+    max_tokens: int = 0,
+    micro: int = 0,
+    dead=DEAD,
+    updates: int = 2,
 ):
-    """(the experience, [actor gradients of each of the step's 4 updates], the update's metrics,
-    [tokens of each actor forward: scoring's, then the update's]) of one GRPO step."""
+    """(the experience, [actor gradients of each of the step's updates: ``updates`` epochs × as
+    many minibatches], the update's metrics, [tokens of each actor forward: scoring's, then the
+    update's]) of one GRPO step."""
     torch.manual_seed(1)
     mesh, ecfg = Mesh(), EngineConfig(precision="fp32")
     alg = AlgorithmConfig(estimator="grpo", kl_coef=kl, no_eos_penalty=0.0)
     ppo = PPOConfig(
         prompts_per_step=4,
         samples_per_prompt=GROUP,
-        ppo_epochs=2,
-        minibatches_per_epoch=2,
+        ppo_epochs=updates,
+        minibatches_per_epoch=updates,
         max_new_tokens=10,
         max_tokens_per_micro_batch=max_tokens,
         micro_batch_per_rank=micro,
@@ -96,8 +103,8 @@ def every_row():
     return step("all")
 
 
-def same_gradients(got: list, want: list) -> None:
-    assert len(got) == len(want) == 4
+def same_gradients(got: list, want: list, updates: int = 4) -> None:
+    assert len(got) == len(want) == updates
     for g, w in zip(got, want, strict=True):
         assert g.keys() == w.keys()
         assert rel(g, w) <= TOL, rel(g, w)
@@ -146,6 +153,26 @@ def test_no_live_row_still_steps_and_is_checked():
     assert all(float(g.abs().max()) == 0 for gs in grads for g in gs.values())
     assert stats["actor/rows_skipped"] == 1.0
     assert "entropy" not in stats and "clipfrac" not in stats
+
+
+def test_one_update_a_step_takes_the_old_log_probs_from_its_own_forward():
+    """ppo_epochs = minibatches = 1: the update's forward precedes its one optimizer step, so only
+    row 0 is scored (for the parity guard) and the live rows' old log-probs are the update's own:
+    the gradient of ``all`` (whose scoring recomputes every row), a ratio of 1."""
+    ref_exp, ref_grads, ref_stats, ref_tokens = step("all", updates=1)
+    exp, grads, stats, tokens = step("live", updates=1)
+    assert exp.old_from_update and not ref_exp.old_from_update
+    assert exp.scored_rows.tolist() == [True] + [False] * (exp.rows - 1)
+    same_gradients(grads, ref_grads, updates=1)
+    assert stats["actor/loss"] == pytest.approx(ref_stats["actor/loss"], abs=1e-6)
+    assert stats["clipfrac"] == 0 and stats["approx_kl"] == 0
+    # scoring: row 0's forward alone (the live rows' went), then the update's over the live rows
+    live = int((exp.advantages != 0).any(1).sum())
+    assert len(tokens) == 1 + 1 and sum(tokens) < 0.6 * sum(ref_tokens), (tokens, ref_tokens)
+    assert live == exp.rows - GROUP * len(DEAD)
+    assert 0 <= step_metrics(exp, 0.0, Mesh())["rollout/logprob_abs_diff_mean"] < 1e-5
+    # several updates a step: the live rows are scored as before
+    assert not step("live")[0].old_from_update
 
 
 def test_kl_in_the_loss_scores_and_runs_every_row():
