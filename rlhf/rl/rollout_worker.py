@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,7 +38,7 @@ from rlhf.ops import SamplingParams
 
 # how often a waiting worker checks that its trainer is still there
 POLL_S = 1.0
-# how often a request waiting for weights looks at the model (a step in play may take them in)
+# how often a request waiting for weights looks for them
 WAIT_S = 0.02
 # groups of episodes a worker plays at once (max_staleness > 0, multi-turn): one generates while the
 # others wait on their tools
@@ -95,10 +95,11 @@ class Result:
     step: int
     # rlhf.rl.episodes.Episodes, versions on every policy token
     episodes: object
-    # waiting for this request or for weights new enough
+    # since the worker's last result: no step in play (waiting for requests or weights)
     idle_s: float
-    busy_s: float  # playing the episodes
-    # weights taken in during the episodes (partial rollouts)
+    busy_s: float  # a step or more in play
+    # trajectories that went on with newer weights (tokens of two versions or more: partial
+    # rollouts)
     swaps: int
     # the generations that played them
     calls: int = 0
@@ -151,30 +152,26 @@ class Model:
         return last is not None and self._offer(last)
 
     def _offer(self, w: Weights) -> bool:
-        # (a request waiting for weights takes them outside the gate; a turn may have taken newer
-        # ones since)
+        # (never back to older weights)
         if w.version <= self.version:
             return False
         self._take(w)
         return True
 
-    def wait(self, min_version: int, gate: "Gate", step: int) -> None:
+    def wait(self, min_version: int, gate: "Gate", step: int, stop: Callable[[], bool]) -> bool:
         """Until weights of version ``min_version`` or newer are in (the request of ``step``
-        waits for them: the staleness bound), then the newest."""
+        waits for them: the staleness bound), then the newest; False if ``stop()`` first. Only
+        ``newest`` reads the weights, under the gate: a step in play takes them in at its next
+        turn as soon as they arrive."""
         while True:
             with gate.turn(step):
                 self.newest()
                 if self.version >= min_version:
-                    return
-            try:
-                # (briefly: a step in play may take the weights in first)
-                w = self.weights.get(timeout=WAIT_S)
-            except queue.Empty:
-                if os.getppid() != self.spec.parent:
-                    os._exit(0)
-                continue
-            with gate.turn(step):
-                self._offer(w)
+                    return True
+            if stop():
+                return False
+            _trainer_there(self.spec.parent)
+            time.sleep(WAIT_S)
 
 
 class Gate:
@@ -201,14 +198,19 @@ class Gate:
                 self.cv.notify_all()
 
 
+def _trainer_there(parent: int) -> None:
+    """The worker ends when its trainer process is gone."""
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 def _get(q, parent: int):
     """The next message of ``q``; the worker ends when its trainer process is gone."""
     while True:
         try:
             return q.get(timeout=POLL_S)
         except queue.Empty:
-            if os.getppid() != parent:
-                os._exit(0)
+            _trainer_there(parent)
 
 
 def main(spec: WorkerSpec, requests, results, weights) -> None:
@@ -243,18 +245,14 @@ class Turns:
     def __init__(self, model: Model, gate: Gate, step: int, eos_id: int, pad_id: int, device):
         self.model, self.gate, self.step = model, gate, step
         self.eos_id, self.pad_id, self.device = eos_id, pad_id, device
-        # generations run; new weights met after the first (a partial rollout); the last's version
-        self.calls, self.swaps, self.version = 0, 0, -1
+        self.calls = 0  # generations run
 
     def __call__(self, prompts, sp, keys):
         with self.gate.turn(self.step):
             t = time.perf_counter()
             m = self.model
             m.newest()
-            if self.calls and m.version != self.version:
-                # (taken in by this call or by another request's)
-                self.swaps += 1
-            self.calls, self.version = self.calls + 1, m.version
+            self.calls += 1
             t_gen = time.perf_counter()
             gen = m.model.generate(
                 prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device
@@ -358,25 +356,44 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
             turns = Turns(model, gate, req.step, eos_id, pad_id, device)
             ep = play(sets[i], turns, req, positions)
             idle, active = busy.done()
-            results.put(Result(req.step, ep, idle, active, turns.swaps, turns.calls, in_flight))
-            host_memory.settle()
+            res = Result(req.step, ep, idle, active, partial(ep), turns.calls, in_flight)
+            results.put(res)
         except BaseException as e:
             # the trainer hears it now (it waits for this step); the main thread stops
             results.put(failed(e))
             errors.append(e)
+        else:
+            host_memory.settle()
         with slots:
             free.append(i)
             slots.notify_all()
 
     while True:
         req = _get(requests, spec.parent)
+        if req is None:
+            return
         with slots:
             while not free and not errors:
                 slots.wait(POLL_S)
-        if req is None or errors:
+                _trainer_there(spec.parent)
+        if errors or not model.wait(req.min_version, gate, req.step, lambda: bool(errors)):
             return
-        model.wait(req.min_version, gate, req.step)
         n = busy.start()
         with slots:
             i = free.pop(0)
+        if len(sets) == 1:
+            # one step at a time (k = 0: the colocated run's, on the main thread as it was)
+            one(req, i, n)
+            continue
         threading.Thread(target=one, args=(req, i, n), daemon=True, name=f"step-{req.step}").start()
+
+
+def partial(ep) -> int:
+    """The trajectories whose policy tokens carry two versions or more (partial rollouts)."""
+    v = ep.gen.versions
+    if v is None:
+        return 0
+    real = v >= 0
+    newest = torch.where(real, v, -1).amax(1)
+    oldest = torch.where(real, v, torch.iinfo(v.dtype).max).amin(1)
+    return int(((newest > oldest) & real.any(1)).sum())

@@ -121,3 +121,19 @@ def test_the_model_goes_to_the_oldest_step_waiting():
     for t in threads:
         t.join(10)
     assert order == [5, 6, 9] and not gate.busy and not gate.waiting
+
+
+def test_the_worker_never_goes_back_to_older_weights_and_counts_partial_rollouts():
+    from types import SimpleNamespace
+
+    from rlhf.rl.rollout_worker import Model, Weights, partial
+
+    m = Model.__new__(Model)
+    m.version, taken = 4, []
+    m._take = lambda w: (taken.append(w.version), setattr(m, "version", w.version))
+    assert not m._offer(Weights(3, {}, [])) and not m._offer(Weights(4, {}, []))
+    assert m._offer(Weights(6, {}, [])) and taken == [6] and m.version == 6
+    # rows: one version, two versions (a partial rollout), none (a failed row), two again
+    v = torch.tensor([[2, 2, -1], [2, 3, 3], [-1, -1, -1], [5, -1, 6]])
+    assert partial(SimpleNamespace(gen=SimpleNamespace(versions=v))) == 2
+    assert partial(SimpleNamespace(gen=SimpleNamespace(versions=None))) == 0
