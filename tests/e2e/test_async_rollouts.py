@@ -121,12 +121,14 @@ def test_a_trajectory_in_flight_continues_with_the_new_weights(tmp_path, ending_
         tmp_path,
         ending_actor,
         "partial",
-        "train.max_steps=4",
+        # (steps enough for the steps in flight to fall out of step: an update then lands between
+        # two turns of a step's trajectories)
+        "train.max_steps=8",
         "ppo.rollout_workers=1",
         "ppo.max_staleness=1",
         "env.name=tests.e2e.agent_envs.SlowEcho",
         "+env.args={delay_s: 0.4}",
-        "env.max_turns=3",
+        "env.max_turns=4",
         "ppo.max_new_tokens=4",
         "ppo.reward_fn=null",
         f"data.chat_template={template}",
