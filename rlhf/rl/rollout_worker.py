@@ -140,16 +140,16 @@ class Model:
         )
         self.version = w.version
 
-    def newest(self) -> bool:
-        """Takes the newest weights waiting, if any; True when the model changed. Called with the
-        model's ``Gate`` held."""
+    def newest(self) -> None:
+        """Takes the newest weights waiting, if any. Called with the model's ``Gate`` held."""
         last = None
         while True:
             try:
                 last = self.weights.get_nowait()
             except queue.Empty:
                 break
-        return last is not None and self._offer(last)
+        if last is not None:
+            self._offer(last)
 
     def _offer(self, w: Weights) -> bool:
         # (never back to older weights)
@@ -176,7 +176,7 @@ class Model:
 
 class Gate:
     """The inference model, to one generation at a time, the oldest step's first: a request
-    started ahead never delays the one the trainer waits for."""
+    started ahead delays the one the trainer waits for by one generation at most."""
 
     def __init__(self):
         self.cv = threading.Condition()
@@ -396,4 +396,4 @@ def partial(ep) -> int:
     real = v >= 0
     newest = torch.where(real, v, -1).amax(1)
     oldest = torch.where(real, v, torch.iinfo(v.dtype).max).amin(1)
-    return int(((newest > oldest) & real.any(1)).sum())
+    return int((newest > oldest).sum())  # (a row with no policy token: -1 against the max)

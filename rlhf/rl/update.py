@@ -135,8 +135,8 @@ class Updater:
         live = None
         if self.live_only and not (self.kl_in_loss and kl_beta):
             live = live_rows(exp.advantages, exp.loss_mask).cpu()  # (indexes CPU row ids)
-            unscored = live & ~exp.scored_rows.cpu() if exp.scored_rows is not None else None
-            if unscored is not None and not exp.old_from_update and bool(unscored.any()):
+            lean = exp.scored_rows is not None and not exp.old_from_update
+            if lean and bool((live & ~exp.scored_rows.cpu()).any()):
                 raise RuntimeError("a row with an advantage has no recomputed old log-probs")
         for _ in range(ppo.ppo_epochs):
             for mb in minibatches(
