@@ -4,8 +4,8 @@ with a calculator that answers after 50–300 ms (bench/slow_tools.py).
 
     python bench/async_rl.py [--seeds 0 1 2] [--steps 60] [--eval-every 0] [--target 0.85] [--window
     5]
-                             [--staleness 2] [--correction tis] [--worker-threads 1] [--worker-name
-                             NAME] [--fast-tools] [--out DIR]
+                             [--staleness 2] [--correction tis] [--worker-threads 1] [--policy
+                             newest|fixed] [--worker-name NAME] [--fast-tools] [--out DIR]
 
 Per seed: one SFT run, then from it (each arm its own run directory, one after the other)
   sync2    2 colocated ranks (torchrun), 1 thread each, generation between updates;
@@ -107,6 +107,7 @@ def arm(args, seed: int, out: Path, name: str, sft_dir: Path) -> dict:
             over += ["ppo.rollout_workers=1", f"ppo.max_staleness={args.staleness}"]
             over += [
                 f"algorithm.mismatch_correction={args.correction}",
+                f"ppo.staleness_policy={args.policy}",
                 f"ppo.rollout_worker_threads={args.worker_threads}",
             ]
         run(cmd + over, run_dir / "ppo.log")
@@ -156,6 +157,9 @@ def main() -> None:
         "--correction", default="tis", help="the worker arm's algorithm.mismatch_correction"
     )
     ap.add_argument("--worker-threads", type=int, default=1, help="ppo.rollout_worker_threads")
+    ap.add_argument(
+        "--policy", default="newest", choices=["newest", "fixed"], help="ppo.staleness_policy"
+    )
     ap.add_argument(
         "--worker-name",
         default="worker",

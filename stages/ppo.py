@@ -352,8 +352,19 @@ class Loop:
         for copy in (self.models.ema, self.gate.best):
             if copy is not None:
                 copy.load(ckpt)
+        if self.collector.remote is not None:
+            # ppo.staleness_policy=fixed: the steps in flight when it was saved
+            self.collector.remote.restore(ckpt)
 
     def checkpoint(self, step: int) -> Path:
+        remote = self.collector.remote
+
+        def extra(path: Path) -> None:
+            for c in self.copies:
+                c.save(path)
+            if remote is not None:
+                remote.save(path, step)
+
         return save_checkpoint(
             self.ctx.ckpt_dir,
             step,
@@ -361,12 +372,8 @@ class Loop:
             self.state_dict(),
             self.ctx.mesh,
             keep=self.cfg.train.keep_checkpoints,
-            extra=self.save_copies if self.copies else None,
+            extra=extra if self.copies or remote is not None else None,
         )
-
-    def save_copies(self, path: Path) -> None:
-        for c in self.copies:
-            c.save(path)
 
     def say_plan(self) -> None:
         """The run's shape in one line, and the rollout guard's."""

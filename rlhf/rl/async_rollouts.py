@@ -9,10 +9,19 @@ to k steps ahead; step s's episodes start with the newest weights the worker hol
 and take newer ones between turns. A row whose oldest token is older than the bound would be dropped
 (no loss) and counted; the requests make that impossible, and the count says so every step.
 
+``ppo.staleness_policy``: ``newest`` — a step's episodes start with the newest weights the worker
+holds and take newer ones between turns (timing decides the versions); ``fixed`` — step s is played
+wholly by version max(s − k, first), k updates off-policy from the run's k-th step on, as every run
+of the same seed: reproducible.
+
 k = 0 is the synchronous run: the worker waits for the weights of the step, so the samples and the
 updates are the colocated run's (tests/e2e/test_async_rollouts.py). Resuming at step t sends
-version t and asks for steps t… afresh: the first k steps after a resume are generated with weights
-at least as new as the uninterrupted run's (regenerated, not saved; equal to it at k = 0).
+version t and asks for steps t… afresh, except with ``fixed``: a checkpoint at step t holds the
+episodes of steps t … t + k − 1 (played by versions t − k … t − 1, which the checkpoint does not
+keep; the trainer waits for them when it saves), and a resume on the same world size takes them
+from it — the resumed run is the uninterrupted one. Otherwise (``newest``, another world size, a
+checkpoint without them) the first k steps after a resume are generated with version t, weights
+at least as new as the uninterrupted run's (regenerated; equal to it at k = 0).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import collections
 import logging
 import queue
 import time
+from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
@@ -35,6 +45,9 @@ from rlhf.rl.prompts import PromptSource
 from rlhf.rl.rollout_worker import POLL_S, Failed, Request, Weights, WorkerSpec, main
 
 log = logging.getLogger("rlhf")
+
+# in a checkpoint (staleness_policy=fixed): a rank's episodes of the steps in flight
+IN_FLIGHT_FILE = "rollouts_in_flight_rank{rank}.pt"
 
 
 class WorkerLost(UserError):
@@ -64,6 +77,8 @@ class AsyncRollouts:
             mesh,
         )
         self.k, self.max_steps, self.timeout_s = max_staleness, max_steps, timeout_s
+        # ppo.staleness_policy=fixed (k > 0): the steps in flight go with each checkpoint
+        self.fixed = bool(max_staleness) and spec.cfg.ppo.staleness_policy == "fixed"
         self.proc = None
         self.asked = -1  # the last step asked for
         self.ready: Dict[int, object] = {}  # results received, by step
@@ -94,13 +109,18 @@ class AsyncRollouts:
         self.first = step
         self.publish(step)
         for s in range(step, min(step + self.k + 1, self.max_steps)):
-            self.ask(s)
+            if s not in self.ready:  # (a checkpoint's steps in flight: restore)
+                self.ask(s)
+        policy = ""
+        if self.fixed:
+            policy = ", each step played by the weights exactly k updates old (fixed)"
         log.info(
             "ppo: asynchronous rollouts: a worker process (pid %d) beside each trainer "
-            "rank, at most %d step%s ahead",
+            "rank, at most %d step%s ahead%s",
             self.proc.pid,
             self.k,
             "" if self.k == 1 else "s",
+            policy,
         )
 
     def close(self) -> None:
@@ -161,8 +181,7 @@ class AsyncRollouts:
         self._drain()
         depth = len(self.ready)
         t0 = time.perf_counter()
-        while step not in self.ready:
-            self._receive(t0)
+        self._await(step)
         res = self.ready.pop(step)
         self.last_wait_s = time.perf_counter() - t0
         span = now - self._last_ask if self._last_ask is not None else None
@@ -184,6 +203,46 @@ class AsyncRollouts:
         return res.episodes
 
     _prev_wait = 0.0
+
+    def _await(self, step: int) -> None:
+        t0 = time.perf_counter()
+        while step not in self.ready:
+            self._receive(t0)
+
+    # ---- checkpoints (staleness_policy=fixed) ----
+    def save(self, path: Path, step: int) -> None:
+        """Into the checkpoint of step ``step`` (this rank's file): the episodes of steps step …
+        step + k − 1, waited for (their weights are all sent)."""
+        if not self.fixed:
+            return
+        steps = range(step, min(step + self.k, self.max_steps))
+        for s in steps:
+            self._await(s)
+        state = {"world_size": self.mesh.world_size, "steps": {s: self.ready[s] for s in steps}}
+        torch.save(state, path / IN_FLIGHT_FILE.format(rank=self.mesh.rank))
+
+    def restore(self, ckpt: Path) -> None:
+        """The steps in flight of the checkpoint ``ckpt`` (written by a run with the same policy and
+        world size), else a warning that the first k steps are generated afresh."""
+        if not self.fixed:
+            return
+        f = ckpt / IN_FLIGHT_FILE.format(rank=self.mesh.rank)
+        state = torch.load(f, weights_only=False) if f.exists() else None
+        if state is not None and state["world_size"] == self.mesh.world_size:
+            self.ready.update(state["steps"])
+            log.info(
+                "ppo: the %d step(s) in flight at the checkpoint restored (played by the weights "
+                "before it)",
+                len(state["steps"]),
+            )
+            return
+        why = "none saved" if state is None else f"saved on {state['world_size']} ranks"
+        log.warning(
+            "ppo: the checkpoint's steps in flight cannot be taken (%s): the next %d steps are "
+            "generated afresh with its weights (not the uninterrupted run's samples)",
+            why,
+            self.k,
+        )
 
     def _drain(self) -> None:
         while True:

@@ -9,10 +9,11 @@ weights version it may be generated with (the staleness bound: ``rlhf/rl/async_r
 With k > 0 and multi-turn episodes it plays ``IN_FLIGHT`` requests at once, each in ``GROUPS``
 groups of episodes, their generations one at a time through the model's ``Gate`` (the oldest
 step's first): while one step's episodes wait on their tools, the next one's generate.
-Before every generation — each turn of a multi-turn episode — it takes the newest weights that have
-arrived: a trajectory in flight when an update lands continues with the new weights (a partial
-rollout), and every token carries the version that sampled it (``Generation.versions``) beside its
-behaviour log-prob.
+With ``ppo.staleness_policy=newest``, before every generation — each turn of a multi-turn episode —
+it takes the newest weights that have arrived: a trajectory in flight when an update lands continues
+with the new weights (a partial rollout). With ``fixed``, a step is played wholly by the version its
+request names (``Versions``). Every token carries the version that sampled it
+(``Generation.versions``) beside its behaviour log-prob.
 
 Messages (``torch.multiprocessing`` queues; CPU tensors travel through shared memory, CUDA tensors
 by CUDA IPC): trainer → worker ``Weights`` and ``Request`` (None: stop); worker → trainer ``Result``
@@ -86,7 +87,8 @@ class Request:
     sp: SamplingParams
     # the prompts' keys in the step (the colocated run's)
     keys: List[int]
-    # the oldest weights the step's episodes may start with
+    # the oldest weights the step's episodes may start with (ppo.staleness_policy=fixed: the
+    # weights they are played with)
     min_version: int
 
 
@@ -113,8 +115,22 @@ class Failed:
     code: int
 
 
+def _build(spec: WorkerSpec, policy, w: Weights):
+    """The inference model over the weights ``w``."""
+    from rlhf.engine.hybrid import inference_model
+
+    model = inference_model(w.root, w.layers, policy, spec.cfg.engine, spec.dtype, spec.decode)
+    # a Mixture-of-Experts actor's generations carry their routing for the trainer to replay
+    # (ppo.routing_replay; multi-turn episodes assemble theirs without it)
+    model.record_routing = bool(
+        spec.cfg.ppo.routing_replay and policy is not None and policy.num_experts
+    )
+    return model
+
+
 class Model:
-    """The newest weights that have arrived and the inference model over them."""
+    """``ppo.staleness_policy=newest``: the newest weights that have arrived and the inference
+    model over them, taken before every generation."""
 
     def __init__(self, spec: WorkerSpec, weights):
         from rlhf.models.policies import policy_for
@@ -124,21 +140,25 @@ class Model:
         self.model, self.version = None, -1
 
     def _take(self, w: Weights) -> None:
-        from rlhf.engine.hybrid import inference_model
-
         if self.model is not None:
             self.model.release()
         # (the old weights go before the new model is built)
         self.model = None
-        self.model = inference_model(
-            w.root, w.layers, self.policy, self.spec.cfg.engine, self.spec.dtype, self.spec.decode
-        )
-        # a Mixture-of-Experts actor's generations carry their routing for the trainer to replay
-        # (ppo.routing_replay; multi-turn episodes assemble theirs without it)
-        self.model.record_routing = bool(
-            self.spec.cfg.ppo.routing_replay and self.policy is not None and self.policy.num_experts
-        )
+        self.model = _build(self.spec, self.policy, w)
         self.version = w.version
+
+    def open(self, req: Request) -> Callable[[], Tuple[object, int]]:
+        """What a turn of ``req``'s episodes generates with (under the gate): the newest weights'
+        model and version."""
+
+        def take():
+            self.newest()
+            return self.model, self.version
+
+        return take
+
+    def close(self, req: Request) -> None:
+        """``req``'s episodes are played (under the gate)."""
 
     def newest(self) -> None:
         """Takes the newest weights waiting, if any. Called with the model's ``Gate`` held."""
@@ -172,6 +192,56 @@ class Model:
                 return False
             _trainer_there(self.spec.parent)
             time.sleep(WAIT_S)
+
+
+class Versions:
+    """``ppo.staleness_policy=fixed``: each step played wholly by the version its request names.
+    The weights that arrived are kept by version until no request can name them any more (requests
+    come in step order, their versions in order too), and an inference model is built for each
+    version a step in play uses (two at most, with two steps in flight)."""
+
+    def __init__(self, spec: WorkerSpec, weights):
+        from rlhf.models.policies import policy_for
+
+        self.spec, self.weights = spec, weights
+        self.policy = policy_for(spec.model_config)[0]
+        self.held: Dict[int, Weights] = {}
+        self.models: Dict[int, list] = {}  # version → [its inference model, steps playing with it]
+
+    def wait(self, version: int, gate: "Gate", step: int, stop: Callable[[], bool]) -> bool:
+        """Until the weights of ``version`` are in (the request of ``step`` waits for them); False
+        if ``stop()`` first."""
+        while True:
+            with gate.turn(step):
+                while True:
+                    try:
+                        w = self.weights.get_nowait()
+                    except queue.Empty:
+                        break
+                    self.held[w.version] = w
+                if version in self.held:
+                    for old in [v for v in self.held if v < version]:
+                        del self.held[old]  # (no later request names it)
+                    return True
+            if stop():
+                return False
+            _trainer_there(self.spec.parent)
+            time.sleep(WAIT_S)
+
+    def open(self, req: Request) -> Callable[[], Tuple[object, int]]:
+        v = req.min_version
+        if v not in self.models:
+            self.models[v] = [_build(self.spec, self.policy, self.held[v]), 0]
+        self.models[v][1] += 1
+        model = self.models[v][0]
+        return lambda: (model, v)
+
+    def close(self, req: Request) -> None:
+        entry = self.models[req.min_version]
+        entry[1] -= 1
+        if not entry[1]:
+            entry[0].release()
+            del self.models[req.min_version]
 
 
 class Gate:
@@ -237,27 +307,27 @@ def failed(e: BaseException) -> Failed:
 
 
 class Turns:
-    """``generate`` of one request's episodes: each call (a turn) first takes the newest weights
-    that arrived, so the episodes go on with them (a partial rollout), and tags its tokens with
-    their version. Groups of episodes played in threads, and the requests in flight, call it
-    through the model's ``Gate``, one at a time, the oldest step first."""
+    """``generate`` of one request's episodes: each call (a turn) first takes the model to
+    generate with (``take``: with ``staleness_policy=newest`` the newest weights that arrived, so
+    the episodes go on with them, a partial rollout; with ``fixed`` the request's version), and
+    tags its tokens with their version. Groups of episodes played in threads, and the requests in
+    flight, call it through the model's ``Gate``, one at a time, the oldest step first."""
 
-    def __init__(self, model: Model, gate: Gate, step: int, eos_id: int, pad_id: int, device):
-        self.model, self.gate, self.step = model, gate, step
+    def __init__(self, take, gate: Gate, step: int, eos_id: int, pad_id: int, device):
+        self.take, self.gate, self.step = take, gate, step
         self.eos_id, self.pad_id, self.device = eos_id, pad_id, device
         self.calls = 0  # generations run
 
     def __call__(self, prompts, sp, keys):
         with self.gate.turn(self.step):
             t = time.perf_counter()
-            m = self.model
-            m.newest()
+            model, version = self.take()
             self.calls += 1
             t_gen = time.perf_counter()
-            gen = m.model.generate(
+            gen = model.generate(
                 prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device
             )
-            gen.versions = torch.where(gen.response_mask.bool(), m.version, -1)
+            gen.versions = torch.where(gen.response_mask.bool(), version, -1)
             gen.timings = {"switch_s": t_gen - t, "generate_s": time.perf_counter() - t_gen}
             return gen
 
@@ -345,16 +415,22 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
             [runner(copy.deepcopy(spec.tokenizer)) for _ in range(GROUPS)]
             for _ in range(IN_FLIGHT - 1)
         ]
-    model, gate, busy = Model(spec, weights), Gate(), _Busy()
+    fixed = ppo.max_staleness and ppo.staleness_policy == "fixed"
+    model = (Versions if fixed else Model)(spec, weights)
+    gate, busy = Gate(), _Busy()
     pol = model.policy
     positions = pol.max_positions if pol.positions == "learned" else 0
     eos_id, pad_id = spec.tokenizer.eos_token_id, spec.tokenizer.pad_token_id
     free, errors, slots = list(range(len(sets))), [], threading.Condition()
 
-    def one(req: Request, i: int, in_flight: int) -> None:
+    def one(req: Request, i: int, in_flight: int, take) -> None:
         try:
-            turns = Turns(model, gate, req.step, eos_id, pad_id, device)
-            ep = play(sets[i], turns, req, positions)
+            try:
+                turns = Turns(take, gate, req.step, eos_id, pad_id, device)
+                ep = play(sets[i], turns, req, positions)
+            finally:
+                with gate.turn(req.step):
+                    model.close(req)
             idle, active = busy.done()
             res = Result(req.step, ep, idle, active, partial(ep), turns.calls, in_flight)
             results.put(res)
@@ -378,14 +454,18 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
                 _trainer_there(spec.parent)
         if errors or not model.wait(req.min_version, gate, req.step, lambda: bool(errors)):
             return
+        with gate.turn(req.step):
+            take = model.open(req)
         n = busy.start()
         with slots:
             i = free.pop(0)
         if len(sets) == 1:
             # one step at a time (k = 0: the colocated run's, on the main thread as it was)
-            one(req, i, n)
+            one(req, i, n, take)
             continue
-        threading.Thread(target=one, args=(req, i, n), daemon=True, name=f"step-{req.step}").start()
+        threading.Thread(
+            target=one, args=(req, i, n, take), daemon=True, name=f"step-{req.step}"
+        ).start()
 
 
 def partial(ep) -> int:

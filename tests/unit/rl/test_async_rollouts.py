@@ -137,3 +137,48 @@ def test_the_worker_never_goes_back_to_older_weights_and_counts_partial_rollouts
     v = torch.tensor([[2, 2, -1], [2, 3, 3], [-1, -1, -1], [5, -1, 6]])
     assert partial(SimpleNamespace(gen=SimpleNamespace(versions=v))) == 2
     assert partial(SimpleNamespace(gen=SimpleNamespace(versions=None))) == 0
+
+
+def test_a_fixed_policy_worker_plays_each_step_with_its_own_version(monkeypatch):
+    """staleness_policy=fixed: the weights kept by version until no request can name them, one
+    inference model per version in play, released when its last step ends."""
+    import queue
+    from types import SimpleNamespace
+
+    from rlhf.rl import rollout_worker
+    from rlhf.rl.rollout_worker import Gate, Versions, Weights
+
+    built, released = [], []
+
+    class Fake:
+        def __init__(self, version):
+            self.version = version
+
+        def release(self):
+            released.append(self.version)
+
+    def build(spec, policy, w):
+        built.append(w.version)
+        return Fake(w.version)
+
+    monkeypatch.setattr(rollout_worker, "_build", build)
+    q = queue.Queue()
+    v = Versions.__new__(Versions)
+    v.spec, v.weights, v.policy = SimpleNamespace(parent=None), q, None
+    v.held, v.models = {}, {}
+    for n in (0, 1, 2):
+        q.put(Weights(n, {}, []))
+    gate = Gate()
+    assert v.wait(1, gate, step=2, stop=lambda: False)
+    assert sorted(v.held) == [1, 2]  # version 0: no later request names it
+    a, b = SimpleNamespace(min_version=1), SimpleNamespace(min_version=1)
+    take_a, take_b = v.open(a), v.open(b)
+    assert take_a()[1] == take_b()[1] == 1 and take_a()[0] is take_b()[0] and built == [1]
+    c = SimpleNamespace(min_version=2)
+    assert v.open(c)()[1] == 2 and built == [1, 2]  # two steps in flight, two versions
+    v.close(a)
+    assert released == []
+    v.close(b)
+    assert released == [1] and sorted(v.models) == [2]
+    # a version not yet sent: the request waits until it is, or until told to stop
+    assert not v.wait(3, gate, step=4, stop=lambda: True)
