@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, List, Optional
+from typing import Any, Callable, ClassVar, List, Optional
 
 from rlhf.algorithms.ensemble import COMBINE
 from rlhf.algorithms.estimators import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG
@@ -95,6 +95,30 @@ def stage_choices() -> str:
 def _check(cond: bool, key: str, value, expected: str) -> None:
     if not cond:
         raise ConfigError(f"{key}={value!r} is invalid: expected {expected}")
+
+
+def _check_rules(obj, section: str, rules) -> None:
+    """``rules``: (key, a test of its value, what it must be), each checked as ``_check`` does, in
+    order."""
+    for key, ok, expected in rules:
+        value = getattr(obj, key)
+        _check(ok(value), f"{section}.{key}", value, expected)
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+def _in(choices) -> Callable[[Any], bool]:
+    return lambda v: v in choices
+
+
+def _or_null(ok) -> Callable[[Any], bool]:
+    return lambda v: v is None or ok(v)
 
 
 @dataclass
@@ -490,6 +514,45 @@ class DataConfig:
         return int(self.resolve().max_response_len)
 
 
+# train.*'s checks of one value each
+TRAIN_RULES = (
+    ("max_steps", _or_null(_positive), "a positive integer (null = from train.epochs)"),
+    ("epochs", _or_null(_positive), "a positive number"),
+    ("global_batch", _positive, "a positive integer"),
+    ("micro_batch_per_rank", _non_negative, "a non-negative integer"),
+    ("max_tokens_per_micro_batch", _non_negative, "a non-negative integer (0 = off)"),
+    ("lr", _positive, "a positive number"),
+    ("lora_lr", _or_null(_positive), "a positive number or null"),
+    ("min_lr_ratio", lambda v: 0.0 <= v <= 1.0, "0..1"),
+    (
+        "scheduler",
+        _in(("warmup", "warmup_decay", "cosine", "constant")),
+        "warmup, warmup_decay, cosine or constant",
+    ),
+    (
+        "warmup_steps",
+        _or_null(_non_negative),
+        "a non-negative integer (null = from train.warmup_ratio)",
+    ),
+    ("warmup_ratio", _or_null(lambda v: 0 <= v < 1), "a share of the steps in [0, 1)"),
+    ("betas", lambda v: len(v) == 2, "two numbers"),
+    ("grad_clip", _non_negative, "a non-negative number"),
+    ("capacity_factor", _non_negative, "≥ 0 (0 = none)"),
+    ("eval_capacity_factor", _non_negative, "≥ 0 (0 = none)"),
+    ("min_capacity", _non_negative, "≥ 0"),
+    ("router_z_loss_coef", _non_negative, "a non-negative number"),
+    ("expert_lr_scale", _positive, "a positive number"),
+    (
+        "expert_weight_decay",
+        _or_null(_non_negative),
+        "a non-negative number (null = train.weight_decay)",
+    ),
+    ("log_every", _positive, "a positive integer"),
+    ("save_every", _non_negative, "a non-negative integer"),
+    ("keep_checkpoints", _positive, "a positive integer"),
+)
+
+
 @dataclass
 class TrainConfig:
     # optimizer steps; null = from train.epochs over the stage's records (PPO: its prompts), which
@@ -542,91 +605,13 @@ class TrainConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self):
-        _check(
-            self.max_steps is None or self.max_steps > 0,
-            "train.max_steps",
-            self.max_steps,
-            "a positive integer (null = from train.epochs)",
-        )
-        _check(
-            self.epochs is None or self.epochs > 0, "train.epochs", self.epochs, "a positive number"
-        )
+        _check_rules(self, "train", TRAIN_RULES)
         if self.max_steps is None and self.epochs is None:
             raise ConfigError("train.max_steps and train.epochs are both null: set one of them")
-        _check(self.global_batch > 0, "train.global_batch", self.global_batch, "a positive integer")
-        _check(
-            self.micro_batch_per_rank >= 0,
-            "train.micro_batch_per_rank",
-            self.micro_batch_per_rank,
-            "a non-negative integer",
-        )
-        _check(
-            self.max_tokens_per_micro_batch >= 0,
-            "train.max_tokens_per_micro_batch",
-            self.max_tokens_per_micro_batch,
-            "a non-negative integer (0 = off)",
-        )
-        _check(self.lr > 0, "train.lr", self.lr, "a positive number")
-        _check(
-            self.lora_lr is None or self.lora_lr > 0,
-            "train.lora_lr",
-            self.lora_lr,
-            "a positive number or null",
-        )
-        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
-        _check(
-            self.scheduler in ("warmup", "warmup_decay", "cosine", "constant"),
-            "train.scheduler",
-            self.scheduler,
-            "warmup, warmup_decay, cosine or constant",
-        )
-        _check(
-            self.warmup_steps is None or self.warmup_steps >= 0,
-            "train.warmup_steps",
-            self.warmup_steps,
-            "a non-negative integer (null = from train.warmup_ratio)",
-        )
-        _check(
-            self.warmup_ratio is None or 0 <= self.warmup_ratio < 1,
-            "train.warmup_ratio",
-            self.warmup_ratio,
-            "a share of the steps in [0, 1)",
-        )
         if self.warmup_steps is None and self.warmup_ratio is None:
             raise ConfigError(
                 "train.warmup_steps and train.warmup_ratio are both null: set one of them"
             )
-        _check(len(self.betas) == 2, "train.betas", self.betas, "two numbers")
-        _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a non-negative number")
-        for key in ("capacity_factor", "eval_capacity_factor"):
-            _check(getattr(self, key) >= 0, f"train.{key}", getattr(self, key), "≥ 0 (0 = none)")
-        _check(self.min_capacity >= 0, "train.min_capacity", self.min_capacity, "≥ 0")
-        _check(
-            self.router_z_loss_coef >= 0,
-            "train.router_z_loss_coef",
-            self.router_z_loss_coef,
-            "a non-negative number",
-        )
-        _check(
-            self.expert_lr_scale > 0,
-            "train.expert_lr_scale",
-            self.expert_lr_scale,
-            "a positive number",
-        )
-        _check(
-            self.expert_weight_decay is None or self.expert_weight_decay >= 0,
-            "train.expert_weight_decay",
-            self.expert_weight_decay,
-            "a non-negative number (null = train.weight_decay)",
-        )
-        _check(self.log_every > 0, "train.log_every", self.log_every, "a positive integer")
-        _check(self.save_every >= 0, "train.save_every", self.save_every, "a non-negative integer")
-        _check(
-            self.keep_checkpoints > 0,
-            "train.keep_checkpoints",
-            self.keep_checkpoints,
-            "a positive integer",
-        )
 
     def resolve_steps(
         self, items: int, per_step: int, what: str, updates_per_step: int = 1
@@ -743,6 +728,26 @@ class FP16Config:
 HOST_MALLOC = ("reuse", "system")
 
 
+# engine.*'s checks of one value each
+ENGINE_RULES = (
+    ("zero_stage", _in((0, 1, 2, 3)), "0, 1, 2 or 3"),
+    ("offload", _in(("none", "cpu")), "none or cpu"),
+    ("device", _in(("auto", "cpu", "cuda")), "auto, cpu or cuda"),
+    ("precision", _in(("auto", *PRECISIONS)), "auto, fp32, bf16 or fp16"),
+    ("backend", _in((None, "gloo", "nccl")), "gloo or nccl"),
+    ("timeout_s", _positive, "a positive number of seconds"),
+    ("host_malloc", _in(HOST_MALLOC), one_of(HOST_MALLOC)),
+    ("threads_per_rank", _non_negative, "a non-negative integer"),
+    ("inference_tp_size", _positive, "a positive integer"),
+    ("expert_parallel", _positive, "a positive integer"),
+    ("inference_dtype", _in(("auto", *PRECISIONS)), "auto, fp32, bf16 or fp16"),
+    ("inference_kernels", _in(("auto", "reference")), "auto or reference"),
+    ("training_gemm", _in(("torch", "onednn", "auto")), "torch, onednn or auto"),
+    ("cuda_graphs", _in(("auto", "off")), "auto or off"),
+    ("decode_sync_every", _positive, "a positive integer"),
+)
+
+
 @dataclass
 class EngineConfig:
     # auto = $RLHF_DEVICE if set, else cuda when there is a GPU for every process of this node, else
@@ -814,82 +819,7 @@ class EngineConfig:
     judge: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self):
-        _check(
-            self.zero_stage in (0, 1, 2, 3), "engine.zero_stage", self.zero_stage, "0, 1, 2 or 3"
-        )
-        _check(self.offload in ("none", "cpu"), "engine.offload", self.offload, "none or cpu")
-        _check(
-            self.device in ("auto", "cpu", "cuda"),
-            "engine.device",
-            self.device,
-            "auto, cpu or cuda",
-        )
-        _check(
-            self.precision in ("auto", *PRECISIONS),
-            "engine.precision",
-            self.precision,
-            "auto, fp32, bf16 or fp16",
-        )
-        _check(
-            self.backend in (None, "gloo", "nccl"), "engine.backend", self.backend, "gloo or nccl"
-        )
-        _check(
-            self.timeout_s > 0, "engine.timeout_s", self.timeout_s, "a positive number of seconds"
-        )
-        _check(
-            self.host_malloc in HOST_MALLOC,
-            "engine.host_malloc",
-            self.host_malloc,
-            one_of(HOST_MALLOC),
-        )
-        _check(
-            self.threads_per_rank >= 0,
-            "engine.threads_per_rank",
-            self.threads_per_rank,
-            "a non-negative integer",
-        )
-        _check(
-            self.inference_tp_size > 0,
-            "engine.inference_tp_size",
-            self.inference_tp_size,
-            "a positive integer",
-        )
-        _check(
-            self.expert_parallel > 0,
-            "engine.expert_parallel",
-            self.expert_parallel,
-            "a positive integer",
-        )
-        _check(
-            self.inference_dtype in ("auto", *PRECISIONS),
-            "engine.inference_dtype",
-            self.inference_dtype,
-            "auto, fp32, bf16 or fp16",
-        )
-        _check(
-            self.inference_kernels in ("auto", "reference"),
-            "engine.inference_kernels",
-            self.inference_kernels,
-            "auto or reference",
-        )
-        _check(
-            self.training_gemm in ("torch", "onednn", "auto"),
-            "engine.training_gemm",
-            self.training_gemm,
-            "torch, onednn or auto",
-        )
-        _check(
-            self.cuda_graphs in ("auto", "off"),
-            "engine.cuda_graphs",
-            self.cuda_graphs,
-            "auto or off",
-        )
-        _check(
-            self.decode_sync_every > 0,
-            "engine.decode_sync_every",
-            self.decode_sync_every,
-            "a positive integer",
-        )
+        _check_rules(self, "engine", ENGINE_RULES)
         for role in ROLES:
             p = getattr(self, role)
             _check(
@@ -1408,6 +1338,49 @@ UPDATE_ROWS = ("all", "live")
 STALENESS_POLICIES = ("newest", "fixed")
 
 
+# ppo.*'s checks of one value each (PPOConfig.__post_init__ adds those of several)
+PPO_RULES = (
+    *(
+        (k, _positive, "a positive integer")
+        for k in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "minibatches_per_epoch")
+    ),
+    ("max_new_tokens", _or_null(_positive), "a positive integer (unset = per data format)"),
+    ("micro_batch_per_rank", _non_negative, "a non-negative integer (0 = auto)"),
+    ("max_tokens_per_micro_batch", _non_negative, "a non-negative integer (0 = off)"),
+    ("temperature", _non_negative, "a non-negative number (0 = greedy)"),
+    ("top_k", _non_negative, "a non-negative integer (0 = off)"),
+    ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("dynamic_sampling_max_rounds", _non_negative, "a non-negative integer"),
+    ("overlong_penalty", _non_negative, "a non-negative number"),
+    ("judge_max_new_tokens", _positive, "a positive integer"),
+    ("judge_max_tokens", _positive, "a positive integer"),
+    ("distill_coef", _non_negative, "a non-negative number (0 = watch only)"),
+    ("min_rm_accuracy", _or_null(lambda v: 0 <= v <= 1), "0..1, or null for the default"),
+    ("reward_combine", _in(COMBINE), one_of(COMBINE)),
+    ("reward_lcb_coef", _non_negative, "a non-negative number"),
+    (
+        "stop_disagreement",
+        _or_null(lambda v: v > 1),
+        "a multiple of the first steps' disagreement above 1, or null (off)",
+    ),
+    ("stop_kl", _or_null(_positive), "a positive number or null"),
+    ("warn_heldout_drop", _or_null(_non_negative), "a non-negative number or null"),
+    ("warn_greedy_changed", _or_null(lambda v: 0 <= v <= 1), "a share in [0, 1] or null"),
+    ("rollout_workers", _in((0, 1)), "0 or 1"),
+    ("max_staleness", _non_negative, "an integer >= 0"),
+    ("staleness_policy", _in(STALENESS_POLICIES), one_of(STALENESS_POLICIES)),
+    ("rollout_worker_threads", _non_negative, "an integer >= 0"),
+    ("lm_head", _in(LM_HEAD), one_of(LM_HEAD)),
+    ("update_rows", _in(UPDATE_ROWS), one_of(UPDATE_ROWS)),
+    ("rollout_guard", _in(ROLLOUT_GUARD), one_of(ROLLOUT_GUARD)),
+    (
+        "rollout_guard_max",
+        lambda v: 0 <= v < float("inf"),
+        "a non-negative number of nats per token (0 = the inference dtype's default)",
+    ),
+)
+
+
 @dataclass
 class PPOConfig:
     """Experience and update sizes (units in the names: docs/architecture.md, habit 6)."""
@@ -1557,51 +1530,7 @@ class PPOConfig:
     overlong_penalty: float = 1.0
 
     def __post_init__(self):
-        for key in (
-            "prompts_per_step",
-            "samples_per_prompt",
-            "ppo_epochs",
-            "minibatches_per_epoch",
-        ):
-            _check(getattr(self, key) > 0, f"ppo.{key}", getattr(self, key), "a positive integer")
-        _check(
-            self.max_new_tokens is None or self.max_new_tokens > 0,
-            "ppo.max_new_tokens",
-            self.max_new_tokens,
-            "a positive integer (unset = per data format)",
-        )
-        _check(
-            self.micro_batch_per_rank >= 0,
-            "ppo.micro_batch_per_rank",
-            self.micro_batch_per_rank,
-            "a non-negative integer (0 = auto)",
-        )
-        _check(
-            self.max_tokens_per_micro_batch >= 0,
-            "ppo.max_tokens_per_micro_batch",
-            self.max_tokens_per_micro_batch,
-            "a non-negative integer (0 = off)",
-        )
-        _check(
-            self.temperature >= 0,
-            "ppo.temperature",
-            self.temperature,
-            "a non-negative number (0 = greedy)",
-        )
-        _check(self.top_k >= 0, "ppo.top_k", self.top_k, "a non-negative integer (0 = off)")
-        _check(0 < self.top_p <= 1, "ppo.top_p", self.top_p, "a number in (0, 1]")
-        _check(
-            self.dynamic_sampling_max_rounds >= 0,
-            "ppo.dynamic_sampling_max_rounds",
-            self.dynamic_sampling_max_rounds,
-            "a non-negative integer",
-        )
-        _check(
-            self.overlong_penalty >= 0,
-            "ppo.overlong_penalty",
-            self.overlong_penalty,
-            "a non-negative number",
-        )
+        _check_rules(self, "ppo", PPO_RULES)
         if self.judge_path and not self.judge_template:
             raise ConfigError(
                 f"ppo.judge_path={self.judge_path} needs ppo.judge_template: a file with "
@@ -1625,105 +1554,10 @@ class PPOConfig:
             "two numbers, the lowest score and the highest",
         )
         _check(
-            self.judge_max_new_tokens > 0,
-            "ppo.judge_max_new_tokens",
-            self.judge_max_new_tokens,
-            "a positive integer",
-        )
-        _check(
-            self.judge_max_tokens > 0,
-            "ppo.judge_max_tokens",
-            self.judge_max_tokens,
-            "a positive integer",
-        )
-        _check(
-            self.distill_coef >= 0,
-            "ppo.distill_coef",
-            self.distill_coef,
-            "a non-negative number (0 = watch only)",
-        )
-        _check(
-            self.min_rm_accuracy is None or 0 <= self.min_rm_accuracy <= 1,
-            "ppo.min_rm_accuracy",
-            self.min_rm_accuracy,
-            "0..1, or null for the default",
-        )
-        _check(
-            self.reward_combine in COMBINE,
-            "ppo.reward_combine",
-            self.reward_combine,
-            one_of(COMBINE),
-        )
-        _check(
-            self.reward_lcb_coef >= 0,
-            "ppo.reward_lcb_coef",
-            self.reward_lcb_coef,
-            "a non-negative number",
-        )
-        _check(
-            self.stop_disagreement is None or self.stop_disagreement > 1,
-            "ppo.stop_disagreement",
-            self.stop_disagreement,
-            "a multiple of the first steps' disagreement above 1, or null (off)",
-        )
-        _check(
-            self.stop_kl is None or self.stop_kl > 0,
-            "ppo.stop_kl",
-            self.stop_kl,
-            "a positive number or null",
-        )
-        _check(
-            self.warn_heldout_drop is None or self.warn_heldout_drop >= 0,
-            "ppo.warn_heldout_drop",
-            self.warn_heldout_drop,
-            "a non-negative number or null",
-        )
-        _check(
-            self.warn_greedy_changed is None or 0 <= self.warn_greedy_changed <= 1,
-            "ppo.warn_greedy_changed",
-            self.warn_greedy_changed,
-            "a share in [0, 1] or null",
-        )
-        _check(
-            self.rollout_workers in (0, 1), "ppo.rollout_workers", self.rollout_workers, "0 or 1"
-        )
-        _check(self.max_staleness >= 0, "ppo.max_staleness", self.max_staleness, "an integer >= 0")
-        _check(
-            self.staleness_policy in STALENESS_POLICIES,
-            "ppo.staleness_policy",
-            self.staleness_policy,
-            one_of(STALENESS_POLICIES),
-        )
-        _check(
-            self.rollout_worker_threads >= 0,
-            "ppo.rollout_worker_threads",
-            self.rollout_worker_threads,
-            "an integer >= 0",
-        )
-        _check(
             not self.max_staleness or self.rollout_workers,
             "ppo.max_staleness",
             self.max_staleness,
             "0 without rollout workers (set ppo.rollout_workers=1 to generate ahead of training)",
-        )
-        _check(self.lm_head in LM_HEAD, "ppo.lm_head", self.lm_head, one_of(LM_HEAD))
-        _check(
-            self.update_rows in UPDATE_ROWS,
-            "ppo.update_rows",
-            self.update_rows,
-            one_of(UPDATE_ROWS),
-        )
-        _check(
-            self.rollout_guard in ROLLOUT_GUARD,
-            "ppo.rollout_guard",
-            self.rollout_guard,
-            one_of(ROLLOUT_GUARD),
-        )
-        _check(
-            0 <= self.rollout_guard_max < float("inf"),
-            "ppo.rollout_guard_max",
-            self.rollout_guard_max,
-            "a non-negative number of nats per token (0 = the inference dtype's default)",
         )
 
     def resolve(self, data: "DataConfig") -> None:
