@@ -3,6 +3,7 @@ tiny-model factory."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -207,11 +208,21 @@ def quick_reward(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def killed_at(args: list, marker: Path, timeout: float = 300) -> None:
-    """Runs ``python -m rlhf <args>`` and SIGKILLs it as soon as ``marker`` exists (e.g. a
-    checkpoint's trainer_state.json: the checkpoint is complete)."""
+def killed_at(args: list, marker: Path, timeout: float = 300, nproc: int = 1) -> None:
+    """Runs ``python -m rlhf <args>`` (torchrun with ``nproc`` ranks: every process of it) and
+    SIGKILLs it as soon as ``marker`` exists (e.g. a checkpoint's trainer_state.json: the checkpoint
+    is complete)."""
+    cmd = [sys.executable, "-m", "rlhf", *args]
+    if nproc > 1:
+        cmd[2:3] = [
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "rlhf",
+        ]
     p = subprocess.Popen(
-        [sys.executable, "-m", "rlhf", *args],
+        cmd,
         cwd=ROOT,
         env=ENV,
         stdout=subprocess.DEVNULL,
@@ -220,8 +231,31 @@ def killed_at(args: list, marker: Path, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and not marker.exists():
         time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
+    # (torchrun's ranks start sessions of their own: with nproc > 1 every descendant, the deepest
+    # first)
+    below = _descendants(p.pid) if nproc > 1 else []
+    for pid in [*below, p.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     p.wait()
+
+
+def _descendants(pid: int) -> list:
+    """The processes below ``pid``, deepest first (from /proc)."""
+    children = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out[::-1]
 
 
 @pytest.fixture(scope="session")

@@ -289,3 +289,26 @@ def test_fixed_staleness_is_reproducible_and_a_resume_is_the_uninterrupted_run(
     assert "step(s) in flight at the checkpoint restored" in proc.stderr
     fixed_lag_rows(run, 1)
     assert same_samples_and_updates(ref, run) > 100
+
+
+@pytest.mark.slow
+def test_fixed_staleness_resumed_on_two_ranks_is_the_uninterrupted_run(tmp_path, ending_actor):
+    """The same on 2 trainer ranks, each with its worker and its file of the steps in flight."""
+    steps = (
+        "train.max_steps=4",
+        "train.save_every=2",
+        "ppo.rollout_workers=1",
+        "ppo.max_staleness=1",
+        "ppo.staleness_policy=fixed",
+        *agentic(tmp_path),
+    )
+    ref = ppo_run(tmp_path, ending_actor, "ref", *steps, nproc=2)
+    run = tmp_path / "run"
+    args = grpo(tmp_path, ending_actor, *RULE, ONE_THREAD, *steps)
+    ckpt = run / "ppo/checkpoints/step_00000002"
+    killed_at(args, ckpt / "trainer_state.json", nproc=2)
+    assert all((ckpt / f"rollouts_in_flight_rank{r}.pt").exists() for r in (0, 1))
+    proc = run_cli(*args, nproc=2, timeout=300)
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
+    fixed_lag_rows(run, 1)
+    assert same_samples_and_updates(ref, run) > 60
