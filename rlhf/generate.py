@@ -357,7 +357,7 @@ def _chat_loop(hybrid, tokenizer, template, sp, args, runner=None) -> None:
         print(reply.strip(), flush=True)
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(
         prog=PROG,
         description=__doc__.split("\n\n")[0],
@@ -417,6 +417,11 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--trust-remote-code", action="store_true", help="allow a model that brings its own code"
     )
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = _parser()
     args = ap.parse_args(argv)
     if not (args.prompt or args.file or args.chat):
         ap.error("give --prompt, --file or --chat")
@@ -427,25 +432,7 @@ def main(argv=None) -> None:
 
     quiet_console()
     try:
-        for key, ok, expected in (
-            ("--temperature", args.temperature >= 0, "a non-negative number"),
-            ("--top-k", args.top_k >= 0, "a non-negative integer"),
-            ("--top-p", 0 < args.top_p <= 1, "a number in (0, 1]"),
-            ("--max-new-tokens", args.max_new_tokens > 0, "a positive integer"),
-            ("--n", args.n > 0, "a positive integer"),
-            ("--batch-size", args.batch_size > 0, "a positive integer"),
-            ("--max-turns", args.max_turns is None or args.max_turns > 0, "a positive integer"),
-            (
-                "--max-prompt-len",
-                args.max_prompt_len is None or args.max_prompt_len > 0,
-                "a positive integer",
-            ),
-        ):
-            if not ok:
-                raise ConfigError(
-                    f"{key}={getattr(args, key[2:].replace('-', '_'))} is invalid: "
-                    f"expected {expected}"
-                )
+        _check_args(args)
         prompts: List[object] = list(args.prompt)
         if args.file:
             prompts += read_prompts(args.file)
@@ -507,25 +494,49 @@ def main(argv=None) -> None:
     if runner is not None:
         print_episodes(prompts, episodes, args)
         return
+    print_results(prompts, results, args)
+
+
+def _check_args(args) -> None:
+    """The options' values: a ConfigError naming the first out of range."""
+    from rlhf.errors import ConfigError
+
+    for key, ok, expected in (
+        ("--temperature", args.temperature >= 0, "a non-negative number"),
+        ("--top-k", args.top_k >= 0, "a non-negative integer"),
+        ("--top-p", 0 < args.top_p <= 1, "a number in (0, 1]"),
+        ("--max-new-tokens", args.max_new_tokens > 0, "a positive integer"),
+        ("--n", args.n > 0, "a positive integer"),
+        ("--batch-size", args.batch_size > 0, "a positive integer"),
+        ("--max-turns", args.max_turns is None or args.max_turns > 0, "a positive integer"),
+        (
+            "--max-prompt-len",
+            args.max_prompt_len is None or args.max_prompt_len > 0,
+            "a positive integer",
+        ),
+    ):
+        if not ok:
+            raise ConfigError(
+                f"{key}={getattr(args, key[2:].replace('-', '_'))} is invalid: expected {expected}"
+            )
+
+
+def print_results(prompts: List[object], results: list, args) -> None:
+    """The output without tools: a JSON object per sample, or (--text) its response."""
     for i, (text, tokens, finished) in enumerate(results):
         # rows are prompt-major (rlhf.ops.sampling.prompt_major)
         prompt_ix, sample = divmod(i, args.n)
         if args.text:
             print(text, flush=True)
-        else:
-            print(
-                json.dumps(
-                    {
-                        "prompt": prompts[prompt_ix],
-                        "sample": sample,
-                        "response": text,
-                        "tokens": tokens,
-                        "finished": finished,
-                    },
-                    ensure_ascii=False,
-                ),
-                flush=True,
-            )
+            continue
+        record = {
+            "prompt": prompts[prompt_ix],
+            "sample": sample,
+            "response": text,
+            "tokens": tokens,
+            "finished": finished,
+        }
+        print(json.dumps(record, ensure_ascii=False), flush=True)
 
 
 def print_episodes(prompts: List[object], episodes: List[dict], args) -> None:

@@ -106,6 +106,23 @@ def figure(run_dir: Path):
     if "moe/load_max_mean" in sft:
         _moe_load(a_sft, sft)
 
+    _rm_panel(a_rm, rm)
+    _gold_panel(a_gold, sft, ppo, dpo)
+    _reward_panel(a_rew, ppo)
+    _kl_panel(a_kl, ppo)
+    _time_panel(a_time, ppo)
+    mem_axes = _memory_panels(fig, grid[:2, 3], series, stages)  # beside the first two rows
+    if dpo:
+        _dpo_row(axes[2], dpo)
+
+    _finish(axes, mem_axes, a_rew, ppo)
+    fig.suptitle(f"rlhf run: {run_dir}")
+    fig.tight_layout()
+    return fig
+
+
+def _rm_panel(a_rm, rm: Series) -> None:
+    """The reward model's training loss, and its held-out accuracy beside the text baselines'."""
     a_rm.set_title("Reward model")
     _plot(a_rm, rm, "loss", "train loss", alpha=0.6)
     if "eval/accuracy" in rm:
@@ -126,6 +143,10 @@ def figure(run_dir: Path):
                 )
         acc.legend(fontsize=8, loc="center right")
 
+
+def _gold_panel(a_gold, sft: Series, ppo: Series, dpo: Series) -> None:
+    """Held-out gold (sampled and greedy) of PPO and DPO against SFT's, tool use, or the reward
+    model's held-out view where there is no gold rule."""
     if dpo:
         a_gold.set_title("Gold score on held-out prompts (PPO / DPO step)")
     else:
@@ -166,6 +187,9 @@ def figure(run_dir: Path):
         # no gold rule: the reward model's view
         _heldout_reward(a_gold, ppo)
 
+
+def _reward_panel(a_rew, ppo: Series) -> None:
+    """PPO's reward against the rollouts' gold, and their correlation."""
     a_rew.set_title("PPO reward/mean, and how it tracks the gold rule")
     _plot(a_rew, ppo, "reward/mean", "reward/mean")
     _plot(a_rew, ppo, "reward/gold", "gold of the rollouts", color="tab:green")
@@ -183,12 +207,10 @@ def figure(run_dir: Path):
             fontsize=8,
             loc="lower right",
         )
-    _kl_panel(a_kl, ppo)
-    _time_panel(a_time, ppo)
-    mem_axes = _memory_panels(fig, grid[:2, 3], series, stages)  # beside the first two rows
-    if dpo:
-        _dpo_row(axes[2], dpo)
 
+
+def _finish(axes: list, mem_axes: list, a_rew, ppo: Series) -> None:
+    """Axis labels, legends ("no data" on an empty panel) and grids."""
     for ax in [ax for row in axes for ax in row] + mem_axes:
         # not the twin axes (their legends are set)
         if ax in mem_axes and ax.lines:  # the title names the stage and the axis
@@ -205,9 +227,6 @@ def figure(run_dir: Path):
                 0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray"
             )
         ax.grid(alpha=0.3)
-    fig.suptitle(f"rlhf run: {run_dir}")
-    fig.tight_layout()
-    return fig
 
 
 def _moe_load(ax, sft: Series) -> None:

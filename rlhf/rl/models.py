@@ -322,28 +322,7 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
         )
     # GAE's critic starts as the reward model unless it has a start of its own
     needs_rm = ppo.use_reward_model or (gae and not ppo.critic_path)
-    rm_srcs: List[Path] = []
-    if ppo.reward_model_path and not needs_rm:
-        raise ConfigError(
-            f"ppo.reward_model_path={ppo.reward_model_path} is set but nothing uses it "
-            "(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or "
-            "there is none)"
-        )
-    if ppo.reward_model_path:
-        # several, comma-separated: their members together are one ensemble
-        for given in [x.strip() for x in str(ppo.reward_model_path).split(",") if x.strip()]:
-            path = dschat.reward_model_input(given, "ppo.reward_model_path", cfg.run.dir, mesh)
-            loading.check_scalar_model(path, "ppo.reward_model_path")
-            rm_srcs.append(Path(path).expanduser())
-    elif needs_rm:
-        rm_srcs = [previous_output(cfg.run.dir, "reward", "model")]
-        if rm_srcs[0] is None:
-            raise ConfigError(
-                f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first, set "
-                "ppo.reward_model_path, or use algorithm.estimator=grpo "
-                "ppo.use_reward_model=false "
-                f"ppo.reward_fn=..."
-            )
+    rm_srcs = _reward_models(cfg, mesh, needs_rm)
     critic_src = None
     if ppo.critic_path:
         critic = dschat.reward_model_input(ppo.critic_path, "ppo.critic_path", cfg.run.dir, mesh)
@@ -367,47 +346,89 @@ def inputs(cfg: Config, mesh: Mesh) -> Sources:
         )
     if critic_src is not None:
         log.info("ppo: critic starts from %s", critic_src)
-    teacher_src = None
-    if ppo.teacher_path:
-        loading.check_model_path(ppo.teacher_path, "ppo.teacher_path")
-        teacher_src = os.path.expanduser(ppo.teacher_path)
-        if ppo.distill_coef:
-            log.info(
-                "ppo: distilling from teacher %s (ppo.distill_coef=%g)",
-                teacher_src,
-                ppo.distill_coef,
-            )
-        elif alg.gkd_coef:
-            log.info(
-                "ppo: distilling from teacher %s by GKD, without the per-token reward "
-                "(ppo.distill_coef=0, algorithm.gkd_coef=%g)",
-                teacher_src,
-                alg.gkd_coef,
-            )
-        else:
-            log.info(
-                "ppo: teacher %s watched only (ppo.distill_coef=0: distill/* logged, no reward)",
-                teacher_src,
-            )
-    judge_src = None
-    if ppo.judge_path:
-        loading.check_model_path(ppo.judge_path, "ppo.judge_path")
-        read_template(ppo.judge_template)  # exit 2 now, not after the models load
-        if ppo.judge_score_pattern is None:
-            # the verdict form: each verdict one token of the judge's
-            verdict_ids(
-                loading.load_tokenizer(ppo.judge_path, cfg.model.trust_remote_code),
-                ppo.judge_verdicts,
-                ppo.judge_path,
-            )
-        judge_src = os.path.expanduser(ppo.judge_path)
-        log.info(
-            "ppo: judge %s with %s (ppo.judge_weight=%g)",
-            judge_src,
-            ppo.judge_template,
-            ppo.judge_weight,
+    return Sources(str(actor_src), rm_srcs, critic_src, _teacher(cfg), _judge(cfg))
+
+
+def _reward_models(cfg: Config, mesh: Mesh, needs_rm: bool) -> List[Path]:
+    """ppo.reward_model_path's models (comma-separated: one ensemble; a DeepSpeed-Chat one
+    converted), or the reward stage's output where one is needed, checked."""
+    ppo = cfg.ppo
+    if ppo.reward_model_path and not needs_rm:
+        raise ConfigError(
+            f"ppo.reward_model_path={ppo.reward_model_path} is set but nothing uses it "
+            "(ppo.use_reward_model=false, and the critic starts from ppo.critic_path or "
+            "there is none)"
         )
-    return Sources(str(actor_src), rm_srcs, critic_src, teacher_src, judge_src)
+    if ppo.reward_model_path:
+        rm_srcs = []
+        # several, comma-separated: their members together are one ensemble
+        for given in [x.strip() for x in str(ppo.reward_model_path).split(",") if x.strip()]:
+            path = dschat.reward_model_input(given, "ppo.reward_model_path", cfg.run.dir, mesh)
+            loading.check_scalar_model(path, "ppo.reward_model_path")
+            rm_srcs.append(Path(path).expanduser())
+        return rm_srcs
+    if not needs_rm:
+        return []
+    found = previous_output(cfg.run.dir, "reward", "model")
+    if found is None:
+        raise ConfigError(
+            f"no reward model in {cfg.run.dir}/reward/model: run stage=reward first, set "
+            "ppo.reward_model_path, or use algorithm.estimator=grpo "
+            "ppo.use_reward_model=false "
+            f"ppo.reward_fn=..."
+        )
+    return [found]
+
+
+def _teacher(cfg: Config) -> Optional[str]:
+    """ppo.teacher_path checked, and what it is used for said."""
+    ppo, alg = cfg.ppo, cfg.algorithm
+    if not ppo.teacher_path:
+        return None
+    loading.check_model_path(ppo.teacher_path, "ppo.teacher_path")
+    teacher_src = os.path.expanduser(ppo.teacher_path)
+    if ppo.distill_coef:
+        log.info(
+            "ppo: distilling from teacher %s (ppo.distill_coef=%g)", teacher_src, ppo.distill_coef
+        )
+    elif alg.gkd_coef:
+        log.info(
+            "ppo: distilling from teacher %s by GKD, without the per-token reward "
+            "(ppo.distill_coef=0, algorithm.gkd_coef=%g)",
+            teacher_src,
+            alg.gkd_coef,
+        )
+    else:
+        log.info(
+            "ppo: teacher %s watched only (ppo.distill_coef=0: distill/* logged, no reward)",
+            teacher_src,
+        )
+    return teacher_src
+
+
+def _judge(cfg: Config) -> Optional[str]:
+    """ppo.judge_path checked with its template (and, in the verdict form, its verdicts' tokens)
+    before any model loads."""
+    ppo = cfg.ppo
+    if not ppo.judge_path:
+        return None
+    loading.check_model_path(ppo.judge_path, "ppo.judge_path")
+    read_template(ppo.judge_template)  # exit 2 now, not after the models load
+    if ppo.judge_score_pattern is None:
+        # the verdict form: each verdict one token of the judge's
+        verdict_ids(
+            loading.load_tokenizer(ppo.judge_path, cfg.model.trust_remote_code),
+            ppo.judge_verdicts,
+            ppo.judge_path,
+        )
+    judge_src = os.path.expanduser(ppo.judge_path)
+    log.info(
+        "ppo: judge %s with %s (ppo.judge_weight=%g)",
+        judge_src,
+        ppo.judge_template,
+        ppo.judge_weight,
+    )
+    return judge_src
 
 
 def scalar_model(

@@ -76,23 +76,7 @@ def evaluate_gold(
     # prompts per generate call
     sizes = global_batch_sizes(len(examples), ecfg.batch_size, mesh.world_size)
     responses = len(examples) * sum(samples for _, _, samples in modes)
-    greedy = ""
-    if len(modes) > 1:
-        greedy = " + 1 greedy"
-    log.info(
-        "gold: %d held-out prompts × %d sampled (temperature %g)%s = %d responses of at "
-        "most %d new tokens, "
-        "in %d generate calls (eval.gold_prompts, eval.gold_samples, eval.greedy_too make "
-        "it smaller; "
-        "eval.gold_prompts=0 skips it)",
-        len(examples),
-        ecfg.gold_samples,
-        ecfg.temperature,
-        greedy,
-        responses,
-        max_new,
-        len(modes) * len(sizes),
-    )
+    _say_plan(len(examples), ecfg, len(modes), responses, max_new, len(modes) * len(sizes))
     bar = progress(responses, 0, show_progress, "gold", mesh.is_main, unit="response", leave=False)
     tool_use = play is not None  # episodes: how often they call a tool
     if play is None:
@@ -117,17 +101,8 @@ def evaluate_gold(
             for j, i in enumerate(ix):
                 if i < shown:
                     kind = "eval" if key == "gold/score" else "eval_greedy"
-                    e, k = examples[i], j * samples
-                    mine.append(
-                        {
-                            "kind": kind,
-                            "index": i,
-                            "prompt": shown_prompt(e, chat),
-                            "response": texts[k],
-                            "gold": scores[k],
-                            "reference": e.reference,
-                        }
-                    )
+                    k = j * samples
+                    mine.append(_shown(kind, i, examples[i], chat, texts[k], scores[k]))
             count += len(texts)
             used += stats.get("used_tools", 0.0)
             bar.step(n=sizes[b] * samples)
@@ -139,6 +114,40 @@ def evaluate_gold(
         rows = [r for part in mesh.all_gather_object(mine) for r in part]
         kept.extend(sorted(rows, key=lambda r: (r["kind"], r["index"])))
     return results
+
+
+def _say_plan(
+    prompts: int, ecfg: EvalConfig, modes: int, responses: int, max_new: int, calls: int
+) -> None:
+    greedy = ""
+    if modes > 1:
+        greedy = " + 1 greedy"
+    log.info(
+        "gold: %d held-out prompts × %d sampled (temperature %g)%s = %d responses of at "
+        "most %d new tokens, "
+        "in %d generate calls (eval.gold_prompts, eval.gold_samples, eval.greedy_too make "
+        "it smaller; "
+        "eval.gold_prompts=0 skips it)",
+        prompts,
+        ecfg.gold_samples,
+        ecfg.temperature,
+        greedy,
+        responses,
+        max_new,
+        calls,
+    )
+
+
+def _shown(kind: str, index: int, e: Example, chat: Optional[str], response: str, gold) -> dict:
+    """A held-out response kept for the log and the report (``show_samples``)."""
+    return {
+        "kind": kind,
+        "index": index,
+        "prompt": shown_prompt(e, chat),
+        "response": response,
+        "gold": gold,
+        "reference": e.reference,
+    }
 
 
 def stage_gold(
