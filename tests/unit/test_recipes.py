@@ -144,6 +144,17 @@ def test_task_recipes_and_their_stages():
         "gae",
         20,
     )
+    # the embedded task on a Mixture-of-Experts model: the embedded settings, PPO at its own rate
+    for stage in ("sft", "reward", "ppo", "dpo"):
+        moe, _ = compose_config([f"stage={stage}", "recipe=embedded_moe"])
+        dense, _ = compose_config([f"stage={stage}", "recipe=embedded"])
+        assert (moe.model.num_experts, moe.model.experts_per_token, dense.model.num_experts) == (
+            4,
+            2,
+            0,
+        )
+        assert moe.train.lr == (3e-5 if stage == "ppo" else dense.train.lr)
+        assert moe.train.max_steps == dense.train.max_steps
     g, _ = compose_config(["stage=ppo", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     assert (
         g.algorithm.estimator,
@@ -164,8 +175,8 @@ def test_task_recipes_and_their_stages():
         compose_config(["stage=reward", "recipe=gsm8k_grpo", "data.path=x.jsonl"])
     with pytest.raises(
         ConfigError,
-        match=r"unknown recipe 'nope' .expected agentic, dschat, embedded, gsm8k_grpo, "
-        r"gsm8k_tools, hh, pretrained, "
+        match=r"unknown recipe 'nope' .expected agentic, dschat, embedded, embedded_moe, "
+        r"gsm8k_grpo, gsm8k_tools, hh, pretrained, "
         r"smollm2_arith, smollm2_hh.",
     ):
         compose_config(["recipe=nope"])
