@@ -354,7 +354,7 @@ class Loop:
                 copy.load(ckpt)
         if self.collector.remote is not None:
             # ppo.staleness_policy=fixed: the steps in flight when it was saved
-            self.collector.remote.restore(ckpt)
+            self.collector.remote.restore(ckpt, int(state["step"]))
 
     def checkpoint(self, step: int) -> Path:
         remote = self.collector.remote

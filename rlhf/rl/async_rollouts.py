@@ -27,6 +27,7 @@ at least as new as the uninterrupted run's (regenerated; equal to it at k = 0).
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import queue
 import time
@@ -155,13 +156,23 @@ class AsyncRollouts:
             "async/transfer_bytes": float(nbytes[0]),
         }
 
-    def ask(self, step: int) -> None:
+    def _asked(self, step: int) -> tuple:
+        """(this rank's prompts of step ``step``, their sampling, their keys in the step)."""
         batch, sp = self.prompts.step(step), self.sampling(step)
-        keys = strided_keys(len(batch.ids), self.mesh.rank, self.mesh.world_size)
+        return batch, sp, strided_keys(len(batch.ids), self.mesh.rank, self.mesh.world_size)
+
+    def ask(self, step: int) -> None:
+        batch, sp, keys = self._asked(step)
         self.requests.put(
             Request(step, batch.ids, batch.examples, sp, keys, max(step - self.k, self.first))
         )
         self.asked = step
+
+    def _digest(self, step: int) -> str:
+        """What step ``step``'s request asks (prompts, sampling, keys): a saved step is taken back
+        only by a run that would ask the same."""
+        batch, sp, keys = self._asked(step)
+        return hashlib.sha256(repr((batch.ids, sp, keys)).encode()).hexdigest()
 
     def updated(self, step: int) -> None:
         """After the update of step ``step`` (0-based): version step + 1 goes to the worker, and the
@@ -212,36 +223,60 @@ class AsyncRollouts:
     # ---- checkpoints (staleness_policy=fixed) ----
     def save(self, path: Path, step: int) -> None:
         """Into the checkpoint of step ``step`` (this rank's file): the episodes of steps step …
-        step + k − 1, waited for (their weights are all sent)."""
+        step + k − 1, waited for (their weights are all sent: at most k − 1 generations' wait). A
+        worker that is gone (a stop that reached it) leaves the file out: a resume then plays them
+        afresh."""
         if not self.fixed:
             return
         steps = range(step, min(step + self.k, self.max_steps))
-        for s in steps:
-            self._await(s)
-        state = {"world_size": self.mesh.world_size, "steps": {s: self.ready[s] for s in steps}}
+        try:
+            for s in steps:
+                self._await(s)
+        except UserError as e:
+            log.warning(
+                "ppo: the checkpoint of step %d goes without its steps in flight: %s", step, e
+            )
+            return
+        state = {
+            "world_size": self.mesh.world_size,
+            "k": self.k,
+            "steps": {s: self.ready[s] for s in steps},
+            "digests": {s: self._digest(s) for s in steps},
+        }
         torch.save(state, path / IN_FLIGHT_FILE.format(rank=self.mesh.rank))
 
-    def restore(self, ckpt: Path) -> None:
-        """The steps in flight of the checkpoint ``ckpt`` (written by a run with the same policy and
-        world size), else a warning that the first k steps are generated afresh."""
+    def restore(self, ckpt: Path, step: int) -> None:
+        """The steps in flight of the checkpoint ``ckpt`` of step ``step``, if a run with this
+        world size, k, prompts and sampling wrote them; else (or for the steps it lacks) a warning
+        that they are generated afresh."""
         if not self.fixed:
             return
         f = ckpt / IN_FLIGHT_FILE.format(rank=self.mesh.rank)
-        state = torch.load(f, weights_only=False) if f.exists() else None
-        if state is not None and state["world_size"] == self.mesh.world_size:
+        state = (
+            torch.load(f, weights_only=False, map_location=self.mesh.device) if f.exists() else None
+        )
+        wanted = range(step, min(step + self.k, self.max_steps))
+        why = None
+        if state is None:
+            why = "none saved"
+        elif (state["world_size"], state["k"]) != (self.mesh.world_size, self.k):
+            why = f"saved on {state['world_size']} rank(s) with ppo.max_staleness={state['k']}"
+        elif any(state["digests"][s] != self._digest(s) for s in state["steps"]):
+            why = "saved for other prompts or sampling"
+        else:
             self.ready.update(state["steps"])
             log.info(
                 "ppo: the %d step(s) in flight at the checkpoint restored (played by the weights "
                 "before it)",
                 len(state["steps"]),
             )
-            return
-        why = "none saved" if state is None else f"saved on {state['world_size']} ranks"
+            if len(state["steps"]) == len(wanted):
+                return
+            why = f"{len(wanted) - len(state['steps'])} of them not saved (a longer run now)"
         log.warning(
-            "ppo: the checkpoint's steps in flight cannot be taken (%s): the next %d steps are "
-            "generated afresh with its weights (not the uninterrupted run's samples)",
+            "ppo: the checkpoint's steps in flight cannot all be taken (%s): those are generated "
+            "afresh with its weights (not the uninterrupted run's samples)",
             why,
-            self.k,
         )
 
     def _drain(self) -> None:

@@ -28,6 +28,7 @@ import copy
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -147,9 +148,9 @@ class Model:
         self.model = _build(self.spec, self.policy, w)
         self.version = w.version
 
-    def open(self, req: Request) -> Callable[[], Tuple[object, int]]:
-        """What a turn of ``req``'s episodes generates with (under the gate): the newest weights'
-        model and version."""
+    def open(self, req: Request, gate: "Gate") -> Callable[[], Tuple[object, int]]:
+        """What a turn of ``req``'s episodes generates with (called under the gate): the newest
+        weights' model and version."""
 
         def take():
             self.newest()
@@ -157,8 +158,8 @@ class Model:
 
         return take
 
-    def close(self, req: Request) -> None:
-        """``req``'s episodes are played (under the gate)."""
+    def close(self, req: Request, gate: "Gate") -> None:
+        """``req``'s episodes are played."""
 
     def newest(self) -> None:
         """Takes the newest weights waiting, if any. Called with the model's ``Gate`` held."""
@@ -228,20 +229,25 @@ class Versions:
             _trainer_there(self.spec.parent)
             time.sleep(WAIT_S)
 
-    def open(self, req: Request) -> Callable[[], Tuple[object, int]]:
+    def open(self, req: Request, gate: "Gate") -> Callable[[], Tuple[object, int]]:
+        """The inference model of ``req``'s version (built if no step in play has it), right
+        after ``wait`` (no later request can have dropped its weights yet)."""
         v = req.min_version
-        if v not in self.models:
-            self.models[v] = [_build(self.spec, self.policy, self.held[v]), 0]
-        self.models[v][1] += 1
-        model = self.models[v][0]
+        with gate.turn(req.step):
+            if v not in self.models:
+                self.models[v] = [_build(self.spec, self.policy, self.held[v]), 0]
+            self.models[v][1] += 1
+            model = self.models[v][0]
         return lambda: (model, v)
 
-    def close(self, req: Request) -> None:
-        entry = self.models[req.min_version]
-        entry[1] -= 1
-        if not entry[1]:
-            entry[0].release()
-            del self.models[req.min_version]
+    def close(self, req: Request, gate: "Gate") -> None:
+        """``req``'s episodes are played: its version's model goes once no step in play uses it."""
+        with gate.turn(req.step):
+            entry = self.models[req.min_version]
+            entry[1] -= 1
+            if not entry[1]:
+                entry[0].release()
+                del self.models[req.min_version]
 
 
 class Gate:
@@ -288,6 +294,10 @@ def main(spec: WorkerSpec, requests, results, weights) -> None:
     from rlhf import host_memory
 
     logging.getLogger("rlhf").setLevel(logging.WARNING)
+    # a Ctrl-C reaches the whole process group: the trainer checkpoints (with the steps this worker
+    # plays, staleness_policy=fixed) and stops, and the worker ends with it (SIGTERM, as
+    # multiprocessing ends a daemon process, or its trainer gone)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(spec.threads)
         if spec.device == "cpu":
@@ -429,8 +439,7 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
                 turns = Turns(take, gate, req.step, eos_id, pad_id, device)
                 ep = play(sets[i], turns, req, positions)
             finally:
-                with gate.turn(req.step):
-                    model.close(req)
+                model.close(req, gate)
             idle, active = busy.done()
             res = Result(req.step, ep, idle, active, partial(ep), turns.calls, in_flight)
             results.put(res)
@@ -454,8 +463,7 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
                 _trainer_there(spec.parent)
         if errors or not model.wait(req.min_version, gate, req.step, lambda: bool(errors)):
             return
-        with gate.turn(req.step):
-            take = model.open(req)
+        take = model.open(req, gate)
         n = busy.start()
         with slots:
             i = free.pop(0)

@@ -5,12 +5,17 @@ weights; a worker that dies or freezes ends the run with exit 3 naming it; what 
 one line before any model loads."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import killed_at, run_cli
+from tests.conftest import ENV, ROOT, killed_at, run_cli
 from tests.e2e.test_agentic import TEMPLATE
 from tests.e2e.test_reward_fn_errors import actor, error_lines, grpo  # noqa: F401 (fixture)
 
@@ -279,6 +284,30 @@ def test_fixed_staleness_is_reproducible_and_a_resume_is_the_uninterrupted_run(
     assert "step(s) in flight at the checkpoint restored" in proc.stderr
     fixed_lag_rows(run, 1)
     assert same_run(ref, run, ignore=WORKER_TIMING) > 100
+    # a Ctrl-C (the whole process group, the worker too) after the first step: the trainer saves
+    # with the step in flight (the worker ignores it and plays on) and the rerun resumes there
+    stopped = tmp_path / "stopped"
+    args = [a.replace(str(run), str(stopped)) for a in args]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "rlhf", *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    rows = stopped / "ppo/metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (rows.is_file() and rows.read_text().strip()):
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == 130 and "stopped by SIGINT after step" in err, err[-2000:]
+    assert list((stopped / "ppo/checkpoints").glob("step_*/rollouts_in_flight_rank0.pt"))
+    proc = run_cli(*args, timeout=300)
+    assert "step(s) in flight at the checkpoint restored" in proc.stderr, proc.stderr[-2000:]
+    assert same_run(ref, stopped, ignore=WORKER_TIMING) > 100
 
 
 @pytest.mark.slow

@@ -171,14 +171,67 @@ def test_a_fixed_policy_worker_plays_each_step_with_its_own_version(monkeypatch)
     gate = Gate()
     assert v.wait(1, gate, step=2, stop=lambda: False)
     assert sorted(v.held) == [1, 2]  # version 0: no later request names it
-    a, b = SimpleNamespace(min_version=1), SimpleNamespace(min_version=1)
-    take_a, take_b = v.open(a), v.open(b)
+    a, b = SimpleNamespace(min_version=1, step=2), SimpleNamespace(min_version=1, step=3)
+    take_a, take_b = v.open(a, gate), v.open(b, gate)
     assert take_a()[1] == take_b()[1] == 1 and take_a()[0] is take_b()[0] and built == [1]
-    c = SimpleNamespace(min_version=2)
-    assert v.open(c)()[1] == 2 and built == [1, 2]  # two steps in flight, two versions
-    v.close(a)
+    c = SimpleNamespace(min_version=2, step=3)
+    assert v.open(c, gate)()[1] == 2 and built == [1, 2]  # two steps in flight, two versions
+    v.close(a, gate)
     assert released == []
-    v.close(b)
+    v.close(b, gate)
     assert released == [1] and sorted(v.models) == [2]
     # a version not yet sent: the request waits until it is, or until told to stop
     assert not v.wait(3, gate, step=4, stop=lambda: True)
+
+
+def test_a_checkpoints_steps_in_flight_come_back_only_to_the_run_that_would_ask_for_them(
+    tmp_path, caplog
+):
+    """staleness_policy=fixed: the steps saved with a checkpoint are taken back by a run with the
+    same world size, k, prompts and sampling (a longer run takes what there is and says the rest
+    is generated afresh); a worker gone at the save leaves them out."""
+    from types import SimpleNamespace
+
+    from rlhf.ops import SamplingParams
+    from rlhf.rl.async_rollouts import IN_FLIGHT_FILE, AsyncRollouts, WorkerLost
+
+    def client(k=2, max_steps=10, temperature=1.0):
+        a = AsyncRollouts.__new__(AsyncRollouts)
+        a.k, a.max_steps, a.fixed, a.first, a.timeout_s = k, max_steps, True, 0, 1.0
+        a.mesh = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+        a.prompts = SimpleNamespace(
+            step=lambda s: SimpleNamespace(ids=[[s, 1], [s, 2]], examples=[None, None])
+        )
+        a.sampling = lambda s: SamplingParams(temperature=temperature)
+        a.ready = {}
+        return a
+
+    def restored(ckpt, **kw):
+        a = client(**kw)
+        a.restore(ckpt, 4)
+        return sorted(a.ready)
+
+    saver = client()
+    saver.ready = {4: "episodes of step 4", 5: "episodes of step 5", 6: "not in flight"}
+    saver.save(tmp_path, 4)
+    assert restored(tmp_path) == [4, 5]
+    assert restored(tmp_path, k=1) == [] and "max_staleness=2" in caplog.text
+    assert restored(tmp_path, temperature=0.5) == [] and "other prompts or sampling" in caplog.text
+    short = tmp_path / "short"
+    short.mkdir()
+    last = client(max_steps=5)
+    last.ready = {4: "episodes of step 4"}
+    last.save(short, 4)
+    caplog.clear()
+    assert restored(short) == [4] and "1 of them not saved" in caplog.text
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    lost = client()
+
+    def worker_gone(step):
+        raise WorkerLost("the rollout worker of rank 0 (pid 1) died")
+
+    lost._await = worker_gone
+    lost.save(gone, 4)
+    assert not (gone / IN_FLIGHT_FILE.format(rank=0)).exists()
+    assert "goes without its steps in flight" in caplog.text
