@@ -39,11 +39,11 @@ import torch
 from rlhf.engine.draws import strided_keys
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh
-from rlhf.errors import UserError
+from rlhf.errors import UserError, first_line
 from rlhf.launcher.watchdog import EXIT_PEER
 from rlhf.ops import SamplingParams
 from rlhf.rl.prompts import PromptSource
-from rlhf.rl.rollout_worker import POLL_S, Failed, Request, Weights, WorkerSpec, main
+from rlhf.rl.rollout_worker import POLL_S, Failed, Request, Result, Weights, WorkerSpec, main
 
 log = logging.getLogger("rlhf")
 
@@ -252,32 +252,39 @@ class AsyncRollouts:
         if not self.fixed:
             return
         f = ckpt / IN_FLIGHT_FILE.format(rank=self.mesh.rank)
-        state = (
-            torch.load(f, weights_only=False, map_location=self.mesh.device) if f.exists() else None
-        )
         wanted = range(step, min(step + self.k, self.max_steps))
-        why = None
-        if state is None:
-            why = "none saved"
-        elif (state["world_size"], state["k"]) != (self.mesh.world_size, self.k):
-            why = f"saved on {state['world_size']} rank(s) with ppo.max_staleness={state['k']}"
-        elif any(state["digests"][s] != self._digest(s) for s in state["steps"]):
-            why = "saved for other prompts or sampling"
-        else:
-            self.ready.update(state["steps"])
-            log.info(
-                "ppo: the %d step(s) in flight at the checkpoint restored (played by the weights "
-                "before it)",
-                len(state["steps"]),
-            )
-            if len(state["steps"]) == len(wanted):
+        state, why = None, "none saved"
+        if f.exists():
+            try:
+                state = _load_in_flight(f, self.mesh.device)
+            except Exception as e:  # (weights-only unpickling refused it, or a damaged file)
+                why = f"{f.name} unreadable: {first_line(e)}"
+        if state is not None:
+            why = self._take_back(state, wanted)
+            if why is None:
                 return
-            why = f"{len(wanted) - len(state['steps'])} of them not saved (a longer run now)"
         log.warning(
             "ppo: the checkpoint's steps in flight cannot all be taken (%s): those are generated "
             "afresh with its weights (not the uninterrupted run's samples)",
             why,
         )
+
+    def _take_back(self, state: dict, wanted: range) -> Optional[str]:
+        """The saved steps into ``ready`` if this run would ask the same of them; why not (or why
+        some are missing), or None."""
+        if (state["world_size"], state["k"]) != (self.mesh.world_size, self.k):
+            return f"saved on {state['world_size']} rank(s) with ppo.max_staleness={state['k']}"
+        if any(state["digests"][s] != self._digest(s) for s in state["steps"]):
+            return "saved for other prompts or sampling"
+        self.ready.update(state["steps"])
+        log.info(
+            "ppo: the %d step(s) in flight at the checkpoint restored (played by the weights "
+            "before it)",
+            len(state["steps"]),
+        )
+        if len(state["steps"]) < len(wanted):
+            return f"{len(wanted) - len(state['steps'])} of them not saved (a longer run now)"
+        return None
 
     def _drain(self) -> None:
         while True:
@@ -311,6 +318,16 @@ class AsyncRollouts:
             err.exit_code = msg.code
             raise err
         self.ready[msg.step] = msg
+
+
+def _load_in_flight(f: Path, device) -> dict:
+    """A checkpoint's steps in flight, read weights-only (no code runs from the file): tensors,
+    plain values and the three classes a step's episodes are made of."""
+    from rlhf.engine.infer import Generation
+    from rlhf.rl.episodes import Episodes
+
+    with torch.serialization.safe_globals([Result, Episodes, Generation]):
+        return torch.load(f, weights_only=True, map_location=device)
 
 
 def worker_spec(cfg, prep, models) -> WorkerSpec:

@@ -224,6 +224,10 @@ def test_a_checkpoints_steps_in_flight_come_back_only_to_the_run_that_would_ask_
     last.save(short, 4)
     caplog.clear()
     assert restored(short) == [4] and "1 of them not saved" in caplog.text
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / IN_FLIGHT_FILE.format(rank=0)).write_bytes(b"not a checkpoint")
+    assert restored(damaged) == [] and "unreadable" in caplog.text
     gone = tmp_path / "gone"
     gone.mkdir()
     lost = client()
