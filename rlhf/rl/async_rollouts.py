@@ -228,7 +228,7 @@ class AsyncRollouts:
         afresh."""
         if not self.fixed:
             return
-        steps = range(step, min(step + self.k, self.max_steps))
+        steps = self._in_flight_at(step)
         try:
             for s in steps:
                 self._await(s)
@@ -252,7 +252,7 @@ class AsyncRollouts:
         if not self.fixed:
             return
         f = ckpt / IN_FLIGHT_FILE.format(rank=self.mesh.rank)
-        wanted = range(step, min(step + self.k, self.max_steps))
+        wanted = self._in_flight_at(step)
         state, why = None, "none saved"
         if f.exists():
             try:
@@ -268,6 +268,10 @@ class AsyncRollouts:
             "afresh with its weights (not the uninterrupted run's samples)",
             why,
         )
+
+    def _in_flight_at(self, step: int) -> range:
+        """The steps asked for and not yet trained when the update of step ``step`` − 1 is done."""
+        return range(step, min(step + self.k, self.max_steps))
 
     def _take_back(self, state: dict, wanted: range) -> Optional[str]:
         """The saved steps into ``ready`` if this run would ask the same of them; why not (or why

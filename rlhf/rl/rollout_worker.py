@@ -129,15 +129,51 @@ def _build(spec: WorkerSpec, policy, w: Weights):
     return model
 
 
-class Model:
-    """``ppo.staleness_policy=newest``: the newest weights that have arrived and the inference
-    model over them, taken before every generation."""
+class _Arrivals:
+    """What both weights policies share: the worker's spec, the actor's injection policy, the
+    weights queue read under the model's ``Gate``, and a request's wait for the weights it
+    needs."""
 
     def __init__(self, spec: WorkerSpec, weights):
         from rlhf.models.policies import policy_for
 
         self.spec, self.weights = spec, weights
         self.policy = policy_for(spec.model_config)[0]
+
+    def _arrived(self) -> List[Weights]:
+        """The weights that arrived since the last call, oldest first."""
+        out = []
+        while True:
+            try:
+                out.append(self.weights.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _has(self, version: int) -> bool:
+        """(Under the gate) whether the request naming ``version`` may start."""
+        raise NotImplementedError
+
+    def wait(self, version: int, gate: "Gate", step: int, stop: Callable[[], bool]) -> bool:
+        """Until the weights the request of ``step`` needs (``version``, by the policy's rule)
+        are in; False if ``stop()`` first. The weights are read under the gate only: a step in
+        play takes them in at its next turn as soon as they arrive."""
+        while True:
+            with gate.turn(step):
+                if self._has(version):
+                    return True
+            if stop():
+                return False
+            _trainer_there(self.spec.parent)
+            time.sleep(WAIT_S)
+
+
+class Model(_Arrivals):
+    """``ppo.staleness_policy=newest``: the newest weights that have arrived and the inference
+    model over them, taken before every generation; a request waits for weights of its version or
+    newer (the staleness bound)."""
+
+    def __init__(self, spec: WorkerSpec, weights):
+        super().__init__(spec, weights)
         self.model, self.version = None, -1
 
     def _take(self, w: Weights) -> None:
@@ -163,14 +199,9 @@ class Model:
 
     def newest(self) -> None:
         """Takes the newest weights waiting, if any. Called with the model's ``Gate`` held."""
-        last = None
-        while True:
-            try:
-                last = self.weights.get_nowait()
-            except queue.Empty:
-                break
-        if last is not None:
-            self._offer(last)
+        arrived = self._arrived()
+        if arrived:
+            self._offer(arrived[-1])
 
     def _offer(self, w: Weights) -> bool:
         # (never back to older weights)
@@ -179,55 +210,30 @@ class Model:
         self._take(w)
         return True
 
-    def wait(self, min_version: int, gate: "Gate", step: int, stop: Callable[[], bool]) -> bool:
-        """Until weights of version ``min_version`` or newer are in (the request of ``step``
-        waits for them: the staleness bound), then the newest; False if ``stop()`` first. Only
-        ``newest`` reads the weights, under the gate: a step in play takes them in at its next
-        turn as soon as they arrive."""
-        while True:
-            with gate.turn(step):
-                self.newest()
-                if self.version >= min_version:
-                    return True
-            if stop():
-                return False
-            _trainer_there(self.spec.parent)
-            time.sleep(WAIT_S)
+    def _has(self, version: int) -> bool:
+        self.newest()
+        return self.version >= version
 
 
-class Versions:
+class Versions(_Arrivals):
     """``ppo.staleness_policy=fixed``: each step played wholly by the version its request names.
     The weights that arrived are kept by version until no request can name them any more (requests
     come in step order, their versions in order too), and an inference model is built for each
     version a step in play uses (two at most, with two steps in flight)."""
 
     def __init__(self, spec: WorkerSpec, weights):
-        from rlhf.models.policies import policy_for
-
-        self.spec, self.weights = spec, weights
-        self.policy = policy_for(spec.model_config)[0]
+        super().__init__(spec, weights)
         self.held: Dict[int, Weights] = {}
         self.models: Dict[int, list] = {}  # version → [its inference model, steps playing with it]
 
-    def wait(self, version: int, gate: "Gate", step: int, stop: Callable[[], bool]) -> bool:
-        """Until the weights of ``version`` are in (the request of ``step`` waits for them); False
-        if ``stop()`` first."""
-        while True:
-            with gate.turn(step):
-                while True:
-                    try:
-                        w = self.weights.get_nowait()
-                    except queue.Empty:
-                        break
-                    self.held[w.version] = w
-                if version in self.held:
-                    for old in [v for v in self.held if v < version]:
-                        del self.held[old]  # (no later request names it)
-                    return True
-            if stop():
-                return False
-            _trainer_there(self.spec.parent)
-            time.sleep(WAIT_S)
+    def _has(self, version: int) -> bool:
+        for w in self._arrived():
+            self.held[w.version] = w
+        if version not in self.held:
+            return False
+        for old in [v for v in self.held if v < version]:
+            del self.held[old]  # (no later request names it)
+        return True
 
     def open(self, req: Request, gate: "Gate") -> Callable[[], Tuple[object, int]]:
         """The inference model of ``req``'s version (built if no step in play has it), right
