@@ -44,6 +44,7 @@ from rlhf.rl.metrics import reward_line, rollout_samples, step_metrics
 from rlhf.rl.models import Models, RewardStats, Sources, build_models, inputs
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.rollout_guard import RolloutGuard
+from rlhf.rl.rollout_link import on_rollout_rank, serve_rank
 from rlhf.rl.sft_records import SftRecords
 from rlhf.rl.update import Diverged, Updater
 from rlhf.runtime.evaluation import evaluate_reward, stage_gold
@@ -69,6 +70,9 @@ def run(cfg: Config) -> None:
     rule = resolve(cfg.ppo.reward_fn) if cfg.ppo.reward_fn else None
     # (a maker of the environment, its class): imported, tools and parser built
     env = environment(cfg.env)
+    if on_rollout_rank(cfg.ppo):
+        # ppo.rollout_ranks: this rank plays episodes for trainer ranks (rlhf/rl/rollout_link.py)
+        return serve_rank(cfg)
     ctx = start_stage(cfg, "ppo")
     say_sandbox(cfg.env, log)
     mesh, train, ppo = ctx.mesh, cfg.train, cfg.ppo
@@ -110,7 +114,7 @@ def run(cfg: Config) -> None:
     bar = progress(train.max_steps, start, cfg.logger.progress, "ppo", mesh.is_main)
     # a first Ctrl-C / SIGTERM: checkpoint at the end of the step, then exit
     stop = interrupt.listen()
-    # ppo.rollout_workers=1: the worker starts with the weights of step `start`
+    # ppo.rollout_workers / rollout_ranks: the worker starts with the weights of step `start`
     loop.start_rollouts(start)
     # the exported actor's step; the gate's record when it fires
     last, stopped = train.max_steps, None
@@ -308,8 +312,8 @@ class Loop:
                 "(docs/ppo.md#asynchronous-rollouts)",
                 ppo.max_staleness,
             )
-        if ppo.rollout_workers:
-            # the episodes played by a worker process, up to ppo.max_staleness steps ahead
+        if ppo.remote:
+            # the episodes played by a worker process or rank, up to ppo.max_staleness steps ahead
             self.collector.remote = AsyncRollouts(
                 models.hybrid,
                 worker_spec(cfg, prep, models),

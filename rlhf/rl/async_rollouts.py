@@ -1,5 +1,6 @@
 """Asynchronous rollouts with a staleness bound: the trainer's side of its rollout worker
-(``ppo.rollout_workers=1``, ``ppo.max_staleness=k``; the worker: rlhf/rl/rollout_worker.py).
+(``ppo.rollout_workers=1`` — a process beside the rank — or ``ppo.rollout_ranks=R`` — ranks of their
+own: rlhf/rl/rollout_link.py; ``ppo.max_staleness=k``; the worker: rlhf/rl/rollout_worker.py).
 
 Versions count updates: version v is the actor after v updates, the weights the colocated run
 generates step v with. The trainer sends version v after the update of step v − 1 (its inference
@@ -80,7 +81,7 @@ class AsyncRollouts:
         self.k, self.max_steps, self.timeout_s = max_staleness, max_steps, timeout_s
         # ppo.staleness_policy=fixed (k > 0): the steps in flight go with each checkpoint
         self.fixed = bool(max_staleness) and spec.cfg.ppo.staleness_policy == "fixed"
-        self.proc = None
+        self.chan = None  # Beside, or rollout_link.OnRank
         self.asked = -1  # the last step asked for
         self.ready: Dict[int, object] = {}  # results received, by step
         # CUDA IPC: the sender keeps them alive
@@ -91,21 +92,20 @@ class AsyncRollouts:
 
     # ---- the worker's life ----
     def spawn(self) -> None:
-        """Starts the worker process (its imports and environments get ready while the trainer
-        evaluates)."""
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.requests, self.results, self.weights = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(
-            target=main,
-            args=(self.spec, self.requests, self.results, self.weights),
-            daemon=True,
-            name=f"rlhf-rollout-worker-{self.mesh.rank}",
-        )
-        self.proc.start()
+        """Starts the worker: a process beside this rank (its imports and environments get ready
+        while the trainer evaluates), or joins the link to its rollout rank
+        (``ppo.rollout_ranks``)."""
+        ranks = self.spec.cfg.ppo.rollout_ranks
+        if ranks:
+            from rlhf.rl.rollout_link import OnRank
+
+            self.chan = OnRank(self.spec, self.mesh.rank, ranks, self.timeout_s)
+        else:
+            self.chan = Beside(self.spec, self.mesh.rank)
 
     def start(self, step: int) -> None:
         """Sends the weights of ``step`` (a resume's) and the first k + 1 requests."""
-        if self.proc is None:
+        if self.chan is None:
             self.spawn()
         self.first = step
         self.publish(step)
@@ -116,41 +116,37 @@ class AsyncRollouts:
         if self.fixed:
             policy = ", each step played by the weights exactly k updates old (fixed)"
         log.info(
-            "ppo: asynchronous rollouts: a worker process (pid %d) beside each trainer "
-            "rank, at most %d step%s ahead%s",
-            self.proc.pid,
+            "ppo: asynchronous rollouts: %s, at most %d step%s ahead%s",
+            self.chan.where,
             self.k,
             "" if self.k == 1 else "s",
             policy,
         )
 
     def close(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.requests.put(None)
-            self.proc.join(timeout=10)
-        finally:
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc = None
+        if self.chan is not None:
+            chan, self.chan = self.chan, None
+            chan.close()
 
     # ---- weights and requests ----
     def publish(self, version: int) -> None:
         """Sends the actor's weights after ``version`` updates. Collective (an FSDP gather per
-        layer)."""
+        layer; a trainer whose rollout rank another trainer feeds only takes part)."""
         t0 = time.perf_counter()
         nbytes = [0]
 
-        def shared(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-            out, n = packed(d)
+        def copied(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+            out, n = packed(d, share=self.chan.shares)
             nbytes[0] += n
             return out
 
-        root, layers = self.hybrid.inference_weights(tp=1, copy=shared)
-        w = Weights(version, root, layers)
-        self.sent.append(w)
-        self.weights.put(w)
+        copy = copied if self.chan.takes_weights else None
+        root, layers = self.hybrid.inference_weights(tp=1, copy=copy)
+        if copy is not None:
+            w = Weights(version, root, layers)
+            if self.chan.shares:
+                self.sent.append(w)  # (CUDA IPC: the sender keeps them alive)
+            self.chan.weights(w)
         self.transfer = {
             "async/transfer_s": time.perf_counter() - t0,
             "async/transfer_bytes": float(nbytes[0]),
@@ -163,9 +159,8 @@ class AsyncRollouts:
 
     def ask(self, step: int) -> None:
         batch, sp, keys = self._asked(step)
-        self.requests.put(
-            Request(step, batch.ids, batch.examples, sp, keys, max(step - self.k, self.first))
-        )
+        first = max(step - self.k, self.first)
+        self.chan.request(Request(step, batch.ids, batch.examples, sp, keys, first, self.mesh.rank))
         self.asked = step
 
     def _digest(self, step: int) -> str:
@@ -293,25 +288,23 @@ class AsyncRollouts:
     def _drain(self) -> None:
         while True:
             try:
-                self._keep(self.results.get_nowait())
+                self._keep(self.chan.get())
             except queue.Empty:
                 return
 
     def _receive(self, since: float) -> None:
         try:
-            self._keep(self.results.get(timeout=POLL_S))
+            self._keep(self.chan.get(timeout=POLL_S))
             return
         except queue.Empty:
             pass
-        who = f"the rollout worker of rank {self.mesh.rank} (pid {self.proc.pid})"
-        if not self.proc.is_alive():
-            raise WorkerLost(
-                f"{who} died (exit code {self.proc.exitcode}); rerun the same command to resume"
-            )
+        gone = self.chan.lost()
+        if gone is not None:
+            raise WorkerLost(f"{gone}; rerun the same command to resume")
         if time.perf_counter() - since > self.timeout_s:
-            self.proc.kill()
+            self.chan.kill()
             raise WorkerLost(
-                f"{who} sent no episodes for {self.timeout_s:g} s (engine.timeout_s); "
+                f"{self.chan.who} sent no episodes for {self.timeout_s:g} s (engine.timeout_s); "
                 "rerun the same command to resume"
             )
 
@@ -322,6 +315,54 @@ class AsyncRollouts:
             err.exit_code = msg.code
             raise err
         self.ready[msg.step] = msg
+
+
+class Beside:
+    """The rollout worker process beside a trainer rank (``ppo.rollout_workers=1``): queues of
+    ``torch.multiprocessing`` (CPU tensors in shared memory, CUDA tensors by CUDA IPC)."""
+
+    def __init__(self, spec: WorkerSpec, rank: int):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.requests, self.results, self._weights = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(
+            target=main,
+            args=(spec, self.requests, self.results, self._weights),
+            daemon=True,
+            name=f"rlhf-rollout-worker-{rank}",
+        )
+        self.proc.start()
+        self.who = f"the rollout worker of rank {rank} (pid {self.proc.pid})"
+        self.where = f"a worker process (pid {self.proc.pid}) beside each trainer rank"
+        # the weights go to it in shared memory, every update
+        self.shares = self.takes_weights = True
+
+    def request(self, req: Request) -> None:
+        self.requests.put(req)
+
+    def weights(self, w: Weights) -> None:
+        self._weights.put(w)
+
+    def get(self, timeout: Optional[float] = None):
+        """The next message (raises ``queue.Empty``)."""
+        if timeout is None:
+            return self.results.get_nowait()
+        return self.results.get(timeout=timeout)
+
+    def lost(self) -> Optional[str]:
+        if self.proc.is_alive():
+            return None
+        return f"{self.who} died (exit code {self.proc.exitcode})"
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def close(self) -> None:
+        try:
+            self.requests.put(None)
+            self.proc.join(timeout=10)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
 
 
 def _load_in_flight(f: Path, device) -> dict:
@@ -343,9 +384,10 @@ def worker_spec(cfg, prep, models) -> WorkerSpec:
     hybrid = models.hybrid
     if not hybrid.inject:
         raise ConfigError(
-            "ppo.rollout_workers=1 generates in the inference mode, which this model "
+            f"{cfg.ppo.remote} generates in the inference mode, which this model "
             "family has no injection "
-            f"policy for ({type(unwrap(models.actor.module)).__name__}); set ppo.rollout_workers=0"
+            f"policy for ({type(unwrap(models.actor.module)).__name__}); play the episodes "
+            "colocated (ppo.rollout_workers=0, ppo.rollout_ranks=0)"
         )
     return WorkerSpec(
         cfg,
@@ -369,10 +411,10 @@ def staleness(
     return (step - versions).clamp(min=0).float() * mask
 
 
-def packed(tensors: Dict[str, torch.Tensor]) -> tuple:
-    """``(copies, bytes)``: the tensors copied into one buffer per dtype (in shared memory on the
-    CPU: one file descriptor each, however many tensors), the copies views of it; a tensor named
-    twice (tied embeddings) copied once."""
+def packed(tensors: Dict[str, torch.Tensor], share: bool = True) -> tuple:
+    """``(copies, bytes)``: the tensors copied into one buffer per dtype (with ``share``, in shared
+    memory on the CPU: one file descriptor each, however many tensors), the copies views of it; a
+    tensor named twice (tied embeddings) copied once."""
     by_dtype: Dict[tuple, list] = {}
     seen: Dict[tuple, str] = {}
     for name, t in tensors.items():
@@ -386,7 +428,7 @@ def packed(tensors: Dict[str, torch.Tensor]) -> tuple:
     for (dtype, device), names in by_dtype.items():
         total = sum(tensors[n].numel() for n in names)
         buf = torch.empty(total, dtype=dtype, device=device)
-        if device.type == "cpu":
+        if share and device.type == "cpu":
             buf.share_memory_()
         at = 0
         for n in names:

@@ -1,5 +1,6 @@
 """A rollout worker: the process beside a trainer rank that plays its episodes
-(``ppo.rollout_workers=1``).
+(``ppo.rollout_workers=1``), or a rank of its own serving one or more trainer ranks
+(``ppo.rollout_ranks``: the transport in rlhf/rl/rollout_link.py, the same worker).
 
 The worker holds the inference mode only — an ``InferenceModel`` over weights the trainer sends in
 the inference layout, no training copy, no optimizer state — and the environments of its trainer's
@@ -18,7 +19,7 @@ request names (``Versions``). Every token carries the version that sampled it
 Messages (``torch.multiprocessing`` queues; CPU tensors travel through shared memory, CUDA tensors
 by CUDA IPC): trainer → worker ``Weights`` and ``Request`` (None: stop); worker → trainer ``Result``
 or ``Failed`` (the worker's one line and exit code). The worker ends when its trainer process is
-gone.
+gone (on a rank of its own: when the link to a trainer breaks).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class Request:
     # the oldest weights the step's episodes may start with (ppo.staleness_policy=fixed: the
     # weights they are played with)
     min_version: int
+    # the trainer rank that asks (a rollout rank serves several: rlhf/rl/rollout_link.py)
+    origin: int = 0
 
 
 @dataclass
@@ -108,6 +111,7 @@ class Result:
     calls: int = 0
     # the requests the worker was playing when it started this one, this one included
     in_flight: int = 1
+    origin: int = 0  # the trainer rank that asked
 
 
 @dataclass
@@ -447,7 +451,9 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
             finally:
                 model.close(req, gate)
             idle, active = busy.done()
-            res = Result(req.step, ep, idle, active, partial(ep), turns.calls, in_flight)
+            res = Result(
+                req.step, ep, idle, active, partial(ep), turns.calls, in_flight, req.origin
+            )
             results.put(res)
         except BaseException as e:
             # the trainer hears it now (it waits for this step); the main thread stops

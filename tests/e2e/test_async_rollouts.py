@@ -331,3 +331,128 @@ def test_fixed_staleness_resumed_on_two_ranks_is_the_uninterrupted_run(tmp_path,
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-2000:]
     fixed_lag_rows(run, 1)
     assert same_run(ref, run, ignore=WORKER_TIMING) > 60
+
+
+# ---- rollout workers on ranks of their own (ppo.rollout_ranks; rlhf/rl/rollout_link.py) ----
+
+
+def test_rollout_ranks_at_staleness_0_are_the_colocated_run(tmp_path, actor):  # noqa: F811
+    """ppo.rollout_ranks=1 on a world of 2: one trainer rank and one rollout rank (the weights
+    over the process group) give the one-rank colocated run, metric for metric and weight for
+    weight."""
+    sync = ppo_run(tmp_path, actor, "sync", "train.max_steps=3")
+    ranks = ppo_run(tmp_path, actor, "ranks", "train.max_steps=3", "ppo.rollout_ranks=1", nproc=2)
+    assert same_run(sync, ranks) > 40
+    rows = metrics(ranks)
+    assert all(r["async/staleness_max"] == 0 and r["async/dropped"] == 0 for r in rows)
+    assert all(r["async/transfer_bytes"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_one_rollout_rank_serving_two_trainers_is_the_two_rank_colocated_run(
+    tmp_path,
+    actor,  # noqa: F811
+):
+    sync = ppo_run(tmp_path, actor, "sync", "train.max_steps=2", nproc=2)
+    ranks = ppo_run(tmp_path, actor, "ranks", "train.max_steps=2", "ppo.rollout_ranks=1", nproc=3)
+    assert same_run(sync, ranks, tol=1e-6) > 25
+
+
+def test_a_rollout_rank_plays_what_a_worker_process_plays_and_restarts_after_a_kill(
+    tmp_path, ending_actor
+):
+    """staleness_policy=fixed, k = 1, two steps in flight over a slow tool: a rollout rank's run
+    is the worker process's, bit for bit; the rollout rank SIGKILLed after the first checkpoint
+    under launcher.max_restarts=1: the job restarts, resumes (the step in flight from the
+    checkpoint) and ends as the uninterrupted run."""
+    from tests.reliability.conftest import one_node
+    from tests.reliability.helpers import Job, When, workers
+
+    steps = (
+        "train.max_steps=4",
+        "train.save_every=2",
+        "ppo.max_staleness=1",
+        "ppo.staleness_policy=fixed",
+        *agentic(tmp_path),
+    )
+    beside = ppo_run(tmp_path, ending_actor, "beside", *steps, "ppo.rollout_workers=1")
+    ranks = ppo_run(tmp_path, ending_actor, "ranks", *steps, "ppo.rollout_ranks=1", nproc=2)
+    fixed_lag_rows(ranks, 1)
+    assert same_run(beside, ranks, ignore=WORKER_TIMING) > 80
+    run = tmp_path / "restarted"
+    args = [
+        a.replace(str(tmp_path / "run"), str(run))
+        for a in grpo(tmp_path, ending_actor, *RULE, ONE_THREAD, *steps, "ppo.rollout_ranks=1")
+    ]
+    job = Job(*args, *one_node(2, max_restarts=1), log=tmp_path / "restarted.txt")
+    ckpt = run / "ppo/checkpoints/step_00000002/trainer_state.json"
+
+    def kill_rollout_rank():
+        ranks = workers(job.pid)
+        os.kill(ranks[1], signal.SIGKILL)
+        return ranks
+
+    kill = When(ckpt.exists, kill_rollout_rank, job, 300, "the first checkpoint")
+    assert job.wait(300) == 0, job.tail()
+    kill.result()
+    log = job.log.read_text()
+    assert "resumed from" in log and "step(s) in flight at the checkpoint restored" in log
+    assert same_run(ranks, run, ignore=WORKER_TIMING) > 80
+
+
+def test_a_hanging_rollout_rank_ends_the_run_with_exit_3(tmp_path, ending_actor):
+    from tests.reliability.conftest import one_node
+
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    args = grpo(
+        tmp_path,
+        ending_actor,
+        *RULE,
+        ONE_THREAD,
+        "ppo.rollout_ranks=1",
+        "env.name=tests.e2e.agent_envs.WorkerHangs",
+        "env.max_turns=2",
+        "ppo.reward_fn=null",
+        f"data.chat_template={template}",
+        "engine.timeout_s=8",
+    )
+    t0 = time.time()
+    proc = run_cli(*args, *one_node(2), timeout=180)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert time.time() - t0 < 120
+    said = [x for x in error_lines(proc.stderr) if x.startswith("rlhf: error:")]
+    assert (
+        len(said) == 1
+        and "the rollout rank 1 of trainer rank 0 sent no episodes for 8 s" in (said[0])
+    ), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "nproc, extra, says",
+    [
+        (2, ("ppo.rollout_ranks=2",), "ppo.rollout_ranks=2 leaves no trainer in a world of 2"),
+        (1, ("ppo.rollout_ranks=1",), "ppo.rollout_ranks=1 leaves no trainer in a world of 1"),
+        (
+            1,
+            ("ppo.rollout_ranks=1", "ppo.rollout_workers=1"),
+            "ppo.rollout_workers=1 is invalid: expected 0 with ppo.rollout_ranks",
+        ),
+        (1, ("ppo.rollout_ranks=1", "engine.hybrid=false"), "ppo.rollout_ranks=1 does not work"),
+    ],
+)
+def test_a_world_the_rollout_ranks_cannot_split_is_one_line(
+    tmp_path,
+    actor,
+    nproc,
+    extra,
+    says,  # noqa: F811
+):
+    from tests.reliability.conftest import one_node
+
+    launch = one_node(nproc) if nproc > 1 else ()
+    proc = run_cli(*grpo(tmp_path, actor, *RULE, *extra), *launch, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = error_lines(proc.stderr)
+    assert says in line
+    assert not (tmp_path / "run" / "ppo").exists()

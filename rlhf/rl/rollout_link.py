@@ -1,0 +1,412 @@
+"""Rollout workers on ranks of their own (``ppo.rollout_ranks=R``): the torchrun world of N ranks
+split into T = N − R trainers and R rollout ranks.
+
+- **The split**: ranks 0 … T − 1 train; for them ``WORLD_SIZE`` becomes T before their process group
+  is made (their own group: FSDP, the data's shards, the sampling keys and the checkpoints are a
+  T-rank run's), so a trainer rank's number is its rank in the world. Ranks T … N − 1 play episodes
+  (``serve_rank``): the inference mode only, no training copy, no optimizer state. Trainer r is
+  served by rollout rank T + r mod R (R divides T): a rollout rank plays the requests of its T / R
+  trainers, each as its own generation, in step and trainer order (the colocated rank's rows, so
+  the same samples).
+- **The link**: two gloo process groups over the whole world, made beside the trainers' group from
+  the job's store (``down``: trainer → rollout rank; ``up``: back), point to point. The first
+  trainer of each rollout rank sends it what the worker is built from (the tokenizer's and the
+  actor config's files, the chat template, the inference dtype, the decode loop and its thread
+  count), the weights after each update and its requests; the others their requests. Objects travel
+  as ``torch.save`` bytes read back weights-only (no code runs from a message: the classes allowed
+  are listed in ``_SAFE``); the weights as a header and their flat per-dtype buffers, one per layer
+  and dtype, sent in buckets of at most ``BUCKET_BYTES``, on the host (a GPU deployment would send
+  them by NCCL broadcast: not built).
+- **Ends**: a rollout rank stops when its trainers say so (after the last step) or when the link to
+  one of them breaks; a trainer hears a rollout rank that died or went silent as today's worker
+  process (``WorkerLost``: exit 3), and torchrun ends the job's other ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import os
+import queue
+import tempfile
+import threading
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from rlhf.errors import first_line
+
+log = logging.getLogger("rlhf")
+
+# the world's size before the split (WORLD_SIZE is the trainers' after it)
+FULL_WORLD_ENV = "RLHF_FULL_WORLD_SIZE"
+# the most bytes one send of a weights buffer carries
+BUCKET_BYTES = 64 << 20
+# how long a receive on the link may wait: a day (a trainer's update or evaluation, a worker's
+# longest step); a worker that stops answering is the trainer's engine.timeout_s to find
+# (AsyncRollouts), a rank that dies closes its connections at once
+LINK_TIMEOUT_S = 86400.0
+_OBJECT, _WEIGHTS = 0, 1
+
+
+def world() -> Tuple[int, int]:
+    """(this process's rank, the whole world's size): torchrun's, before any split."""
+    n = int(os.environ.get(FULL_WORLD_ENV) or os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("RANK", "0")), n
+
+
+def layout(rollout_ranks: int) -> Tuple[int, int]:
+    """(trainers T, rollout ranks R) of this world; exit 2 where R ranks cannot serve it."""
+    from rlhf.config import rollout_layout
+
+    return rollout_layout(world()[1], rollout_ranks)
+
+
+def on_rollout_rank(ppo) -> bool:
+    """Whether this process is one of the world's rollout ranks (``ppo.rollout_ranks``)."""
+    if not ppo.rollout_ranks:
+        return False
+    trainers, _ = layout(ppo.rollout_ranks)
+    return world()[0] >= trainers
+
+
+def split_world(rollout_ranks: int) -> None:
+    """On a trainer rank, before its process group is made: the world it trains in is the T
+    trainers."""
+    trainers, _ = layout(rollout_ranks)
+    os.environ.setdefault(FULL_WORLD_ENV, os.environ.get("WORLD_SIZE", "1"))
+    os.environ["WORLD_SIZE"] = str(trainers)
+
+
+def served_by(rank: int, trainers: int, rollout_ranks: int) -> int:
+    """The rollout rank that plays trainer ``rank``'s episodes."""
+    return trainers + rank % rollout_ranks
+
+
+class Link:
+    """The two process groups between trainers and rollout ranks; a collective to make (every
+    rank of the world)."""
+
+    def __init__(self, timeout_s: float):
+        self.rank, self.size = world()
+        store = _store(self.rank, timeout_s)
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        timeout = datetime.timedelta(seconds=max(timeout_s, LINK_TIMEOUT_S))
+
+        def group(name: str):
+            prefixed = dist.PrefixStore(f"rlhf/rollout_link/{run}/{attempt}/{name}", store)
+            return dist.ProcessGroupGloo(prefixed, self.rank, self.size, timeout)
+
+        self.down, self.up = group("down"), group("up")
+
+    def send(self, group, dst: int, obj) -> None:
+        payload = _encode(obj)
+        _send(group, dst, torch.tensor([_OBJECT, payload.numel()], dtype=torch.long))
+        _send(group, dst, payload)
+
+    def recv(self, group, src: int):
+        """The next message from ``src``: an object, or ``Weights``."""
+        from rlhf.rl.rollout_worker import Weights
+
+        head = torch.zeros(2, dtype=torch.long)
+        group.recv([head], src, 0).wait()
+        payload = torch.empty(int(head[1]), dtype=torch.uint8)
+        group.recv([payload], src, 0).wait()
+        obj = _decode(payload)
+        if int(head[0]) == _OBJECT:
+            return obj
+        buffers = [torch.empty(n, dtype=_dtype(d)) for d, n in obj["buffers"]]
+        for buf in buffers:
+            for chunk in _chunks(buf):
+                group.recv([chunk], src, 0).wait()
+        root = _views(obj["root"], buffers)
+        return Weights(obj["version"], root, [_views(d, buffers) for d in obj["layers"]])
+
+    def send_weights(self, dst: int, w) -> int:
+        """The weights ``w`` (``rollout_worker.Weights``, each dict's tensors views of flat buffers:
+        ``async_rollouts.packed``) to ``dst``; the bytes sent."""
+        buffers: List[torch.Tensor] = []
+        index: Dict[Tuple[int, torch.dtype], int] = {}
+        header = {
+            "version": w.version,
+            "root": _described(w.root, buffers, index),
+            "layers": [_described(d, buffers, index) for d in w.layers],
+            "buffers": None,
+        }
+        header["buffers"] = [(str(b.dtype).removeprefix("torch."), b.numel()) for b in buffers]
+        payload = _encode(header)
+        _send(self.down, dst, torch.tensor([_WEIGHTS, payload.numel()], dtype=torch.long))
+        _send(self.down, dst, payload)
+        for buf in buffers:
+            for chunk in _chunks(buf):
+                _send(self.down, dst, chunk)
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+
+def _store(rank: int, timeout_s: float):
+    """The job's store: torchrun's agent's, or (no agent, no trainers' group yet) rank 0's."""
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    master = not agent and rank == 0 and not dist.is_initialized()
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=master,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _send(group, dst: int, t: torch.Tensor) -> None:
+    group.send([t], dst, 0).wait()
+
+
+def _chunks(buf: torch.Tensor) -> List[torch.Tensor]:
+    return list(buf.split(max(BUCKET_BYTES // buf.element_size(), 1)))
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _described(d: Dict, buffers: List[torch.Tensor], index: Dict) -> dict:
+    """Where each tensor of ``d`` lies in the flat buffers (added to ``buffers`` as met, by their
+    storage), and its other values as they are."""
+    tensors, other = {}, {}
+    for name, t in d.items():
+        if not isinstance(t, torch.Tensor):
+            other[name] = t
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.dtype)
+        if key not in index:
+            index[key] = len(buffers)
+            numel = storage.nbytes() // t.element_size()
+            flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (numel,))
+            buffers.append(flat.cpu())
+        tensors[name] = (index[key], t.storage_offset(), tuple(t.shape))
+    return {"tensors": tensors, "other": other}
+
+
+def _views(desc: dict, buffers: List[torch.Tensor]) -> dict:
+    out = dict(desc["other"])
+    for name, (b, offset, shape) in desc["tensors"].items():
+        n = 1
+        for s in shape:
+            n *= s
+        out[name] = buffers[b][offset : offset + n].view(shape)
+    return out
+
+
+def _safe() -> list:
+    """The classes a message may hold (read weights-only: nothing else is built from one)."""
+    from rlhf.data.records import Chat, Example
+    from rlhf.engine.infer import Generation
+    from rlhf.ops import SamplingParams
+    from rlhf.rl.episodes import Episodes
+    from rlhf.rl.rollout_worker import Failed, Request, Result
+
+    return [Request, Result, Failed, Episodes, Generation, Example, Chat, SamplingParams]
+
+
+def _encode(obj) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _decode(payload: torch.Tensor):
+    with torch.serialization.safe_globals(_safe()):
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+
+
+# ---------------------------------------------------------------------------- the trainer's side
+
+
+class OnRank:
+    """A trainer rank's rollout worker on a rank of its own: what ``AsyncRollouts`` sends it and
+    reads from it (the same calls as ``Beside``, the worker process beside the rank)."""
+
+    def __init__(self, spec, rank: int, rollout_ranks: int, timeout_s: float):
+        self.rank = rank
+        trainers, _ = layout(rollout_ranks)
+        self.worker = served_by(rank, trainers, rollout_ranks)
+        # the first trainer a rollout rank serves builds it and sends it the weights
+        self.sends_weights = rank < rollout_ranks
+        self.who = f"the rollout rank {self.worker} of trainer rank {rank}"
+        self.where = f"rollout rank {self.worker} (the inference mode alone) serving this rank"
+        # sent over the link (no shared memory), by the first trainer of each rollout rank
+        self.shares, self.takes_weights = False, self.sends_weights
+        self.link = Link(timeout_s)
+        self.inbox: "queue.Queue" = queue.Queue()
+        self.broken: Optional[str] = None
+        threading.Thread(target=self._listen, daemon=True, name="rollout-link").start()
+        if self.sends_weights:
+            self.link.send(self.link.down, self.worker, _spec_message(spec))
+
+    def _listen(self) -> None:
+        try:
+            while True:
+                self.inbox.put(self.link.recv(self.link.up, self.worker))
+        except Exception as e:  # the link broke: the rank is gone
+            self.broken = first_line(e)
+
+    def request(self, req) -> None:
+        self.link.send(self.link.down, self.worker, req)
+
+    def weights(self, w) -> None:
+        self.link.send_weights(self.worker, w)
+
+    def get(self, timeout: Optional[float] = None):
+        """The next message (raises ``queue.Empty``)."""
+        if timeout is None:
+            return self.inbox.get_nowait()
+        return self.inbox.get(timeout=timeout)
+
+    def lost(self) -> Optional[str]:
+        """Why the worker is gone, or None."""
+        if self.broken is not None and self.inbox.empty():
+            return f"{self.who} is gone ({self.broken})"
+        return None
+
+    def kill(self) -> None:
+        """(Another rank: torchrun ends it when this one exits.)"""
+
+    def close(self) -> None:
+        if self.broken is None:
+            try:
+                self.link.send(self.link.down, self.worker, None)
+            except Exception:  # (already gone)
+                pass
+
+
+def _spec_message(spec) -> dict:
+    """What a rollout rank builds its worker from: the tokenizer's and the actor config's files (as
+    bytes), the chat template, the inference dtype, the decode loop, the trainer's threads."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec.tokenizer.save_pretrained(tmp)
+        spec.model_config.save_pretrained(tmp)
+        files = {
+            p.name: torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8)
+            for p in Path(tmp).iterdir()
+            if p.is_file()
+        }
+    return {
+        "files": files,
+        "chat": spec.chat,
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "decode": spec.decode,
+        "threads": spec.threads,
+    }
+
+
+# ------------------------------------------------------------------------ the rollout rank's side
+
+
+class _Answers:
+    """The worker's results, each to the trainer that asked (a failure to every one)."""
+
+    def __init__(self, link: Link, trainers: List[int]):
+        self.link, self.trainers, self.lock = link, trainers, threading.Lock()
+
+    def put(self, msg) -> None:
+        from rlhf.rl.rollout_worker import Failed
+
+        with self.lock:
+            for t in self.trainers if isinstance(msg, Failed) else [msg.origin]:
+                try:
+                    self.link.send(self.link.up, t, msg)
+                except Exception:  # (that trainer is gone: torchrun ends this rank)
+                    pass
+
+
+class _Intake:
+    """The requests of a rollout rank's trainers, a step's in trainer order once all have asked
+    (the order never depends on which arrived first); the weights from the first; a stop when all
+    said so or a link broke."""
+
+    def __init__(self, link: Link, trainers: List[int]):
+        self.link, self.trainers = link, trainers
+        self.requests: "queue.Queue" = queue.Queue()
+        self.weights: "queue.Queue" = queue.Queue()
+        self.lock = threading.Lock()
+        self.pending: Dict[int, dict] = {}
+        self.stopped = 0
+
+    def start(self) -> None:
+        for t in self.trainers:
+            threading.Thread(target=self._listen, args=(t,), daemon=True).start()
+
+    def _listen(self, trainer: int) -> None:
+        from rlhf.rl.rollout_worker import Weights
+
+        try:
+            while True:
+                msg = self.link.recv(self.link.down, trainer)
+                if isinstance(msg, Weights):
+                    self.weights.put(msg)
+                elif msg is None:
+                    self._stop()
+                    return
+                else:
+                    self._asked(msg)
+        except Exception:  # the trainer is gone: the worker ends
+            self.requests.put(None)
+
+    def _asked(self, req) -> None:
+        with self.lock:
+            step = self.pending.setdefault(req.step, {})
+            step[req.origin] = req
+            if len(step) == len(self.trainers):
+                for t in self.trainers:
+                    self.requests.put(step[t])
+                del self.pending[req.step]
+
+    def _stop(self) -> None:
+        with self.lock:
+            self.stopped += 1
+            if self.stopped == len(self.trainers):
+                self.requests.put(None)
+
+
+def serve_rank(cfg) -> None:
+    """A rollout rank's life (``ppo.rollout_ranks``): joins the link, builds its worker from what
+    its first trainer sends, and plays its trainers' requests until they stop."""
+    import multiprocessing
+
+    from rlhf.engine.mesh import choose_device
+    from rlhf.models.loading import load_model_config, load_tokenizer
+    from rlhf.rl.rollout_worker import WorkerSpec, main
+
+    rank, n = world()
+    trainers, r = layout(cfg.ppo.rollout_ranks)
+    # (the name a worker process beside a trainer has: what a tool or environment may look for)
+    multiprocessing.current_process().name = f"rlhf-rollout-worker-rank{rank}"
+    link = Link(cfg.engine.timeout_s)
+    mine = [t for t in range(trainers) if served_by(t, trainers, r) == rank]
+    msg = link.recv(link.down, mine[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in msg["files"].items():
+            (Path(tmp) / name).write_bytes(data.numpy().tobytes())
+        tokenizer = load_tokenizer(tmp, trust_remote_code=cfg.model.trust_remote_code)
+        model_config = load_model_config(tmp, trust_remote_code=cfg.model.trust_remote_code)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = choose_device(cfg.engine.device, local, int(os.environ.get("LOCAL_WORLD_SIZE", n)))
+    spec = WorkerSpec(
+        cfg,
+        model_config,
+        tokenizer,
+        msg["chat"],
+        cfg.ppo.rollout_worker_threads or msg["threads"],
+        str(device),
+        _dtype(msg["dtype"]),
+        msg["decode"],
+        parent=os.getppid(),
+    )
+    intake = _Intake(link, mine)
+    intake.start()
+    main(spec, intake.requests, _Answers(link, mine), intake.weights)
