@@ -5,12 +5,14 @@ with a calculator that answers after 50–300 ms (bench/slow_tools.py).
     python bench/async_rl.py [--seeds 0 1 2] [--steps 60] [--eval-every 0] [--target 0.85] [--window
     5]
                              [--staleness 2] [--correction tis] [--worker-threads 1] [--policy
-                             newest|fixed] [--worker-name NAME] [--fast-tools] [--out DIR]
+                             newest|fixed] [--placement beside|ranks] [--worker-name NAME]
+                             [--fast-tools] [--out DIR]
 
 Per seed: one SFT run, then from it (each arm its own run directory, one after the other)
   sync2    2 colocated ranks (torchrun), 1 thread each, generation between updates;
-  worker   1 trainer rank + its rollout worker (ppo.rollout_workers=1, ppo.max_staleness=k), 1
-  thread each.
+  worker   1 trainer rank + its rollout worker, 1 thread each, ppo.max_staleness=k: with
+           --placement beside a worker process beside the rank (ppo.rollout_workers=1), with ranks
+           a rollout rank of its own (torchrun, 2 ranks: ppo.rollout_ranks=1).
 Training time is the sum of ``time/step_s`` (a step's wall time, evaluations and checkpoints aside).
 The learning curve is the rollouts' own gold (``reward/gold``, every step, the mean of the last
 --window steps): held-out evaluations only at the start and the end by default, since a worker keeps
@@ -91,20 +93,24 @@ def arm(args, seed: int, out: Path, name: str, sft_dir: Path) -> dict:
         over += ["engine.threads_per_rank=1"]
         if not args.fast_tools:
             over.append("env.tools=[bench.slow_tools.calculator]")
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "rlhf",
+        ]
         if name == "sync2":
             # (the run directory's name says the arm)
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=2",
-                "-m",
-                "rlhf",
-            ]
+            cmd = torchrun
         else:
-            cmd = [sys.executable, "-m", "rlhf"]
-            over += ["ppo.rollout_workers=1", f"ppo.max_staleness={args.staleness}"]
+            if args.placement == "ranks":
+                cmd, placed = torchrun, "ppo.rollout_ranks=1"
+            else:
+                cmd, placed = [sys.executable, "-m", "rlhf"], "ppo.rollout_workers=1"
+            over += [placed, f"ppo.max_staleness={args.staleness}"]
             over += [
                 f"algorithm.mismatch_correction={args.correction}",
                 f"ppo.staleness_policy={args.policy}",
@@ -161,6 +167,12 @@ def main() -> None:
         "--policy", default="newest", choices=["newest", "fixed"], help="ppo.staleness_policy"
     )
     ap.add_argument(
+        "--placement",
+        default="beside",
+        choices=["beside", "ranks"],
+        help="the worker arm's rollout worker: a process beside its trainer, or a rank of its own",
+    )
+    ap.add_argument(
         "--worker-name",
         default="worker",
         help="the worker arm's run directory (variants side by side)",
@@ -175,6 +187,7 @@ def main() -> None:
         "workload": workload,
         "device": device_label("cpu"),
         "staleness": args.staleness,
+        "placement": args.placement,
     }
     ratios = {"speedup_to_target": [], "step_speedup": []}
     for seed in args.seeds:

@@ -88,20 +88,25 @@ def served_by(rank: int, trainers: int, rollout_ranks: int) -> int:
 
 class Link:
     """The two process groups between trainers and rollout ranks; a collective to make (every
-    rank of the world)."""
+    rank of the world: ``Link.connect``)."""
 
-    def __init__(self, timeout_s: float):
-        self.rank, self.size = world()
-        store = _store(self.rank, timeout_s)
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    def __init__(self, store, rank: int, size: int, timeout_s: float, name: str = "job/0"):
+        self.rank, self.size = rank, size
         timeout = datetime.timedelta(seconds=max(timeout_s, LINK_TIMEOUT_S))
 
-        def group(name: str):
-            prefixed = dist.PrefixStore(f"rlhf/rollout_link/{run}/{attempt}/{name}", store)
-            return dist.ProcessGroupGloo(prefixed, self.rank, self.size, timeout)
+        def group(direction: str):
+            prefixed = dist.PrefixStore(f"rlhf/rollout_link/{name}/{direction}", store)
+            return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
         self.down, self.up = group("down"), group("up")
+
+    @classmethod
+    def connect(cls, timeout_s: float) -> "Link":
+        """This process's link, through the job's store (per run and restart attempt)."""
+        rank, size = world()
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(_store(rank, timeout_s), rank, size, timeout_s, f"{run}/{attempt}")
 
     def send(self, group, dst: int, obj) -> None:
         payload = _encode(obj)
@@ -241,7 +246,7 @@ class OnRank:
         self.where = f"rollout rank {self.worker} (the inference mode alone) serving this rank"
         # sent over the link (no shared memory), by the first trainer of each rollout rank
         self.shares, self.takes_weights = False, self.sends_weights
-        self.link = Link(timeout_s)
+        self.link = Link.connect(timeout_s)
         self.inbox: "queue.Queue" = queue.Queue()
         self.broken: Optional[str] = None
         threading.Thread(target=self._listen, daemon=True, name="rollout-link").start()
@@ -386,7 +391,7 @@ def serve_rank(cfg) -> None:
     trainers, r = layout(cfg.ppo.rollout_ranks)
     # (the name a worker process beside a trainer has: what a tool or environment may look for)
     multiprocessing.current_process().name = f"rlhf-rollout-worker-rank{rank}"
-    link = Link(cfg.engine.timeout_s)
+    link = Link.connect(cfg.engine.timeout_s)
     mine = [t for t in range(trainers) if served_by(t, trainers, r) == rank]
     msg = link.recv(link.down, mine[0])
     with tempfile.TemporaryDirectory() as tmp:

@@ -443,10 +443,10 @@ def test_a_hanging_rollout_rank_ends_the_run_with_exit_3(tmp_path, ending_actor)
 )
 def test_a_world_the_rollout_ranks_cannot_split_is_one_line(
     tmp_path,
-    actor,
+    actor,  # noqa: F811
     nproc,
     extra,
-    says,  # noqa: F811
+    says,
 ):
     from tests.reliability.conftest import one_node
 
