@@ -136,13 +136,14 @@ class AsyncRollouts:
         nbytes = [0]
 
         def copied(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-            out, n = packed(d, share=self.chan.shares)
+            out, n = packed(d, share=self.chan.shares, host=not self.chan.shares)
             nbytes[0] += n
             return out
 
-        copy = copied if self.chan.takes_weights else None
+        # (a trainer whose rollout rank another trainer feeds keeps nothing)
+        copy = copied if self.chan.takes_weights else (lambda d: {})
         root, layers = self.hybrid.inference_weights(tp=1, copy=copy)
-        if copy is not None:
+        if self.chan.takes_weights:
             w = Weights(version, root, layers)
             if self.chan.shares:
                 self.sent.append(w)  # (CUDA IPC: the sender keeps them alive)
@@ -243,9 +244,28 @@ class AsyncRollouts:
     def restore(self, ckpt: Path, step: int) -> None:
         """The steps in flight of the checkpoint ``ckpt`` of step ``step``, if a run with this
         world size, k, prompts and sampling wrote them; else (or for the steps it lacks) a warning
-        that they are generated afresh."""
+        that they are generated afresh. Collective: a step is taken back only where every trainer
+        rank takes it (a rollout rank plays a step once all its trainers ask for it)."""
         if not self.fixed:
             return
+        self._restore_mine(ckpt, step)
+        wanted = self._in_flight_at(step)
+        if self.mesh.world_size > 1 and len(wanted):
+            have = torch.tensor([float(s in self.ready) for s in wanted])
+            have = self.mesh.all_reduce(
+                have.to(self.mesh.device), op=torch.distributed.ReduceOp.MIN
+            )
+            dropped = [s for s, h in zip(wanted, have.tolist()) if not h and s in self.ready]
+            for s in dropped:
+                del self.ready[s]
+            if dropped:
+                log.warning(
+                    "ppo: step(s) %s in flight at the checkpoint are generated afresh: another "
+                    "trainer rank could not take them back",
+                    ", ".join(str(s + 1) for s in dropped),
+                )
+
+    def _restore_mine(self, ckpt: Path, step: int) -> None:
         f = ckpt / IN_FLIGHT_FILE.format(rank=self.mesh.rank)
         wanted = self._in_flight_at(step)
         state, why = None, "none saved"
@@ -411,10 +431,11 @@ def staleness(
     return (step - versions).clamp(min=0).float() * mask
 
 
-def packed(tensors: Dict[str, torch.Tensor], share: bool = True) -> tuple:
+def packed(tensors: Dict[str, torch.Tensor], share: bool = True, host: bool = False) -> tuple:
     """``(copies, bytes)``: the tensors copied into one buffer per dtype (with ``share``, in shared
-    memory on the CPU: one file descriptor each, however many tensors), the copies views of it; a
-    tensor named twice (tied embeddings) copied once."""
+    memory on the CPU: one file descriptor each, however many tensors; with ``host``, in host
+    memory wherever they are), the copies views of it; a tensor named twice (tied embeddings)
+    copied once."""
     by_dtype: Dict[tuple, list] = {}
     seen: Dict[tuple, str] = {}
     for name, t in tensors.items():
@@ -423,7 +444,8 @@ def packed(tensors: Dict[str, torch.Tensor], share: bool = True) -> tuple:
         key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
         if key not in seen:
             seen[key] = name
-            by_dtype.setdefault((t.dtype, t.device), []).append(name)
+            where = torch.device("cpu") if host else t.device
+            by_dtype.setdefault((t.dtype, where), []).append(name)
     out, nbytes = {}, 0
     for (dtype, device), names in by_dtype.items():
         total = sum(tensors[n].numel() for n in names)

@@ -92,6 +92,8 @@ class Link:
 
     def __init__(self, store, rank: int, size: int, timeout_s: float, name: str = "job/0"):
         self.rank, self.size = rank, size
+        # a send waits for its receiver to take it: engine.timeout_s at most (a frozen peer)
+        self.send_timeout = datetime.timedelta(seconds=timeout_s)
         timeout = datetime.timedelta(seconds=max(timeout_s, LINK_TIMEOUT_S))
 
         def group(direction: str):
@@ -101,33 +103,44 @@ class Link:
         self.down, self.up = group("down"), group("up")
 
     @classmethod
-    def connect(cls, timeout_s: float) -> "Link":
-        """This process's link, through the job's store (per run and restart attempt)."""
+    def connect(cls, rollout_ranks: int, timeout_s: float) -> "Link":
+        """This process's link, through the job's store (per run and restart attempt: our
+        launcher gives every attempt a store of its own when it may restart)."""
         rank, size = world()
+        trainers, _ = layout(rollout_ranks)
         run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls(_store(rank, timeout_s), rank, size, timeout_s, f"{run}/{attempt}")
+        return cls(_store(rank, trainers, timeout_s), rank, size, timeout_s, f"{run}/{attempt}")
 
     def send(self, group, dst: int, obj) -> None:
         payload = _encode(obj)
-        _send(group, dst, torch.tensor([_OBJECT, payload.numel()], dtype=torch.long))
-        _send(group, dst, payload)
+        self._send(group, dst, torch.tensor([_OBJECT, payload.numel()], dtype=torch.long))
+        self._send(group, dst, payload)
 
-    def recv(self, group, src: int):
-        """The next message from ``src``: an object, or ``Weights``."""
+    def _send(self, group, dst: int, t: torch.Tensor) -> None:
+        group.send([t], dst, 0).wait(self.send_timeout)
+
+    def recv(self, group, src: int, device: Optional[torch.device] = None):
+        """The next message from ``src``: an object, or ``Weights`` (on ``device``); a message
+        that does not decode raises ``Undecodable`` (the link stays in step)."""
         from rlhf.rl.rollout_worker import Weights
 
         head = torch.zeros(2, dtype=torch.long)
         group.recv([head], src, 0).wait()
         payload = torch.empty(int(head[1]), dtype=torch.uint8)
         group.recv([payload], src, 0).wait()
-        obj = _decode(payload)
+        try:
+            obj = _decode(payload)
+        except Exception as e:  # (weights-only unpickling refused it)
+            raise Undecodable(first_line(e)) from None
         if int(head[0]) == _OBJECT:
             return obj
         buffers = [torch.empty(n, dtype=_dtype(d)) for d, n in obj["buffers"]]
         for buf in buffers:
             for chunk in _chunks(buf):
                 group.recv([chunk], src, 0).wait()
+        if device is not None and device.type != "cpu":
+            buffers = [b.to(device) for b in buffers]
         root = _views(obj["root"], buffers)
         return Weights(obj["version"], root, [_views(d, buffers) for d in obj["layers"]])
 
@@ -144,19 +157,24 @@ class Link:
         }
         header["buffers"] = [(str(b.dtype).removeprefix("torch."), b.numel()) for b in buffers]
         payload = _encode(header)
-        _send(self.down, dst, torch.tensor([_WEIGHTS, payload.numel()], dtype=torch.long))
-        _send(self.down, dst, payload)
+        self._send(self.down, dst, torch.tensor([_WEIGHTS, payload.numel()], dtype=torch.long))
+        self._send(self.down, dst, payload)
         for buf in buffers:
             for chunk in _chunks(buf):
-                _send(self.down, dst, chunk)
+                self._send(self.down, dst, chunk)
         return sum(b.numel() * b.element_size() for b in buffers)
 
 
-def _store(rank: int, timeout_s: float):
-    """The job's store: torchrun's agent's, or (no agent, no trainers' group yet) rank 0's."""
+class Undecodable(Exception):
+    """A message the weights-only reader refused (a class not in ``_safe``)."""
+
+
+def _store(rank: int, trainers: int, timeout_s: float):
+    """The job's store: torchrun's agent's, or else rank 0's — its trainers' process group hosts
+    it when there are several trainers, this call when there is one (no group over a TCP store)."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    master = not agent and rank == 0 and not dist.is_initialized()
+    master = not agent and rank == 0 and trainers == 1
     return dist.TCPStore(
         host,
         port,
@@ -164,10 +182,6 @@ def _store(rank: int, timeout_s: float):
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-
-
-def _send(group, dst: int, t: torch.Tensor) -> None:
-    group.send([t], dst, 0).wait()
 
 
 def _chunks(buf: torch.Tensor) -> List[torch.Tensor]:
@@ -218,6 +232,42 @@ def _safe() -> list:
     return [Request, Result, Failed, Episodes, Generation, Example, Chat, SamplingParams]
 
 
+def _plain(x):
+    """``x`` with numpy scalars and str subclasses as the plain values they stand for (an
+    environment's observations and counts may hold them; a message is read weights-only)."""
+    if isinstance(x, dict):
+        return {_plain(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    if isinstance(x, str):
+        return str(x)
+    if isinstance(x, bool):
+        return bool(x)
+    if hasattr(x, "item") and not isinstance(x, torch.Tensor) and type(x).__module__ == "numpy":
+        return x.item()
+    if isinstance(x, float) and type(x) is not float:
+        return float(x)
+    if isinstance(x, int) and type(x) is not int:
+        return int(x)
+    return x
+
+
+def _plain_result(res):
+    """A worker's result with its episodes' text and counts made plain (``_plain``)."""
+    import dataclasses
+
+    ep = res.episodes
+    ep = dataclasses.replace(
+        ep,
+        texts=_plain(ep.texts),
+        stats=_plain(ep.stats),
+        errors=_plain(ep.errors),
+        conversations=_plain(ep.conversations),
+        row_counts=_plain(ep.row_counts),
+    )
+    return dataclasses.replace(res, episodes=ep)
+
+
 def _encode(obj) -> torch.Tensor:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -244,27 +294,46 @@ class OnRank:
         self.sends_weights = rank < rollout_ranks
         self.who = f"the rollout rank {self.worker} of trainer rank {rank}"
         self.where = f"rollout rank {self.worker} (the inference mode alone) serving this rank"
-        # sent over the link (no shared memory), by the first trainer of each rollout rank
+        # sent over the link from host memory (no shared memory), by the first trainer of each
+        # rollout rank
         self.shares, self.takes_weights = False, self.sends_weights
-        self.link = Link.connect(timeout_s)
+        self.link = Link.connect(rollout_ranks, timeout_s)
         self.inbox: "queue.Queue" = queue.Queue()
         self.broken: Optional[str] = None
         threading.Thread(target=self._listen, daemon=True, name="rollout-link").start()
         if self.sends_weights:
-            self.link.send(self.link.down, self.worker, _spec_message(spec))
+            self._sending(self.link.send, self.link.down, self.worker, _spec_message(spec))
 
     def _listen(self) -> None:
-        try:
-            while True:
+        from rlhf.rl.rollout_worker import Failed
+
+        while True:
+            try:
                 self.inbox.put(self.link.recv(self.link.up, self.worker))
-        except Exception as e:  # the link broke: the rank is gone
-            self.broken = first_line(e)
+            except Undecodable as e:
+                self.inbox.put(Failed(f"its episodes do not decode ({e})", 1))
+            except Exception as e:  # the link broke: the rank is gone
+                self.broken = first_line(e)
+                return
+
+    def _sending(self, send, *args) -> None:
+        """``send(*args)``; a link that breaks or a rank that does not take it within
+        engine.timeout_s is the worker lost (exit 3)."""
+        from rlhf.rl.async_rollouts import WorkerLost
+
+        try:
+            send(*args)
+        except Exception as e:
+            self.broken = self.broken or first_line(e)
+            raise WorkerLost(
+                f"{self.who} is gone ({self.broken}); rerun the same command to resume"
+            ) from None
 
     def request(self, req) -> None:
-        self.link.send(self.link.down, self.worker, req)
+        self._sending(self.link.send, self.link.down, self.worker, req)
 
     def weights(self, w) -> None:
-        self.link.send_weights(self.worker, w)
+        self._sending(self.link.send_weights, self.worker, w)
 
     def get(self, timeout: Optional[float] = None):
         """The next message (raises ``queue.Empty``)."""
@@ -319,8 +388,10 @@ class _Answers:
         self.link, self.trainers, self.lock = link, trainers, threading.Lock()
 
     def put(self, msg) -> None:
-        from rlhf.rl.rollout_worker import Failed
+        from rlhf.rl.rollout_worker import Failed, Result
 
+        if isinstance(msg, Result):
+            msg = _plain_result(msg)
         with self.lock:
             for t in self.trainers if isinstance(msg, Failed) else [msg.origin]:
                 try:
@@ -334,8 +405,8 @@ class _Intake:
     (the order never depends on which arrived first); the weights from the first; a stop when all
     said so or a link broke."""
 
-    def __init__(self, link: Link, trainers: List[int]):
-        self.link, self.trainers = link, trainers
+    def __init__(self, link: Link, trainers: List[int], answers=None, device=None):
+        self.link, self.trainers, self.answers, self.device = link, trainers, answers, device
         self.requests: "queue.Queue" = queue.Queue()
         self.weights: "queue.Queue" = queue.Queue()
         self.lock = threading.Lock()
@@ -347,11 +418,15 @@ class _Intake:
             threading.Thread(target=self._listen, args=(t,), daemon=True).start()
 
     def _listen(self, trainer: int) -> None:
-        from rlhf.rl.rollout_worker import Weights
+        from rlhf.rl.rollout_worker import Failed, Weights
 
         try:
             while True:
-                msg = self.link.recv(self.link.down, trainer)
+                try:
+                    msg = self.link.recv(self.link.down, trainer, self.device)
+                except Undecodable as e:
+                    self.answers.put(Failed(f"a request does not decode ({e})", 1))
+                    continue
                 if isinstance(msg, Weights):
                     self.weights.put(msg)
                 elif msg is None:
@@ -391,7 +466,7 @@ def serve_rank(cfg) -> None:
     trainers, r = layout(cfg.ppo.rollout_ranks)
     # (the name a worker process beside a trainer has: what a tool or environment may look for)
     multiprocessing.current_process().name = f"rlhf-rollout-worker-rank{rank}"
-    link = Link.connect(cfg.engine.timeout_s)
+    link = Link.connect(cfg.ppo.rollout_ranks, cfg.engine.timeout_s)
     mine = [t for t in range(trainers) if served_by(t, trainers, r) == rank]
     msg = link.recv(link.down, mine[0])
     with tempfile.TemporaryDirectory() as tmp:
@@ -401,6 +476,8 @@ def serve_rank(cfg) -> None:
         model_config = load_model_config(tmp, trust_remote_code=cfg.model.trust_remote_code)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = choose_device(cfg.engine.device, local, int(os.environ.get("LOCAL_WORLD_SIZE", n)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     spec = WorkerSpec(
         cfg,
         model_config,
@@ -412,6 +489,7 @@ def serve_rank(cfg) -> None:
         msg["decode"],
         parent=os.getppid(),
     )
-    intake = _Intake(link, mine)
+    answers = _Answers(link, mine)
+    intake = _Intake(link, mine, answers, device)
     intake.start()
-    main(spec, intake.requests, _Answers(link, mine), intake.weights)
+    main(spec, intake.requests, answers, intake.weights)

@@ -239,3 +239,41 @@ def test_a_checkpoints_steps_in_flight_come_back_only_to_the_run_that_would_ask_
     lost.save(gone, 4)
     assert not (gone / IN_FLIGHT_FILE.format(rank=0)).exists()
     assert "goes without its steps in flight" in caplog.text
+
+
+def test_a_step_in_flight_comes_back_only_where_every_trainer_takes_it(tmp_path, caplog):
+    """On several trainer ranks a saved step is taken back only if every rank takes it (a rollout
+    rank plays a step once all its trainers ask): the ranks' MIN decides."""
+    from types import SimpleNamespace
+
+    from rlhf.ops import SamplingParams
+    from rlhf.rl.async_rollouts import AsyncRollouts
+
+    def client(peer_has):
+        a = AsyncRollouts.__new__(AsyncRollouts)
+        a.k, a.max_steps, a.fixed, a.first, a.timeout_s = 2, 10, True, 0, 1.0
+        # (the other rank's answer: which of steps 4, 5 it took back)
+        a.mesh = SimpleNamespace(
+            rank=0,
+            world_size=2,
+            device=torch.device("cpu"),
+            all_reduce=lambda t, op: torch.minimum(t, torch.tensor(peer_has, dtype=t.dtype)),
+        )
+        a.prompts = SimpleNamespace(step=lambda s: SimpleNamespace(ids=[[s]], examples=[None]))
+        a.sampling = lambda s: SamplingParams()
+        a.ready = {}
+        return a
+
+    saver = client([1, 1])
+    saver.ready = {4: "episodes of step 4", 5: "episodes of step 5"}
+    saver.save(tmp_path, 4)
+    both = client([1, 1])
+    both.restore(tmp_path, 4)
+    assert sorted(both.ready) == [4, 5]
+    caplog.clear()
+    one = client([1, 0])
+    one.restore(tmp_path, 4)
+    assert sorted(one.ready) == [4] and "step(s) 6 in flight" in caplog.text
+    none = client([0, 0])
+    none.restore(tmp_path, 4)
+    assert none.ready == {}

@@ -16,13 +16,13 @@ from rlhf.rl.async_rollouts import packed
 from rlhf.rl.rollout_worker import Failed, Request, Weights
 
 
-def linked(n: int = 2):
+def linked(n: int = 2, timeout_s: float = 30):
     """``n`` Links of one world, made at once (each a collective), as threads of this process."""
     store = dist.HashStore()
     out = [None] * n
 
     def make(r):
-        out[r] = rollout_link.Link(store, r, n, timeout_s=30, name="test")
+        out[r] = rollout_link.Link(store, r, n, timeout_s=timeout_s, name="test")
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(n)]
     for t in threads:
@@ -92,10 +92,29 @@ class Code:
     """A class no message may hold."""
 
 
-def test_a_message_of_another_class_is_refused():
-    payload = rollout_link._encode(Code())
-    with pytest.raises(Exception, match=r"Weights only load failed|Unsupported global"):
-        rollout_link._decode(payload)
+def test_a_message_of_another_class_is_refused_and_the_link_stays_in_step():
+    trainer, worker = linked()
+
+    def send():
+        trainer.send(trainer.down, 1, {"code": Code()})
+        trainer.send(trainer.down, 1, "next")
+
+    def receive():
+        with pytest.raises(rollout_link.Undecodable, match="Weights only load failed"):
+            worker.recv(worker.down, 0)
+        return worker.recv(worker.down, 0)
+
+    assert across(send, receive) == "next"
+
+
+def test_a_send_nobody_takes_fails_within_the_timeout():
+    import time
+
+    trainer, _ = linked(timeout_s=1)
+    t0 = time.perf_counter()
+    with pytest.raises(Exception, match=r"[Tt]imed out"):
+        trainer.send(trainer.down, 1, "never received")
+    assert time.perf_counter() - t0 < 10
 
 
 def test_a_step_is_played_in_trainer_order_whatever_arrives_first():
