@@ -264,22 +264,13 @@ class Collector:
         turn_rewards, scores, parts = ro.ep.turn_rewards, ro.scores, ro.parts
         if teacher is not None:
             # on-policy distillation: a reward at every policy token
-            teacher_top1 = logprobs(teacher, top1=True)
-            distill, dyn_d = distillation(
-                old_logp, teacher_top1, actor_top1, mask, self.scorers.distill_coef, mesh
+            turn_rewards, scores, parts = self.distilled(
+                (old_logp, logprobs(teacher, top1=True), actor_top1),
+                mask,
+                (turn_rewards, scores, parts),
+                dyn,
             )
-            dyn.update(dyn_d)
-            turn_rewards = distill if turn_rewards is None else turn_rewards + distill
-            parts = {**parts, "distill": distill.sum(1)}
-            scores = scores + parts["distill"]
-        values = None
-        if self.scorers.critic is not None:
-            values = (
-                in_micro_batches(
-                    lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len), groups
-                )
-                * mask
-            )
+        values = self.values(gen, mask, groups)
         kl, kl_mean = self.kl(old_logp, ref_logp, mask)
         global_rows = rows * mesh.world_size  # every rank holds as many rows
         all_reduce = mesh.all_reduce if mesh.distributed else None
@@ -334,6 +325,32 @@ class Collector:
             routing=routing,
             scored_rows=scored,
             old_from_update=lean is not None and self.one_update,
+        )
+
+    def distilled(self, logps: tuple, mask: torch.Tensor, rewards: tuple, dyn: dict) -> tuple:
+        """On-policy distillation's reward at every policy token added to the step's
+        ``(turn_rewards, scores, parts)``; ``logps``: the actor's log-probs and the teacher's and
+        the actor's top-1 (its metrics into ``dyn``)."""
+        old_logp, teacher_top1, actor_top1 = logps
+        turn_rewards, scores, parts = rewards
+        distill, dyn_d = distillation(
+            old_logp, teacher_top1, actor_top1, mask, self.scorers.distill_coef, self.mesh
+        )
+        dyn.update(dyn_d)
+        turn_rewards = distill if turn_rewards is None else turn_rewards + distill
+        parts = {**parts, "distill": distill.sum(1)}
+        return turn_rewards, scores + parts["distill"], parts
+
+    def values(self, gen, mask: torch.Tensor, groups) -> Optional[torch.Tensor]:
+        """The critic's values of the policy tokens ([B, N]; None without a critic)."""
+        if self.scorers.critic is None:
+            return None
+        seq, att, prompt_len = gen.sequences, gen.attention_mask, gen.prompt_len
+        return (
+            in_micro_batches(
+                lambda r: critic_values(self.scorers.critic, seq[r], att[r], prompt_len), groups
+            )
+            * mask
         )
 
     def rows_to_score(
