@@ -400,6 +400,7 @@ def test_a_rollout_rank_plays_what_a_worker_process_plays_and_restarts_after_a_k
     assert same_run(ranks, run, ignore=WORKER_TIMING) > 80
 
 
+@pytest.mark.slow
 def test_a_hanging_rollout_rank_ends_the_run_with_exit_3(tmp_path, ending_actor):
     from tests.reliability.conftest import one_node
 
