@@ -889,6 +889,9 @@ class EvalConfig:
     seed: int = 4321
     batch_size: int = 256  # held-out prompts per generate call
     greedy_too: bool = True  # also report gold/score_greedy
+    # PPO's held-out reward-model view (data without a gold scorer): also this many samples a prompt
+    # at eval.temperature (eval/reward_sampled, _std, eval/response_tokens_sampled); 0 = greedy only
+    reward_samples: int = 0
 
     def __post_init__(self):
         _check(
@@ -898,6 +901,12 @@ class EvalConfig:
             "a non-negative integer (0 = no gold evaluation)",
         )
         _check(self.gold_samples > 0, "eval.gold_samples", self.gold_samples, "a positive integer")
+        _check(
+            self.reward_samples >= 0,
+            "eval.reward_samples",
+            self.reward_samples,
+            "a non-negative integer (0 = the greedy answers only)",
+        )
         _check(self.temperature >= 0, "eval.temperature", self.temperature, "a non-negative number")
         _check(
             self.max_new_tokens is None or self.max_new_tokens > 0,

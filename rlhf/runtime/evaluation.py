@@ -243,6 +243,8 @@ def evaluate_reward(
         "eval/reward_greedy_std": max(mesh.sum(square) / n - mean * mean, 0.0) ** 0.5,
         "eval/response_tokens_greedy": mesh.sum(length) / n,
     }
+    if ecfg.reward_samples:
+        res.update(_sampled_reward(generate, encoded, score_rows, ecfg, mesh))
     if kept is not None and show:
         kept.extend(
             sorted(
@@ -250,6 +252,34 @@ def evaluate_reward(
             )
         )
     return res, [gathered[i] for i in range(len(examples))]
+
+
+def _sampled_reward(generate, encoded: List[List[int]], score_rows, ecfg: EvalConfig, mesh) -> dict:
+    """The reward model's view of ``eval.reward_samples`` samples a held-out prompt at
+    ``eval.temperature`` (seeded: the same draws at every evaluation): their mean, spread and
+    length (``eval/reward_sampled``, ``_std``, ``eval/response_tokens_sampled``). Collective."""
+    total, square, length, count = 0.0, 0.0, 0, 0
+    for b, ix in enumerate(rank_batches(len(encoded), ecfg.batch_size, mesh)):
+        sp = SamplingParams(
+            temperature=ecfg.temperature,
+            max_new_tokens=ecfg.max_new_tokens or 16,
+            samples_per_prompt=ecfg.reward_samples,
+            seed=ecfg.seed + 7919 + b,
+        )
+        gen = generate([encoded[i] for i in ix or [0]], sp)
+        scores = score_rows(gen)
+        if ix:
+            total += float(scores.sum())
+            square += float((scores * scores).sum())
+            length += int(gen.response_mask.sum())
+            count += scores.numel()
+    n = max(mesh.sum(count), 1)
+    mean = mesh.sum(total) / n
+    return {
+        "eval/reward_sampled": mean,
+        "eval/reward_sampled_std": max(mesh.sum(square) / n - mean * mean, 0.0) ** 0.5,
+        "eval/response_tokens_sampled": mesh.sum(length) / n,
+    }
 
 
 def decoded(generate, tokenizer) -> Callable:

@@ -120,3 +120,30 @@ def test_held_out_reward_says_its_spread_and_lengths_and_keeps_the_first_answers
     ]
     # nothing kept: the same figures
     assert evaluate_reward(gen, _Tok(), prompts, score, ecfg, Mesh())[0] == res
+
+
+def test_held_out_reward_of_samples_when_asked():
+    """eval.reward_samples: the same prompts sampled that many times at eval.temperature, their
+    reward's mean, spread and length beside the greedy view."""
+    prompts = [Example(prompt=f"question {i}") for i in range(3)]
+    seen = []
+
+    def gen(encoded, sp):
+        seen.append((sp.temperature, sp.samples_per_prompt))
+        rows = len(encoded) * sp.samples_per_prompt
+        # row r answers r % 3 + 1 tokens
+        lengths = [r % 3 + 1 for r in range(rows)]
+        responses = torch.tensor([[7] * k + [0] * (3 - k) for k in lengths])
+        mask = (torch.arange(3)[None] < torch.tensor(lengths)[:, None]).long()
+        one = torch.ones(rows, 1, dtype=torch.long)
+        return Generation(torch.cat([one, responses], 1), torch.cat([one, mask], 1), mask, None, 1)
+
+    ecfg = EvalConfig(gold_prompts=3, batch_size=8, max_new_tokens=3, reward_samples=2)
+    ecfg.temperature = 0.7
+    res, _ = evaluate_reward(
+        gen, _Tok(), prompts, lambda g: g.response_mask.sum(1).double(), ecfg, Mesh()
+    )
+    assert seen == [(0.0, 1), (0.7, 2)]
+    # 6 rows: lengths 1, 2, 3, 1, 2, 3
+    assert res["eval/reward_sampled"] == 2.0 and res["eval/response_tokens_sampled"] == 2.0
+    assert abs(res["eval/reward_sampled_std"] - (2 / 3) ** 0.5) < 1e-12
