@@ -44,7 +44,7 @@ from rlhf.rl.metrics import reward_line, rollout_samples, step_metrics
 from rlhf.rl.models import Models, RewardStats, Sources, build_models, inputs
 from rlhf.rl.prompts import PromptSource
 from rlhf.rl.rollout_guard import RolloutGuard
-from rlhf.rl.rollout_link import on_rollout_rank, serve_rank
+from rlhf.rl.rollout_link import on_rollout_rank, serve_rank, split_world
 from rlhf.rl.sft_records import SftRecords
 from rlhf.rl.update import Diverged, Updater
 from rlhf.runtime.evaluation import evaluate_reward, stage_gold
@@ -73,6 +73,9 @@ def run(cfg: Config) -> None:
     if on_rollout_rank(cfg.ppo):
         # ppo.rollout_ranks: this rank plays episodes for trainer ranks (rlhf/rl/rollout_link.py)
         return serve_rank(cfg)
+    if cfg.ppo.rollout_ranks:
+        # ... and the trainers' world is the other ranks
+        split_world(cfg.ppo.rollout_ranks)
     ctx = start_stage(cfg, "ppo")
     say_sandbox(cfg.env, log)
     mesh, train, ppo = ctx.mesh, cfg.train, cfg.ppo

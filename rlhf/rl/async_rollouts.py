@@ -41,22 +41,23 @@ from rlhf.engine.draws import strided_keys
 from rlhf.engine.hybrid import HybridEngine
 from rlhf.engine.mesh import Mesh
 from rlhf.errors import UserError, first_line
-from rlhf.launcher.watchdog import EXIT_PEER
 from rlhf.ops import SamplingParams
 from rlhf.rl.prompts import PromptSource
-from rlhf.rl.rollout_worker import POLL_S, Failed, Request, Result, Weights, WorkerSpec, main
+from rlhf.rl.rollout_worker import (
+    POLL_S,
+    Failed,
+    Request,
+    Result,
+    Weights,
+    WorkerLost,
+    WorkerSpec,
+    main,
+)
 
 log = logging.getLogger("rlhf")
 
 # in a checkpoint (staleness_policy=fixed): a rank's episodes of the steps in flight
 IN_FLIGHT_FILE = "rollouts_in_flight_rank{rank}.pt"
-
-
-class WorkerLost(UserError):
-    """The rollout worker died or stopped answering: exit 3, as for a silent peer (rerun to
-    resume)."""
-
-    exit_code = EXIT_PEER
 
 
 class AsyncRollouts:

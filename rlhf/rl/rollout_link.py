@@ -319,7 +319,7 @@ class OnRank:
     def _sending(self, send, *args) -> None:
         """``send(*args)``; a link that breaks or a rank that does not take it within
         engine.timeout_s is the worker lost (exit 3)."""
-        from rlhf.rl.async_rollouts import WorkerLost
+        from rlhf.rl.rollout_worker import WorkerLost
 
         try:
             send(*args)

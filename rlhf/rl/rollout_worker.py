@@ -37,6 +37,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from rlhf.errors import UserError
+from rlhf.launcher.watchdog import EXIT_PEER
 from rlhf.ops import SamplingParams
 
 # how often a waiting worker checks that its trainer is still there
@@ -118,6 +120,13 @@ class Result:
 class Failed:
     message: str
     code: int
+
+
+class WorkerLost(UserError):
+    """(The trainer's) the rollout worker died or stopped answering: exit 3, as for a silent peer
+    (rerun to resume)."""
+
+    exit_code = EXIT_PEER
 
 
 def _build(spec: WorkerSpec, policy, w: Weights):

@@ -36,7 +36,6 @@ from rlhf.errors import ConfigError, DataError
 from rlhf.launcher import interrupt
 from rlhf.outputs.fileio import atomic_write_json, atomic_write_text
 from rlhf.outputs.log import MetricsWriter, setup_console
-from rlhf.rl.rollout_link import split_world
 
 log = logging.getLogger("rlhf")
 
@@ -73,9 +72,6 @@ def save_stage(ctx: StageContext, engines: dict, step: int, keep: int, tokenizer
 
 
 def start_stage(cfg: Config, stage: str) -> StageContext:
-    if stage == "ppo" and cfg.ppo.rollout_ranks:
-        # the trainers' world: the rollout ranks play episodes apart (rlhf/rl/rollout_link.py)
-        split_world(cfg.ppo.rollout_ranks)
     mesh = init_mesh(cfg.engine, cfg.roles())
     setup_console(mesh.rank)
     cfg.validate_world(mesh.world_size)
