@@ -163,24 +163,30 @@ def test_a_trajectory_in_flight_continues_with_the_new_weights(tmp_path, ending_
     assert max(r["async/in_flight"] for r in rows) == 2
 
 
-@pytest.mark.parametrize(
-    "env, says", [("WorkerDies", "died"), ("WorkerHangs", "sent no episodes for 8 s")]
-)
-def test_a_lost_worker_ends_the_run_with_exit_3(tmp_path, ending_actor, env, says):
+def misbehaving(tmp_path, actor, env: str, placement: str) -> list:  # noqa: F811
+    """A run whose rollout worker (``placement``) meets ``tests.e2e.agent_envs.<env>`` at its
+    first tool step, the engine's timeout 8 s."""
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
-    args = grpo(
+    return grpo(
         tmp_path,
-        ending_actor,
+        actor,
         *RULE,
         ONE_THREAD,
-        "ppo.rollout_workers=1",
+        placement,
         f"env.name=tests.e2e.agent_envs.{env}",
         "env.max_turns=2",
         "ppo.reward_fn=null",
         f"data.chat_template={template}",
         "engine.timeout_s=8",
     )
+
+
+@pytest.mark.parametrize(
+    "env, says", [("WorkerDies", "died"), ("WorkerHangs", "sent no episodes for 8 s")]
+)
+def test_a_lost_worker_ends_the_run_with_exit_3(tmp_path, ending_actor, env, says):
+    args = misbehaving(tmp_path, ending_actor, env, "ppo.rollout_workers=1")
     proc = run_cli(*args, timeout=180)
     assert proc.returncode == 3, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
@@ -404,20 +410,7 @@ def test_a_rollout_rank_plays_what_a_worker_process_plays_and_restarts_after_a_k
 def test_a_hanging_rollout_rank_ends_the_run_with_exit_3(tmp_path, ending_actor):
     from tests.reliability.conftest import one_node
 
-    template = tmp_path / "template.jinja"
-    template.write_text(TEMPLATE)
-    args = grpo(
-        tmp_path,
-        ending_actor,
-        *RULE,
-        ONE_THREAD,
-        "ppo.rollout_ranks=1",
-        "env.name=tests.e2e.agent_envs.WorkerHangs",
-        "env.max_turns=2",
-        "ppo.reward_fn=null",
-        f"data.chat_template={template}",
-        "engine.timeout_s=8",
-    )
+    args = misbehaving(tmp_path, ending_actor, "WorkerHangs", "ppo.rollout_ranks=1")
     t0 = time.time()
     proc = run_cli(*args, *one_node(2), timeout=180)
     assert proc.returncode == 3, proc.stderr[-3000:]
