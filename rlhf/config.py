@@ -907,6 +907,12 @@ class EvalConfig:
             self.reward_samples,
             "a non-negative integer (0 = the greedy answers only)",
         )
+        _check(
+            not (self.reward_samples and self.temperature == 0),
+            "eval.reward_samples",
+            self.reward_samples,
+            "0 with eval.temperature=0 (the samples would be the greedy answers)",
+        )
         _check(self.temperature >= 0, "eval.temperature", self.temperature, "a non-negative number")
         _check(
             self.max_new_tokens is None or self.max_new_tokens > 0,

@@ -481,6 +481,7 @@ class Loop:
                 prep.chat,
                 kept=kept,
                 show=cfg.logger.samples,
+                even=bool(cfg.ppo.micro_batch_per_rank),
             )
             if answers:
                 changes, warning = self.gate.heldout(

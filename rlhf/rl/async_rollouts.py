@@ -229,7 +229,7 @@ class AsyncRollouts:
         try:
             for s in steps:
                 self._await(s)
-        except UserError as e:
+        except WorkerLost as e:  # (a worker's own error is the run's: raised)
             log.warning(
                 "ppo: the checkpoint of step %d goes without its steps in flight: %s", step, e
             )

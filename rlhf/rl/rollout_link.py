@@ -237,14 +237,16 @@ def _plain(x):
     environment's observations and counts may hold them; a message is read weights-only)."""
     if isinstance(x, dict):
         return {_plain(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_plain(v) for v in x)
+    if isinstance(x, tuple):
+        return tuple(_plain(v) for v in x)  # (a namedtuple too)
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
     if isinstance(x, str):
         return str(x)
     if isinstance(x, bool):
         return bool(x)
-    if hasattr(x, "item") and not isinstance(x, torch.Tensor) and type(x).__module__ == "numpy":
-        return x.item()
+    if hasattr(x, "tolist") and not isinstance(x, torch.Tensor) and type(x).__module__ == "numpy":
+        return x.tolist()  # (a numpy scalar or array: Python values)
     if isinstance(x, float) and type(x) is not float:
         return float(x)
     if isinstance(x, int) and type(x) is not int:

@@ -188,6 +188,7 @@ def evaluate_reward(
     chat: Optional[str] = None,
     kept: Optional[List[dict]] = None,
     show: int = 0,
+    even: bool = False,
 ) -> Tuple[dict, List[Tuple[str, float]]]:
     """The policy's greedy answers to the first ``eval.gold_prompts`` held-out prompts, by the
     reward model's own judgement (``score_rows(generation) -> [B]``, its part of the training
@@ -197,7 +198,8 @@ def evaluate_reward(
     answer's tokens, reward)`` per prompt, in prompt order, on every rank (rlhf/rl/gate.py compares
     them with step 0's); the first ``show`` prompts' rows (prompt, answer, reward, tokens; kind
     ``eval_reward``) appended to ``kept``. Collective (every rank generates and scores every turn,
-    then the ranks' answers are gathered)."""
+    then the ranks' answers are gathered; ``even``: every rank scores as many rows, for a scorer
+    whose micro-batches are collective forwards — ``ppo.micro_batch_per_rank``)."""
     examples = held_out[: ecfg.gold_prompts]
     if not examples:
         return {}, []
@@ -212,8 +214,8 @@ def evaluate_reward(
             samples_per_prompt=1,
             seed=ecfg.seed + b,
         )
-        gen = generate([encoded[i] for i in ix or [0]], sp)  # (a turn with no prompt: one, unused)
-        scores = score_rows(gen)
+        gen = generate([encoded[i] for i in _evened(ix, mesh, even)], sp)
+        scores = score_rows(gen)[: len(ix)]
         if ix:
             total, square, count = (
                 total + float(scores.sum()),
@@ -244,7 +246,7 @@ def evaluate_reward(
         "eval/response_tokens_greedy": mesh.sum(length) / n,
     }
     if ecfg.reward_samples:
-        res.update(_sampled_reward(generate, encoded, score_rows, ecfg, mesh))
+        res.update(_sampled_reward(generate, encoded, score_rows, ecfg, mesh, even))
     if kept is not None and show:
         kept.extend(
             sorted(
@@ -254,25 +256,39 @@ def evaluate_reward(
     return res, [gathered[i] for i in range(len(examples))]
 
 
-def _sampled_reward(generate, encoded: List[List[int]], score_rows, ecfg: EvalConfig, mesh) -> dict:
+def _evened(ix: List[int], mesh, even: bool) -> List[int]:
+    """The prompts a rank generates in a batch: ``ix``, one stand-in when it has none (generation is
+    collective), and with ``even`` stand-ins up to the longest rank's (the rows past ``ix``'s are
+    not counted)."""
+    use = ix or [0]
+    if even:
+        use = use + [use[0]] * (mesh.max(len(use)) - len(use))
+    return use
+
+
+def _sampled_reward(
+    generate, encoded: List[List[int]], score_rows, ecfg: EvalConfig, mesh, even: bool
+) -> dict:
     """The reward model's view of ``eval.reward_samples`` samples a held-out prompt at
-    ``eval.temperature`` (seeded: the same draws at every evaluation): their mean, spread and
-    length (``eval/reward_sampled``, ``_std``, ``eval/response_tokens_sampled``). Collective."""
+    ``eval.temperature`` (seeded and keyed by the prompt: the same draws at every evaluation, on
+    any world size): their mean, spread and length (``eval/reward_sampled``, ``_std``,
+    ``eval/response_tokens_sampled``). Collective."""
     total, square, length, count = 0.0, 0.0, 0, 0
-    for b, ix in enumerate(rank_batches(len(encoded), ecfg.batch_size, mesh)):
-        sp = SamplingParams(
-            temperature=ecfg.temperature,
-            max_new_tokens=ecfg.max_new_tokens or 16,
-            samples_per_prompt=ecfg.reward_samples,
-            seed=ecfg.seed + 7919 + b,
-        )
-        gen = generate([encoded[i] for i in ix or [0]], sp)
-        scores = score_rows(gen)
-        if ix:
-            total += float(scores.sum())
-            square += float((scores * scores).sum())
-            length += int(gen.response_mask.sum())
-            count += scores.numel()
+    sp = SamplingParams(
+        temperature=ecfg.temperature,
+        max_new_tokens=ecfg.max_new_tokens or 16,
+        samples_per_prompt=ecfg.reward_samples,
+        seed=ecfg.seed + 7919,
+    )
+    for ix in rank_batches(len(encoded), ecfg.batch_size, mesh):
+        use = _evened(ix, mesh, even)
+        gen = generate([encoded[i] for i in use], sp, use)
+        rows = len(ix) * ecfg.reward_samples
+        scores = score_rows(gen)[:rows]
+        total += float(scores.sum())
+        square += float((scores * scores).sum())
+        length += int(gen.response_mask[:rows].sum())
+        count += rows
     n = max(mesh.sum(count), 1)
     mean = mesh.sum(total) / n
     return {

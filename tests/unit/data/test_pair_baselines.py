@@ -128,7 +128,7 @@ def test_held_out_reward_of_samples_when_asked():
     prompts = [Example(prompt=f"question {i}") for i in range(3)]
     seen = []
 
-    def gen(encoded, sp):
+    def gen(encoded, sp, keys=None):
         seen.append((sp.temperature, sp.samples_per_prompt))
         rows = len(encoded) * sp.samples_per_prompt
         # row r answers r % 3 + 1 tokens
@@ -147,3 +147,29 @@ def test_held_out_reward_of_samples_when_asked():
     # 6 rows: lengths 1, 2, 3, 1, 2, 3
     assert res["eval/reward_sampled"] == 2.0 and res["eval/response_tokens_sampled"] == 2.0
     assert abs(res["eval/reward_sampled_std"] - (2 / 3) ** 0.5) < 1e-12
+
+
+def test_held_out_reward_even_rows_on_every_rank_when_asked():
+    """``even`` (a micro-batched scorer's forwards are collective): a rank with fewer prompts in a
+    batch generates stand-ins up to the longest rank's, and they are not counted."""
+    prompts = [Example(prompt=f"question {i}") for i in range(3)]
+    widths = []
+
+    def gen(encoded, sp, keys=None):
+        rows = len(encoded) * sp.samples_per_prompt
+        widths.append(rows)
+        mask = torch.ones(rows, 2, dtype=torch.long)
+        one = torch.ones(rows, 1, dtype=torch.long)
+        return Generation(torch.cat([one, mask * 7], 1), torch.cat([one, mask], 1), mask, None, 1)
+
+    class Wider(Mesh):
+        def max(self, x):  # (another rank holds 5 prompts of the batch)
+            return max(x, 5)
+
+    ecfg = EvalConfig(gold_prompts=3, batch_size=8, max_new_tokens=2, reward_samples=2)
+    res, answers = evaluate_reward(
+        gen, _Tok(), prompts, lambda g: g.response_mask.sum(1).double(), ecfg, Wider(), even=True
+    )
+    assert widths == [5, 10]  # greedy 5 prompts, sampled 5 × 2 rows
+    assert len(answers) == 3 and res["eval/reward_greedy"] == 2.0
+    assert res["eval/reward_sampled"] == 2.0 and res["eval/response_tokens_sampled"] == 2.0

@@ -3,6 +3,7 @@ of an episode keeps the version of the weights that sampled it across turns (a p
 staleness it is trained at, the metrics over it, and the weights' shared copy (one buffer per dtype,
 tied tensors once). The processes: tests/e2e/test_async_rollouts.py."""
 
+import pytest
 import torch
 
 from rlhf.engine.mesh import Mesh
@@ -238,6 +239,15 @@ def test_a_checkpoints_steps_in_flight_come_back_only_to_the_run_that_would_ask_
     lost._await = worker_gone
     lost.save(gone, 4)
     assert not (gone / IN_FLIGHT_FILE.format(rank=0)).exists()
+    # the worker's own error (an environment's: exit 2) is the run's, not a warning
+    from rlhf.errors import UserError
+
+    def env_failed(step):
+        raise UserError("rollout worker of rank 0: env: boom")
+
+    lost._await = env_failed
+    with pytest.raises(UserError, match="env: boom"):
+        lost.save(gone, 4)
     assert "goes without its steps in flight" in caplog.text
 
 

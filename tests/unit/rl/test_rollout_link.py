@@ -134,3 +134,15 @@ def test_a_step_is_played_in_trainer_order_whatever_arrives_first():
     assert intake.requests.empty()  # one trainer of two said stop
     intake._stop()
     assert intake.requests.get_nowait() is None
+
+
+def test_an_environments_numpy_values_travel_as_plain_ones():
+    import collections
+
+    import numpy as np
+
+    P = collections.namedtuple("P", "a b")
+    x = {np.str_("k"): [np.float64(1.5), np.bool_(True), np.array([1, 2]), P(np.int64(3), "s")]}
+    plain = rollout_link._plain(x)
+    assert plain == {"k": [1.5, True, [1, 2], (3, "s")]}
+    assert rollout_link._decode(rollout_link._encode(plain)) == plain
