@@ -292,18 +292,16 @@ class OnRank:
         self.rank = rank
         trainers, _ = layout(rollout_ranks)
         self.worker = served_by(rank, trainers, rollout_ranks)
-        # the first trainer a rollout rank serves builds it and sends it the weights
-        self.sends_weights = rank < rollout_ranks
         self.who = f"the rollout rank {self.worker} of trainer rank {rank}"
         self.where = f"rollout rank {self.worker} (the inference mode alone) serving this rank"
-        # sent over the link from host memory (no shared memory), by the first trainer of each
-        # rollout rank
-        self.shares, self.takes_weights = False, self.sends_weights
+        # the first trainer a rollout rank serves builds it and sends it the weights, over the link
+        # from host memory (no shared memory)
+        self.shares, self.takes_weights = False, rank < rollout_ranks
         self.link = Link.connect(rollout_ranks, timeout_s)
         self.inbox: "queue.Queue" = queue.Queue()
         self.broken: Optional[str] = None
         threading.Thread(target=self._listen, daemon=True, name="rollout-link").start()
-        if self.sends_weights:
+        if self.takes_weights:
             self._sending(self.link.send, self.link.down, self.worker, _spec_message(spec))
 
     def _listen(self) -> None:
