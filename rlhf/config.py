@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 from rlhf.algorithms.ensemble import COMBINE
 from rlhf.algorithms.estimators import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG
+from rlhf.data.contrast import KINDS as CONTRAST_KINDS
 from rlhf.data.formats import FORMATS
 from rlhf.data.pipeline import parse_split
 from rlhf.data.synthetic import REJECTED_KINDS
@@ -992,6 +993,11 @@ class RewardConfig:
     ensemble: int = 1
     # each member's pairs: a double-or-nothing bootstrap of the data
     bootstrap: bool = True
+    # contrast pairs added to the training pairs (rlhf/data/contrast.py): `other` (the prompt's
+    # chosen response beats another prompt's response), `empty` (… beats EOS alone); [] = none
+    contrast: List[str] = field(default_factory=list)
+    # contrast pairs of each kind, per training pair
+    contrast_share: float = 0.25
 
     def __post_init__(self):
         _check(
@@ -999,6 +1005,21 @@ class RewardConfig:
             "reward.ensemble",
             self.ensemble,
             "a positive integer (1 = one reward model)",
+        )
+        self.contrast = list(self.contrast or [])
+        for kind in self.contrast:
+            _check(kind in CONTRAST_KINDS, "reward.contrast", kind, " or ".join(CONTRAST_KINDS))
+        _check(
+            len(set(self.contrast)) == len(self.contrast),
+            "reward.contrast",
+            self.contrast,
+            "each kind once",
+        )
+        _check(
+            0 < self.contrast_share <= 1,
+            "reward.contrast_share",
+            self.contrast_share,
+            "a share in (0, 1]",
         )
 
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf.algorithms.preference import pairwise_loss
 from rlhf.config import Config
-from rlhf.data import pair_baselines
+from rlhf.data import contrast, pair_baselines
 from rlhf.data.chat import resolve_template
 from rlhf.data.pipeline import load_stage_data
 from rlhf.data.sampler import GlobalBatches, bootstrap_weights, micro_batching, step_micro_batches
@@ -84,9 +84,12 @@ def run(cfg: Config) -> None:
     lens = dict(
         max_prompt=data_cfg.max_prompt_len, max_response=data_cfg.max_response_len, chat=chat
     )
-    train_cols, eval_cols = cached_pairs(
-        data.train, data.eval, tokenizer, lens, ctx.cache_dir, mesh
-    )
+    pairs, eval_cols = cached_pairs(data.train, data.eval, tokenizer, lens, ctx.cache_dir, mesh)
+    # reward.contrast: pairs whose loser answers nothing (rlhf/data/contrast.py), trained on and
+    # scored on the held-out pairs
+    rc, eos = cfg.reward, tokenizer.eos_token_id
+    train_cols = contrast.with_contrast(pairs, rc.contrast, rc.contrast_share, cfg.run.seed, eos)
+    contrast_eval = contrast.held_out(eval_cols, rc.contrast, cfg.run.seed, eos)
     require_batches(len(train_cols["chosen"]), train.global_batch, f"data ({data.description})")
     resolve_steps(ctx, len(train_cols["chosen"]), train.global_batch, "pairs")
     if not eval_cols["chosen"]:
@@ -97,7 +100,10 @@ def run(cfg: Config) -> None:
     )
     ckpt = checkpoint_to_resume(ctx)
     # what a checkpoint must have been written with to be resumed (rank 0's view of it)
-    fingerprint = run_fingerprint(model_cfg, tokenizer, data, cfg, f"backbone={source}", [source])
+    inputs = " ".join(
+        filter(None, (f"backbone={source}", contrast.describe(rc.contrast, rc.contrast_share)))
+    )
+    fingerprint = run_fingerprint(model_cfg, tokenizer, data, cfg, inputs, [source])
     ctx.fingerprint = mesh.broadcast_object(fingerprint)
     if finished(ctx):
         # a rerun of a finished stage: said in one line, nothing touched
@@ -109,7 +115,14 @@ def run(cfg: Config) -> None:
     tokens = pair_tokens(train_cols)
     pad, k = tokenizer.pad_token_id, cfg.reward.ensemble
     evaluate = partial(
-        evaluate_logged, reward_model, eval_cols, pad, micro, cfg.reward.margin, metrics
+        evaluate_logged,
+        reward_model,
+        eval_cols,
+        pad,
+        micro,
+        cfg.reward.margin,
+        metrics,
+        contrast_eval,
     )
     checkpoint = partial(save_stage, ctx, {"reward": reward_model}, keep=train.keep_checkpoints)
 
@@ -146,7 +159,7 @@ def run(cfg: Config) -> None:
     stop.close()
 
     # ---- 3. export ----
-    res = evaluate(train.max_steps, text_baselines(train_cols, eval_cols, tokenizer, mesh))
+    res = evaluate(train.max_steps, text_baselines(pairs, eval_cols, tokenizer, mesh))
     extra = {REWARD_STATS_FILE: held_out_stats(res, k, train.max_steps)}
     export_hf(
         reward_model,
@@ -169,10 +182,12 @@ def run(cfg: Config) -> None:
 
 def say_plan(cfg: Config, pairs: int, description: str, source: str, micro: int, world: int):
     """The run's shape in one line."""
-    train, k = cfg.train, cfg.reward.ensemble
+    train, k, rc = cfg.train, cfg.reward.ensemble, cfg.reward
     ensemble_note = ""
+    if rc.contrast:
+        ensemble_note = f", with {contrast.describe(rc.contrast, rc.contrast_share)}"
     if k > 1:
-        ensemble_note = f", an ensemble of {k} heads" + (
+        ensemble_note += f", an ensemble of {k} heads" + (
             " (bootstrapped pairs)" if cfg.reward.bootstrap else ""
         )
     log.info(
@@ -250,14 +265,17 @@ def evaluate_logged(
     micro: int,
     margin: float,
     metrics,
+    contrast_cols: dict,
     step: int,
     extra=None,
 ):
-    """``evaluate_pairs`` with ``extra`` figures, its eval/* logged."""
-    res = {
-        **evaluate_pairs(reward_model, cols, pad, micro, reward_model.mesh, margin),
-        **(extra or {}),
-    }
+    """``evaluate_pairs`` with ``extra`` figures and each contrast kind's held-out accuracy
+    (``eval/contrast_<kind>_accuracy``), its eval/* logged."""
+    mesh = reward_model.mesh
+    res = {**evaluate_pairs(reward_model, cols, pad, micro, mesh, margin), **(extra or {})}
+    for kind, kind_cols in contrast_cols.items():
+        kind_res = evaluate_pairs(reward_model, kind_cols, pad, micro, mesh, margin)
+        res[f"eval/contrast_{kind}_accuracy"] = kind_res["eval/accuracy"]
     log_evaluation(
         metrics, step, {k: v for k, v in res.items() if k.startswith("eval/")}, reward_model
     )

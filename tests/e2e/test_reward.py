@@ -22,6 +22,32 @@ def test_default_reward_run(default_reward_run):
     assert stats["std"] > 0 and stats["eval/accuracy"] == final["eval/accuracy"]
 
 
+def test_contrast_pairs_are_trained_on_and_scored(default_sft_run, tmp_path):
+    """reward.contrast: the opening line names the pairs, each kind's held-out accuracy is logged,
+    and a reward model trained with them ranks the held-out chosen answers above an empty one and
+    above another prompt's answer."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(default_sft_run / "sft", run_dir / "sft")
+    proc = run_cli(
+        "stage=reward",
+        f"run.dir={run_dir}",
+        "train.max_steps=300",
+        "logger.progress=false",
+        "reward.contrast=[other,empty]",
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "with contrast pairs other+empty at 0.25 each" in proc.stderr
+    rows = [json.loads(x) for x in (run_dir / "reward" / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in rows if "eval/accuracy" in r][-1]
+    assert final["eval/contrast_empty_accuracy"] >= 0.95, final
+    assert final["eval/contrast_other_accuracy"] >= 0.8, final
+    stats = json.loads((run_dir / "reward" / "model" / "reward_stats.json").read_text())
+    assert stats["eval/contrast_empty_accuracy"] == final["eval/contrast_empty_accuracy"]
+
+
 def test_hf_model_reproduces_stage_scores(short_reward_run):
     """AutoModelForSequenceClassification.from_pretrained scores like the stage's own scorer."""
     from transformers import AutoModelForSequenceClassification
