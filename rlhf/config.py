@@ -1813,19 +1813,22 @@ class Config:
 
 def rollout_layout(world: int, rollout_ranks: int) -> Tuple[int, int]:
     """(trainers, rollout ranks) of a world of ``world`` ranks with ``ppo.rollout_ranks``; exit 2
-    where the rollout ranks cannot serve it (none left to train, or an uneven share)."""
+    where the rollout ranks cannot serve it (none left to train, or an uneven share: one of the two
+    counts must divide the other)."""
     r = rollout_ranks
     if r >= world:
         raise ConfigError(
             f"ppo.rollout_ranks={r} leaves no trainer in a world of {world} rank(s): launch "
             f"{r + 1} or more (launcher.nproc_per_node, or torchrun's --nproc-per-node)"
         )
-    if (world - r) % r:
+    t = world - r
+    if t % r and r % t:
         raise ConfigError(
-            f"ppo.rollout_ranks={r} does not divide the {world - r} trainer ranks of a world of "
-            f"{world}: each rollout rank serves the same number of trainers"
+            f"ppo.rollout_ranks={r} and the {t} trainer ranks of a world of {world} do not divide "
+            "one another: each rollout rank serves the same number of trainers, or each trainer "
+            "the same number of rollout ranks"
         )
-    return world - r, r
+    return t, r
 
 
 def register() -> None:

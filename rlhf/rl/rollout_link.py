@@ -4,10 +4,12 @@ split into T = N − R trainers and R rollout ranks.
 - **The split**: ranks 0 … T − 1 train; for them ``WORLD_SIZE`` becomes T before their process group
   is made (their own group: FSDP, the data's shards, the sampling keys and the checkpoints are a
   T-rank run's), so a trainer rank's number is its rank in the world. Ranks T … N − 1 play episodes
-  (``serve_rank``): the inference mode only, no training copy, no optimizer state. Trainer r is
-  served by rollout rank T + r mod R (R divides T): a rollout rank plays the requests of its T / R
-  trainers, each as its own generation, in step and trainer order (the colocated rank's rows, so
-  the same samples).
+  (``serve_rank``): the inference mode only, no training copy, no optimizer state. Where R divides
+  T, trainer r is served by rollout rank T + r mod R: a rollout rank plays the requests of its
+  T / R trainers, each as its own generation, in step and trainer order (the colocated rank's rows,
+  so the same samples). Where T divides R, trainer r is served by the R / T rollout ranks T + r,
+  T + r + T, …: each plays a contiguous share of the trainer's prompts with their keys (the same
+  samples), and the trainer joins the shares' episodes in prompt order.
 - **The link**: two gloo process groups over the whole world, made beside the trainers' group from
   the job's store (``down``: trainer → rollout rank; ``up``: back), point to point. The first
   trainer of each rollout rank sends it what the worker is built from (the tokenizer's and the
@@ -24,6 +26,7 @@ split into T = N − R trainers and R rollout ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import io
 import logging
@@ -31,6 +34,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -81,9 +85,12 @@ def split_world(rollout_ranks: int) -> None:
     os.environ["WORLD_SIZE"] = str(trainers)
 
 
-def served_by(rank: int, trainers: int, rollout_ranks: int) -> int:
-    """The rollout rank that plays trainer ``rank``'s episodes."""
-    return trainers + rank % rollout_ranks
+def serving(rank: int, trainers: int, rollout_ranks: int) -> List[int]:
+    """The rollout ranks that play trainer ``rank``'s episodes: one, T + r mod R, where R divides
+    T; else the R / T ranks T + r, T + r + T, … (each a contiguous share of its prompts)."""
+    if rollout_ranks <= trainers:
+        return [trainers + rank % rollout_ranks]
+    return [trainers + rank + trainers * j for j in range(rollout_ranks // trainers)]
 
 
 class Link:
@@ -256,7 +263,6 @@ def _plain(x):
 
 def _plain_result(res):
     """A worker's result with its episodes' text and counts made plain (``_plain``)."""
-    import dataclasses
 
     ep = res.episodes
     ep = dataclasses.replace(
@@ -289,57 +295,100 @@ class OnRank:
     reads from it (the same calls as ``Beside``, the worker process beside the rank)."""
 
     def __init__(self, spec, rank: int, rollout_ranks: int, timeout_s: float):
-        self.rank = rank
+        self.rank, self.pad_id = rank, spec.tokenizer.pad_token_id
         trainers, _ = layout(rollout_ranks)
-        self.worker = served_by(rank, trainers, rollout_ranks)
-        self.who = f"the rollout rank {self.worker} of trainer rank {rank}"
-        self.where = f"rollout rank {self.worker} (the inference mode alone) serving this rank"
+        self.workers = serving(rank, trainers, rollout_ranks)
+        names = ", ".join(str(w) for w in self.workers)
+        plural = "s" if len(self.workers) > 1 else ""
+        self.who = f"the rollout rank{plural} {names} of trainer rank {rank}"
+        self.where = f"rollout rank{plural} {names} (the inference mode alone) serving this rank"
+        if plural:
+            self.where += ", each playing its share of the prompts"
         # the first trainer a rollout rank serves builds it and sends it the weights, over the link
-        # from host memory (no shared memory)
+        # from host memory (no shared memory); a trainer with several rollout ranks feeds them all
         self.shares, self.takes_weights = False, rank < rollout_ranks
         self.link = Link.connect(rollout_ranks, timeout_s)
+        # (the worker's index among self.workers, its message)
         self.inbox: "queue.Queue" = queue.Queue()
+        # a step's shares asked, and those arrived (by worker index)
+        self.asked: Dict[int, int] = {}
+        self.arrived: Dict[int, Dict[int, object]] = {}
         self.broken: Optional[str] = None
-        threading.Thread(target=self._listen, daemon=True, name="rollout-link").start()
+        for i in range(len(self.workers)):
+            threading.Thread(
+                target=self._listen, args=(i,), daemon=True, name="rollout-link"
+            ).start()
         if self.takes_weights:
-            self._sending(self.link.send, self.link.down, self.worker, _spec_message(spec))
+            for w in self.workers:
+                self._sending(w, self.link.send, self.link.down, w, _spec_message(spec))
 
-    def _listen(self) -> None:
+    def _listen(self, i: int) -> None:
         from rlhf.rl.rollout_worker import Failed
 
+        w = self.workers[i]
         while True:
             try:
-                self.inbox.put(self.link.recv(self.link.up, self.worker))
+                self.inbox.put((i, self.link.recv(self.link.up, w)))
             except Undecodable as e:
-                self.inbox.put(Failed(f"its episodes do not decode ({e})", 1))
+                self.inbox.put((i, Failed(f"rollout rank {w}'s episodes do not decode ({e})", 1)))
             except Exception as e:  # the link broke: the rank is gone
-                self.broken = first_line(e)
+                self.broken = self.broken or f"rollout rank {w}: {first_line(e)}"
                 return
 
-    def _sending(self, send, *args) -> None:
-        """``send(*args)``; a link that breaks or a rank that does not take it within
-        engine.timeout_s is the worker lost (exit 3)."""
+    def _sending(self, w: int, send, *args) -> None:
+        """``send(*args)`` to rollout rank ``w``; a link that breaks or a rank that does not take
+        it within engine.timeout_s is the worker lost (exit 3)."""
         from rlhf.rl.rollout_worker import WorkerLost
 
         try:
             send(*args)
         except Exception as e:
-            self.broken = self.broken or first_line(e)
+            self.broken = self.broken or f"rollout rank {w}: {first_line(e)}"
             raise WorkerLost(
                 f"{self.who} is gone ({self.broken}); rerun the same command to resume"
             ) from None
 
     def request(self, req) -> None:
-        self._sending(self.link.send, self.link.down, self.worker, req)
+        """The step's request; with several rollout ranks, each its contiguous share of the prompts
+        (with their keys: the samples are those of the whole request)."""
+        from rlhf.rl.rollout_worker import prompt_shares
+
+        cuts = prompt_shares(len(req.ids), len(self.workers))
+        parts = [(w, a, b) for w, (a, b) in zip(self.workers, cuts)]
+        parts = [p for p in parts if p[2] > p[1]] or parts[:1]
+        self.asked[req.step] = len(parts)
+        for w, a, b in parts:
+            if len(parts) > 1:
+                part = dataclasses.replace(
+                    req, ids=req.ids[a:b], examples=req.examples[a:b], keys=req.keys[a:b]
+                )
+            else:
+                part = req
+            self._sending(w, self.link.send, self.link.down, w, part)
 
     def weights(self, w) -> None:
-        self._sending(self.link.send_weights, self.worker, w)
+        for worker in self.workers:
+            self._sending(worker, self.link.send_weights, worker, w)
 
     def get(self, timeout: Optional[float] = None):
-        """The next message (raises ``queue.Empty``)."""
-        if timeout is None:
-            return self.inbox.get_nowait()
-        return self.inbox.get(timeout=timeout)
+        """The next message: a step's result once every share of it is in, or a failure (raises
+        ``queue.Empty``)."""
+        from rlhf.rl.rollout_worker import Result
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is None:
+                i, msg = self.inbox.get_nowait()
+            else:
+                i, msg = self.inbox.get(timeout=max(deadline - time.monotonic(), 0.0))
+            if not isinstance(msg, Result):
+                return msg
+            got = self.arrived.setdefault(msg.step, {})
+            got[i] = msg
+            if len(got) == self.asked.get(msg.step, 1):
+                del self.arrived[msg.step]
+                self.asked.pop(msg.step, None)
+                return joined_results([got[j] for j in sorted(got)], self.pad_id)
 
     def lost(self) -> Optional[str]:
         """Why the worker is gone, or None."""
@@ -352,10 +401,29 @@ class OnRank:
 
     def close(self) -> None:
         if self.broken is None:
-            try:
-                self.link.send(self.link.down, self.worker, None)
-            except Exception:  # (already gone)
-                pass
+            for w in self.workers:
+                try:
+                    self.link.send(self.link.down, w, None)
+                except Exception:  # (already gone)
+                    pass
+
+
+def joined_results(parts: list, pad_id: int):
+    """One step's result from its shares' (in prompt order): the episodes joined; the workers'
+    idle and busy seconds, swaps and generation calls summed, the most requests in flight."""
+    if len(parts) == 1:
+        return parts[0]
+    from rlhf.rl.episodes import concat_episodes
+
+    return dataclasses.replace(
+        parts[0],
+        episodes=concat_episodes([p.episodes for p in parts], pad_id),
+        idle_s=sum(p.idle_s for p in parts),
+        busy_s=sum(p.busy_s for p in parts),
+        swaps=sum(p.swaps for p in parts),
+        calls=sum(p.calls for p in parts),
+        in_flight=max(p.in_flight for p in parts),
+    )
 
 
 def _spec_message(spec) -> dict:
@@ -467,7 +535,7 @@ def serve_rank(cfg) -> None:
     # (the name a worker process beside a trainer has: what a tool or environment may look for)
     multiprocessing.current_process().name = f"rlhf-rollout-worker-rank{rank}"
     link = Link.connect(cfg.ppo.rollout_ranks, cfg.engine.timeout_s)
-    mine = [t for t in range(trainers) if served_by(t, trainers, r) == rank]
+    mine = [t for t in range(trainers) if rank in serving(t, trainers, r)]
     msg = link.recv(link.down, mine[0])
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in msg["files"].items():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import os
 import queue
@@ -361,6 +362,13 @@ class Turns:
             return gen
 
 
+def prompt_shares(n: int, parts: int) -> List[Tuple[int, int]]:
+    """``n`` prompts cut into ``parts`` contiguous [start, end) shares as even as can be (a worker's
+    groups of prompts; a trainer's rollout ranks', rlhf/rl/rollout_link.py)."""
+    bounds = [n * g // parts for g in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
 def play(runners: list, turns: Turns, req: Request, positions: int):
     """The request's episodes: with several runners its prompts in as many groups of consecutive
     prompts, played at once in threads, so that one group generates while another waits on its
@@ -371,11 +379,11 @@ def play(runners: list, turns: Turns, req: Request, positions: int):
     groups = min(len(runners), n)
     if groups == 1:
         return runners[0].run(turns, req.ids, req.examples, req.sp, req.keys, positions)
-    bounds = [n * g // groups for g in range(groups + 1)]
+    bounds = prompt_shares(n, groups)
     out, errors = [None] * groups, []
 
     def one(g: int) -> None:
-        a, b = bounds[g], bounds[g + 1]
+        a, b = bounds[g]
         try:
             out[g] = runners[g].run(
                 turns, req.ids[a:b], req.examples[a:b], req.sp, req.keys[a:b], positions

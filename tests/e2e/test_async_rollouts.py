@@ -354,6 +354,17 @@ def test_rollout_ranks_at_staleness_0_are_the_colocated_run(tmp_path, actor):  #
     assert all(r["async/transfer_bytes"] > 0 for r in rows)
 
 
+def test_two_rollout_ranks_serving_one_trainer_are_the_colocated_run(tmp_path, actor):  # noqa: F811
+    """ppo.rollout_ranks=2 on a world of 3: one trainer whose 3 prompts a step two rollout ranks
+    share (1 and 2, each with their keys) gives the one-rank colocated run: every metric within
+    1e-6 (a share generates in a smaller batch than the whole: float order) and the same export."""
+    common = ("train.max_steps=3", "ppo.prompts_per_step=3")
+    sync = ppo_run(tmp_path, actor, "sync", *common)
+    ranks = ppo_run(tmp_path, actor, "ranks", *common, "ppo.rollout_ranks=2", nproc=3)
+    assert same_run(sync, ranks, tol=1e-6, ignore=WORKER_TIMING) > 40
+    assert all(r["async/generate_calls"] >= 2 for r in metrics(ranks))
+
+
 @pytest.mark.slow
 def test_one_rollout_rank_serving_two_trainers_is_the_two_rank_colocated_run(
     tmp_path,
@@ -433,6 +444,11 @@ def test_a_hanging_rollout_rank_ends_the_run_with_exit_3(tmp_path, ending_actor)
             "ppo.rollout_workers=1 is invalid: expected 0 with ppo.rollout_ranks",
         ),
         (1, ("ppo.rollout_ranks=1", "engine.hybrid=false"), "ppo.rollout_ranks=1 does not work"),
+        (
+            1,
+            ("launcher.nproc_per_node=5", "ppo.rollout_ranks=2"),
+            "ppo.rollout_ranks=2 and the 3 trainer ranks of a world of 5 do not divide one another",
+        ),
     ],
 )
 def test_a_world_the_rollout_ranks_cannot_split_is_one_line(

@@ -2,6 +2,7 @@
 real gloo process groups (two ranks as two threads over one store), read back weights-only, and a
 rollout rank's intake ordering its trainers' requests."""
 
+import queue
 import threading
 
 import pytest
@@ -45,11 +46,83 @@ def across(send, receive):
 def test_the_split_and_who_serves_whom():
     assert rollout_layout(2, 1) == (1, 1) and rollout_layout(6, 2) == (4, 2)
     # trainers 0 … 3, rollout ranks 4, 5: each serves two trainers
-    assert [rollout_link.served_by(r, 4, 2) for r in range(4)] == [4, 5, 4, 5]
+    assert [rollout_link.serving(r, 4, 2) for r in range(4)] == [[4], [5], [4], [5]]
+    # one trainer, two rollout ranks; two trainers, four: each trainer fed by two
+    assert rollout_layout(3, 2) == (1, 2) and rollout_link.serving(0, 1, 2) == [1, 2]
+    assert rollout_layout(6, 4) == (2, 4)
+    assert [rollout_link.serving(r, 2, 4) for r in range(2)] == [[2, 4], [3, 5]]
     with pytest.raises(ConfigError, match="leaves no trainer in a world of 2"):
         rollout_layout(2, 2)
-    with pytest.raises(ConfigError, match="does not divide the 3 trainer ranks"):
-        rollout_layout(5, 2)
+    for world, r in ((5, 2), (7, 3)):
+        with pytest.raises(ConfigError, match="do not divide one another"):
+            rollout_layout(world, r)
+
+
+def test_prompt_shares_are_contiguous_and_even():
+    from rlhf.rl.rollout_worker import prompt_shares
+
+    assert prompt_shares(5, 2) == [(0, 2), (2, 5)]
+    assert prompt_shares(4, 2) == [(0, 2), (2, 4)]
+    assert prompt_shares(1, 2) == [(0, 0), (0, 1)]
+
+
+class _Sent:
+    """A link that records what goes down (to which rollout rank)."""
+
+    down = "down"
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, group, dst, obj):
+        self.sent.append((dst, obj))
+
+    def send_weights(self, dst, w):
+        self.sent.append((dst, w))
+
+
+def _fanned_out(workers):
+    """A trainer's channel to several rollout ranks, its link recording (no process group)."""
+    chan = object.__new__(rollout_link.OnRank)
+    chan.rank, chan.pad_id, chan.workers = 0, 9, workers
+    chan.who, chan.link, chan.broken = "the rollout ranks", _Sent(), None
+    chan.inbox, chan.asked, chan.arrived = queue.Queue(), {}, {}
+    return chan
+
+
+def test_a_trainer_with_two_rollout_ranks_sends_each_a_share_and_joins_their_episodes():
+    from rlhf.rl.rollout_worker import Result
+    from tests.unit.engine.test_rows import episodes, generation
+
+    chan = _fanned_out([1, 2])
+    req = Request(3, [[1], [2], [3], [4], [5]], list("abcde"), SamplingParams(), [0, 1, 2, 3, 4], 2)
+    chan.request(req)
+    (w1, a), (w2, b) = chan.link.sent
+    assert (w1, w2) == (1, 2) and a.ids == [[1], [2]] and b.ids == [[3], [4], [5]]
+    assert a.keys == [0, 1] and b.keys == [2, 3, 4] and b.examples == list("cde")
+    assert (a.step, a.min_version, b.sp) == (3, 2, req.sp)
+    chan.weights("w")
+    assert chan.link.sent[2:] == [(1, "w"), (2, "w")]
+    ea, eb = episodes(generation(2, 3, 4, seed=1), 1), episodes(generation(3, 2, 5, seed=2), 2)
+    # the second share first: nothing until both are in, then prompt order
+    chan.inbox.put((1, Result(3, eb, 1.0, 2.0, 1, 2, 1, 0)))
+    with pytest.raises(queue.Empty):
+        chan.get(timeout=0.05)
+    chan.inbox.put((0, Result(3, ea, 0.5, 3.0, 0, 1, 2, 0)))
+    got = chan.get(timeout=1)
+    assert got.step == 3 and got.episodes.texts == ea.texts + eb.texts
+    assert got.episodes.gen.sequences.shape == (5, 3 + 5)
+    assert (got.idle_s, got.busy_s, got.swaps, got.calls, got.in_flight) == (1.5, 5.0, 1, 3, 2)
+    # a failure passes at once
+    chan.inbox.put((0, Failed("boom", 1)))
+    assert isinstance(chan.get(timeout=1), Failed)
+
+
+def test_fewer_prompts_than_rollout_ranks_ask_only_those_with_a_share():
+    chan = _fanned_out([1, 2])
+    chan.request(Request(0, [[7]], ["a"], SamplingParams(), [0], 0))
+    assert [(w, r.ids) for w, r in chan.link.sent] == [(2, [[7]])]
+    assert chan.asked == {0: 1}
 
 
 def test_weights_travel_as_flat_buffers_and_arrive_tied_as_sent():
