@@ -75,7 +75,7 @@ def run(cfg: Config) -> None:
         return serve_rank(cfg)
     if cfg.ppo.rollout_ranks:
         # ... and the trainers' world is the other ranks
-        split_world(cfg.ppo.rollout_ranks)
+        split_world(cfg.ppo)
     ctx = start_stage(cfg, "ppo")
     say_sandbox(cfg.env, log)
     mesh, train, ppo = ctx.mesh, cfg.train, cfg.ppo

@@ -120,25 +120,31 @@ class HybridEngine:
         self._model_version = -1
 
     # ---- inference mode ----
-    @torch.no_grad()
     def inference_weights(self, tp: Optional[int] = None, copy=None) -> tuple:
         """``(root, layers)``: the training weights gathered layer by layer into the inference
         layout of TP degree ``tp`` (default the engine's; this TP rank's slices) in the inference
         dtype. ``copy``: a function each layer's (and the root's) dict of tensors goes through while
         it is gathered (a rollout worker's shared copy); without it a tensor may share storage with
         a training weight."""
-        module, fsdp, pol = self.engine.module, self.engine.is_fsdp, self.policy
         tp = tp or self.tp
-        rank = self.mesh.tp_rank if tp > 1 else 0
+        root, shards = self.inference_shards(tp, [self.mesh.tp_rank if tp > 1 else 0], copy)
+        return root, shards[0]
+
+    @torch.no_grad()
+    def inference_shards(self, tp: int, ranks: List[int], copy=None) -> tuple:
+        """``(root, [layers of TP rank r for r in ranks])``: ``inference_weights`` for any TP
+        ranks' slices at once, one gather per layer (a rollout worker of ``ppo.rollout_tp_size``
+        ranks, fed by one trainer); the root weights are whole on every TP rank."""
+        module, fsdp, pol = self.engine.module, self.engine.is_fsdp, self.policy
         keep = copy or (lambda d: d)
-        layers = []
+        shards: List[list] = [[] for _ in ranks]
         # (LoRA: the policy reads each adapted projection as W + B·A·α/r, computed out of place)
         for layer in decoder_layers(module):
             if fsdp:
                 layer.unshard()
-            layers.append(
-                keep({k: v.to(self.dtype) for k, v in pol.layer_weights(layer, rank, tp).items()})
-            )
+            for rank, layers in zip(ranks, shards):
+                weights = pol.layer_weights(layer, rank, tp).items()
+                layers.append(keep({k: v.to(self.dtype) for k, v in weights}))
             if fsdp:
                 layer.reshard()
         if fsdp:
@@ -152,7 +158,7 @@ class HybridEngine:
         )
         if fsdp:
             module.reshard()
-        return root, layers
+        return root, shards
 
     def build_inference_model(self) -> InferenceModel:
         """Gathers the training weights layer by layer into the inference layout (this TP rank's

@@ -96,11 +96,10 @@ class AsyncRollouts:
         """Starts the worker: a process beside this rank (its imports and environments get ready
         while the trainer evaluates), or joins the link to its rollout rank
         (``ppo.rollout_ranks``)."""
-        ranks = self.spec.cfg.ppo.rollout_ranks
-        if ranks:
+        if self.spec.cfg.ppo.rollout_ranks:
             from rlhf.rl.rollout_link import OnRank
 
-            self.chan = OnRank(self.spec, self.mesh.rank, ranks, self.timeout_s)
+            self.chan = OnRank(self.spec, self.mesh.rank, self.timeout_s)
         else:
             self.chan = Beside(self.spec, self.mesh.rank)
 
@@ -141,14 +140,16 @@ class AsyncRollouts:
             nbytes[0] += n
             return out
 
-        # (a trainer whose rollout rank another trainer feeds keeps nothing)
+        # (a trainer whose rollout rank another trainer feeds keeps nothing); a TP worker's ranks
+        # each their slices (ppo.rollout_tp_size)
         copy = copied if self.chan.takes_weights else (lambda d: {})
-        root, layers = self.hybrid.inference_weights(tp=1, copy=copy)
+        tp = self.chan.tp
+        root, shards = self.hybrid.inference_shards(tp, list(range(tp)), copy=copy)
         if self.chan.takes_weights:
-            w = Weights(version, root, layers)
+            ws = [Weights(version, root, layers) for layers in shards]
             if self.chan.shares:
-                self.sent.append(w)  # (CUDA IPC: the sender keeps them alive)
-            self.chan.weights(w)
+                self.sent.append(ws)  # (CUDA IPC: the sender keeps them alive)
+            self.chan.weights(ws)
         self.transfer = {
             "async/transfer_s": time.perf_counter() - t0,
             "async/transfer_bytes": float(nbytes[0]),
@@ -354,14 +355,15 @@ class Beside:
         self.proc.start()
         self.who = f"the rollout worker of rank {rank} (pid {self.proc.pid})"
         self.where = f"a worker process (pid {self.proc.pid}) beside each trainer rank"
-        # the weights go to it in shared memory, every update
+        # the weights go to it in shared memory, every update, whole (TP 1)
         self.shares = self.takes_weights = True
+        self.tp = 1
 
     def request(self, req: Request) -> None:
         self.requests.put(req)
 
-    def weights(self, w: Weights) -> None:
-        self._weights.put(w)
+    def weights(self, shards: list) -> None:
+        self._weights.put(shards[0])
 
     def get(self, timeout: Optional[float] = None):
         """The next message (raises ``queue.Empty``)."""
@@ -402,13 +404,18 @@ def worker_spec(cfg, prep, models) -> WorkerSpec:
     from rlhf.errors import ConfigError
     from rlhf.models.lora import unwrap
 
-    hybrid = models.hybrid
+    hybrid, tp = models.hybrid, cfg.ppo.rollout_tp_size
     if not hybrid.inject:
         raise ConfigError(
             f"{cfg.ppo.remote} generates in the inference mode, which this model "
             "family has no injection "
             f"policy for ({type(unwrap(models.actor.module)).__name__}); play the episodes "
             "colocated (ppo.rollout_workers=0, ppo.rollout_ranks=0)"
+        )
+    why = hybrid.policy.check_tp(tp) if tp > 1 else None
+    if why:
+        raise ConfigError(
+            f"ppo.rollout_tp_size={tp}: " + why.replace("engine.inference_tp_size", "its degree")
         )
     return WorkerSpec(
         cfg,

@@ -15,10 +15,13 @@ split into T = N − R trainers and R rollout ranks.
   trainer of each rollout rank sends it what the worker is built from (the tokenizer's and the
   actor config's files, the chat template, the inference dtype, the decode loop and its thread
   count), the weights after each update and its requests; the others their requests. Objects travel
-  as ``torch.save`` bytes read back weights-only (no code runs from a message: the classes allowed
-  are listed in ``_SAFE``); the weights as a header and their flat per-dtype buffers, one per layer
+  as ``torch.save`` bytes read back weights-only (no code runs from a message:
+  rlhf/rl/link_messages.py); the weights as a header and their flat per-dtype buffers, one per layer
   and dtype, sent in buckets of at most ``BUCKET_BYTES``, on the host (a GPU deployment would send
   them by NCCL broadcast: not built).
+- **TP workers** (``ppo.rollout_tp_size=P``): a worker is P consecutive rollout ranks (R / P
+  workers, served as above with workers in place of ranks); the trainer sends each rank its TP
+  slices, the requests to the first (the leader), which the others follow (rlhf/rl/rollout_tp.py).
 - **Ends**: a rollout rank stops when its trainers say so (after the last step) or when the link to
   one of them breaks; a trainer hears a rollout rank that died or went silent as today's worker
   process (``WorkerLost``: exit 3), and torchrun ends the job's other ranks.
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import io
 import logging
 import os
 import queue
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.errors import first_line
+from rlhf.rl.link_messages import Undecodable, decode, encode, plain_result
 
 log = logging.getLogger("rlhf")
 
@@ -62,35 +65,42 @@ def world() -> Tuple[int, int]:
     return int(os.environ.get("RANK", "0")), n
 
 
-def layout(rollout_ranks: int) -> Tuple[int, int]:
-    """(trainers T, rollout ranks R) of this world; exit 2 where R ranks cannot serve it."""
+def layout(ppo) -> Tuple[int, int, int]:
+    """(trainers T, rollout workers W, their TP degree) of this world (``ppo.rollout_ranks``,
+    ``ppo.rollout_tp_size``); exit 2 where they cannot serve it."""
     from rlhf.config import rollout_layout
 
-    return rollout_layout(world()[1], rollout_ranks)
+    trainers, workers = rollout_layout(world()[1], ppo.rollout_ranks, ppo.rollout_tp_size)
+    return trainers, workers, ppo.rollout_tp_size
 
 
 def on_rollout_rank(ppo) -> bool:
     """Whether this process is one of the world's rollout ranks (``ppo.rollout_ranks``)."""
     if not ppo.rollout_ranks:
         return False
-    trainers, _ = layout(ppo.rollout_ranks)
-    return world()[0] >= trainers
+    return world()[0] >= layout(ppo)[0]
 
 
-def split_world(rollout_ranks: int) -> None:
+def split_world(ppo) -> None:
     """On a trainer rank, before its process group is made: the world it trains in is the T
     trainers."""
-    trainers, _ = layout(rollout_ranks)
+    trainers = layout(ppo)[0]
     os.environ.setdefault(FULL_WORLD_ENV, os.environ.get("WORLD_SIZE", "1"))
     os.environ["WORLD_SIZE"] = str(trainers)
 
 
-def serving(rank: int, trainers: int, rollout_ranks: int) -> List[int]:
-    """The rollout ranks that play trainer ``rank``'s episodes: one, T + r mod R, where R divides
-    T; else the R / T ranks T + r, T + r + T, … (each a contiguous share of its prompts)."""
-    if rollout_ranks <= trainers:
-        return [trainers + rank % rollout_ranks]
-    return [trainers + rank + trainers * j for j in range(rollout_ranks // trainers)]
+def serving(rank: int, trainers: int, workers: int) -> List[int]:
+    """The rollout workers that play trainer ``rank``'s episodes: one, r mod W, where W divides T;
+    else the W / T workers r, r + T, … (each a contiguous share of its prompts)."""
+    if workers <= trainers:
+        return [rank % workers]
+    return [rank + trainers * j for j in range(workers // trainers)]
+
+
+def worker_ranks(worker: int, trainers: int, tp: int) -> List[int]:
+    """The world's ranks of rollout worker ``worker``: ``tp`` consecutive ones after the trainers,
+    its leader first."""
+    return [trainers + worker * tp + j for j in range(tp)]
 
 
 class Link:
@@ -98,7 +108,7 @@ class Link:
     rank of the world: ``Link.connect``)."""
 
     def __init__(self, store, rank: int, size: int, timeout_s: float, name: str = "job/0"):
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.store, self.name = rank, size, store, name
         # a send waits for its receiver to take it: engine.timeout_s at most (a frozen peer)
         self.send_timeout = datetime.timedelta(seconds=timeout_s)
         timeout = datetime.timedelta(seconds=max(timeout_s, LINK_TIMEOUT_S))
@@ -110,17 +120,17 @@ class Link:
         self.down, self.up = group("down"), group("up")
 
     @classmethod
-    def connect(cls, rollout_ranks: int, timeout_s: float) -> "Link":
+    def connect(cls, ppo, timeout_s: float) -> "Link":
         """This process's link, through the job's store (per run and restart attempt: our
         launcher gives every attempt a store of its own when it may restart)."""
         rank, size = world()
-        trainers, _ = layout(rollout_ranks)
+        trainers = layout(ppo)[0]
         run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return cls(_store(rank, trainers, timeout_s), rank, size, timeout_s, f"{run}/{attempt}")
 
     def send(self, group, dst: int, obj) -> None:
-        payload = _encode(obj)
+        payload = encode(obj)
         self._send(group, dst, torch.tensor([_OBJECT, payload.numel()], dtype=torch.long))
         self._send(group, dst, payload)
 
@@ -137,7 +147,7 @@ class Link:
         payload = torch.empty(int(head[1]), dtype=torch.uint8)
         group.recv([payload], src, 0).wait()
         try:
-            obj = _decode(payload)
+            obj = decode(payload)
         except Exception as e:  # (weights-only unpickling refused it)
             raise Undecodable(first_line(e)) from None
         if int(head[0]) == _OBJECT:
@@ -163,17 +173,13 @@ class Link:
             "buffers": None,
         }
         header["buffers"] = [(str(b.dtype).removeprefix("torch."), b.numel()) for b in buffers]
-        payload = _encode(header)
+        payload = encode(header)
         self._send(self.down, dst, torch.tensor([_WEIGHTS, payload.numel()], dtype=torch.long))
         self._send(self.down, dst, payload)
         for buf in buffers:
             for chunk in _chunks(buf):
                 self._send(self.down, dst, chunk)
         return sum(b.numel() * b.element_size() for b in buffers)
-
-
-class Undecodable(Exception):
-    """A message the weights-only reader refused (a class not in ``_safe``)."""
 
 
 def _store(rank: int, trainers: int, timeout_s: float):
@@ -228,65 +234,6 @@ def _views(desc: dict, buffers: List[torch.Tensor]) -> dict:
     return out
 
 
-def _safe() -> list:
-    """The classes a message may hold (read weights-only: nothing else is built from one)."""
-    from rlhf.data.records import Chat, Example
-    from rlhf.engine.infer import Generation
-    from rlhf.ops import SamplingParams
-    from rlhf.rl.episodes import Episodes
-    from rlhf.rl.rollout_worker import Failed, Request, Result
-
-    return [Request, Result, Failed, Episodes, Generation, Example, Chat, SamplingParams]
-
-
-def _plain(x):
-    """``x`` with numpy scalars and str subclasses as the plain values they stand for (an
-    environment's observations and counts may hold them; a message is read weights-only)."""
-    if isinstance(x, dict):
-        return {_plain(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, tuple):
-        return tuple(_plain(v) for v in x)  # (a namedtuple too)
-    if isinstance(x, list):
-        return [_plain(v) for v in x]
-    if isinstance(x, str):
-        return str(x)
-    if isinstance(x, bool):
-        return bool(x)
-    if hasattr(x, "tolist") and not isinstance(x, torch.Tensor) and type(x).__module__ == "numpy":
-        return x.tolist()  # (a numpy scalar or array: Python values)
-    if isinstance(x, float) and type(x) is not float:
-        return float(x)
-    if isinstance(x, int) and type(x) is not int:
-        return int(x)
-    return x
-
-
-def _plain_result(res):
-    """A worker's result with its episodes' text and counts made plain (``_plain``)."""
-
-    ep = res.episodes
-    ep = dataclasses.replace(
-        ep,
-        texts=_plain(ep.texts),
-        stats=_plain(ep.stats),
-        errors=_plain(ep.errors),
-        conversations=_plain(ep.conversations),
-        row_counts=_plain(ep.row_counts),
-    )
-    return dataclasses.replace(res, episodes=ep)
-
-
-def _encode(obj) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _decode(payload: torch.Tensor):
-    with torch.serialization.safe_globals(_safe()):
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-
-
 # ---------------------------------------------------------------------------- the trainer's side
 
 
@@ -294,20 +241,21 @@ class OnRank:
     """A trainer rank's rollout worker on a rank of its own: what ``AsyncRollouts`` sends it and
     reads from it (the same calls as ``Beside``, the worker process beside the rank)."""
 
-    def __init__(self, spec, rank: int, rollout_ranks: int, timeout_s: float):
+    def __init__(self, spec, rank: int, timeout_s: float):
         self.rank, self.pad_id = rank, spec.tokenizer.pad_token_id
-        trainers, _ = layout(rollout_ranks)
-        self.workers = serving(rank, trainers, rollout_ranks)
-        names = ", ".join(str(w) for w in self.workers)
-        plural = "s" if len(self.workers) > 1 else ""
-        self.who = f"the rollout rank{plural} {names} of trainer rank {rank}"
-        self.where = f"rollout rank{plural} {names} (the inference mode alone) serving this rank"
-        if plural:
+        trainers, workers, self.tp = layout(spec.cfg.ppo)
+        # each worker's ranks (its leader first: requests and episodes go through it)
+        self.groups = [worker_ranks(w, trainers, self.tp) for w in serving(rank, trainers, workers)]
+        self.workers = [g[0] for g in self.groups]
+        self.who = f"the {_named(self.groups)} of trainer rank {rank}"
+        self.where = f"{_named(self.groups)} (the inference mode alone) serving this rank"
+        if len(self.groups) > 1:
             self.where += ", each playing its share of the prompts"
-        # the first trainer a rollout rank serves builds it and sends it the weights, over the link
-        # from host memory (no shared memory); a trainer with several rollout ranks feeds them all
-        self.shares, self.takes_weights = False, rank < rollout_ranks
-        self.link = Link.connect(rollout_ranks, timeout_s)
+        # the first trainer a worker serves builds it and sends it the weights, over the link from
+        # host memory (no shared memory), each TP rank its slices; a trainer with several workers
+        # feeds them all
+        self.shares, self.takes_weights = False, rank < workers
+        self.link = Link.connect(spec.cfg.ppo, timeout_s)
         # (the worker's index among self.workers, its message)
         self.inbox: "queue.Queue" = queue.Queue()
         # a step's shares asked, and those arrived (by worker index)
@@ -319,8 +267,8 @@ class OnRank:
                 target=self._listen, args=(i,), daemon=True, name="rollout-link"
             ).start()
         if self.takes_weights:
-            for w in self.workers:
-                self._sending(w, self.link.send, self.link.down, w, _spec_message(spec))
+            for r in (r for g in self.groups for r in g):
+                self._sending(r, self.link.send, self.link.down, r, _spec_message(spec))
 
     def _listen(self, i: int) -> None:
         from rlhf.rl.rollout_worker import Failed
@@ -366,9 +314,11 @@ class OnRank:
                 part = req
             self._sending(w, self.link.send, self.link.down, w, part)
 
-    def weights(self, w) -> None:
-        for worker in self.workers:
-            self._sending(worker, self.link.send_weights, worker, w)
+    def weights(self, shards: list) -> None:
+        """The weights of a version, TP rank j's slices ``shards[j]``, to each worker's ranks."""
+        for g in self.groups:
+            for r, w in zip(g, shards):
+                self._sending(r, self.link.send_weights, r, w)
 
     def get(self, timeout: Optional[float] = None):
         """The next message: a step's result once every share of it is in, or a failure (raises
@@ -401,11 +351,23 @@ class OnRank:
 
     def close(self) -> None:
         if self.broken is None:
-            for w in self.workers:
-                try:
-                    self.link.send(self.link.down, w, None)
-                except Exception:  # (already gone)
-                    pass
+            # (a TP worker's other ranks hear only the trainer that feeds them)
+            for g in self.groups:
+                for r in g if self.takes_weights else g[:1]:
+                    try:
+                        self.link.send(self.link.down, r, None)
+                    except Exception:  # (already gone)
+                        pass
+
+
+def _named(groups: List[List[int]]) -> str:
+    """'rollout rank 2', 'rollout ranks 2, 3', 'rollout worker on ranks 2–3 (TP 2)', …"""
+    if len(groups[0]) == 1:
+        ranks = [g[0] for g in groups]
+        return f"rollout rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    spans = ", ".join(f"{g[0]}–{g[-1]}" for g in groups)
+    plural = "s" if len(groups) > 1 else ""
+    return f"rollout worker{plural} on ranks {spans} (TP {len(groups[0])})"
 
 
 def joined_results(parts: list, pad_id: int):
@@ -459,7 +421,7 @@ class _Answers:
         from rlhf.rl.rollout_worker import Failed, Result
 
         if isinstance(msg, Result):
-            msg = _plain_result(msg)
+            msg = plain_result(msg)
         with self.lock:
             for t in self.trainers if isinstance(msg, Failed) else [msg.origin]:
                 try:
@@ -522,20 +484,23 @@ class _Intake:
 
 
 def serve_rank(cfg) -> None:
-    """A rollout rank's life (``ppo.rollout_ranks``): joins the link, builds its worker from what
-    its first trainer sends, and plays its trainers' requests until they stop."""
+    """A rollout rank's life (``ppo.rollout_ranks``): joins the link, builds its side of a worker
+    from what its first trainer sends, and plays its trainers' requests until they stop — or, a TP
+    worker's other rank, follows its leader (rlhf/rl/rollout_tp.py)."""
     import multiprocessing
 
     from rlhf.engine.mesh import choose_device
     from rlhf.models.loading import load_model_config, load_tokenizer
+    from rlhf.rl import rollout_tp
     from rlhf.rl.rollout_worker import WorkerSpec, main
 
     rank, n = world()
-    trainers, r = layout(cfg.ppo.rollout_ranks)
+    trainers, workers, tp = layout(cfg.ppo)
+    worker, tp_rank = divmod(rank - trainers, tp)
     # (the name a worker process beside a trainer has: what a tool or environment may look for)
     multiprocessing.current_process().name = f"rlhf-rollout-worker-rank{rank}"
-    link = Link.connect(cfg.ppo.rollout_ranks, cfg.engine.timeout_s)
-    mine = [t for t in range(trainers) if rank in serving(t, trainers, r)]
+    link = Link.connect(cfg.ppo, cfg.engine.timeout_s)
+    mine = [t for t in range(trainers) if worker in serving(t, trainers, workers)]
     msg = link.recv(link.down, mine[0])
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in msg["files"].items():
@@ -554,10 +519,28 @@ def serve_rank(cfg) -> None:
         cfg.ppo.rollout_worker_threads or msg["threads"],
         str(device),
         _dtype(msg["dtype"]),
-        msg["decode"],
+        # (CUDA graphs capture no collective: a TP worker's decode steps run eagerly)
+        "static" if tp > 1 and msg["decode"] == "graphs" else msg["decode"],
         parent=os.getppid(),
     )
+    if tp > 1:
+        spec.tp = tp
+        groups = rollout_tp.tp_groups(
+            link.store, link.name, rank - trainers, workers * tp, tp, LINK_TIMEOUT_S
+        )
+        spec.tp_group = groups[worker]
+        leader = worker * tp  # (its rank in the rollout ranks' world)
+        if tp_rank:
+            # weights from the trainer that feeds this worker; the rest from the leader
+            intake = _Intake(link, mine[:1], None, device)
+            intake.start()
+            return rollout_tp.follow(spec, intake.weights, leader)
+        spec.mirror = rollout_tp.Mirror(spec.tp_group, leader)
     answers = _Answers(link, mine)
     intake = _Intake(link, mine, answers, device)
     intake.start()
-    main(spec, intake.requests, answers, intake.weights)
+    try:
+        main(spec, intake.requests, answers, intake.weights)
+    finally:
+        if spec.mirror is not None:
+            spec.mirror.stop()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import logging
 import os
@@ -72,6 +73,12 @@ class WorkerSpec:
     # the decode loop (rlhf.engine.hybrid.decode_loop)
     decode: str
     parent: int = field(default_factory=os.getpid)
+    # a worker over several rollout ranks (ppo.rollout_tp_size): its TP degree and group, and on
+    # its leader the ``rollout_tp.Mirror`` that says each build, release and generation to the
+    # other ranks first
+    tp: int = 1
+    tp_group: object = None
+    mirror: object = None
 
 
 @dataclass
@@ -130,11 +137,25 @@ class WorkerLost(UserError):
     exit_code = EXIT_PEER
 
 
+def _say(spec: WorkerSpec, act) -> None:
+    """A TP worker's leader: ``act`` said to the worker's other ranks (rlhf/rl/rollout_tp.py)."""
+    if spec.mirror is not None:
+        spec.mirror.say(act)
+
+
+def _release(spec: WorkerSpec, model, version: int) -> None:
+    _say(spec, ("release", version))
+    model.release()
+
+
 def _build(spec: WorkerSpec, policy, w: Weights):
-    """The inference model over the weights ``w``."""
+    """The inference model over the weights ``w`` (this TP rank's slices)."""
     from rlhf.engine.hybrid import inference_model
 
-    model = inference_model(w.root, w.layers, policy, spec.cfg.engine, spec.dtype, spec.decode)
+    _say(spec, ("build", w.version))
+    model = inference_model(
+        w.root, w.layers, policy, spec.cfg.engine, spec.dtype, spec.decode, spec.tp, spec.tp_group
+    )
     # a Mixture-of-Experts actor's generations carry their routing for the trainer to replay
     # (ppo.routing_replay; multi-turn episodes assemble theirs without it)
     model.record_routing = bool(
@@ -192,7 +213,7 @@ class Model(_Arrivals):
 
     def _take(self, w: Weights) -> None:
         if self.model is not None:
-            self.model.release()
+            _release(self.spec, self.model, self.version)
         # (the old weights go before the new model is built)
         self.model = None
         self.model = _build(self.spec, self.policy, w)
@@ -266,7 +287,7 @@ class Versions(_Arrivals):
             entry = self.models[req.min_version]
             entry[1] -= 1
             if not entry[1]:
-                entry[0].release()
+                _release(self.spec, entry[0], req.min_version)
                 del self.models[req.min_version]
 
 
@@ -341,11 +362,13 @@ class Turns:
     generate with (``take``: with ``staleness_policy=newest`` the newest weights that arrived, so
     the episodes go on with them, a partial rollout; with ``fixed`` the request's version), and
     tags its tokens with their version. Groups of episodes played in threads, and the requests in
-    flight, call it through the model's ``Gate``, one at a time, the oldest step first."""
+    flight, call it through the model's ``Gate``, one at a time, the oldest step first. ``say``: a
+    TP worker's leader tells its other ranks each generation first (``_say``)."""
 
-    def __init__(self, take, gate: Gate, step: int, eos_id: int, pad_id: int, device):
+    def __init__(self, take, gate: Gate, step: int, eos_id: int, pad_id: int, device, say=None):
         self.take, self.gate, self.step = take, gate, step
         self.eos_id, self.pad_id, self.device = eos_id, pad_id, device
+        self.say = say or (lambda act: None)
         self.calls = 0  # generations run
 
     def __call__(self, prompts, sp, keys):
@@ -354,6 +377,7 @@ class Turns:
             model, version = self.take()
             self.calls += 1
             t_gen = time.perf_counter()
+            self.say(("generate", version, prompts, sp, keys))
             gen = model.generate(
                 prompts, sp, eos_id=self.eos_id, pad_id=self.pad_id, keys=keys, device=self.device
             )
@@ -463,7 +487,8 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
     def one(req: Request, i: int, in_flight: int, take) -> None:
         try:
             try:
-                turns = Turns(take, gate, req.step, eos_id, pad_id, device)
+                say = functools.partial(_say, spec)
+                turns = Turns(take, gate, req.step, eos_id, pad_id, device, say)
                 ep = play(sets[i], turns, req, positions)
             finally:
                 model.close(req, gate)

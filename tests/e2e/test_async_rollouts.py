@@ -60,6 +60,7 @@ def ppo_run(tmp_path, actor, name, *extra, nproc=1, timeout=300):  # noqa: F811
     ]
     proc = run_cli(*args, nproc=nproc, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (run / "stderr.txt").write_text(proc.stderr)
     return run
 
 
@@ -363,6 +364,44 @@ def test_two_rollout_ranks_serving_one_trainer_are_the_colocated_run(tmp_path, a
     ranks = ppo_run(tmp_path, actor, "ranks", *common, "ppo.rollout_ranks=2", nproc=3)
     assert same_run(sync, ranks, tol=1e-6, ignore=WORKER_TIMING) > 40
     assert all(r["async/generate_calls"] >= 2 for r in metrics(ranks))
+
+
+def test_a_tp_2_rollout_worker_is_the_colocated_run(tmp_path, actor):  # noqa: F811
+    """ppo.rollout_ranks=2 ppo.rollout_tp_size=2 on a world of 3: one trainer and one rollout
+    worker over two ranks, each with its slices of the weights (the trainer sends each its own),
+    the second following the first's generations: the colocated run's samples, every metric
+    within 1e-5 (TP's sums in another order) and the same exported weights."""
+    common = ("train.max_steps=3", "ppo.prompts_per_step=3")
+    sync = ppo_run(tmp_path, actor, "sync", *common)
+    tp = ("ppo.rollout_ranks=2", "ppo.rollout_tp_size=2")
+    ranks = ppo_run(tmp_path, actor, "ranks", *common, *tp, nproc=3)
+    assert same_run(sync, ranks, tol=1e-5, ignore=WORKER_TIMING) > 40
+    assert "rollout worker on ranks 1–2 (TP 2)" in (ranks / "stderr.txt").read_text()
+
+
+def test_a_tp_2_rollout_worker_follows_its_leader_across_versions_and_turns(tmp_path, ending_actor):
+    """staleness_policy=fixed, k = 1, multi-turn episodes over a slow tool (two steps in flight,
+    each in groups: generations of two weights versions interleaved, models built and released
+    as the versions change): a TP 2 worker's run is the worker process's, every metric within
+    1e-5 and the same export."""
+    steps = (
+        "train.max_steps=3",
+        "ppo.max_staleness=1",
+        "ppo.staleness_policy=fixed",
+        *agentic(tmp_path),
+    )
+    beside = ppo_run(tmp_path, ending_actor, "beside", *steps, "ppo.rollout_workers=1")
+    tp = ("ppo.rollout_ranks=2", "ppo.rollout_tp_size=2")
+    ranks = ppo_run(tmp_path, ending_actor, "ranks", *steps, *tp, nproc=3)
+    fixed_lag_rows(ranks, 1)
+    # (the weights' bytes: each TP rank gets the whole root beside its slices)
+    ignore = (*WORKER_TIMING, "async/transfer_bytes")
+    assert same_run(beside, ranks, tol=1e-5, ignore=ignore) > 60
+    sent = [
+        (a["async/transfer_bytes"], b["async/transfer_bytes"])
+        for a, b in zip(*map(metrics, (beside, ranks)))
+    ]
+    assert all(b > a for a, b in sent)
 
 
 @pytest.mark.slow

@@ -165,7 +165,7 @@ def test_a_fixed_policy_worker_plays_each_step_with_its_own_version(monkeypatch)
     monkeypatch.setattr(rollout_worker, "_build", build)
     q = queue.Queue()
     v = Versions.__new__(Versions)
-    v.spec, v.weights, v.policy = SimpleNamespace(parent=None), q, None
+    v.spec, v.weights, v.policy = SimpleNamespace(parent=None, mirror=None), q, None
     v.held, v.models = {}, {}
     for n in (0, 1, 2):
         q.put(Weights(n, {}, []))

@@ -45,17 +45,24 @@ def across(send, receive):
 
 def test_the_split_and_who_serves_whom():
     assert rollout_layout(2, 1) == (1, 1) and rollout_layout(6, 2) == (4, 2)
-    # trainers 0 … 3, rollout ranks 4, 5: each serves two trainers
-    assert [rollout_link.serving(r, 4, 2) for r in range(4)] == [[4], [5], [4], [5]]
+    # trainers 0 … 3, rollout workers 0, 1 (ranks 4, 5): each serves two trainers
+    assert [rollout_link.serving(r, 4, 2) for r in range(4)] == [[0], [1], [0], [1]]
+    assert [rollout_link.worker_ranks(w, 4, 1) for w in (0, 1)] == [[4], [5]]
     # one trainer, two rollout ranks; two trainers, four: each trainer fed by two
-    assert rollout_layout(3, 2) == (1, 2) and rollout_link.serving(0, 1, 2) == [1, 2]
+    assert rollout_layout(3, 2) == (1, 2) and rollout_link.serving(0, 1, 2) == [0, 1]
     assert rollout_layout(6, 4) == (2, 4)
-    assert [rollout_link.serving(r, 2, 4) for r in range(2)] == [[2, 4], [3, 5]]
+    assert [rollout_link.serving(r, 2, 4) for r in range(2)] == [[0, 2], [1, 3]]
+    # workers of 2 TP ranks: 1 trainer + 2 ranks = 1 worker (ranks 1, 2); 2 + 4 = 2 workers
+    assert rollout_layout(3, 2, tp=2) == (1, 1) and rollout_link.worker_ranks(0, 1, 2) == [1, 2]
+    assert rollout_layout(6, 4, tp=2) == (2, 2)
+    assert [rollout_link.worker_ranks(w, 2, 2) for w in (0, 1)] == [[2, 3], [4, 5]]
     with pytest.raises(ConfigError, match="leaves no trainer in a world of 2"):
         rollout_layout(2, 2)
     for world, r in ((5, 2), (7, 3)):
         with pytest.raises(ConfigError, match="do not divide one another"):
             rollout_layout(world, r)
+    with pytest.raises(ConfigError, match=r"the 2 rollout workers of ppo.rollout_tp_size=2\) and"):
+        rollout_layout(7, 4, tp=2)
 
 
 def test_prompt_shares_are_contiguous_and_even():
@@ -84,7 +91,8 @@ class _Sent:
 def _fanned_out(workers):
     """A trainer's channel to several rollout ranks, its link recording (no process group)."""
     chan = object.__new__(rollout_link.OnRank)
-    chan.rank, chan.pad_id, chan.workers = 0, 9, workers
+    chan.rank, chan.pad_id, chan.workers, chan.tp = 0, 9, workers, 1
+    chan.groups = [[w] for w in workers]
     chan.who, chan.link, chan.broken = "the rollout ranks", _Sent(), None
     chan.inbox, chan.asked, chan.arrived = queue.Queue(), {}, {}
     return chan
@@ -101,7 +109,7 @@ def test_a_trainer_with_two_rollout_ranks_sends_each_a_share_and_joins_their_epi
     assert (w1, w2) == (1, 2) and a.ids == [[1], [2]] and b.ids == [[3], [4], [5]]
     assert a.keys == [0, 1] and b.keys == [2, 3, 4] and b.examples == list("cde")
     assert (a.step, a.min_version, b.sp) == (3, 2, req.sp)
-    chan.weights("w")
+    chan.weights(["w"])
     assert chan.link.sent[2:] == [(1, "w"), (2, "w")]
     ea, eb = episodes(generation(2, 3, 4, seed=1), 1), episodes(generation(3, 2, 5, seed=2), 2)
     # the second share first: nothing until both are in, then prompt order
@@ -116,6 +124,21 @@ def test_a_trainer_with_two_rollout_ranks_sends_each_a_share_and_joins_their_epi
     # a failure passes at once
     chan.inbox.put((0, Failed("boom", 1)))
     assert isinstance(chan.get(timeout=1), Failed)
+
+
+def test_a_tp_worker_gets_the_requests_at_its_leader_and_each_rank_its_slices():
+    chan = _fanned_out([1])
+    chan.groups, chan.tp, chan.takes_weights = [[1, 2]], 2, True
+    req = Request(0, [[7], [8]], ["a", "b"], SamplingParams(), [0, 1], 0)
+    chan.request(req)
+    chan.weights(["slices 0", "slices 1"])
+    chan.close()
+    assert chan.link.sent == [(1, req), (1, "slices 0"), (2, "slices 1"), (1, None), (2, None)]
+    # a trainer that does not feed the worker stops its leader only
+    chan = _fanned_out([1])
+    chan.groups, chan.tp, chan.takes_weights = [[1, 2]], 2, False
+    chan.close()
+    assert chan.link.sent == [(1, None)]
 
 
 def test_fewer_prompts_than_rollout_ranks_ask_only_those_with_a_share():
@@ -207,15 +230,3 @@ def test_a_step_is_played_in_trainer_order_whatever_arrives_first():
     assert intake.requests.empty()  # one trainer of two said stop
     intake._stop()
     assert intake.requests.get_nowait() is None
-
-
-def test_an_environments_numpy_values_travel_as_plain_ones():
-    import collections
-
-    import numpy as np
-
-    P = collections.namedtuple("P", "a b")
-    x = {np.str_("k"): [np.float64(1.5), np.bool_(True), np.array([1, 2]), P(np.int64(3), "s")]}
-    plain = rollout_link._plain(x)
-    assert plain == {"k": [1.5, True, [1, 2], (3, "s")]}
-    assert rollout_link._decode(rollout_link._encode(plain)) == plain
