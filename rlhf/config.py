@@ -1615,11 +1615,16 @@ class PPOConfig:
             "of their own)",
         )
         _check(
-            self.rollout_tp_size == 1
-            or (self.rollout_ranks and self.rollout_ranks % self.rollout_tp_size == 0),
+            self.rollout_tp_size == 1 or self.rollout_ranks,
             "ppo.rollout_tp_size",
             self.rollout_tp_size,
-            f"1, or a divisor of ppo.rollout_ranks={self.rollout_ranks} (its workers' TP degree)",
+            "1 without ppo.rollout_ranks (the TP degree of workers on ranks of their own)",
+        )
+        _check(
+            self.rollout_tp_size == 1 or self.rollout_ranks % self.rollout_tp_size == 0,
+            "ppo.rollout_tp_size",
+            self.rollout_tp_size,
+            f"a divisor of ppo.rollout_ranks={self.rollout_ranks} (its workers' TP degree)",
         )
 
     @property
@@ -1804,7 +1809,7 @@ class Config:
             launched = self.launcher.nproc_per_node * self.launcher.nnodes
             if p.rollout_ranks and launched:
                 # (under torchrun the ranks check the world they find: rlhf/rl/rollout_link.py)
-                rollout_layout(launched, p.rollout_ranks, p.rollout_tp_size)
+                rollout_layout(launched, p.rollout_ranks, p.rollout_tp_size, p.prompts_per_step)
         if p.dynamic_sampling and not ESTIMATORS[a.estimator].grouped:
             raise ConfigError(
                 f"ppo.dynamic_sampling=true needs a group estimator (algorithm.estimator="
@@ -1824,11 +1829,13 @@ class Config:
             )
 
 
-def rollout_layout(world: int, rollout_ranks: int, tp: int = 1) -> Tuple[int, int]:
+def rollout_layout(
+    world: int, rollout_ranks: int, tp: int = 1, prompts: int = 0
+) -> Tuple[int, int]:
     """(trainers, rollout workers) of a world of ``world`` ranks with ``ppo.rollout_ranks``, its
     workers each ``tp`` (``ppo.rollout_tp_size``) of them; exit 2 where they cannot serve it (none
-    left to train, or an uneven share: the trainers' and the workers' counts must divide one
-    another)."""
+    left to train, an uneven share: the trainers' and the workers' counts must divide one another,
+    or fewer than ``prompts`` (``ppo.prompts_per_step``) than workers: one would play nothing)."""
     r = rollout_ranks
     if r >= world:
         raise ConfigError(
@@ -1842,6 +1849,12 @@ def rollout_layout(world: int, rollout_ranks: int, tp: int = 1) -> Tuple[int, in
             f"ppo.rollout_ranks={r} {'(' + workers + ') ' if workers else ''}and the {t} trainer "
             f"ranks of a world of {world} do not divide one another: each rollout worker serves "
             "the same number of trainers, or each trainer the same number of rollout workers"
+        )
+    if prompts and prompts < w:
+        raise ConfigError(
+            f"ppo.prompts_per_step={prompts} leaves some of the {w} rollout workers without a "
+            f"prompt to play (each plays a share of its trainer's): at least {w} prompts a step, "
+            "or fewer rollout workers"
         )
     return t, w
 

@@ -35,8 +35,8 @@ REFILL = 104_729
 TURN = 15_485_863
 # nested: record i's bootstrap draw for an ensemble's members (rlhf/data/sampler.py)
 BOOTSTRAP = 2_750_159
-# offset: kind i of a reward model's contrast pairs (reward.contrast; rlhf/data/contrast.py), and of
-# their held-out view
+# offset: kind i (≥ 1) of a reward model's contrast pairs (reward.contrast; rlhf/data/contrast.py),
+# and of their held-out view
 CONTRAST = 3_497_861
 CONTRAST_EVAL = 4_256_233
 

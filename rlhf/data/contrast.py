@@ -26,28 +26,41 @@ from typing import Dict, List, Sequence
 from rlhf import seeding
 
 KINDS = ("other", "empty")
+# draws of another prompt's response before a pair is left without one
+TRIES = 8
 
 
 def _responses(cols: dict, side: str) -> List[List[int]]:
     return [seq[p:] for seq, p in zip(cols[side], cols["prompt_len"])]
 
 
+def _other_response(cols: dict, responses: dict, i: int, prompt: List[int], rng: random.Random):
+    """A response of another prompt than pair ``i``'s (a pair with the same prompt, which data with
+    several pairs a prompt has, answers the same question: drawn again, ``TRIES`` times at most;
+    None if every draw was)."""
+    n = len(cols["chosen"])
+    for _ in range(TRIES):
+        j = rng.randrange(n - 1)
+        j += j >= i
+        side = "chosen" if rng.random() < 0.5 else "rejected"
+        if cols["chosen"][j][: cols["prompt_len"][j]] != prompt:
+            return responses[side][j]
+    return None
+
+
 def _pairs(cols: dict, kind: str, rows: Sequence[int], rng: random.Random, eos: int) -> dict:
     """The contrast pairs of ``kind`` for ``rows`` (a pair whose two sides are equal is left out:
     it teaches nothing)."""
-    n = len(cols["chosen"])
     responses = {side: _responses(cols, side) for side in ("chosen", "rejected")}
     out: Dict[str, list] = {"chosen": [], "rejected": [], "prompt_len": []}
     for i in rows:
         p = cols["prompt_len"][i]
         prompt = cols["chosen"][i][:p]
         if kind == "other":
-            j = rng.randrange(n - 1)
-            j += j >= i
-            loser = responses["chosen" if rng.random() < 0.5 else "rejected"][j]
+            loser = _other_response(cols, responses, i, prompt, rng)
         else:
             loser = [eos]
-        if loser == responses["chosen"][i]:
+        if loser is None or loser == responses["chosen"][i]:
             continue
         out["chosen"].append(cols["chosen"][i])
         out["rejected"].append(prompt + loser)
@@ -64,7 +77,7 @@ def with_contrast(cols: dict, kinds: Sequence[str], share: float, seed: int, eos
     if n < 2:
         return out
     for kind in kinds:
-        rng = random.Random(seeding.offset(seed, KINDS.index(kind), seeding.CONTRAST))
+        rng = random.Random(seeding.offset(seed, KINDS.index(kind) + 1, seeding.CONTRAST))
         rows = sorted(rng.sample(range(n), min(n, max(1, round(share * n)))))
         extra = _pairs(cols, kind, rows, rng, eos)
         for key in out:
@@ -75,14 +88,16 @@ def with_contrast(cols: dict, kinds: Sequence[str], share: float, seed: int, eos
 def held_out(cols: dict, kinds: Sequence[str], seed: int, eos: int) -> Dict[str, dict]:
     """Each kind's contrast pairs over every held-out pair: what ``eval/contrast_<kind>_accuracy``
     scores (a reward model that ranks every answer above an empty one or another prompt's scores
-    1.0)."""
+    1.0); a kind with no pair left out."""
     out = {}
     n = len(cols["chosen"])
     for kind in kinds:
         if n < 2:
             continue
-        rng = random.Random(seeding.offset(seed, KINDS.index(kind), seeding.CONTRAST_EVAL))
-        out[kind] = _pairs(cols, kind, range(n), rng, eos)
+        rng = random.Random(seeding.offset(seed, KINDS.index(kind) + 1, seeding.CONTRAST_EVAL))
+        pairs = _pairs(cols, kind, range(n), rng, eos)
+        if pairs["chosen"]:  # (none left: nothing to score)
+            out[kind] = pairs
     return out
 
 

@@ -4,7 +4,8 @@ own: rlhf/rl/rollout_link.py; ``ppo.max_staleness=k``; the worker: rlhf/rl/rollo
 
 Versions count updates: version v is the actor after v updates, the weights the colocated run
 generates step v with. The trainer sends version v after the update of step v − 1 (its inference
-layout at TP 1, gathered layer by layer as the hybrid engine does, copied into shared memory: timed,
+layout at the worker's TP degree — 1, or ``ppo.rollout_tp_size``'s slices, one set per TP rank —
+gathered layer by layer as the hybrid engine does, copied into shared memory or host memory: timed,
 bytes counted) and asks for step s's episodes as soon as version s − k exists, so the worker runs up
 to k steps ahead; step s's episodes start with the newest weights the worker holds, version ≥ s − k,
 and take newer ones between turns. A row whose oldest token is older than the bound would be dropped
@@ -144,7 +145,8 @@ class AsyncRollouts:
         # each their slices (ppo.rollout_tp_size)
         copy = copied if self.chan.takes_weights else (lambda d: {})
         tp = self.chan.tp
-        root, shards = self.hybrid.inference_shards(tp, list(range(tp)), copy=copy)
+        ranks = list(range(tp)) if self.chan.takes_weights else []
+        root, shards = self.hybrid.inference_shards(tp, ranks, copy=copy)
         if self.chan.takes_weights:
             ws = [Weights(version, root, layers) for layers in shards]
             if self.chan.shares:

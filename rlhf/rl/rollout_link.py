@@ -70,7 +70,9 @@ def layout(ppo) -> Tuple[int, int, int]:
     ``ppo.rollout_tp_size``); exit 2 where they cannot serve it."""
     from rlhf.config import rollout_layout
 
-    trainers, workers = rollout_layout(world()[1], ppo.rollout_ranks, ppo.rollout_tp_size)
+    trainers, workers = rollout_layout(
+        world()[1], ppo.rollout_ranks, ppo.rollout_tp_size, ppo.prompts_per_step
+    )
     return trainers, workers, ppo.rollout_tp_size
 
 
@@ -433,7 +435,8 @@ class _Answers:
 class _Intake:
     """The requests of a rollout rank's trainers, a step's in trainer order once all have asked
     (the order never depends on which arrived first); the weights from the first; a stop when all
-    said so or a link broke."""
+    said so or a link broke. A TP worker's follower (no ``answers``: it hears weights only) has the
+    stop, a broken link or a message that does not decode put among its weights as None."""
 
     def __init__(self, link: Link, trainers: List[int], answers=None, device=None):
         self.link, self.trainers, self.answers, self.device = link, trainers, answers, device
@@ -455,6 +458,8 @@ class _Intake:
                 try:
                     msg = self.link.recv(self.link.down, trainer, self.device)
                 except Undecodable as e:
+                    if self.answers is None:
+                        raise
                     self.answers.put(Failed(f"a request does not decode ({e})", 1))
                     continue
                 if isinstance(msg, Weights):
@@ -466,6 +471,7 @@ class _Intake:
                     self._asked(msg)
         except Exception:  # the trainer is gone: the worker ends
             self.requests.put(None)
+            self.weights.put(None)
 
     def _asked(self, req) -> None:
         with self.lock:
@@ -481,6 +487,8 @@ class _Intake:
             self.stopped += 1
             if self.stopped == len(self.trainers):
                 self.requests.put(None)
+                if self.answers is None:
+                    self.weights.put(None)
 
 
 def serve_rank(cfg) -> None:
@@ -539,8 +547,4 @@ def serve_rank(cfg) -> None:
     answers = _Answers(link, mine)
     intake = _Intake(link, mine, answers, device)
     intake.start()
-    try:
-        main(spec, intake.requests, answers, intake.weights)
-    finally:
-        if spec.mirror is not None:
-            spec.mirror.stop()
+    main(spec, intake.requests, answers, intake.weights)

@@ -32,6 +32,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -83,7 +84,8 @@ class WorkerSpec:
 
 @dataclass
 class Weights:
-    """The actor's weights after ``version`` updates, in the inference layout at TP 1."""
+    """The actor's weights after ``version`` updates, in the inference layout: whole at TP 1, or one
+    TP rank's slices of a worker over several ranks (the root weights whole)."""
 
     version: int
     root: Dict[str, torch.Tensor]
@@ -507,27 +509,34 @@ def serve(spec: WorkerSpec, requests, results, weights) -> None:
             free.append(i)
             slots.notify_all()
 
-    while True:
-        req = _get(requests, spec.parent)
-        if req is None:
-            return
-        with slots:
-            while not free and not errors:
-                slots.wait(POLL_S)
-                _trainer_there(spec.parent)
-        if errors or not model.wait(req.min_version, gate, req.step, lambda: bool(errors)):
-            return
-        take = model.open(req, gate)
-        n = busy.start()
-        with slots:
-            i = free.pop(0)
-        if len(sets) == 1:
-            # one step at a time (k = 0: the colocated run's, on the main thread as it was)
-            one(req, i, n, take)
-            continue
-        threading.Thread(
-            target=one, args=(req, i, n, take), daemon=True, name=f"step-{req.step}"
-        ).start()
+    try:
+        while True:
+            req = _get(requests, spec.parent)
+            if req is None:
+                return
+            with slots:
+                while not free and not errors:
+                    slots.wait(POLL_S)
+                    _trainer_there(spec.parent)
+            if errors or not model.wait(req.min_version, gate, req.step, lambda: bool(errors)):
+                return
+            take = model.open(req, gate)
+            n = busy.start()
+            with slots:
+                i = free.pop(0)
+            if len(sets) == 1:
+                # one step at a time (k = 0: the colocated run's, on the main thread as it was)
+                one(req, i, n, take)
+                continue
+            threading.Thread(
+                target=one, args=(req, i, n, take), daemon=True, name=f"step-{req.step}"
+            ).start()
+    finally:
+        # a TP worker's other ranks stop once no generation is in play (under the gate: never
+        # amid a generation's all-reduces)
+        if spec.mirror is not None:
+            with gate.turn(sys.maxsize):
+                spec.mirror.stop()
 
 
 def partial(ep) -> int:

@@ -76,6 +76,24 @@ def test_a_pair_equal_on_both_sides_is_left_out():
     assert out["empty"]["chosen"] == [cols["chosen"][1]]
 
 
+def test_another_pairs_response_to_the_same_prompt_is_never_the_loser():
+    cols = _cols(6)
+    # pairs 0 … 4 share one prompt (several comparisons of one question); pair 5 has its own
+    for i in range(5):
+        cols["chosen"][i] = [100, 10 + i, EOS]
+        cols["rejected"][i] = [100, 50 + i, EOS]
+        cols["prompt_len"][i] = 1
+    out = contrast.held_out(cols, ["other"], seed=0, eos=EOS)["other"]
+    for c, r, p in zip(out["chosen"], out["rejected"], out["prompt_len"]):
+        if c[0] == 100:  # its loser is pair 5's response, or it has none
+            assert r[p:][0] in (15, 55)
+        else:
+            assert r[p:][0] in {10 + i for i in range(5)} | {50 + i for i in range(5)}
+    # one prompt everywhere: no other prompt to answer, no pair
+    same = {k: v[:5] for k, v in cols.items()}
+    assert contrast.held_out(same, ["other"], seed=0, eos=EOS) == {}
+
+
 def test_held_out_has_one_pair_of_each_kind_per_pair():
     cols = _cols(6)
     out = contrast.held_out(cols, ["other", "empty"], seed=0, eos=EOS)

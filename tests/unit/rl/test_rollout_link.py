@@ -63,6 +63,39 @@ def test_the_split_and_who_serves_whom():
             rollout_layout(world, r)
     with pytest.raises(ConfigError, match=r"the 2 rollout workers of ppo.rollout_tp_size=2\) and"):
         rollout_layout(7, 4, tp=2)
+    # a rollout worker with no prompt to play would keep every version's weights: refused
+    assert rollout_layout(3, 2, prompts=2) == (1, 2)
+    with pytest.raises(ConfigError, match=r"ppo\.prompts_per_step=1 leaves some of the 2 rollout"):
+        rollout_layout(3, 2, prompts=1)
+
+
+def test_the_tp_degree_needs_rollout_ranks_it_divides():
+    from rlhf.config import PPOConfig
+
+    assert PPOConfig(rollout_ranks=4, rollout_tp_size=2).rollout_tp_size == 2
+    with pytest.raises(ConfigError, match=r"1 without ppo\.rollout_ranks"):
+        PPOConfig(rollout_tp_size=2)
+    with pytest.raises(ConfigError, match=r"a divisor of ppo\.rollout_ranks=3"):
+        PPOConfig(rollout_ranks=3, rollout_tp_size=2)
+
+
+def test_a_followers_intake_puts_the_stop_among_its_weights():
+    class Down:
+        down = "down"
+
+        def __init__(self, msgs):
+            self.msgs = list(msgs)
+
+        def recv(self, group, src, device=None):
+            if not self.msgs:
+                raise ConnectionError("gone")
+            return self.msgs.pop(0)
+
+    w = Weights(1, {}, [])
+    for msgs in ([w, None], [w]):  # the trainer's stop; the link broken
+        intake = rollout_link._Intake(Down(msgs), trainers=[0])
+        intake._listen(0)
+        assert intake.weights.get_nowait() is w and intake.weights.get_nowait() is None
 
 
 def test_prompt_shares_are_contiguous_and_even():
