@@ -355,26 +355,22 @@ def test_rollout_ranks_at_staleness_0_are_the_colocated_run(tmp_path, actor):  #
     assert all(r["async/transfer_bytes"] > 0 for r in rows)
 
 
-def test_two_rollout_ranks_serving_one_trainer_are_the_colocated_run(tmp_path, actor):  # noqa: F811
-    """ppo.rollout_ranks=2 on a world of 3: one trainer whose 3 prompts a step two rollout ranks
-    share (1 and 2, each with their keys) gives the one-rank colocated run: every metric within
-    1e-6 (a share generates in a smaller batch than the whole: float order) and the same export."""
+def test_two_rollout_ranks_as_two_workers_or_one_tp_2_worker_are_the_colocated_run(
+    tmp_path,
+    actor,  # noqa: F811
+):
+    """A world of 3: one trainer whose 3 prompts a step two rollout ranks share (1 and 2, each with
+    their keys: ppo.rollout_ranks=2), or one rollout worker over both ranks at TP 2 (each with its
+    slices of the weights, the second following the first's generations: ppo.rollout_tp_size=2),
+    gives the one-rank colocated run: its samples, every metric within 1e-6 (shares generate in
+    smaller batches) or 1e-5 (TP's sums in another order), and the same exported weights."""
     common = ("train.max_steps=3", "ppo.prompts_per_step=3")
     sync = ppo_run(tmp_path, actor, "sync", *common)
-    ranks = ppo_run(tmp_path, actor, "ranks", *common, "ppo.rollout_ranks=2", nproc=3)
-    assert same_run(sync, ranks, tol=1e-6, ignore=WORKER_TIMING) > 40
-    assert all(r["async/generate_calls"] >= 2 for r in metrics(ranks))
-
-
-def test_a_tp_2_rollout_worker_is_the_colocated_run(tmp_path, actor):  # noqa: F811
-    """ppo.rollout_ranks=2 ppo.rollout_tp_size=2 on a world of 3: one trainer and one rollout
-    worker over two ranks, each with its slices of the weights (the trainer sends each its own),
-    the second following the first's generations: the colocated run's samples, every metric
-    within 1e-5 (TP's sums in another order) and the same exported weights."""
-    common = ("train.max_steps=3", "ppo.prompts_per_step=3")
-    sync = ppo_run(tmp_path, actor, "sync", *common)
+    shares = ppo_run(tmp_path, actor, "shares", *common, "ppo.rollout_ranks=2", nproc=3)
+    assert same_run(sync, shares, tol=1e-6, ignore=WORKER_TIMING) > 40
+    assert all(r["async/generate_calls"] >= 2 for r in metrics(shares))
     tp = ("ppo.rollout_ranks=2", "ppo.rollout_tp_size=2")
-    ranks = ppo_run(tmp_path, actor, "ranks", *common, *tp, nproc=3)
+    ranks = ppo_run(tmp_path, actor, "tp", *common, *tp, nproc=3)
     assert same_run(sync, ranks, tol=1e-5, ignore=WORKER_TIMING) > 40
     assert "rollout worker on ranks 1–2 (TP 2)" in (ranks / "stderr.txt").read_text()
 
