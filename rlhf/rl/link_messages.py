@@ -72,5 +72,12 @@ def encode(obj) -> torch.Tensor:
 
 
 def decode(payload: torch.Tensor):
-    with torch.serialization.safe_globals(safe_classes()):
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+    """The message ``payload`` holds; ``Undecodable`` naming what the weights-only reader refused
+    (its 'Unsupported global' line) or why the bytes do not read."""
+    try:
+        with torch.serialization.safe_globals(safe_classes()):
+            return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+    except Exception as e:
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        why = next((x for x in lines if "Unsupported" in x), lines[0] if lines else repr(e))
+        raise Undecodable(why) from None

@@ -148,10 +148,7 @@ class Link:
         group.recv([head], src, 0).wait()
         payload = torch.empty(int(head[1]), dtype=torch.uint8)
         group.recv([payload], src, 0).wait()
-        try:
-            obj = decode(payload)
-        except Exception as e:  # (weights-only unpickling refused it)
-            raise Undecodable(first_line(e)) from None
+        obj = decode(payload)  # (Undecodable: weights-only unpickling refused it)
         if int(head[0]) == _OBJECT:
             return obj
         buffers = [torch.empty(n, dtype=_dtype(d)) for d, n in obj["buffers"]]
