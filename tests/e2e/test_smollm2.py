@@ -261,6 +261,8 @@ def test_hh_recipe_runs_the_classic_pipeline_and_sets_the_answers_side_by_side(
         0.0 <= stats["eval/baseline_length"] <= 1.0
         and 0.0 <= stats["eval/baseline_bag_of_words"] <= 1.0
     )
+    # the recipe's contrast pairs, scored on the held-out pairs
+    assert all(0.0 <= stats[f"eval/contrast_{k}_accuracy"] <= 1.0 for k in ("other", "empty"))
     rows = [json.loads(x) for x in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/reward_greedy" in r]
     assert [r["step"] for r in evals] == [0, 2]

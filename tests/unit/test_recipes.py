@@ -138,6 +138,9 @@ def test_task_recipes_and_their_stages():
     # hh's data, its own sizes
     smol, _ = compose_config(["stage=ppo", "recipe=smollm2_hh", "data.path=x.jsonl"])
     assert (smol.data.format, smol.data.split) == ("hh", "2,4,4")
+    # its reward model learns that an empty answer or another prompt's loses
+    smol_rm, _ = compose_config(["stage=reward", "recipe=smollm2_hh", "data.path=x.jsonl"])
+    assert (smol_rm.reward.contrast, smol_rm.reward.contrast_share) == (["other", "empty"], 0.25)
     assert smol.model.path.endswith("smollm2-135m-instruct")  # the name, or its cached directory
     assert (smol.ppo.use_reward_model, smol.algorithm.estimator, smol.train.max_steps) == (
         True,
