@@ -178,19 +178,28 @@ def short_reward_run(default_sft_run, tmp_path_factory):
     """A 600-step reward model (held-out accuracy ~0.95, 40 s) on the default SFT model: for the
     tests of what a trained reward model's export does; the recipe's full 1500 steps are
     ``default_reward_run``'s."""
+    run_dir = tmp_path_factory.mktemp("short_reward") / "run"
+    reward_from_default_sft(default_sft_run, run_dir, 600)
+    return run_dir
+
+
+def reward_from_default_sft(
+    default_sft_run: Path, run_dir: Path, steps: int, *extra: str
+) -> subprocess.CompletedProcess:
+    """A reward run of ``steps`` steps in ``run_dir`` on a copy of the default SFT run's model."""
     import shutil
 
-    run_dir = tmp_path_factory.mktemp("short_reward") / "run"
     shutil.copytree(default_sft_run / "sft", run_dir / "sft")
     proc = run_cli(
         "stage=reward",
         f"run.dir={run_dir}",
-        "train.max_steps=600",
+        f"train.max_steps={steps}",
         "logger.progress=false",
+        *extra,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+    return proc
 
 
 def quick_reward(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import quick_sft_args, run_cli, score_cli
+from tests.conftest import quick_sft_args, reward_from_default_sft, run_cli, score_cli
 
 
 # the recipe's 1500 steps (~2 min); the export's behaviour: short_reward_run's tests below
@@ -26,19 +26,8 @@ def test_contrast_pairs_are_trained_on_and_scored(default_sft_run, tmp_path):
     """reward.contrast: the opening line names the pairs, each kind's held-out accuracy is logged,
     and a reward model trained with them ranks the held-out chosen answers above an empty one and
     above another prompt's answer."""
-    import shutil
-
     run_dir = tmp_path / "run"
-    shutil.copytree(default_sft_run / "sft", run_dir / "sft")
-    proc = run_cli(
-        "stage=reward",
-        f"run.dir={run_dir}",
-        "train.max_steps=300",
-        "logger.progress=false",
-        "reward.contrast=[other,empty]",
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = reward_from_default_sft(default_sft_run, run_dir, 300, "reward.contrast=[other,empty]")
     assert "with contrast pairs other+empty at 0.25 each" in proc.stderr
     rows = [json.loads(x) for x in (run_dir / "reward" / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if "eval/accuracy" in r][-1]
